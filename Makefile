@@ -1,0 +1,41 @@
+# Two commands for a fresh machine with python3 (3.11+) and make:
+#   make run    set up, then serve Gemma 3 270M on llama.cpp behind llmgw on :8080
+#   make test   set up, then lint, type-check and run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Two cores: two trial workers.
+JOBS ?= 2
+
+.PHONY: run test check lint typecheck unit bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# compat mode keeps the project root on sys.path, where twistd finds
+	# twisted/plugins/llmgw_plugins.py.
+	$(BIN)/pip install --quiet -e '.[local,test,dev]' --config-settings editable_mode=compat
+	touch $(STAMP)
+
+run: $(STAMP)
+	scripts/run-local
+
+test: $(STAMP) lint typecheck
+	$(BIN)/trial -j$(JOBS) tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check llmgw tests bench twisted
+	$(BIN)/ruff format --check llmgw tests bench twisted
+
+typecheck: $(STAMP)
+	$(BIN)/mypy llmgw
+
+unit: $(STAMP)
+	$(BIN)/trial -j$(JOBS) tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/router_bench.py
+
+clean:
+	rm -rf $(VENV) _trial_temp* *.egg-info

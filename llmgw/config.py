@@ -1,0 +1,309 @@
+"""
+Server configuration: the TOML file, the command-line overrides, validation.
+
+A configuration error is raised as L{ConfigError} carrying one line that names
+the key and the offending value, so that C{twistd} can print it and exit
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(Exception):
+    """
+    The configuration is invalid.  C{str(error)} is one line naming the key
+    and the value.
+    """
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """
+    One statically configured engine replica.
+
+    @ivar id: a name for the replica, unique in the configuration.
+    @ivar url: the engine's base URL, C{http://host:port} (without C{/v1}).
+    @ivar models: the model names this replica serves (as the engine's
+        served model name, which clients send in C{model}).
+    @ivar weight: relative share of traffic, > 0.
+    """
+
+    id: str
+    url: str
+    models: tuple[str, ...]
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """
+    Router settings, the C{[router]} table.  Durations in seconds, sizes in
+    bytes; a duration of 0 disables that deadline.
+    """
+
+    connect_timeout: float = 5.0
+    # Long prefill is normal on big prompts: minutes, not seconds.
+    first_byte_timeout: float = 300.0
+    idle_timeout: float = 60.0
+    total_timeout: float = 1800.0
+    max_body_size: int = 32 * 1024 * 1024
+    max_retries: int = 2
+    eject_cooldown: float = 10.0
+    max_idle_connections: int = 256
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """
+    The whole C{llmgw-server} configuration.
+    """
+
+    listen: str = "tcp:8080"
+    admin_listen: str = "tcp:9090:interface=127.0.0.1"
+    endpoints: tuple[EndpointConfig, ...] = ()
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$")
+_SIZE_UNITS = {
+    None: 1,
+    "B": 1,
+    "KB": 1000,
+    "KiB": 1024,
+    "MB": 1000**2,
+    "MiB": 1024**2,
+    "GB": 1000**3,
+    "GiB": 1024**3,
+}
+
+
+def parse_duration(key: str, value: object) -> float:
+    """
+    Parse a duration such as C{"250ms"}, C{"5s"}, C{"2m"} or C{"1h"}.
+
+    @param key: the configuration key, for the error message.
+    @param value: a string with a unit, or a non-negative number of seconds.
+    @return: seconds.
+    @raise ConfigError: the value is not a duration.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"{key}: bad duration {value!r}: must not be negative")
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match is not None:
+            return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    raise ConfigError(
+        f"{key}: bad duration {value!r}: use a number with a unit,"
+        ' ms, s, m or h, such as "5s" or "2m"'
+    )
+
+
+def parse_size(key: str, value: object) -> int:
+    """
+    Parse a size such as C{33554432}, C{"32MiB"} or C{"500KB"}.
+
+    @return: bytes.
+    @raise ConfigError: the value is not a size, or is zero.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.match(value)) is not None:
+        size = int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+    else:
+        raise ConfigError(
+            f'{key}: bad size {value!r}: use bytes or a unit, such as "32MiB"'
+        )
+    if size <= 0:
+        raise ConfigError(f"{key}: bad size {value!r}: must be positive")
+    return size
+
+
+def _check_url(key: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: bad URL {value!r}: expected a string")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"{key}: bad URL {value!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"{key}: bad URL {value!r}: expected http://host:port or https://host:port"
+        )
+    if parts.query or parts.fragment:
+        raise ConfigError(f"{key}: bad URL {value!r}: no query or fragment allowed")
+    del port
+    return value.rstrip("/")
+
+
+def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in table:
+        if key not in allowed:
+            name = f"{where}.{key}" if where else key
+            raise ConfigError(
+                f"{name}: unknown key (known here: {', '.join(sorted(allowed))})"
+            )
+
+
+def _string(key: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _endpoint(where: str, table: object) -> EndpointConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: expected a table, got {table!r}")
+    _check_keys(where, table, {"id", "url", "models", "weight"})
+    for required in ("id", "url", "models"):
+        if required not in table:
+            raise ConfigError(f"{where}.{required}: missing")
+    endpoint_id = _string(f"{where}.id", table["id"])
+    url = _check_url(f"{where}.url", table["url"])
+    models = table["models"]
+    if isinstance(models, str):
+        models = [models]
+    if (
+        not isinstance(models, list)
+        or not models
+        or not all(isinstance(m, str) and m for m in models)
+    ):
+        raise ConfigError(
+            f"{where}.models: expected a non-empty list of model names, got {models!r}"
+        )
+    weight = table.get("weight", 1.0)
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, (int, float))
+        or not weight > 0
+    ):
+        raise ConfigError(f"{where}.weight: expected a positive number, got {weight!r}")
+    return EndpointConfig(endpoint_id, url, tuple(models), float(weight))
+
+
+def parse_endpoint_flag(spec: str) -> EndpointConfig:
+    """
+    Parse C{--endpoint id=URL=model[,model]}.
+
+    @raise ConfigError: the value does not have that shape.
+    """
+    endpoint_id, sep, rest = spec.partition("=")
+    url, sep2, models = rest.rpartition("=")
+    if not (sep and sep2 and endpoint_id and url and models):
+        raise ConfigError(
+            f"--endpoint: bad value {spec!r}: expected id=URL=model[,model]"
+        )
+    return _endpoint(
+        f"--endpoint {endpoint_id}",
+        {"id": endpoint_id, "url": url, "models": models.split(",")},
+    )
+
+
+def _router(table: object) -> RouterConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"router: expected a table, got {table!r}")
+    defaults = RouterConfig()
+    durations = {
+        "connect_timeout",
+        "first_byte_timeout",
+        "idle_timeout",
+        "total_timeout",
+        "eject_cooldown",
+    }
+    counts = {"max_retries", "max_idle_connections"}
+    _check_keys("router", table, durations | counts | {"max_body_size"})
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in durations:
+            values[key] = parse_duration(f"router.{key}", value)
+        elif key in counts:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(
+                    f"router.{key}: expected a non-negative integer, got {value!r}"
+                )
+            values[key] = value
+        else:
+            values[key] = parse_size(f"router.{key}", value)
+    return replace(defaults, **values)
+
+
+def parse_config(data: Mapping[str, Any]) -> ServerConfig:
+    """
+    Validate a parsed TOML document.
+
+    @raise ConfigError: an unknown key, a missing field or a bad value.
+    """
+    _check_keys("", data, {"listen", "admin_listen", "endpoints", "router"})
+    config = ServerConfig()
+    if "listen" in data:
+        config = replace(config, listen=_string("listen", data["listen"]))
+    if "admin_listen" in data:
+        config = replace(
+            config, admin_listen=_string("admin_listen", data["admin_listen"])
+        )
+    if "router" in data:
+        config = replace(config, router=_router(data["router"]))
+    if "endpoints" in data:
+        tables = data["endpoints"]
+        if not isinstance(tables, list):
+            raise ConfigError(
+                "endpoints: expected an array of tables ([[endpoints]]),"
+                f" got {tables!r}"
+            )
+        config = replace(
+            config,
+            endpoints=tuple(
+                _endpoint(f"endpoints[{index}]", table)
+                for index, table in enumerate(tables)
+            ),
+        )
+    return config
+
+
+def load_config(path: str | None) -> ServerConfig:
+    """
+    Read and validate the configuration file, or the defaults when C{path}
+    is L{None}.
+
+    @raise ConfigError: the file cannot be read, is not TOML, or is invalid.
+    """
+    if path is None:
+        return ServerConfig()
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: {path!r} is not valid TOML: {e}") from None
+    return parse_config(data)
+
+
+def finish_config(config: ServerConfig) -> ServerConfig:
+    """
+    Check what can only be checked once file and flags are merged.
+
+    @raise ConfigError: duplicate endpoint ids, or nothing to serve.
+    """
+    seen: set[str] = set()
+    for endpoint in config.endpoints:
+        if endpoint.id in seen:
+            raise ConfigError(f"endpoints: duplicate id {endpoint.id!r}")
+        seen.add(endpoint.id)
+    if not config.endpoints:
+        raise ConfigError(
+            "nothing to serve: add --endpoint id=URL=model[,model], or"
+            " [[endpoints]] tables (id, url, models) to the --config file"
+        )
+    return config

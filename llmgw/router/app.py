@@ -1,0 +1,813 @@
+"""
+The data plane: the OpenAI API in front of engine replicas (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from typing import Protocol as TypingProtocol
+
+from klein import Klein
+from treq.client import HTTPClient
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IRequest
+from twisted.web.server import Request, Site
+from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+from llmgw.config import RouterConfig
+from llmgw.router.balancer import Balancer, Replica
+from llmgw.router.errors import (
+    APIError,
+    bad_request,
+    body_too_large,
+    deadline_exceeded,
+    model_not_found,
+    no_ready_replica,
+    upstream_failed,
+)
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.sse import SSEParser, usage_of
+from llmgw.router.upstream import UpstreamConnectError
+
+# Paths whose streams follow the chat/completions chunk format, where
+# stream_options.include_usage applies (OpenAI API reference).
+_USAGE_STREAM_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
+_SSE_HEADERS = (
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
+_JSON = b"application/json"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """
+    What one client request used, for usage accounting.
+
+    @ivar latency: seconds from receipt to the last byte.
+    @ivar time_to_first_token: seconds from receipt to the first byte of the
+        replica's answer; L{None} when none came.
+    """
+
+    request_id: str
+    model: str
+    replica: str | None
+    status: int
+    stream: bool
+    prompt_tokens: int
+    completion_tokens: int
+    latency: float
+    time_to_first_token: float | None
+
+
+class UsageSink(TypingProtocol):
+    """
+    Receives one L{RequestRecord} per finished request.
+    """
+
+    def record(self, record: RequestRecord) -> None: ...
+
+
+class LimitedRequest(Request):
+    """
+    A request that keeps at most C{max_body_size} bytes of its body, so an
+    oversized upload costs no memory and is answered with a 413 after it is
+    read (answering before would reset clients still sending).
+    """
+
+    max_body_size = 32 * 1024 * 1024
+    body_too_large = False
+    _received = 0
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > self.max_body_size:
+            self.body_too_large = True
+            self.content = io.BytesIO()
+        else:
+            super().gotLength(length)  # type: ignore[no-untyped-call]
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.body_too_large:
+            return
+        self._received += len(data)
+        if self._received > self.max_body_size:
+            self.body_too_large = True
+            self.content = io.BytesIO()
+            return
+        assert self.content is not None
+        self.content.write(data)
+
+
+def make_site(resource: Any, max_body_size: int) -> Site:
+    """
+    @return: a L{Site} for C{resource} whose requests hold at most
+        C{max_body_size} bytes of body, without twisted.web's access log
+        (the router logs each request itself).
+    """
+
+    class _Request(LimitedRequest):
+        pass
+
+    _Request.max_body_size = max_body_size
+    site = Site(resource, requestFactory=_Request)
+    site.log = lambda request: None  # type: ignore[method-assign]
+    return site
+
+
+class _BodyReader(Protocol):
+    """
+    Receives a replica's response body chunk by chunk.  C{done} fires when
+    the body ends, fails when the exchange breaks, and cancelling it closes
+    the upstream connection, so the engine stops generating.
+    """
+
+    def __init__(self, on_data: Callable[[bytes], None]) -> None:
+        self._on_data = on_data
+        self.done: Deferred[None] = Deferred(self._cancel)
+        self.finished = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self.finished:
+            self._on_data(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.done.callback(None)
+        else:
+            self.done.errback(reason)
+
+    def abort(self) -> None:
+        """
+        Close the upstream connection now, unless the body already ended.
+        """
+        if not self.finished:
+            self.finished = True
+            if self.transport is not None:
+                # The response's transport is a producer; stopping it closes
+                # the connection, so the engine sees the client go.
+                IPushProducer(self.transport).stopProducing()
+
+    def _cancel(self, d: Deferred[None]) -> None:
+        self.abort()
+
+
+class _Retry(Exception):
+    """
+    This attempt failed before anything reached the client, and another
+    replica may be tried.
+    """
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+
+def _request_id(request: IRequest) -> bytes:
+    given = request.getHeader(b"x-request-id")
+    if given and len(given) <= 200 and given.isascii() and given.strip() == given:
+        if all(0x21 <= c <= 0x7E for c in given):
+            return bytes(given)
+    return uuid.uuid4().hex.encode("ascii")
+
+
+def _error_message(body: bytes) -> str | None:
+    """
+    @return: C{error.message} of an OpenAI-style error body, if it has one.
+    """
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])[:1000]
+        if isinstance(error, str):
+            return error[:1000]
+        if isinstance(parsed.get("detail"), str):
+            return str(parsed["detail"])[:1000]
+    return None
+
+
+class _Exchange:
+    """
+    One client request, from its body to its last byte, across the
+    replicas tried for it.
+    """
+
+    def __init__(self, router: Router, request: IRequest, path: bytes) -> None:
+        self.router = router
+        self.request = request
+        self.path = path
+        self.clock = router.clock
+        self.settings = router.settings
+        self.started = self.clock.seconds()
+        self.request_id = _request_id(request)
+        self.model = ""
+        self.stream = False
+        self.strip_usage = False
+        self.body = b""
+        self.replica: Replica | None = None
+        self.status = 200
+        self.usage: dict[str, Any] | None = None
+        self.first_byte_at: float | None = None
+        self.headers_sent = False
+        self.expired: str | None = None
+        self.waiting: Deferred[Any] | None = None
+        self.reader: _BodyReader | None = None
+        self.phase_timer: IDelayedCall | None = None
+        self.phase_seconds = 0.0
+        self.total_timer: IDelayedCall | None = None
+        request.setHeader(b"x-request-id", self.request_id)
+
+    @property
+    def client_gone(self) -> bool:
+        """
+        Whether the client's connection is gone.  Read from the request, which
+        sets it before notifying anyone (Klein cancels the handler from such
+        a notification, so a flag set by another would come too late).
+        """
+        return bool(getattr(self.request, "_disconnected", False))
+
+    # Deadlines
+
+    def _start_phase(self, phase: str, seconds: float) -> None:
+        if self.phase_timer is not None and self.phase_timer.active():
+            self.phase_timer.cancel()
+        self.phase_timer = None
+        self.phase_seconds = seconds
+        if seconds > 0:
+            self.phase_timer = self.clock.callLater(seconds, self._expire, phase)
+
+    def _expire(self, phase: str) -> None:
+        self.expired = phase
+        if self.waiting is not None:
+            self.waiting.cancel()
+
+    def _deadline_error(self) -> APIError:
+        assert self.expired is not None
+        seconds = {
+            "total": self.settings.total_timeout,
+            "connect": self.settings.connect_timeout,
+        }.get(self.expired, self.phase_seconds)
+        return deadline_exceeded(self.expired, seconds)
+
+    def _stop_timers(self) -> None:
+        for timer in (self.phase_timer, self.total_timer):
+            if timer is not None and timer.active():
+                timer.cancel()
+        self.phase_timer = self.total_timer = None
+
+    def _got_bytes(self) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = self.clock.seconds()
+            self._start_phase("idle", self.settings.idle_timeout)
+        elif self.phase_timer is not None:
+            self.phase_timer.reset(self.phase_seconds)
+
+    # The request
+
+    def _parse(self) -> None:
+        request = self.request
+        if getattr(request, "body_too_large", False):
+            raise body_too_large(self.settings.max_body_size)
+        content = request.content
+        assert content is not None
+        content.seek(0)
+        self.body = content.read()
+        try:
+            payload = json.loads(self.body)
+        except ValueError as e:
+            raise bad_request(f"The request body is not valid JSON: {e}.") from None
+        if not isinstance(payload, dict):
+            raise bad_request("The request body must be a JSON object.")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise bad_request(
+                "You must provide a model parameter (a string).", param="model"
+            )
+        self.model = model
+        stream = payload.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise bad_request("'stream' must be a boolean.", param="stream")
+        self.stream = stream
+        if not self.router.balancer.serves(model):
+            raise model_not_found(model)
+        if stream and self.path in _USAGE_STREAM_PATHS:
+            options = payload.get("stream_options")
+            if options is None:
+                options = payload["stream_options"] = {}
+            if not isinstance(options, dict):
+                raise bad_request(
+                    "'stream_options' must be an object.", param="stream_options"
+                )
+            if not options.get("include_usage"):
+                # Ask for usage so it can be accounted, and hide the chunk
+                # that carries it from a client that did not ask.
+                options["include_usage"] = True
+                self.strip_usage = True
+                self.body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+
+    async def run(self) -> bytes | None:
+        """
+        Serve the request.
+
+        @return: the response body, or L{None} when already written.
+        @raise APIError: for a failure to answer as an error object.
+        """
+        self._parse()
+        if self.settings.total_timeout > 0:
+            self.total_timer = self.clock.callLater(
+                self.settings.total_timeout, self._expire, "total"
+            )
+        tried: set[str] = set()
+        last_error: APIError | None = None
+        balancer = self.router.balancer
+        for attempt in range(self.settings.max_retries + 1):
+            replica = balancer.pick(self.model, tried)
+            if replica is None:
+                break
+            if attempt:
+                self.router.metrics.retries.labels(self.model).inc()
+            tried.add(replica.id)
+            self.replica = replica
+            replica.outstanding += 1
+            try:
+                return await self._attempt(replica)
+            except _Retry as retry:
+                last_error = retry.error
+            finally:
+                replica.outstanding -= 1
+        raise last_error if last_error is not None else no_ready_replica(self.model)
+
+    def finish(self) -> None:
+        """
+        Release timers and the upstream connection; called however the
+        request ended.
+        """
+        self._stop_timers()
+        if self.reader is not None:
+            self.reader.abort()
+
+    async def _attempt(self, replica: Replica) -> bytes | None:
+        router = self.router
+        self._start_phase("first_byte", self.settings.first_byte_timeout)
+        headers = Headers(
+            {
+                b"content-type": [_JSON],
+                b"accept": [self.request.getHeader(b"accept") or b"*/*"],
+                b"x-request-id": [self.request_id],
+            }
+        )
+        self.waiting = router.client.request(
+            "POST",
+            replica.url + self.path.decode("ascii"),
+            data=self.body,
+            headers=headers,
+            unbuffered=True,
+            allow_redirects=False,
+        )
+        try:
+            response = await self.waiting
+        except UpstreamConnectError as e:
+            if self.client_gone:
+                raise
+            if self.expired:
+                raise self._deadline_error() from None
+            router.balancer.eject(replica)
+            router.metrics.upstream_errors.labels("connect").inc()
+            router.log.warn(
+                "request {request_id}: cannot connect to replica {replica}: {reason}",
+                request_id=self.request_id.decode("ascii"),
+                replica=replica.id,
+                reason=str(e),
+            )
+            if e.timed_out:
+                raise _Retry(
+                    deadline_exceeded("connect", self.settings.connect_timeout)
+                ) from None
+            raise _Retry(
+                upstream_failed(
+                    f"Could not connect to a replica of model {self.model!r}."
+                )
+            ) from None
+        except Exception:
+            if self.client_gone:
+                raise
+            if self.expired:
+                router.metrics.upstream_errors.labels("timeout").inc()
+                raise self._deadline_error() from None
+            router.metrics.upstream_errors.labels("broken").inc()
+            raise upstream_failed(
+                "The replica closed the connection before answering."
+            ) from None
+        finally:
+            self.waiting = None
+        status: int = response.code
+        content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
+        if (
+            status == 200
+            and self.stream
+            and content_type.startswith(b"text/event-stream")
+        ):
+            await self._relay_stream(response)
+            return None
+        body = await self._read_whole(response)
+        if status == 503:
+            router.metrics.upstream_errors.labels("status").inc()
+            raise _Retry(
+                APIError(
+                    503,
+                    _error_message(body) or "The replica is overloaded.",
+                    "service_unavailable_error",
+                    "replica_unavailable",
+                    retry_after=1,
+                )
+            )
+        return self._answer_whole(status, content_type, body)
+
+    async def _read_whole(self, response: Any) -> bytes:
+        chunks: list[bytes] = []
+
+        def on_data(data: bytes) -> None:
+            self._got_bytes()
+            chunks.append(data)
+
+        if response.length == 0:
+            self._got_bytes()
+            return b""
+        self.reader = reader = _BodyReader(on_data)
+        response.deliverBody(reader)
+        self.waiting = reader.done
+        try:
+            await reader.done
+        except Exception:
+            if self.client_gone:
+                raise
+            if self.expired:
+                self.router.metrics.upstream_errors.labels("timeout").inc()
+                raise self._deadline_error() from None
+            self.router.metrics.upstream_errors.labels("broken").inc()
+            raise upstream_failed(
+                "The replica closed the connection in the middle of its answer."
+            ) from None
+        finally:
+            self.waiting = None
+            self.reader = None
+        return b"".join(chunks)
+
+    def _answer_whole(self, status: int, content_type: bytes, body: bytes) -> bytes:
+        if 200 <= status < 300:
+            if content_type.startswith(_JSON):
+                try:
+                    parsed = json.loads(body)
+                except ValueError:
+                    parsed = None
+                if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+                    self.usage = parsed["usage"]
+            self.status = status
+            self.request.setResponseCode(status)
+            self.request.setHeader(b"content-type", content_type or _JSON)
+            return body
+        if status < 500:
+            # The engine's verdict on the request (bad parameters, context
+            # too long): the client needs it as the engine gave it.
+            message = _error_message(body)
+            if message is not None and content_type.startswith(_JSON):
+                self.status = status
+                self.request.setResponseCode(status)
+                self.request.setHeader(b"content-type", _JSON)
+                return body
+            raise APIError(
+                status,
+                message or f"The replica rejected the request with status {status}.",
+                "invalid_request_error",
+            )
+        self.router.metrics.upstream_errors.labels("status").inc()
+        # An engine's 5xx message can hold its traceback and file paths: the
+        # operator gets it in the log, the client only the status.
+        self.router.log.warn(
+            "request {request_id}: replica {replica} failed with status {status}:"
+            " {message}",
+            request_id=self.request_id.decode("ascii"),
+            replica=self.replica.id if self.replica is not None else None,
+            status=status,
+            message=(_error_message(body) or body[:500].decode("utf-8", "replace")),
+        )
+        raise upstream_failed(f"The replica failed with status {status}.")
+
+    async def _relay_stream(self, response: Any) -> None:
+        request = self.request
+        self.status = 200
+        request.setResponseCode(200)
+        for name, value in _SSE_HEADERS:
+            request.setHeader(name, value)
+        parser = SSEParser()
+        strip = self.strip_usage
+        # With strip on, bytes after the last complete event wait here (in
+        # stream offset base..) until their event is known not to be the
+        # usage-only chunk.
+        pending = bytearray()
+        base = 0
+
+        def on_data(data: bytes) -> None:
+            nonlocal base
+            self._got_bytes()
+            events = parser.feed(data)
+            if not strip:
+                self.headers_sent = True
+                request.write(data)
+                for event in events:
+                    found = usage_of(event.data)
+                    if found is not None:
+                        self.usage = found[0]
+                return
+            pending.extend(data)
+            emit_from = 0
+            event_start = 0
+            for event in events:
+                event_end = event.end - base
+                found = usage_of(event.data)
+                if found is not None:
+                    self.usage = found[0]
+                    if found[1]:
+                        if event_start > emit_from:
+                            self._write(bytes(pending[emit_from:event_start]))
+                        emit_from = event_end
+                event_start = event_end
+            if event_start > emit_from:
+                self._write(bytes(pending[emit_from:event_start]))
+            del pending[:event_start]
+            base += event_start
+
+        self.reader = reader = _BodyReader(on_data)
+        response.deliverBody(reader)
+        self.waiting = reader.done
+        try:
+            await reader.done
+        except Exception:
+            if self.client_gone:
+                raise
+            if self.expired:
+                self.router.metrics.upstream_errors.labels("timeout").inc()
+                error = self._deadline_error()
+            else:
+                self.router.metrics.upstream_errors.labels("broken").inc()
+                error = upstream_failed(
+                    "The replica closed the stream before it ended."
+                )
+            if not self.headers_sent:
+                raise error from None
+            self.status = error.status
+            request.write(error.sse_event())
+            return None
+        finally:
+            self.waiting = None
+            self.reader = None
+        if pending:
+            self._write(bytes(pending))
+        return None
+
+    def _write(self, data: bytes) -> None:
+        self.headers_sent = True
+        self.request.write(data)
+
+    def record(self, status: int) -> RequestRecord:
+        usage = self.usage or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+        now = self.clock.seconds()
+        return RequestRecord(
+            request_id=self.request_id.decode("ascii"),
+            model=self.model,
+            replica=self.replica.id if self.replica is not None else None,
+            status=status,
+            stream=self.stream,
+            prompt_tokens=prompt if isinstance(prompt, int) else 0,
+            completion_tokens=completion if isinstance(completion, int) else 0,
+            latency=now - self.started,
+            time_to_first_token=(
+                self.first_byte_at - self.started
+                if self.first_byte_at is not None
+                else None
+            ),
+        )
+
+
+class LogUsageSink:
+    """
+    A L{UsageSink} that writes one log line per request.
+    """
+
+    log = Logger()
+
+    def record(self, record: RequestRecord) -> None:
+        self.log.info(
+            "request {request_id} model={model} replica={replica} status={status}"
+            " prompt_tokens={prompt_tokens} completion_tokens={completion_tokens}"
+            " latency={latency:.3f}s",
+            request_id=record.request_id,
+            model=record.model,
+            replica=record.replica,
+            status=record.status,
+            prompt_tokens=record.prompt_tokens,
+            completion_tokens=record.completion_tokens,
+            latency=record.latency,
+        )
+
+
+class Router:
+    """
+    The client-facing OpenAI API.
+
+    @param clock: the reactor's clock, for deadlines.
+    @param balancer: the replicas and the choice among them.
+    @param client: the treq client for engine traffic (see
+        L{llmgw.router.upstream.make_upstream_client}).
+    @param settings: deadlines, retries and limits.
+    @param metrics: where traffic is counted.
+    @param usage: receives a record per finished request.
+    """
+
+    app = Klein()
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        balancer: Balancer,
+        client: HTTPClient,
+        settings: RouterConfig,
+        metrics: RouterMetrics,
+        usage: UsageSink,
+    ) -> None:
+        self.clock = clock
+        self.balancer = balancer
+        self.client = client
+        self.settings = settings
+        self.metrics = metrics
+        self.usage = usage
+        self.created = int(time.time())
+
+    def _error(self, request: IRequest, error: APIError) -> bytes:
+        request.setResponseCode(error.status)
+        request.setHeader(b"content-type", _JSON)
+        if error.retry_after is not None:
+            request.setHeader(b"retry-after", str(error.retry_after).encode("ascii"))
+        return error.body()
+
+    async def _forward(self, request: IRequest, path: bytes) -> bytes | None:
+        exchange = _Exchange(self, request, path)
+        metrics = self.metrics
+        metrics.in_flight.inc()
+        status = 500
+        try:
+            result = await exchange.run()
+            status = exchange.status
+            return result
+        except APIError as error:
+            status = error.status
+            return self._error(request, error)
+        except Exception:
+            if exchange.client_gone:
+                status = 499  # the client went away (nginx's convention)
+                return None
+            self.log.failure(
+                "request {request_id} failed",
+                request_id=exchange.request_id.decode("ascii"),
+            )
+            return self._error(
+                request, APIError(500, "Internal error in the gateway.", "api_error")
+            )
+        finally:
+            exchange.finish()
+            metrics.in_flight.dec()
+            record = exchange.record(status)
+            # Only configured names become labels: a client must not be able
+            # to grow the metrics without bound by inventing model names.
+            known = self.balancer.serves(record.model)
+            metrics.requests.labels(record.model if known else "", str(status)).inc()
+            if known:
+                metrics.request_duration.labels(record.model).observe(record.latency)
+                if record.time_to_first_token is not None and record.stream:
+                    metrics.time_to_first_token.labels(record.model).observe(
+                        record.time_to_first_token
+                    )
+                if record.prompt_tokens:
+                    metrics.tokens.labels(record.model, "prompt").inc(
+                        record.prompt_tokens
+                    )
+                if record.completion_tokens:
+                    metrics.tokens.labels(record.model, "completion").inc(
+                        record.completion_tokens
+                    )
+            self.usage.record(record)
+
+    @app.route("/v1/chat/completions", methods=["POST"])
+    async def chat_completions(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, b"/v1/chat/completions")
+
+    @app.route("/v1/completions", methods=["POST"])
+    async def completions(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, b"/v1/completions")
+
+    @app.route("/v1/embeddings", methods=["POST"])
+    async def embeddings(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, b"/v1/embeddings")
+
+    # Engine endpoints passed through when the engine has them (DESIGN.md §2).
+    @app.route("/v1/rerank", methods=["POST"])
+    @app.route("/v1/score", methods=["POST"])
+    @app.route("/v1/responses", methods=["POST"])
+    @app.route("/tokenize", methods=["POST"])
+    @app.route("/detokenize", methods=["POST"])
+    async def passthrough(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, request.path)
+
+    def _model_object(self, model: str) -> dict[str, Any]:
+        return {
+            "id": model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmgw",
+        }
+
+    @app.route("/v1/models", methods=["GET"])
+    def list_models(self, request: IRequest) -> bytes:
+        request.setHeader(b"content-type", _JSON)
+        return json.dumps(
+            {
+                "object": "list",
+                "data": [self._model_object(m) for m in self.balancer.models()],
+            }
+        ).encode("utf-8")
+
+    @app.route("/v1/models/<path:model>", methods=["GET"])
+    def get_model(self, request: IRequest, model: str) -> bytes:
+        if not self.balancer.serves(model):
+            return self._error(request, model_not_found(model))
+        request.setHeader(b"content-type", _JSON)
+        return json.dumps(self._model_object(model)).encode("utf-8")
+
+    @app.route("/healthz", methods=["GET"])
+    def healthz(self, request: IRequest) -> bytes:
+        request.setHeader(b"content-type", _JSON)
+        return b'{"status":"ok"}'
+
+    @app.route("/readyz", methods=["GET"])
+    def readyz(self, request: IRequest) -> bytes:
+        """
+        Ready when every configured model has a replica not in ejection
+        cooldown; the body lists the models that have none.
+        """
+        unavailable = [
+            m for m in self.balancer.models() if not self.balancer.available(m)
+        ]
+        ready = bool(self.balancer.models()) and not unavailable
+        request.setResponseCode(200 if ready else 503)
+        request.setHeader(b"content-type", _JSON)
+        return json.dumps(
+            {"status": "ready" if ready else "not ready", "unavailable": unavailable}
+        ).encode("utf-8")
+
+    @app.handle_errors(NotFound)
+    def not_found(self, request: IRequest, failure: Failure) -> bytes:
+        path = request.path.decode("utf-8", "replace")
+        return self._error(
+            request,
+            APIError(
+                404, f"Unknown path {path}.", "invalid_request_error", "unknown_url"
+            ),
+        )
+
+    @app.handle_errors(MethodNotAllowed)
+    def method_not_allowed(self, request: IRequest, failure: Failure) -> bytes:
+        method = request.method.decode("ascii", "replace")
+        path = request.path.decode("utf-8", "replace")
+        return self._error(
+            request,
+            APIError(
+                405,
+                f"Method {method} is not allowed on {path}.",
+                "invalid_request_error",
+                "method_not_allowed",
+            ),
+        )

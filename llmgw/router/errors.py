@@ -1,0 +1,130 @@
+"""
+OpenAI error objects.
+
+Shape from the OpenAI API reference ("Error codes"), as the official client
+parses it: C{{"error": {"message", "type", "param", "code"}}} where C{code} is
+a string or null.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class APIError(Exception):
+    """
+    A failure to report to the client as an OpenAI error object.
+
+    @ivar status: the HTTP status code.
+    @ivar message: a human-readable sentence; never an upstream address,
+        a key or a traceback.
+    @ivar type: the OpenAI error type, such as C{"invalid_request_error"}.
+    @ivar code: a machine-readable code, or L{None}.
+    @ivar param: the request field at fault, or L{None}.
+    @ivar retry_after: seconds for a C{Retry-After} header, or L{None}.
+    """
+
+    status: int
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+    retry_after: int | None = None
+
+    def body(self) -> bytes:
+        """
+        @return: the JSON error object, UTF-8.
+        """
+        return json.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        ).encode("utf-8")
+
+    def sse_event(self) -> bytes:
+        """
+        @return: the error object as one server-sent event, for a stream
+            that already started; the official client raises C{APIError}
+            when it reads an event whose data has an C{error} member.
+        """
+        return b"data: " + self.body() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """
+    @return: a 400 C{invalid_request_error}.
+    """
+    return APIError(400, message, "invalid_request_error", None, param)
+
+
+def model_not_found(model: str) -> APIError:
+    """
+    @return: the 404 OpenAI returns for an unknown model.
+    """
+    return APIError(
+        404,
+        f"The model {model!r} does not exist.",
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
+
+
+def body_too_large(limit: int) -> APIError:
+    """
+    @param limit: the maximum body size, bytes.
+    @return: a 413 error.
+    """
+    return APIError(
+        413,
+        f"Request body too large: the limit is {limit} bytes.",
+        "invalid_request_error",
+        "request_too_large",
+    )
+
+
+def no_ready_replica(model: str) -> APIError:
+    """
+    @return: a 503 for a known model that no replica can serve now.
+    """
+    return APIError(
+        503,
+        f"No replica of model {model!r} is ready; try again later.",
+        "service_unavailable_error",
+        "no_ready_replica",
+        retry_after=5,
+    )
+
+
+def upstream_failed(message: str) -> APIError:
+    """
+    @return: a 502: the replica broke the exchange.
+    """
+    return APIError(502, message, "upstream_error", "upstream_error")
+
+
+def deadline_exceeded(phase: str, seconds: float) -> APIError:
+    """
+    @param phase: C{"connect"}, C{"first_byte"}, C{"idle"} or C{"total"}.
+    @param seconds: the deadline that passed.
+    @return: a 504 whose code names the phase, C{"<phase>_timeout"}.
+    """
+    what = {
+        "connect": "connecting to the replica",
+        "first_byte": "waiting for the first byte from the replica",
+        "idle": "waiting for the next chunk from the replica",
+        "total": "for the whole request",
+    }[phase]
+    return APIError(
+        504,
+        f"Deadline of {seconds:g}s exceeded {what}.",
+        "timeout_error",
+        f"{phase}_timeout",
+    )

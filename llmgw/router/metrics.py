@@ -1,0 +1,66 @@
+"""
+The router's traffic metrics (Prometheus conventions: C{_total} counters,
+C{_seconds} histograms).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+class RouterMetrics:
+    """
+    Counters and histograms for client traffic, registered in C{registry}.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "llmgw_requests",
+            "Client requests finished, by model and HTTP status.",
+            ["model", "status"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "llmgw_request_duration_seconds",
+            "Time from receiving a request to its last byte, seconds.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.time_to_first_token = Histogram(
+            "llmgw_time_to_first_token_seconds",
+            "Time from receiving a streamed request to the first byte of the"
+            " replica's answer, seconds.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "llmgw_tokens",
+            "Tokens reported by replicas in usage, by kind (prompt, completion).",
+            ["model", "kind"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "llmgw_requests_in_flight",
+            "Requests being served now.",
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "llmgw_upstream_errors",
+            "Failed exchanges with replicas, by kind (connect, timeout, status,"
+            " broken).",
+            ["kind"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "llmgw_retries",
+            "Requests sent again to another replica before the first byte.",
+            ["model"],
+            registry=registry,
+        )

@@ -1,0 +1,136 @@
+"""
+An incremental parser for server-sent events, sans-IO.
+
+Bytes go in as they arrive, in pieces of any size: an event, a line, a
+C{\\r\\n} pair or a UTF-8 character may be split anywhere.  Complete events come
+out, each with the stream offset just past its end so that a caller relaying
+the bytes can drop one event without re-buffering the others.
+
+Line endings and fields follow the WHATWG HTML standard, section 9.2
+("Server-sent events", "Interpreting an event stream"): lines end in CRLF, LF
+or CR; a blank line dispatches the event; C{data} fields are joined with LF;
+lines starting with a colon are comments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """
+    One dispatched event.
+
+    @ivar event: the C{event} field, or L{None} for the default type.
+    @ivar data: the C{data} fields joined by LF, as raw UTF-8 bytes.
+    @ivar end: offset in the whole stream, in bytes, just past the blank line
+        that dispatched this event.
+    """
+
+    event: bytes | None
+    data: bytes
+    end: int
+
+
+class SSEParser:
+    """
+    Feed it bytes with L{feed}; it returns the events completed by them.
+    """
+
+    __slots__ = ("_partial", "_skip_lf", "_offset", "_data", "_event", "_has_data")
+
+    def __init__(self) -> None:
+        self._partial = b""
+        # The last piece ended in CR: an LF at the start of the next one
+        # belongs to the same line ending.
+        self._skip_lf = False
+        self._offset = 0
+        self._data: list[bytes] = []
+        self._event: bytes | None = None
+        self._has_data = False
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        """
+        @param chunk: the next bytes of the stream, possibly empty.
+        @return: the events whose blank line is in C{chunk}, in order.
+        """
+        start_offset = self._offset
+        self._offset += len(chunk)
+        if self._skip_lf and chunk:
+            self._skip_lf = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+                start_offset += 1
+        if not chunk:
+            return []
+        partial = self._partial
+        buffer = partial + chunk if partial else chunk
+        # Offsets below are positions in buffer; buffer[0] is at base.
+        base = start_offset - len(partial)
+        events: list[Event] = []
+        position = 0
+        for match in _LINE_END.finditer(buffer):
+            line = buffer[position : match.start()]
+            position = match.end()
+            if match.group() == b"\r" and position == len(buffer):
+                self._skip_lf = True
+            if line:
+                self._field(line)
+            elif self._has_data:
+                events.append(
+                    Event(self._event, b"\n".join(self._data), base + position)
+                )
+                self._data = []
+                self._event = None
+                self._has_data = False
+            else:
+                self._event = None
+        self._partial = buffer[position:]
+        return events
+
+    def _field(self, line: bytes) -> None:
+        if line[0] == 0x3A:  # ":" starts a comment
+            return
+        name, colon, value = line.partition(b":")
+        if colon and value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            self._data.append(value)
+            self._has_data = True
+        elif name == b"event":
+            self._event = value
+
+
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+
+
+def usage_of(data: bytes) -> tuple[dict[str, Any], bool] | None:
+    """
+    Read token usage from one event's data, when it carries any.
+
+    Chunks of an OpenAI stream with C{include_usage} carry C{"usage": null},
+    except the last, whose C{choices} is empty and whose C{usage} is an
+    object (OpenAI API reference, C{stream_options}).  The JSON is parsed
+    only when a usage object is present.
+
+    @return: C{(usage, usage_only)}, C{usage_only} true when the event has no
+        choices (the chunk added for usage alone), or L{None}.
+    """
+    if _USAGE_OBJECT.search(data) is None:
+        return None
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(chunk, dict):
+        return None
+    usage = chunk.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    return usage, chunk.get("choices") == []

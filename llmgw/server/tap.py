@@ -1,0 +1,205 @@
+"""
+C{twistd llmgw-server}: options and the service tree.  The only module of
+the server that touches the global reactor.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IListeningPort
+from twisted.logger import Logger
+from twisted.python import usage
+from twisted.python.failure import Failure
+from twisted.web.client import HTTPConnectionPool
+from twisted.web.server import Site
+
+from llmgw.config import (
+    ConfigError,
+    EndpointConfig,
+    ServerConfig,
+    finish_config,
+    load_config,
+    parse_endpoint_flag,
+)
+from llmgw.router.app import LogUsageSink, Router, make_site
+from llmgw.router.balancer import Balancer, Endpoint
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.upstream import make_upstream_client
+from llmgw.server.admin import Admin
+
+
+class Options(usage.Options):
+    """
+    Command line of C{twistd llmgw-server}.  Every flag has a configuration
+    key of the same name with underscores, and a flag overrides the file.
+    """
+
+    synopsis = "[--config FILE.toml] [--listen ENDPOINT] [--endpoint id=URL=model]..."
+
+    optParameters = [
+        ["config", "c", None, "TOML configuration file."],
+        [
+            "listen",
+            None,
+            None,
+            "Client API listener, a Twisted server endpoint string"
+            " (default tcp:8080; ssl:8443:privateKey=K:certKey=C for TLS"
+            " with HTTP/2).",
+        ],
+        [
+            "admin-listen",
+            None,
+            None,
+            "Admin listener, a Twisted server endpoint string"
+            " (default tcp:9090:interface=127.0.0.1).",
+        ],
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self["endpoint"] = []
+
+    def opt_endpoint(self, value: str) -> None:
+        """
+        A static replica, id=URL=model[,model]; repeatable.  Replaces the
+        file's [[endpoints]].
+        """
+        self["endpoint"].append(value)
+
+    def postOptions(self) -> None:
+        try:
+            self.config = self._config()
+        except ConfigError as e:
+            # One line and no usage text or traceback: the operator needs
+            # the key and the value, nothing else.
+            sys.stderr.write(f"llmgw-server: config error: {e}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None
+
+    def _config(self) -> ServerConfig:
+        config = load_config(self["config"])
+        if self["listen"] is not None:
+            config = replace(config, listen=self["listen"])
+        if self["admin-listen"] is not None:
+            config = replace(config, admin_listen=self["admin-listen"])
+        if self["endpoint"]:
+            endpoints: list[EndpointConfig] = [
+                parse_endpoint_flag(spec) for spec in self["endpoint"]
+            ]
+            config = replace(config, endpoints=tuple(endpoints))
+        return finish_config(config)
+
+
+class _ListeningService(Service):
+    """
+    Owns a port that is already listening; stops listening on stop.
+    """
+
+    def __init__(self, port: IListeningPort) -> None:
+        self._port = port
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        return self._port.stopListening()
+
+
+class _PoolService(Service):
+    """
+    Closes the upstream connection pool on stop.
+    """
+
+    def __init__(self, pool: HTTPConnectionPool) -> None:
+        self._pool = pool
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()  # type: ignore[no-untyped-call]
+        return self._pool.closeCachedConnections()  # type: ignore[no-any-return]
+
+
+def _listen(reactor: Any, key: str, description: str, factory: Site) -> IListeningPort:
+    """
+    Listen now, so that a port in use or a bad endpoint string ends the
+    process with one line at start instead of a logged failure in a
+    process that serves nothing.
+    """
+    try:
+        endpoint = serverFromString(reactor, description)
+    except Exception as e:
+        raise ConfigError(f"{key}: bad endpoint {description!r}: {e}") from None
+    results: list[Any] = []
+    endpoint.listen(factory).addBoth(results.append)
+    if not results:
+        raise ConfigError(
+            f"{key}: endpoint {description!r} does not listen at once;"
+            " use tcp:, ssl: or unix:"
+        )
+    result = results[0]
+    if isinstance(result, Failure):
+        raise ConfigError(
+            f"{key}: cannot listen on {description!r}: {result.getErrorMessage()}"
+        )
+    return result  # type: ignore[no-any-return]
+
+
+log = Logger(namespace="llmgw.server")
+
+
+def makeService(options: Options) -> IService:
+    """
+    Build the server: the client API listener, the admin listener, and the
+    upstream connection pool, stopped in that order.
+    """
+    from twisted.internet import reactor
+
+    config: ServerConfig = options.config
+    settings = config.router
+    registry = CollectorRegistry()
+    balancer = Balancer(reactor, settings.eject_cooldown)
+    balancer.set_endpoints(
+        Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints
+    )
+    client, pool = make_upstream_client(
+        reactor, settings.connect_timeout, settings.max_idle_connections
+    )
+    router = Router(
+        reactor,
+        balancer,
+        client,
+        settings,
+        RouterMetrics(registry),
+        LogUsageSink(),
+    )
+    router_site = make_site(router.app.resource(), settings.max_body_size)
+    admin_site = Site(Admin(registry).app.resource())
+    admin_site.log = lambda request: None  # type: ignore[method-assign]
+    try:
+        router_port = _listen(reactor, "listen", config.listen, router_site)
+        admin_port = _listen(reactor, "admin_listen", config.admin_listen, admin_site)
+    except ConfigError as e:
+        sys.stderr.write(f"llmgw-server: {e}\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+
+    top = MultiService()
+    # MultiService stops its children in reverse order: listeners first,
+    # the pool last.
+    _PoolService(pool).setServiceParent(top)  # type: ignore[no-untyped-call]
+    _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+    _ListeningService(router_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+    log.info(
+        "llmgw-server: client API on {listen}, admin on {admin}; models: {models}",
+        listen=config.listen,
+        admin=config.admin_listen,
+        models=", ".join(balancer.models()),
+    )
+    log.info(
+        "no API keys in this version: the client API is open to whoever reaches it"
+    )
+    return top

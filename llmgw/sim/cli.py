@@ -1,0 +1,187 @@
+"""
+C{llmgw sim}: run the engine simulator until SIGINT or SIGTERM.
+
+The only module of the simulator that touches the global reactor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import cast
+
+from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.logger import (
+    FilteringLogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    globalLogBeginner,
+    textFileLogObserver,
+)
+
+from llmgw.sim.engine import FaultError, SimConfig, Simulator, parse_fault_option
+from llmgw.sim.web import SimSite
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be >= 0: {text!r}")
+    return value
+
+
+def _count(minimum: int) -> type[int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}: {text!r}")
+        return value
+
+    return parse  # type: ignore[return-value]
+
+
+def _fault(text: str) -> tuple[str, object]:
+    try:
+        return parse_fault_option(text)
+    except FaultError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """
+    The C{llmgw sim} argument parser.
+    """
+    p = argparse.ArgumentParser(
+        prog="llmgw sim",
+        description="An OpenAI-compatible fake LLM engine with vLLM's metrics, "
+        "for tests, benchmarks and config rehearsals.",
+    )
+    p.add_argument(
+        "--port",
+        type=_count(0),
+        required=True,
+        metavar="P",
+        help="TCP port; 0 picks one",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface (default 127.0.0.1)")
+    p.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        metavar="NAME",
+        help="a served model name (repeatable)",
+    )
+    p.add_argument(
+        "--ttft",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds to first token",
+    )
+    p.add_argument(
+        "--itl",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds between tokens",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_count(0),
+        metavar="N",
+        default=16,
+        help="completion tokens when the request sets none (default 16)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=_count(1),
+        metavar="N",
+        default=256,
+        help="concurrent sequences; more wait in a FIFO queue (default 256)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=_count(0),
+        metavar="N",
+        default=1024,
+        help="waiting requests beyond which requests get 503 (default 1024)",
+    )
+    p.add_argument(
+        "--embedding-dim",
+        type=_count(1),
+        metavar="N",
+        default=16,
+        help="floats per embedding",
+    )
+    p.add_argument(
+        "--fault",
+        type=_fault,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a process-wide fault, VALUE in JSON (repeatable): status, "
+        "stall_before_first_byte, stall_after_chunks, stall_seconds, "
+        "drop_after_chunks, byte_writes",
+    )
+    p.add_argument("--verbose", action="store_true", help="log each request")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """
+    Run the simulator until SIGINT or SIGTERM.
+
+    Prints C{llmgw sim listening on http://HOST:PORT} to stdout once
+    listening.
+
+    @param argv: the arguments after C{sim}.
+    @return: 0 after a signal, 1 when the port cannot be bound; bad
+        arguments exit with status 2 through argparse.
+    """
+    args = build_parser().parse_args(argv)
+    from twisted.internet import reactor
+    from twisted.internet.error import CannotListenError
+
+    config = SimConfig(
+        models=tuple(args.model),
+        ttft=args.ttft,
+        itl=args.itl,
+        max_tokens=args.max_tokens,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        embedding_dim=args.embedding_dim,
+        verbose=args.verbose,
+    )
+    level = LogLevel.info if args.verbose else LogLevel.warn
+    globalLogBeginner.beginLoggingTo(
+        [
+            FilteringLogObserver(
+                textFileLogObserver(sys.stderr),
+                [LogLevelFilterPredicate(defaultLogLevel=level)],
+            )
+        ],
+        redirectStandardIO=False,
+    )
+    sim = Simulator(config, reactor)
+    sim.set_faults(dict(args.fault))
+    try:
+        port = reactor.listenTCP(
+            args.port,
+            SimSite(sim),  # type: ignore[arg-type]
+            interface=args.host,
+        )
+    except CannotListenError as e:
+        sys.stderr.write(f"llmgw sim: {e}\n")
+        return 1
+    address = cast(IPv4Address | IPv6Address, port.getHost())
+    host = f"[{address.host}]" if ":" in address.host else address.host
+    sys.stdout.write(f"llmgw sim listening on http://{host}:{address.port}\n")
+    sys.stdout.flush()
+    reactor.run()
+    return 0

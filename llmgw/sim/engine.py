@@ -1,0 +1,475 @@
+"""
+The simulated engine: deterministic generation, concurrency and queueing,
+faults and counters.
+
+Nothing here does I/O; time comes from an injected L{IReactorTime}, so the
+whole model runs under L{twisted.internet.task.Clock} in tests.  The HTTP
+face of the simulator lives in L{llmgw.sim.web}.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+
+from llmgw.sim.metrics import SimMetrics
+
+VOCAB: tuple[str, ...] = (
+    " the",
+    " café",
+    " model",
+    " naïve",
+    " token",
+    " 日本語",
+    " gateway",
+    " Ελλάδα",
+    " stream",
+    " 🙂",
+    " replica",
+    " ✓",
+    " engine",
+    " Straße",
+    " latency",
+    " 中文",
+    " queue",
+    " résumé",
+    " batch",
+    " Привет",
+    " prompt",
+    " señor",
+    " cache",
+    " 한국어",
+    " request",
+    " ½",
+    " answer",
+    " Ωmega",
+    " simple",
+    " €uro",
+    " world",
+    " 🚀",
+)
+"""
+The simulator's vocabulary: 32 token texts, each with a leading space.  A
+third of them are multi-byte in UTF-8 (2, 3 and 4 bytes per character), so
+that a byte-by-byte stream splits characters.
+"""
+
+VOCAB_JSON: tuple[bytes, ...] = tuple(
+    json.dumps(word, ensure_ascii=False).encode("utf-8") for word in VOCAB
+)
+"""
+Each L{VOCAB} entry as a JSON string literal in UTF-8, prebuilt for the
+streaming hot path.
+"""
+
+FOREVER = 1e6
+"""
+Seconds.  A stall at least this long is never scheduled: the response waits
+until the client goes away.  (A delayed call of 1e9 s would overflow the
+poller's millisecond timeout.)
+"""
+
+
+def token_indices(prompt: bytes, count: int) -> range:
+    """
+    The vocabulary positions of a completion, before wrapping.
+
+    Token C{i} of the completion is C{VOCAB[(crc32(prompt) + i) % len(VOCAB)]}.
+
+    @param prompt: the prompt text, UTF-8.
+    @param count: the number of completion tokens.
+    @return: C{count} integers; reduce each modulo C{len(VOCAB)}.
+    """
+    start = zlib.crc32(prompt)
+    return range(start, start + count)
+
+
+def completion_tokens(prompt: bytes, count: int) -> list[str]:
+    """
+    The deterministic completion of C{prompt}.
+
+    @param prompt: the prompt text, UTF-8.
+    @param count: the number of tokens to generate.
+    @return: C{count} token texts, each with a leading space.
+    """
+    size = len(VOCAB)
+    return [VOCAB[i % size] for i in token_indices(prompt, count)]
+
+
+def count_prompt_tokens(text: str) -> int:
+    """
+    The simulator's prompt length: whitespace-separated words, at least 1.
+
+    @param text: the prompt (for chat, all message contents joined by spaces).
+    @return: a token count.
+    """
+    return max(1, len(text.split()))
+
+
+def embedding_vector(data: bytes, dim: int) -> list[float]:
+    """
+    A deterministic unit vector for one embeddings input.
+
+    Component C{j} comes from C{crc32(data + j)} mapped onto [-1, 1); the
+    vector is then scaled to Euclidean length 1.
+
+    @param data: the input text (UTF-8) or the token list's JSON.
+    @param dim: the number of components.
+    @return: C{dim} floats with sum of squares 1 (up to rounding).
+    """
+    seed = zlib.crc32(data)
+    raw = [
+        zlib.crc32(struct.pack("<I", j), seed) / 2147483648.0 - 1.0 for j in range(dim)
+    ]
+    norm = sum(x * x for x in raw) ** 0.5 or 1.0
+    return [x / norm for x in raw]
+
+
+class FaultError(ValueError):
+    """
+    A fault specification is invalid; the message names the key.
+    """
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_status(key: str, value: object) -> None:
+    if not (_is_int(value) and 100 <= value <= 599):  # type: ignore[operator]
+        raise FaultError(f"fault {key!r} must be an HTTP status 100..599")
+
+
+def _check_seconds(key: str, value: object) -> None:
+    if not (_is_number(value) and 0 <= value < float("inf")):  # type: ignore[operator]
+        raise FaultError(f"fault {key!r} must be a number of seconds >= 0")
+
+
+def _check_count(key: str, value: object) -> None:
+    if not (_is_int(value) and value >= 0):  # type: ignore[operator]
+        raise FaultError(f"fault {key!r} must be an integer >= 0")
+
+
+def _check_bool(key: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise FaultError(f"fault {key!r} must be true or false")
+
+
+_FAULT_CHECKS = {
+    "status": _check_status,
+    "stall_before_first_byte": _check_seconds,
+    "stall_after_chunks": _check_count,
+    "stall_seconds": _check_seconds,
+    "drop_after_chunks": _check_count,
+    "byte_writes": _check_bool,
+}
+
+FAULT_KEYS: frozenset[str] = frozenset(_FAULT_CHECKS)
+"""
+The fault keys accepted per request (C{"llmgw_sim"} body field), by
+C{--fault} and by C{POST /sim/fault}.
+"""
+
+
+def validate_faults(spec: object) -> dict[str, object]:
+    """
+    Check a fault specification.
+
+    @param spec: a JSON object: fault key to value.
+    @return: a copy of C{spec}.
+    @raise FaultError: C{spec} is not an object, names an unknown key, or
+        has a value of the wrong type or range.
+    """
+    if not isinstance(spec, dict):
+        raise FaultError("faults must be a JSON object")
+    for key, value in spec.items():
+        check = _FAULT_CHECKS.get(key)
+        if check is None:
+            raise FaultError(f"unknown fault key {key!r}")
+        check(key, value)
+    return dict(spec)
+
+
+def parse_fault_option(text: str) -> tuple[str, object]:
+    """
+    Parse one C{--fault KEY=VALUE} option; VALUE is JSON (C{503}, C{1.5},
+    C{true}).
+
+    @return: the key and its value, validated.
+    @raise FaultError: malformed, unknown key or bad value.
+    """
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise FaultError(f"fault {text!r} is not KEY=VALUE")
+    try:
+        value: object = json.loads(raw)
+    except ValueError:
+        value = raw
+    validate_faults({key: value})
+    return key, value
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """
+    The faults in force for one request.
+
+    @ivar status: answer with this HTTP status and an error object instead
+        of generating; None for no such fault.
+    @ivar stall_before_first_byte: seconds to wait before any response byte
+        (headers included); at least L{FOREVER} means until the client
+        leaves.
+    @ivar stall_after_chunks: after this many events (SSE events for a
+        stream, the one body for other responses) pause for C{stall_seconds};
+        None for no stall.
+    @ivar stall_seconds: the pause's length in seconds; None (key absent) or
+        at least L{FOREVER} means until the client leaves.
+    @ivar drop_after_chunks: after this many events abort the TCP
+        connection; None for no drop.
+    @ivar byte_writes: write the response body one byte per write, 2 ms
+        apart.
+    """
+
+    status: int | None = None
+    stall_before_first_byte: float = 0.0
+    stall_after_chunks: int | None = None
+    stall_seconds: float | None = None
+    drop_after_chunks: int | None = None
+    byte_writes: bool = False
+
+    @classmethod
+    def layered(
+        cls, process: Mapping[str, object], request: Mapping[str, object]
+    ) -> Faults:
+        """
+        Combine validated process-wide and per-request faults; per-request
+        keys win.
+        """
+        merged = {**process, **request}
+        return cls(**merged)  # type: ignore[arg-type]
+
+
+NO_FAULTS = Faults()
+
+
+class QueueFull(Exception):
+    """
+    The waiting queue is at its limit; the request must be refused (503).
+    """
+
+
+class Scheduler:
+    """
+    At most C{max_running} sequences at once; the rest wait in FIFO order.
+
+    @ivar running: sequences holding a slot now.
+    """
+
+    def __init__(self, max_running: int, max_queue: int) -> None:
+        """
+        @param max_running: concurrent sequences (slots), at least 1.
+        @param max_queue: waiting requests beyond which L{acquire} raises
+            L{QueueFull}.
+        """
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.running = 0
+        self._waiters: deque[Deferred[None]] = deque()
+        self._releasing = False
+
+    @property
+    def waiting(self) -> int:
+        """
+        The number of requests in the queue.
+        """
+        return len(self._waiters)
+
+    def acquire(self) -> Deferred[None] | None:
+        """
+        Take a slot, or a place in the queue.
+
+        @return: None when a slot was taken at once; otherwise a Deferred
+            that fires with None when this request holds a slot.  Cancel it
+            to leave the queue (it then fails with C{CancelledError}).
+        @raise QueueFull: no slot is free and the queue is full.
+        """
+        if self.running < self.max_running and not self._waiters:
+            self.running += 1
+            return None
+        if len(self._waiters) >= self.max_queue:
+            raise QueueFull()
+        waiter: Deferred[None] = Deferred(self._waiters.remove)
+        self._waiters.append(waiter)
+        return waiter
+
+    def release(self) -> None:
+        """
+        Give back one slot; the oldest waiters take the free slots.
+        """
+        self.running -= 1
+        if self._releasing:
+            # A waiter admitted below finished synchronously; the loop that
+            # admitted it hands on this slot, without recursing.
+            return
+        self._releasing = True
+        try:
+            while self._waiters and self.running < self.max_running:
+                waiter = self._waiters.popleft()
+                self.running += 1
+                waiter.callback(None)
+        finally:
+            self._releasing = False
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """
+    The simulator's settings, as given on the command line.
+
+    @ivar models: served model names, at least one; metrics carry the first
+        as C{model_name}, as vLLM does with its first served model name.
+    @ivar ttft: seconds from admission to the first token.
+    @ivar itl: seconds between tokens.
+    @ivar max_tokens: completion length in tokens when the request gives
+        none.
+    @ivar max_concurrency: concurrent sequences.
+    @ivar max_queue: waiting requests beyond which requests get 503.
+    @ivar embedding_dim: floats per embedding.
+    @ivar verbose: log each request.
+    """
+
+    models: tuple[str, ...]
+    ttft: float = 0.0
+    itl: float = 0.0
+    max_tokens: int = 16
+    max_concurrency: int = 256
+    max_queue: int = 1024
+    embedding_dim: int = 16
+    verbose: bool = False
+
+
+@dataclass(slots=True)
+class SimStats:
+    """
+    Counters for tests, served as JSON by C{GET /sim/stats}.
+
+    @ivar requests_total: chat, completion and embedding requests received.
+    @ivar requests_by_path: the same, by URL path.
+    @ivar streams_started: streams whose headers were sent.
+    @ivar streams_completed: streams that ended with C{[DONE]}.
+    @ivar streams_cancelled: streams whose client went away before the end.
+    @ivar streams_dropped: streams aborted by a C{drop_after_chunks} fault.
+    @ivar requests_cancelled: chat, completion and embedding requests, streamed
+        or not, whose client went away before the response ended.
+    @ivar last_cancel_time: POSIX seconds (the reactor's clock) of the last
+        such loss, or None.
+    @ivar connections_open: HTTP connections now open; not reset.
+    """
+
+    requests_total: int = 0
+    requests_by_path: dict[str, int] = field(default_factory=dict)
+    streams_started: int = 0
+    streams_completed: int = 0
+    streams_cancelled: int = 0
+    streams_dropped: int = 0
+    requests_cancelled: int = 0
+    last_cancel_time: float | None = None
+    connections_open: int = 0
+
+    def reset(self) -> None:
+        """
+        Zero every counter except the live C{connections_open}.
+        """
+        self.requests_total = 0
+        self.requests_by_path = {}
+        self.streams_started = 0
+        self.streams_completed = 0
+        self.streams_cancelled = 0
+        self.streams_dropped = 0
+        self.requests_cancelled = 0
+        self.last_cancel_time = None
+
+
+class Simulator:
+    """
+    One simulated engine: its settings, clock, slots, faults, counters and
+    metrics.  Shared by every request that the HTTP face serves.
+    """
+
+    def __init__(self, config: SimConfig, reactor: IReactorTime) -> None:
+        """
+        @param config: the settings.
+        @param reactor: the clock for every delay and timestamp.
+        """
+        self.config = config
+        self.clock = reactor
+        self.scheduler = Scheduler(config.max_concurrency, config.max_queue)
+        self.stats = SimStats()
+        self.faults: dict[str, object] = {}
+        self.models = frozenset(config.models)
+        self.created = int(reactor.seconds())
+        self.metrics = SimMetrics(
+            config.models[0], config.max_concurrency, self.scheduler
+        )
+        self._next_id = 0
+
+    def new_id(self, prefix: str) -> str:
+        """
+        A response id unique in this process, e.g. C{chatcmpl-sim-7}.
+        """
+        self._next_id += 1
+        return f"{prefix}-sim-{self._next_id}"
+
+    def set_faults(self, spec: object) -> dict[str, object]:
+        """
+        Replace the process-wide faults; an empty object clears them.
+
+        @return: the faults now in force.
+        @raise FaultError: invalid C{spec}; the faults in force are unchanged.
+        """
+        self.faults = validate_faults(spec)
+        return dict(self.faults)
+
+    def faults_for(self, request_spec: object) -> Faults:
+        """
+        The faults for one request.
+
+        @param request_spec: the request's C{llmgw_sim} field, or None.
+        @raise FaultError: invalid C{request_spec}.
+        """
+        if request_spec is None:
+            if not self.faults:
+                return NO_FAULTS
+            return Faults.layered(self.faults, {})
+        return Faults.layered(self.faults, validate_faults(request_spec))
+
+    def stats_json(self) -> dict[str, object]:
+        """
+        The counters for C{GET /sim/stats}, with the live C{running} and
+        C{waiting}.
+        """
+        s = self.stats
+        return {
+            "requests_total": s.requests_total,
+            "requests_by_path": dict(s.requests_by_path),
+            "running": self.scheduler.running,
+            "waiting": self.scheduler.waiting,
+            "streams_started": s.streams_started,
+            "streams_completed": s.streams_completed,
+            "streams_cancelled": s.streams_cancelled,
+            "streams_dropped": s.streams_dropped,
+            "requests_cancelled": s.requests_cancelled,
+            "last_cancel_time": s.last_cancel_time,
+            "connections_open": s.connections_open,
+        }

@@ -1,0 +1,181 @@
+"""
+The simulator's Prometheus metrics, under vLLM's names.
+
+Names, types and the C{model_name} label follow vLLM's V1 engine as
+documented in U{https://docs.vllm.ai/en/stable/usage/metrics/} and
+C{docs/design/metrics.md} in U{https://github.com/vllm-project/vllm}:
+C{vllm:num_requests_running}, C{vllm:num_requests_waiting} and
+C{vllm:kv_cache_usage_perc} (gauges; the last a fraction 0..1, which
+replaced V0's C{vllm:gpu_cache_usage_perc}), C{vllm:prompt_tokens_total},
+C{vllm:generation_tokens_total} and C{vllm:request_success_total} (counters;
+the last labelled C{finished_reason}), and the histograms
+C{vllm:time_to_first_token_seconds}, C{vllm:inter_token_latency_seconds}
+and C{vllm:e2e_request_latency_seconds}.  The bucket bounds are close to
+vLLM's, not copied.
+
+Each simulator has its own L{CollectorRegistry}, so several can run in one
+process (tests) without clashing in the global one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+METRICS_CONTENT_TYPE: bytes = CONTENT_TYPE_LATEST.encode("ascii")
+
+
+class _Load(Protocol):
+    @property
+    def running(self) -> int: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+
+class SimMetrics:
+    """
+    The metrics of one simulator, labelled with one C{model_name}.
+    """
+
+    def __init__(self, model_name: str, max_concurrency: int, load: _Load) -> None:
+        """
+        @param model_name: the C{model_name} label (vLLM uses its first
+            served model name).
+        @param max_concurrency: slots; C{kv_cache_usage_perc} is
+            C{running / max_concurrency}.
+        @param load: read at scrape time for the running and waiting gauges.
+        """
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        gauge(
+            "vllm:num_requests_running", "Number of requests in model execution."
+        ).labels(model_name).set_function(lambda: load.running)
+        gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        ).labels(model_name).set_function(lambda: load.waiting)
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage (simulated: running "
+            "sequences over maximum concurrency).",
+        ).labels(model_name).set_function(lambda: load.running / max_concurrency)
+
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels,
+            registry=r,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            labels,
+            registry=r,
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.success_length = self._success.labels(model_name, "length")
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model_name)
+
+    def render(self) -> bytes:
+        """
+        The Prometheus text exposition (content type L{METRICS_CONTENT_TYPE}).
+        """
+        return generate_latest(self.registry)

@@ -193,10 +193,17 @@ def makeService(options: Options) -> IService:
     _PoolService(pool).setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(router_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+    # The bound addresses, not the configured strings: with port 0 this is
+    # the only place the port is told (tests and scripts read this line).
+    router_address = router_port.getHost()
+    admin_address = admin_port.getHost()
     log.info(
-        "llmgw-server: client API on {listen}, admin on {admin}; models: {models}",
-        listen=config.listen,
-        admin=config.admin_listen,
+        "llmgw-server: client API listening on {host}:{port},"
+        " admin on {admin_host}:{admin_port}; models: {models}",
+        host=getattr(router_address, "host", router_address),
+        port=getattr(router_address, "port", ""),
+        admin_host=getattr(admin_address, "host", admin_address),
+        admin_port=getattr(admin_address, "port", ""),
         models=", ".join(balancer.models()),
     )
     log.info(

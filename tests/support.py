@@ -1,0 +1,201 @@
+"""
+Helpers for end-to-end tests: start the daemons as a user would, as child
+processes, and find the ports they listen on from what they print.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+BIN = os.path.dirname(sys.executable)
+TWISTD = os.path.join(BIN, "twistd")
+
+
+def free_port() -> int:
+    """
+    A TCP port on 127.0.0.1 that was free a moment ago (for programs that
+    cannot listen on port 0 and tell which port they got).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def closed_port() -> int:
+    """
+    A port on 127.0.0.1 where nothing listens: connections are refused.
+    """
+    return free_port()
+
+
+@dataclass
+class Process:
+    """
+    A child process whose output goes to a file.
+    """
+
+    popen: subprocess.Popen[bytes]
+    log_path: str
+
+    def output(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def wait_for(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        """
+        Wait until the output matches C{pattern}.
+
+        @raise AssertionError: the process exited or the time ran out first.
+        """
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern)
+        while time.monotonic() < deadline:
+            match = regex.search(self.output())
+            if match is not None:
+                return match
+            if self.popen.poll() is not None:
+                raise AssertionError(
+                    f"process exited with {self.popen.returncode} before"
+                    f" printing {pattern!r}:\n{self.output()[-3000:]}"
+                )
+            time.sleep(0.05)
+        raise AssertionError(
+            f"no {pattern!r} within {timeout} s:\n{self.output()[-3000:]}"
+        )
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """
+        SIGTERM, then SIGKILL after C{timeout} seconds.
+
+        @return: the exit status.
+        """
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout)
+        return self.popen.returncode
+
+
+def spawn(argv: list[str], directory: str, name: str) -> Process:
+    """
+    Start C{argv} with its output in C{directory/name.log}.
+    """
+    log_path = os.path.join(directory, f"{name}.log")
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=directory,
+        )
+    return Process(popen, log_path)
+
+
+class Processes:
+    """
+    Starts the simulator and the server for one test and stops them at its
+    end.  Mix into a trial test case that has C{addCleanup} and C{mktemp}.
+    """
+
+    def _directory(self) -> str:
+        directory = getattr(self, "_process_dir", None)
+        if directory is None:
+            directory = tempfile.mkdtemp(prefix="llmgw-e2e-")
+            self._process_dir = directory
+        return directory
+
+    def start_sim(self, *args: str, model: str = "sim-model") -> tuple[Process, str]:
+        """
+        Start C{llmgw sim} on a free port.
+
+        @return: the process and its base URL, C{http://127.0.0.1:PORT}.
+        """
+        process = spawn(
+            [os.path.join(BIN, "llmgw"), "sim", "--port", "0", "--model", model, *args],
+            self._directory(),
+            f"sim-{time.monotonic_ns()}",
+        )
+        self.addCleanup(process.stop)  # type: ignore[attr-defined]
+        match = process.wait_for(r"llmgw sim listening on (http://[\d.]+:\d+)")
+        return process, match.group(1)
+
+    def start_server(
+        self, *args: str, config: str | None = None
+    ) -> tuple[Process, str, str]:
+        """
+        Start C{twistd -n llmgw-server} listening on free ports.
+
+        @param config: TOML text for C{--config}, if any.
+        @return: the process, the client API base URL and the admin base URL.
+        """
+        directory = self._directory()
+        argv = [TWISTD, "-n", "--pidfile=", "llmgw-server"]
+        if config is not None:
+            path = os.path.join(directory, f"config-{time.monotonic_ns()}.toml")
+            with open(path, "w") as f:
+                f.write(config)
+            argv += ["--config", path]
+        if not any(a.startswith("--listen") for a in args):
+            argv += ["--listen", "tcp:0:interface=127.0.0.1"]
+        argv += ["--admin-listen", "tcp:0:interface=127.0.0.1", *args]
+        process = spawn(argv, directory, f"server-{time.monotonic_ns()}")
+        self.addCleanup(process.stop)  # type: ignore[attr-defined]
+        match = process.wait_for(
+            r"client API listening on ([\d.]+):(\d+), admin on ([\d.]+):(\d+)"
+        )
+        return (
+            process,
+            f"http://127.0.0.1:{match.group(2)}",
+            f"http://127.0.0.1:{match.group(4)}",
+        )
+
+
+def http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> tuple[int, dict[str, str], bytes]:
+    """
+    One plain HTTP exchange, for what the OpenAI client cannot send.
+
+    @return: status, headers (lower-case names) and body.
+    """
+    request = urllib.request.Request(
+        url, data=body, method=method, headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return (
+                response.status,
+                {k.lower(): v for k, v in response.headers.items()},
+                response.read(),
+            )
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def sim_stats(base_url: str) -> dict[str, Any]:
+    """
+    @return: the simulator's counters (C{GET /sim/stats}).
+    """
+    status, _, body = http("GET", base_url + "/sim/stats")
+    assert status == 200, status
+    result: dict[str, Any] = json.loads(body)
+    return result

@@ -1,0 +1,579 @@
+"""
+End to end: C{twistd -n llmgw-server} and C{llmgw sim} as child processes,
+talked to over loopback sockets with the official C{openai} client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.support import TWISTD, Processes, closed_port, http, sim_stats
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Tell me about naïve cafés"}]
+
+
+def client(base_url: str, **kwargs: Any) -> openai.OpenAI:
+    """
+    The official client, without its own retries (they would hide what the
+    gateway answered) and with a bounded timeout.
+    """
+    return openai.OpenAI(
+        base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=30, **kwargs
+    )
+
+
+def stream_text(chunks: Iterator[Any]) -> tuple[str, list[Any]]:
+    """
+    @return: the concatenated delta contents and every chunk.
+    """
+    seen = list(chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in seen if c.choices)
+    return text, seen
+
+
+class RouterEndToEndTests(SynchronousTestCase, Processes):
+    """
+    The router in front of simulated engines.
+    """
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.sim, self.sim_url = self.start_sim("--itl", "0.001")
+        self.server, self.url, self.admin_url = self.start_server(
+            "--endpoint", f"sim-0={self.sim_url}=sim-model"
+        )
+        self.direct = client(self.sim_url)
+        self.gateway = client(self.url)
+
+    def test_chat_same_as_engine(self) -> None:
+        """
+        A non-streamed chat completion through llmgw has the content and
+        usage the engine gives when asked directly.
+        """
+        via = self.gateway.chat.completions.create(
+            model="sim-model", messages=MESSAGES, max_tokens=12
+        )
+        direct = self.direct.chat.completions.create(
+            model="sim-model", messages=MESSAGES, max_tokens=12
+        )
+        self.assertTrue(via.choices[0].message.content)
+        self.assertEqual(
+            via.choices[0].message.content, direct.choices[0].message.content
+        )
+        assert via.usage is not None
+        self.assertEqual(via.usage.completion_tokens, 12)
+        self.assertEqual(via.usage, direct.usage)
+
+    def test_stream_same_as_engine_without_usage_chunk(self) -> None:
+        """
+        A streamed chat completion arrives chunk by chunk with the engine's
+        text; llmgw asked the engine for usage, but a client that did not
+        ask gets no usage-only chunk.
+        """
+        text, chunks = stream_text(
+            self.gateway.chat.completions.create(
+                model="sim-model", messages=MESSAGES, max_tokens=16, stream=True
+            )
+        )
+        direct_text, direct_chunks = stream_text(
+            self.direct.chat.completions.create(
+                model="sim-model", messages=MESSAGES, max_tokens=16, stream=True
+            )
+        )
+        self.assertEqual(text, direct_text)
+        self.assertEqual(len(chunks), len(direct_chunks))
+        self.assertEqual([c for c in chunks if not c.choices], [])
+        self.assertTrue(all(getattr(c, "usage", None) is None for c in chunks))
+
+    def test_stream_usage_when_asked(self) -> None:
+        """
+        A client that asks for usage in the stream gets the usage chunk.
+        """
+        text, chunks = stream_text(
+            self.gateway.chat.completions.create(
+                model="sim-model",
+                messages=MESSAGES,
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        usage_chunks = [c for c in chunks if not c.choices]
+        self.assertEqual(len(usage_chunks), 1)
+        self.assertEqual(usage_chunks[0].usage.completion_tokens, 5)
+        self.assertTrue(text)
+
+    def test_completions_embeddings_models(self) -> None:
+        """
+        Completions, embeddings and the model list answer in OpenAI's shapes.
+        """
+        completion = self.gateway.completions.create(
+            model="sim-model", prompt="Once upon a time", max_tokens=4
+        )
+        self.assertTrue(completion.choices[0].text)
+        embeddings = self.gateway.embeddings.create(
+            model="sim-model", input=["one", "two"]
+        )
+        self.assertEqual(len(embeddings.data), 2)
+        self.assertEqual(
+            embeddings.data[0].embedding,
+            self.direct.embeddings.create(model="sim-model", input=["one"])
+            .data[0]
+            .embedding,
+        )
+        models = self.gateway.models.list()
+        self.assertEqual([m.id for m in models.data], ["sim-model"])
+        self.assertEqual(self.gateway.models.retrieve("sim-model").id, "sim-model")
+
+    def test_unknown_model(self) -> None:
+        """
+        An unknown model is the client's NotFoundError, code model_not_found,
+        and nothing reaches the engine.
+        """
+        before = sim_stats(self.sim_url)["requests_total"]
+        with self.assertRaises(openai.NotFoundError) as raised:
+            self.gateway.chat.completions.create(model="nope", messages=MESSAGES)
+        self.assertEqual(raised.exception.code, "model_not_found")
+        with self.assertRaises(openai.NotFoundError):
+            self.gateway.models.retrieve("nope")
+        self.assertEqual(sim_stats(self.sim_url)["requests_total"], before)
+
+    def test_malformed_json(self) -> None:
+        """
+        A body that is not JSON is a 400 error object.
+        """
+        status, headers, body = http(
+            "POST",
+            self.url + "/v1/chat/completions",
+            b'{"model": "sim-model", "messages": [',
+            {"content-type": "application/json"},
+        )
+        self.assertEqual(status, 400)
+        self.assertEqual(headers["content-type"], "application/json")
+        error = json.loads(body)["error"]
+        self.assertEqual(error["type"], "invalid_request_error")
+        self.assertIn("not valid JSON", error["message"])
+        self.assertEqual(set(error), {"message", "type", "param", "code"})
+
+    def test_request_id(self) -> None:
+        """
+        X-Request-ID is returned as given, or made when absent.
+        """
+        response = self.gateway.chat.completions.with_raw_response.create(
+            model="sim-model",
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"X-Request-ID": "trace-42"},
+        )
+        self.assertEqual(response.headers["x-request-id"], "trace-42")
+        response = self.gateway.chat.completions.with_raw_response.create(
+            model="sim-model", messages=MESSAGES, max_tokens=2
+        )
+        self.assertRegex(response.headers["x-request-id"], r"^[0-9a-f]{32}$")
+
+    def test_disconnect_cancels_upstream(self) -> None:
+        """
+        A client that goes away mid-stream makes llmgw close the engine's
+        connection within a second, so the engine stops generating.
+        """
+        stream = self.gateway.chat.completions.create(
+            model="sim-model",
+            messages=MESSAGES,
+            max_tokens=2000,
+            stream=True,
+            extra_body={"llmgw_sim": {"stall_after_chunks": 3, "stall_seconds": 60}},
+        )
+        received = 0
+        for _ in stream:
+            received += 1
+            if received == 3:
+                break
+        closed_at = time.time()
+        stream.close()
+        deadline = time.monotonic() + 5
+        stats = sim_stats(self.sim_url)
+        while stats["streams_cancelled"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            stats = sim_stats(self.sim_url)
+        self.assertEqual(stats["streams_cancelled"], 1)
+        self.assertLess(stats["last_cancel_time"] - closed_at, 1.0)
+
+    def test_byte_writes(self) -> None:
+        """
+        A stream the engine writes one byte per TCP segment, splitting
+        multi-byte characters, arrives intact, with or without the
+        usage chunk being hidden.
+        """
+        expected, _ = stream_text(
+            self.direct.chat.completions.create(
+                model="sim-model", messages=MESSAGES, max_tokens=8, stream=True
+            )
+        )
+        self.assertNotEqual(
+            expected.encode("utf-8").decode("ascii", "ignore"), expected
+        )
+        for options in (None, {"include_usage": True}):
+            text, chunks = stream_text(
+                self.gateway.chat.completions.create(
+                    model="sim-model",
+                    messages=MESSAGES,
+                    max_tokens=8,
+                    stream=True,
+                    extra_body={"llmgw_sim": {"byte_writes": True}},
+                    **({"stream_options": options} if options else {}),
+                )
+            )
+            self.assertEqual(text, expected)
+            usage_chunks = [c for c in chunks if not c.choices]
+            self.assertEqual(len(usage_chunks), 1 if options else 0)
+
+    def test_metrics(self) -> None:
+        """
+        The admin listener serves the traffic metrics.
+        """
+        self.gateway.chat.completions.create(
+            model="sim-model", messages=MESSAGES, max_tokens=3
+        )
+        status, _, body = http("GET", self.admin_url + "/metrics")
+        self.assertEqual(status, 200)
+        self.assertIn(
+            'llmgw_requests_total{model="sim-model",status="200"} 1.0', body.decode()
+        )
+        self.assertIn(
+            'llmgw_tokens_total{kind="completion",model="sim-model"} 3.0',
+            body.decode(),
+        )
+
+
+class DeadlineTests(SynchronousTestCase, Processes):
+    """
+    Phase deadlines, each with its own error.
+    """
+
+    timeout = 60
+
+    def setUp(self) -> None:
+        self.sim, self.sim_url = self.start_sim("--itl", "0.001")
+        self.server, self.url, _ = self.start_server(
+            "--endpoint",
+            f"sim-0={self.sim_url}=sim-model",
+            config='[router]\nfirst_byte_timeout = "1s"\nidle_timeout = "1s"\n'
+            'max_body_size = "4KiB"\n',
+        )
+        self.gateway = client(self.url)
+
+    def test_first_byte_stall(self) -> None:
+        """
+        An engine silent past first_byte_timeout gives a 504 whose code names
+        the phase, and its connection is closed.
+        """
+        started = time.monotonic()
+        with self.assertRaises(openai.APIStatusError) as raised:
+            self.gateway.chat.completions.create(
+                model="sim-model",
+                messages=MESSAGES,
+                extra_body={"llmgw_sim": {"stall_before_first_byte": 60}},
+            )
+        self.assertEqual(raised.exception.status_code, 504)
+        self.assertEqual(raised.exception.code, "first_byte_timeout")
+        self.assertLess(time.monotonic() - started, 5)
+
+    def test_mid_stream_stall(self) -> None:
+        """
+        An engine silent mid-stream past idle_timeout ends the stream with an
+        SSE error event, which the client raises, after the chunks so far.
+        """
+        stream = self.gateway.chat.completions.create(
+            model="sim-model",
+            messages=MESSAGES,
+            max_tokens=50,
+            stream=True,
+            extra_body={"llmgw_sim": {"stall_after_chunks": 4, "stall_seconds": 60}},
+        )
+        received = []
+        with self.assertRaises(openai.APIError) as raised:
+            for chunk in stream:
+                received.append(chunk)
+        self.assertEqual(len(received), 4)
+        self.assertIn("next chunk", raised.exception.message)
+        self.assertEqual(raised.exception.code, "idle_timeout")
+
+    def test_body_too_large(self) -> None:
+        """
+        A body over max_body_size is a 413 error object, and the engine
+        never sees it.
+        """
+        with self.assertRaises(openai.APIStatusError) as raised:
+            self.gateway.chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "x" * 5000}],
+            )
+        self.assertEqual(raised.exception.status_code, 413)
+        self.assertEqual(raised.exception.code, "request_too_large")
+        self.assertEqual(sim_stats(self.sim_url)["requests_total"], 0)
+
+
+class BalancingTests(SynchronousTestCase, Processes):
+    """
+    Several replicas: failures skipped, load shared.
+    """
+
+    timeout = 120
+
+    def test_refusing_replica(self) -> None:
+        """
+        With one replica refusing connections, every request succeeds on the
+        other, and the refusing one is ejected after its first refusal.
+        """
+        _, sim_url = self.start_sim()
+        dead = f"http://127.0.0.1:{closed_port()}"
+        _, url, admin_url = self.start_server(
+            "--endpoint",
+            f"dead={dead}=sim-model",
+            "--endpoint",
+            f"live={sim_url}=sim-model",
+        )
+        gateway = client(url)
+        for _ in range(20):
+            result = gateway.chat.completions.create(
+                model="sim-model", messages=MESSAGES, max_tokens=2
+            )
+            self.assertTrue(result.choices[0].message.content)
+        self.assertEqual(sim_stats(sim_url)["requests_total"], 20)
+        _, _, metrics = http("GET", admin_url + "/metrics")
+        # Ejected for the cooldown after the first refusal: one connect
+        # error and one retry, not one per request.
+        self.assertIn(
+            'llmgw_upstream_errors_total{kind="connect"} 1.0', metrics.decode()
+        )
+        self.assertIn('llmgw_retries_total{model="sim-model"} 1.0', metrics.decode())
+
+    def test_retry_on_503(self) -> None:
+        """
+        A replica answering 503 before the first byte is skipped for another.
+        """
+        _, busy_url = self.start_sim("--fault", "status=503")
+        _, sim_url = self.start_sim()
+        _, url, _ = self.start_server(
+            "--endpoint",
+            f"busy={busy_url}=sim-model",
+            "--endpoint",
+            f"live={sim_url}=sim-model",
+        )
+        gateway = client(url)
+        for _ in range(10):
+            gateway.chat.completions.create(
+                model="sim-model", messages=MESSAGES, max_tokens=2
+            )
+        self.assertEqual(sim_stats(sim_url)["requests_total"], 10)
+
+    def test_even_split(self) -> None:
+        """
+        200 concurrent requests over two equal replicas split within 45-55 %.
+        """
+        _, a_url = self.start_sim("--ttft", "0.05", "--itl", "0.005")
+        _, b_url = self.start_sim("--ttft", "0.05", "--itl", "0.005")
+        _, url, _ = self.start_server(
+            "--endpoint", f"a={a_url}=sim-model", "--endpoint", f"b={b_url}=sim-model"
+        )
+
+        async def burst() -> None:
+            gateway = openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60
+            )
+            try:
+                results = await asyncio.gather(
+                    *(
+                        gateway.chat.completions.create(
+                            model="sim-model", messages=MESSAGES, max_tokens=8
+                        )
+                        for _ in range(200)
+                    )
+                )
+            finally:
+                await gateway.close()
+            assert all(r.choices[0].message.content for r in results)
+
+        asyncio.run(burst())
+        a = sim_stats(a_url)["requests_total"]
+        b = sim_stats(b_url)["requests_total"]
+        self.assertEqual(a + b, 200)
+        self.assertTrue(90 <= a <= 110, f"split {a}/{b}")
+
+
+class StartupTests(SynchronousTestCase, Processes):
+    """
+    What an operator sees when the configuration is wrong.
+    """
+
+    timeout = 60
+
+    def run_server(self, *args: str, config: str | None = None) -> tuple[int, str]:
+        argv = [TWISTD, "-n", "--pidfile=", "llmgw-server", *args]
+        if config is not None:
+            path = tempfile.mktemp(suffix=".toml")
+            with open(path, "w") as f:
+                f.write(config)
+            self.addCleanup(os.remove, path)
+            argv += ["--config", path]
+        done = subprocess.run(argv, capture_output=True, timeout=30, text=True)
+        return done.returncode, done.stdout + done.stderr
+
+    def assertOneLineError(self, output: str, *fragments: str) -> None:
+        self.assertNotIn("Traceback", output)
+        lines = output.strip().splitlines()
+        self.assertEqual(len(lines), 1, output)
+        for fragment in fragments:
+            self.assertIn(fragment, lines[0])
+
+    def test_config_errors(self) -> None:
+        """
+        An unknown key, a bad duration, a bad URL and a missing field each
+        exit non-zero with one line naming the key and the value.
+        """
+        endpoint = (
+            '[[endpoints]]\nid = "a"\nurl = "http://127.0.0.1:1"\nmodels = ["m"]\n'
+        )
+        cases = [
+            ("colour = 1\n" + endpoint, ["colour", "unknown key"]),
+            (
+                '[router]\nidle_timeout = "5x"\n' + endpoint,
+                ["router.idle_timeout", "'5x'"],
+            ),
+            (
+                '[[endpoints]]\nid = "a"\nurl = "ftp:/x"\nmodels = ["m"]\n',
+                ["endpoints[0].url", "'ftp:/x'"],
+            ),
+            (
+                '[[endpoints]]\nid = "a"\nmodels = ["m"]\n',
+                ["endpoints[0].url", "missing"],
+            ),
+            ("listen = \n", ["not valid TOML"]),
+        ]
+        for config, fragments in cases:
+            code, output = self.run_server(config=config)
+            self.assertNotEqual(code, 0, config)
+            self.assertOneLineError(output, *fragments)
+
+    def test_nothing_to_serve(self) -> None:
+        """
+        No replica at all is an error that says what to add.
+        """
+        code, output = self.run_server()
+        self.assertNotEqual(code, 0)
+        self.assertOneLineError(
+            output, "nothing to serve", "--endpoint", "[[endpoints]]"
+        )
+
+    def test_bad_endpoint_flag_and_port_in_use(self) -> None:
+        """
+        A malformed --endpoint and a listener that cannot bind are one line
+        each, not a traceback or a process that serves nothing.
+        """
+        code, output = self.run_server("--endpoint", "just-a-name")
+        self.assertNotEqual(code, 0)
+        self.assertOneLineError(output, "--endpoint", "just-a-name")
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            code, output = self.run_server(
+                "--endpoint",
+                "a=http://127.0.0.1:1=m",
+                "--listen",
+                f"tcp:{port}:interface=127.0.0.1",
+            )
+        self.assertNotEqual(code, 0)
+        self.assertNotIn("Traceback", output)
+        self.assertIn(f"cannot listen on 'tcp:{port}", output)
+
+    def test_flag_overrides_file(self) -> None:
+        """
+        --endpoint replaces the file's endpoints.
+        """
+        _, sim_url = self.start_sim(model="from-flag")
+        _, url, _ = self.start_server(
+            "--endpoint",
+            f"flag={sim_url}=from-flag",
+            config='[[endpoints]]\nid = "file"\nurl = "http://127.0.0.1:1"\n'
+            'models = ["from-file"]\n',
+        )
+        self.assertEqual([m.id for m in client(url).models.list().data], ["from-flag"])
+
+
+class TLSTests(SynchronousTestCase, Processes):
+    """
+    The client listener over TLS through an ssl: endpoint string.
+    """
+
+    timeout = 60
+
+    def test_tls_offers_h2(self) -> None:
+        """
+        An ssl: listener negotiates HTTP/2 over ALPN and serves over it.
+        """
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        from tests.certs import self_signed
+
+        directory = tempfile.mkdtemp()
+        key, cert = self_signed(directory, "127.0.0.1")
+        _, sim_url = self.start_sim()
+        _, url, _ = self.start_server(
+            "--endpoint",
+            f"s={sim_url}=sim-model",
+            "--listen",
+            f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
+        )
+        port = int(url.rsplit(":", 1)[1])
+        context = ssl.create_default_context(cafile=cert)
+        context.set_alpn_protocols(["h2", "http/1.1"])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+                self.assertEqual(tls.selected_alpn_protocol(), "h2")
+                connection = h2.connection.H2Connection(
+                    h2.config.H2Configuration(client_side=True)
+                )
+                connection.initiate_connection()
+                connection.send_headers(
+                    1,
+                    [
+                        (":method", "GET"),
+                        (":path", "/v1/models"),
+                        (":authority", "127.0.0.1"),
+                        (":scheme", "https"),
+                    ],
+                    end_stream=True,
+                )
+                tls.sendall(connection.data_to_send())
+                body = b""
+                status = None
+                ended = False
+                while not ended:
+                    data = tls.recv(65536)
+                    self.assertTrue(data, "connection closed")
+                    for event in connection.receive_data(data):
+                        if isinstance(event, h2.events.ResponseReceived):
+                            status = dict(event.headers)[b":status"]
+                        elif isinstance(event, h2.events.DataReceived):
+                            body += event.data
+                        elif isinstance(event, h2.events.StreamEnded):
+                            ended = True
+                    tls.sendall(connection.data_to_send())
+        self.assertEqual(status, b"200")
+        self.assertEqual(json.loads(body)["data"][0]["id"], "sim-model")

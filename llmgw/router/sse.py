@@ -43,13 +43,10 @@ class SSEParser:
     Feed it bytes with L{feed}; it returns the events completed by them.
     """
 
-    __slots__ = ("_partial", "_skip_lf", "_offset", "_data", "_event", "_has_data")
+    __slots__ = ("_partial", "_offset", "_data", "_event", "_has_data")
 
     def __init__(self) -> None:
         self._partial = b""
-        # The last piece ended in CR: an LF at the start of the next one
-        # belongs to the same line ending.
-        self._skip_lf = False
         self._offset = 0
         self._data: list[bytes] = []
         self._event: bytes | None = None
@@ -58,28 +55,24 @@ class SSEParser:
     def feed(self, chunk: bytes) -> list[Event]:
         """
         @param chunk: the next bytes of the stream, possibly empty.
-        @return: the events whose blank line is in C{chunk}, in order.
+        @return: the events whose blank line is complete with C{chunk}, in
+            order.  A CR that ends the bytes so far waits for the next
+            piece: it may be the first half of a CRLF, and an event's end
+            offset must not depend on where the stream was cut.
         """
-        start_offset = self._offset
-        self._offset += len(chunk)
-        if self._skip_lf and chunk:
-            self._skip_lf = False
-            if chunk[:1] == b"\n":
-                chunk = chunk[1:]
-                start_offset += 1
-        if not chunk:
-            return []
         partial = self._partial
         buffer = partial + chunk if partial else chunk
-        # Offsets below are positions in buffer; buffer[0] is at base.
-        base = start_offset - len(partial)
+        # buffer[0] is at stream offset base.
+        base = self._offset - len(partial)
+        self._offset += len(chunk)
+        limit = len(buffer)
+        if limit and buffer[limit - 1] == 0x0D:
+            limit -= 1
         events: list[Event] = []
         position = 0
-        for match in _LINE_END.finditer(buffer):
+        for match in _LINE_END.finditer(buffer, 0, limit):
             line = buffer[position : match.start()]
             position = match.end()
-            if match.group() == b"\r" and position == len(buffer):
-                self._skip_lf = True
             if line:
                 self._field(line)
             elif self._has_data:

@@ -1,0 +1,127 @@
+"""
+Configuration parsing and validation.
+"""
+
+from __future__ import annotations
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.config import (
+    ConfigError,
+    ServerConfig,
+    finish_config,
+    parse_config,
+    parse_duration,
+    parse_endpoint_flag,
+    parse_size,
+)
+
+
+class ConfigTests(SynchronousTestCase):
+    def test_durations(self) -> None:
+        """
+        Durations take ms, s, m and h, or plain seconds.
+        """
+        self.assertEqual(parse_duration("k", "250ms"), 0.25)
+        self.assertEqual(parse_duration("k", "5s"), 5.0)
+        self.assertEqual(parse_duration("k", "2m"), 120.0)
+        self.assertEqual(parse_duration("k", "1h"), 3600.0)
+        self.assertEqual(parse_duration("k", 3), 3.0)
+        for bad in ("5", "5x", "-1s", "", True, [1]):
+            with self.assertRaises(ConfigError) as raised:
+                parse_duration("router.idle_timeout", bad)
+            self.assertIn("router.idle_timeout", str(raised.exception))
+            self.assertIn(repr(bad), str(raised.exception))
+
+    def test_sizes(self) -> None:
+        """
+        Sizes take bytes or a unit.
+        """
+        self.assertEqual(parse_size("k", "32MiB"), 32 * 1024 * 1024)
+        self.assertEqual(parse_size("k", 100), 100)
+        self.assertEqual(parse_size("k", "4KB"), 4000)
+        for bad in ("32 potatoes", 0, -1, "0B"):
+            self.assertRaises(ConfigError, parse_size, "k", bad)
+
+    def test_full(self) -> None:
+        """
+        A complete file parses into the settings it names.
+        """
+        config = parse_config(
+            {
+                "listen": "tcp:8000",
+                "router": {"connect_timeout": "1s", "max_retries": 4},
+                "endpoints": [
+                    {"id": "a", "url": "http://h:1/", "models": ["m", "n"], "weight": 2}
+                ],
+            }
+        )
+        self.assertEqual(config.listen, "tcp:8000")
+        self.assertEqual(config.admin_listen, ServerConfig().admin_listen)
+        self.assertEqual(config.router.connect_timeout, 1.0)
+        self.assertEqual(config.router.max_retries, 4)
+        self.assertEqual(config.router.first_byte_timeout, 300.0)
+        (endpoint,) = config.endpoints
+        self.assertEqual(
+            (endpoint.url, endpoint.models, endpoint.weight),
+            ("http://h:1", ("m", "n"), 2.0),
+        )
+
+    def test_errors_name_key_and_value(self) -> None:
+        """
+        Each kind of mistake names where it is and what was given.
+        """
+        cases = [
+            ({"lissen": "x"}, "lissen: unknown key"),
+            ({"router": {"retries": 1}}, "router.retries: unknown key"),
+            (
+                {"endpoints": [{"id": "a", "models": ["m"]}]},
+                "endpoints[0].url: missing",
+            ),
+            (
+                {"endpoints": [{"id": "a", "url": "localhost:80", "models": ["m"]}]},
+                "endpoints[0].url: bad URL 'localhost:80'",
+            ),
+            (
+                {"endpoints": [{"id": "a", "url": "http://h", "models": []}]},
+                "endpoints[0].models",
+            ),
+            (
+                {
+                    "endpoints": [
+                        {"id": "a", "url": "http://h", "models": ["m"], "weight": 0}
+                    ]
+                },
+                "endpoints[0].weight",
+            ),
+            ({"router": {"max_retries": -1}}, "router.max_retries"),
+        ]
+        for data, message in cases:
+            with self.assertRaises(ConfigError) as raised:
+                parse_config(data)
+            self.assertIn(message, str(raised.exception))
+            self.assertNotIn("\n", str(raised.exception))
+
+    def test_endpoint_flag(self) -> None:
+        """
+        --endpoint id=URL=model[,model], with = allowed inside the URL.
+        """
+        endpoint = parse_endpoint_flag("a=http://h:1/x?y=1=m1,m2".replace("?y=1", ""))
+        self.assertEqual(
+            (endpoint.id, endpoint.url, endpoint.models),
+            ("a", "http://h:1/x", ("m1", "m2")),
+        )
+        for bad in ("a", "a=http://h", "=http://h=m", "a=notaurl=m"):
+            self.assertRaises(ConfigError, parse_endpoint_flag, bad)
+
+    def test_finish(self) -> None:
+        """
+        Duplicate ids and an empty endpoint list are refused.
+        """
+        with self.assertRaises(ConfigError) as raised:
+            finish_config(ServerConfig())
+        self.assertIn("nothing to serve", str(raised.exception))
+        twice = parse_config(
+            {"endpoints": [{"id": "a", "url": "http://h", "models": ["m"]}] * 2}
+        )
+        self.assertRaises(ConfigError, finish_config, twice)

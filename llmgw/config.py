@@ -57,6 +57,8 @@ class RouterConfig:
     max_retries: int = 2
     eject_cooldown: float = 10.0
     max_idle_connections: int = 256
+    # On stop, requests in flight get this long to finish.
+    drain_timeout: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,7 @@ def _router(table: object) -> RouterConfig:
         "idle_timeout",
         "total_timeout",
         "eject_cooldown",
+        "drain_timeout",
     }
     counts = {"max_retries", "max_idle_connections"}
     _check_keys("router", table, durations | counts | {"max_body_size"})

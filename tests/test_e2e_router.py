@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -577,3 +578,36 @@ class TLSTests(SynchronousTestCase, Processes):
                     tls.sendall(connection.data_to_send())
         self.assertEqual(status, b"200")
         self.assertEqual(json.loads(body)["data"][0]["id"], "sim-model")
+
+
+class ShutdownTests(SynchronousTestCase, Processes):
+    """
+    Stopping the server.
+    """
+
+    timeout = 60
+
+    def test_sigterm_drains_streams(self) -> None:
+        """
+        On SIGTERM the server stops accepting connections, lets a stream in
+        flight run to its end, then exits as a process stopped by SIGTERM, without error.
+        """
+        _, sim_url = self.start_sim("--itl", "0.05")
+        server, url, _ = self.start_server("--endpoint", f"s={sim_url}=sim-model")
+        port = int(url.rsplit(":", 1)[1])
+        stream = client(url).chat.completions.create(
+            model="sim-model", messages=MESSAGES, max_tokens=40, stream=True
+        )
+        chunks = [next(iter(stream))]
+        server.popen.send_signal(signal.SIGTERM)
+        server.wait_for("draining: waiting up to")
+        with self.assertRaises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        chunks.extend(stream)
+        self.assertEqual(
+            len([c for c in chunks if c.choices and c.choices[0].delta.content]), 40
+        )
+        # twistd ends by re-raising the signal it stopped on, as a process
+        # killed by it would (systemd counts that as a clean stop).
+        self.assertEqual(server.popen.wait(10), -signal.SIGTERM)
+        self.assertNotIn("Traceback", server.output())

@@ -15,7 +15,7 @@ from typing import Protocol as TypingProtocol
 
 from klein import Klein
 from treq.client import HTTPClient
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.logger import Logger
@@ -666,6 +666,36 @@ class Router:
         self.metrics = metrics
         self.usage = usage
         self.created = int(time.time())
+        self.in_flight = 0
+        self._idle_waiters: list[Deferred[None]] = []
+
+    def drain(self, timeout: float) -> Deferred[None]:
+        """
+        Wait for the requests in flight to finish, for at most C{timeout}
+        seconds; call once the listener stopped accepting new ones.
+
+        @return: fires with L{None} when none is left or the time is up.
+        """
+        if self.in_flight == 0:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._idle_waiters.append(waiter)
+        timer = self.clock.callLater(timeout, self._stop_waiting, waiter)
+        waiter.addBoth(lambda result: timer.cancel() if timer.active() else None)
+        self.log.info(
+            "draining: waiting up to {timeout}s for {count} requests in flight",
+            timeout=timeout,
+            count=self.in_flight,
+        )
+        return waiter
+
+    def _stop_waiting(self, waiter: Deferred[None]) -> None:
+        if waiter in self._idle_waiters:
+            self._idle_waiters.remove(waiter)
+            self.log.warn(
+                "drain timed out with {count} requests in flight", count=self.in_flight
+            )
+            waiter.callback(None)
 
     def _error(self, request: IRequest, error: APIError) -> bytes:
         request.setResponseCode(error.status)
@@ -678,6 +708,7 @@ class Router:
         exchange = _Exchange(self, request, path)
         metrics = self.metrics
         metrics.in_flight.inc()
+        self.in_flight += 1
         status = 500
         try:
             result = await exchange.run()
@@ -700,6 +731,11 @@ class Router:
         finally:
             exchange.finish()
             metrics.in_flight.dec()
+            self.in_flight -= 1
+            if self.in_flight == 0 and self._idle_waiters:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for waiter in waiters:
+                    waiter.callback(None)
             record = exchange.record(status)
             # Only configured names become labels: a client must not be able
             # to grow the metrics without bound by inventing model names.

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
@@ -33,6 +33,8 @@ from llmgw.router.balancer import Balancer, Endpoint
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.upstream import make_upstream_client
 from llmgw.server.admin import Admin
+
+log = Logger(namespace="llmgw.server")
 
 
 class Options(usage.Options):
@@ -97,6 +99,25 @@ class Options(usage.Options):
         return finish_config(config)
 
 
+class _OrderedService(MultiService):
+    """
+    Stops its children one after the other, last added first, each once
+    the one before has finished stopping (L{MultiService} stops them all at
+    once, which would close the upstream pool under the streams draining).
+    """
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        return Deferred.fromCoroutine(self._stop_in_order())
+
+    async def _stop_in_order(self) -> None:
+        for service in reversed(list(self)):
+            try:
+                await maybeDeferred(service.stopService)
+            except Exception:
+                log.failure("stopping {service}", service=service)
+
+
 class _ListeningService(Service):
     """
     Owns a port that is already listening; stops listening on stop.
@@ -108,6 +129,21 @@ class _ListeningService(Service):
     def stopService(self) -> Deferred[None] | None:
         super().stopService()  # type: ignore[no-untyped-call]
         return self._port.stopListening()
+
+
+class _DrainService(Service):
+    """
+    On stop, after the listeners closed, lets the router's requests in
+    flight finish (bounded by C{[router] drain_timeout}).
+    """
+
+    def __init__(self, router: Router, timeout: float) -> None:
+        self._router = router
+        self._timeout = timeout
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()  # type: ignore[no-untyped-call]
+        return self._router.drain(self._timeout)
 
 
 class _PoolService(Service):
@@ -148,9 +184,6 @@ def _listen(reactor: Any, key: str, description: str, factory: Site) -> IListeni
     return result  # type: ignore[no-any-return]
 
 
-log = Logger(namespace="llmgw.server")
-
-
 def makeService(options: Options) -> IService:
     """
     Build the server: the client API listener, the admin listener, and the
@@ -187,10 +220,11 @@ def makeService(options: Options) -> IService:
         sys.stderr.flush()
         raise SystemExit(1) from None
 
-    top = MultiService()
+    top = _OrderedService()  # type: ignore[no-untyped-call]
     # MultiService stops its children in reverse order: listeners first,
-    # the pool last.
+    # then the requests in flight drain, then the pool closes.
     _PoolService(pool).setServiceParent(top)  # type: ignore[no-untyped-call]
+    _DrainService(router, settings.drain_timeout).setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(router_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     # The bound addresses, not the configured strings: with port 0 this is

@@ -362,6 +362,50 @@ class BalancingTests(SynchronousTestCase, Processes):
         )
         self.assertIn('llmgw_retries_total{model="sim-model"} 1.0', metrics.decode())
 
+    def test_connect_timeout(self) -> None:
+        """
+        A replica that never completes the TCP handshake costs
+        connect_timeout: alone it gives a 504 coded connect_timeout; beside
+        a live replica, the request is retried there and succeeds.
+        """
+        blackhole = socket.socket()
+        self.addCleanup(blackhole.close)
+        blackhole.bind(("127.0.0.1", 0))
+        # A full accept queue: Linux drops further SYNs, so connecting hangs.
+        blackhole.listen(0)
+        port = blackhole.getsockname()[1]
+        for _ in range(3):
+            filler = socket.socket()
+            self.addCleanup(filler.close)
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        config = '[router]\nconnect_timeout = "500ms"\n'
+        _, alone_url, _ = self.start_server(
+            "--endpoint", f"hole=http://127.0.0.1:{port}=sim-model", config=config
+        )
+        started = time.monotonic()
+        with self.assertRaises(openai.APIStatusError) as raised:
+            client(alone_url).chat.completions.create(
+                model="sim-model", messages=MESSAGES
+            )
+        self.assertEqual(raised.exception.status_code, 504)
+        self.assertEqual(raised.exception.code, "connect_timeout")
+        self.assertLess(time.monotonic() - started, 5)
+
+        _, sim_url = self.start_sim()
+        _, url, _ = self.start_server(
+            "--endpoint",
+            f"hole=http://127.0.0.1:{port}=sim-model",
+            "--endpoint",
+            f"live={sim_url}=sim-model",
+            config=config,
+        )
+        for _ in range(4):
+            client(url).chat.completions.create(
+                model="sim-model", messages=MESSAGES, max_tokens=2
+            )
+        self.assertEqual(sim_stats(sim_url)["requests_total"], 4)
+
     def test_retry_on_503(self) -> None:
         """
         A replica answering 503 before the first byte is skipped for another.

@@ -169,6 +169,31 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
         self.assertIn("not valid JSON", error["message"])
         self.assertEqual(set(error), {"message", "type", "param", "code"})
 
+    def test_hostile_bodies(self) -> None:
+        """
+        Bodies that are JSON but not a request, nested past the parser's
+        depth, or naming a huge model get 400 or 404 error objects, and the
+        server keeps serving.
+        """
+        cases = [
+            (b"[1, 2]", 400, "must be a JSON object"),
+            (b'{"messages": []}', 400, "model parameter"),
+            (b'{"model": "sim-model", "stream": "yes"}', 400, "'stream'"),
+            (b"[" * 100000 + b"]" * 100000, 400, "nested too deeply"),
+            (b'{"model": "' + b"m" * 100000 + b'"}', 404, "does not exist"),
+            (b"\xff\xfe{}", 400, "not valid JSON"),
+        ]
+        for body, status, fragment in cases:
+            code, headers, answer = http(
+                "POST", self.url + "/v1/chat/completions", body
+            )
+            self.assertEqual(code, status, body[:40])
+            error = json.loads(answer)["error"]
+            self.assertIn(fragment, error["message"])
+            self.assertLess(len(answer), 2000)
+        self.assertNotIn("Traceback", self.server.output())
+        self.gateway.models.list()
+
     def test_request_id(self) -> None:
         """
         X-Request-ID is returned as given, or made when absent.
@@ -634,7 +659,8 @@ class ShutdownTests(SynchronousTestCase, Processes):
     def test_sigterm_drains_streams(self) -> None:
         """
         On SIGTERM the server stops accepting connections, lets a stream in
-        flight run to its end, then exits as a process stopped by SIGTERM, without error.
+        flight run to its end, then exits as a process stopped by SIGTERM,
+        without error.
         """
         _, sim_url = self.start_sim("--itl", "0.05")
         server, url, _ = self.start_server("--endpoint", f"s={sim_url}=sim-model")

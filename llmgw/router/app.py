@@ -295,6 +295,8 @@ class _Exchange:
             payload = json.loads(self.body)
         except ValueError as e:
             raise bad_request(f"The request body is not valid JSON: {e}.") from None
+        except RecursionError:
+            raise bad_request("The request body is nested too deeply.") from None
         if not isinstance(payload, dict):
             raise bad_request("The request body must be a JSON object.")
         model = payload.get("model")

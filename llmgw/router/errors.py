@@ -68,6 +68,8 @@ def model_not_found(model: str) -> APIError:
     """
     @return: the 404 OpenAI returns for an unknown model.
     """
+    if len(model) > 200:
+        model = model[:200] + "..."
     return APIError(
         404,
         f"The model {model!r} does not exist.",

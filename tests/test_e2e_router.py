@@ -196,7 +196,8 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
 
     def test_request_id(self) -> None:
         """
-        X-Request-ID is returned as given, or made when absent.
+        X-Request-ID is returned as given, or made when absent, and
+        forwarded to the engine either way.
         """
         response = self.gateway.chat.completions.with_raw_response.create(
             model="sim-model",
@@ -205,10 +206,15 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
             extra_headers={"X-Request-ID": "trace-42"},
         )
         self.assertEqual(response.headers["x-request-id"], "trace-42")
+        self.assertEqual(sim_stats(self.sim_url)["last_request_id"], "trace-42")
         response = self.gateway.chat.completions.with_raw_response.create(
             model="sim-model", messages=MESSAGES, max_tokens=2
         )
         self.assertRegex(response.headers["x-request-id"], r"^[0-9a-f]{32}$")
+        self.assertEqual(
+            sim_stats(self.sim_url)["last_request_id"],
+            response.headers["x-request-id"],
+        )
 
     def test_disconnect_cancels_upstream(self) -> None:
         """

@@ -368,13 +368,16 @@ class SimStats:
     @ivar requests_by_path: the same, by URL path.
     @ivar streams_started: streams whose headers were sent.
     @ivar streams_completed: streams that ended with C{[DONE]}.
-    @ivar streams_cancelled: streams whose client went away before the end.
+    @ivar streams_cancelled: C{"stream": true} requests whose client went
+        away before the end (in the queue, in a stall or mid-stream).
     @ivar streams_dropped: streams aborted by a C{drop_after_chunks} fault.
     @ivar requests_cancelled: chat, completion and embedding requests, streamed
         or not, whose client went away before the response ended.
     @ivar last_cancel_time: POSIX seconds (the reactor's clock) of the last
         such loss, or None.
     @ivar connections_open: HTTP connections now open; not reset.
+    @ivar last_request_id: the C{X-Request-ID} header of the last counted
+        request, or None, so a test can see that a gateway forwards it.
     """
 
     requests_total: int = 0
@@ -386,6 +389,7 @@ class SimStats:
     requests_cancelled: int = 0
     last_cancel_time: float | None = None
     connections_open: int = 0
+    last_request_id: str | None = None
 
     def reset(self) -> None:
         """
@@ -399,6 +403,7 @@ class SimStats:
         self.streams_dropped = 0
         self.requests_cancelled = 0
         self.last_cancel_time = None
+        self.last_request_id = None
 
 
 class Simulator:
@@ -472,4 +477,5 @@ class Simulator:
             "requests_cancelled": s.requests_cancelled,
             "last_cancel_time": s.last_cancel_time,
             "connections_open": s.connections_open,
+            "last_request_id": s.last_request_id,
         }

@@ -55,6 +55,12 @@ BYTE_GAP = 0.002
 Seconds between single-byte writes under the C{byte_writes} fault.
 """
 
+DROP_DELAY = 0.01
+"""
+Seconds between the last event before a C{drop_after_chunks} fault and the
+abort, for the events to leave the transport's buffer.
+"""
+
 _JSON = [b"application/json"]
 _SSE = [b"text/event-stream"]
 _NO_CACHE = [b"no-cache"]
@@ -116,7 +122,6 @@ class _Exchange:
         "_waiter",
         "_watching",
         "_holding",
-        "_headers_sent",
         "_done",
     )
 
@@ -174,7 +179,6 @@ class _Exchange:
         self._waiter: Deferred[None] | None = None
         self._watching = False
         self._holding = False
-        self._headers_sent = False
         self._done = False
 
     def start(self) -> None:
@@ -204,40 +208,30 @@ class _Exchange:
         request = self._request
         status = self._faults.status
         if status is not None:
-            self._done = True
-            body = error_body(
-                f"simulated fault: status {status}",
-                error_type_for(status),
-                None,
-                "llmgw_sim_fault",
+            self._fail(
+                status,
+                error_body(
+                    f"simulated fault: status {status}",
+                    error_type_for(status),
+                    None,
+                    "llmgw_sim_fault",
+                ),
             )
-            request.setResponseCode(status)
-            request.responseHeaders.setRawHeaders(b"content-type", _JSON)
-            request.responseHeaders.setRawHeaders(
-                b"content-length", [b"%d" % len(body)]
-            )
-            request.write(body)
-            request.finish()
             return
         waiter = None
         if self._uses_slot:
             try:
                 waiter = self._sim.scheduler.acquire()
             except QueueFull:
-                self._done = True
-                body = ApiError(
+                self._fail(
                     503,
-                    "the simulated engine's queue is full",
-                    type="server_error",
-                    code="queue_full",
-                ).body()
-                request.setResponseCode(503)
-                request.responseHeaders.setRawHeaders(b"content-type", _JSON)
-                request.responseHeaders.setRawHeaders(
-                    b"content-length", [b"%d" % len(body)]
+                    ApiError(
+                        503,
+                        "the simulated engine's queue is full",
+                        type="server_error",
+                        code="queue_full",
+                    ).body(),
                 )
-                request.write(body)
-                request.finish()
                 return
             if waiter is None:
                 self._holding = True
@@ -246,7 +240,6 @@ class _Exchange:
             headers.setRawHeaders(b"content-type", _SSE)
             headers.setRawHeaders(b"cache-control", _NO_CACHE)
             request.write(b"")
-            self._headers_sent = True
             self._sim.stats.streams_started += 1
         else:
             headers.setRawHeaders(b"content-type", _JSON)
@@ -257,6 +250,15 @@ class _Exchange:
             self._watch()
             self._waiter = waiter
             waiter.addCallbacks(self._admitted, self._not_admitted)
+
+    def _fail(self, status: int, body: bytes) -> None:
+        self._done = True
+        request = self._request
+        request.setResponseCode(status)
+        request.responseHeaders.setRawHeaders(b"content-type", _JSON)
+        request.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
+        request.write(body)
+        request.finish()
 
     def _admitted(self, _: None) -> None:
         self._waiter = None
@@ -374,10 +376,16 @@ class _Exchange:
         self._done = True
         if self._stream:
             self._sim.stats.streams_dropped += 1
-        self._cancel_pending()
         if self._uses_slot:
             self._sim.metrics.generation_tokens.inc(self._tokens_sent())
         self._release()
+        # Aborting discards what the transport has not sent yet: let the N
+        # events leave first.
+        self._watch()
+        self._call = self._sim.clock.callLater(DROP_DELAY, self._abort)
+
+    def _abort(self) -> None:
+        self._call = None
         transport: Any = self._request.transport
         transport.abortConnection()
 
@@ -385,14 +393,14 @@ class _Exchange:
         """
         The client went away before the end: stop at once and free the slot.
         """
+        self._cancel_pending()
         if self._done:
             return
         self._done = True
-        self._cancel_pending()
         stats = self._sim.stats
         stats.requests_cancelled += 1
         stats.last_cancel_time = self._sim.clock.seconds()
-        if self._headers_sent:
+        if self._stream:
             stats.streams_cancelled += 1
         if self._uses_slot:
             self._sim.metrics.generation_tokens.inc(self._tokens_sent())
@@ -444,9 +452,13 @@ class SimResource(Resource):
             ),
         )
 
-    def _count(self, path: bytes) -> None:
+    def _count(self, path: bytes, request: Request) -> None:
         stats = self._sim.stats
         stats.requests_total += 1
+        request_id = request.getHeader(b"x-request-id")
+        stats.last_request_id = (
+            request_id.decode("ascii", "replace") if request_id is not None else None
+        )
         key = path.decode("ascii")
         stats.requests_by_path[key] = stats.requests_by_path.get(key, 0) + 1
 
@@ -463,7 +475,7 @@ class SimResource(Resource):
         return self._generate(request, "completion", COMPLETIONS_PATH)
 
     def _generate(self, request: Request, kind: Kind, path: bytes) -> bytes | int:
-        self._count(path)
+        self._count(path, request)
         sim = self._sim
         try:
             req = parse_generation(kind, _body(request))
@@ -512,7 +524,7 @@ class SimResource(Resource):
         )
 
     def _embeddings(self, request: Request) -> bytes | int:
-        self._count(EMBEDDINGS_PATH)
+        self._count(EMBEDDINGS_PATH, request)
         sim = self._sim
         try:
             req = parse_embeddings(_body(request))

@@ -456,6 +456,22 @@ class _Exchange:
         if response.length == 0:
             self._got_bytes()
             return b""
+        await self._receive_body(
+            response,
+            on_data,
+            "The replica closed the connection in the middle of its answer.",
+        )
+        return b"".join(chunks)
+
+    async def _receive_body(
+        self, response: Any, on_data: Callable[[bytes], None], broken: str
+    ) -> None:
+        """
+        Hand the replica's body to C{on_data} chunk by chunk until it ends.
+
+        @param broken: the message if the replica breaks the exchange.
+        @raise APIError: a deadline passed (504) or the exchange broke (502).
+        """
         self.reader = reader = _BodyReader(on_data)
         response.deliverBody(reader)
         self.waiting = reader.done
@@ -468,13 +484,10 @@ class _Exchange:
                 self.router.metrics.upstream_errors.labels("timeout").inc()
                 raise self._deadline_error() from None
             self.router.metrics.upstream_errors.labels("broken").inc()
-            raise upstream_failed(
-                "The replica closed the connection in the middle of its answer."
-            ) from None
+            raise upstream_failed(broken) from None
         finally:
             self.waiting = None
             self.reader = None
-        return b"".join(chunks)
 
     def _answer_whole(self, status: int, content_type: bytes, body: bytes) -> bytes:
         if 200 <= status < 300:
@@ -560,30 +573,16 @@ class _Exchange:
             del pending[:event_start]
             base += event_start
 
-        self.reader = reader = _BodyReader(on_data)
-        response.deliverBody(reader)
-        self.waiting = reader.done
         try:
-            await reader.done
-        except Exception:
-            if self.client_gone:
-                raise
-            if self.expired:
-                self.router.metrics.upstream_errors.labels("timeout").inc()
-                error = self._deadline_error()
-            else:
-                self.router.metrics.upstream_errors.labels("broken").inc()
-                error = upstream_failed(
-                    "The replica closed the stream before it ended."
-                )
+            await self._receive_body(
+                response, on_data, "The replica closed the stream before it ended."
+            )
+        except APIError as error:
             if not self.headers_sent:
-                raise error from None
+                raise
             self.status = error.status
             request.write(error.sse_event())
             return None
-        finally:
-            self.waiting = None
-            self.reader = None
         if pending:
             self._write(bytes(pending))
         return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -44,7 +44,6 @@ class Replica:
     endpoint: Endpoint
     outstanding: int = 0
     ejected_until: float = 0.0
-    requests_total: int = field(default=0)
 
     @property
     def id(self) -> str:
@@ -53,6 +52,13 @@ class Replica:
     @property
     def url(self) -> str:
         return self.endpoint.url
+
+    @property
+    def url_bytes(self) -> bytes:
+        """
+        The base URL, ASCII, for the HTTP client.
+        """
+        return self.endpoint.url.encode("ascii")
 
 
 class Balancer:

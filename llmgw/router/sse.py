@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """
-    One dispatched event.
+    One dispatched event (a tuple: one is made per chunk of every stream).
 
     @ivar event: the C{event} field, or L{None} for the default type.
     @ivar data: the C{data} fields joined by LF, as raw UTF-8 bytes.
@@ -61,6 +59,15 @@ class SSEParser:
             offset must not depend on where the stream was cut.
         """
         partial = self._partial
+        if (
+            not partial
+            and not self._has_data
+            and self._event is None
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+            and b"\n\n\n" not in chunk
+        ):
+            return self._whole_events(chunk)
         buffer = partial + chunk if partial else chunk
         # buffer[0] is at stream offset base.
         base = self._offset - len(partial)
@@ -87,6 +94,27 @@ class SSEParser:
         self._partial = buffer[position:]
         return events
 
+    def _whole_events(self, chunk: bytes) -> list[Event]:
+        # The common case, as engines write: whole events, LF endings, one
+        # blank line between events.  Same result as the general path.
+        events: list[Event] = []
+        end = self._offset
+        self._offset += len(chunk)
+        for block in chunk[:-2].split(b"\n\n"):
+            end += len(block) + 2
+            if block[:6] == b"data: " and b"\n" not in block:
+                events.append(Event(None, block[6:], end))
+                continue
+            for line in block.split(b"\n"):
+                if line:
+                    self._field(line)
+            if self._has_data:
+                events.append(Event(self._event, b"\n".join(self._data), end))
+                self._data = []
+                self._has_data = False
+            self._event = None
+        return events
+
     def _field(self, line: bytes) -> None:
         if line[0] == 0x3A:  # ":" starts a comment
             return
@@ -100,7 +128,7 @@ class SSEParser:
             self._event = value
 
 
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_OBJECT_VALUE = re.compile(rb"\s*:\s*\{")
 
 
 def usage_of(data: bytes) -> tuple[dict[str, Any], bool] | None:
@@ -115,7 +143,8 @@ def usage_of(data: bytes) -> tuple[dict[str, Any], bool] | None:
     @return: C{(usage, usage_only)}, C{usage_only} true when the event has no
         choices (the chunk added for usage alone), or L{None}.
     """
-    if _USAGE_OBJECT.search(data) is None:
+    at = data.find(b'"usage"')
+    if at < 0 or _OBJECT_VALUE.match(data, at + 7) is None:
         return None
     try:
         chunk = json.loads(data)

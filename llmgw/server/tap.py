@@ -198,13 +198,13 @@ def makeService(options: Options) -> IService:
     balancer.set_endpoints(
         Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints
     )
-    client, pool = make_upstream_client(
+    agent, pool = make_upstream_client(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
     router = Router(
         reactor,
         balancer,
-        client,
+        agent,
         settings,
         RouterMetrics(registry),
         LogUsageSink(),

@@ -23,6 +23,18 @@ STREAM = (
     "data: [DONE]\n\n"
 ).encode("utf-8")
 
+# As engines write it: LF only, mostly one data line per event.
+STREAM_LF = (
+    b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
+    b": comment\n\n"
+    b"event: message\ndata: one\ndata: two\n\n"
+    b"data: \xe6\x97\xa5\n\n"
+    b"id: 7\n\n"
+    b"data:no-space\n\n\n"
+    b'data: {"choices":[],"usage":{"prompt_tokens":1}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
 
 def feed_all(pieces: list[bytes]) -> list[Event]:
     parser = SSEParser()
@@ -84,6 +96,33 @@ class SSEParserTests(SynchronousTestCase):
             for a, b in zip([0, *points], [*points, len(STREAM)], strict=True)
         ]
         self.assertEqual(feed_all(pieces), feed_all([STREAM]))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(min_value=0, max_value=len(STREAM_LF)), max_size=12))
+    def test_any_split_lf(self, cuts: list[int]) -> None:
+        """
+        An LF-only stream, where whole-event pieces take the fast path, gives
+        the same events however it is cut, and the expected ones.
+        """
+        points = sorted(set(cuts))
+        pieces = [
+            STREAM_LF[a:b]
+            for a, b in zip([0, *points], [*points, len(STREAM_LF)], strict=True)
+        ]
+        events = feed_all(pieces)
+        self.assertEqual(events, feed_all([STREAM_LF]))
+        self.assertEqual(
+            [(e.event, e.data) for e in events],
+            [
+                (None, b'{"choices":[{"delta":{"content":"a"}}],"usage":null}'),
+                (b"message", b"one\ntwo"),
+                (None, "\u65e5".encode()),
+                (None, b"no-space"),
+                (None, b'{"choices":[],"usage":{"prompt_tokens":1}}'),
+                (None, b"[DONE]"),
+            ],
+        )
+        self.assertEqual(events[-1].end, len(STREAM_LF))
 
 
 class UsageTests(SynchronousTestCase):

@@ -1,0 +1,605 @@
+"""
+Throughput and latency of llmgw against the floor of its stack.
+
+In one run, against one C{llmgw sim} with no added latency, measures
+requests/s and p50/p99 latency of non-streaming and streaming (16 content
+chunks) chat completions at 32 connections, for three targets:
+
+    - C{direct}: the simulator itself;
+    - C{llmgw}: C{twistd llmgw-server} in front of it;
+    - C{minimal-proxy}: C{bench/minimal_proxy.py} in front of it, the least a
+      Twisted reverse proxy does.
+
+The proxy under test runs on core 0; the simulator and the load generator
+(C{wrk}, else C{bench/pyload.py}) share core 1.  Targets run in alternating
+order over several rounds; each figure reported is the median over rounds.
+The ratios llmgw / minimal-proxy are the result: absolute figures move with
+the machine and its neighbours.
+
+Run::
+
+    .venv/bin/python bench/router_bench.py [--rounds 3] [--duration 10]
+        [--json results.json]
+
+Exit status: 0, or 1 when any request failed (non-2xx, socket errors) or a
+check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from types import FrameType
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BIN = os.path.dirname(sys.executable)
+MODEL = "bench-model"
+CONNECTIONS = 32
+TOKENS = 16
+PATH = "/v1/chat/completions"
+TARGETS = ("direct", "llmgw", "minimal-proxy")
+KINDS = ("non-streaming", "streaming")
+WARMUP = 2.0
+"""
+Seconds of load before each timed run, not measured.
+"""
+
+PROXY_CORE = "0"
+LOAD_CORE = "1"
+START_TIMEOUT = 30.0
+"""
+Seconds a child process has to print its listening line.
+"""
+
+STOP_TIMEOUT = 10.0
+"""
+Seconds between SIGTERM and SIGKILL, and after SIGKILL.
+"""
+
+
+def chat_body(stream: bool) -> bytes:
+    """
+    The request every target gets: C{TOKENS} completion tokens.
+    """
+    return json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say something."}],
+            "max_tokens": TOKENS,
+            "stream": stream,
+        }
+    ).encode("utf-8")
+
+
+class BenchError(Exception):
+    """
+    The benchmark cannot go on: a process did not start, a check failed.
+    """
+
+
+@dataclass
+class Child:
+    """
+    A child process whose stdout and stderr go to C{log_path}.
+    """
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: str
+
+    def output(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        """
+        Wait until the output matches C{pattern}.
+
+        @raise BenchError: the process exited or C{START_TIMEOUT} passed first.
+        """
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            # Only the first lines: the server logs one line per request.
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                match = regex.search(f.read(65536))
+            if match is not None:
+                return match
+            if self.popen.poll() is not None:
+                raise BenchError(
+                    f"{self.name} exited with {self.popen.returncode}:\n"
+                    + self.output()[-3000:]
+                )
+            time.sleep(0.05)
+        raise BenchError(
+            f"{self.name}: no {pattern!r} in {START_TIMEOUT} s:\n"
+            + self.output()[-3000:]
+        )
+
+    def stop(self) -> None:
+        """
+        SIGTERM, then SIGKILL after C{STOP_TIMEOUT} seconds.
+        """
+        if self.popen.poll() is not None:
+            return
+        self.popen.terminate()
+        try:
+            self.popen.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(STOP_TIMEOUT)
+
+
+class Children:
+    """
+    Starts child processes and stops them all, last started first.
+    """
+
+    def __init__(self, directory: str, pin: bool) -> None:
+        self._directory = directory
+        self._pin = pin
+        self._children: list[Child] = []
+
+    def pinned(self, core: str, argv: list[str]) -> list[str]:
+        """
+        C{argv} run on C{core}, when pinning.
+        """
+        return ["taskset", "-c", core, *argv] if self._pin else argv
+
+    def start(self, name: str, core: str, argv: list[str]) -> Child:
+        log_path = os.path.join(self._directory, f"{name}.log")
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                self.pinned(core, argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self._directory,
+            )
+        child = Child(name, popen, log_path)
+        self._children.append(child)
+        return child
+
+    def stop_all(self) -> None:
+        for child in reversed(self._children):
+            try:
+                child.stop()
+            except Exception as e:  # keep stopping the others
+                sys.stderr.write(f"router_bench: stopping {child.name}: {e}\n")
+
+
+def start_targets(children: Children) -> dict[str, int]:
+    """
+    Start the simulator, llmgw and the minimal proxy.
+
+    @return: each target's port on 127.0.0.1.
+    """
+    sim = children.start(
+        "sim",
+        LOAD_CORE,
+        [
+            os.path.join(BIN, "llmgw"),
+            "sim",
+            "--port",
+            "0",
+            "--model",
+            MODEL,
+            "--ttft",
+            "0",
+            "--itl",
+            "0",
+        ],
+    )
+    sim_port = int(sim.wait_for(r"llmgw sim listening on http://127\.0\.0\.1:(\d+)")[1])
+    upstream = f"http://127.0.0.1:{sim_port}"
+    llmgw = children.start(
+        "llmgw",
+        PROXY_CORE,
+        [
+            os.path.join(BIN, "twistd"),
+            "-n",
+            "--pidfile=",
+            "llmgw-server",
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--admin-listen",
+            "tcp:0:interface=127.0.0.1",
+            "--endpoint",
+            f"sim={upstream}={MODEL}",
+        ],
+    )
+    minimal = children.start(
+        "minimal-proxy",
+        PROXY_CORE,
+        [
+            sys.executable,
+            os.path.join(HERE, "minimal_proxy.py"),
+            "--port",
+            "0",
+            "--upstream",
+            upstream,
+        ],
+    )
+    llmgw_port = int(llmgw.wait_for(r"client API listening on 127\.0\.0\.1:(\d+)")[1])
+    minimal_port = int(
+        minimal.wait_for(r"minimal proxy listening on 127\.0\.0\.1:(\d+)")[1]
+    )
+    return {"direct": sim_port, "llmgw": llmgw_port, "minimal-proxy": minimal_port}
+
+
+def post(port: int, body: bytes) -> tuple[int, str, bytes]:
+    """
+    One POST to C{PATH} on 127.0.0.1.
+
+    @return: status, content type and the whole (de-chunked) body.
+    """
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(
+            "POST", PATH, body=body, headers={"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        return response.status, response.getheader("content-type", ""), response.read()
+    finally:
+        connection.close()
+
+
+def check_target(target: str, port: int) -> None:
+    """
+    One request of each kind: a 200 with C{TOKENS} completion tokens, and a
+    200 event stream of C{TOKENS} content chunks ending in C{data: [DONE]}.
+
+    @raise BenchError: otherwise.
+    """
+    status, content_type, body = post(port, chat_body(stream=False))
+    if status != 200:
+        raise BenchError(f"{target}: non-streaming status {status}: {body[:300]!r}")
+    usage = json.loads(body).get("usage") or {}
+    if usage.get("completion_tokens") != TOKENS:
+        raise BenchError(f"{target}: non-streaming usage {usage}, not {TOKENS} tokens")
+
+    status, content_type, body = post(port, chat_body(stream=True))
+    if status != 200:
+        raise BenchError(f"{target}: streaming status {status}: {body[:300]!r}")
+    if not content_type.startswith("text/event-stream"):
+        raise BenchError(f"{target}: streaming content type {content_type!r}")
+    data = [
+        line[len("data: ") :]
+        for line in body.decode("utf-8").split("\n")
+        if line.startswith("data: ")
+    ]
+    if not data or data[-1].strip() != "[DONE]":
+        raise BenchError(f"{target}: stream does not end in data: [DONE]")
+    chunks = 0
+    for event in data[:-1]:
+        for choice in json.loads(event).get("choices") or []:
+            if (choice.get("delta") or {}).get("content"):
+                chunks += 1
+    if chunks != TOKENS:
+        raise BenchError(f"{target}: {chunks} content chunks, not {TOKENS}")
+
+
+@dataclass
+class Run:
+    """
+    One timed run of one target and kind.  Latencies in milliseconds.
+    """
+
+    target: str
+    kind: str
+    round: int
+    requests: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int
+    socket_errors: int
+
+
+_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}
+
+
+def _wrk_latency(output: str, percent: str) -> float:
+    match = re.search(
+        rf"^\s*{percent}(?:\.0+)?%\s+([\d.]+)(us|ms|s|m)\s*$", output, re.M
+    )
+    if match is None:
+        raise BenchError(f"wrk printed no {percent}% latency:\n{output}")
+    return float(match[1]) * _UNITS[match[2]]
+
+
+def parse_wrk(output: str) -> dict[str, float]:
+    """
+    The figures of C{wrk --latency}'s report.
+
+    @return: C{requests}, C{requests_per_s}, C{p50_ms}, C{p99_ms},
+        C{non_2xx}, C{socket_errors}.
+    @raise BenchError: no C{Requests/sec} line.
+    """
+    rate = re.search(r"^Requests/sec:\s+([\d.]+)", output, re.M)
+    total = re.search(r"^\s*(\d+) requests in", output, re.M)
+    if rate is None or total is None:
+        raise BenchError(f"cannot read wrk's report:\n{output}")
+    non_2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", output)
+    errors = re.search(
+        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output
+    )
+    return {
+        "requests": int(total[1]),
+        "requests_per_s": float(rate[1]),
+        "p50_ms": _wrk_latency(output, "50"),
+        "p99_ms": _wrk_latency(output, "99"),
+        "non_2xx": int(non_2xx[1]) if non_2xx else 0,
+        "socket_errors": sum(int(n) for n in errors.groups()) if errors else 0,
+    }
+
+
+def load(
+    children: Children, loadgen: str, port: int, stream: bool, duration: float
+) -> dict[str, float]:
+    """
+    Load 127.0.0.1:C{port} with C{CONNECTIONS} connections for C{duration}
+    seconds, the load generator on C{LOAD_CORE}.
+    """
+    url = f"http://127.0.0.1:{port}{PATH}"
+    body = chat_body(stream)
+    env = dict(os.environ)
+    if loadgen == "wrk":
+        argv = [
+            "wrk",
+            "-t1",
+            f"-c{CONNECTIONS}",
+            f"-d{duration:g}s",
+            "--latency",
+            "-s",
+            os.path.join(HERE, "post.lua"),
+            url,
+        ]
+        env["BENCH_BODY"] = body.decode("utf-8")
+    else:
+        argv = [
+            sys.executable,
+            os.path.join(HERE, "pyload.py"),
+            "--url",
+            url,
+            "--connections",
+            str(CONNECTIONS),
+            "--duration",
+            f"{duration:g}",
+            "--body",
+            body.decode("utf-8"),
+        ]
+    try:
+        result = subprocess.run(
+            children.pinned(LOAD_CORE, argv),
+            capture_output=True,
+            env=env,
+            timeout=duration + 60,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{argv[0]} ran past {duration + 60:g} s") from None
+    output = result.stdout.decode("utf-8", "replace")
+    if result.returncode != 0:
+        raise BenchError(
+            f"{argv[0]} exited with {result.returncode}:\n{output}"
+            + result.stderr.decode("utf-8", "replace")
+        )
+    if loadgen == "wrk":
+        return parse_wrk(output)
+    figures: dict[str, float] = json.loads(output.strip().splitlines()[-1])
+    figures["socket_errors"] = figures.pop("errors")
+    return figures
+
+
+def _median(runs: list[Run], name: str) -> float:
+    return float(statistics.median(getattr(run, name) for run in runs))
+
+
+def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+    """
+    Per target and kind: medians over rounds, errors summed.
+    """
+    rows = []
+    for target in TARGETS:
+        for kind in KINDS:
+            mine = [r for r in runs if r.target == target and r.kind == kind]
+            if not mine:
+                continue
+            rows.append(
+                {
+                    "target": target,
+                    "kind": kind,
+                    "rounds": len(mine),
+                    "requests_per_s": _median(mine, "requests_per_s"),
+                    "p50_ms": _median(mine, "p50_ms"),
+                    "p99_ms": _median(mine, "p99_ms"),
+                    "non_2xx": sum(r.non_2xx for r in mine),
+                    "socket_errors": sum(r.socket_errors for r in mine),
+                }
+            )
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """
+    llmgw / minimal-proxy throughput per kind.
+    """
+    rate = {(r["target"], r["kind"]): r["requests_per_s"] for r in rows}
+    result = {}
+    for kind in KINDS:
+        floor = rate.get(("minimal-proxy", kind))
+        ours = rate.get(("llmgw", kind))
+        if floor and ours is not None:
+            result[kind] = ours / floor
+    return result
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"{'target':<15}{'kind':<15}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
+        f"{'non-2xx':>9}{'sock err':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['target']:<15}{r['kind']:<15}{r['requests_per_s']:>10.1f}"
+            f"{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}"
+            f"{r['non_2xx']:>9}{r['socket_errors']:>9}"
+        )
+
+
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
+    # Unwind through the finally blocks that stop the children.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        description="llmgw vs a minimal Twisted proxy vs the simulator itself."
+    )
+    p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=10.0,
+        help="seconds per timed run (default 10)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the results here")
+    p.add_argument(
+        "--loadgen",
+        choices=("auto", "wrk", "python"),
+        default="auto",
+        help="wrk if installed (auto), or bench/pyload.py",
+    )
+    args = p.parse_args(argv)
+    if not 1 <= args.rounds <= 100 or not 0 < args.duration <= 600:
+        p.error("--rounds must be 1..100 and --duration 0..600 seconds")
+    loadgen = args.loadgen
+    if loadgen == "auto":
+        loadgen = "wrk" if shutil.which("wrk") else "python"
+    if loadgen == "wrk" and not shutil.which("wrk"):
+        p.error("wrk is not installed")
+    pin = shutil.which("taskset") is not None and len(os.sched_getaffinity(0)) >= 2
+    signal.signal(signal.SIGTERM, _raise_exit)
+
+    notes = [
+        f"load generator: {loadgen}, {CONNECTIONS} connections,"
+        f" {args.rounds} rounds x {args.duration:g} s, {WARMUP:g} s warm-up each",
+        "pinning: proxy under test on core 0; simulator and load generator on"
+        " core 1; direct runs share core 1 with the load generator"
+        if pin
+        else "pinning: OFF (no taskset or fewer than 2 cores): figures are noisier",
+    ]
+    for note in notes:
+        print(note)
+
+    directory = tempfile.mkdtemp(prefix="llmgw-bench-")
+    children = Children(directory, pin)
+    runs: list[Run] = []
+    failed = False
+    try:
+        ports = start_targets(children)
+        for target in TARGETS:
+            check_target(target, ports[target])
+        print("checks: 200s, 16 content chunks and data: [DONE] through every target")
+        for round_ in range(args.rounds):
+            order = TARGETS if round_ % 2 == 0 else TARGETS[::-1]
+            kinds = KINDS if round_ % 2 == 0 else KINDS[::-1]
+            for target in order:
+                for kind in kinds:
+                    stream = kind == "streaming"
+                    load(children, loadgen, ports[target], stream, WARMUP)
+                    figures = load(
+                        children, loadgen, ports[target], stream, args.duration
+                    )
+                    run = Run(
+                        target=target,
+                        kind=kind,
+                        round=round_ + 1,
+                        requests=int(figures["requests"]),
+                        requests_per_s=figures["requests_per_s"],
+                        p50_ms=figures["p50_ms"],
+                        p99_ms=figures["p99_ms"],
+                        non_2xx=int(figures["non_2xx"]),
+                        socket_errors=int(figures["socket_errors"]),
+                    )
+                    runs.append(run)
+                    print(
+                        f"round {run.round} {target:<14} {kind:<14}"
+                        f" {run.requests_per_s:9.1f} req/s  p50 {run.p50_ms:7.2f} ms"
+                        f"  p99 {run.p99_ms:7.2f} ms"
+                        + (f"  NON-2XX {run.non_2xx}" if run.non_2xx else "")
+                        + (
+                            f"  SOCKET ERRORS {run.socket_errors}"
+                            if run.socket_errors
+                            else ""
+                        ),
+                        flush=True,
+                    )
+        # The load must not have broken anything: check again after it.
+        for target in TARGETS:
+            check_target(target, ports[target])
+    except BenchError as e:
+        sys.stderr.write(f"router_bench: FAILED: {e}\n")
+        failed = True
+    finally:
+        children.stop_all()
+        if failed or any(r.non_2xx or r.socket_errors for r in runs):
+            sys.stderr.write(f"router_bench: child logs kept in {directory}\n")
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    rows = summarize(runs)
+    result = ratios(rows)
+    if rows:
+        print()
+        print_table(rows)
+        print()
+        for kind, value in result.items():
+            print(f"ratio llmgw/minimal-proxy {kind} throughput: {value:.2f}")
+    errors = [r for r in rows if r["non_2xx"] or r["socket_errors"]]
+    if errors:
+        print()
+        print("!" * 72)
+        for r in errors:
+            print(
+                f"!!! ERRORS: {r['target']} {r['kind']}: {r['non_2xx']} non-2xx"
+                f" responses, {r['socket_errors']} socket errors"
+            )
+        print("!!! figures from runs with errors are not comparable")
+        print("!" * 72)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    "notes": notes,
+                    "connections": CONNECTIONS,
+                    "tokens": TOKENS,
+                    "rounds": args.rounds,
+                    "duration_s": args.duration,
+                    "failed": failed,
+                    "summary": rows,
+                    "ratios_llmgw_over_minimal_proxy": result,
+                    "runs": [asdict(r) for r in runs],
+                },
+                f,
+                indent=2,
+            )
+            f.write("\n")
+    return 1 if failed or errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

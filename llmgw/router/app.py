@@ -345,6 +345,9 @@ class _Exchange:
         last_error: APIError | None = None
         balancer = self.router.balancer
         for attempt in range(self.settings.max_retries + 1):
+            if self.expired:
+                # The total deadline passed between two attempts.
+                raise self._deadline_error()
             replica = balancer.pick(self.model, tried)
             if replica is None:
                 break
@@ -500,6 +503,7 @@ class _Exchange:
             self.status = status
             self.request.setResponseCode(status)
             self.request.setHeader(b"content-type", content_type or _JSON)
+            self.request.setHeader(b"content-length", b"%d" % len(body))
             return body
         if status < 500:
             # The engine's verdict on the request (bad parameters, context

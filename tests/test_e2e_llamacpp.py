@@ -99,3 +99,18 @@ class LlamaCppTests(SynchronousTestCase, Processes):
         self.assertGreater(len([c for c in chunks if c.choices]), 5)
         # Same model, same greedy decoding: the same words either way.
         self.assertEqual(streamed.strip(), text.strip())
+
+    def test_client_request_id(self) -> None:
+        """
+        A client's own X-Request-ID that is not a UUID comes back to it and
+        does not break the request: llama-cpp-python's server answers a
+        non-UUID X-Request-ID with an empty 400, so llmgw sends it a UUID.
+        """
+        response = self.client.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+            extra_headers={"X-Request-ID": "my-trace-7"},
+        )
+        self.assertEqual(response.headers["x-request-id"], "my-trace-7")
+        self.assertTrue(response.parse().choices[0].message.content)

@@ -196,8 +196,8 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
 
     def test_request_id(self) -> None:
         """
-        X-Request-ID is returned as given, or made when absent, and
-        forwarded to the engine either way.
+        X-Request-ID is returned as given, or made when absent, and forwarded
+        to the engine when it is a UUID.
         """
         response = self.gateway.chat.completions.with_raw_response.create(
             model="sim-model",
@@ -206,7 +206,19 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
             extra_headers={"X-Request-ID": "trace-42"},
         )
         self.assertEqual(response.headers["x-request-id"], "trace-42")
-        self.assertEqual(sim_stats(self.sim_url)["last_request_id"], "trace-42")
+        # Not a UUID: the engine gets a UUID of its own (llama.cpp's server
+        # refuses anything else).
+        forwarded = sim_stats(self.sim_url)["last_request_id"]
+        self.assertRegex(forwarded, r"^[0-9a-f]{32}$")
+        given = "6f1c2a9e-0d4b-4e2a-9a57-3c1f0e8b7d21"
+        response = self.gateway.chat.completions.with_raw_response.create(
+            model="sim-model",
+            messages=MESSAGES,
+            max_tokens=2,
+            extra_headers={"X-Request-ID": given},
+        )
+        self.assertEqual(response.headers["x-request-id"], given)
+        self.assertEqual(sim_stats(self.sim_url)["last_request_id"], given)
         response = self.gateway.chat.completions.with_raw_response.create(
             model="sim-model", messages=MESSAGES, max_tokens=2
         )
@@ -271,6 +283,23 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
             self.assertEqual(text, expected)
             usage_chunks = [c for c in chunks if not c.choices]
             self.assertEqual(len(usage_chunks), 1 if options else 0)
+
+    def test_routing_errors(self) -> None:
+        """
+        An unknown path is a 404 and a wrong method a 405 with Allow, both
+        OpenAI error objects carrying X-Request-ID.
+        """
+        status, headers, body = http(
+            "GET", self.url + "/v1/chat/completion", headers={"X-Request-ID": "r-1"}
+        )
+        self.assertEqual(status, 404)
+        self.assertEqual(headers["x-request-id"], "r-1")
+        self.assertEqual(json.loads(body)["error"]["code"], "unknown_url")
+        status, headers, body = http("GET", self.url + "/v1/chat/completions")
+        self.assertEqual(status, 405)
+        self.assertEqual(headers["allow"], "POST")
+        self.assertRegex(headers["x-request-id"], r"^[0-9a-f]{32}$")
+        self.assertEqual(json.loads(body)["error"]["code"], "method_not_allowed")
 
     def test_metrics(self) -> None:
         """

@@ -63,6 +63,7 @@ class RequestRecord:
     """
 
     request_id: str
+    upstream_request_id: str
     model: str
     replica: str | None
     status: int
@@ -91,6 +92,13 @@ class LimitedRequest(Request):
     max_body_size = 32 * 1024 * 1024
     body_too_large = False
     _received = 0
+    request_id = b""
+
+    def process(self) -> None:
+        # Every answer carries X-Request-ID, errors from routing included.
+        self.request_id = _request_id(self)
+        self.setHeader(b"x-request-id", self.request_id)  # type: ignore[no-untyped-call]
+        super().process()  # type: ignore[no-untyped-call]
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self.max_body_size:
@@ -181,10 +189,24 @@ class _Retry(Exception):
 
 def _request_id(request: IRequest) -> bytes:
     given = request.getHeader(b"x-request-id")
-    if given and len(given) <= 200 and given.isascii() and given.strip() == given:
-        if all(0x21 <= c <= 0x7E for c in given):
-            return bytes(given)
+    if given and len(given) <= 200 and all(0x21 <= c <= 0x7E for c in given):
+        return bytes(given)
     return uuid.uuid4().hex.encode("ascii")
+
+
+def upstream_request_id(request_id: bytes) -> bytes:
+    """
+    The X-Request-ID to send to the engine: the request's own when it is a
+    UUID, otherwise a new UUID (logged beside the client's).
+    llama-cpp-python's server answers any other value with an empty 400
+    (its starlette-context request-id plugin validates UUIDs); vLLM and
+    SGLang take any string.
+    """
+    try:
+        uuid.UUID(request_id.decode("ascii"))
+    except ValueError:
+        return uuid.uuid4().hex.encode("ascii")
+    return request_id
 
 
 def _error_message(body: bytes) -> str | None:
@@ -219,7 +241,10 @@ class _Exchange:
         self.clock = router.clock
         self.settings = router.settings
         self.started = self.clock.seconds()
-        self.request_id = _request_id(request)
+        self.request_id: bytes = getattr(request, "request_id", None) or _request_id(
+            request
+        )
+        self.upstream_id = upstream_request_id(self.request_id)
         self.model = ""
         self.stream = False
         self.strip_usage = False
@@ -235,7 +260,6 @@ class _Exchange:
         self.phase_timer: IDelayedCall | None = None
         self.phase_seconds = 0.0
         self.total_timer: IDelayedCall | None = None
-        request.setHeader(b"x-request-id", self.request_id)
 
     @property
     def client_gone(self) -> bool:
@@ -380,7 +404,7 @@ class _Exchange:
             {
                 b"content-type": [_JSON],
                 b"accept": [self.request.getHeader(b"accept") or b"*/*"],
-                b"x-request-id": [self.request_id],
+                b"x-request-id": [self.upstream_id],
             }
         )
         self.waiting = router.agent.request(
@@ -614,6 +638,7 @@ class _Exchange:
         now = self.clock.seconds()
         return RequestRecord(
             request_id=self.request_id.decode("ascii"),
+            upstream_request_id=self.upstream_id.decode("ascii"),
             model=self.model,
             replica=self.replica.id if self.replica is not None else None,
             status=status,
@@ -638,10 +663,12 @@ class LogUsageSink:
 
     def record(self, record: RequestRecord) -> None:
         self.log.info(
-            "request {request_id} model={model} replica={replica} status={status}"
+            "request {request_id} upstream_id={upstream_request_id} model={model}"
+            " replica={replica} status={status}"
             " prompt_tokens={prompt_tokens} completion_tokens={completion_tokens}"
             " latency={latency:.3f}s",
             request_id=record.request_id,
+            upstream_request_id=record.upstream_request_id,
             model=record.model,
             replica=record.replica,
             status=record.status,
@@ -855,6 +882,9 @@ class Router:
     def method_not_allowed(self, request: IRequest, failure: Failure) -> bytes:
         method = request.method.decode("ascii", "replace")
         path = request.path.decode("utf-8", "replace")
+        allowed = getattr(failure.value, "valid_methods", None)
+        if allowed:
+            request.setHeader(b"allow", ", ".join(allowed).encode("ascii"))
         return self._error(
             request,
             APIError(

@@ -165,6 +165,12 @@ def _listen(reactor: Any, key: str, description: str, factory: Site) -> IListeni
     process with one line at start instead of a logged failure in a
     process that serves nothing.
     """
+    kind = description.split(":", 1)[0]
+    if kind in ("tcp", "ssl", "tcp6", "unix") and "backlog=" not in description:
+        # Twisted's default backlog of 50 drops connections in a burst of a
+        # few hundred clients opening at once (seen with 200 concurrent
+        # openai clients); the kernel caps it at net.core.somaxconn anyway.
+        description += ":backlog=1024"
     try:
         endpoint = serverFromString(reactor, description)
     except Exception as e:

@@ -175,6 +175,9 @@ def main(argv: list[str]) -> int:
             args.port,
             SimSite(sim),  # type: ignore[arg-type]
             interface=args.host,
+            # Twisted's default backlog of 50 drops connections in a burst
+            # of hundreds of clients, as a gateway's pool can open.
+            backlog=1024,
         )
     except CannotListenError as e:
         sys.stderr.write(f"llmgw sim: {e}\n")

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Two cores: two trial workers.
 JOBS ?= 2
 
-.PHONY: run test check lint typecheck unit bench clean
+.PHONY: run test lint typecheck unit e2e bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,10 @@ typecheck: $(STAMP)
 	$(BIN)/mypy llmgw
 
 unit: $(STAMP)
-	$(BIN)/trial -j$(JOBS) tests
+	$(BIN)/trial -j$(JOBS) tests.test_sse tests.test_balancer tests.test_config tests.test_sim
+
+e2e: $(STAMP)
+	$(BIN)/trial -j$(JOBS) tests.test_e2e_router tests.test_e2e_llamacpp
 
 bench: $(STAMP)
 	$(BIN)/python bench/router_bench.py

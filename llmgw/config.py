@@ -54,6 +54,10 @@ class RouterConfig:
     idle_timeout: float = 60.0
     total_timeout: float = 1800.0
     max_body_size: int = 32 * 1024 * 1024
+    # Bounds on what a replica may send: a whole (non-streamed) answer, and
+    # one event of a stream.
+    max_response_size: int = 256 * 1024 * 1024
+    max_event_size: int = 16 * 1024 * 1024
     max_retries: int = 2
     eject_cooldown: float = 10.0
     max_idle_connections: int = 256
@@ -225,7 +229,8 @@ def _router(table: object) -> RouterConfig:
         "drain_timeout",
     }
     counts = {"max_retries", "max_idle_connections"}
-    _check_keys("router", table, durations | counts | {"max_body_size"})
+    sizes = {"max_body_size", "max_response_size", "max_event_size"}
+    _check_keys("router", table, durations | counts | sizes)
     values: dict[str, Any] = {}
     for key, value in table.items():
         if key in durations:

@@ -193,6 +193,16 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
             self.assertLess(len(answer), 2000)
         self.assertNotIn("Traceback", self.server.output())
         self.gateway.models.list()
+        # A lone surrogate is valid JSON text; llmgw re-encodes a streamed
+        # body to add include_usage, and the engine gets it intact.
+        for stream in (b"true", b"false"):
+            code, _, answer = http(
+                "POST",
+                self.url + "/v1/chat/completions",
+                b'{"model": "sim-model", "max_tokens": 3, "stream": ' + stream + b","
+                b' "messages": [{"role": "user", "content": "\\ud800"}]}',
+            )
+            self.assertEqual(code, 200, answer[:300])
 
     def test_request_id(self) -> None:
         """
@@ -716,3 +726,165 @@ class ShutdownTests(SynchronousTestCase, Processes):
         # killed by it would (systemd counts that as a clean stop).
         self.assertEqual(server.popen.wait(10), -signal.SIGTERM)
         self.assertNotIn("Traceback", server.output())
+
+
+class MisbehavingEngineTests(SynchronousTestCase, Processes):
+    """
+    Engines that answer badly (tests/fake_upstream.py), and clients that
+    send what a gateway must survive.  Each case was found by trying to
+    break llmgw.
+    """
+
+    timeout = 90
+
+    def setUp(self) -> None:
+        from tests.fake_upstream import FakeUpstream
+
+        self.fake = FakeUpstream()
+        self.addCleanup(self.fake.stop)
+        self.server, self.url, self.admin_url = self.start_server(
+            "--endpoint",
+            f"fake={self.fake.url}=m",
+            config='[router]\nmax_event_size = "1MiB"\nmax_response_size = "1MiB"\n'
+            'idle_timeout = "20s"\n',
+        )
+        self.gateway = client(self.url)
+
+    def create(self, mode: str, stream: bool, **extra: Any) -> Any:
+        return self.gateway.chat.completions.create(
+            model="m",
+            messages=MESSAGES,
+            stream=stream,
+            extra_body={"mode": mode, **extra},
+        )
+
+    def test_cut_mid_event(self) -> None:
+        """
+        A stream whose connection closes cleanly in the middle of an event
+        ends with an error event the client can read, after the whole
+        events before it, with or without the usage chunk hidden.
+        """
+        for options in ({}, {"stream_options": {"include_usage": True}}):
+            stream = self.gateway.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                stream=True,
+                extra_body={"mode": "partial_then_drop"},
+                **options,
+            )
+            received = []
+            with self.assertRaises(openai.APIError) as raised:
+                for chunk in stream:
+                    received.append(chunk)
+            self.assertEqual(len(received), 1)
+            self.assertIn("middle of an event", raised.exception.message)
+
+    def test_event_too_large(self) -> None:
+        """
+        An event line longer than max_event_size ends the stream with an
+        error event instead of growing in memory (and in CPU time).
+        """
+        stream = self.create("long_line", True, pieces=64)
+        with self.assertRaises(openai.APIError) as raised:
+            for _ in stream:
+                pass
+        self.assertIn("max_event_size", raised.exception.message)
+
+    def test_answer_too_large(self) -> None:
+        """
+        A whole answer over max_response_size is a 502, not an unbounded
+        buffer.
+        """
+        with self.assertRaises(openai.APIStatusError) as raised:
+            self.create("big_json", False, size=2 * 1024 * 1024)
+        self.assertEqual(raised.exception.status_code, 502)
+        self.assertIn("max_response_size", raised.exception.message)
+
+    def test_engine_errors_in_openai_shape(self) -> None:
+        """
+        Engine errors reach the client as OpenAI error objects: 4xx with the
+        engine's message and Retry-After kept, 5xx and 503 without the
+        engine's text (it held a traceback and an address), 3xx as a 502.
+        """
+        with self.assertRaises(openai.BadRequestError) as bad:
+            self.create("e400_detail", False)
+        self.assertEqual(bad.exception.body["message"], "Field required: messages")  # type: ignore[index]
+        with self.assertRaises(openai.BadRequestError) as vllm:
+            self.create("e400_vllm", False)
+        self.assertEqual(vllm.exception.body["message"], "max_tokens is too large")  # type: ignore[index]
+        self.assertEqual(vllm.exception.body["type"], "BadRequestError")  # type: ignore[index]
+        self.assertIsNone(vllm.exception.code)
+        with self.assertRaises(openai.RateLimitError) as limited:
+            self.create("e429", False)
+        self.assertEqual(limited.exception.response.headers["retry-after"], "7")
+        with self.assertRaises(openai.APIStatusError) as unavailable:
+            self.create("e503_traceback", False)
+        self.assertEqual(unavailable.exception.status_code, 503)
+        self.assertNotIn("10.1.2.3", unavailable.exception.response.text)
+        self.assertNotIn("Traceback", unavailable.exception.response.text)
+        with self.assertRaises(openai.APIStatusError) as moved:
+            self.create("e302", False)
+        self.assertEqual(moved.exception.status_code, 502)
+        self.assertIn("Traceback", self.server.output())  # logged for the operator
+
+    def test_slow_reader_holds_back_engine(self) -> None:
+        """
+        A client that stops reading makes llmgw stop reading the engine,
+        instead of buffering everything the engine sends.
+        """
+        port = int(self.url.rsplit(":", 1)[1])
+        body = json.dumps(
+            {"model": "m", "messages": MESSAGES, "stream": True, "mode": "flood"}
+        ).encode()
+        with socket.create_connection(("127.0.0.1", port)) as lazy:
+            lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            lazy.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
+            time.sleep(3)
+            sent = self.fake.flood_sent
+        # The flood is 3000 x 600 events, about 130 MB; held back, only
+        # what the socket buffers take gets through.
+        self.assertLess(sent, 20 * 1024 * 1024)
+
+    def test_hostile_names_in_logs(self) -> None:
+        """
+        A 1 MiB model name, and one with a newline and a lone surrogate, are
+        logged cut short and escaped; a lone surrogate in a streamed body
+        does not break the request.
+        """
+        before = len(self.server.output())
+        with self.assertRaises(openai.NotFoundError):
+            self.gateway.chat.completions.create(model="A" * 1024 * 1024, messages=[])
+        # The openai client cannot encode a lone surrogate: JSON escapes can.
+        status, _, _ = http(
+            "POST", self.url + "/v1/chat/completions", b'{"model": "x\\ny\\ud800"}'
+        )
+        self.assertEqual(status, 404)
+        status, _, body = http(
+            "POST",
+            self.url + "/v1/chat/completions",
+            b'{"model": "m", "stream": true, "mode": "e400_detail",'
+            b' "messages": [{"role": "user", "content": "\\ud800"}]}',
+        )
+        self.assertEqual(status, 400, body)
+        time.sleep(0.5)
+        logged = self.server.output()[before:]
+        self.assertLess(len(logged), 5000)
+        self.assertIn("model=AAAA", logged)
+        self.assertIn("model=x\\ny\\ud800 ", logged)
+        self.assertNotIn("Traceback", logged)
+
+    def test_odd_paths(self) -> None:
+        """
+        Doubled slashes and a path that is not UTF-8 are OpenAI 404 and 400
+        errors, not HTML.
+        """
+        for path, status in (("//v1//models", 404), ("/v1/models/%ED%A0%80", 400)):
+            code, headers, body = http("GET", self.url + path)
+            self.assertEqual(code, status, path)
+            self.assertEqual(headers["content-type"], "application/json")
+            self.assertIn("error", json.loads(body))
+        self.assertNotIn("Traceback", self.server.output())

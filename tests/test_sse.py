@@ -157,3 +157,51 @@ class UsageTests(SynchronousTestCase):
             b'{"usage": {',
         ):
             self.assertIsNone(usage_of(data), data)
+
+
+class LimitTests(SynchronousTestCase):
+    def test_long_line_linear(self) -> None:
+        """
+        A line fed in many pieces is joined once, when it ends: 20 MiB in
+        64 KiB pieces parses in well under a second (it took seconds per
+        megabyte when every piece re-scanned the line so far).
+        """
+        import time
+
+        parser = SSEParser(max_event_size=64 * 1024 * 1024)
+        piece = b"x" * 65536
+        started = time.monotonic()
+        self.assertEqual(parser.feed(b"data: "), [])
+        for _ in range(320):
+            self.assertEqual(parser.feed(piece), [])
+        events = parser.feed(b"\n\n")
+        self.assertLess(time.monotonic() - started, 5)
+        self.assertEqual(len(events[0].data), 320 * 65536)
+
+    def test_event_too_large(self) -> None:
+        """
+        An event that grows past max_event_size, by one long line or by
+        many data lines, raises EventTooLarge.
+        """
+        from llmgw.router.sse import EventTooLarge
+
+        parser = SSEParser(max_event_size=1000)
+        parser.feed(b"data: " + b"x" * 900)
+        self.assertRaises(EventTooLarge, parser.feed, b"y" * 200)
+        parser = SSEParser(max_event_size=1000)
+        with self.assertRaises(EventTooLarge):
+            for _ in range(20):
+                parser.feed(b"data: " + b"z" * 90 + b"\n")
+
+    def test_in_event(self) -> None:
+        """
+        in_event tells whether the bytes so far stop inside an event.
+        """
+        parser = SSEParser()
+        self.assertFalse(parser.in_event)
+        parser.feed(b'data: {"a":')
+        self.assertTrue(parser.in_event)
+        parser.feed(b"1}\n")
+        self.assertTrue(parser.in_event)
+        parser.feed(b"\n")
+        self.assertFalse(parser.in_event)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from typing import Protocol as TypingProtocol
+from urllib.parse import unquote_to_bytes
 
 from klein import Klein
 from twisted.internet.defer import Deferred, succeed
@@ -38,7 +39,7 @@ from llmgw.router.errors import (
     upstream_failed,
 )
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.sse import SSEParser, usage_of
+from llmgw.router.sse import EventTooLarge, SSEParser, usage_of
 from llmgw.router.upstream import BytesProducer, UpstreamConnectError
 
 # Paths whose streams follow the chat/completions chunk format, where
@@ -98,6 +99,16 @@ class LimitedRequest(Request):
         # Every answer carries X-Request-ID, errors from routing included.
         self.request_id = _request_id(self)
         self.setHeader(b"x-request-id", self.request_id)  # type: ignore[no-untyped-call]
+        try:
+            unquote_to_bytes(self.path).decode("utf-8")
+        except UnicodeDecodeError:
+            # Klein would answer in HTML and log a traceback.
+            error = bad_request("The URL path is not valid UTF-8.")
+            self.setResponseCode(400)
+            self.setHeader(b"content-type", _JSON)  # type: ignore[no-untyped-call]
+            self.write(error.body())  # type: ignore[no-untyped-call]
+            self.finish()  # type: ignore[no-untyped-call]
+            return
         super().process()  # type: ignore[no-untyped-call]
 
     def gotLength(self, length: int | None) -> None:
@@ -150,8 +161,15 @@ class _BodyReader(Protocol):
         self.finished = False
 
     def dataReceived(self, data: bytes) -> None:
-        if not self.finished:
+        if self.finished:
+            return
+        try:
             self._on_data(data)
+        except Exception:
+            # The answer broke a limit (or a bug): end the exchange with it.
+            failure = Failure()
+            self.abort()
+            self.done.errback(failure)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         if self.finished:
@@ -175,6 +193,12 @@ class _BodyReader(Protocol):
 
     def _cancel(self, d: Deferred[None]) -> None:
         self.abort()
+
+
+class AnswerTooLarge(Exception):
+    """
+    A replica's answer passed a size limit.
+    """
 
 
 class _Retry(Exception):
@@ -209,6 +233,61 @@ def upstream_request_id(request_id: bytes) -> bytes:
     return request_id
 
 
+def _loggable(text: str, limit: int = 200) -> str:
+    """
+    @return: C{text} safe for a log line: at most C{limit} characters,
+        control characters and lone surrogates escaped.
+    """
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        try:
+            text.encode("utf-8")
+            return text
+        except UnicodeEncodeError:
+            pass
+    return text.encode("unicode_escape").decode("ascii")
+
+
+def _retry_after(headers: Headers) -> int | None:
+    """
+    @return: a C{Retry-After} in whole seconds, when the engine sent one.
+    """
+    value = headers.getRawHeaders(b"retry-after", [b""])[0]
+    return int(value) if value.isdigit() and len(value) < 10 else None
+
+
+def _engine_error(status: int, body: bytes, retry_after: int | None) -> APIError:
+    """
+    An engine's 4xx answer as an OpenAI error object.  Engines differ:
+    OpenAI's and recent vLLM's C{{"error": {...}}} (vLLM with an integer
+    C{code}), older vLLM's top-level C{message}, FastAPI's C{detail}.
+    """
+    error: dict[str, Any] = {}
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        nested = parsed.get("error")
+        error = nested if isinstance(nested, dict) else parsed
+    message = _error_message(body) or (
+        f"The replica rejected the request with status {status}."
+    )
+    kind = error.get("type")
+    code = error.get("code")
+    param = error.get("param")
+    default_kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return APIError(
+        status,
+        message,
+        kind if isinstance(kind, str) and kind else default_kind,
+        code if isinstance(code, str) else None,
+        param if isinstance(param, str) else None,
+        retry_after=retry_after,
+    )
+
+
 def _error_message(body: bytes) -> str | None:
     """
     @return: C{error.message} of an OpenAI-style error body, if it has one.
@@ -223,6 +302,8 @@ def _error_message(body: bytes) -> str | None:
             return str(error["message"])[:1000]
         if isinstance(error, str):
             return error[:1000]
+        if isinstance(parsed.get("message"), str):
+            return str(parsed["message"])[:1000]
         if isinstance(parsed.get("detail"), str):
             return str(parsed["detail"])[:1000]
     return None
@@ -351,7 +432,9 @@ class _Exchange:
                 # that carries it from a client that did not ask.
                 options["include_usage"] = True
                 self.strip_usage = True
-                self.body = json.dumps(payload, ensure_ascii=False).encode("utf-8")
+                # ASCII escapes: any string JSON can hold encodes, lone
+                # surrogates included.
+                self.body = json.dumps(payload).encode("ascii")
 
     async def run(self) -> bytes | None:
         """
@@ -459,24 +542,33 @@ class _Exchange:
             await self._relay_stream(response)
             return None
         body = await self._read_whole(response)
+        retry_after = _retry_after(response.headers)
         if status == 503:
             router.metrics.upstream_errors.labels("status").inc()
+            self._log_engine_failure(status, body)
             raise _Retry(
                 APIError(
                     503,
-                    _error_message(body) or "The replica is overloaded.",
+                    "The replica is overloaded or not ready.",
                     "service_unavailable_error",
                     "replica_unavailable",
-                    retry_after=1,
+                    retry_after=retry_after or 1,
                 )
             )
-        return self._answer_whole(status, content_type, body)
+        return self._answer_whole(status, content_type, body, retry_after)
 
     async def _read_whole(self, response: Any) -> bytes:
         chunks: list[bytes] = []
 
+        size = 0
+        limit = self.settings.max_response_size
+
         def on_data(data: bytes) -> None:
+            nonlocal size
             self._got_bytes()
+            size += len(data)
+            if size > limit:
+                raise AnswerTooLarge(f"it is over max_response_size, {limit} bytes")
             chunks.append(data)
 
         if response.length == 0:
@@ -490,19 +582,35 @@ class _Exchange:
         return b"".join(chunks)
 
     async def _receive_body(
-        self, response: Any, on_data: Callable[[bytes], None], broken: str
+        self,
+        response: Any,
+        on_data: Callable[[bytes], None],
+        broken: str,
+        relay: bool = False,
     ) -> None:
         """
         Hand the replica's body to C{on_data} chunk by chunk until it ends.
 
         @param broken: the message if the replica breaks the exchange.
-        @raise APIError: a deadline passed (504) or the exchange broke (502).
+        @param relay: whether C{on_data} writes to the client; then the
+            replica's connection is paused while the client's is full, so a
+            slow reader holds back the engine instead of filling memory.
+        @raise APIError: a deadline passed (504), the answer passed a limit
+            or the exchange broke (502).
         """
         self.reader = reader = _BodyReader(on_data)
         response.deliverBody(reader)
+        request = self.request
+        producing = False
+        if relay and reader.transport is not None:
+            request.registerProducer(IPushProducer(reader.transport), True)  # type: ignore[attr-defined]
+            producing = True
         self.waiting = reader.done
         try:
             await reader.done
+        except (AnswerTooLarge, EventTooLarge) as e:
+            self.router.metrics.upstream_errors.labels("broken").inc()
+            raise upstream_failed(f"The replica's answer was refused: {e}.") from None
         except Exception:
             if self.client_gone:
                 raise
@@ -514,8 +622,12 @@ class _Exchange:
         finally:
             self.waiting = None
             self.reader = None
+            if producing and not self.client_gone:
+                request.unregisterProducer()  # type: ignore[attr-defined]
 
-    def _answer_whole(self, status: int, content_type: bytes, body: bytes) -> bytes:
+    def _answer_whole(
+        self, status: int, content_type: bytes, body: bytes, retry_after: int | None
+    ) -> bytes:
         if 200 <= status < 300:
             if content_type.startswith(_JSON):
                 try:
@@ -529,32 +641,27 @@ class _Exchange:
             self.request.setHeader(b"content-type", content_type or _JSON)
             self.request.setHeader(b"content-length", b"%d" % len(body))
             return body
-        if status < 500:
+        if 400 <= status < 500:
             # The engine's verdict on the request (bad parameters, context
-            # too long): the client needs it as the engine gave it.
-            message = _error_message(body)
-            if message is not None and content_type.startswith(_JSON):
-                self.status = status
-                self.request.setResponseCode(status)
-                self.request.setHeader(b"content-type", _JSON)
-                return body
-            raise APIError(
-                status,
-                message or f"The replica rejected the request with status {status}.",
-                "invalid_request_error",
-            )
+            # too long, rate limit): the client needs its message, in
+            # OpenAI's shape whatever shape the engine used.
+            raise _engine_error(status, body, retry_after)
         self.router.metrics.upstream_errors.labels("status").inc()
-        # An engine's 5xx message can hold its traceback and file paths: the
-        # operator gets it in the log, the client only the status.
+        self._log_engine_failure(status, body)
+        raise upstream_failed(f"The replica answered with status {status}.")
+
+    def _log_engine_failure(self, status: int, body: bytes) -> None:
+        # An engine's 5xx message can hold its traceback, file paths and
+        # addresses: the operator gets it in the log, the client only the
+        # status.
         self.router.log.warn(
-            "request {request_id}: replica {replica} failed with status {status}:"
+            "request {request_id}: replica {replica} answered status {status}:"
             " {message}",
             request_id=self.request_id.decode("ascii"),
             replica=self.replica.id if self.replica is not None else None,
             status=status,
             message=(_error_message(body) or body[:500].decode("utf-8", "replace")),
         )
-        raise upstream_failed(f"The replica failed with status {status}.")
 
     async def _relay_stream(self, response: Any) -> None:
         request = self.request
@@ -562,11 +669,14 @@ class _Exchange:
         request.setResponseCode(200)
         for name, value in _SSE_HEADERS:
             request.setHeader(name, value)
-        parser = SSEParser()
+        parser = SSEParser(self.settings.max_event_size)
         strip = self.strip_usage
-        # With strip on, bytes after the last complete event wait here (in
-        # stream offset base..) until their event is known not to be the
-        # usage-only chunk.
+        # Only whole events go to the client: the bytes of an event still
+        # arriving wait here (stream offsets base..) until it ends.  So a
+        # stream that breaks mid-event ends with a clean error event, not
+        # with half an event the client cannot parse, and with strip on the
+        # usage-only chunk can be left out.  Engines write whole events,
+        # which take the path without copies.
         pending = bytearray()
         base = 0
 
@@ -574,22 +684,12 @@ class _Exchange:
             nonlocal base
             self._got_bytes()
             events = parser.feed(data)
-            if not strip:
-                self.headers_sent = True
-                request.write(data)
-                for event in events:
-                    found = usage_of(event.data)
-                    if found is not None:
-                        self.usage = found[0]
-                return
             if not pending and events and events[-1].end == base + len(data):
-                # The chunk is whole events, as engines write them: pass it
-                # on as it is unless it holds the usage-only chunk.
                 for event in events:
                     found = usage_of(event.data)
                     if found is not None:
                         self.usage = found[0]
-                        if found[1]:
+                        if strip and found[1]:
                             break
                 else:
                     base += len(data)
@@ -603,7 +703,7 @@ class _Exchange:
                 found = usage_of(event.data)
                 if found is not None:
                     self.usage = found[0]
-                    if found[1]:
+                    if strip and found[1]:
                         if event_start > emit_from:
                             self._write(bytes(pending[emit_from:event_start]))
                         emit_from = event_end
@@ -615,7 +715,10 @@ class _Exchange:
 
         try:
             await self._receive_body(
-                response, on_data, "The replica closed the stream before it ended."
+                response,
+                on_data,
+                "The replica closed the stream before it ended.",
+                relay=True,
             )
         except APIError as error:
             if not self.headers_sent:
@@ -624,7 +727,19 @@ class _Exchange:
             request.write(error.sse_event())
             return None
         if pending:
-            self._write(bytes(pending))
+            if pending[-1] in (0x0A, 0x0D):  # LF, CR
+                # Whole lines without the blank line after the last event:
+                # pass on what the engine sent.
+                self._write(bytes(pending))
+            else:
+                # Cut inside a line: a body delimited by the connection's
+                # close looks complete however it ended.
+                cut = upstream_failed(
+                    "The replica's stream ended in the middle of an event."
+                )
+                self.router.metrics.upstream_errors.labels("broken").inc()
+                self.status = cut.status
+                self._write(cut.sse_event())
         return None
 
     def _write(self, data: bytes) -> None:
@@ -639,7 +754,14 @@ class _Exchange:
         return RequestRecord(
             request_id=self.request_id.decode("ascii"),
             upstream_request_id=self.upstream_id.decode("ascii"),
-            model=self.model,
+            # A name no replica serves came from the client: it goes to
+            # logs cut short and escaped (it could be 32 MiB, or hold
+            # newlines and lone surrogates).
+            model=(
+                self.model
+                if self.router.balancer.serves(self.model)
+                else _loggable(self.model)
+            ),
             replica=self.replica.id if self.replica is not None else None,
             status=status,
             stream=self.stream,
@@ -692,6 +814,9 @@ class Router:
     """
 
     app = Klein()
+    # werkzeug would answer //v1//models with an HTML redirect built from
+    # the Host header; without merging, it is an unknown path (404).
+    app.url_map.merge_slashes = False
     log = Logger()
 
     def __init__(

@@ -36,19 +36,52 @@ class Event(NamedTuple):
     end: int
 
 
+class EventTooLarge(Exception):
+    """
+    An event grew past the parser's C{max_event_size} before it ended.
+    """
+
+
 class SSEParser:
     """
     Feed it bytes with L{feed}; it returns the events completed by them.
+
+    @param max_event_size: bytes an event may grow to (its unfinished line
+        and its data lines so far) before L{feed} raises L{EventTooLarge}:
+        without a bound, a stream that never ends its line would grow
+        without limit.
     """
 
-    __slots__ = ("_partial", "_offset", "_data", "_event", "_has_data")
+    __slots__ = (
+        "_partial",
+        "_partial_size",
+        "_offset",
+        "_data",
+        "_data_size",
+        "_event",
+        "_has_data",
+        "_max",
+    )
 
-    def __init__(self) -> None:
-        self._partial = b""
+    def __init__(self, max_event_size: int = 16 * 1024 * 1024) -> None:
+        # The unfinished line, in pieces: joined only once a line ending
+        # arrives, so a long line costs linear time, not quadratic.
+        self._partial: list[bytes] = []
+        self._partial_size = 0
         self._offset = 0
         self._data: list[bytes] = []
+        self._data_size = 0
         self._event: bytes | None = None
         self._has_data = False
+        self._max = max_event_size
+
+    @property
+    def in_event(self) -> bool:
+        """
+        Whether bytes fed so far end inside an event (an unfinished line, or
+        fields not yet dispatched).
+        """
+        return bool(self._partial) or self._has_data or self._event is not None
 
     def feed(self, chunk: bytes) -> list[Event]:
         """
@@ -57,10 +90,11 @@ class SSEParser:
             order.  A CR that ends the bytes so far waits for the next
             piece: it may be the first half of a CRLF, and an event's end
             offset must not depend on where the stream was cut.
+        @raise EventTooLarge: the current event passed C{max_event_size}.
         """
-        partial = self._partial
+        pieces = self._partial
         if (
-            not partial
+            not pieces
             and not self._has_data
             and self._event is None
             and chunk.endswith(b"\n\n")
@@ -68,6 +102,19 @@ class SSEParser:
             and b"\n\n\n" not in chunk
         ):
             return self._whole_events(chunk)
+        if (
+            b"\n" not in chunk
+            and b"\r" not in chunk[:-1]
+            and not (pieces and pieces[-1][-1:] == b"\r")
+        ):
+            # No line ends here (a CR at the very end waits anyway).
+            self._offset += len(chunk)
+            if chunk:
+                pieces.append(chunk)
+                self._partial_size += len(chunk)
+                self._check_size()
+            return []
+        partial = b"".join(pieces) if pieces else b""
         buffer = partial + chunk if partial else chunk
         # buffer[0] is at stream offset base.
         base = self._offset - len(partial)
@@ -87,12 +134,20 @@ class SSEParser:
                     Event(self._event, b"\n".join(self._data), base + position)
                 )
                 self._data = []
+                self._data_size = 0
                 self._event = None
                 self._has_data = False
             else:
                 self._event = None
-        self._partial = buffer[position:]
+        rest = buffer[position:]
+        self._partial = [rest] if rest else []
+        self._partial_size = len(rest)
+        self._check_size()
         return events
+
+    def _check_size(self) -> None:
+        if self._data_size + self._partial_size > self._max:
+            raise EventTooLarge(f"an event grew past max_event_size, {self._max} bytes")
 
     def _whole_events(self, chunk: bytes) -> list[Event]:
         # The common case, as engines write: whole events, LF endings, one
@@ -111,6 +166,7 @@ class SSEParser:
             if self._has_data:
                 events.append(Event(self._event, b"\n".join(self._data), end))
                 self._data = []
+                self._data_size = 0
                 self._has_data = False
             self._event = None
         return events
@@ -123,6 +179,7 @@ class SSEParser:
             value = value[1:]
         if name == b"data":
             self._data.append(value)
+            self._data_size += len(value) + 1
             self._has_data = True
         elif name == b"event":
             self._event = value

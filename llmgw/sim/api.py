@@ -37,7 +37,12 @@ DONE_EVENT = b"data: [DONE]\n\n"
 def _dumps(obj: object) -> bytes:
     # Compact, and UTF-8 rather than \\u escapes: the byte stream must
     # really carry multi-byte characters.
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate echoed from the request: ASCII escapes carry it.
+        return json.dumps(obj, separators=(",", ":")).encode("ascii")
 
 
 def json_body(obj: object) -> bytes:
@@ -249,7 +254,7 @@ def parse_generation(kind: Kind, body: bytes) -> GenerationRequest:
     return GenerationRequest(
         kind=kind,
         model=model,
-        prompt=text.encode("utf-8"),
+        prompt=text.encode("utf-8", "surrogatepass"),
         prompt_tokens=count_prompt_tokens(text),
         max_tokens=_max_tokens(obj),
         stream=stream,
@@ -307,7 +312,7 @@ def parse_embeddings(body: bytes) -> EmbeddingRequest:
     tokens = 0
     for item in items:
         if isinstance(item, str):
-            inputs.append(item.encode("utf-8"))
+            inputs.append(item.encode("utf-8", "surrogatepass"))
             tokens += count_prompt_tokens(item)
         elif _is_token_list(item) and item:
             inputs.append(json.dumps(item).encode("ascii"))

@@ -412,6 +412,8 @@ class SimResource(Resource):
     Every route of the simulator, dispatched on method and path.
     """
 
+    log = Logger()
+
     isLeaf = True
 
     def __init__(self, sim: Simulator) -> None:
@@ -442,7 +444,12 @@ class SimResource(Resource):
         path = request.path
         handler = self._routes.get((method, path))
         if handler is not None:
-            return handler(request)
+            try:
+                return handler(request)
+            except Exception:
+                # A bug must not answer in twisted.web's HTML.
+                self.log.failure("simulator failed on {path}", path=path)
+                return _error(request, ApiError(500, "internal simulator error"))
         if path in self._paths:
             return _error(request, ApiError(405, "method not allowed"))
         return _error(

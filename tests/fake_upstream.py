@@ -1,0 +1,124 @@
+"""
+A misbehaving engine for end-to-end tests: a threaded HTTP server on
+127.0.0.1 whose answer is chosen by the request body's C{"mode"}, for the
+answers C{llmgw sim} is too well-behaved to give.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+CHUNK = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":'
+    b'[{"index":0,"delta":{"content":"ok"}}]}\n\n'
+)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FakeUpstream
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(
+        self, status: int, body: bytes, headers: dict[str, str] | None = None
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        request = json.loads(self.rfile.read(length))
+        mode = request.get("mode")
+        if mode == "partial_then_drop":
+            self._start_stream()
+            # No length and no chunking: the body ends when the connection
+            # closes, cleanly, in the middle of the second event.
+            self.wfile.write(CHUNK + CHUNK[:40])
+            self.wfile.flush()
+            time.sleep(0.2)
+        elif mode == "long_line":
+            self._start_stream()
+            self.wfile.write(CHUNK + b"data: ")
+            piece = b"x" * 65536
+            try:
+                for _ in range(int(request.get("pieces", 64))):
+                    self.wfile.write(piece)
+                self.wfile.flush()
+                time.sleep(5)
+            except OSError:
+                pass
+        elif mode == "flood":
+            # Writes as fast as the connection takes it; records how much
+            # went out, so a test can see whether the gateway held back.
+            self._start_stream()
+            try:
+                for _ in range(int(request.get("chunks", 3000))):
+                    self.wfile.write(CHUNK * 600)
+                    self.server.flood_sent += len(CHUNK) * 600
+            except OSError:
+                pass
+        elif mode == "big_json":
+            self._send(200, b'{"pad": "' + b"y" * int(request["size"]) + b'"}')
+        elif mode == "e503_traceback":
+            self._send(
+                503,
+                b'{"error": {"message": "Traceback (most recent call last):\\n'
+                b' File \\"/opt/engine/secret.py\\" connect 10.1.2.3:5432"}}',
+            )
+        elif mode == "e400_detail":
+            self._send(400, b'{"detail": "Field required: messages"}')
+        elif mode == "e400_vllm":
+            self._send(
+                400,
+                b'{"object": "error", "message": "max_tokens is too large",'
+                b' "type": "BadRequestError", "param": null, "code": 400}',
+            )
+        elif mode == "e429":
+            self._send(
+                429,
+                b'{"error": {"message": "slow down", "type": "rate_limit_error"}}',
+                {"Retry-After": "7"},
+            )
+        elif mode == "e302":
+            self._send(302, b"", {"Location": "http://127.0.0.1:1/elsewhere"})
+        else:
+            self._send(400, b'{"error": {"message": "unknown mode"}}')
+
+
+class FakeUpstream(ThreadingHTTPServer):
+    """
+    Serve on 127.0.0.1 on a free port in a daemon thread.
+
+    @ivar flood_sent: bytes the C{flood} mode has written so far.
+    """
+
+    daemon_threads = True
+    flood_sent = 0
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()

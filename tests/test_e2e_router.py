@@ -117,6 +117,27 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
         self.assertEqual(usage_chunks[0].usage.completion_tokens, 5)
         self.assertTrue(text)
 
+    def test_usage_counted_however_not_asked(self) -> None:
+        """
+        Without stream_options, with it null, or with include_usage false,
+        the client gets no usage chunk and llmgw still counts the tokens.
+        """
+        for extra in (b"", b', "stream_options": null', b', "stream_options": {}'):
+            status, _, body = http(
+                "POST",
+                self.url + "/v1/chat/completions",
+                b'{"model": "sim-model", "max_tokens": 3, "stream": true,'
+                b' "messages": [{"role": "user", "content": "hi"}]' + extra + b"}",
+            )
+            self.assertEqual(status, 200)
+            self.assertNotIn(b'"usage":{', body.replace(b" ", b""))
+            self.assertTrue(body.endswith(b"data: [DONE]\n\n"))
+        _, _, metrics = http("GET", self.admin_url + "/metrics")
+        self.assertIn(
+            'llmgw_tokens_total{kind="completion",model="sim-model"} 9.0',
+            metrics.decode(),
+        )
+
     def test_completions_embeddings_models(self) -> None:
         """
         Completions, embeddings and the model list answer in OpenAI's shapes.

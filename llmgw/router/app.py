@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from llmgw.router.errors import (
     upstream_failed,
 )
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.sse import EventTooLarge, SSEParser, usage_of
+from llmgw.router.sse import USAGE_OBJECT, EventTooLarge, SSEParser, usage_of
 from llmgw.router.upstream import BytesProducer, UpstreamConnectError
 
 # Paths whose streams follow the chat/completions chunk format, where
@@ -215,7 +216,7 @@ def _request_id(request: IRequest) -> bytes:
     given = request.getHeader(b"x-request-id")
     if given and len(given) <= 200 and all(0x21 <= c <= 0x7E for c in given):
         return bytes(given)
-    return uuid.uuid4().hex.encode("ascii")
+    return os.urandom(16).hex().encode("ascii")
 
 
 def upstream_request_id(request_id: bytes) -> bytes:
@@ -229,7 +230,7 @@ def upstream_request_id(request_id: bytes) -> bytes:
     try:
         uuid.UUID(request_id.decode("ascii"))
     except ValueError:
-        return uuid.uuid4().hex.encode("ascii")
+        return os.urandom(16).hex().encode("ascii")
     return request_id
 
 
@@ -420,17 +421,26 @@ class _Exchange:
         if not self.router.balancer.serves(model):
             raise model_not_found(model)
         if stream and self.path in _USAGE_STREAM_PATHS:
+            # Ask for usage so it can be accounted, and hide the chunk that
+            # carries it from a client that did not ask.
             options = payload.get("stream_options")
-            if options is None:
-                options = payload["stream_options"] = {}
-            if not isinstance(options, dict):
+            if "stream_options" not in payload:
+                self.strip_usage = True
+                # The body stays as the client wrote it, with one member
+                # more before its closing brace (the body parsed as a JSON
+                # object, so it ends with one).
+                end = self.body.rstrip().rfind(b"}")
+                self.body = (
+                    self.body[:end]
+                    + b',"stream_options":{"include_usage":true}'
+                    + self.body[end:]
+                )
+            elif options is not None and not isinstance(options, dict):
                 raise bad_request(
                     "'stream_options' must be an object.", param="stream_options"
                 )
-            if not options.get("include_usage"):
-                # Ask for usage so it can be accounted, and hide the chunk
-                # that carries it from a client that did not ask.
-                options["include_usage"] = True
+            elif options is None or not options.get("include_usage"):
+                payload["stream_options"] = {**(options or {}), "include_usage": True}
                 self.strip_usage = True
                 # ASCII escapes: any string JSON can hold encodes, lone
                 # surrogates included.
@@ -683,6 +693,16 @@ class _Exchange:
         def on_data(data: bytes) -> None:
             nonlocal base
             self._got_bytes()
+            if (
+                not pending
+                and USAGE_OBJECT.search(data) is None
+                and parser.skip_whole(data)
+            ):
+                # Whole events and no usage among them: nothing to read or
+                # hide, so no event needs making.
+                base += len(data)
+                self._write(data)
+                return
             events = parser.feed(data)
             if not pending and events and events[-1].end == base + len(data):
                 for event in events:

@@ -93,14 +93,7 @@ class SSEParser:
         @raise EventTooLarge: the current event passed C{max_event_size}.
         """
         pieces = self._partial
-        if (
-            not pieces
-            and not self._has_data
-            and self._event is None
-            and chunk.endswith(b"\n\n")
-            and b"\r" not in chunk
-            and b"\n\n\n" not in chunk
-        ):
+        if self._is_whole(chunk):
             return self._whole_events(chunk)
         if (
             b"\n" not in chunk
@@ -149,6 +142,31 @@ class SSEParser:
         if self._data_size + self._partial_size > self._max:
             raise EventTooLarge(f"an event grew past max_event_size, {self._max} bytes")
 
+    def _is_whole(self, chunk: bytes) -> bool:
+        # Whole events with LF endings and one blank line between them,
+        # starting where no event is under way: as engines write.
+        return (
+            not self._partial
+            and not self._has_data
+            and self._event is None
+            and chunk.endswith(b"\n\n")
+            and b"\r" not in chunk
+            and b"\n\n\n" not in chunk
+        )
+
+    def skip_whole(self, chunk: bytes) -> bool:
+        """
+        Account for C{chunk} without making its events, when it is made of
+        whole events (LF line endings, as engines write them); for a caller
+        that found by other means it needs none of them.
+
+        @return: whether C{chunk} was taken; if not, pass it to L{feed}.
+        """
+        if not self._is_whole(chunk):
+            return False
+        self._offset += len(chunk)
+        return True
+
     def _whole_events(self, chunk: bytes) -> list[Event]:
         # The common case, as engines write: whole events, LF endings, one
         # blank line between events.  Same result as the general path.
@@ -186,6 +204,10 @@ class SSEParser:
 
 
 _OBJECT_VALUE = re.compile(rb"\s*:\s*\{")
+USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+"""
+Finds a usage object in raw stream bytes, without parsing them.
+"""
 
 
 def usage_of(data: bytes) -> tuple[dict[str, Any], bool] | None:

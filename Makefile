@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Two cores: two trial workers.
 JOBS ?= 2
 
-.PHONY: run test lint typecheck unit e2e bench clean
+.PHONY: run test lint typecheck unit e2e bench proto clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,15 @@ typecheck: $(STAMP)
 	$(BIN)/mypy llmgw
 
 unit: $(STAMP)
-	$(BIN)/trial -j$(JOBS) tests.test_sse tests.test_balancer tests.test_config tests.test_sim
+	$(BIN)/trial -j$(JOBS) tests.test_sse tests.test_balancer tests.test_config tests.test_sim tests.test_wire tests.test_certs
 
 e2e: $(STAMP)
 	$(BIN)/trial -j$(JOBS) tests.test_e2e_router tests.test_e2e_llamacpp
+
+# Regenerate llmgw/wire/agent_pb2.py(i) after editing proto/llmgw/v1/agent.proto
+# (tests/test_wire.py fails while the checked-in code is stale).
+proto: $(STAMP)
+	scripts/gen-proto
 
 bench: $(STAMP)
 	$(BIN)/python bench/router_bench.py

@@ -1,0 +1,257 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARD_STATE_UNSPECIFIED: _ClassVar[ShardState]
+    SHARD_STATE_PENDING: _ClassVar[ShardState]
+    SHARD_STATE_STARTING: _ClassVar[ShardState]
+    SHARD_STATE_READY: _ClassVar[ShardState]
+    SHARD_STATE_DRAINING: _ClassVar[ShardState]
+    SHARD_STATE_STOPPED: _ClassVar[ShardState]
+    SHARD_STATE_FAILED: _ClassVar[ShardState]
+SHARD_STATE_UNSPECIFIED: ShardState
+SHARD_STATE_PENDING: ShardState
+SHARD_STATE_STARTING: ShardState
+SHARD_STATE_READY: ShardState
+SHARD_STATE_DRAINING: ShardState
+SHARD_STATE_STOPPED: ShardState
+SHARD_STATE_FAILED: ShardState
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "shard_status", "command_result", "weights_report")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    SHARD_STATUS_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_RESULT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_REPORT_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    shard_status: ShardStatus
+    command_result: CommandResult
+    weights_report: WeightsReport
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., command_result: _Optional[_Union[CommandResult, _Mapping]] = ..., weights_report: _Optional[_Union[WeightsReport, _Mapping]] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("welcome", "start_shard", "stop_shard", "drain_shard", "remove_weights")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    START_SHARD_FIELD_NUMBER: _ClassVar[int]
+    STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SHARD_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    start_shard: StartShard
+    stop_shard: StopShard
+    drain_shard: DrainShard
+    remove_weights: RemoveWeights
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., drain_shard: _Optional[_Union[DrainShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    FABRICS_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    agent_version: str
+    address: str
+    labels: _containers.ScalarMap[str, str]
+    fabrics: _containers.RepeatedScalarFieldContainer[str]
+    cpus: int
+    memory_bytes: int
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    shards: _containers.RepeatedCompositeFieldContainer[RunningShard]
+    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ...) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "problems", "simulated")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    SIMULATED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: int
+    memory_used_mib: int
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    simulated: bool
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., memory_total_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., problems: _Optional[_Iterable[str]] = ..., simulated: _Optional[bool] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("gpus",)
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuUsage]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ...) -> None: ...
+
+class GpuUsage(_message.Message):
+    __slots__ = ("index", "memory_used_mib", "new_problems")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    NEW_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    memory_used_mib: int
+    new_problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., new_problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RunningShard(_message.Message):
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "state", "port", "gpu_indices", "rank", "world_size", "pid")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: str
+    state: ShardState
+    port: int
+    gpu_indices: _containers.RepeatedScalarFieldContainer[int]
+    rank: int
+    world_size: int
+    pid: int
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    shard_id: str
+    state: ShardState
+    exit_code: int
+    has_exit_code: bool
+    error: str
+    output_tail: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CommandResult(_message.Message):
+    __slots__ = ("command_id", "ok", "error")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    ok: bool
+    error: str
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class WeightsReport(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[WeightsFile]
+    def __init__(self, files: _Optional[_Iterable[_Union[WeightsFile, _Mapping]]] = ...) -> None: ...
+
+class WeightsFile(_message.Message):
+    __slots__ = ("path", "size_bytes", "last_used_unix")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    last_used_unix: int
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., last_used_unix: _Optional[int] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("server_version", "heartbeat_interval_seconds")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    heartbeat_interval_seconds: int
+    def __init__(self, server_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[int] = ...) -> None: ...
+
+class StartShard(_message.Message):
+    __slots__ = ("command_id", "shard_id", "replica_id", "model", "profile", "engine", "source", "args", "env", "port", "gpu_indices", "rank", "world_size", "leader_address")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDICES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: str
+    engine: str
+    source: str
+    args: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    port: int
+    gpu_indices: _containers.RepeatedScalarFieldContainer[int]
+    rank: int
+    world_size: int
+    leader_address: str
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ...) -> None: ...
+
+class StopShard(_message.Message):
+    __slots__ = ("command_id", "shard_id", "grace_seconds")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    shard_id: str
+    grace_seconds: int
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., grace_seconds: _Optional[int] = ...) -> None: ...
+
+class DrainShard(_message.Message):
+    __slots__ = ("command_id", "shard_id", "grace_seconds")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    shard_id: str
+    grace_seconds: int
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., grace_seconds: _Optional[int] = ...) -> None: ...
+
+class RemoveWeights(_message.Message):
+    __slots__ = ("command_id", "paths")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, command_id: _Optional[int] = ..., paths: _Optional[_Iterable[str]] = ...) -> None: ...

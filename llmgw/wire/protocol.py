@@ -1,0 +1,208 @@
+"""
+The thin Twisted protocol over the frame codec, and command correlation.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+from google.protobuf.message import DecodeError, Message
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionLost
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.codec import (
+    DEFAULT_MAX_FRAME_SIZE,
+    FrameDecoder,
+    FrameError,
+    encode_frame,
+)
+
+M = TypeVar("M", bound=Message)
+
+# The ControlMessage fields that are commands (all but welcome).
+_COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights")
+
+
+class CommandFailed(Exception):
+    """
+    The agent answered a command with C{ok = false}.
+
+    @ivar result: the L{pb.CommandResult}, whose C{error} says why.
+    """
+
+    def __init__(self, result: pb.CommandResult) -> None:
+        super().__init__(result.error or "command failed")
+        self.result = result
+
+
+class MessageStream(Protocol, Generic[M]):
+    """
+    Frames in, messages of one type out to L{message_received}; L{send}
+    frames a message out.  A frame of zero or too many bytes, or one that is
+    not a valid message, closes the connection with a log line that names
+    the size.
+
+    @param incoming: the message class the peer sends.
+    @param max_frame_size: the largest frame accepted or sent, bytes.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self, incoming: type[M], max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    ) -> None:
+        self._incoming = incoming
+        self._max = max_frame_size
+        self._decoder = FrameDecoder(max_frame_size)
+        self._closing = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closing:
+            return
+        try:
+            frames = self._decoder.feed(data)
+        except FrameError as e:
+            self._violation("{error}", error=str(e), size=e.size)
+            return
+        for frame in frames:
+            message = self._incoming()
+            try:
+                message.ParseFromString(frame)
+            except DecodeError:
+                self._violation(
+                    "a frame of {size} bytes is not a {kind}",
+                    size=len(frame),
+                    kind=self._incoming.__name__,
+                )
+                return
+            self.message_received(message)
+            if self._closing:
+                return
+
+    def _violation(self, template: str, **fields: object) -> None:
+        self._closing = True
+        peer = self.transport.getPeer() if self.transport is not None else None
+        self.log.error(
+            "closing the connection from {peer}: " + template, peer=peer, **fields
+        )
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+    def send(self, message: Message) -> None:
+        """
+        Frame C{message} and write it.
+
+        @raise FrameError: the message serializes to more than the maximum.
+        """
+        assert self.transport is not None
+        self.transport.write(encode_frame(message.SerializeToString(), self._max))
+
+    def message_received(self, message: M) -> None:
+        """
+        Called with each message from the peer; override.
+        """
+
+
+class CommandTracker:
+    """
+    Outstanding commands by C{command_id}: each L{send} returns a Deferred
+    that the matching L{pb.CommandResult} fires, and all of them fail when
+    the connection is lost (L{fail_all}).
+    """
+
+    def __init__(self) -> None:
+        self._next_id = 1
+        self._pending: dict[int, Deferred[pb.CommandResult]] = {}
+
+    def prepare(self, message: pb.ControlMessage) -> Deferred[pb.CommandResult]:
+        """
+        Give the command in C{message} the next C{command_id}.
+
+        @param message: a L{pb.ControlMessage} holding a command (not a
+            welcome).
+        @return: fires with the L{pb.CommandResult} when the agent answers
+            C{ok}, fails with L{CommandFailed} when it answers not C{ok}, or
+            with the reason the connection was lost.
+        @raise ValueError: C{message} holds no command.
+        """
+        kind = message.WhichOneof("kind")
+        if kind not in _COMMANDS:
+            raise ValueError(f"not a command: {kind}")
+        command_id = self._next_id
+        self._next_id += 1
+        getattr(message, kind).command_id = command_id
+        waiting: Deferred[pb.CommandResult] = Deferred()
+        self._pending[command_id] = waiting
+        return waiting
+
+    @property
+    def outstanding(self) -> int:
+        """
+        Commands sent and not yet answered.
+        """
+        return len(self._pending)
+
+    def result_received(self, result: pb.CommandResult) -> bool:
+        """
+        Fire the command C{result} answers.
+
+        @return: whether a command was waiting for it.
+        """
+        waiting = self._pending.pop(result.command_id, None)
+        if waiting is None:
+            return False
+        if result.ok:
+            waiting.callback(result)
+        else:
+            waiting.errback(CommandFailed(result))
+        return True
+
+    def fail_all(self, reason: Failure | None = None) -> None:
+        """
+        Fail every outstanding command, with C{reason} or L{ConnectionLost}.
+        """
+        pending, self._pending = self._pending, {}
+        failure = reason if reason is not None else Failure(ConnectionLost())
+        for waiting in pending.values():
+            waiting.errback(failure)
+
+
+class CommandingStream(MessageStream[pb.AgentMessage]):
+    """
+    The server's side of one agent link: receives L{pb.AgentMessage}, sends
+    commands whose results come back as Deferreds.
+    """
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        super().__init__(pb.AgentMessage, max_frame_size)
+        self.commands = CommandTracker()
+
+    def send_command(self, message: pb.ControlMessage) -> Deferred[pb.CommandResult]:
+        """
+        Send a command; see L{CommandTracker.prepare} for what fires.
+        """
+        waiting = self.commands.prepare(message)
+        self.send(message)
+        return waiting
+
+    def message_received(self, message: pb.AgentMessage) -> None:
+        if message.WhichOneof("kind") == "command_result":
+            if not self.commands.result_received(message.command_result):
+                self.log.warn(
+                    "result for unknown command {command_id}",
+                    command_id=message.command_result.command_id,
+                )
+            return
+        self.agent_message_received(message)
+
+    def agent_message_received(self, message: pb.AgentMessage) -> None:
+        """
+        Called with every message but command results; override.
+        """
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.commands.fail_all(reason)

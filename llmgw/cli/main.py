@@ -1,5 +1,5 @@
 """
-The C{llmgw} console script: C{llmgw sim ...}.
+The C{llmgw} console script: C{llmgw sim ...}, C{llmgw certs ...}.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ USAGE = """usage: llmgw COMMAND [ARGS...]
 
 commands:
   sim     run an engine simulator (OpenAI API) for tests, benchmarks and rehearsals
+  certs   make the fleet CA and the certificates of the server and agents
 """
 
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmgw.sim.cli import main as sim_main
 
         return sim_main(rest)
+    if command == "certs":
+        from llmgw.cli.certs import main as certs_main
+
+        return certs_main(rest)
     sys.stderr.write(f"llmgw: unknown command {command!r}\n{USAGE}")
     return 2
 

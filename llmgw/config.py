@@ -66,15 +66,39 @@ class RouterConfig:
 
 
 @dataclass(frozen=True)
+class AgentTLSConfig:
+    """
+    The C{[agent_tls]} table: PEM paths, as C{llmgw certs} writes them.
+    """
+
+    ca: str
+    cert: str
+    key: str
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """
     The whole C{llmgw-server} configuration.
+
+    @ivar agent_tls: certificates for the agent listener; without them (and
+        without C{insecure_agents}) the server accepts no agents.
     """
 
     listen: str = "tcp:8080"
     admin_listen: str = "tcp:9090:interface=127.0.0.1"
+    agent_listen: str = "tcp:7443"
+    agent_tls: AgentTLSConfig | None = None
+    insecure_agents: bool = False
     endpoints: tuple[EndpointConfig, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
+
+    @property
+    def accepts_agents(self) -> bool:
+        """
+        Whether an agent listener runs.
+        """
+        return self.agent_tls is not None or self.insecure_agents
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
@@ -252,8 +276,45 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
 
     @raise ConfigError: an unknown key, a missing field or a bad value.
     """
-    _check_keys("", data, {"listen", "admin_listen", "endpoints", "router"})
+    _check_keys(
+        "",
+        data,
+        {
+            "listen",
+            "admin_listen",
+            "agent_listen",
+            "agent_tls",
+            "insecure_agents",
+            "endpoints",
+            "router",
+        },
+    )
     config = ServerConfig()
+    if "agent_listen" in data:
+        config = replace(
+            config, agent_listen=_string("agent_listen", data["agent_listen"])
+        )
+    if "insecure_agents" in data:
+        insecure = data["insecure_agents"]
+        if not isinstance(insecure, bool):
+            raise ConfigError(
+                f"insecure_agents: expected true or false, got {insecure!r}"
+            )
+        config = replace(config, insecure_agents=insecure)
+    if "agent_tls" in data:
+        table = data["agent_tls"]
+        if not isinstance(table, dict):
+            raise ConfigError(f"agent_tls: expected a table, got {table!r}")
+        _check_keys("agent_tls", table, {"ca", "cert", "key"})
+        for required in ("ca", "cert", "key"):
+            if required not in table:
+                raise ConfigError(f"agent_tls.{required}: missing")
+        config = replace(
+            config,
+            agent_tls=AgentTLSConfig(
+                *(_string(f"agent_tls.{k}", table[k]) for k in ("ca", "cert", "key"))
+            ),
+        )
     if "listen" in data:
         config = replace(config, listen=_string("listen", data["listen"]))
     if "admin_listen" in data:
@@ -309,9 +370,10 @@ def finish_config(config: ServerConfig) -> ServerConfig:
         if endpoint.id in seen:
             raise ConfigError(f"endpoints: duplicate id {endpoint.id!r}")
         seen.add(endpoint.id)
-    if not config.endpoints:
+    if not config.endpoints and not config.accepts_agents:
         raise ConfigError(
             "nothing to serve: add --endpoint id=URL=model[,model], or"
-            " [[endpoints]] tables (id, url, models) to the --config file"
+            " [[endpoints]] tables (id, url, models) to the --config file,"
+            " or [agent_tls] (ca, cert, key) to accept agents"
         )
     return config

@@ -15,6 +15,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.web.client import HTTPConnectionPool
@@ -28,11 +29,14 @@ from llmgw.config import (
     load_config,
     parse_endpoint_flag,
 )
+from llmgw.control.agents import AgentHub
+from llmgw.control.inventory import Inventory
 from llmgw.router.app import LogUsageSink, Router, make_site
 from llmgw.router.balancer import Balancer, Endpoint
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.upstream import make_upstream_client
 from llmgw.server.admin import Admin
+from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
 
@@ -54,6 +58,13 @@ class Options(usage.Options):
             "Client API listener, a Twisted server endpoint string"
             " (default tcp:8080; ssl:8443:privateKey=K:certKey=C for TLS"
             " with HTTP/2).",
+        ],
+        [
+            "agent-listen",
+            None,
+            None,
+            "Agent listener, a Twisted server endpoint string (default tcp:7443);"
+            " TLS comes from [agent_tls] in the config file.",
         ],
         [
             "admin-listen",
@@ -91,6 +102,8 @@ class Options(usage.Options):
             config = replace(config, listen=self["listen"])
         if self["admin-listen"] is not None:
             config = replace(config, admin_listen=self["admin-listen"])
+        if self["agent-listen"] is not None:
+            config = replace(config, agent_listen=self["agent-listen"])
         if self["endpoint"]:
             endpoints: list[EndpointConfig] = [
                 parse_endpoint_flag(spec) for spec in self["endpoint"]
@@ -159,7 +172,27 @@ class _PoolService(Service):
         return self._pool.closeCachedConnections()  # type: ignore[no-any-return]
 
 
-def _listen(reactor: Any, key: str, description: str, factory: Site) -> IListeningPort:
+def _agent_factory(config: ServerConfig, inventory: Inventory) -> Any:
+    """
+    The agent links' factory, inside TLS from C{[agent_tls]} unless agents
+    are insecure.
+
+    @raise ConfigError: a certificate file cannot be read.
+    """
+    from twisted.internet import reactor
+
+    hub = AgentHub(reactor, inventory, insecure=config.agent_tls is None)
+    if config.agent_tls is None:
+        return hub
+    tls = config.agent_tls
+    try:
+        options = server_options(tls.ca, tls.cert, tls.key)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"agent_tls: cannot load the certificates: {e}") from None
+    return TLSMemoryBIOFactory(options, False, hub)
+
+
+def _listen(reactor: Any, key: str, description: str, factory: Any) -> IListeningPort:
     """
     Listen now, so that a port in use or a bad endpoint string ends the
     process with one line at start instead of a logged failure in a
@@ -216,11 +249,20 @@ def makeService(options: Options) -> IService:
         LogUsageSink(),
     )
     router_site = make_site(router.app.resource(), settings.max_body_size)
-    admin_site = Site(Admin(registry).app.resource())
+    inventory = Inventory()
+    admin_site = Site(Admin(registry, inventory).app.resource())
     admin_site.log = lambda request: None  # type: ignore[method-assign]
+    agent_port = None
     try:
         router_port = _listen(reactor, "listen", config.listen, router_site)
         admin_port = _listen(reactor, "admin_listen", config.admin_listen, admin_site)
+        if config.accepts_agents:
+            agent_port = _listen(
+                reactor,
+                "agent_listen",
+                config.agent_listen,
+                _agent_factory(config, inventory),
+            )
     except ConfigError as e:
         sys.stderr.write(f"llmgw-server: {e}\n")
         sys.stderr.flush()
@@ -232,6 +274,22 @@ def makeService(options: Options) -> IService:
     _PoolService(pool).setServiceParent(top)  # type: ignore[no-untyped-call]
     _DrainService(router, settings.drain_timeout).setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+    if agent_port is not None:
+        _ListeningService(agent_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+        agent_address = agent_port.getHost()
+        log.info(
+            "agent listener on {host}:{port} ({security})",
+            host=getattr(agent_address, "host", agent_address),
+            port=getattr(agent_address, "port", ""),
+            security="mutual TLS" if config.agent_tls else "PLAINTEXT",
+        )
+        if config.agent_tls is None:
+            log.warn(
+                "insecure_agents = true: agent links are plaintext and any"
+                " connection may claim to be any node; use [agent_tls]"
+            )
+    else:
+        log.info("no [agent_tls]: not listening for agents")
     _ListeningService(router_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     # The bound addresses, not the configured strings: with port 0 this is
     # the only place the port is told (tests and scripts read this line).

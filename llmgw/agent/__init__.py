@@ -1,0 +1,3 @@
+"""
+The node agent: dials the server, reports the node, runs engines.
+"""

@@ -1,0 +1,264 @@
+"""
+C{twistd llmgw-agent}: options and the service tree.  The only module of the
+agent that touches the global reactor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from twisted.application.internet import ClientService, backoffPolicy
+from twisted.application.service import IService
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.logger import Logger
+from twisted.python import usage
+
+from llmgw import __version__
+from llmgw.agent.gpus import discover
+from llmgw.agent.link import AgentFactory
+from llmgw.config import ConfigError
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.tls import client_options
+
+log = Logger(namespace="llmgw.agent")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """
+    The agent's configuration: file keys and flags of the same names.
+
+    @ivar server: C{HOST:PORT} of the server's agent listener.
+    @ivar tls_dir: a folder as C{llmgw certs agent} writes it (C{ca.pem},
+        C{agent.pem}, C{agent-key.pem}).
+    @ivar simulated_gpus: C{(name, memory_gb)} per simulated GPU.
+    """
+
+    server: str = ""
+    node_id: str = ""
+    tls_dir: str = ""
+    state_dir: str = ""
+    insecure: bool = False
+    address: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    fabrics: tuple[str, ...] = ()
+    simulated_gpus: tuple[tuple[str, float], ...] = ()
+
+
+def _parse(data: dict[str, Any]) -> AgentConfig:
+    known = {
+        "server",
+        "node_id",
+        "tls_dir",
+        "state_dir",
+        "insecure",
+        "address",
+        "labels",
+        "fabrics",
+        "simulated_gpus",
+    }
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
+    values: dict[str, Any] = {}
+    for key in ("server", "node_id", "tls_dir", "state_dir", "address"):
+        if key in data:
+            if not isinstance(data[key], str):
+                raise ConfigError(f"{key}: expected a string, got {data[key]!r}")
+            values[key] = data[key]
+    if "insecure" in data:
+        if not isinstance(data["insecure"], bool):
+            raise ConfigError(
+                f"insecure: expected true or false, got {data['insecure']!r}"
+            )
+        values["insecure"] = data["insecure"]
+    labels = data.get("labels", {})
+    if not isinstance(labels, dict) or not all(
+        isinstance(v, str) for v in labels.values()
+    ):
+        raise ConfigError(f"labels: expected a table of strings, got {labels!r}")
+    values["labels"] = dict(labels)
+    fabrics = data.get("fabrics", [])
+    if not isinstance(fabrics, list) or not all(isinstance(f, str) for f in fabrics):
+        raise ConfigError(f"fabrics: expected a list of strings, got {fabrics!r}")
+    values["fabrics"] = tuple(fabrics)
+    gpus = []
+    for i, table in enumerate(data.get("simulated_gpus", [])):
+        where = f"simulated_gpus[{i}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: expected a table, got {table!r}")
+        for key in table:
+            if key not in ("name", "memory_gb"):
+                raise ConfigError(
+                    f"{where}.{key}: unknown key (known: memory_gb, name)"
+                )
+        name, memory = table.get("name"), table.get("memory_gb")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}.name: expected a name, got {name!r}")
+        if (
+            isinstance(memory, bool)
+            or not isinstance(memory, (int, float))
+            or memory <= 0
+        ):
+            raise ConfigError(
+                f"{where}.memory_gb: expected a positive number, got {memory!r}"
+            )
+        gpus.append((name, float(memory)))
+    values["simulated_gpus"] = tuple(gpus)
+    return AgentConfig(**values)
+
+
+def _server_address(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"server: bad value {value!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class Options(usage.Options):
+    """
+    Command line of C{twistd llmgw-agent}; flags override the file.
+    """
+
+    optParameters = [
+        ["config", "c", None, "TOML configuration file."],
+        ["server", None, None, "HOST:PORT of the server's agent listener."],
+        ["node-id", None, None, "This node's id; the CN of its certificate."],
+        ["tls-dir", None, None, "Folder from `llmgw certs agent` (ca, agent, key)."],
+        ["state-dir", None, None, "Folder for the agent's state."],
+    ]
+    optFlags = [["insecure", None, "Plaintext link (no TLS): trusted networks only."]]
+
+    def postOptions(self) -> None:
+        try:
+            self.config = self._config()
+        except ConfigError as e:
+            sys.stderr.write(f"llmgw-agent: config error: {e}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None
+
+    def _config(self) -> AgentConfig:
+        config = AgentConfig()
+        if self["config"] is not None:
+            try:
+                with open(self["config"], "rb") as f:
+                    config = _parse(tomllib.load(f))
+            except OSError as e:
+                raise ConfigError(
+                    f"--config: cannot read {self['config']!r}: {e.strerror}"
+                ) from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"--config: not valid TOML: {e}") from None
+        for flag, key in (
+            ("server", "server"),
+            ("node-id", "node_id"),
+            ("tls-dir", "tls_dir"),
+            ("state-dir", "state_dir"),
+        ):
+            if self[flag] is not None:
+                config = replace(config, **{key: self[flag]})
+        if self["insecure"]:
+            config = replace(config, insecure=True)
+        if not config.server:
+            raise ConfigError("server: missing: give --server HOST:PORT")
+        _server_address(config.server)
+        if not config.node_id:
+            raise ConfigError("node_id: missing: give --node-id ID")
+        if not config.insecure:
+            if not config.tls_dir:
+                raise ConfigError(
+                    "tls_dir: missing: give --tls-dir (from llmgw certs agent),"
+                    " or --insecure on a trusted network"
+                )
+            for name in ("ca.pem", "agent.pem", "agent-key.pem"):
+                if not os.path.isfile(os.path.join(config.tls_dir, name)):
+                    raise ConfigError(
+                        f"tls_dir: {config.tls_dir!r} has no {name}"
+                        " (make it with llmgw certs agent)"
+                    )
+        return config
+
+
+class _AgentService(ClientService):
+    """
+    The uplink; on stop it aborts the connection at once, so the agent ends
+    within seconds even while a write to the server is stuck.
+    """
+
+    def __init__(self, factory: AgentFactory, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._agent_factory = factory
+
+    def stopService(self) -> Deferred[None]:
+        protocol = self._agent_factory.current
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.abortConnection()  # type: ignore[attr-defined]
+        return super().stopService()
+
+
+def makeService(options: Options) -> IService:
+    """
+    Build the agent: one uplink to the server, reconnecting forever with
+    jittered exponential backoff from 1 s to 30 s.
+    """
+    from twisted.internet import reactor
+
+    config: AgentConfig = options.config
+    host, port = _server_address(config.server)
+    gpus = discover(config.node_id, list(config.simulated_gpus))
+    page = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def register() -> pb.Register:
+        return pb.Register(
+            node_id=config.node_id,
+            agent_version=__version__,
+            address=config.address or "127.0.0.1",
+            labels=config.labels,
+            fabrics=config.fabrics,
+            cpus=os.cpu_count() or 1,
+            memory_bytes=page,
+            gpus=gpus,
+        )
+
+    def heartbeat() -> pb.Heartbeat:
+        return pb.Heartbeat(
+            gpus=[
+                pb.GpuUsage(index=g.index, memory_used_mib=g.memory_used_mib)
+                for g in gpus
+            ]
+        )
+
+    endpoint: Any = HostnameEndpoint(reactor, host, port, timeout=10)
+    if not config.insecure:
+        tls = config.tls_dir
+        endpoint = wrapClientTLS(
+            client_options(
+                host,
+                os.path.join(tls, "ca.pem"),
+                os.path.join(tls, "agent.pem"),
+                os.path.join(tls, "agent-key.pem"),
+            ),
+            endpoint,
+        )
+    factory = AgentFactory(register, heartbeat, reactor)
+    service = _AgentService(
+        factory,
+        endpoint,
+        factory,
+        retryPolicy=backoffPolicy(initialDelay=1.0, maxDelay=30.0, factor=2.0),
+    )
+    log.info(
+        "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated); dialing {server}"
+        " ({security})",
+        node=config.node_id,
+        gpus=len(gpus),
+        simulated=sum(1 for g in gpus if g.simulated),
+        server=config.server,
+        security="PLAINTEXT" if config.insecure else "mutual TLS",
+    )
+    return service

@@ -1,0 +1,192 @@
+"""
+The server's end of the agent links: who may connect, Register first, one
+link per node, and the inventory kept from what agents say.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import Factory, connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw import __version__
+from llmgw.control.inventory import Inventory
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
+from llmgw.wire.protocol import CommandingStream
+from llmgw.wire.tls import peer_common_name
+
+HEARTBEAT_INTERVAL = 5
+
+
+class AgentLink(CommandingStream):
+    """
+    One agent connection.  It must send Register within
+    C{register_timeout} seconds; unless links are insecure, the node id it
+    claims must be its certificate's CN.
+    """
+
+    log = Logger()
+
+    def __init__(self, hub: AgentHub) -> None:
+        super().__init__(hub.max_frame_size)
+        self._hub = hub
+        self.node_id: str | None = None
+        self._register_timer: IDelayedCall | None = None
+
+    def connectionMade(self) -> None:
+        self._register_timer = self._hub.clock.callLater(
+            self._hub.register_timeout, self._register_late
+        )
+
+    def _register_late(self) -> None:
+        self._register_timer = None
+        self._refuse(
+            "no Register within {timeout}s", timeout=self._hub.register_timeout
+        )
+
+    def _refuse(self, why: str, **fields: Any) -> None:
+        self.log.warn(
+            "refusing agent connection from {peer}: " + why,
+            peer=self._peer(),
+            **fields,
+        )
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+    def _peer(self) -> str:
+        if self.transport is None:
+            return "?"
+        address = self.transport.getPeer()
+        return f"{getattr(address, 'host', address)}:{getattr(address, 'port', '')}"
+
+    def agent_message_received(self, message: pb.AgentMessage) -> None:
+        kind = message.WhichOneof("kind")
+        if self.node_id is None:
+            if kind != "register":
+                self._refuse("first message was {kind}, not Register", kind=kind)
+                return
+            self._registered(message.register)
+            return
+        if kind == "heartbeat":
+            self._hub.inventory.heartbeat(
+                self.node_id, message.heartbeat, self._hub.wall_clock()
+            )
+        elif kind == "register":
+            self._hub.inventory.register(message.register, self._hub.wall_clock())
+
+    def _registered(self, register: pb.Register) -> None:
+        claim = register.node_id
+        if not claim:
+            self._refuse("Register without a node id")
+            return
+        if not self._hub.insecure:
+            cn = peer_common_name(self.transport)
+            if cn != claim:
+                self._refuse(
+                    "certificate CN {cn!r} claims to be node {claim!r}",
+                    cn=cn,
+                    claim=claim,
+                )
+                return
+        if self._register_timer is not None and self._register_timer.active():
+            self._register_timer.cancel()
+        self._register_timer = None
+        self.node_id = claim
+        self._hub.attach(self)
+        node = self._hub.inventory.register(register, self._hub.wall_clock())
+        self.send(
+            pb.ControlMessage(
+                welcome=pb.Welcome(
+                    server_version=__version__,
+                    heartbeat_interval_seconds=HEARTBEAT_INTERVAL,
+                )
+            )
+        )
+        self.log.info(
+            "agent {node} registered from {peer}: {gpus} GPUs, agent {version}",
+            node=claim,
+            peer=self._peer(),
+            gpus=len(node.gpus),
+            version=register.agent_version,
+        )
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        super().connectionLost(reason)
+        if self._register_timer is not None and self._register_timer.active():
+            self._register_timer.cancel()
+        self._register_timer = None
+        if self.node_id is None:
+            if not reason.check(ConnectionDone):
+                # A failed TLS handshake ends here: no certificate, one from
+                # another CA, or plaintext on the TLS port.
+                self.log.warn(
+                    "refused agent connection from {peer}: {reason}",
+                    peer=self._peer(),
+                    reason=reason.getErrorMessage(),
+                )
+            return
+        self._hub.detach(self)
+
+
+class AgentHub(Factory):
+    """
+    Makes an L{AgentLink} per connection and keeps the current one per
+    node: a new connection for a node replaces the old.
+
+    @param clock: for the Register deadline.
+    @param inventory: where nodes are recorded.
+    @param insecure: accept any claimed node id (plaintext links).
+    @param register_timeout: seconds a connection has to send Register.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        inventory: Inventory,
+        insecure: bool = False,
+        register_timeout: float = 10.0,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    ) -> None:
+        self.clock = clock
+        self.inventory = inventory
+        self.insecure = insecure
+        self.register_timeout = register_timeout
+        self.max_frame_size = max_frame_size
+        self.links: dict[str, AgentLink] = {}
+
+    def wall_clock(self) -> float:
+        """
+        @return: POSIX seconds, for the inventory's C{last_seen}.
+        """
+        return time.time()
+
+    def buildProtocol(self, addr: Any) -> AgentLink:
+        return AgentLink(self)
+
+    def attach(self, link: AgentLink) -> None:
+        assert link.node_id is not None
+        old = self.links.get(link.node_id)
+        self.links[link.node_id] = link
+        if old is not None and old is not link:
+            self.log.info(
+                "agent {node} connected again: closing its previous link",
+                node=link.node_id,
+            )
+            old.node_id = None
+            if old.transport is not None:
+                old.transport.loseConnection()
+
+    def detach(self, link: AgentLink) -> None:
+        assert link.node_id is not None
+        if self.links.get(link.node_id) is link:
+            del self.links[link.node_id]
+            self.inventory.link_lost(link.node_id)
+            self.log.info("agent {node} disconnected", node=link.node_id)

@@ -1,0 +1,153 @@
+"""
+The inventory: what agents report of their nodes (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw.wire import agent_pb2 as pb
+
+
+@dataclass
+class GpuInfo:
+    """
+    One GPU of a node.  Memory in MiB.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    memory_total_mib: int
+    memory_used_mib: int
+    problems: list[str] = field(default_factory=list)
+    simulated: bool = False
+
+
+@dataclass
+class Node:
+    """
+    A node as its agent last described it.
+
+    @ivar state: C{"ready"} once registered.  (C{"unreachable"} and
+        C{"lost"} after silence come with the control plane's timers.)
+    @ivar last_seen: POSIX seconds of the last message from its agent.
+    @ivar connected: whether its agent's link is up now; losing a link is
+        not losing a node.
+    """
+
+    id: str
+    address: str
+    agent_version: str
+    labels: dict[str, str]
+    fabrics: list[str]
+    cpus: int
+    memory_bytes: int
+    gpus: list[GpuInfo]
+    last_seen: float
+    state: str = "ready"
+    connected: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        """
+        @return: the node as C{GET /api/v1/nodes} shows it.
+        """
+        return {
+            "id": self.id,
+            "state": self.state,
+            "connected": self.connected,
+            "address": self.address,
+            "agent_version": self.agent_version,
+            "labels": self.labels,
+            "fabrics": self.fabrics,
+            "cpus": self.cpus,
+            "memory_bytes": self.memory_bytes,
+            "gpus": [
+                {
+                    "index": g.index,
+                    "uuid": g.uuid,
+                    "name": g.name,
+                    "memory_total_mib": g.memory_total_mib,
+                    "memory_used_mib": g.memory_used_mib,
+                    "problems": g.problems,
+                    "simulated": g.simulated,
+                }
+                for g in self.gpus
+            ],
+            "last_seen": datetime.datetime.fromtimestamp(
+                self.last_seen, datetime.UTC
+            ).isoformat(),
+        }
+
+
+class Inventory:
+    """
+    Nodes by id, updated from Register and Heartbeat.
+    """
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, Node] = {}
+
+    def register(self, message: pb.Register, now: float) -> Node:
+        """
+        Replace what is known of C{message.node_id} with C{message}.
+
+        @param now: POSIX seconds.
+        """
+        node = Node(
+            id=message.node_id,
+            address=message.address,
+            agent_version=message.agent_version,
+            labels=dict(message.labels),
+            fabrics=list(message.fabrics),
+            cpus=message.cpus,
+            memory_bytes=message.memory_bytes,
+            gpus=[
+                GpuInfo(
+                    index=g.index,
+                    uuid=g.uuid,
+                    name=g.name,
+                    memory_total_mib=g.memory_total_mib,
+                    memory_used_mib=g.memory_used_mib,
+                    problems=list(g.problems),
+                    simulated=g.simulated,
+                )
+                for g in message.gpus
+            ],
+            last_seen=now,
+        )
+        self._nodes[node.id] = node
+        return node
+
+    def heartbeat(self, node_id: str, message: pb.Heartbeat, now: float) -> None:
+        """
+        Record GPU memory used and new problems.
+        """
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        node.last_seen = now
+        by_index = {g.index: g for g in node.gpus}
+        for usage in message.gpus:
+            gpu = by_index.get(usage.index)
+            if gpu is not None:
+                gpu.memory_used_mib = usage.memory_used_mib
+                gpu.problems.extend(
+                    p for p in usage.new_problems if p not in gpu.problems
+                )
+
+    def link_lost(self, node_id: str) -> None:
+        """
+        The node's agent link went down.
+        """
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.connected = False
+
+    def nodes(self) -> list[Node]:
+        """
+        @return: every node, by id.
+        """
+        return [self._nodes[k] for k in sorted(self._nodes)]

@@ -1,0 +1,289 @@
+"""
+The agent link: unit tests of the server's link rules on a Clock, and end
+to end with C{llmgw certs}, C{twistd llmgw-server} and C{twistd llmgw-agent}
+as processes over real mutual TLS on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.logger import capturedLogs
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.control.agents import AgentHub, AgentLink
+from llmgw.control.inventory import Inventory
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.codec import FrameDecoder, encode_frame
+from tests.support import BIN, TWISTD, Process, Processes, free_port, http, spawn
+
+AGENT_CONFIG = """
+fabrics = ["ib-a"]
+labels = { rack = "r7" }
+[[simulated_gpus]]
+name = "H200"
+memory_gb = 141
+[[simulated_gpus]]
+name = "H200"
+memory_gb = 141
+"""
+
+
+def _frame(message: pb.AgentMessage) -> bytes:
+    return encode_frame(message.SerializeToString())
+
+
+class LinkRuleTests(SynchronousTestCase):
+    """
+    The server's rules for a link, on a Clock, insecure (no certificate
+    to compare the claim with).
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.inventory = Inventory()
+        self.hub = AgentHub(self.clock, self.inventory, insecure=True)
+
+    def connect(self) -> tuple[AgentLink, StringTransport]:
+        link = self.hub.buildProtocol(None)
+        transport = StringTransport()
+        link.makeConnection(transport)
+        return link, transport
+
+    def test_register_deadline(self) -> None:
+        """
+        A connection that sends no Register within 10 s is closed.
+        """
+        _, transport = self.connect()
+        with capturedLogs() as events:
+            self.clock.advance(9.9)
+            self.assertFalse(transport.disconnecting)
+            self.clock.advance(0.2)
+        self.assertTrue(transport.disconnecting)
+        self.assertIn("no Register", events[0]["log_format"])
+
+    def test_register_first(self) -> None:
+        """
+        Anything before Register closes the connection.
+        """
+        link, transport = self.connect()
+        with capturedLogs():
+            link.dataReceived(_frame(pb.AgentMessage(heartbeat=pb.Heartbeat())))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(self.inventory.nodes(), [])
+
+    def test_register_then_heartbeat(self) -> None:
+        """
+        Register records the node and is answered with Welcome; heartbeats
+        update GPU memory; no delayed call is left.
+        """
+        link, transport = self.connect()
+        gpu = pb.Gpu(index=0, name="H200", memory_total_mib=144384)
+        with capturedLogs():
+            link.dataReceived(
+                _frame(pb.AgentMessage(register=pb.Register(node_id="n1", gpus=[gpu])))
+            )
+        (welcome,) = FrameDecoder().feed(transport.value())
+        self.assertTrue(pb.ControlMessage.FromString(welcome).HasField("welcome"))
+        link.dataReceived(
+            _frame(
+                pb.AgentMessage(
+                    heartbeat=pb.Heartbeat(
+                        gpus=[pb.GpuUsage(index=0, memory_used_mib=512)]
+                    )
+                )
+            )
+        )
+        (node,) = self.inventory.nodes()
+        self.assertEqual((node.id, node.gpus[0].memory_used_mib), ("n1", 512))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_new_connection_replaces_old(self) -> None:
+        """
+        A second connection for the same node closes the first; the first
+        going away then does not mark the node disconnected.
+        """
+        register = _frame(pb.AgentMessage(register=pb.Register(node_id="n1")))
+        first, first_transport = self.connect()
+        second, _ = self.connect()
+        with capturedLogs():
+            first.dataReceived(register)
+            second.dataReceived(register)
+            self.assertTrue(first_transport.disconnecting)
+            first.connectionLost()
+        self.assertIs(self.hub.links["n1"], second)
+        self.assertTrue(self.inventory.nodes()[0].connected)
+
+
+class AgentLinkEndToEndTests(SynchronousTestCase, Processes):
+    """
+    Real processes, real certificates, real TLS.
+    """
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="llmgw-fleet-")
+        self.ca = os.path.join(self.dir, "ca")
+        for args in (
+            ["init", "--dir", self.ca],
+            ["server", "--dir", self.ca, "--host", "localhost,127.0.0.1"],
+            ["agent", "--dir", self.ca, "--node-id", "gpu-01"],
+        ):
+            subprocess.run(
+                [os.path.join(BIN, "llmgw"), "certs", *args],
+                check=True,
+                timeout=60,
+                capture_output=True,
+            )
+        self.agent_port = free_port()
+        self.server, self.admin_url = self.start_fleet_server()
+
+    def start_fleet_server(self) -> tuple[Process, str]:
+        config = (
+            f'[agent_tls]\nca = "{self.ca}/ca.pem"\ncert = "{self.ca}/server.pem"\n'
+            f'key = "{self.ca}/server-key.pem"\n'
+        )
+        server, _, admin_url = self.start_server(
+            "--agent-listen",
+            f"tcp:{self.agent_port}:interface=127.0.0.1",
+            config=config,
+        )
+        server.wait_for(r"agent listener on 127.0.0.1:\d+ \(mutual TLS\)")
+        return server, admin_url
+
+    def start_agent(self, node_id: str, tls_dir: str, *extra: str) -> Process:
+        path = os.path.join(self.dir, f"agent-{node_id}-{time.monotonic_ns()}.toml")
+        with open(path, "w") as f:
+            f.write(AGENT_CONFIG)
+        process = spawn(
+            [
+                TWISTD,
+                "-n",
+                "--pidfile=",
+                "llmgw-agent",
+                "--config",
+                path,
+                "--server",
+                f"127.0.0.1:{self.agent_port}",
+                "--node-id",
+                node_id,
+                "--tls-dir",
+                tls_dir,
+                *extra,
+            ],
+            self.dir,
+            f"agent-{node_id}-{time.monotonic_ns()}",
+        )
+        self.addCleanup(process.stop)
+        return process
+
+    def nodes(self) -> list[dict[str, Any]]:
+        status, _, body = http("GET", self.admin_url + "/api/v1/nodes")
+        self.assertEqual(status, 200)
+        result: list[dict[str, Any]] = json.loads(body)["nodes"]
+        return result
+
+    def wait_for_node(self, node_id: str, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for node in self.nodes():
+                if node["id"] == node_id and node["connected"]:
+                    return node
+            time.sleep(0.1)
+        raise AssertionError(f"{node_id} never registered:\n{self.server.output()}")
+
+    def test_node_registers_with_simulated_gpus(self) -> None:
+        """
+        An agent with certificates from llmgw certs registers over mutual
+        TLS; the node is ready in /api/v1/nodes with its simulated GPUs,
+        fabrics and labels.  SIGTERM ends the agent within 5 s.
+        """
+        agent = self.start_agent("gpu-01", os.path.join(self.ca, "agents", "gpu-01"))
+        node = self.wait_for_node("gpu-01")
+        self.assertEqual(node["state"], "ready")
+        self.assertEqual(
+            [(g["name"], g["memory_total_mib"], g["simulated"]) for g in node["gpus"]],
+            [("H200", 144384, True), ("H200", 144384, True)],
+        )
+        self.assertEqual((node["fabrics"], node["labels"]), (["ib-a"], {"rack": "r7"}))
+        self.assertEqual(node["agent_version"], "0.1.0")
+        self.assertRegex(node["last_seen"], r"^\d{4}-\d\d-\d\dT")
+        agent.wait_for("no GPUs from NVML on this machine")
+        started = time.monotonic()
+        agent.popen.send_signal(signal.SIGTERM)
+        agent.popen.wait(10)
+        self.assertLess(time.monotonic() - started, 5)
+        deadline = time.monotonic() + 5
+        while self.nodes()[0]["connected"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertFalse(self.nodes()[0]["connected"])
+
+    def test_refusals_logged(self) -> None:
+        """
+        Refused, each with its reason in the server log and no node
+        recorded: an agent certificate from another CA, a CN that differs
+        from --node-id, no client certificate, plaintext on the TLS port.
+        """
+        other = os.path.join(self.dir, "other")
+        for args in (
+            ["init", "--dir", other],
+            ["agent", "--dir", other, "--node-id", "gpu-01"],
+        ):
+            subprocess.run(
+                [os.path.join(BIN, "llmgw"), "certs", *args],
+                check=True,
+                timeout=60,
+                capture_output=True,
+            )
+        foreign = os.path.join(other, "agents", "gpu-01")
+        # It trusts the real server, so only the server can refuse it.
+        with open(os.path.join(self.ca, "ca.pem"), "rb") as src:
+            with open(os.path.join(foreign, "ca.pem"), "wb") as dst:
+                dst.write(src.read())
+        self.start_agent("gpu-01", foreign)
+        self.server.wait_for(r"refused agent connection .*certificate verify failed")
+        self.start_agent("gpu-02", os.path.join(self.ca, "agents", "gpu-01"))
+        self.server.wait_for(r"certificate CN 'gpu-01' claims to be node 'gpu-02'")
+        context = ssl.create_default_context(cafile=os.path.join(self.ca, "ca.pem"))
+        with socket.create_connection(("127.0.0.1", self.agent_port), timeout=5) as raw:
+            try:
+                with context.wrap_socket(raw, server_hostname="localhost") as tls:
+                    tls.recv(1)
+            except (ssl.SSLError, OSError):
+                pass
+        self.server.wait_for(r"refused agent connection .*(certificate|alert)")
+        count = self.server.output().count("refused agent connection")
+        with socket.create_connection(("127.0.0.1", self.agent_port), timeout=5) as raw:
+            raw.sendall(b"\x00\x00\x00\x05hello" * 4)
+            try:
+                raw.recv(100)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 10
+        while self.server.output().count("refused agent connection") == count:
+            self.assertLess(time.monotonic(), deadline, self.server.output())
+            time.sleep(0.1)
+        self.assertEqual(self.nodes(), [])
+
+    def test_reconnects_after_server_restart(self) -> None:
+        """
+        A restarted server needs no visit to the node: the agent dials again
+        with backoff and registers.
+        """
+        self.start_agent("gpu-01", os.path.join(self.ca, "agents", "gpu-01"))
+        self.wait_for_node("gpu-01")
+        self.server.stop()
+        time.sleep(1)
+        self.server, self.admin_url = self.start_fleet_server()
+        self.assertEqual(self.wait_for_node("gpu-01", timeout=40)["state"], "ready")

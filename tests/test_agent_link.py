@@ -14,17 +14,22 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Generator
 from typing import Any
 
-from twisted.internet.task import Clock
+from twisted.internet import defer, threads
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import StringTransport
 from twisted.logger import capturedLogs
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.control.agents import AgentHub, AgentLink
 from llmgw.control.inventory import Inventory
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
+from llmgw.wire.protocol import CommandFailed
+from llmgw.wire.tls import server_options
 from tests.support import BIN, TWISTD, Process, Processes, free_port, http, spawn
 
 AGENT_CONFIG = """
@@ -287,3 +292,154 @@ class AgentLinkEndToEndTests(SynchronousTestCase, Processes):
         time.sleep(1)
         self.server, self.admin_url = self.start_fleet_server()
         self.assertEqual(self.wait_for_node("gpu-01", timeout=40)["state"], "ready")
+
+
+class ShardLifecycleTests(TestCase):
+    """
+    Commands through the real link: the server's AgentHub runs in this
+    test's reactor behind the production TLS options; the agent is a
+    twistd llmgw-agent process; the engine is llmgw sim.
+    """
+
+    timeout = 120
+
+    @defer.inlineCallbacks
+    def setUp(self) -> Generator[Any, Any, None]:
+        from twisted.internet import reactor
+
+        self.dir = tempfile.mkdtemp(prefix="llmgw-shards-")
+        ca = os.path.join(self.dir, "ca")
+        for args in (
+            ["init", "--dir", ca],
+            ["server", "--dir", ca, "--host", "127.0.0.1"],
+            ["agent", "--dir", ca, "--node-id", "gpu-01"],
+        ):
+            subprocess.run(
+                [os.path.join(BIN, "llmgw"), "certs", *args],
+                check=True,
+                timeout=60,
+                capture_output=True,
+            )
+        self.hub = AgentHub(reactor, Inventory())
+        factory = TLSMemoryBIOFactory(
+            server_options(f"{ca}/ca.pem", f"{ca}/server.pem", f"{ca}/server-key.pem"),
+            False,
+            self.hub,
+        )
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")
+        self.addCleanup(port.stopListening)
+        self.agent = spawn(
+            [
+                TWISTD,
+                "-n",
+                "--pidfile=",
+                "llmgw-agent",
+                "--server",
+                f"127.0.0.1:{port.getHost().port}",
+                "--node-id",
+                "gpu-01",
+                "--tls-dir",
+                f"{ca}/agents/gpu-01",
+            ],
+            self.dir,
+            "agent",
+        )
+        self.addCleanup(self.agent.stop)
+        yield self.until(lambda: "gpu-01" in self.hub.links, 30)
+
+    @defer.inlineCallbacks
+    def until(
+        self, condition: Callable[[], bool], seconds: float
+    ) -> Generator[Any, Any, None]:
+        from twisted.internet import reactor
+
+        deadline = time.monotonic() + seconds
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; agent log:\n{self.agent.output()}")
+            yield deferLater(reactor, 0.05, lambda: None)
+
+    def states(self, shard_id: str) -> list[str]:
+        return [
+            pb.ShardState.Name(s.state)
+            for node, s in self.hub.statuses
+            if node == "gpu-01" and s.shard_id == shard_id
+        ]
+
+    def start(self, shard_id: str, model: str, port: int, args: list[str]) -> Any:
+        return self.hub.links["gpu-01"].send_command(
+            pb.ControlMessage(
+                start_shard=pb.StartShard(
+                    shard_id=shard_id,
+                    model=model,
+                    engine="sim",
+                    port=port,
+                    args=args,
+                )
+            )
+        )
+
+    @defer.inlineCallbacks
+    def test_start_ready_stop(self) -> Generator[Any, Any, None]:
+        """
+        StartShard for the sim engine: starting, then ready once it answers
+        its health URL; it serves at its port; StopShard stops it and its
+        process group is gone.
+        """
+        port = free_port()
+        model = f"m-{os.getpid()}-{port}"
+        self.addCleanup(subprocess.run, ["pkill", "-f", "--", f"--model {model}"])
+        result = yield self.start("s1", model, port, [])
+        self.assertTrue(result.ok)
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s1"), 30)
+        self.assertEqual(
+            self.states("s1"), ["SHARD_STATE_STARTING", "SHARD_STATE_READY"]
+        )
+        status, _, body = yield threads.deferToThread(
+            http, "GET", f"http://127.0.0.1:{port}/v1/models"
+        )
+        self.assertEqual(json.loads(body)["data"][0]["id"], model)
+        pgid = int(
+            subprocess.run(
+                ["pgrep", "-f", "--", f"--model {model}"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()[0]
+        )
+        # The engine leads a process group of its own (a new session).
+        self.assertEqual(os.getpgid(pgid), pgid)
+        os.killpg(pgid, 0)
+        result = yield self.hub.links["gpu-01"].send_command(
+            pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s1", grace_seconds=5))
+        )
+        self.assertTrue(result.ok)
+        yield self.until(lambda: "SHARD_STATE_STOPPED" in self.states("s1"), 15)
+        with self.assertRaises(ProcessLookupError):
+            os.killpg(pgid, 0)
+
+    @defer.inlineCallbacks
+    def test_bad_args_fail_with_tail(self) -> Generator[Any, Any, None]:
+        """
+        An engine that exits at once (bad arguments) is reported failed,
+        with its exit code and its last output lines; a port in use is
+        refused before launch, saying so.
+        """
+        port = free_port()
+        result = yield self.start("s2", "m", port, ["--no-such-flag"])
+        self.assertTrue(result.ok)
+        yield self.until(lambda: "SHARD_STATE_FAILED" in self.states("s2"), 30)
+        (failed,) = [
+            s for _, s in self.hub.statuses if s.state == pb.SHARD_STATE_FAILED
+        ]
+        self.assertTrue(failed.has_exit_code)
+        self.assertEqual(failed.exit_code, 2)
+        self.assertIn(
+            "unrecognized arguments: --no-such-flag", "\n".join(failed.output_tail)
+        )
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            failure = yield self.assertFailure(
+                self.start("s3", "m", taken.getsockname()[1], []), CommandFailed
+            )
+        self.assertIn("is not free", str(failure))

@@ -12,12 +12,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmgw.agent.engines import ProfileError
+from llmgw.agent.supervisor import Supervisor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import MessageStream
 
-# What the agent cannot do yet answers every command (issue 3 items 6-7:
-# engine adapters and the supervisor are still to come).
-_NO_ENGINES = "this agent does not start, stop or drain engines yet"
+_NOT_YET = "this agent does not remove weights yet"
 
 
 class AgentProtocol(MessageStream[pb.ControlMessage]):
@@ -62,11 +62,27 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
             return
         if kind is None:
             return
-        command_id = getattr(message, kind).command_id
+        command = getattr(message, kind)
+        error = ""
+        supervisor = self.factory.supervisor
+        try:
+            if kind == "start_shard":
+                supervisor.start(command)
+            elif kind in ("stop_shard", "drain_shard"):
+                supervisor.stop(
+                    command.shard_id,
+                    command.grace_seconds or 30,
+                    draining=kind == "drain_shard",
+                )
+            else:
+                error = _NOT_YET
+        except ProfileError as e:
+            error = str(e)
+            self.log.warn("{kind} refused: {error}", kind=kind, error=error)
         self.send(
             pb.AgentMessage(
                 command_result=pb.CommandResult(
-                    command_id=command_id, ok=False, error=_NO_ENGINES
+                    command_id=command.command_id, ok=not error, error=error
                 )
             )
         )
@@ -100,8 +116,16 @@ class AgentFactory(Factory):
         self._register = register
         self._heartbeat = heartbeat
         self._clock = clock
-
         self.current: AgentProtocol | None = None
+        self.supervisor = Supervisor(clock, self.send_status)
+
+    def send_status(self, status: pb.ShardStatus) -> None:
+        """
+        Report a shard's transition over the link, when it is up (Register
+        carries the shards again after a reconnect).
+        """
+        if self.current is not None and self.current.transport is not None:
+            self.current.send(pb.AgentMessage(shard_status=status))
 
     def buildProtocol(self, addr: object) -> AgentProtocol:
         protocol = AgentProtocol(self._register, self._heartbeat, self._clock)

@@ -6,6 +6,7 @@ link per node, and the inventory kept from what agents say.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 from twisted.internet.error import ConnectionDone
@@ -79,6 +80,8 @@ class AgentLink(CommandingStream):
             )
         elif kind == "register":
             self._hub.inventory.register(message.register, self._hub.wall_clock())
+        elif kind == "shard_status":
+            self._hub.shard_status(self.node_id, message.shard_status)
 
     def _registered(self, register: pb.Register) -> None:
         claim = register.node_id
@@ -161,6 +164,30 @@ class AgentHub(Factory):
         self.register_timeout = register_timeout
         self.max_frame_size = max_frame_size
         self.links: dict[str, AgentLink] = {}
+        self.statuses: deque[tuple[str, pb.ShardStatus]] = deque(maxlen=1000)
+
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+        """
+        A shard changed state; kept (the last 1000) for the control plane.
+        """
+        self.statuses.append((node_id, status))
+        name = pb.ShardState.Name(status.state).removeprefix("SHARD_STATE_").lower()
+        if status.state == pb.SHARD_STATE_FAILED:
+            self.log.warn(
+                "shard {shard} on {node}: {state}: {error}; last output: {tail}",
+                shard=status.shard_id,
+                node=node_id,
+                state=name,
+                error=status.error,
+                tail=" | ".join(status.output_tail[-5:]),
+            )
+        else:
+            self.log.info(
+                "shard {shard} on {node}: {state}",
+                shard=status.shard_id,
+                node=node_id,
+                state=name,
+            )
 
     def wall_clock(self) -> float:
         """

@@ -1,0 +1,121 @@
+"""
+Engine adapters: a shard's profile, port and GPUs turned into the command
+line, environment and health URL of an inference engine.
+
+Command lines follow each engine's documentation: C{vllm serve MODEL
+--served-model-name --port --tensor-parallel-size} (vLLM), C{python -m
+sglang.launch_server --model-path --served-model-name --port --tp --nnodes
+--node-rank --dist-init-addr} (SGLang), C{llama-server -m --alias --port}
+(llama.cpp) or C{python -m llama_cpp.server --model --model_alias --port}
+(llama-cpp-python), and C{llmgw sim}.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+
+from llmgw.wire import agent_pb2 as pb
+
+ENGINES = ("vllm", "sglang", "llamacpp", "sim")
+
+
+class ProfileError(Exception):
+    """
+    A shard cannot be launched as asked; the message says which check
+    failed.
+    """
+
+
+@dataclass(frozen=True)
+class Launch:
+    """
+    How to run one shard.
+
+    @ivar argv: the command line; C{argv[0]} is an executable path or name.
+    @ivar env: variables added to the agent's environment.
+    @ivar health_url: answers 200 once the engine serves.
+    """
+
+    argv: list[str]
+    env: dict[str, str]
+    health_url: str
+
+
+def _cuda(gpus: list[int]) -> dict[str, str]:
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)} if gpus else {}
+
+
+def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
+    """
+    @param command: what to start: engine, source, args, env, port, GPUs,
+        rank, world size, leader address.
+    @param host: the interface engines listen on.
+    @return: the launch, with the catalog name as the served model name.
+    @raise ProfileError: an unknown engine.
+    """
+    port = str(command.port)
+    gpus = list(command.gpu_indices)
+    args = list(command.args)
+    env = {**_cuda(gpus), **dict(command.env)}
+    base = f"http://127.0.0.1:{command.port}"
+    engine = command.engine
+    if engine == "vllm":
+        argv = ["vllm", "serve", command.source, "--served-model-name", command.model]
+        argv += ["--host", host, "--port", port]
+        if len(gpus) > 1 and "--tensor-parallel-size" not in args:
+            argv += ["--tensor-parallel-size", str(len(gpus))]
+        return Launch(argv + args, env, base + "/health")
+    if engine == "sglang":
+        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path"]
+        argv += [command.source, "--served-model-name", command.model]
+        argv += ["--host", host, "--port", port]
+        if len(gpus) > 1:
+            argv += ["--tp", str(len(gpus) * max(command.world_size, 1))]
+        if command.world_size > 1:
+            argv += ["--nnodes", str(command.world_size)]
+            argv += ["--node-rank", str(command.rank)]
+            argv += ["--dist-init-addr", command.leader_address]
+        return Launch(argv + args, env, base + "/health")
+    if engine == "llamacpp":
+        if shutil.which("llama-server"):
+            argv = ["llama-server", "-m", command.source, "--alias", command.model]
+            argv += ["--host", host, "--port", port]
+            return Launch(argv + args, env, base + "/health")
+        # python -m llama_cpp.server has no /health: /v1/models answers once
+        # the model is loaded.
+        argv = [sys.executable, "-m", "llama_cpp.server", "--model", command.source]
+        argv += ["--model_alias", command.model, "--host", host, "--port", port]
+        return Launch(argv + args, env, base + "/v1/models")
+    if engine == "sim":
+        argv = [sys.executable, "-m", "llmgw.cli.main", "sim", "--port", port]
+        argv += ["--host", host, "--model", command.model]
+        return Launch(argv + args, env, base + "/health")
+    raise ProfileError(f"engine: unknown {engine!r} (known: {', '.join(ENGINES)})")
+
+
+def check(command: pb.StartShard, launch: Launch) -> None:
+    """
+    What can be checked before launching: the executable is present, a
+    local model path exists, the port is free.
+
+    @raise ProfileError: the first check that failed, named.
+    """
+    executable = launch.argv[0]
+    if not (os.path.isabs(executable) and os.access(executable, os.X_OK)):
+        if shutil.which(executable) is None:
+            raise ProfileError(f"executable {executable!r} not found on PATH")
+    source = command.source
+    if command.engine != "sim" and source.startswith(("/", "./", "../", "~")):
+        if not os.path.exists(os.path.expanduser(source)):
+            raise ProfileError(f"source: local model path {source!r} does not exist")
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", command.port))
+        except OSError as e:
+            raise ProfileError(
+                f"port {command.port} is not free: {e.strerror}"
+            ) from None

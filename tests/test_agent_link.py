@@ -185,6 +185,8 @@ class AgentLinkEndToEndTests(SynchronousTestCase, Processes):
                 node_id,
                 "--tls-dir",
                 tls_dir,
+                "--state-dir",
+                os.path.join(self.dir, f"state-{node_id}"),
                 *extra,
             ],
             self.dir,
@@ -320,7 +322,8 @@ class ShardLifecycleTests(TestCase):
                 timeout=60,
                 capture_output=True,
             )
-        self.hub = AgentHub(reactor, Inventory())
+        self.inventory = Inventory()
+        self.hub = AgentHub(reactor, self.inventory)
         factory = TLSMemoryBIOFactory(
             server_options(f"{ca}/ca.pem", f"{ca}/server.pem", f"{ca}/server-key.pem"),
             False,
@@ -328,23 +331,22 @@ class ShardLifecycleTests(TestCase):
         )
         port = reactor.listenTCP(0, factory, interface="127.0.0.1")
         self.addCleanup(port.stopListening)
-        self.agent = spawn(
-            [
-                TWISTD,
-                "-n",
-                "--pidfile=",
-                "llmgw-agent",
-                "--server",
-                f"127.0.0.1:{port.getHost().port}",
-                "--node-id",
-                "gpu-01",
-                "--tls-dir",
-                f"{ca}/agents/gpu-01",
-            ],
-            self.dir,
-            "agent",
-        )
-        self.addCleanup(self.agent.stop)
+        self.agent_argv = [
+            TWISTD,
+            "-n",
+            "--pidfile=",
+            "llmgw-agent",
+            "--server",
+            f"127.0.0.1:{port.getHost().port}",
+            "--node-id",
+            "gpu-01",
+            "--tls-dir",
+            f"{ca}/agents/gpu-01",
+            "--state-dir",
+            os.path.join(self.dir, "state"),
+        ]
+        self.agent = spawn(self.agent_argv, self.dir, "agent")
+        self.addCleanup(lambda: self.agent.stop())
         yield self.until(lambda: "gpu-01" in self.hub.links, 30)
 
     @defer.inlineCallbacks
@@ -443,3 +445,49 @@ class ShardLifecycleTests(TestCase):
                 self.start("s3", "m", taken.getsockname()[1], []), CommandFailed
             )
         self.assertIn("is not free", str(failure))
+
+    @defer.inlineCallbacks
+    def test_agent_restart_adopts_engine(self) -> Generator[Any, Any, None]:
+        """
+        An engine keeps serving while its agent restarts; the new agent
+        adopts the same pid (listed in its Register), reports it ready
+        again, starts no second engine, and can still stop it.
+        """
+        port = free_port()
+        model = f"m-{os.getpid()}-{port}"
+        self.addCleanup(subprocess.run, ["pkill", "-f", "--", f"--model {model}"])
+        yield self.start("s4", model, port, [])
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s4"), 30)
+
+        def engines() -> list[int]:
+            found = subprocess.run(
+                ["pgrep", "-f", "--", f"--model {model}"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+            return [int(p) for p in found]
+
+        (pid,) = engines()
+        first_link = self.hub.links["gpu-01"]
+        self.assertEqual(self.agent.stop(), -signal.SIGTERM)
+        status, _, _ = yield threads.deferToThread(
+            http, "GET", f"http://127.0.0.1:{port}/health"
+        )
+        self.assertEqual(status, 200)
+        self.hub.statuses.clear()
+        self.agent = spawn(self.agent_argv, self.dir, "agent-again")
+        yield self.until(
+            lambda: self.hub.links.get("gpu-01") not in (None, first_link), 30
+        )
+        (node,) = self.inventory.nodes()
+        self.assertEqual([(s["id"], s["pid"]) for s in node.shards], [("s4", pid)])
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s4"), 30)
+        self.assertEqual(engines(), [pid])
+        self.assertIn("adopted shard s4", self.agent.output())
+        result = yield self.hub.links["gpu-01"].send_command(
+            pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s4", grace_seconds=5))
+        )
+        self.assertTrue(result.ok)
+        yield self.until(lambda: "SHARD_STATE_STOPPED" in self.states("s4"), 15)
+        with self.assertRaises(ProcessLookupError):
+            os.killpg(pid, 0)

@@ -112,12 +112,13 @@ class AgentFactory(Factory):
         register: Callable[[], pb.Register],
         heartbeat: Callable[[], pb.Heartbeat],
         clock: object,
+        state_dir: str,
     ) -> None:
         self._register = register
         self._heartbeat = heartbeat
         self._clock = clock
         self.current: AgentProtocol | None = None
-        self.supervisor = Supervisor(clock, self.send_status)
+        self.supervisor = Supervisor(clock, self.send_status, state_dir)
 
     def send_status(self, status: pb.ShardStatus) -> None:
         """

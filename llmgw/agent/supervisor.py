@@ -1,14 +1,16 @@
 """
-The supervisor: engines as child processes in sessions of their own, ready
-when their health URL answers, stopped by signalling their process group.
+The supervisor: engines as processes in sessions of their own, ready when
+their health URL answers, stopped by signalling their process group, and
+outliving the agent: each is recorded in the state directory, and a
+restarted agent adopts those still alive instead of starting duplicates.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -25,27 +27,59 @@ from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
 
-# Runs the engine in a new session, so that stopping it can signal its whole
-# process group (engines fork workers) and a signal to the agent's group
-# does not reach it.
-_NEW_SESSION = "import os, sys; os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])"
+# Runs the engine in a new session, so that stopping it signals its whole
+# process group (engines fork workers) and nothing sent to the agent's group
+# reaches it; its output goes to a file, not a pipe to the agent, so it
+# keeps running (and writing) when the agent restarts.
+_LAUNCHER = (
+    "import os, sys\n"
+    "os.setsid()\n"
+    "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)\n"
+    "os.dup2(fd, 1)\n"
+    "os.dup2(fd, 2)\n"
+    "os.close(fd)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-class _EngineProcess(ProcessProtocol):
+def process_start_time(pid: int) -> int | None:
+    """
+    @return: the process's start time in clock ticks since boot (field 22
+        of C{/proc/PID/stat}, proc(5)), which with the pid names a process
+        uniquely; L{None} when there is no such process.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name, field 2, is in parentheses and may hold spaces.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])
+
+
+def tail(path: str, lines: int = OUTPUT_LINES) -> list[str]:
+    """
+    @return: the last C{lines} lines of the file at C{path} (at most the
+        last 64 KiB read), or none when it cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            data = f.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace").splitlines()
+    return [line.rstrip("\r") for line in text[-lines:]]
+
+
+class _LauncherProcess(ProcessProtocol):
     def __init__(self, shard: Shard) -> None:
         self._shard = shard
-        self._partial = {1: b"", 2: b""}
-
-    def childDataReceived(self, fd: int, data: bytes) -> None:
-        lines = (self._partial.get(fd, b"") + data).split(b"\n")
-        self._partial[fd] = lines.pop()
-        for line in lines:
-            self._shard.output.append(line.decode("utf-8", "replace").rstrip("\r"))
 
     def processEnded(self, reason: Failure) -> None:
-        for rest in self._partial.values():
-            if rest:
-                self._shard.output.append(rest.decode("utf-8", "replace"))
         code: int | None = None
         ended = reason.value
         if isinstance(ended, (error.ProcessDone, error.ProcessTerminated)):
@@ -58,9 +92,6 @@ class _EngineProcess(ProcessProtocol):
 class Shard:
     """
     One engine process and its state.
-
-    @ivar output: the engine's last L{OUTPUT_LINES} lines, stdout and
-        stderr together.
     """
 
     log = Logger()
@@ -72,17 +103,27 @@ class Shard:
         self.command = command
         self.launch = launch
         self.state: int = pb.SHARD_STATE_PENDING
-        self.output: deque[str] = deque(maxlen=OUTPUT_LINES)
         self.pid: int | None = None
+        self.start_time: int | None = None
         self.exit_code: int | None = None
         self._supervisor = supervisor
         self._health: LoopingCall | None = None
+        self._watch: LoopingCall | None = None
         self._kill: IDelayedCall | None = None
         self._stopping = False
+        self._probing = False
+
+    @property
+    def output(self) -> list[str]:
+        """
+        The engine's last L{OUTPUT_LINES} output lines, stdout and stderr.
+        """
+        return tail(self._supervisor.path(self.id, ".log"))
 
     def _set(self, state: int, error_text: str = "") -> None:
         self.state = state
-        status = pb.ShardStatus(shard_id=self.id, state=state, error=error_text)  # type: ignore[arg-type]
+        status = pb.ShardStatus(shard_id=self.id, error=error_text)
+        status.state = state  # type: ignore[assignment]
         if self.exit_code is not None:
             status.exit_code = self.exit_code
             status.has_exit_code = True
@@ -91,16 +132,44 @@ class Shard:
         self._supervisor.report(status)
 
     def spawn(self) -> None:
+        """
+        Launch the engine and start probing its health.
+        """
         reactor = self._supervisor.reactor
-        argv = [sys.executable, "-c", _NEW_SESSION, *self.launch.argv]
+        log_path = self._supervisor.path(self.id, ".log")
+        argv = [sys.executable, "-c", _LAUNCHER, log_path, *self.launch.argv]
         env = {**os.environ, **self.launch.env}
         transport = reactor.spawnProcess(
-            _EngineProcess(self), sys.executable, argv, env=env
+            _LauncherProcess(self), sys.executable, argv, env=env
         )
         self.pid = transport.pid
+        assert self.pid is not None
+        self.start_time = process_start_time(self.pid)
+        self._supervisor.record(self)
         self._set(pb.SHARD_STATE_STARTING)
+        self._start_probing()
+
+    def adopt(self, pid: int, start_time: int) -> None:
+        """
+        Take over an engine a previous agent started: watch its pid, since
+        its exit status went to that agent.
+        """
+        self.pid = pid
+        self.start_time = start_time
+        self._watch = LoopingCall(self._still_there)
+        self._watch.clock = self._supervisor.reactor
+        self._watch.start(1.0, now=False)
+        self.state = pb.SHARD_STATE_STARTING
+        self._start_probing()
+
+    def _still_there(self) -> None:
+        assert self.pid is not None
+        if process_start_time(self.pid) != self.start_time:
+            self.ended(None)
+
+    def _start_probing(self) -> None:
         self._health = LoopingCall(self._probe)
-        self._health.clock = reactor
+        self._health.clock = self._supervisor.reactor
         self._health.start(self._supervisor.health_interval, now=False)
 
     def _probe(self) -> None:
@@ -121,8 +190,6 @@ class Shard:
             self._probing = False
 
         d.addCallbacks(answered, failed)
-
-    _probing = False
 
     def _stop_probing(self) -> None:
         if self._health is not None and self._health.running:
@@ -155,6 +222,9 @@ class Shard:
     def ended(self, code: int | None) -> None:
         self.exit_code = code
         self._stop_probing()
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        self._watch = None
         if self._kill is not None and self._kill.active():
             self._kill.cancel()
         self._kill = None
@@ -167,6 +237,24 @@ class Shard:
             self._set(pb.SHARD_STATE_FAILED, f"the engine exited with code {code}")
         self._supervisor.forget(self)
 
+    def running(self) -> pb.RunningShard:
+        """
+        @return: the shard as Register lists it.
+        """
+        c = self.command
+        return pb.RunningShard(
+            shard_id=self.id,
+            replica_id=c.replica_id,
+            model=c.model,
+            profile=c.profile,
+            state=self.state,  # type: ignore[arg-type]
+            port=c.port,
+            gpu_indices=c.gpu_indices,
+            rank=c.rank,
+            world_size=c.world_size,
+            pid=self.pid or 0,
+        )
+
 
 class Supervisor:
     """
@@ -174,13 +262,18 @@ class Supervisor:
 
     @param reactor: spawns processes, keeps time, makes HTTP requests.
     @param report: called with every L{pb.ShardStatus} transition.
+    @param state_dir: where running engines are recorded (and their output
+        written), so that a restarted agent adopts them.
     @param health_interval: seconds between health probes while starting.
     """
+
+    log = Logger()
 
     def __init__(
         self,
         reactor: Any,
         report: Callable[[pb.ShardStatus], None],
+        state_dir: str,
         health_interval: float = 0.5,
     ) -> None:
         self.reactor = reactor
@@ -188,6 +281,64 @@ class Supervisor:
         self.health_interval = health_interval
         self.http = Agent(reactor)
         self.shards: dict[str, Shard] = {}
+        self._dir = os.path.join(state_dir, "shards")
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+
+    def path(self, shard_id: str, suffix: str) -> str:
+        """
+        @return: the state file of C{shard_id} with C{suffix} (C{.json}
+            record, C{.log} output).
+        """
+        return os.path.join(self._dir, shard_id + suffix)
+
+    def record(self, shard: Shard) -> None:
+        data = {
+            "command": json.loads(_to_json(shard.command)),
+            "pid": shard.pid,
+            "start_time": shard.start_time,
+        }
+        temporary = self.path(shard.id, ".json.tmp")
+        with open(temporary, "w") as f:
+            json.dump(data, f)
+        os.replace(temporary, self.path(shard.id, ".json"))
+
+    def adopt_running(self) -> list[Shard]:
+        """
+        Adopt the engines a previous agent recorded that still run (same pid
+        and same process start time); forget the others.
+
+        @return: the adopted shards.
+        """
+        adopted = []
+        for name in sorted(os.listdir(self._dir)):
+            if not name.endswith(".json"):
+                continue
+            path = os.path.join(self._dir, name)
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+                command = _from_json(json.dumps(data["command"]))
+                pid, start_time = int(data["pid"]), int(data["start_time"])
+            except (OSError, ValueError, KeyError, TypeError):
+                self.log.warn("ignoring an unreadable shard record {path}", path=path)
+                os.remove(path)
+                continue
+            if process_start_time(pid) != start_time:
+                self.log.info(
+                    "shard {shard} (pid {pid}) is gone", shard=command.shard_id, pid=pid
+                )
+                os.remove(path)
+                continue
+            shard = Shard(self, command, build(command))
+            self.shards[shard.id] = shard
+            shard.adopt(pid, start_time)
+            adopted.append(shard)
+            self.log.info(
+                "adopted shard {shard}: engine pid {pid} still running",
+                shard=shard.id,
+                pid=pid,
+            )
+        return adopted
 
     def start(self, command: pb.StartShard) -> Shard:
         """
@@ -216,3 +367,25 @@ class Supervisor:
     def forget(self, shard: Shard) -> None:
         if self.shards.get(shard.id) is shard:
             del self.shards[shard.id]
+        try:
+            os.remove(self.path(shard.id, ".json"))
+        except FileNotFoundError:
+            pass
+
+    def running(self) -> list[pb.RunningShard]:
+        """
+        @return: every shard, as Register lists them.
+        """
+        return [shard.running() for shard in self.shards.values()]
+
+
+def _to_json(command: pb.StartShard) -> str:
+    from google.protobuf import json_format
+
+    return json_format.MessageToJson(command)
+
+
+def _from_json(text: str) -> pb.StartShard:
+    from google.protobuf import json_format
+
+    return json_format.Parse(text, pb.StartShard())

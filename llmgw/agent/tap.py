@@ -223,6 +223,7 @@ def makeService(options: Options) -> IService:
             cpus=os.cpu_count() or 1,
             memory_bytes=page,
             gpus=gpus,
+            shards=factory.supervisor.running(),
         )
 
     def heartbeat() -> pb.Heartbeat:
@@ -245,7 +246,11 @@ def makeService(options: Options) -> IService:
             ),
             endpoint,
         )
-    factory = AgentFactory(register, heartbeat, reactor)
+    state_dir = os.path.expanduser(config.state_dir or "~/.local/state/llmgw/agent")
+    factory = AgentFactory(register, heartbeat, reactor, state_dir)
+    # Engines outlive the agent: take back those still running, before the
+    # first Register lists them.
+    adopted = factory.supervisor.adopt_running()
     service = _AgentService(
         factory,
         endpoint,
@@ -253,8 +258,9 @@ def makeService(options: Options) -> IService:
         retryPolicy=backoffPolicy(initialDelay=1.0, maxDelay=30.0, factor=2.0),
     )
     log.info(
-        "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated); dialing {server}"
-        " ({security})",
+        "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"
+        " adopted; dialing {server} ({security})",
+        adopted=len(adopted),
         node=config.node_id,
         gpus=len(gpus),
         simulated=sum(1 for g in gpus if g.simulated),

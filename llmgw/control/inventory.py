@@ -49,6 +49,7 @@ class Node:
     last_seen: float
     state: str = "ready"
     connected: bool = True
+    shards: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         """
@@ -76,6 +77,7 @@ class Node:
                 }
                 for g in self.gpus
             ],
+            "shards": self.shards,
             "last_seen": datetime.datetime.fromtimestamp(
                 self.last_seen, datetime.UTC
             ).isoformat(),
@@ -117,6 +119,18 @@ class Inventory:
                 for g in message.gpus
             ],
             last_seen=now,
+            shards=[
+                {
+                    "id": shard.shard_id,
+                    "model": shard.model,
+                    "state": pb.ShardState.Name(shard.state)
+                    .removeprefix("SHARD_STATE_")
+                    .lower(),
+                    "port": shard.port,
+                    "pid": shard.pid,
+                }
+                for shard in message.shards
+            ],
         )
         self._nodes[node.id] = node
         return node

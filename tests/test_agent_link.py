@@ -130,9 +130,10 @@ class LinkRuleTests(SynchronousTestCase):
         self.assertTrue(self.inventory.nodes()[0].connected)
 
 
-class AgentLinkEndToEndTests(SynchronousTestCase, Processes):
+class _Fleet(Processes):
     """
-    Real processes, real certificates, real TLS.
+    A CA, a server certificate and gpu-01's, and twistd llmgw-server
+    listening for agents over mutual TLS; agents started on demand.
     """
 
     timeout = 120
@@ -209,6 +210,12 @@ class AgentLinkEndToEndTests(SynchronousTestCase, Processes):
                     return node
             time.sleep(0.1)
         raise AssertionError(f"{node_id} never registered:\n{self.server.output()}")
+
+
+class AgentLinkEndToEndTests(_Fleet, SynchronousTestCase):
+    """
+    Real processes, real certificates, real TLS.
+    """
 
     def test_node_registers_with_simulated_gpus(self) -> None:
         """
@@ -491,3 +498,107 @@ class ShardLifecycleTests(TestCase):
         yield self.until(lambda: "SHARD_STATE_STOPPED" in self.states("s4"), 15)
         with self.assertRaises(ProcessLookupError):
             os.killpg(pid, 0)
+
+
+class LinkRobustnessTests(_Fleet, SynchronousTestCase):
+    """
+    What the link survives, and what the agent refuses, with processes.
+    """
+
+    def test_agent_refuses_server_of_other_name(self) -> None:
+        """
+        An agent never connects to a server whose certificate does not
+        carry the host it dialled.
+        """
+        subprocess.run(
+            [
+                os.path.join(BIN, "llmgw"),
+                "certs",
+                "server",
+                "--dir",
+                self.ca,
+                "--host",
+                "elsewhere.example",
+            ],
+            check=True,
+            timeout=60,
+            capture_output=True,
+        )
+        self.server.stop()
+        self.server, self.admin_url = self.start_fleet_server()
+        agent = self.start_agent("gpu-01", os.path.join(self.ca, "agents", "gpu-01"))
+        agent.wait_for(r"Scheduling retry 2 to connect", timeout=30)
+        self.assertEqual(self.nodes(), [])
+        self.assertNotIn("registered with llmgw-server", agent.output())
+
+    def test_bad_frames_close_only_their_connection(self) -> None:
+        """
+        Over an authenticated TLS connection, a frame over the maximum and
+        random garbage each close that connection only: a registered agent
+        stays connected and the server keeps answering.
+        """
+        self.start_agent("gpu-01", os.path.join(self.ca, "agents", "gpu-01"))
+        self.wait_for_node("gpu-01")
+        context = ssl.create_default_context(cafile=os.path.join(self.ca, "ca.pem"))
+        folder = os.path.join(self.ca, "agents", "gpu-01")
+        context.load_cert_chain(
+            os.path.join(folder, "agent.pem"), os.path.join(folder, "agent-key.pem")
+        )
+        for attack in (b"\x7f\xff\xff\xff" + b"x" * 100, os.urandom(4096)):
+            with socket.create_connection(
+                ("127.0.0.1", self.agent_port), timeout=10
+            ) as raw:
+                with context.wrap_socket(raw, server_hostname="localhost") as tls:
+                    tls.sendall(attack)
+                    try:
+                        self.assertEqual(tls.recv(100), b"")
+                    except (ssl.SSLError, ConnectionResetError):
+                        pass
+        self.server.wait_for(r"frame of 2147483647 bytes")
+        self.assertTrue(self.wait_for_node("gpu-01")["connected"])
+        self.assertEqual(http("GET", self.admin_url + "/healthz")[0], 200)
+
+    def test_twenty_agents_not_in_lockstep(self) -> None:
+        """
+        20 agents whose server goes away retry after delays spread by
+        jitter, not all at once; all register again once it is back.
+        """
+        agents = []
+        for i in range(20):
+            node = f"n{i:02d}"
+            subprocess.run(
+                [
+                    os.path.join(BIN, "llmgw"),
+                    "certs",
+                    "agent",
+                    "--dir",
+                    self.ca,
+                    "--node-id",
+                    node,
+                ],
+                check=True,
+                timeout=60,
+                capture_output=True,
+            )
+            agents.append(self.start_agent(node, os.path.join(self.ca, "agents", node)))
+        deadline = time.monotonic() + 90
+        while len([n for n in self.nodes() if n["connected"]]) < 20:
+            self.assertLess(time.monotonic(), deadline, "agents did not register")
+            time.sleep(0.2)
+        self.server.stop()
+        delays = []
+        for agent in agents:
+            match = agent.wait_for(
+                r"Scheduling retry 1 to connect .* in ([\d.]+) seconds", timeout=30
+            )
+            delays.append(float(match.group(1)))
+        self.server, self.admin_url = self.start_fleet_server()
+        spread = max(delays) - min(delays)
+        print(f"first retry delays of 20 agents: {sorted(round(d, 2) for d in delays)}")
+        print(f"spread {spread:.2f} s")
+        self.assertGreater(spread, 0.3)
+        self.assertEqual(len(set(delays)), 20)
+        deadline = time.monotonic() + 60
+        while len([n for n in self.nodes() if n["connected"]]) < 20:
+            self.assertLess(time.monotonic(), deadline, "agents did not come back")
+            time.sleep(0.2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -42,6 +43,9 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self._heartbeat = heartbeat
         self._clock = clock
         self._beat: LoopingCall | None = None
+        # Fires on Welcome: only then does the link count as made, so the
+        # reconnect backoff keeps growing for a server that refuses us.
+        self.registered: Deferred[None] = Deferred()
 
     def connectionMade(self) -> None:
         self.send(pb.AgentMessage(register=self._register()))
@@ -49,6 +53,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
     def message_received(self, message: pb.ControlMessage) -> None:
         kind = message.WhichOneof("kind")
         if kind == "welcome":
+            if not self.registered.called:
+                self.registered.callback(None)
             interval = message.welcome.heartbeat_interval_seconds or 5
             self.log.info(
                 "registered with llmgw-server {version}; heartbeat every {interval}s",
@@ -97,6 +103,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         factory = self.factory
         if isinstance(factory, AgentFactory) and factory.current is self:
             factory.current = None
+        if not self.registered.called:
+            self.registered.errback(reason)
         self.log.info(
             "link to the server lost: {reason}", reason=reason.getErrorMessage()
         )

@@ -256,6 +256,9 @@ def makeService(options: Options) -> IService:
         endpoint,
         factory,
         retryPolicy=backoffPolicy(initialDelay=1.0, maxDelay=30.0, factor=2.0),
+        # A connection counts once the server welcomed us: a TLS connection
+        # the server then refuses must not reset the backoff.
+        prepareConnection=lambda protocol: protocol.registered,
     )
     log.info(
         "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"

@@ -303,7 +303,7 @@ class AgentLinkEndToEndTests(_Fleet, SynchronousTestCase):
         self.assertEqual(self.wait_for_node("gpu-01", timeout=40)["state"], "ready")
 
 
-class ShardLifecycleTests(TestCase):
+class _LinkedAgent(TestCase):
     """
     Commands through the real link: the server's AgentHub runs in this
     test's reactor behind the production TLS options; the agent is a
@@ -387,6 +387,12 @@ class ShardLifecycleTests(TestCase):
                 )
             )
         )
+
+
+class ShardLifecycleTests(_LinkedAgent):
+    """
+    Shards started, stopped, failed and adopted through the real link.
+    """
 
     @defer.inlineCallbacks
     def test_start_ready_stop(self) -> Generator[Any, Any, None]:
@@ -602,3 +608,55 @@ class LinkRobustnessTests(_Fleet, SynchronousTestCase):
         while len([n for n in self.nodes() if n["connected"]]) < 20:
             self.assertLess(time.monotonic(), deadline, "agents did not come back")
             time.sleep(0.2)
+
+
+class DrainAndStopTests(_LinkedAgent):
+    """
+    Drain through the real link, and the agent stopping while blocked.
+    """
+
+    @defer.inlineCallbacks
+    def test_drain_then_stop(self) -> Generator[Any, Any, None]:
+        """
+        DrainShard reports draining at once, keeps the engine serving for
+        its grace, then stops it.
+        """
+        port = free_port()
+        model = f"m-{os.getpid()}-{port}"
+        self.addCleanup(subprocess.run, ["pkill", "-f", "--", f"--model {model}"])
+        yield self.start("s5", model, port, [])
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s5"), 30)
+        result = yield self.hub.links["gpu-01"].send_command(
+            pb.ControlMessage(drain_shard=pb.DrainShard(shard_id="s5", grace_seconds=2))
+        )
+        self.assertTrue(result.ok)
+        yield self.until(lambda: "SHARD_STATE_DRAINING" in self.states("s5"), 5)
+        status, _, _ = yield threads.deferToThread(
+            http, "GET", f"http://127.0.0.1:{port}/health"
+        )
+        self.assertEqual(status, 200)
+        self.assertNotIn("SHARD_STATE_STOPPED", self.states("s5"))
+        yield self.until(lambda: "SHARD_STATE_STOPPED" in self.states("s5"), 15)
+
+    def test_sigterm_while_blocked(self) -> None:
+        """
+        An agent whose TLS handshake hangs (a server that accepts and never
+        answers) still exits within 5 s of SIGTERM.
+        """
+        silent = socket.socket()
+        self.addCleanup(silent.close)
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        argv = list(self.agent_argv)
+        argv[argv.index("--server") + 1] = f"127.0.0.1:{silent.getsockname()[1]}"
+        argv[argv.index("--state-dir") + 1] = os.path.join(self.dir, "state-blocked")
+        agent = spawn(argv, self.dir, "agent-blocked")
+        self.addCleanup(agent.stop)
+        agent.wait_for("dialing", timeout=30)
+        accepted, _ = silent.accept()
+        self.addCleanup(accepted.close)
+        time.sleep(1)
+        started = time.monotonic()
+        agent.popen.send_signal(signal.SIGTERM)
+        agent.popen.wait(10)
+        self.assertLess(time.monotonic() - started, 5)

@@ -19,7 +19,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from llmgw import __version__
-from llmgw.agent.gpus import discover
+from llmgw.agent.gpus import discover, nvml_gpus
 from llmgw.agent.link import AgentFactory
 from llmgw.config import ConfigError
 from llmgw.wire import agent_pb2 as pb
@@ -227,6 +227,15 @@ def makeService(options: Options) -> IService:
         )
 
     def heartbeat() -> pb.Heartbeat:
+        if any(not g.simulated for g in gpus):
+            # Memory in use changes with what runs: ask NVML again.
+            try:
+                used = {g.index: g.memory_used_mib for g in nvml_gpus()}
+            except RuntimeError:
+                used = {}
+            for gpu in gpus:
+                if gpu.index in used:
+                    gpu.memory_used_mib = used[gpu.index]
         return pb.Heartbeat(
             gpus=[
                 pb.GpuUsage(index=g.index, memory_used_mib=g.memory_used_mib)

@@ -458,6 +458,10 @@ class ShardLifecycleTests(_LinkedAgent):
                 self.start("s3", "m", taken.getsockname()[1], []), CommandFailed
             )
         self.assertIn("is not free", str(failure))
+        failure = yield self.assertFailure(
+            self.start("../../escape", "m", free_port(), []), CommandFailed
+        )
+        self.assertIn("shard_id: bad value '../../escape'", str(failure))
 
     @defer.inlineCallbacks
     def test_agent_restart_adopts_engine(self) -> Generator[Any, Any, None]:

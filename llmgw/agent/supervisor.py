@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from llmgw.agent.engines import Launch, ProfileError, build, check
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
+_SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # Runs the engine in a new session, so that stopping it signals its whole
 # process group (engines fork workers) and nothing sent to the agent's group
@@ -364,6 +366,12 @@ class Supervisor:
 
         @raise ProfileError: a check failed, or the shard id is taken.
         """
+        if not _SHARD_ID.match(command.shard_id):
+            # It names files in the state directory.
+            raise ProfileError(
+                f"shard_id: bad value {command.shard_id!r}: letters, digits,"
+                " '.', '_', '-', at most 128, not starting with a punctuation mark"
+            )
         if command.shard_id in self.shards:
             raise ProfileError(f"shard {command.shard_id!r} is already running")
         launch = build(command)

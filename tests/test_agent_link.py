@@ -111,7 +111,85 @@ class LinkRuleTests(SynchronousTestCase):
         )
         (node,) = self.inventory.nodes()
         self.assertEqual((node.id, node.gpus[0].memory_used_mib), ("n1", 512))
+        # Only the liveness deadline is left: 30 s without a byte closes it.
+        (deadline,) = self.clock.getDelayedCalls()
+        self.assertEqual(deadline.getTime(), 30.0)
+        self.clock.advance(29)
+        link.dataReceived(_frame(pb.AgentMessage(heartbeat=pb.Heartbeat())))
+        self.clock.advance(29)
+        self.assertFalse(transport.disconnecting)
+        with capturedLogs():
+            self.clock.advance(1.1)
+            self.assertTrue(transport.disconnecting)
+            link.connectionLost()
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def register(self, node_id: str = "n1") -> tuple[AgentLink, StringTransport]:
+        link, transport = self.connect()
+        gpu = pb.Gpu(index=0, name="H200", memory_total_mib=144384)
+        with capturedLogs():
+            link.dataReceived(
+                _frame(
+                    pb.AgentMessage(register=pb.Register(node_id=node_id, gpus=[gpu]))
+                )
+            )
+        return link, transport
+
+    def test_later_register_for_another_node(self) -> None:
+        """
+        A registered link that sends a Register for another node id is
+        closed and the other node is not recorded.
+        """
+        link, transport = self.register("n1")
+        with capturedLogs() as events:
+            link.dataReceived(
+                _frame(pb.AgentMessage(register=pb.Register(node_id="n2")))
+            )
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual([n.id for n in self.inventory.nodes()], ["n1"])
+        self.assertEqual(events[0]["claim"], "n2")
+        with capturedLogs():
+            link.connectionLost()
+
+    def test_problems_bounded(self) -> None:
+        """
+        A heartbeat with 60000 distinct problems keeps 32, quickly.
+        """
+        link, _ = self.register("n1")
+        problems = [f"xid {i}" for i in range(60000)]
+        started = time.monotonic()
+        link.dataReceived(
+            _frame(
+                pb.AgentMessage(
+                    heartbeat=pb.Heartbeat(
+                        gpus=[pb.GpuUsage(index=0, new_problems=problems)]
+                    )
+                )
+            )
+        )
+        self.assertLess(time.monotonic() - started, 1.0)
+        self.assertEqual(len(self.inventory.nodes()[0].gpus[0].problems), 32)
+        with capturedLogs():
+            link.connectionLost()
+
+    def test_command_on_lost_link_fails(self) -> None:
+        """
+        A command sent after the link is lost fails at once, and the hub no
+        longer lists the link when the outstanding ones fail.
+        """
+        link, _ = self.register("n1")
+        listed = []
+        waiting = link.send_command(
+            pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s"))
+        )
+        waiting.addErrback(lambda f: listed.append("n1" in self.hub.links))
+        with capturedLogs():
+            link.connectionLost()
+        self.assertEqual(listed, [False])
+        late = link.send_command(
+            pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s"))
+        )
+        self.failureResultOf(late)
 
     def test_new_connection_replaces_old(self) -> None:
         """
@@ -462,6 +540,29 @@ class ShardLifecycleTests(_LinkedAgent):
             self.start("../../escape", "m", free_port(), []), CommandFailed
         )
         self.assertIn("shard_id: bad value '../../escape'", str(failure))
+        # Hostile fields get an answer and leave the link up.
+        failure = yield self.assertFailure(
+            self.start("s6", "m", 70000, []), CommandFailed
+        )
+        self.assertIn("port: bad value 70000", str(failure))
+        link = self.hub.links["gpu-01"]
+        failure = yield self.assertFailure(
+            link.send_command(
+                pb.ControlMessage(
+                    start_shard=pb.StartShard(
+                        shard_id="s7",
+                        model="m",
+                        engine="sim",
+                        port=free_port(),
+                        env={"A": "x\x00y"},
+                    )
+                )
+            ),
+            CommandFailed,
+        )
+        self.assertIn("env: bad variable", str(failure))
+        self.assertIs(self.hub.links["gpu-01"], link)
+        self.assertNotIn("Traceback", self.agent.output())
 
     @defer.inlineCallbacks
     def test_agent_restart_adopts_engine(self) -> Generator[Any, Any, None]:
@@ -664,3 +765,92 @@ class DrainAndStopTests(_LinkedAgent):
         agent.popen.send_signal(signal.SIGTERM)
         agent.popen.wait(10)
         self.assertLess(time.monotonic() - started, 5)
+
+
+class StateDirectoryTests(SynchronousTestCase):
+    """
+    Records in the state directory that the agent cannot use are skipped:
+    they never stop it from starting, nor make it touch other files.
+    """
+
+    def test_bad_records_skipped(self) -> None:
+        from twisted.internet import reactor
+
+        from llmgw.agent.supervisor import Supervisor, process_start_time
+
+        state = tempfile.mkdtemp()
+        shards = os.path.join(state, "shards")
+        os.makedirs(shards)
+        victim = os.path.join(state, "victim.json")
+        with open(victim, "w") as f:
+            f.write("{}")
+        me = os.getpid()
+        alive = {"pid": me, "start_time": process_start_time(me)}
+        records = {
+            "bogus.json": {"command": {"bogus": 1}, **alive},
+            "trav.json": {
+                "command": {"shardId": "../victim", "engine": "sim"},
+                **alive,
+            },
+            "engine.json": {
+                "command": {"shardId": "engine", "engine": "nope"},
+                **alive,
+            },
+            "garbage.json": "not json at all",
+        }
+        for name, data in records.items():
+            with open(os.path.join(shards, name), "w") as f:
+                f.write(data if isinstance(data, str) else json.dumps(data))
+        os.makedirs(os.path.join(shards, "dir.json"))
+        supervisor = Supervisor(reactor, lambda status: None, state)
+        with capturedLogs() as events:
+            self.assertEqual(supervisor.adopt_running(), [])
+        self.assertEqual(len(events), 5)
+        self.assertTrue(os.path.exists(victim))
+
+
+class AgentConfigTests(SynchronousTestCase):
+    """
+    twistd llmgw-agent with a bad configuration: one line, no traceback.
+    """
+
+    timeout = 60
+
+    def test_bad_configs(self) -> None:
+        d = tempfile.mkdtemp()
+        tls = os.path.join(d, "tls")
+        os.makedirs(tls)
+        for name in ("ca.pem", "agent.pem", "agent-key.pem"):
+            with open(os.path.join(tls, name), "w") as f:
+                f.write("not a certificate\n")
+        state_file = os.path.join(d, "a-file")
+        with open(state_file, "w") as f:
+            f.write("")
+        base = ["--server", "127.0.0.1:7443", "--node-id", "n1", "--insecure"]
+        cases = [
+            ("simulated_gpus = 5\n", base, "simulated_gpus"),
+            ('[[simulated_gpus]]\nname = "H"\nmemory_gb = nan\n', base, "memory_gb"),
+            ("colour = 1\n", base, "colour: unknown key"),
+            (
+                "",
+                ["--server", "127.0.0.1:7443", "--node-id", "n1", "--tls-dir", tls],
+                "cannot load the certificates",
+            ),
+            ("", [*base, "--state-dir", state_file], "state_dir: cannot use"),
+            ("", ["--server", "nohost", "--node-id", "n1", "--insecure"], "HOST:PORT"),
+        ]
+        for text, args, fragment in cases:
+            path = os.path.join(d, "agent.toml")
+            with open(path, "w") as f:
+                f.write(text)
+            done = subprocess.run(
+                [TWISTD, "-n", "--pidfile=", "llmgw-agent", "--config", path, *args],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            output = (done.stdout + done.stderr).strip()
+            self.assertNotEqual(done.returncode, 0, output)
+            self.assertNotIn("Traceback", output)
+            self.assertEqual(len(output.splitlines()), 1, output)
+            self.assertIn(fragment, output)

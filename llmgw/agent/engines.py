@@ -104,6 +104,15 @@ def check(command: pb.StartShard, launch: Launch) -> None:
 
     @raise ProfileError: the first check that failed, named.
     """
+    if not 0 < command.port < 65536:
+        raise ProfileError(f"port: bad value {command.port}: expected 1 to 65535")
+    for name, value in launch.env.items():
+        if not name or "=" in name or "\0" in name or "\0" in value:
+            raise ProfileError(f"env: bad variable {name!r}")
+    if any("\0" in arg for arg in launch.argv):
+        raise ProfileError("args: an argument holds a NUL byte")
+    if sum(len(arg) + 1 for arg in launch.argv) > 100_000:
+        raise ProfileError("args: the command line is over 100000 bytes")
     executable = launch.argv[0]
     if not (os.path.isabs(executable) and os.access(executable, os.X_OK)):
         if shutil.which(executable) is None:

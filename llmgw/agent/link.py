@@ -85,6 +85,10 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         except ProfileError as e:
             error = str(e)
             self.log.warn("{kind} refused: {error}", kind=kind, error=error)
+        except Exception as e:
+            # Whatever the server sent, it gets an answer and the link stays.
+            error = f"cannot {kind.replace('_', ' ')}: {e}"[:1000]
+            self.log.failure("{kind} failed", kind=kind)
         self.send(
             pb.AgentMessage(
                 command_result=pb.CommandResult(

@@ -302,7 +302,7 @@ class Supervisor:
         self.http = Agent(reactor)
         self.shards: dict[str, Shard] = {}
         self._dir = os.path.join(state_dir, "shards")
-        os.makedirs(self._dir, mode=0o700, exist_ok=True)
+        os.makedirs(self._dir, mode=0o700, exist_ok=True)  # OSError for the caller
 
     def path(self, shard_id: str, suffix: str) -> str:
         """
@@ -339,9 +339,17 @@ class Supervisor:
                     data = json.load(f)
                 command = _from_json(json.dumps(data["command"]))
                 pid, start_time = int(data["pid"]), int(data["start_time"])
-            except (OSError, ValueError, KeyError, TypeError):
-                self.log.warn("ignoring an unreadable shard record {path}", path=path)
-                os.remove(path)
+                if not _SHARD_ID.match(command.shard_id) or name != (
+                    command.shard_id + ".json"
+                ):
+                    raise ValueError(f"shard id {command.shard_id!r}")
+                launch = build(command)
+            except Exception as e:
+                # A record this agent cannot use (foreign, corrupt, from
+                # another version) must not keep it from starting.
+                self.log.warn(
+                    "ignoring shard record {path}: {error}", path=path, error=str(e)
+                )
                 continue
             if process_start_time(pid) != start_time:
                 self.log.info(
@@ -349,7 +357,7 @@ class Supervisor:
                 )
                 os.remove(path)
                 continue
-            shard = Shard(self, command, build(command))
+            shard = Shard(self, command, launch)
             self.shards[shard.id] = shard
             shard.adopt(pid, start_time)
             adopted.append(shard)
@@ -377,8 +385,9 @@ class Supervisor:
         launch = build(command)
         check(command, launch)
         shard = Shard(self, command, launch)
-        self.shards[shard.id] = shard
+        # Listed only once it runs: a launch that raised leaves nothing.
         shard.spawn()
+        self.shards[shard.id] = shard
         return shard
 
     def stop(self, shard_id: str, grace: float, draining: bool = False) -> None:

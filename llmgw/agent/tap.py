@@ -88,7 +88,13 @@ def _parse(data: dict[str, Any]) -> AgentConfig:
         raise ConfigError(f"fabrics: expected a list of strings, got {fabrics!r}")
     values["fabrics"] = tuple(fabrics)
     gpus = []
-    for i, table in enumerate(data.get("simulated_gpus", [])):
+    tables = data.get("simulated_gpus", [])
+    if not isinstance(tables, list):
+        raise ConfigError(
+            f"simulated_gpus: expected an array of tables ([[simulated_gpus]]),"
+            f" got {tables!r}"
+        )
+    for i, table in enumerate(tables):
         where = f"simulated_gpus[{i}]"
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: expected a table, got {table!r}")
@@ -103,10 +109,11 @@ def _parse(data: dict[str, Any]) -> AgentConfig:
         if (
             isinstance(memory, bool)
             or not isinstance(memory, (int, float))
-            or memory <= 0
+            or not 0 < memory <= 1_000_000
         ):
             raise ConfigError(
-                f"{where}.memory_gb: expected a positive number, got {memory!r}"
+                f"{where}.memory_gb: expected a number of GB, 0 to 1000000,"
+                f" got {memory!r}"
             )
         gpus.append((name, float(memory)))
     values["simulated_gpus"] = tuple(gpus)
@@ -181,7 +188,34 @@ class Options(usage.Options):
                         f"tls_dir: {config.tls_dir!r} has no {name}"
                         " (make it with llmgw certs agent)"
                     )
+            host, _ = _server_address(config.server)
+            try:
+                _tls_options(config, host)
+            except Exception as e:
+                raise ConfigError(
+                    f"tls_dir: cannot load the certificates in {config.tls_dir!r}: {e}"
+                ) from None
+        try:
+            os.makedirs(os.path.join(_state_dir(config), "shards"), exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"state_dir: cannot use {_state_dir(config)!r}: {e.strerror}"
+            ) from None
         return config
+
+
+def _state_dir(config: AgentConfig) -> str:
+    return os.path.expanduser(config.state_dir or "~/.local/state/llmgw/agent")
+
+
+def _tls_options(config: AgentConfig, host: str) -> Any:
+    tls = config.tls_dir
+    return client_options(
+        host,
+        os.path.join(tls, "ca.pem"),
+        os.path.join(tls, "agent.pem"),
+        os.path.join(tls, "agent-key.pem"),
+    )
 
 
 class _AgentService(ClientService):
@@ -245,18 +279,8 @@ def makeService(options: Options) -> IService:
 
     endpoint: Any = HostnameEndpoint(reactor, host, port, timeout=10)
     if not config.insecure:
-        tls = config.tls_dir
-        endpoint = wrapClientTLS(
-            client_options(
-                host,
-                os.path.join(tls, "ca.pem"),
-                os.path.join(tls, "agent.pem"),
-                os.path.join(tls, "agent-key.pem"),
-            ),
-            endpoint,
-        )
-    state_dir = os.path.expanduser(config.state_dir or "~/.local/state/llmgw/agent")
-    factory = AgentFactory(register, heartbeat, reactor, state_dir)
+        endpoint = wrapClientTLS(_tls_options(config, host), endpoint)
+    factory = AgentFactory(register, heartbeat, reactor, _state_dir(config))
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()

@@ -25,6 +25,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # What a node id may be: it names a folder and is a certificate's CN.
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_HOST = re.compile(
+    r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*\.?$"
+)
 
 
 class CertsError(Exception):
@@ -36,7 +39,8 @@ class CertsError(Exception):
 def _write(path: str, data: bytes, private: bool) -> None:
     # Created with its final mode: a key is never readable by others, not
     # even for a moment.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    # No following a link planted where a key goes.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
     fd = os.open(path, flags, 0o600 if private else 0o644)
     try:
         os.write(fd, data)
@@ -176,12 +180,23 @@ def issue_server(directory: str, hosts: list[str], days: int = 825) -> str:
         raise CertsError("--host: give at least one DNS name or IP address")
     names: list[x509.GeneralName] = []
     for host in hosts:
+        bare = host.removeprefix("[").removesuffix("]")
         try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            names.append(x509.IPAddress(ipaddress.ip_address(bare)))
+            continue
         except ValueError:
-            names.append(x509.DNSName(host))
+            pass
+        try:
+            # Internationalized names go in as A-labels (RFC 5280).
+            ascii_name = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            raise CertsError(f"--host: bad name {host!r}") from None
+        if not _HOST.match(ascii_name):
+            raise CertsError(f"--host: bad name {host!r}")
+        names.append(x509.DNSName(ascii_name))
+    # A CN holds at most 64 characters; the SAN is what clients check.
     key, cert, _ = _issue(
-        directory, hosts[0], names, ExtendedKeyUsageOID.SERVER_AUTH, days
+        directory, hosts[0][:64], names, ExtendedKeyUsageOID.SERVER_AUTH, days
     )
     _write(os.path.join(directory, "server-key.pem"), key, private=True)
     path = os.path.join(directory, "server.pem")
@@ -241,6 +256,9 @@ def main(argv: list[str]) -> int:
     agent.add_argument("--node-id", required=True, help="the node id, its CN")
     agent.add_argument("--days", type=int, default=825)
     args = parser.parse_args(argv)
+    if not 1 <= args.days <= 36500:
+        sys.stderr.write(f"llmgw certs: --days: bad value {args.days}: 1 to 36500\n")
+        return 2
     try:
         if args.command == "init":
             where = init_ca(args.dir, args.days, args.force)
@@ -248,7 +266,8 @@ def main(argv: list[str]) -> int:
             where = issue_server(args.dir, args.host.split(","), args.days)
         else:
             where = issue_agent(args.dir, args.node_id, args.days)
-    except (CertsError, OSError) as e:
+    except (CertsError, OSError, ValueError) as e:
+        # ValueError: cryptography refusing a file or a value.
         sys.stderr.write(f"llmgw certs: {e}\n")
         return 1
     sys.stdout.write(f"wrote {where}\n")

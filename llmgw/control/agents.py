@@ -13,6 +13,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
+from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
 from llmgw import __version__
@@ -25,7 +26,7 @@ from llmgw.wire.tls import peer_common_name
 HEARTBEAT_INTERVAL = 5
 
 
-class AgentLink(CommandingStream):
+class AgentLink(TimeoutMixin, CommandingStream):
     """
     One agent connection.  It must send Register within
     C{register_timeout} seconds; unless links are insecure, the node id it
@@ -66,6 +67,15 @@ class AgentLink(CommandingStream):
         address = self.transport.getPeer()
         return f"{getattr(address, 'host', address)}:{getattr(address, 'port', '')}"
 
+    def timeoutConnection(self) -> None:
+        self._refuse(
+            "node {node} silent for {seconds}s", node=self.node_id, seconds=self.timeOut
+        )
+
+    def dataReceived(self, data: bytes) -> None:
+        self.resetTimeout()  # type: ignore[no-untyped-call]
+        super().dataReceived(data)
+
     def agent_message_received(self, message: pb.AgentMessage) -> None:
         kind = message.WhichOneof("kind")
         if self.node_id is None:
@@ -79,6 +89,14 @@ class AgentLink(CommandingStream):
                 self.node_id, message.heartbeat, self._hub.wall_clock()
             )
         elif kind == "register":
+            if message.register.node_id != self.node_id:
+                # The certificate was checked against the first claim only.
+                self._refuse(
+                    "node {node} sent a Register for {claim}",
+                    node=self.node_id,
+                    claim=message.register.node_id,
+                )
+                return
             self._hub.inventory.register(message.register, self._hub.wall_clock())
         elif kind == "shard_status":
             self._hub.shard_status(self.node_id, message.shard_status)
@@ -102,6 +120,10 @@ class AgentLink(CommandingStream):
         self._register_timer = None
         self.node_id = claim
         self._hub.attach(self)
+        # Heartbeats come every HEARTBEAT_INTERVAL: six missed, the link is
+        # dead even if TCP has not noticed.
+        self.callLater = self._hub.clock.callLater  # type: ignore[assignment]
+        self.setTimeout(HEARTBEAT_INTERVAL * 6)  # type: ignore[no-untyped-call]
         node = self._hub.inventory.register(register, self._hub.wall_clock())
         self.send(
             pb.ControlMessage(
@@ -120,10 +142,15 @@ class AgentLink(CommandingStream):
         )
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        super().connectionLost(reason)
         if self._register_timer is not None and self._register_timer.active():
             self._register_timer.cancel()
         self._register_timer = None
+        self.setTimeout(None)  # type: ignore[no-untyped-call]
+        if self.node_id is not None:
+            # Before failing its commands: their errbacks must not find
+            # this link still listed for the node.
+            self._hub.detach(self)
+        super().connectionLost(reason)
         if self.node_id is None:
             if not reason.check(ConnectionDone):
                 # A failed TLS handshake ends here: no certificate, one from
@@ -134,7 +161,6 @@ class AgentLink(CommandingStream):
                     reason=reason.getErrorMessage(),
                 )
             return
-        self._hub.detach(self)
 
 
 class AgentHub(Factory):
@@ -168,8 +194,18 @@ class AgentHub(Factory):
 
     def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
         """
-        A shard changed state; kept (the last 1000) for the control plane.
+        A shard changed state; kept (the last 1000, cut to 50 lines of 500
+        characters of output) for the control plane.
         """
+        kept = pb.ShardStatus(
+            shard_id=status.shard_id[:200],
+            exit_code=status.exit_code,
+            has_exit_code=status.has_exit_code,
+            error=status.error[:1000],
+            output_tail=[line[:500] for line in status.output_tail[-50:]],
+        )
+        kept.state = status.state
+        status = kept
         self.statuses.append((node_id, status))
         name = pb.ShardState.Name(status.state).removeprefix("SHARD_STATE_").lower()
         if status.state == pb.SHARD_STATE_FAILED:

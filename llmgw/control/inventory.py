@@ -84,6 +84,12 @@ class Node:
         }
 
 
+MAX_PROBLEMS = 32
+"""
+Problems kept per GPU; more are dropped.
+"""
+
+
 class Inventory:
     """
     Nodes by id, updated from Register and Heartbeat.
@@ -144,13 +150,21 @@ class Inventory:
             return
         node.last_seen = now
         by_index = {g.index: g for g in node.gpus}
-        for usage in message.gpus:
+        for usage in message.gpus[: len(by_index)]:
             gpu = by_index.get(usage.index)
-            if gpu is not None:
-                gpu.memory_used_mib = usage.memory_used_mib
-                gpu.problems.extend(
-                    p for p in usage.new_problems if p not in gpu.problems
-                )
+            if gpu is None:
+                continue
+            gpu.memory_used_mib = usage.memory_used_mib
+            # Bounded: an agent's report must not grow the server's memory
+            # or its time per heartbeat without limit.
+            known = set(gpu.problems)
+            for problem in usage.new_problems[:MAX_PROBLEMS]:
+                if len(gpu.problems) >= MAX_PROBLEMS:
+                    break
+                problem = problem[:200]
+                if problem not in known:
+                    known.add(problem)
+                    gpu.problems.append(problem)
 
     def link_lost(self, node_id: str) -> None:
         """

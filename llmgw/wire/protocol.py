@@ -117,6 +117,7 @@ class CommandTracker:
     def __init__(self) -> None:
         self._next_id = 1
         self._pending: dict[int, Deferred[pb.CommandResult]] = {}
+        self._closed: Failure | None = None
 
     def prepare(self, message: pb.ControlMessage) -> Deferred[pb.CommandResult]:
         """
@@ -136,6 +137,10 @@ class CommandTracker:
         self._next_id += 1
         getattr(message, kind).command_id = command_id
         waiting: Deferred[pb.CommandResult] = Deferred()
+        if self._closed is not None:
+            # The connection is gone: nothing will ever answer.
+            waiting.errback(self._closed)
+            return waiting
         self._pending[command_id] = waiting
         return waiting
 
@@ -167,6 +172,7 @@ class CommandTracker:
         """
         pending, self._pending = self._pending, {}
         failure = reason if reason is not None else Failure(ConnectionLost())
+        self._closed = failure
         for waiting in pending.values():
             waiting.errback(failure)
 
@@ -186,7 +192,8 @@ class CommandingStream(MessageStream[pb.AgentMessage]):
         Send a command; see L{CommandTracker.prepare} for what fires.
         """
         waiting = self.commands.prepare(message)
-        self.send(message)
+        if not waiting.called:
+            self.send(message)
         return waiting
 
     def message_received(self, message: pb.AgentMessage) -> None:

@@ -665,10 +665,12 @@ class TLSTests(SynchronousTestCase, Processes):
         import h2.connection
         import h2.events
 
-        from tests.certs import self_signed
+        from llmgw.cli.certs import init_ca, issue_server
 
         directory = tempfile.mkdtemp()
-        key, cert = self_signed(directory, "127.0.0.1")
+        ca = init_ca(directory)
+        cert = issue_server(directory, ["127.0.0.1"])
+        key = os.path.join(directory, "server-key.pem")
         _, sim_url = self.start_sim()
         _, url, _ = self.start_server(
             "--endpoint",
@@ -677,7 +679,7 @@ class TLSTests(SynchronousTestCase, Processes):
             f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
         )
         port = int(url.rsplit(":", 1)[1])
-        context = ssl.create_default_context(cafile=cert)
+        context = ssl.create_default_context(cafile=ca)
         context.set_alpn_protocols(["h2", "http/1.1"])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
             with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:

@@ -1,0 +1,230 @@
+"""
+Placement: where a replica of a model can run, as pure functions over a
+snapshot of the inventory (DESIGN.md section 3).  No I/O and no clock: the
+reconciler takes a snapshot, asks, and acts on the answer.
+
+Profiles are tried in priority order (highest first, then as listed).  A
+profile asks for C{gpus} GPUs on each of C{nodes} nodes (C{gpus = 0} runs
+on the CPU), each GPU with C{gpu_memory_gb} free, none reporting problems
+and none allocated to another shard.  Among the nodes that fit, the best
+fit wins, the one left with the fewest free GPUs, so large free blocks
+stay whole for the profiles that need them.  A profile of several nodes is
+a gang on nodes sharing its C{fabric}.  When nothing fits, every node's
+reason is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Profile:
+    """
+    One way to run a model.
+
+    @ivar gpus: GPUs per shard (per node); 0 for the CPU.
+    @ivar gpu_memory_gb: free memory needed on each of those GPUs, GB
+        (1024 MiB).
+    @ivar nodes: shards per replica; more than 1 is a multi-node gang.
+    @ivar fabric: the interconnect the gang's nodes must share.
+    @ivar priority: higher is tried first.
+    """
+
+    name: str
+    engine: str
+    source: str
+    gpus: int = 0
+    gpu_memory_gb: float = 0.0
+    nodes: int = 1
+    fabric: str | None = None
+    priority: int = 0
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """
+    A GPU as placement sees it.  Memory in MiB.
+    """
+
+    index: int
+    name: str
+    memory_total_mib: int
+    memory_used_mib: int = 0
+    problems: tuple[str, ...] = ()
+    allocated: bool = False
+
+    @property
+    def free_mib(self) -> int:
+        return self.memory_total_mib - self.memory_used_mib
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """
+    A node as placement sees it.
+
+    @ivar ports_in_use: ports of shards placed on it.
+    """
+
+    id: str
+    state: str
+    fabrics: frozenset[str] = frozenset()
+    gpus: tuple[GpuView, ...] = ()
+    ports_in_use: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """
+    Where one shard goes: node, GPU indices, port, rank (0 leads).
+    """
+
+    node: str
+    gpus: tuple[int, ...]
+    port: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """
+    A replica placed: the profile chosen and its shards, leader first.
+    """
+
+    profile: Profile
+    shards: tuple[ShardPlan, ...]
+
+
+@dataclass(frozen=True)
+class NoFit:
+    """
+    Nothing fits: per profile tried, one reason per node.
+
+    @ivar reasons: C{(profile name, ("node: why", ...))}, in the order tried.
+    """
+
+    reasons: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
+
+    def lines(self) -> list[str]:
+        """
+        @return: the explanation, one line per profile and node, such as
+            C{"profile a100x2: gpu-03: 1 of 2 GPUs free"}.
+        """
+        out = []
+        for profile, reasons in self.reasons:
+            if not reasons:
+                out.append(f"profile {profile}: no nodes")
+            out.extend(f"profile {profile}: {reason}" for reason in reasons)
+        return out
+
+
+def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]:
+    """
+    @return: the node's GPUs this profile could use, tightest fit first,
+        and why others cannot be used (empty when nothing is missing).
+    """
+    need_mib = int(profile.gpu_memory_gb * 1024)
+    usable: list[GpuView] = []
+    allocated = troubled = small = 0
+    for gpu in node.gpus:
+        if gpu.allocated:
+            allocated += 1
+        elif gpu.problems:
+            troubled += 1
+        elif gpu.free_mib < need_mib:
+            small += 1
+        else:
+            usable.append(gpu)
+    usable.sort(key=lambda g: (g.free_mib, g.index))
+    if len(usable) >= profile.gpus:
+        return usable, ""
+    why = [f"{len(usable)} of {profile.gpus} GPUs free"]
+    if troubled:
+        why.append(f"{troubled} with problems")
+    if small:
+        why.append(f"{small} with under {profile.gpu_memory_gb:g} GB free")
+    if allocated:
+        why.append(f"{allocated} allocated")
+    if not node.gpus:
+        why.append("no GPUs")
+    return usable, ", ".join(why)
+
+
+def _free_port(node: NodeView, ports: range) -> int | None:
+    for port in ports:
+        if port not in node.ports_in_use:
+            return port
+    return None
+
+
+def _node_fit(
+    node: NodeView, profile: Profile, ports: range
+) -> tuple[list[GpuView], int, str]:
+    """
+    @return: usable GPUs, a free port, and the reason it does not fit
+        (empty when it does).
+    """
+    if node.state != "ready":
+        return [], 0, f"{node.id}: {node.state}"
+    if profile.nodes > 1 and profile.fabric and profile.fabric not in node.fabrics:
+        return [], 0, f"{node.id}: not on fabric {profile.fabric}"
+    usable, why = _fitting_gpus(node, profile)
+    if why:
+        return [], 0, f"{node.id}: {why}"
+    port = _free_port(node, ports)
+    if port is None:
+        return [], 0, f"{node.id}: no free port in {ports.start}-{ports.stop - 1}"
+    return usable, port, ""
+
+
+def place(
+    profiles: Sequence[Profile], nodes: Sequence[NodeView], ports: range
+) -> Plan | NoFit:
+    """
+    Place one replica.
+
+    @param profiles: the model's profiles, in catalog order.
+    @param nodes: the inventory snapshot.
+    @param ports: the port range engines may listen on (C{[control]
+        port_range}).
+    @return: a L{Plan} for the first profile, by priority, that fits, or
+        a L{NoFit} explaining, per profile and node, why none does.
+    """
+    ordered = sorted(enumerate(profiles), key=lambda item: (-item[1].priority, item[0]))
+    reasons: list[tuple[str, tuple[str, ...]]] = []
+    for _, profile in ordered:
+        fits: list[tuple[int, str, list[GpuView], int]] = []
+        why: list[str] = []
+        for node in sorted(nodes, key=lambda n: n.id):
+            usable, port, reason = _node_fit(node, profile, ports)
+            if reason:
+                why.append(reason)
+            else:
+                # Best fit: the node left with the fewest free GPUs.
+                fits.append((len(usable) - profile.gpus, node.id, usable, port))
+        fits.sort(key=lambda f: (f[0], f[1]))
+        if len(fits) >= profile.nodes:
+            chosen = fits[: profile.nodes]
+            return Plan(
+                profile,
+                tuple(
+                    ShardPlan(
+                        node=node_id,
+                        gpus=tuple(sorted(g.index for g in usable[: profile.gpus])),
+                        port=port,
+                        rank=rank,
+                    )
+                    for rank, (_, node_id, usable, port) in enumerate(chosen)
+                ),
+            )
+        if profile.nodes > 1 and fits:
+            why.append(
+                f"only {len(fits)} of {profile.nodes} nodes fit"
+                + (f" on fabric {profile.fabric}" if profile.fabric else "")
+            )
+        reasons.append((profile.name, tuple(why)))
+    return NoFit(tuple(reasons))

@@ -1,0 +1,200 @@
+"""
+The catalog: the models operators declare, as C{[[models]]} tables with
+ordered C{[[models.profiles]]} (DESIGN.md section 3).  Validation errors
+name the model, the profile, the field and the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmgw.config import ConfigError, parse_duration
+from llmgw.control.placement import Profile
+
+ENGINES = ("vllm", "sglang", "llamacpp", "sim")
+_MODEL_KEYS = {
+    "name",
+    "aliases",
+    "min_replicas",
+    "max_replicas",
+    "idle_timeout",
+    "profiles",
+}
+_PROFILE_KEYS = {
+    "name",
+    "engine",
+    "source",
+    "args",
+    "env",
+    "gpus",
+    "gpu_memory_gb",
+    "nodes",
+    "fabric",
+    "priority",
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    """
+    A catalog model.
+
+    @ivar idle_timeout: seconds without requests before scaling down to
+        C{min_replicas}; 0 never.
+    @ivar profiles: ways to run it, in catalog order.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    min_replicas: int
+    max_replicas: int
+    idle_timeout: float
+    profiles: tuple[Profile, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """
+        Every name clients may send for it.
+        """
+        return (self.name, *self.aliases)
+
+
+def _known(where: str, table: Mapping[str, Any], keys: set[str]) -> None:
+    for key in table:
+        if key not in keys:
+            known = ", ".join(sorted(keys))
+            raise ConfigError(f"{where}.{key}: unknown key (known: {known})")
+
+
+def _count(where: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _name(where: str, value: object) -> str:
+    if not isinstance(value, str) or not value.strip() or len(value) > 200:
+        raise ConfigError(f"{where}: expected a name, got {value!r}")
+    return value
+
+
+def _profile(where: str, table: object) -> Profile:
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {table!r}")
+    if "name" not in table:
+        raise ConfigError(f"{where}.name: missing")
+    name = _name(f"{where}.name", table["name"])
+    where = f"{where} ({name})"
+    _known(where, table, _PROFILE_KEYS)
+    for required in ("engine", "source"):
+        if required not in table:
+            raise ConfigError(f"{where}.{required}: missing")
+    engine = table["engine"]
+    if engine not in ENGINES:
+        raise ConfigError(
+            f"{where}.engine: unknown {engine!r} (known: {', '.join(ENGINES)})"
+        )
+    source = _name(f"{where}.source", table["source"])
+    args = table.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ConfigError(f"{where}.args: expected a list of strings, got {args!r}")
+    env = table.get("env", {})
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+        for k, v in env.items()
+    ):
+        raise ConfigError(f"{where}.env: expected a table of strings, got {env!r}")
+    gpus = _count(f"{where}.gpus", table.get("gpus", 0), 0)
+    memory = table.get("gpu_memory_gb", 0)
+    if (
+        isinstance(memory, bool)
+        or not isinstance(memory, (int, float))
+        or not (0 <= memory <= 100_000)
+    ):
+        raise ConfigError(f"{where}.gpu_memory_gb: expected GB >= 0, got {memory!r}")
+    if memory and not gpus:
+        raise ConfigError(
+            f"{where}.gpu_memory_gb: {memory!r} with gpus = 0 (a CPU profile)"
+        )
+    nodes = _count(f"{where}.nodes", table.get("nodes", 1), 1)
+    fabric = table.get("fabric")
+    if fabric is not None:
+        fabric = _name(f"{where}.fabric", fabric)
+    if nodes > 1 and fabric is None:
+        raise ConfigError(
+            f"{where}.fabric: missing: nodes = {nodes} needs the fabric they share"
+        )
+    priority = table.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ConfigError(f"{where}.priority: expected an integer, got {priority!r}")
+    return Profile(
+        name=name,
+        engine=engine,
+        source=source,
+        gpus=gpus,
+        gpu_memory_gb=float(memory),
+        nodes=nodes,
+        fabric=fabric,
+        priority=priority,
+        args=tuple(args),
+        env=tuple(sorted(env.items())),
+    )
+
+
+def _model(where: str, table: object) -> Model:
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {table!r}")
+    if "name" not in table:
+        raise ConfigError(f"{where}.name: missing")
+    name = _name(f"{where}.name", table["name"])
+    where = f"{where} ({name})"
+    _known(where, table, _MODEL_KEYS)
+    aliases = table.get("aliases", [])
+    if not isinstance(aliases, list):
+        raise ConfigError(f"{where}.aliases: expected a list of names, got {aliases!r}")
+    aliases = [_name(f"{where}.aliases", a) for a in aliases]
+    low = _count(f"{where}.min_replicas", table.get("min_replicas", 0), 0)
+    high = _count(f"{where}.max_replicas", table.get("max_replicas", max(low, 1)), 1)
+    if low > high:
+        raise ConfigError(
+            f"{where}.min_replicas: {low} is more than max_replicas = {high}"
+        )
+    idle = parse_duration(f"{where}.idle_timeout", table.get("idle_timeout", "10m"))
+    profiles = table.get("profiles")
+    if not isinstance(profiles, list) or not profiles:
+        raise ConfigError(
+            f"{where}.profiles: missing: add at least one [[models.profiles]]"
+        )
+    parsed = tuple(
+        _profile(f"{where}.profiles[{i}]", p) for i, p in enumerate(profiles)
+    )
+    seen: set[str] = set()
+    for profile in parsed:
+        if profile.name in seen:
+            raise ConfigError(f"{where}.profiles: duplicate name {profile.name!r}")
+        seen.add(profile.name)
+    return Model(name, tuple(aliases), low, high, idle, parsed)
+
+
+def parse_models(tables: Any) -> tuple[Model, ...]:
+    """
+    Validate the C{models} array of a configuration file.
+
+    @raise ConfigError: one line naming the model, profile, field and value;
+        also for a name or alias used twice.
+    """
+    if not isinstance(tables, list):
+        raise ConfigError(f"models: expected [[models]] tables, got {tables!r}")
+    models = tuple(_model(f"models[{i}]", t) for i, t in enumerate(tables))
+    owner: dict[str, str] = {}
+    for model in models:
+        for name in model.names:
+            if name in owner:
+                raise ConfigError(
+                    f"models ({model.name}): name {name!r} is already"
+                    f" model {owner[name]!r}"
+                )
+            owner[name] = model.name
+    return models

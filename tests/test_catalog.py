@@ -1,0 +1,128 @@
+"""
+The catalog's [[models]] tables: what parses, and errors naming the model,
+the profile, the field and the value.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.config import ConfigError
+from llmgw.control.catalog import parse_models
+
+GOOD = """
+[[models]]
+name = "llama-3.1-70b"
+aliases = ["llama-70b"]
+min_replicas = 1
+max_replicas = 4
+idle_timeout = "30m"
+
+[[models.profiles]]
+name = "h100x4"
+engine = "vllm"
+source = "meta-llama/Llama-3.1-70B-Instruct"
+args = ["--max-model-len", "8192"]
+gpus = 4
+gpu_memory_gb = 70
+priority = 10
+
+[[models.profiles]]
+name = "two-nodes"
+engine = "sglang"
+source = "/models/llama-70b"
+gpus = 8
+gpu_memory_gb = 40
+nodes = 2
+fabric = "ib-a"
+
+[[models]]
+name = "gemma-3-270m"
+
+[[models.profiles]]
+name = "cpu"
+engine = "llamacpp"
+source = "/models/gemma.gguf"
+env = { LLAMA_ARG_THREADS = "2" }
+"""
+
+
+def models(text: str) -> object:
+    return parse_models(tomllib.loads(text)["models"])
+
+
+class CatalogTests(SynchronousTestCase):
+    def test_parses(self) -> None:
+        """
+        Models with their aliases, replica bounds, idle timeout and ordered
+        profiles; defaults for what is left out.
+        """
+        llama, gemma = parse_models(tomllib.loads(GOOD)["models"])
+        self.assertEqual(llama.names, ("llama-3.1-70b", "llama-70b"))
+        self.assertEqual((llama.min_replicas, llama.max_replicas), (1, 4))
+        self.assertEqual(llama.idle_timeout, 1800.0)
+        self.assertEqual([p.name for p in llama.profiles], ["h100x4", "two-nodes"])
+        self.assertEqual(llama.profiles[0].args, ("--max-model-len", "8192"))
+        self.assertEqual(
+            (llama.profiles[1].nodes, llama.profiles[1].fabric), (2, "ib-a")
+        )
+        self.assertEqual((gemma.min_replicas, gemma.max_replicas), (0, 1))
+        self.assertEqual(gemma.profiles[0].gpus, 0)
+        self.assertEqual(gemma.profiles[0].env, (("LLAMA_ARG_THREADS", "2"),))
+
+    def test_errors(self) -> None:
+        """
+        Each mistake is one line naming model, profile, field and value.
+        """
+        profile = '[[models.profiles]]\nname = "p"\nengine = "vllm"\nsource = "s"\n'
+        cases = [
+            (
+                '[[models]]\nname = "m"\ncolour = 1\n' + profile,
+                "models[0] (m).colour: unknown key",
+            ),
+            ('[[models]]\nname = "m"\n', "models[0] (m).profiles: missing"),
+            (
+                '[[models]]\nname = "m"\n' + profile.replace('"vllm"', '"tgi"'),
+                "models[0] (m).profiles[0] (p).engine: unknown 'tgi'",
+            ),
+            (
+                '[[models]]\nname = "m"\n' + profile + "gpus = -1\n",
+                "models[0] (m).profiles[0] (p).gpus: expected an integer >= 0, got -1",
+            ),
+            (
+                '[[models]]\nname = "m"\n' + profile + "gpus = 8\nnodes = 2\n",
+                "models[0] (m).profiles[0] (p).fabric: missing",
+            ),
+            (
+                '[[models]]\nname = "m"\n' + profile + "gpu_memory_gb = 40\n",
+                "gpu_memory_gb: 40 with gpus = 0",
+            ),
+            (
+                '[[models]]\nname = "m"\nmin_replicas = 3\nmax_replicas = 2\n'
+                + profile,
+                "models[0] (m).min_replicas: 3 is more than max_replicas = 2",
+            ),
+            (
+                '[[models]]\nname = "m"\nidle_timeout = "soon"\n' + profile,
+                "models[0] (m).idle_timeout: bad duration 'soon'",
+            ),
+            (
+                '[[models]]\nname = "m"\n'
+                + profile
+                + '[[models]]\nname = "n"\naliases = ["m"]\n'
+                + profile,
+                "models (n): name 'm' is already model 'm'",
+            ),
+            (
+                '[[models]]\nname = "m"\n' + profile + profile,
+                "models[0] (m).profiles: duplicate name 'p'",
+            ),
+        ]
+        for text, message in cases:
+            with self.subTest(message):
+                with self.assertRaises(ConfigError) as raised:
+                    models(text)
+                self.assertIn(message, str(raised.exception))
+                self.assertNotIn("\n", str(raised.exception))

@@ -68,6 +68,25 @@ def _known(where: str, table: Mapping[str, Any], keys: set[str]) -> None:
             raise ConfigError(f"{where}.{key}: unknown key (known: {known})")
 
 
+def _named_table(
+    where: str, table: object, keys: set[str]
+) -> tuple[Mapping[str, Any], str, str]:
+    """
+    Check a model or profile table: a table, with a name, and only C{keys}.
+
+    @return: the table, its name, and C{where} with the name added, for
+        the messages of the fields checked next.
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where}: expected a table, got {table!r}")
+    if "name" not in table:
+        raise ConfigError(f"{where}.name: missing")
+    name = _name(f"{where}.name", table["name"])
+    where = f"{where} ({name})"
+    _known(where, table, keys)
+    return table, name, where
+
+
 def _count(where: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"{where}: expected an integer >= {minimum}, got {value!r}")
@@ -81,13 +100,7 @@ def _name(where: str, value: object) -> str:
 
 
 def _profile(where: str, table: object) -> Profile:
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"{where}: expected a table, got {table!r}")
-    if "name" not in table:
-        raise ConfigError(f"{where}.name: missing")
-    name = _name(f"{where}.name", table["name"])
-    where = f"{where} ({name})"
-    _known(where, table, _PROFILE_KEYS)
+    table, name, where = _named_table(where, table, _PROFILE_KEYS)
     for required in ("engine", "source"):
         if required not in table:
             raise ConfigError(f"{where}.{required}: missing")
@@ -144,13 +157,7 @@ def _profile(where: str, table: object) -> Profile:
 
 
 def _model(where: str, table: object) -> Model:
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"{where}: expected a table, got {table!r}")
-    if "name" not in table:
-        raise ConfigError(f"{where}.name: missing")
-    name = _name(f"{where}.name", table["name"])
-    where = f"{where} ({name})"
-    _known(where, table, _MODEL_KEYS)
+    table, name, where = _named_table(where, table, _MODEL_KEYS)
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list):
         raise ConfigError(f"{where}.aliases: expected a list of names, got {aliases!r}")

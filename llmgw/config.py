@@ -63,6 +63,45 @@ class RouterConfig:
     max_idle_connections: int = 256
     # On stop, requests in flight get this long to finish.
     drain_timeout: float = 30.0
+    # Scale from zero: how long a request for a catalog model with no ready
+    # replica waits for one, how many may wait per model, and how often a
+    # waiting stream gets an SSE comment line (a keep-alive for proxies).
+    activation_timeout: float = 300.0
+    activation_queue: int = 256
+    activation_keepalive: float = 15.0
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """
+    The C{[control]} table: the reconciler's timers and limits (DESIGN.md
+    section 3).  Durations in seconds.
+
+    @ivar unreachable_after: a node silent this long gets no new placements.
+    @ivar lost_after: a node silent this long has its replicas placed
+        elsewhere.
+    @ivar base_backoff: the wait after a model's first failed replica;
+        doubled per failure in a row up to C{max_backoff}.
+    @ivar port_range: ports engines may listen on, C{(first, last)}.
+    @ivar start_timeout: a shard not ready this long after it was placed is
+        stopped and counted as failed.
+    @ivar startup_grace: after the server starts, no placements and no
+        scale-down for this long, while agents reconnect and their shards
+        are adopted (so a restart makes no duplicates).
+    @ivar drain_timeout: a draining replica's requests in flight get this
+        long before its engines are stopped.
+    @ivar interval: seconds between reconciler passes when nothing kicks.
+    """
+
+    unreachable_after: float = 15.0
+    lost_after: float = 60.0
+    base_backoff: float = 5.0
+    max_backoff: float = 300.0
+    port_range: tuple[int, int] = (20000, 20999)
+    start_timeout: float = 900.0
+    startup_grace: float = 10.0
+    drain_timeout: float = 60.0
+    interval: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -90,8 +129,15 @@ class ServerConfig:
     agent_listen: str = "tcp:7443"
     agent_tls: AgentTLSConfig | None = None
     insecure_agents: bool = False
+    # --local: an agent for this machine runs inside the server.
+    local: bool = False
+    state_dir: str = "~/.local/state/llmgw"
     endpoints: tuple[EndpointConfig, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    # llmgw.control.catalog.Model; Any here, as the catalog imports this
+    # module.
+    models: tuple[Any, ...] = ()
 
     @property
     def accepts_agents(self) -> bool:
@@ -251,8 +297,10 @@ def _router(table: object) -> RouterConfig:
         "total_timeout",
         "eject_cooldown",
         "drain_timeout",
+        "activation_timeout",
+        "activation_keepalive",
     }
-    counts = {"max_retries", "max_idle_connections"}
+    counts = {"max_retries", "max_idle_connections", "activation_queue"}
     sizes = {"max_body_size", "max_response_size", "max_event_size"}
     _check_keys("router", table, durations | counts | sizes)
     values: dict[str, Any] = {}
@@ -268,6 +316,53 @@ def _router(table: object) -> RouterConfig:
         else:
             values[key] = parse_size(f"router.{key}", value)
     return replace(defaults, **values)
+
+
+def _control(table: object) -> ControlConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"control: expected a table, got {table!r}")
+    durations = {
+        "unreachable_after",
+        "lost_after",
+        "base_backoff",
+        "max_backoff",
+        "start_timeout",
+        "startup_grace",
+        "drain_timeout",
+        "interval",
+    }
+    _check_keys("control", table, durations | {"port_range"})
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in durations:
+            values[key] = parse_duration(f"control.{key}", value)
+    if "port_range" in table:
+        ports = table["port_range"]
+        if (
+            not isinstance(ports, list)
+            or len(ports) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+            or not 0 < ports[0] <= ports[1] < 65536
+        ):
+            raise ConfigError(
+                f"control.port_range: expected [first, last], ports 1 to 65535,"
+                f" got {ports!r}"
+            )
+        values["port_range"] = (ports[0], ports[1])
+    control = replace(ControlConfig(), **values)
+    if control.interval <= 0:
+        raise ConfigError(f"control.interval: must be positive, got {control.interval}")
+    if control.lost_after < control.unreachable_after:
+        raise ConfigError(
+            f"control.lost_after: {control.lost_after:g}s is shorter than"
+            f" unreachable_after = {control.unreachable_after:g}s"
+        )
+    if control.max_backoff < control.base_backoff:
+        raise ConfigError(
+            f"control.max_backoff: {control.max_backoff:g}s is shorter than"
+            f" base_backoff = {control.base_backoff:g}s"
+        )
+    return control
 
 
 def parse_config(data: Mapping[str, Any]) -> ServerConfig:
@@ -287,9 +382,20 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             "insecure_agents",
             "endpoints",
             "router",
+            "control",
+            "models",
+            "state_dir",
         },
     )
     config = ServerConfig()
+    if "state_dir" in data:
+        config = replace(config, state_dir=_string("state_dir", data["state_dir"]))
+    if "control" in data:
+        config = replace(config, control=_control(data["control"]))
+    if "models" in data:
+        from llmgw.control.catalog import parse_models
+
+        config = replace(config, models=parse_models(data["models"]))
     if "agent_listen" in data:
         config = replace(
             config, agent_listen=_string("agent_listen", data["agent_listen"])
@@ -370,10 +476,11 @@ def finish_config(config: ServerConfig) -> ServerConfig:
         if endpoint.id in seen:
             raise ConfigError(f"endpoints: duplicate id {endpoint.id!r}")
         seen.add(endpoint.id)
-    if not config.endpoints and not config.accepts_agents:
+    if not config.endpoints and not config.accepts_agents and not config.local:
         raise ConfigError(
             "nothing to serve: add --endpoint id=URL=model[,model], or"
             " [[endpoints]] tables (id, url, models) to the --config file,"
-            " or [agent_tls] (ca, cert, key) to accept agents"
+            " or [agent_tls] (ca, cert, key) to accept agents, or run with"
+            " --local"
         )
     return config

@@ -61,7 +61,11 @@ def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
     gpus = list(command.gpu_indices)
     args = list(command.args)
     env = {**_cuda(gpus), **dict(command.env)}
-    base = f"http://127.0.0.1:{command.port}"
+    # Probed where it listens (a wildcard address is reached on loopback).
+    probe = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in probe:
+        probe = f"[{probe}]"
+    base = f"http://{probe}:{command.port}"
     engine = command.engine
     if engine == "vllm":
         argv = ["vllm", "serve", command.source, "--served-model-name", command.model]

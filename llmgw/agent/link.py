@@ -125,12 +125,15 @@ class AgentFactory(Factory):
         heartbeat: Callable[[], pb.Heartbeat],
         clock: object,
         state_dir: str,
+        engine_host: str = "127.0.0.1",
     ) -> None:
         self._register = register
         self._heartbeat = heartbeat
         self._clock = clock
         self.current: AgentProtocol | None = None
-        self.supervisor = Supervisor(clock, self.send_status, state_dir)
+        self.supervisor = Supervisor(
+            clock, self.send_status, state_dir, engine_host=engine_host
+        )
 
     def send_status(self, status: pb.ShardStatus) -> None:
         """

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import error
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
@@ -24,6 +25,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, readBody
 
 from llmgw.agent.engines import Launch, ProfileError, build, check
+from llmgw.router.upstream import QuietConnectionPool
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
@@ -124,7 +126,7 @@ class Shard:
 
     def _set(self, state: int, error_text: str = "") -> None:
         self.state = state
-        status = pb.ShardStatus(shard_id=self.id, error=error_text)
+        status = pb.ShardStatus(shard_id=self.id, error=error_text, pid=self.pid or 0)
         status.state = state  # type: ignore[assignment]
         if self.exit_code is not None:
             status.exit_code = self.exit_code
@@ -285,6 +287,8 @@ class Supervisor:
     @param state_dir: where running engines are recorded (and their output
         written), so that a restarted agent adopts them.
     @param health_interval: seconds between health probes while starting.
+    @param engine_host: the interface engines listen on: the node's
+        address, where the server reaches them.
     """
 
     log = Logger()
@@ -295,11 +299,13 @@ class Supervisor:
         report: Callable[[pb.ShardStatus], None],
         state_dir: str,
         health_interval: float = 0.5,
+        engine_host: str = "127.0.0.1",
     ) -> None:
         self.reactor = reactor
+        self.engine_host = engine_host
         self.report = report
         self.health_interval = health_interval
-        self.http = Agent(reactor)
+        self.http = Agent(reactor, pool=QuietConnectionPool(reactor, persistent=False))  # type: ignore[no-untyped-call]
         self.shards: dict[str, Shard] = {}
         self._dir = os.path.join(state_dir, "shards")
         os.makedirs(self._dir, mode=0o700, exist_ok=True)  # OSError for the caller
@@ -382,7 +388,7 @@ class Supervisor:
             )
         if command.shard_id in self.shards:
             raise ProfileError(f"shard {command.shard_id!r} is already running")
-        launch = build(command)
+        launch = build(command, self.engine_host)
         check(command, launch)
         shard = Shard(self, command, launch)
         # Listed only once it runs: a launch that raised leaves nothing.
@@ -404,6 +410,27 @@ class Supervisor:
             shard.drain(grace)
         else:
             shard.stop(grace)
+
+    def stop_all(self, grace: float) -> Deferred[None]:
+        """
+        Stop every engine (SIGKILL after C{grace} seconds).
+
+        @return: fires when all have ended, or C{grace + 5} seconds later.
+        """
+        for shard in list(self.shards.values()):
+            shard.stop(grace)
+        done: Deferred[None] = Deferred()
+        deadline = self.reactor.seconds() + grace + 5
+
+        def check() -> None:
+            if not self.shards or self.reactor.seconds() >= deadline:
+                poll.stop()
+                done.callback(None)
+
+        poll = LoopingCall(check)
+        poll.clock = self.reactor
+        poll.start(0.1, now=True)
+        return done
 
     def forget(self, shard: Shard) -> None:
         if self.shards.get(shard.id) is shard:

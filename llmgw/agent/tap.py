@@ -235,15 +235,18 @@ class _AgentService(ClientService):
         return super().stopService()
 
 
-def makeService(options: Options) -> IService:
+def build_agent(
+    reactor: Any, config: AgentConfig, endpoint: Any
+) -> tuple[_AgentService, AgentFactory]:
     """
-    Build the agent: one uplink to the server, reconnecting forever with
-    jittered exponential backoff from 1 s to 30 s.
-    """
-    from twisted.internet import reactor
+    The agent's uplink over C{endpoint} (TLS already wrapped around it, or
+    not), reconnecting forever with exponential backoff from 0.5 s to 30 s
+    (doubling, with Twisted's jitter); engines recorded in the state
+    directory that still run are adopted first.
 
-    config: AgentConfig = options.config
-    host, port = _server_address(config.server)
+    @return: the service, not started, and the factory whose supervisor
+        runs the engines.
+    """
     gpus = discover(config.node_id, list(config.simulated_gpus))
     page = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -277,10 +280,13 @@ def makeService(options: Options) -> IService:
             ]
         )
 
-    endpoint: Any = HostnameEndpoint(reactor, host, port, timeout=10)
-    if not config.insecure:
-        endpoint = wrapClientTLS(_tls_options(config, host), endpoint)
-    factory = AgentFactory(register, heartbeat, reactor, _state_dir(config))
+    factory = AgentFactory(
+        register,
+        heartbeat,
+        reactor,
+        _state_dir(config),
+        engine_host=config.address or "127.0.0.1",
+    )
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()
@@ -288,19 +294,37 @@ def makeService(options: Options) -> IService:
         factory,
         endpoint,
         factory,
-        retryPolicy=backoffPolicy(initialDelay=1.0, maxDelay=30.0, factor=2.0),
+        retryPolicy=backoffPolicy(initialDelay=0.5, maxDelay=30.0, factor=2.0),
         # A connection counts once the server welcomed us: a TLS connection
         # the server then refuses must not reset the backoff.
         prepareConnection=lambda protocol: protocol.registered,
     )
     log.info(
         "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"
-        " adopted; dialing {server} ({security})",
+        " adopted; dialing {server}",
         adopted=len(adopted),
         node=config.node_id,
         gpus=len(gpus),
         simulated=sum(1 for g in gpus if g.simulated),
         server=config.server,
+    )
+    return service, factory
+
+
+def makeService(options: Options) -> IService:
+    """
+    Build the agent: one uplink to the server (see L{build_agent}).
+    """
+    from twisted.internet import reactor
+
+    config: AgentConfig = options.config
+    host, port = _server_address(config.server)
+    endpoint: Any = HostnameEndpoint(reactor, host, port, timeout=10)
+    if not config.insecure:
+        endpoint = wrapClientTLS(_tls_options(config, host), endpoint)
+    service, _ = build_agent(reactor, config, endpoint)
+    log.info(
+        "link security: {security}",
         security="PLAINTEXT" if config.insecure else "mutual TLS",
     )
     return service

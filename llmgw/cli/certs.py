@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # What a node id may be: it names a folder and is a certificate's CN.
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _HOST = re.compile(
     r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9-]{1,63})*\.?$"
 )
@@ -213,7 +213,7 @@ def issue_agent(directory: str, node_id: str, days: int = 825) -> str:
     @raise CertsError: a node id that cannot be a folder name and CN, or no
         CA in C{directory}.
     """
-    if not _NODE_ID.match(node_id):
+    if not NODE_ID.match(node_id):
         raise CertsError(
             f"--node-id: bad value {node_id!r}: letters, digits, '.', '_', '-',"
             " at most 63 characters, not starting with a punctuation mark"

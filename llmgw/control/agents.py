@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory, connectionDone
@@ -17,13 +18,35 @@ from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
 from llmgw import __version__
-from llmgw.control.inventory import Inventory
+from llmgw.control.inventory import Inventory, Node
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import CommandingStream
 from llmgw.wire.tls import peer_common_name
 
 HEARTBEAT_INTERVAL = 5
+
+
+class NoLink(Exception):
+    """
+    A command for a node whose agent is not connected.
+    """
+
+
+class LinkListener(Protocol):
+    """
+    What the control plane hears from the agent links.
+    """
+
+    def node_registered(self, node_id: str, register: pb.Register) -> None:
+        """
+        An agent registered (first or again), listing the shards it runs.
+        """
+
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+        """
+        A shard on C{node_id} changed state.
+        """
 
 
 class AgentLink(TimeoutMixin, CommandingStream):
@@ -74,6 +97,8 @@ class AgentLink(TimeoutMixin, CommandingStream):
 
     def dataReceived(self, data: bytes) -> None:
         self.resetTimeout()  # type: ignore[no-untyped-call]
+        if self.node_id is not None:
+            self._hub.inventory.heard(self.node_id, self._hub.clock.seconds())
         super().dataReceived(data)
 
     def agent_message_received(self, message: pb.AgentMessage) -> None:
@@ -97,7 +122,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
                     claim=message.register.node_id,
                 )
                 return
-            self._hub.inventory.register(message.register, self._hub.wall_clock())
+            self._hub.registered(message.register)
         elif kind == "shard_status":
             self._hub.shard_status(self.node_id, message.shard_status)
 
@@ -123,16 +148,16 @@ class AgentLink(TimeoutMixin, CommandingStream):
         # Heartbeats come every HEARTBEAT_INTERVAL: six missed, the link is
         # dead even if TCP has not noticed.
         self.callLater = self._hub.clock.callLater  # type: ignore[assignment]
-        self.setTimeout(HEARTBEAT_INTERVAL * 6)  # type: ignore[no-untyped-call]
-        node = self._hub.inventory.register(register, self._hub.wall_clock())
+        self.setTimeout(self._hub.heartbeat_interval * 6)  # type: ignore[no-untyped-call]
         self.send(
             pb.ControlMessage(
                 welcome=pb.Welcome(
                     server_version=__version__,
-                    heartbeat_interval_seconds=HEARTBEAT_INTERVAL,
+                    heartbeat_interval_seconds=self._hub.heartbeat_interval,
                 )
             )
         )
+        node = self._hub.registered(register)
         self.log.info(
             "agent {node} registered from {peer}: {gpus} GPUs, agent {version}",
             node=claim,
@@ -183,14 +208,28 @@ class AgentHub(Factory):
         insecure: bool = False,
         register_timeout: float = 10.0,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        heartbeat_interval: int = HEARTBEAT_INTERVAL,
     ) -> None:
         self.clock = clock
+        self.heartbeat_interval = max(1, heartbeat_interval)
+        self.listener: LinkListener | None = None
         self.inventory = inventory
         self.insecure = insecure
         self.register_timeout = register_timeout
         self.max_frame_size = max_frame_size
         self.links: dict[str, AgentLink] = {}
         self.statuses: deque[tuple[str, pb.ShardStatus]] = deque(maxlen=1000)
+
+    def registered(self, register: pb.Register) -> Node:
+        """
+        Record a Register in the inventory and tell the listener.
+        """
+        node = self.inventory.register(
+            register, self.wall_clock(), self.clock.seconds()
+        )
+        if self.listener is not None:
+            self.listener.node_registered(register.node_id, register)
+        return node
 
     def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
         """
@@ -203,10 +242,13 @@ class AgentHub(Factory):
             has_exit_code=status.has_exit_code,
             error=status.error[:1000],
             output_tail=[line[:500] for line in status.output_tail[-50:]],
+            pid=status.pid,
         )
         kept.state = status.state
         status = kept
         self.statuses.append((node_id, status))
+        if self.listener is not None:
+            self.listener.shard_status(node_id, status)
         name = pb.ShardState.Name(status.state).removeprefix("SHARD_STATE_").lower()
         if status.state == pb.SHARD_STATE_FAILED:
             self.log.warn(
@@ -224,6 +266,18 @@ class AgentHub(Factory):
                 node=node_id,
                 state=name,
             )
+
+    def send(self, node_id: str, message: pb.ControlMessage) -> Deferred[Any]:
+        """
+        Send a command to C{node_id}'s agent.
+
+        @return: see L{CommandingStream.send_command}; fails at once with
+            L{NoLink} when the node has no link now.
+        """
+        link = self.links.get(node_id)
+        if link is None or link.transport is None:
+            return fail(NoLink(f"node {node_id} has no link"))
+        return link.send_command(message)
 
     def wall_clock(self) -> float:
         """

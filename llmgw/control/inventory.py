@@ -31,9 +31,11 @@ class Node:
     """
     A node as its agent last described it.
 
-    @ivar state: C{"ready"} once registered.  (C{"unreachable"} and
-        C{"lost"} after silence come with the control plane's timers.)
+    @ivar state: C{"ready"}, C{"unreachable"} or C{"lost"}, by how long
+        its agent has been silent (set by the control plane's passes).
     @ivar last_seen: POSIX seconds of the last message from its agent.
+    @ivar heard: the same instant on the reactor's clock, seconds.
+    @ivar draining: an operator asked for its replicas to move away.
     @ivar connected: whether its agent's link is up now; losing a link is
         not losing a node.
     """
@@ -50,6 +52,8 @@ class Node:
     state: str = "ready"
     connected: bool = True
     shards: list[dict[str, Any]] = field(default_factory=list)
+    heard: float = 0.0
+    draining: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """
@@ -58,6 +62,7 @@ class Node:
         return {
             "id": self.id,
             "state": self.state,
+            "draining": self.draining,
             "connected": self.connected,
             "address": self.address,
             "agent_version": self.agent_version,
@@ -98,12 +103,15 @@ class Inventory:
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
 
-    def register(self, message: pb.Register, now: float) -> Node:
+    def register(self, message: pb.Register, now: float, heard: float = 0.0) -> Node:
         """
-        Replace what is known of C{message.node_id} with C{message}.
+        Replace what is known of C{message.node_id} with C{message}; a node
+        being drained stays so.
 
         @param now: POSIX seconds.
+        @param heard: the reactor's clock, seconds.
         """
+        old = self._nodes.get(message.node_id)
         node = Node(
             id=message.node_id,
             address=message.address,
@@ -125,6 +133,8 @@ class Inventory:
                 for g in message.gpus
             ],
             last_seen=now,
+            heard=heard,
+            draining=old.draining if old is not None else False,
             shards=[
                 {
                     "id": shard.shard_id,
@@ -165,6 +175,20 @@ class Inventory:
                 if problem not in known:
                     known.add(problem)
                     gpu.problems.append(problem)
+
+    def heard(self, node_id: str, heard: float) -> None:
+        """
+        A message came from the node's agent at C{heard}, reactor seconds.
+        """
+        node = self._nodes.get(node_id)
+        if node is not None:
+            node.heard = heard
+
+    def get(self, node_id: str) -> Node | None:
+        """
+        @return: the node, or L{None} if no agent registered it.
+        """
+        return self._nodes.get(node_id)
 
     def link_lost(self, node_id: str) -> None:
         """

@@ -16,9 +16,10 @@ from typing import Protocol as TypingProtocol
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
@@ -74,6 +75,33 @@ class RequestRecord:
     completion_tokens: int
     latency: float
     time_to_first_token: float | None
+
+
+class Activator(TypingProtocol):
+    """
+    Scale from zero: the catalog's names, and a replica started on demand
+    (L{llmgw.control.plane.ControlPlane}).
+    """
+
+    def resolve(self, name: str) -> str | None:
+        """
+        @return: the catalog model C{name} names, or L{None}.
+        """
+
+    def names(self) -> list[str]:
+        """
+        @return: every catalog name and alias.
+        """
+
+    def activate(self, name: str) -> Deferred[None]:
+        """
+        @return: fires once a replica of C{name} is ready; cancellable.
+        """
+
+    def touch(self, name: str) -> None:
+        """
+        A request for C{name} arrived (the model is not idle).
+        """
 
 
 class UsageSink(TypingProtocol):
@@ -418,7 +446,7 @@ class _Exchange:
         if not isinstance(stream, bool):
             raise bad_request("'stream' must be a boolean.", param="stream")
         self.stream = stream
-        if not self.router.balancer.serves(model):
+        if not self.router.knows(model):
             raise model_not_found(model)
         if stream and self.path in _USAGE_STREAM_PATHS:
             # Ask for usage so it can be accounted, and hide the chunk that
@@ -461,6 +489,11 @@ class _Exchange:
         tried: set[str] = set()
         last_error: APIError | None = None
         balancer = self.router.balancer
+        activator = self.router.activator
+        if activator is not None:
+            activator.touch(self.model)
+            if not balancer.serves(self.model) and activator.resolve(self.model):
+                await self._activate(activator)
         for attempt in range(self.settings.max_retries + 1):
             if self.expired:
                 # The total deadline passed between two attempts.
@@ -480,6 +513,86 @@ class _Exchange:
             finally:
                 replica.outstanding -= 1
         raise last_error if last_error is not None else no_ready_replica(self.model)
+
+    async def _activate(self, activator: Activator) -> None:
+        """
+        Wait for the control plane to make a replica of the model ready,
+        for at most C{activation_timeout}; a waiting stream gets an SSE
+        comment line every C{activation_keepalive}.
+
+        @raise APIError: 503 with C{Retry-After} when the wait is over or
+            too many requests already wait for this model.
+        """
+        router = self.router
+        settings = self.settings
+        model = self.model
+        waiting = router.activating.get(model, 0)
+        if waiting >= settings.activation_queue:
+            raise APIError(
+                503,
+                f"Too many requests are waiting for model {model!r} to start;"
+                " try again later.",
+                "service_unavailable_error",
+                "activation_queue_full",
+                retry_after=5,
+            )
+        router.activating[model] = waiting + 1
+        timed_out = False
+
+        def time_out() -> None:
+            nonlocal timed_out
+            timed_out = True
+            ready.cancel()
+
+        ready = self.waiting = activator.activate(model)
+        timer = (
+            self.clock.callLater(settings.activation_timeout, time_out)
+            if settings.activation_timeout > 0
+            else None
+        )
+        keepalive: LoopingCall | None = None
+        if self.stream and settings.activation_keepalive > 0:
+            keepalive = LoopingCall(self._keepalive)
+            keepalive.clock = self.clock
+            keepalive.start(settings.activation_keepalive, now=False)
+        try:
+            await ready
+        except CancelledError:
+            if self.client_gone:
+                raise
+            if self.expired:
+                raise self._deadline_error() from None
+            if timed_out:
+                raise APIError(
+                    503,
+                    f"No replica of model {model!r} became ready within"
+                    f" {settings.activation_timeout:g}s; try again later.",
+                    "service_unavailable_error",
+                    "activation_timeout",
+                    retry_after=30,
+                ) from None
+            raise
+        finally:
+            self.waiting = None
+            if timer is not None and timer.active():
+                timer.cancel()
+            if keepalive is not None and keepalive.running:
+                keepalive.stop()
+            left = router.activating.get(model, 1) - 1
+            if left:
+                router.activating[model] = left
+            else:
+                router.activating.pop(model, None)
+
+    def _keepalive(self) -> None:
+        if self.client_gone:
+            return
+        if not self.headers_sent:
+            self.request.setResponseCode(200)
+            for name, value in _SSE_HEADERS:
+                self.request.setHeader(name, value)
+        # A comment line: clients skip it (WHATWG HTML, server-sent events).
+        self._write(b": waiting for a replica to start\n\n")
 
     def finish(self) -> None:
         """
@@ -676,9 +789,10 @@ class _Exchange:
     async def _relay_stream(self, response: Any) -> None:
         request = self.request
         self.status = 200
-        request.setResponseCode(200)
-        for name, value in _SSE_HEADERS:
-            request.setHeader(name, value)
+        if not self.headers_sent:
+            request.setResponseCode(200)
+            for name, value in _SSE_HEADERS:
+                request.setHeader(name, value)
         parser = SSEParser(self.settings.max_event_size)
         strip = self.strip_usage
         # Only whole events go to the client: the bytes of an event still
@@ -778,9 +892,7 @@ class _Exchange:
             # logs cut short and escaped (it could be 32 MiB, or hold
             # newlines and lone surrogates).
             model=(
-                self.model
-                if self.router.balancer.serves(self.model)
-                else _loggable(self.model)
+                self.model if self.router.knows(self.model) else _loggable(self.model)
             ),
             replica=self.replica.id if self.replica is not None else None,
             status=status,
@@ -847,8 +959,12 @@ class Router:
         settings: RouterConfig,
         metrics: RouterMetrics,
         usage: UsageSink,
+        activator: Activator | None = None,
     ) -> None:
         self.clock = clock
+        self.activator = activator
+        # Requests waiting for activation, per model.
+        self.activating: dict[str, int] = {}
         self.balancer = balancer
         self.agent = agent
         self.settings = settings
@@ -857,6 +973,24 @@ class Router:
         self.created = int(time.time())
         self.in_flight = 0
         self._idle_waiters: list[Deferred[None]] = []
+
+    def knows(self, model: str) -> bool:
+        """
+        @return: whether C{model} is served by a replica now or is in the
+            catalog.
+        """
+        if self.balancer.serves(model):
+            return True
+        return self.activator is not None and self.activator.resolve(model) is not None
+
+    def models(self) -> list[str]:
+        """
+        @return: the names clients may send, sorted.
+        """
+        names = set(self.balancer.models())
+        if self.activator is not None:
+            names.update(self.activator.names())
+        return sorted(names)
 
     def drain(self, timeout: float) -> Deferred[None]:
         """
@@ -905,6 +1039,11 @@ class Router:
             return result
         except APIError as error:
             status = error.status
+            if exchange.headers_sent:
+                # A stream already started (activation's keep-alives):
+                # the error goes as its last event.
+                request.write(error.sse_event())
+                return None
             return self._error(request, error)
         except Exception:
             if exchange.client_gone:
@@ -928,7 +1067,7 @@ class Router:
             record = exchange.record(status)
             # Only configured names become labels: a client must not be able
             # to grow the metrics without bound by inventing model names.
-            known = self.balancer.serves(record.model)
+            known = self.knows(record.model)
             metrics.requests.labels(record.model if known else "", str(status)).inc()
             if known:
                 metrics.request_duration.labels(record.model).observe(record.latency)
@@ -981,13 +1120,13 @@ class Router:
         return json.dumps(
             {
                 "object": "list",
-                "data": [self._model_object(m) for m in self.balancer.models()],
+                "data": [self._model_object(m) for m in self.models()],
             }
         ).encode("utf-8")
 
     @app.route("/v1/models/<path:model>", methods=["GET"])
     def get_model(self, request: IRequest, model: str) -> bytes:
-        if not self.balancer.serves(model):
+        if not self.knows(model):
             return self._error(request, model_not_found(model))
         request.setHeader(b"content-type", _JSON)
         return json.dumps(self._model_object(model)).encode("utf-8")
@@ -1006,7 +1145,7 @@ class Router:
         unavailable = [
             m for m in self.balancer.models() if not self.balancer.available(m)
         ]
-        ready = bool(self.balancer.models()) and not unavailable
+        ready = bool(self.models()) and not unavailable
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"content-type", _JSON)
         return json.dumps(

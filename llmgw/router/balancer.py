@@ -80,6 +80,7 @@ class Balancer:
         self._cooldown = eject_cooldown
         self._random = rng if rng is not None else random.Random()
         self._replicas: dict[str, Replica] = {}
+        self._retired: dict[str, Replica] = {}
         self._by_model: dict[str, list[Replica]] = {}
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
@@ -101,6 +102,14 @@ class Balancer:
             replicas[endpoint.id] = replica
             for model in endpoint.models:
                 by_model.setdefault(model, []).append(replica)
+        # Replicas taken out with requests still in flight stay countable,
+        # so a drain can wait for them.
+        retired = {
+            r.id: r
+            for r in (*self._retired.values(), *self._replicas.values())
+            if r.outstanding > 0 and r.id not in replicas
+        }
+        self._retired = retired
         self._replicas = replicas
         self._by_model = by_model
 
@@ -167,6 +176,18 @@ class Balancer:
         if len(best) == 1:
             return best[0]
         return self._random.choice(best)
+
+    def outstanding(self, replica_id: str) -> int:
+        """
+        @return: requests in flight to the replica C{replica_id}, 0 when
+            it is not (or no longer) in the list.
+        """
+        count = 0
+        for table in (self._replicas, self._retired):
+            replica = table.get(replica_id)
+            if replica is not None:
+                count += replica.outstanding
+        return count
 
     def eject(self, replica: Replica) -> None:
         """

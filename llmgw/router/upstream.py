@@ -32,6 +32,7 @@ from twisted.web.client import (
     Agent,
     BrowserLikePolicyForHTTPS,
     HTTPConnectionPool,
+    _HTTP11ClientFactory,
 )
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer
 from zope.interface import implementer
@@ -109,6 +110,20 @@ class BytesProducer:
         pass
 
 
+class _QuietFactory(_HTTP11ClientFactory):
+    # Twisted logs a start and a stop line per connection's factory
+    # otherwise: two lines per new engine connection and health probe.
+    noisy = False
+
+
+class QuietConnectionPool(HTTPConnectionPool):
+    """
+    An L{HTTPConnectionPool} that does not log each connection.
+    """
+
+    _factory = _QuietFactory
+
+
 def make_upstream_client(
     reactor: Any,
     connect_timeout: float,
@@ -131,7 +146,7 @@ def make_upstream_client(
         and is not safely retried.
     @return: the agent and its pool (close the pool on shutdown).
     """
-    pool = HTTPConnectionPool(reactor, persistent=True)
+    pool = QuietConnectionPool(reactor, persistent=True)  # type: ignore[no-untyped-call]
     pool.maxPersistentPerHost = max_idle_connections
     pool.cachedConnectionTimeout = idle_connection_timeout  # type: ignore[assignment]
     pool.retryAutomatically = False

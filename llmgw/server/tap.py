@@ -5,6 +5,7 @@ the server that touches the global reactor.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from typing import Any
@@ -29,13 +30,22 @@ from llmgw.config import (
     load_config,
     parse_endpoint_flag,
 )
-from llmgw.control.agents import AgentHub
+from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
 from llmgw.control.inventory import Inventory
+from llmgw.control.plane import ControlPlane
 from llmgw.router.app import LogUsageSink, Router, make_site
 from llmgw.router.balancer import Balancer, Endpoint
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.upstream import make_upstream_client
 from llmgw.server.admin import Admin
+from llmgw.server.local import (
+    LocalEngines,
+    default_catalog,
+    local_agent,
+    local_certificates,
+    local_listener_factory,
+    local_node_id,
+)
 from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
@@ -73,6 +83,22 @@ class Options(usage.Options):
             "Admin listener, a Twisted server endpoint string"
             " (default tcp:9090:interface=127.0.0.1).",
         ],
+        [
+            "state-dir",
+            None,
+            None,
+            "Folder for the server's state: with --local, its certificates and"
+            " its agent's engine records (default ~/.local/state/llmgw).",
+        ],
+    ]
+    optFlags = [
+        [
+            "local",
+            None,
+            "Run an agent for this machine inside the server, over loopback"
+            " with mutual TLS; without [[models]], serve the bundled Gemma 3"
+            " 270M on llama.cpp on the CPU, started on the first request.",
+        ]
     ]
 
     def __init__(self) -> None:
@@ -104,6 +130,13 @@ class Options(usage.Options):
             config = replace(config, admin_listen=self["admin-listen"])
         if self["agent-listen"] is not None:
             config = replace(config, agent_listen=self["agent-listen"])
+        if self["state-dir"] is not None:
+            config = replace(config, state_dir=self["state-dir"])
+        if self["local"]:
+            config = replace(config, local=True)
+            if self["listen"] is None and config.listen == ServerConfig().listen:
+                # A laptop's server is not for the network unless asked.
+                config = replace(config, listen="tcp:8080:interface=127.0.0.1")
         if self["endpoint"]:
             endpoints: list[EndpointConfig] = [
                 parse_endpoint_flag(spec) for spec in self["endpoint"]
@@ -172,16 +205,13 @@ class _PoolService(Service):
         return self._pool.closeCachedConnections()  # type: ignore[no-any-return]
 
 
-def _agent_factory(config: ServerConfig, inventory: Inventory) -> Any:
+def _agent_factory(config: ServerConfig, hub: AgentHub) -> Any:
     """
     The agent links' factory, inside TLS from C{[agent_tls]} unless agents
     are insecure.
 
     @raise ConfigError: a certificate file cannot be read.
     """
-    from twisted.internet import reactor
-
-    hub = AgentHub(reactor, inventory, insecure=config.agent_tls is None)
     if config.agent_tls is None:
         return hub
     tls = config.agent_tls
@@ -232,14 +262,48 @@ def makeService(options: Options) -> IService:
 
     config: ServerConfig = options.config
     settings = config.router
+    control = config.control
+    models = config.models
+    if config.local and not models:
+        try:
+            models = default_catalog()
+        except ConfigError as e:
+            sys.stderr.write(f"llmgw-server: config error: {e}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None
+    if config.local and not config.accepts_agents:
+        # The in-process agent is the only one: its Register, with the
+        # engines it adopted, comes before any node exists to place on.
+        control = replace(control, startup_grace=0.0)
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown)
-    balancer.set_endpoints(
-        Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints
-    )
+    static = [Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints]
+    balancer.set_endpoints(static)
     agent, pool = make_upstream_client(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
+    inventory = Inventory()
+    hub = AgentHub(
+        reactor,
+        inventory,
+        insecure=config.agent_tls is None,
+        # Several heartbeats within unreachable_after, so that a live node
+        # never looks silent.
+        heartbeat_interval=min(
+            HEARTBEAT_INTERVAL, max(1, int(control.unreachable_after / 3))
+        ),
+    )
+    plane = ControlPlane(
+        reactor,
+        inventory,
+        hub,
+        models,
+        control,
+        balancer.set_endpoints,
+        static=static,
+        outstanding=balancer.outstanding,
+    )
+    hub.listener = plane
     router = Router(
         reactor,
         balancer,
@@ -247,12 +311,13 @@ def makeService(options: Options) -> IService:
         settings,
         RouterMetrics(registry),
         LogUsageSink(),
+        activator=plane if models else None,
     )
     router_site = make_site(router.app.resource(), settings.max_body_size)
-    inventory = Inventory()
-    admin_site = Site(Admin(registry, inventory).app.resource())
+    admin_site = Site(Admin(registry, inventory, plane).app.resource())
     admin_site.log = lambda request: None  # type: ignore[method-assign]
-    agent_port = None
+    agent_port = local_port = None
+    local_services: list[Service] = []
     try:
         router_port = _listen(reactor, "listen", config.listen, router_site)
         admin_port = _listen(reactor, "admin_listen", config.admin_listen, admin_site)
@@ -261,8 +326,26 @@ def makeService(options: Options) -> IService:
                 reactor,
                 "agent_listen",
                 config.agent_listen,
-                _agent_factory(config, inventory),
+                _agent_factory(config, hub),
             )
+        if config.local:
+            state_dir = os.path.expanduser(config.state_dir)
+            node_id = local_node_id()
+            folder, agent_folder = local_certificates(state_dir, node_id)
+            local_port = _listen(
+                reactor,
+                "local agent listener",
+                "tcp:0:interface=127.0.0.1",
+                local_listener_factory(folder, hub),
+            )
+            uplink, agent_factory = local_agent(
+                reactor,
+                state_dir,
+                node_id,
+                getattr(local_port.getHost(), "port", 0),
+                agent_folder,
+            )
+            local_services = [LocalEngines(agent_factory), uplink]
     except ConfigError as e:
         sys.stderr.write(f"llmgw-server: {e}\n")
         sys.stderr.flush()
@@ -272,7 +355,15 @@ def makeService(options: Options) -> IService:
     # MultiService stops its children in reverse order: listeners first,
     # then the requests in flight drain, then the pool closes.
     _PoolService(pool).setServiceParent(top)  # type: ignore[no-untyped-call]
+    # Local engines stop after the requests in flight drained; the local
+    # uplink before them, so its agent does not report their ends as
+    # failures to the control plane.
+    for service in local_services:
+        service.setServiceParent(top)
+    if local_port is not None:
+        _ListeningService(local_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     _DrainService(router, settings.drain_timeout).setServiceParent(top)  # type: ignore[no-untyped-call]
+    plane.loop.setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     if agent_port is not None:
         _ListeningService(agent_port).setServiceParent(top)  # type: ignore[no-untyped-call]
@@ -288,7 +379,7 @@ def makeService(options: Options) -> IService:
                 "insecure_agents = true: agent links are plaintext and any"
                 " connection may claim to be any node; use [agent_tls]"
             )
-    else:
+    elif not config.local:
         log.info("no [agent_tls]: not listening for agents")
     _ListeningService(router_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     # The bound addresses, not the configured strings: with port 0 this is
@@ -302,8 +393,14 @@ def makeService(options: Options) -> IService:
         port=getattr(router_address, "port", ""),
         admin_host=getattr(admin_address, "host", admin_address),
         admin_port=getattr(admin_address, "port", ""),
-        models=", ".join(balancer.models()),
+        models=", ".join(router.models()),
     )
+    if config.local:
+        log.info(
+            "--local: agent {node} runs in this process; state in {state}",
+            node=local_node_id(),
+            state=config.state_dir,
+        )
     log.info(
         "no API keys in this version: the client API is open to whoever reaches it"
     )

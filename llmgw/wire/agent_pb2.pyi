@@ -140,20 +140,22 @@ class RunningShard(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail")
+    __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail", "pid")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     HAS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     state: ShardState
     exit_code: int
     has_exit_code: bool
     error: str
     output_tail: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ...) -> None: ...
+    pid: int
+    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("command_id", "ok", "error")

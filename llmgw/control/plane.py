@@ -1,0 +1,847 @@
+"""
+The control plane (DESIGN.md section 3): desired replicas per catalog
+model against what the agents run, kept in step by one reconciler loop.
+
+Each pass: node states from their agents' silence; replicas whose shards
+failed, whose nodes are lost or that never became ready are dropped (their
+other shards stopped) and their model backs off; each model gets placed
+what it lacks and drained what it has too many of; draining replicas are
+stopped once their requests in flight are done; the ready replicas are
+published to the router.
+
+Shard statuses and registrations arrive from the agent links between
+passes (L{ControlPlane.shard_status}, L{ControlPlane.node_registered}) and
+kick a pass.  Nothing here blocks: commands to agents are sent and their
+results handled when they come.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw.config import ControlConfig
+from llmgw.control.catalog import Model
+from llmgw.control.inventory import Inventory, Node
+from llmgw.control.loop import Loop
+from llmgw.control.placement import (
+    GpuView,
+    NodeView,
+    NoFit,
+    Plan,
+    Profile,
+    place,
+)
+from llmgw.router.balancer import Endpoint
+from llmgw.wire import agent_pb2 as pb
+
+_STATE_NAMES = {
+    pb.SHARD_STATE_PENDING: "pending",
+    pb.SHARD_STATE_STARTING: "starting",
+    pb.SHARD_STATE_READY: "ready",
+    pb.SHARD_STATE_DRAINING: "draining",
+    pb.SHARD_STATE_STOPPED: "stopped",
+    pb.SHARD_STATE_FAILED: "failed",
+}
+_GONE = ("stopped", "failed", "lost")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+STOP_GRACE = 30
+"""
+Seconds between SIGTERM and SIGKILL when the control plane stops a shard.
+"""
+
+
+class Commands(Protocol):
+    """
+    How the control plane reaches agents: L{llmgw.control.agents.AgentHub}.
+    """
+
+    def send(self, node_id: str, message: pb.ControlMessage) -> Deferred[Any]:
+        """
+        Send a command to a node's agent.
+
+        @return: fires when the agent answers ok; fails when it refuses, or
+            when the node has no link.
+        """
+
+
+@dataclass
+class ShardRecord:
+    """
+    One engine process of a replica, on one node.
+
+    @ivar state: C{pending} (command sent), C{starting}, C{ready},
+        C{draining}, C{stopped}, C{failed}, or C{lost} (its node was lost).
+    """
+
+    id: str
+    node: str
+    gpus: tuple[int, ...]
+    port: int
+    rank: int
+    state: str = "pending"
+    pid: int = 0
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "node": self.node,
+            "gpus": list(self.gpus),
+            "port": self.port,
+            "rank": self.rank,
+            "state": self.state,
+            "pid": self.pid,
+            "last_error": self.error or None,
+        }
+
+
+@dataclass
+class ReplicaRecord:
+    """
+    One serving copy of a model: one shard per node of its profile.
+
+    @ivar created: reactor seconds when placed (or adopted).
+    @ivar draining_since: reactor seconds when draining began, or L{None}.
+    """
+
+    id: str
+    model: str
+    profile: Profile
+    shards: list[ShardRecord]
+    created: float
+    draining_since: float | None = None
+    drain_reason: str = ""
+    adopted: bool = False
+    stop_sent: bool = False
+
+    @property
+    def state(self) -> str:
+        """
+        C{draining}, C{failed} (a shard failed or was lost), C{ready} (all
+        shards are), or C{starting}.
+        """
+        if self.draining_since is not None:
+            return "draining"
+        if any(s.state in _GONE for s in self.shards):
+            return "failed"
+        if len(self.shards) == self.profile.nodes and all(
+            s.state == "ready" for s in self.shards
+        ):
+            return "ready"
+        return "starting"
+
+    @property
+    def leader(self) -> ShardRecord | None:
+        for shard in self.shards:
+            if shard.rank == 0:
+                return shard
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "profile": self.profile.name,
+            "engine": self.profile.engine,
+            "state": self.state,
+            "adopted": self.adopted,
+            "shards": [s.to_json() for s in sorted(self.shards, key=lambda s: s.rank)],
+        }
+
+
+@dataclass
+class _ModelState:
+    """
+    What the control plane keeps per catalog model besides its replicas.
+
+    @ivar wanted: replicas asked for by traffic (scale from zero), above
+        C{min_replicas}.
+    @ivar last_used: reactor seconds of the last request.
+    """
+
+    model: Model
+    wanted: int = 0
+    last_used: float = 0.0
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str = ""
+    no_fit: NoFit | None = None
+    waiters: list[Deferred[None]] = field(default_factory=list)
+
+
+def _safe(text: str, limit: int = 40) -> str:
+    return _UNSAFE.sub("-", text).strip("-._")[:limit] or "model"
+
+
+class ControlPlane:
+    """
+    Keeps each catalog model's replicas running.
+
+    @param clock: the reactor's clock.
+    @param inventory: the nodes, as their agents describe them.
+    @param commands: sends commands to agents.
+    @param models: the catalog.
+    @param settings: the C{[control]} table.
+    @param publish: called with the router's new endpoint list when it
+        changes.
+    @param static: endpoints from the configuration, always published.
+    @param outstanding: requests in flight to a replica id, by the router's
+        count; a draining replica is stopped when it reaches 0.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        inventory: Inventory,
+        commands: Commands,
+        models: Sequence[Model],
+        settings: ControlConfig,
+        publish: Callable[[list[Endpoint]], None],
+        static: Sequence[Endpoint] = (),
+        outstanding: Callable[[str], int] = lambda replica_id: 0,
+    ) -> None:
+        self.clock = clock
+        self.inventory = inventory
+        self.commands = commands
+        self.settings = settings
+        self._publish = publish
+        self._static = tuple(static)
+        self._outstanding = outstanding
+        self._models: dict[str, _ModelState] = {m.name: _ModelState(m) for m in models}
+        self._names: dict[str, str] = {name: m.name for m in models for name in m.names}
+        self.replicas: dict[str, ReplicaRecord] = {}
+        self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
+        self._published: tuple[Endpoint, ...] | None = None
+        self._ports = range(settings.port_range[0], settings.port_range[1] + 1)
+        self.started = clock.seconds()
+        self.grace_over = settings.startup_grace <= 0
+        self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
+
+    # The router's side: names, activation, use.
+
+    def resolve(self, name: str) -> str | None:
+        """
+        @return: the catalog model C{name} names (itself or an alias), or
+            L{None}.
+        """
+        return self._names.get(name)
+
+    def names(self) -> list[str]:
+        """
+        @return: every catalog name and alias, sorted.
+        """
+        return sorted(self._names)
+
+    def activate(self, name: str) -> Deferred[None]:
+        """
+        A request for C{name} found no ready replica: ask for one.
+
+        @return: fires when a replica of the model is published; cancel it
+            to stop waiting.
+        @raise KeyError: C{name} is not in the catalog.
+        """
+        state = self._models[self._names[name]]
+        state.last_used = self.clock.seconds()
+        if state.wanted < 1:
+            state.wanted = 1
+            self.log.info(
+                "activating model {model}: a request is waiting", model=state.model.name
+            )
+        waiter: Deferred[None] = Deferred(
+            lambda d: state.waiters.remove(d) if d in state.waiters else None
+        )
+        state.waiters.append(waiter)
+        self.loop.kick()
+        return waiter
+
+    def touch(self, name: str) -> None:
+        """
+        A request for C{name} came: it is not idle.
+        """
+        model = self._names.get(name)
+        if model is not None:
+            self._models[model].last_used = self.clock.seconds()
+
+    # What the agents say.
+
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+        """
+        Record a shard's transition; unknown shards are ignored here (a
+        Register lists them all).
+        """
+        found = self._shards.get(status.shard_id)
+        if found is None or found[1].node != node_id:
+            return
+        replica, shard = found
+        state = _STATE_NAMES.get(status.state, shard.state)
+        if shard.state in _GONE:
+            return
+        shard.state = state
+        if status.pid:
+            shard.pid = status.pid
+        if state == "failed":
+            tail = " | ".join(status.output_tail[-3:])
+            shard.error = status.error + (f"; last output: {tail}" if tail else "")
+        self.loop.kick()
+
+    def node_registered(self, node_id: str, register: pb.Register) -> None:
+        """
+        Adoption: shards the catalog still claims become (or stay) replicas,
+        the others are stopped; shards recorded on this node that it no
+        longer lists are gone.
+        """
+        listed = {s.shard_id: s for s in register.shards}
+        for _, shard in list(self._shards.values()):
+            if shard.node == node_id and shard.id not in listed:
+                if shard.state not in _GONE:
+                    shard.state = "failed"
+                    shard.error = f"not running on {node_id} after its agent registered"
+        for running in register.shards:
+            found = self._shards.get(running.shard_id)
+            state = _STATE_NAMES.get(running.state, "starting")
+            if found is not None and found[1].node == node_id:
+                shard = found[1]
+                if shard.state not in _GONE and state not in _GONE:
+                    shard.state = state
+                    shard.pid = running.pid or shard.pid
+                continue
+            reason = self._claim(running)
+            if reason:
+                self.log.info(
+                    "stopping shard {shard} on {node}: {reason}",
+                    shard=running.shard_id,
+                    node=node_id,
+                    reason=reason,
+                )
+                self._stop_shard(node_id, running.shard_id)
+                continue
+            self._adopt(node_id, running, state)
+        for waiting in self._models.values():
+            # New capacity: models waiting for a place try again now.
+            if waiting.no_fit is not None:
+                waiting.retry_at = 0.0
+        self.loop.kick()
+
+    def _claim(self, running: pb.RunningShard) -> str:
+        """
+        @return: why the catalog does not claim C{running}, or C{""}.
+        """
+        state = self._models.get(running.model)
+        if state is None:
+            return f"model {running.model!r} is not in the catalog"
+        if not any(p.name == running.profile for p in state.model.profiles):
+            return f"model {running.model!r} has no profile {running.profile!r}"
+        if running.state in (pb.SHARD_STATE_DRAINING, pb.SHARD_STATE_STOPPED):
+            return "it is stopping"
+        replica = self.replicas.get(running.replica_id)
+        if replica is not None and replica.state in ("draining", "failed"):
+            return f"its replica {replica.id} is {replica.state}"
+        return ""
+
+    def _adopt(self, node_id: str, running: pb.RunningShard, state: str) -> None:
+        model = self._models[running.model].model
+        profile = next(p for p in model.profiles if p.name == running.profile)
+        replica = self.replicas.get(running.replica_id)
+        if replica is None:
+            replica = ReplicaRecord(
+                id=running.replica_id,
+                model=model.name,
+                profile=profile,
+                shards=[],
+                created=self.clock.seconds(),
+                adopted=True,
+            )
+            self.replicas[replica.id] = replica
+        shard = ShardRecord(
+            id=running.shard_id,
+            node=node_id,
+            gpus=tuple(running.gpu_indices),
+            port=running.port,
+            rank=running.rank,
+            state=state,
+            pid=running.pid,
+        )
+        replica.shards.append(shard)
+        self._shards[shard.id] = (replica, shard)
+        self.log.info(
+            "adopted shard {shard} of model {model} on {node} (engine pid {pid})",
+            shard=shard.id,
+            model=model.name,
+            node=node_id,
+            pid=running.pid,
+        )
+
+    # Operator actions.
+
+    def drain_node(self, node_id: str) -> list[str]:
+        """
+        No new placements on C{node_id}; its replicas drain and are placed
+        elsewhere.
+
+        @return: the ids of the replicas now draining.
+        @raise KeyError: no such node.
+        """
+        node = self.inventory.get(node_id)
+        if node is None:
+            raise KeyError(node_id)
+        node.draining = True
+        drained = []
+        for replica in list(self.replicas.values()):
+            if any(s.node == node_id for s in replica.shards):
+                if self._drain(replica, f"node {node_id} is draining"):
+                    drained.append(replica.id)
+        self.loop.kick()
+        return drained
+
+    def drain_replica(self, replica_id: str) -> bool:
+        """
+        Drain one replica (a new one is placed if the model needs it).
+
+        @return: whether it started draining (not already draining).
+        @raise KeyError: no such replica.
+        """
+        replica = self.replicas[replica_id]
+        started = self._drain(replica, "an operator asked")
+        self.loop.kick()
+        return started
+
+    def _drain(self, replica: ReplicaRecord, why: str) -> bool:
+        if replica.draining_since is not None:
+            return False
+        replica.draining_since = self.clock.seconds()
+        replica.drain_reason = why
+        self.log.info(
+            "draining replica {replica} of {model}: {why}",
+            replica=replica.id,
+            model=replica.model,
+            why=why,
+        )
+        # No new requests from now on.
+        self._publish_ready()
+        return True
+
+    # The pass.
+
+    def reconcile(self) -> None:
+        """
+        One pass; see the module's docstring.
+        """
+        now = self.clock.seconds()
+        if not self.grace_over and now - self.started >= self.settings.startup_grace:
+            self.grace_over = True
+        self._update_nodes(now)
+        for replica in list(self.replicas.values()):
+            self._check(replica, now)
+        snapshot: _Snapshot | None = None
+        for state in self._models.values():
+            snapshot = self._scale(state, now, snapshot)
+        for replica in list(self.replicas.values()):
+            if replica.model not in self._models and replica.draining_since is None:
+                self._drain(replica, "its model left the catalog")
+            if replica.draining_since is not None:
+                self._finish_drain(replica, now)
+        self._publish_ready()
+
+    def _update_nodes(self, now: float) -> None:
+        settings = self.settings
+        for node in self.inventory.nodes():
+            silent = now - max(node.heard, self.started)
+            if silent >= settings.lost_after:
+                state = "lost"
+            elif silent >= settings.unreachable_after:
+                state = "unreachable"
+            else:
+                state = "ready"
+            if state != node.state:
+                log = self.log.warn if state != "ready" else self.log.info
+                log(
+                    "node {node} is {state} (silent {seconds:.0f}s)",
+                    node=node.id,
+                    state=state,
+                    seconds=silent,
+                )
+                node.state = state
+
+    def _check(self, replica: ReplicaRecord, now: float) -> None:
+        settings = self.settings
+        for shard in replica.shards:
+            node = self.inventory.get(shard.node)
+            if shard.state not in _GONE and (node is None or node.state == "lost"):
+                shard.state = "lost"
+                shard.error = f"node {shard.node} is lost"
+        state = replica.state
+        if replica.draining_since is not None:
+            if all(s.state in _GONE for s in replica.shards):
+                self._forget(replica)
+            return
+        error = ""
+        if state == "failed":
+            bad = next(s for s in replica.shards if s.state in _GONE)
+            error = f"shard {bad.id} on {bad.node}: {bad.state}: {bad.error}"
+        elif state == "starting" and now - replica.created > settings.start_timeout:
+            error = f"not ready after {settings.start_timeout:g}s"
+        elif state == "ready":
+            model = self._models.get(replica.model)
+            if model is not None and model.failures:
+                model.failures = 0
+            return
+        if not error:
+            return
+        self.log.warn(
+            "replica {replica} of {model} failed: {error}",
+            replica=replica.id,
+            model=replica.model,
+            error=error,
+        )
+        model = self._models.get(replica.model)
+        if model is not None:
+            model.failures += 1
+            backoff = min(
+                settings.max_backoff,
+                settings.base_backoff * 2 ** (model.failures - 1),
+            )
+            model.retry_at = now + backoff
+            model.last_error = f"replica {replica.id}: {error}"
+        for shard in replica.shards:
+            if shard.state not in _GONE:
+                self._stop_shard(shard.node, shard.id)
+        self._forget(replica)
+
+    def _forget(self, replica: ReplicaRecord) -> None:
+        self.replicas.pop(replica.id, None)
+        for shard in replica.shards:
+            if self._shards.get(shard.id, (None, None))[1] is shard:
+                del self._shards[shard.id]
+
+    def desired(self, state: _ModelState, now: float) -> int:
+        """
+        @return: the replicas C{state}'s model should have now; idle
+            models fall back to C{min_replicas}.
+        """
+        model = state.model
+        if state.wanted > model.min_replicas and not state.waiters:
+            idle = (
+                model.idle_timeout > 0 and now - state.last_used >= model.idle_timeout
+            )
+            busy = any(
+                self._outstanding(r.id)
+                for r in self.replicas.values()
+                if r.model == model.name
+            )
+            if idle and not busy:
+                self.log.info(
+                    "model {model} idle for {seconds:g}s: scaling down to {count}",
+                    model=model.name,
+                    seconds=model.idle_timeout,
+                    count=model.min_replicas,
+                )
+                state.wanted = 0
+        return min(max(model.min_replicas, state.wanted), model.max_replicas)
+
+    def _scale(
+        self, state: _ModelState, now: float, snapshot: _Snapshot | None
+    ) -> _Snapshot | None:
+        want = self.desired(state, now)
+        live = [
+            r
+            for r in self.replicas.values()
+            if r.model == state.model.name and r.draining_since is None
+        ]
+        if not self.grace_over:
+            return snapshot
+        if len(live) > want:
+            # Surplus: those not ready go first, then the newest.
+            order = sorted(live, key=lambda r: (r.state == "ready", r.created))
+            for replica in order[: len(live) - want]:
+                self._drain(replica, f"{len(live)} replicas, {want} wanted")
+            return snapshot
+        if len(live) == want:
+            state.no_fit = None
+            return snapshot
+        if now < state.retry_at:
+            return snapshot
+        if snapshot is None:
+            snapshot = _Snapshot(self.inventory.nodes(), self.replicas.values())
+        for _ in range(want - len(live)):
+            result = place(state.model.profiles, snapshot.views(), self._ports)
+            if isinstance(result, NoFit):
+                if state.no_fit != result:
+                    self.log.warn(
+                        "model {model}: no place for a replica: {why}",
+                        model=state.model.name,
+                        why="; ".join(result.lines()),
+                    )
+                state.no_fit = result
+                state.retry_at = now + self.settings.base_backoff
+                break
+            state.no_fit = None
+            self._start(state.model, result, now)
+            snapshot.take(result)
+        return snapshot
+
+    def _start(self, model: Model, plan: Plan, now: float) -> None:
+        replica_id = f"{_safe(model.name)}-{secrets.token_hex(4)}"
+        profile = plan.profile
+        replica = ReplicaRecord(replica_id, model.name, profile, [], now)
+        self.replicas[replica_id] = replica
+        leader = plan.shards[0]
+        leader_node = self.inventory.get(leader.node)
+        leader_address = (
+            f"{leader_node.address}:{leader.port}" if leader_node is not None else ""
+        )
+        for shard_plan in plan.shards:
+            shard = ShardRecord(
+                id=f"{replica_id}-{shard_plan.rank}",
+                node=shard_plan.node,
+                gpus=shard_plan.gpus,
+                port=shard_plan.port,
+                rank=shard_plan.rank,
+            )
+            replica.shards.append(shard)
+            self._shards[shard.id] = (replica, shard)
+            command = pb.StartShard(
+                shard_id=shard.id,
+                replica_id=replica_id,
+                model=model.name,
+                profile=profile.name,
+                engine=profile.engine,
+                source=profile.source,
+                args=profile.args,
+                env=dict(profile.env),
+                port=shard.port,
+                gpu_indices=shard.gpus,
+                rank=shard.rank,
+                world_size=len(plan.shards),
+                leader_address=leader_address,
+            )
+            d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
+            d.addErrback(self._start_refused, shard)
+        self.log.info(
+            "placed replica {replica} of {model} with profile {profile} on {where}",
+            replica=replica_id,
+            model=model.name,
+            profile=profile.name,
+            where=", ".join(
+                f"{s.node} GPUs {list(s.gpus)} port {s.port}" for s in plan.shards
+            ),
+        )
+
+    def _start_refused(self, reason: Failure, shard: ShardRecord) -> None:
+        if shard.state in _GONE:
+            return
+        shard.state = "failed"
+        result = getattr(reason.value, "result", None)
+        shard.error = (
+            result.error
+            if result is not None
+            else f"the start command was not answered: {reason.getErrorMessage()}"
+        )
+        self.loop.kick()
+
+    def _stop_shard(self, node_id: str, shard_id: str) -> None:
+        d = self.commands.send(
+            node_id,
+            pb.ControlMessage(
+                stop_shard=pb.StopShard(shard_id=shard_id, grace_seconds=STOP_GRACE)
+            ),
+        )
+
+        def failed(reason: Failure) -> None:
+            # A lost node's shards cannot be told; it stops them when its
+            # agent registers again and finds them unclaimed.
+            if not reason.check(CancelledError):
+                self.log.info(
+                    "stop of shard {shard} on {node} not done: {why}",
+                    shard=shard_id,
+                    node=node_id,
+                    why=reason.getErrorMessage(),
+                )
+
+        d.addErrback(failed)
+
+    def _finish_drain(self, replica: ReplicaRecord, now: float) -> None:
+        assert replica.draining_since is not None
+        if replica.stop_sent:
+            return
+        in_flight = self._outstanding(replica.id)
+        late = now - replica.draining_since >= self.settings.drain_timeout
+        if in_flight and not late:
+            return
+        if in_flight:
+            self.log.warn(
+                "replica {replica}: {count} requests still in flight after"
+                " {seconds:g}s of draining; stopping it",
+                replica=replica.id,
+                count=in_flight,
+                seconds=self.settings.drain_timeout,
+            )
+        replica.stop_sent = True
+        for shard in replica.shards:
+            if shard.state not in _GONE:
+                shard.state = "draining"
+                self._stop_shard(shard.node, shard.id)
+
+    def _publish_ready(self) -> None:
+        endpoints = list(self._static)
+        ready_models: set[str] = set()
+        for replica in self.replicas.values():
+            if replica.state != "ready":
+                continue
+            leader = replica.leader
+            node = self.inventory.get(leader.node) if leader is not None else None
+            state = self._models.get(replica.model)
+            if leader is None or node is None or state is None:
+                continue
+            endpoints.append(
+                Endpoint(
+                    replica.id,
+                    f"http://{_host(node.address)}:{leader.port}",
+                    state.model.names,
+                )
+            )
+            ready_models.add(replica.model)
+        published = tuple(endpoints)
+        if published != self._published:
+            self._published = published
+            self._publish(endpoints)
+        for name in ready_models:
+            state = self._models[name]
+            waiters, state.waiters = state.waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+
+    # Reads for the admin API.
+
+    def models_json(self) -> list[dict[str, Any]]:
+        """
+        @return: each catalog model with its desired and ready counts.
+        """
+        now = self.clock.seconds()
+        out = []
+        for state in self._models.values():
+            model = state.model
+            replicas = [r for r in self.replicas.values() if r.model == model.name]
+            out.append(
+                {
+                    "name": model.name,
+                    "aliases": list(model.aliases),
+                    "min_replicas": model.min_replicas,
+                    "max_replicas": model.max_replicas,
+                    "idle_timeout": model.idle_timeout,
+                    "desired": self.desired(state, now),
+                    "ready": sum(1 for r in replicas if r.state == "ready"),
+                    "replicas": len(replicas),
+                    "waiting_requests": len(state.waiters),
+                    "failures_in_a_row": state.failures,
+                    "retry_in": max(0.0, round(state.retry_at - now, 1)),
+                    "last_error": state.last_error or None,
+                    "profiles": [p.name for p in model.profiles],
+                }
+            )
+        return out
+
+    def explain(self, name: str) -> dict[str, Any]:
+        """
+        @return: where a replica of the model would go now, or why it
+            cannot go anywhere: one line per profile and node.
+        @raise KeyError: not a catalog name.
+        """
+        model = self._models[self._names[name]].model
+        snapshot = _Snapshot(self.inventory.nodes(), self.replicas.values())
+        result = place(model.profiles, snapshot.views(), self._ports)
+        if isinstance(result, NoFit):
+            return {"model": model.name, "fits": False, "reasons": result.lines()}
+        return {
+            "model": model.name,
+            "fits": True,
+            "profile": result.profile.name,
+            "shards": [
+                {"node": s.node, "gpus": list(s.gpus), "port": s.port, "rank": s.rank}
+                for s in result.shards
+            ],
+            "reasons": [],
+        }
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+class _Snapshot:
+    """
+    The inventory as placement sees it during one pass: GPUs and ports
+    taken by live shards count as allocated, and each placement made in
+    the pass is taken at once so the next one does not reuse it.
+    """
+
+    def __init__(
+        self, nodes: Iterable[Node], replicas: Iterable[ReplicaRecord]
+    ) -> None:
+        taken: dict[str, set[int]] = {}
+        ports: dict[str, set[int]] = {}
+        for replica in replicas:
+            for shard in replica.shards:
+                if shard.state in _GONE:
+                    continue
+                taken.setdefault(shard.node, set()).update(shard.gpus)
+                ports.setdefault(shard.node, set()).add(shard.port)
+        self._views: dict[str, NodeView] = {}
+        for node in nodes:
+            state = node.state
+            if state == "ready" and not node.connected:
+                state = "disconnected"
+            if state == "ready" and node.draining:
+                state = "draining"
+            used = taken.get(node.id, set())
+            self._views[node.id] = NodeView(
+                id=node.id,
+                state=state,
+                fabrics=frozenset(node.fabrics),
+                gpus=tuple(
+                    GpuView(
+                        index=g.index,
+                        name=g.name,
+                        memory_total_mib=g.memory_total_mib,
+                        memory_used_mib=g.memory_used_mib,
+                        problems=tuple(g.problems),
+                        allocated=g.index in used,
+                    )
+                    for g in node.gpus
+                ),
+                ports_in_use=frozenset(ports.get(node.id, ())),
+            )
+
+    def views(self) -> list[NodeView]:
+        return list(self._views.values())
+
+    def take(self, plan: Plan) -> None:
+        for shard in plan.shards:
+            view = self._views[shard.node]
+            self._views[shard.node] = NodeView(
+                id=view.id,
+                state=view.state,
+                fabrics=view.fabrics,
+                gpus=tuple(
+                    GpuView(
+                        index=g.index,
+                        name=g.name,
+                        memory_total_mib=g.memory_total_mib,
+                        memory_used_mib=g.memory_used_mib,
+                        problems=g.problems,
+                        allocated=g.allocated or g.index in shard.gpus,
+                    )
+                    for g in view.gpus
+                ),
+                ports_in_use=view.ports_in_use | {shard.port},
+            )

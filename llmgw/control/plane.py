@@ -53,6 +53,11 @@ _STATE_NAMES = {
 }
 _GONE = ("stopped", "failed", "lost")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+SUSPECT_PORT_SECONDS = 600.0
+"""
+How long a port where a shard could not start is left out of placement on
+its node.
+"""
 STOP_GRACE = 30
 """
 Seconds between SIGTERM and SIGKILL when the control plane stops a shard.
@@ -223,6 +228,7 @@ class ControlPlane:
         self.replicas: dict[str, ReplicaRecord] = {}
         self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
         self._published: tuple[Endpoint, ...] | None = None
+        self._suspect: dict[tuple[str, int], float] = {}
         self._ports = range(settings.port_range[0], settings.port_range[1] + 1)
         self.started = clock.seconds()
         self.grace_over = settings.startup_grace <= 0
@@ -486,6 +492,7 @@ class ControlPlane:
                 self._forget(replica)
             return
         error = ""
+        bad: ShardRecord | None = None
         if state == "failed":
             bad = next(s for s in replica.shards if s.state in _GONE)
             error = f"shard {bad.id} on {bad.node}: {bad.state}: {bad.error}"
@@ -505,7 +512,10 @@ class ControlPlane:
             error=error,
         )
         model = self._models.get(replica.model)
-        if model is not None:
+        if model is not None and bad is not None and bad.state == "lost":
+            # The node's fault, not the model's: replaced at once.
+            model.last_error = f"replica {replica.id}: {error}"
+        elif model is not None:
             model.failures += 1
             backoff = min(
                 settings.max_backoff,
@@ -572,9 +582,14 @@ class ControlPlane:
         if now < state.retry_at:
             return snapshot
         if snapshot is None:
-            snapshot = _Snapshot(self.inventory.nodes(), self.replicas.values())
+            snapshot = _Snapshot(
+                self.inventory.nodes(), self.replicas.values(), self._suspect_ports(now)
+            )
+        spread = {s.node for r in live for s in r.shards}
         for _ in range(want - len(live)):
-            result = place(state.model.profiles, snapshot.views(), self._ports)
+            result = place(
+                state.model.profiles, snapshot.views(), self._ports, frozenset(spread)
+            )
             if isinstance(result, NoFit):
                 if state.no_fit != result:
                     self.log.warn(
@@ -588,6 +603,7 @@ class ControlPlane:
             state.no_fit = None
             self._start(state.model, result, now)
             snapshot.take(result)
+            spread.update(s.node for s in result.shards)
         return snapshot
 
     def _start(self, model: Model, plan: Plan, now: float) -> None:
@@ -637,9 +653,25 @@ class ControlPlane:
             ),
         )
 
+    def _suspect_ports(self, now: float) -> dict[str, set[int]]:
+        """
+        @return: per node, the ports where a shard failed to start lately;
+            placement leaves them alone for L{SUSPECT_PORT_SECONDS}.
+        """
+        ports: dict[str, set[int]] = {}
+        for (node, port), since in list(self._suspect.items()):
+            if now - since >= SUSPECT_PORT_SECONDS:
+                del self._suspect[node, port]
+            else:
+                ports.setdefault(node, set()).add(port)
+        return ports
+
     def _start_refused(self, reason: Failure, shard: ShardRecord) -> None:
         if shard.state in _GONE:
             return
+        # Something else may hold the port on that node (the agent checks
+        # it before launching): the next try gets another.
+        self._suspect[shard.node, shard.port] = self.clock.seconds()
         shard.state = "failed"
         result = getattr(reason.value, "result", None)
         shard.error = (
@@ -758,7 +790,11 @@ class ControlPlane:
         @raise KeyError: not a catalog name.
         """
         model = self._models[self._names[name]].model
-        snapshot = _Snapshot(self.inventory.nodes(), self.replicas.values())
+        snapshot = _Snapshot(
+            self.inventory.nodes(),
+            self.replicas.values(),
+            self._suspect_ports(self.clock.seconds()),
+        )
         result = place(model.profiles, snapshot.views(), self._ports)
         if isinstance(result, NoFit):
             return {"model": model.name, "fits": False, "reasons": result.lines()}
@@ -786,10 +822,13 @@ class _Snapshot:
     """
 
     def __init__(
-        self, nodes: Iterable[Node], replicas: Iterable[ReplicaRecord]
+        self,
+        nodes: Iterable[Node],
+        replicas: Iterable[ReplicaRecord],
+        suspect_ports: dict[str, set[int]],
     ) -> None:
         taken: dict[str, set[int]] = {}
-        ports: dict[str, set[int]] = {}
+        ports: dict[str, set[int]] = {k: set(v) for k, v in suspect_ports.items()}
         for replica in replicas:
             for shard in replica.shards:
                 if shard.state in _GONE:

@@ -473,6 +473,15 @@ class _Exchange:
                 # ASCII escapes: any string JSON can hold encodes, lone
                 # surrogates included.
                 self.body = json.dumps(payload).encode("ascii")
+        activator = self.router.activator
+        canonical = activator.resolve(model) if activator is not None else None
+        if canonical is not None and canonical != model:
+            # An alias: engines serve the catalog name.
+            self.model = payload["model"] = canonical
+            if self.strip_usage:
+                options = payload.get("stream_options") or {}
+                payload["stream_options"] = {**options, "include_usage": True}
+            self.body = json.dumps(payload).encode("ascii")
 
     async def run(self) -> bytes | None:
         """

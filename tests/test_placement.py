@@ -5,9 +5,21 @@ expected plan or explanation.
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.control.placement import GpuView, NodeView, NoFit, Plan, Profile, place
+from llmgw.control.placement import (
+    Fleet,
+    GpuView,
+    NodeView,
+    NoFit,
+    Plan,
+    Profile,
+    _place_one_node,
+    _scan,
+    place,
+)
 
 PORTS = range(8000, 8010)
 H100 = 81559  # MiB, as NVML reports an 80 GB H100
@@ -185,3 +197,100 @@ class PlacementTests(SynchronousTestCase):
             ],
         )
         self.check([ONE], [], ["profile one: no nodes"])
+
+    def test_spread(self) -> None:
+        """
+        Nodes already running the model are used only when no other fits,
+        even when they are the tighter fit.
+        """
+        nodes = [node("a", *busy(2, 1)), node("b", *gpus(4))]
+        result = place([ONE], nodes, PORTS, spread=frozenset({"a"}))
+        assert isinstance(result, Plan)
+        self.assertEqual(result.shards[0].node, "b")
+        result = place([ONE], nodes, PORTS, spread=frozenset({"a", "b"}))
+        assert isinstance(result, Plan)
+        self.assertEqual(result.shards[0].node, "a")
+        result = place([ONE], nodes, PORTS)
+        assert isinstance(result, Plan)
+        self.assertEqual(result.shards[0].node, "a")
+
+
+_gpu = st.builds(
+    lambda total, used, problem, allocated: (total, used, problem, allocated),
+    st.sampled_from([L4, H100, 144384]),
+    st.integers(0, 30000),
+    st.booleans(),
+    st.booleans(),
+)
+_node = st.tuples(
+    st.sampled_from(["ready", "ready", "ready", "unreachable"]),
+    st.lists(_gpu, max_size=8),
+    st.booleans(),
+)
+
+
+class FleetIndexTests(SynchronousTestCase):
+    @given(
+        st.lists(_node, max_size=12),
+        st.integers(0, 4),
+        st.sampled_from([0, 10, 40, 100]),
+        st.sets(st.integers(0, 11)),
+    )
+    @settings(max_examples=300, deadline=None)
+    def test_index_agrees_with_scan(
+        self,
+        specs: list[tuple[str, list[tuple[int, int, bool, bool]], bool]],
+        count: int,
+        memory: int,
+        spread_at: set[int],
+    ) -> None:
+        """
+        The indexed path for one node finds a place exactly when looking at
+        every node does, and picks a node with the fewest free GPUs left
+        among those that fit, outside C{spread} when any is.
+        """
+        nodes = [
+            NodeView(
+                id=f"n{i:02d}",
+                state=state,
+                gpus=tuple(
+                    GpuView(
+                        index=g,
+                        name="gpu",
+                        memory_total_mib=total,
+                        memory_used_mib=min(used, total),
+                        problems=("xid 79",) if problem else (),
+                        allocated=allocated,
+                    )
+                    for g, (total, used, problem, allocated) in enumerate(devices)
+                ),
+                ports_in_use=frozenset(PORTS) if full else frozenset(),
+            )
+            for i, (state, devices, full) in enumerate(specs)
+        ]
+        spread = frozenset(f"n{i:02d}" for i in spread_at)
+        profile = Profile(
+            "p",
+            "vllm",
+            "m",
+            gpus=count,
+            gpu_memory_gb=memory if count else 0,
+        )
+        fleet = Fleet(nodes)
+        fast = _place_one_node(profile, fleet, PORTS, spread)
+        scanned, _ = _scan(profile, fleet, PORTS, spread)
+        self.assertEqual(fast is None, scanned is None)
+        if fast is None:
+            return
+
+        def free(view: NodeView) -> int:
+            return sum(1 for g in view.gpus if not g.allocated and not g.problems)
+
+        fitting = [
+            n for n in nodes if _scan(profile, Fleet([n]), PORTS, frozenset())[0]
+        ]
+        outside = [n for n in fitting if n.id not in spread]
+        pool = outside or fitting
+        chosen = next(n for n in nodes if n.id == fast.shards[0].node)
+        self.assertIn(chosen, pool)
+        self.assertEqual(free(chosen), min(free(n) for n in pool))

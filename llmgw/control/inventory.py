@@ -5,6 +5,7 @@ The inventory: what agents report of their nodes (DESIGN.md section 3).
 from __future__ import annotations
 
 import datetime
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,8 @@ class Node:
     shards: list[dict[str, Any]] = field(default_factory=list)
     heard: float = 0.0
     draining: bool = False
+    # Changes whenever what placement reads of the node changes.
+    version: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """
@@ -102,6 +105,7 @@ class Inventory:
 
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
+        self._versions = itertools.count(1)
 
     def register(self, message: pb.Register, now: float, heard: float = 0.0) -> Node:
         """
@@ -135,6 +139,7 @@ class Inventory:
             last_seen=now,
             heard=heard,
             draining=old.draining if old is not None else False,
+            version=next(self._versions),
             shards=[
                 {
                     "id": shard.shard_id,
@@ -164,7 +169,9 @@ class Inventory:
             gpu = by_index.get(usage.index)
             if gpu is None:
                 continue
-            gpu.memory_used_mib = usage.memory_used_mib
+            if gpu.memory_used_mib != usage.memory_used_mib:
+                gpu.memory_used_mib = usage.memory_used_mib
+                node.version = next(self._versions)
             # Bounded: an agent's report must not grow the server's memory
             # or its time per heartbeat without limit.
             known = set(gpu.problems)
@@ -175,6 +182,7 @@ class Inventory:
                 if problem not in known:
                     known.add(problem)
                     gpu.problems.append(problem)
+                    node.version = next(self._versions)
 
     def heard(self, node_id: str, heard: float) -> None:
         """

@@ -8,14 +8,16 @@ profile asks for C{gpus} GPUs on each of C{nodes} nodes (C{gpus = 0} runs
 on the CPU), each GPU with C{gpu_memory_gb} free, none reporting problems
 and none allocated to another shard.  Among the nodes that fit, the best
 fit wins, the one left with the fewest free GPUs, so large free blocks
-stay whole for the profiles that need them.  A profile of several nodes is
+stay whole for the profiles that need them (free: not allocated and
+without problems).  A profile of several nodes is
 a gang on nodes sharing its C{fabric}.  When nothing fits, every node's
 reason is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 
@@ -181,9 +183,101 @@ def _node_fit(
     return usable, port, ""
 
 
+class Fleet:
+    """
+    An inventory snapshot indexed for placement: ready nodes by how many
+    free GPUs they have, so that best fit for one node looks at the
+    tightest nodes first instead of every node.
+
+    @param nodes: the snapshot.
+    """
+
+    def __init__(self, nodes: Iterable[NodeView]) -> None:
+        self._nodes: dict[str, NodeView] = {}
+        self._free: dict[str, int] = {}
+        self._buckets: dict[int, list[str]] = {}
+        for node in nodes:
+            self._add(node)
+
+    def _add(self, node: NodeView) -> None:
+        self._nodes[node.id] = node
+        if node.state == "ready":
+            free = sum(1 for g in node.gpus if not g.allocated and not g.problems)
+            self._free[node.id] = free
+            insort(self._buckets.setdefault(free, []), node.id)
+
+    def replace(self, node: NodeView) -> None:
+        """
+        Put C{node} in place of the view of the same id.
+        """
+        free = self._free.pop(node.id, None)
+        if free is not None:
+            bucket = self._buckets[free]
+            del bucket[bisect_left(bucket, node.id)]
+        self._add(node)
+
+    def get(self, node_id: str) -> NodeView:
+        """
+        @raise KeyError: no such node.
+        """
+        return self._nodes[node_id]
+
+    def nodes(self) -> list[NodeView]:
+        """
+        @return: every node, by id.
+        """
+        return [self._nodes[k] for k in sorted(self._nodes)]
+
+    def tightest(self, gpus: int) -> Iterator[NodeView]:
+        """
+        @return: ready nodes with at least C{gpus} free GPUs, those with
+            the fewest first, then by id.
+        """
+        for free in sorted(k for k in self._buckets if k >= gpus):
+            for node_id in self._buckets[free]:
+                yield self._nodes[node_id]
+
+
+def _plan(profile: Profile, chosen: Sequence[tuple[str, list[GpuView], int]]) -> Plan:
+    return Plan(
+        profile,
+        tuple(
+            ShardPlan(
+                node=node_id,
+                gpus=tuple(sorted(g.index for g in usable[: profile.gpus])),
+                port=port,
+                rank=rank,
+            )
+            for rank, (node_id, usable, port) in enumerate(chosen)
+        ),
+    )
+
+
+def _place_one_node(
+    profile: Profile, fleet: Fleet, ports: range, spread: frozenset[str]
+) -> Plan | None:
+    """
+    Best fit for a single-node profile, from the tightest nodes up; a node
+    in C{spread} only when no other fits.
+    """
+    fallback: tuple[str, list[GpuView], int] | None = None
+    for node in fleet.tightest(profile.gpus):
+        usable, port, reason = _node_fit(node, profile, ports)
+        if reason:
+            continue
+        if node.id in spread:
+            if fallback is None:
+                fallback = (node.id, usable, port)
+            continue
+        return _plan(profile, [(node.id, usable, port)])
+    if fallback is not None:
+        return _plan(profile, [fallback])
+    return None
+
+
 def place(
     profiles: Sequence[Profile],
-    nodes: Sequence[NodeView],
+    nodes: Sequence[NodeView] | Fleet,
     ports: range,
     spread: frozenset[str] = frozenset(),
 ) -> Plan | NoFit:
@@ -191,7 +285,8 @@ def place(
     Place one replica.
 
     @param profiles: the model's profiles, in catalog order.
-    @param nodes: the inventory snapshot.
+    @param nodes: the inventory snapshot, or a L{Fleet} of it (faster when
+        placing several replicas on one snapshot).
     @param ports: the port range engines may listen on (C{[control]
         port_range}).
     @param spread: nodes that already run a replica of the model: used
@@ -200,37 +295,48 @@ def place(
     @return: a L{Plan} for the first profile, by priority, that fits, or
         a L{NoFit} explaining, per profile and node, why none does.
     """
-    ordered = sorted(enumerate(profiles), key=lambda item: (-item[1].priority, item[0]))
-    reasons: list[tuple[str, tuple[str, ...]]] = []
-    for _, profile in ordered:
-        fits: list[tuple[int, str, list[GpuView], int]] = []
-        why: list[str] = []
-        for node in sorted(nodes, key=lambda n: n.id):
-            usable, port, reason = _node_fit(node, profile, ports)
-            if reason:
-                why.append(reason)
-            else:
-                # Best fit: the node left with the fewest free GPUs.
-                fits.append((len(usable) - profile.gpus, node.id, usable, port))
-        fits.sort(key=lambda f: (f[1] in spread, f[0], f[1]))
-        if len(fits) >= profile.nodes:
-            chosen = fits[: profile.nodes]
-            return Plan(
-                profile,
-                tuple(
-                    ShardPlan(
-                        node=node_id,
-                        gpus=tuple(sorted(g.index for g in usable[: profile.gpus])),
-                        port=port,
-                        rank=rank,
-                    )
-                    for rank, (_, node_id, usable, port) in enumerate(chosen)
-                ),
-            )
-        if profile.nodes > 1 and fits:
-            why.append(
-                f"only {len(fits)} of {profile.nodes} nodes fit"
-                + (f" on fabric {profile.fabric}" if profile.fabric else "")
-            )
-        reasons.append((profile.name, tuple(why)))
-    return NoFit(tuple(reasons))
+    fleet = nodes if isinstance(nodes, Fleet) else Fleet(nodes)
+    ordered = [
+        p
+        for _, p in sorted(
+            enumerate(profiles), key=lambda item: (-item[1].priority, item[0])
+        )
+    ]
+    for profile in ordered:
+        if profile.nodes == 1:
+            plan = _place_one_node(profile, fleet, ports, spread)
+        else:
+            plan, _ = _scan(profile, fleet, ports, spread)
+        if plan is not None:
+            return plan
+    # Nothing fits: only now is every node looked at for every profile.
+    return NoFit(tuple((p.name, _scan(p, fleet, ports, spread)[1]) for p in ordered))
+
+
+def _scan(
+    profile: Profile, fleet: Fleet, ports: range, spread: frozenset[str]
+) -> tuple[Plan | None, tuple[str, ...]]:
+    """
+    Look at every node: for a gang, or to explain why nothing fits.
+
+    @return: a plan if C{profile} fits, else why not, per node.
+    """
+    fits: list[tuple[int, str, list[GpuView], int]] = []
+    why: list[str] = []
+    for node in fleet.nodes():
+        usable, port, reason = _node_fit(node, profile, ports)
+        if reason:
+            why.append(reason)
+        else:
+            # Best fit: the node left with the fewest free GPUs.
+            fits.append((len(usable) - profile.gpus, node.id, usable, port))
+    fits.sort(key=lambda f: (f[1] in spread, f[0], f[1]))
+    if len(fits) >= profile.nodes:
+        chosen = [(node_id, usable, port) for _, node_id, usable, port in fits]
+        return _plan(profile, chosen[: profile.nodes]), ()
+    if profile.nodes > 1 and fits:
+        why.append(
+            f"only {len(fits)} of {profile.nodes} nodes fit"
+            + (f" on fabric {profile.fabric}" if profile.fabric else "")
+        )
+    return None, tuple(why)

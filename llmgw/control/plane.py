@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -33,6 +33,7 @@ from llmgw.control.catalog import Model
 from llmgw.control.inventory import Inventory, Node
 from llmgw.control.loop import Loop
 from llmgw.control.placement import (
+    Fleet,
     GpuView,
     NodeView,
     NoFit,
@@ -229,6 +230,7 @@ class ControlPlane:
         self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
         self._published: tuple[Endpoint, ...] | None = None
         self._suspect: dict[tuple[str, int], float] = {}
+        self._views: dict[str, tuple[Any, NodeView]] = {}
         self._ports = range(settings.port_range[0], settings.port_range[1] + 1)
         self.started = clock.seconds()
         self.grace_over = settings.startup_grace <= 0
@@ -449,9 +451,14 @@ class ControlPlane:
         self._update_nodes(now)
         for replica in list(self.replicas.values()):
             self._check(replica, now)
+        by_model: dict[str, list[ReplicaRecord]] = {}
+        for replica in self.replicas.values():
+            by_model.setdefault(replica.model, []).append(replica)
         snapshot: _Snapshot | None = None
         for state in self._models.values():
-            snapshot = self._scale(state, now, snapshot)
+            snapshot = self._scale(
+                state, now, snapshot, by_model.get(state.model.name, [])
+            )
         for replica in list(self.replicas.values()):
             if replica.model not in self._models and replica.draining_since is None:
                 self._drain(replica, "its model left the catalog")
@@ -534,8 +541,14 @@ class ControlPlane:
             if self._shards.get(shard.id, (None, None))[1] is shard:
                 del self._shards[shard.id]
 
-    def desired(self, state: _ModelState, now: float) -> int:
+    def desired(
+        self,
+        state: _ModelState,
+        now: float,
+        replicas: Sequence[ReplicaRecord] | None = None,
+    ) -> int:
         """
+        @param replicas: the model's replicas, when the caller has them.
         @return: the replicas C{state}'s model should have now; idle
             models fall back to C{min_replicas}.
         """
@@ -544,11 +557,9 @@ class ControlPlane:
             idle = (
                 model.idle_timeout > 0 and now - state.last_used >= model.idle_timeout
             )
-            busy = any(
-                self._outstanding(r.id)
-                for r in self.replicas.values()
-                if r.model == model.name
-            )
+            if replicas is None:
+                replicas = [r for r in self.replicas.values() if r.model == model.name]
+            busy = any(self._outstanding(r.id) for r in replicas)
             if idle and not busy:
                 self.log.info(
                     "model {model} idle for {seconds:g}s: scaling down to {count}",
@@ -560,14 +571,14 @@ class ControlPlane:
         return min(max(model.min_replicas, state.wanted), model.max_replicas)
 
     def _scale(
-        self, state: _ModelState, now: float, snapshot: _Snapshot | None
+        self,
+        state: _ModelState,
+        now: float,
+        snapshot: _Snapshot | None,
+        replicas: list[ReplicaRecord],
     ) -> _Snapshot | None:
-        want = self.desired(state, now)
-        live = [
-            r
-            for r in self.replicas.values()
-            if r.model == state.model.name and r.draining_since is None
-        ]
+        want = self.desired(state, now, replicas)
+        live = [r for r in replicas if r.draining_since is None]
         if not self.grace_over:
             return snapshot
         if len(live) > want:
@@ -583,12 +594,15 @@ class ControlPlane:
             return snapshot
         if snapshot is None:
             snapshot = _Snapshot(
-                self.inventory.nodes(), self.replicas.values(), self._suspect_ports(now)
+                self.inventory.nodes(),
+                self.replicas.values(),
+                self._suspect_ports(now),
+                self._views,
             )
         spread = {s.node for r in live for s in r.shards}
         for _ in range(want - len(live)):
             result = place(
-                state.model.profiles, snapshot.views(), self._ports, frozenset(spread)
+                state.model.profiles, snapshot.fleet, self._ports, frozenset(spread)
             )
             if isinstance(result, NoFit):
                 if state.no_fit != result:
@@ -794,8 +808,9 @@ class ControlPlane:
             self.inventory.nodes(),
             self.replicas.values(),
             self._suspect_ports(self.clock.seconds()),
+            self._views,
         )
-        result = place(model.profiles, snapshot.views(), self._ports)
+        result = place(model.profiles, snapshot.fleet, self._ports)
         if isinstance(result, NoFit):
             return {"model": model.name, "fits": False, "reasons": result.lines()}
         return {
@@ -819,6 +834,9 @@ class _Snapshot:
     The inventory as placement sees it during one pass: GPUs and ports
     taken by live shards count as allocated, and each placement made in
     the pass is taken at once so the next one does not reuse it.
+
+    @param cache: node views of earlier passes, reused for nodes where
+        nothing placement reads has changed.
     """
 
     def __init__(
@@ -826,6 +844,7 @@ class _Snapshot:
         nodes: Iterable[Node],
         replicas: Iterable[ReplicaRecord],
         suspect_ports: dict[str, set[int]],
+        cache: dict[str, tuple[Any, NodeView]] | None = None,
     ) -> None:
         taken: dict[str, set[int]] = {}
         ports: dict[str, set[int]] = {k: set(v) for k, v in suspect_ports.items()}
@@ -835,15 +854,23 @@ class _Snapshot:
                     continue
                 taken.setdefault(shard.node, set()).update(shard.gpus)
                 ports.setdefault(shard.node, set()).add(shard.port)
-        self._views: dict[str, NodeView] = {}
+        if cache is None:
+            cache = {}
+        views = []
         for node in nodes:
             state = node.state
             if state == "ready" and not node.connected:
                 state = "disconnected"
             if state == "ready" and node.draining:
                 state = "draining"
-            used = taken.get(node.id, set())
-            self._views[node.id] = NodeView(
+            used = frozenset(taken.get(node.id, ()))
+            busy = frozenset(ports.get(node.id, ()))
+            key = (node.version, state, used, busy)
+            hit = cache.get(node.id)
+            if hit is not None and hit[0] == key:
+                views.append(hit[1])
+                continue
+            view = NodeView(
                 id=node.id,
                 state=state,
                 fabrics=frozenset(node.fabrics),
@@ -858,29 +885,22 @@ class _Snapshot:
                     )
                     for g in node.gpus
                 ),
-                ports_in_use=frozenset(ports.get(node.id, ())),
+                ports_in_use=busy,
             )
-
-    def views(self) -> list[NodeView]:
-        return list(self._views.values())
+            cache[node.id] = (key, view)
+            views.append(view)
+        self.fleet = Fleet(views)
 
     def take(self, plan: Plan) -> None:
         for shard in plan.shards:
-            view = self._views[shard.node]
-            self._views[shard.node] = NodeView(
-                id=view.id,
-                state=view.state,
-                fabrics=view.fabrics,
-                gpus=tuple(
-                    GpuView(
-                        index=g.index,
-                        name=g.name,
-                        memory_total_mib=g.memory_total_mib,
-                        memory_used_mib=g.memory_used_mib,
-                        problems=g.problems,
-                        allocated=g.allocated or g.index in shard.gpus,
-                    )
-                    for g in view.gpus
-                ),
-                ports_in_use=view.ports_in_use | {shard.port},
+            view = self.fleet.get(shard.node)
+            self.fleet.replace(
+                replace(
+                    view,
+                    gpus=tuple(
+                        replace(g, allocated=True) if g.index in shard.gpus else g
+                        for g in view.gpus
+                    ),
+                    ports_in_use=view.ports_in_use | {shard.port},
+                )
             )

@@ -1,5 +1,5 @@
 # Two commands for a fresh machine with python3 (3.11+) and make:
-#   make run    set up, then serve Gemma 3 270M on llama.cpp behind llmgw on :8080
+#   make run    set up, then llmgw-server --local: Gemma 3 270M on llama.cpp, on :8080
 #   make test   set up, then lint, type-check and run the whole test suite
 PYTHON ?= python3
 VENV := .venv
@@ -43,6 +43,7 @@ proto: $(STAMP)
 	scripts/gen-proto
 
 bench: $(STAMP)
+	$(BIN)/python bench/control_bench.py
 	$(BIN)/python bench/router_bench.py
 
 clean:

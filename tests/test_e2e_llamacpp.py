@@ -6,14 +6,18 @@ C{twistd -n llmgw-server}, through the official C{openai} client.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import sys
+import tempfile
 import time
 import urllib.request
 
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import Processes, free_port, spawn
+from tests.support import Processes, free_port, http, spawn
 
 MODEL = "gemma-3-270m"
 
@@ -114,3 +118,51 @@ class LlamaCppTests(SynchronousTestCase, Processes):
         )
         self.assertEqual(response.headers["x-request-id"], "my-trace-7")
         self.assertTrue(response.parse().choices[0].message.content)
+
+
+class LocalModeTests(SynchronousTestCase, Processes):
+    """
+    The main job as C{make run} starts it: C{twistd -n llmgw-server --local}
+    with its default catalog, no engine running until a request comes.
+    """
+
+    timeout = 300
+
+    def test_first_request_activates(self) -> None:
+        """
+        The first request for gemma-3-270m waits while the in-process agent
+        starts llama.cpp, then gets text from the real model; the replica
+        is listed ready with its engine's pid; stopping the server stops
+        the engine.
+        """
+        state = tempfile.mkdtemp(prefix="llmgw-local-")
+        server, url, admin = self.start_server("--local", "--state-dir", state)
+        status, _, body = http("GET", admin + "/api/v1/replicas")
+        self.assertEqual((status, json.loads(body)), (200, {"replicas": []}))
+        client = openai.OpenAI(
+            base_url=url + "/v1", api_key="unused", max_retries=0, timeout=240
+        )
+        self.assertEqual([m.id for m in client.models.list()], [MODEL])
+        completion = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Write one sentence about the sea."}],
+            max_tokens=16,
+        )
+        self.assertTrue((completion.choices[0].message.content or "").strip())
+        _, _, body = http("GET", admin + "/api/v1/replicas")
+        (replica,) = json.loads(body)["replicas"]
+        self.assertEqual((replica["model"], replica["state"]), (MODEL, "ready"))
+        pid = replica["shards"][0]["pid"]
+        os.kill(pid, 0)
+        self.assertIn("activating model gemma-3-270m", server.output())
+        # twistd ends by the signal it was stopped with.
+        self.assertIn(server.stop(), (0, -signal.SIGTERM))
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            self.fail(f"engine pid {pid} still running after the server stopped")

@@ -132,6 +132,10 @@ class ServerConfig:
     # --local: an agent for this machine runs inside the server.
     local: bool = False
     state_dir: str = "~/.local/state/llmgw"
+    # [store] url: empty for STATE_DIR/llmgw.db.
+    store_url: str = ""
+    # [auth] require_api_key: keys needed even before any exists.
+    require_api_key: bool = False
     endpoints: tuple[EndpointConfig, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
@@ -385,6 +389,8 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             "control",
             "models",
             "state_dir",
+            "store",
+            "auth",
         },
     )
     config = ServerConfig()
@@ -392,6 +398,24 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
         config = replace(config, state_dir=_string("state_dir", data["state_dir"]))
     if "control" in data:
         config = replace(config, control=_control(data["control"]))
+    if "store" in data:
+        table = data["store"]
+        if not isinstance(table, dict):
+            raise ConfigError(f"store: expected a table, got {table!r}")
+        _check_keys("store", table, {"url"})
+        if "url" in table:
+            config = replace(config, store_url=_string("store.url", table["url"]))
+    if "auth" in data:
+        table = data["auth"]
+        if not isinstance(table, dict):
+            raise ConfigError(f"auth: expected a table, got {table!r}")
+        _check_keys("auth", table, {"require_api_key"})
+        required = table.get("require_api_key", False)
+        if not isinstance(required, bool):
+            raise ConfigError(
+                f"auth.require_api_key: expected true or false, got {required!r}"
+            )
+        config = replace(config, require_api_key=required)
     if "models" in data:
         from llmgw.control.catalog import parse_models
 

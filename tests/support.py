@@ -152,7 +152,12 @@ class Processes:
             argv += ["--config", path]
         if not any(a.startswith("--listen") for a in args):
             argv += ["--listen", "tcp:0:interface=127.0.0.1"]
-        argv += ["--admin-listen", "tcp:0:interface=127.0.0.1", *args]
+        if not any(a.startswith("--admin-listen") for a in args):
+            argv += ["--admin-listen", "tcp:0:interface=127.0.0.1"]
+        if "--state-dir" not in args:
+            # Its own store and certificates, not the user's.
+            argv += ["--state-dir", os.path.join(directory, "state")]
+        argv += list(args)
         process = spawn(argv, directory, f"server-{time.monotonic_ns()}")
         self.addCleanup(process.stop)  # type: ignore[attr-defined]
         match = process.wait_for(

@@ -15,10 +15,11 @@ from twisted.python.failure import Failure
 
 from llmgw.agent.engines import ProfileError
 from llmgw.agent.supervisor import Supervisor
+from llmgw.agent.weights import remove, scan
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import MessageStream
 
-_NOT_YET = "this agent does not remove weights yet"
+WEIGHTS_REPORT_INTERVAL = 60.0
 
 
 class AgentProtocol(MessageStream[pb.ControlMessage]):
@@ -43,6 +44,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self._heartbeat = heartbeat
         self._clock = clock
         self._beat: LoopingCall | None = None
+        self._weights: LoopingCall | None = None
         # Fires on Welcome: only then does the link count as made, so the
         # reconnect backoff keeps growing for a server that refuses us.
         self.registered: Deferred[None] = Deferred()
@@ -65,6 +67,10 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 self._beat = LoopingCall(self._send_heartbeat)
                 self._beat.clock = self._clock  # type: ignore[assignment]
                 self._beat.start(interval, now=False)
+            if self._weights is None and self.factory.weights_dirs:
+                self._weights = LoopingCall(self.send_weights)
+                self._weights.clock = self._clock  # type: ignore[assignment]
+                self._weights.start(WEIGHTS_REPORT_INTERVAL, now=True)
             return
         if kind is None:
             return
@@ -80,8 +86,17 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                     command.grace_seconds or 30,
                     draining=kind == "drain_shard",
                 )
+            elif kind == "remove_weights":
+                removed = remove(
+                    self.factory.weights_dirs,
+                    list(command.paths),
+                    [s.command.source for s in supervisor.shards.values()],
+                )
+                self.log.info(
+                    "removed weights: {paths}", paths=", ".join(removed) or "none"
+                )
             else:
-                error = _NOT_YET
+                error = f"unknown command {kind}"
         except ProfileError as e:
             error = str(e)
             self.log.warn("{kind} refused: {error}", kind=kind, error=error)
@@ -96,14 +111,26 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 )
             )
         )
+        if kind == "remove_weights" and not error:
+            self.send_weights()
+
+    def send_weights(self) -> None:
+        """
+        Report the model files in the weights directories.
+        """
+        if self.transport is None:
+            return
+        files = scan(self.factory.weights_dirs)
+        self.send(pb.AgentMessage(weights_report=pb.WeightsReport(files=files)))
 
     def _send_heartbeat(self) -> None:
         self.send(pb.AgentMessage(heartbeat=self._heartbeat()))
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        if self._beat is not None and self._beat.running:
-            self._beat.stop()
-        self._beat = None
+        for loop in (self._beat, self._weights):
+            if loop is not None and loop.running:
+                loop.stop()
+        self._beat = self._weights = None
         factory = self.factory
         if isinstance(factory, AgentFactory) and factory.current is self:
             factory.current = None
@@ -126,7 +153,9 @@ class AgentFactory(Factory):
         clock: object,
         state_dir: str,
         engine_host: str = "127.0.0.1",
+        weights_dirs: tuple[str, ...] = (),
     ) -> None:
+        self.weights_dirs = weights_dirs
         self._register = register
         self._heartbeat = heartbeat
         self._clock = clock

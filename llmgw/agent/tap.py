@@ -48,6 +48,7 @@ class AgentConfig:
     labels: dict[str, str] = field(default_factory=dict)
     fabrics: tuple[str, ...] = ()
     simulated_gpus: tuple[tuple[str, float], ...] = ()
+    weights_dirs: tuple[str, ...] = ()
 
 
 def _parse(data: dict[str, Any]) -> AgentConfig:
@@ -61,6 +62,7 @@ def _parse(data: dict[str, Any]) -> AgentConfig:
         "labels",
         "fabrics",
         "simulated_gpus",
+        "weights_dirs",
     }
     for key in data:
         if key not in known:
@@ -87,6 +89,14 @@ def _parse(data: dict[str, Any]) -> AgentConfig:
     if not isinstance(fabrics, list) or not all(isinstance(f, str) for f in fabrics):
         raise ConfigError(f"fabrics: expected a list of strings, got {fabrics!r}")
     values["fabrics"] = tuple(fabrics)
+    dirs = data.get("weights_dirs", [])
+    if not isinstance(dirs, list) or not all(
+        isinstance(d, str) and os.path.isabs(os.path.expanduser(d)) for d in dirs
+    ):
+        raise ConfigError(
+            f"weights_dirs: expected a list of absolute paths, got {dirs!r}"
+        )
+    values["weights_dirs"] = tuple(os.path.expanduser(d) for d in dirs)
     gpus = []
     tables = data.get("simulated_gpus", [])
     if not isinstance(tables, list):
@@ -286,6 +296,7 @@ def build_agent(
         reactor,
         _state_dir(config),
         engine_host=config.address or "127.0.0.1",
+        weights_dirs=config.weights_dirs,
     )
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.

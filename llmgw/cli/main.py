@@ -1,5 +1,6 @@
 """
-The C{llmgw} console script: C{llmgw sim ...}, C{llmgw certs ...}.
+The C{llmgw} console script: C{llmgw sim ...}, C{llmgw certs ...},
+C{llmgw ctl ...}.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ USAGE = """usage: llmgw COMMAND [ARGS...]
 commands:
   sim     run an engine simulator (OpenAI API) for tests, benchmarks and rehearsals
   certs   make the fleet CA and the certificates of the server and agents
+  ctl     run the fleet through the admin API: nodes, models, keys, usage, weights
 """
 
 
@@ -30,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmgw.sim.cli import main as sim_main
 
         return sim_main(rest)
+    if command == "ctl":
+        from llmgw.cli.ctl import main as ctl_main
+
+        return ctl_main(rest)
     if command == "certs":
         from llmgw.cli.certs import main as certs_main
 

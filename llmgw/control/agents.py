@@ -125,6 +125,10 @@ class AgentLink(TimeoutMixin, CommandingStream):
             self._hub.registered(message.register)
         elif kind == "shard_status":
             self._hub.shard_status(self.node_id, message.shard_status)
+        elif kind == "weights_report":
+            self._hub.inventory.weights(
+                self.node_id, message.weights_report, self._hub.wall_clock()
+            )
 
     def _registered(self, register: pb.Register) -> None:
         claim = register.node_id

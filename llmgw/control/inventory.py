@@ -55,6 +55,10 @@ class Node:
     shards: list[dict[str, Any]] = field(default_factory=list)
     heard: float = 0.0
     draining: bool = False
+    # Model files in the agent's weights directories, from its last
+    # report: path, size_bytes, last_used (POSIX seconds).
+    weights: list[dict[str, Any]] = field(default_factory=list)
+    weights_at: float | None = None
     # Changes whenever what placement reads of the node changes.
     version: int = 0
 
@@ -91,6 +95,11 @@ class Node:
             ).isoformat(),
         }
 
+
+MAX_WEIGHTS_FILES = 10_000
+"""
+Model files kept per node's report.
+"""
 
 MAX_PROBLEMS = 32
 """
@@ -139,6 +148,8 @@ class Inventory:
             last_seen=now,
             heard=heard,
             draining=old.draining if old is not None else False,
+            weights=old.weights if old is not None else [],
+            weights_at=old.weights_at if old is not None else None,
             version=next(self._versions),
             shards=[
                 {
@@ -191,6 +202,24 @@ class Inventory:
         node = self._nodes.get(node_id)
         if node is not None:
             node.heard = heard
+
+    def weights(self, node_id: str, report: pb.WeightsReport, now: float) -> None:
+        """
+        Keep a node's report of its model files (the first
+        L{MAX_WEIGHTS_FILES}).
+        """
+        node = self._nodes.get(node_id)
+        if node is None:
+            return
+        node.weights = [
+            {
+                "path": f.path[:4096],
+                "size_bytes": f.size_bytes,
+                "last_used": f.last_used_unix,
+            }
+            for f in report.files[:MAX_WEIGHTS_FILES]
+        ]
+        node.weights_at = now
 
     def get(self, node_id: str) -> Node | None:
         """

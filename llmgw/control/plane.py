@@ -390,6 +390,148 @@ class ControlPlane:
             pid=running.pid,
         )
 
+    # The catalog at run time.
+
+    def model(self, name: str) -> Model | None:
+        """
+        @return: the catalog model named C{name} (not an alias), if any.
+        """
+        state = self._models.get(name)
+        return state.model if state is not None else None
+
+    def add_model(self, model: Model) -> None:
+        """
+        Add a model to the catalog; its replicas are placed by the next pass.
+
+        @raise ValueError: one of its names is taken.
+        """
+        for name in model.names:
+            if name in self._names:
+                raise ValueError(
+                    f"name {name!r} is already model {self._names[name]!r}"
+                )
+        self._models[model.name] = _ModelState(model)
+        for name in model.names:
+            self._names[name] = model.name
+        self.loop.kick()
+
+    def remove_model(self, name: str) -> None:
+        """
+        Remove a model from the catalog: its replicas drain and stop;
+        requests waiting for it are let go (they find no replica: 503).
+
+        @raise KeyError: no such model.
+        """
+        state = self._models.pop(name)
+        for alias in state.model.names:
+            self._names.pop(alias, None)
+        waiters, state.waiters = state.waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+        self.loop.kick()
+
+    def scale(self, name: str, min_replicas: int, max_replicas: int) -> Model:
+        """
+        Change a model's replica bounds.
+
+        @raise KeyError: no such model.
+        @raise ValueError: bounds out of order.
+        """
+        state = self._models[name]
+        if min_replicas < 0 or max_replicas < 1 or min_replicas > max_replicas:
+            raise ValueError(
+                f"expected 0 <= min_replicas <= max_replicas, 1 <= max_replicas;"
+                f" got {min_replicas} and {max_replicas}"
+            )
+        state.model = replace(
+            state.model, min_replicas=min_replicas, max_replicas=max_replicas
+        )
+        self.loop.kick()
+        return state.model
+
+    # Weights.
+
+    def _sources(self) -> list[str]:
+        sources = [p.source for s in self._models.values() for p in s.model.profiles]
+        sources += [r.profile.source for r in self.replicas.values()]
+        return sources
+
+    def unused_weights(self, node: Node) -> list[dict[str, Any]]:
+        """
+        @return: the node's reported model files that no catalog model's
+            profile and no replica uses: neither a source path, a folder
+            holding one, a file or folder inside one, nor the Hugging Face
+            cache entry (C{models--ORG--NAME}) of a hub id.
+        """
+        sources = self._sources()
+        unused = []
+        for entry in node.weights:
+            path = entry["path"].rstrip("/")
+            name = path.rsplit("/", 1)[-1]
+            used = False
+            for source in sources:
+                source = source.rstrip("/")
+                if (
+                    source == path
+                    or source.startswith(path + "/")
+                    or path.startswith(source + "/")
+                    or name == "models--" + source.replace("/", "--")
+                ):
+                    used = True
+                    break
+            if not used:
+                unused.append(entry)
+        return unused
+
+    async def collect_weights(self, dry_run: bool) -> list[dict[str, Any]]:
+        """
+        Delete, through each node's agent, the model files nothing uses.
+
+        @return: per node: the files chosen, and with C{dry_run} off,
+            whether the agent removed them or its error.
+        """
+        results = []
+        for node in self.inventory.nodes():
+            unused = self.unused_weights(node)
+            result: dict[str, Any] = {
+                "node": node.id,
+                "unused": unused,
+                "bytes": sum(e["size_bytes"] for e in unused),
+                "removed": False,
+                "error": None,
+            }
+            results.append(result)
+            if dry_run or not unused:
+                continue
+            result.update(
+                await self.remove_weights(node.id, [e["path"] for e in unused])
+            )
+        return results
+
+    async def remove_weights(self, node_id: str, paths: list[str]) -> dict[str, Any]:
+        """
+        Ask a node's agent to delete C{paths} (it refuses any outside its
+        weights directories).
+
+        @return: C{{"removed": bool, "error": str | None}}.
+        """
+        try:
+            await self.commands.send(
+                node_id,
+                pb.ControlMessage(remove_weights=pb.RemoveWeights(paths=paths)),
+            )
+        except Exception as e:
+            result = getattr(e, "result", None)
+            error = result.error if result is not None else str(e) or repr(e)
+            self.log.warn(
+                "removing weights on {node} refused: {error}", node=node_id, error=error
+            )
+            return {"removed": False, "error": error}
+        self.log.info(
+            "removed weights on {node}: {paths}", node=node_id, paths=", ".join(paths)
+        )
+        return {"removed": True, "error": None}
+
     # Operator actions.
 
     def drain_node(self, node_id: str) -> list[str]:

@@ -9,7 +9,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from typing import Protocol as TypingProtocol
@@ -75,6 +75,30 @@ class RequestRecord:
     completion_tokens: int
     latency: float
     time_to_first_token: float | None
+    key_id: int | None = None
+    key_name: str | None = None
+
+
+class Auth(TypingProtocol):
+    """
+    API keys (L{llmgw.store.keys.KeyRing}).
+    """
+
+    def authenticate(self, header: bytes | None) -> Any:
+        """
+        @return: the key, or L{None} when none is needed and none given.
+        @raise APIError: 401.
+        """
+
+    def admit(self, key: Any, names: Sequence[str]) -> None:
+        """
+        @raise APIError: 403 or 429.
+        """
+
+    def used(self, key: Any, tokens: int) -> None:
+        """
+        Count a finished request's tokens.
+        """
 
 
 class Activator(TypingProtocol):
@@ -356,6 +380,8 @@ class _Exchange:
         )
         self.upstream_id = upstream_request_id(self.request_id)
         self.model = ""
+        self.requested_model = ""
+        self.key: Any = None
         self.stream = False
         self.strip_usage = False
         self.body = b""
@@ -439,7 +465,7 @@ class _Exchange:
             raise bad_request(
                 "You must provide a model parameter (a string).", param="model"
             )
-        self.model = model
+        self.model = self.requested_model = model
         stream = payload.get("stream", False)
         if stream is None:
             stream = False
@@ -495,6 +521,9 @@ class _Exchange:
             self.total_timer = self.clock.callLater(
                 self.settings.total_timeout, self._expire, "total"
             )
+        if self.key is not None:
+            assert self.router.auth is not None
+            self.router.auth.admit(self.key, (self.requested_model, self.model))
         tried: set[str] = set()
         last_error: APIError | None = None
         balancer = self.router.balancer
@@ -914,7 +943,22 @@ class _Exchange:
                 if self.first_byte_at is not None
                 else None
             ),
+            key_id=self.key.id if self.key is not None else None,
+            key_name=self.key.name if self.key is not None else None,
         )
+
+
+class UsageSinks:
+    """
+    Hands each record to several sinks.
+    """
+
+    def __init__(self, *sinks: UsageSink) -> None:
+        self.sinks = sinks
+
+    def record(self, record: RequestRecord) -> None:
+        for sink in self.sinks:
+            sink.record(record)
 
 
 class LogUsageSink:
@@ -927,13 +971,14 @@ class LogUsageSink:
     def record(self, record: RequestRecord) -> None:
         self.log.info(
             "request {request_id} upstream_id={upstream_request_id} model={model}"
-            " replica={replica} status={status}"
+            " replica={replica} key={key} status={status}"
             " prompt_tokens={prompt_tokens} completion_tokens={completion_tokens}"
             " latency={latency:.3f}s",
             request_id=record.request_id,
             upstream_request_id=record.upstream_request_id,
             model=record.model,
             replica=record.replica,
+            key=record.key_name,
             status=record.status,
             prompt_tokens=record.prompt_tokens,
             completion_tokens=record.completion_tokens,
@@ -969,8 +1014,10 @@ class Router:
         metrics: RouterMetrics,
         usage: UsageSink,
         activator: Activator | None = None,
+        auth: Auth | None = None,
     ) -> None:
         self.clock = clock
+        self.auth = auth
         self.activator = activator
         # Requests waiting for activation, per model.
         self.activating: dict[str, int] = {}
@@ -1043,6 +1090,10 @@ class Router:
         self.in_flight += 1
         status = 500
         try:
+            if self.auth is not None:
+                exchange.key = self.auth.authenticate(
+                    request.getHeader(b"authorization")
+                )
             result = await exchange.run()
             status = exchange.status
             return result
@@ -1093,6 +1144,10 @@ class Router:
                         record.completion_tokens
                     )
             self.usage.record(record)
+            if exchange.key is not None and self.auth is not None:
+                self.auth.used(
+                    exchange.key, record.prompt_tokens + record.completion_tokens
+                )
 
     @app.route("/v1/chat/completions", methods=["POST"])
     async def chat_completions(self, request: IRequest) -> bytes | None:
@@ -1123,19 +1178,42 @@ class Router:
             "owned_by": "llmgw",
         }
 
+    def _key_for(self, request: IRequest) -> Any:
+        if self.auth is None:
+            return None
+        return self.auth.authenticate(request.getHeader(b"authorization"))
+
+    def _visible(self, key: Any, model: str) -> bool:
+        if key is None:
+            return True
+        canonical = self.activator.resolve(model) if self.activator else None
+        return bool(key.allows(model) or (canonical and key.allows(canonical)))
+
     @app.route("/v1/models", methods=["GET"])
     def list_models(self, request: IRequest) -> bytes:
+        try:
+            key = self._key_for(request)
+        except APIError as error:
+            return self._error(request, error)
         request.setHeader(b"content-type", _JSON)
         return json.dumps(
             {
                 "object": "list",
-                "data": [self._model_object(m) for m in self.models()],
+                "data": [
+                    self._model_object(m)
+                    for m in self.models()
+                    if self._visible(key, m)
+                ],
             }
         ).encode("utf-8")
 
     @app.route("/v1/models/<path:model>", methods=["GET"])
     def get_model(self, request: IRequest, model: str) -> bytes:
-        if not self.knows(model):
+        try:
+            key = self._key_for(request)
+        except APIError as error:
+            return self._error(request, error)
+        if not self.knows(model) or not self._visible(key, model):
             return self._error(request, model_not_found(model))
         request.setHeader(b"content-type", _JSON)
         return json.dumps(self._model_object(model)).encode("utf-8")

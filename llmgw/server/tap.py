@@ -5,6 +5,8 @@ the server that touches the global reactor.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import sys
 from dataclasses import replace
@@ -20,6 +22,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.web.client import HTTPConnectionPool
+from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from llmgw.config import (
@@ -31,13 +34,14 @@ from llmgw.config import (
     parse_endpoint_flag,
 )
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
+from llmgw.control.catalog import parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
-from llmgw.router.app import LogUsageSink, Router, make_site
+from llmgw.router.app import LogUsageSink, Router, UsageSinks, make_site
 from llmgw.router.balancer import Balancer, Endpoint
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.upstream import make_upstream_client
-from llmgw.server.admin import Admin
+from llmgw.server.admin import Admin, AdminGuard
 from llmgw.server.local import (
     LocalEngines,
     default_catalog,
@@ -46,6 +50,9 @@ from llmgw.server.local import (
     local_listener_factory,
     local_node_id,
 )
+from llmgw.store.db import Store, sqlite_path
+from llmgw.store.keys import KeyRing
+from llmgw.store.usage import StoreUsageSink
 from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
@@ -192,6 +199,71 @@ class _DrainService(Service):
         return self._router.drain(self._timeout)
 
 
+class _StoreService(Service):
+    """
+    Closes the database last.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def stopService(self) -> None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        self._store.close()
+
+
+class _Guarded(Resource):
+    """
+    The admin app, behind L{AdminGuard} once C{guarded} is set (the
+    listener turned out not to be on loopback).
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner: Any, keys: KeyRing) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._inner = inner
+        self._guard = AdminGuard(inner, keys)
+        self.guarded = True
+
+    def render(self, request: Any) -> Any:
+        return (self._guard if self.guarded else self._inner).render(request)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        # A UNIX socket: reached through the file system's permissions.
+        return True
+
+
+def _runtime_models(
+    stored: list[tuple[str, str]], config_models: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """
+    The models added at run time, from the store; one whose name the
+    config file now uses is skipped (the file wins), with a warning.
+    """
+    taken = {name for m in config_models for name in m.names}
+    added = []
+    for name, spec in stored:
+        try:
+            (model,) = parse_models([json.loads(spec)])
+        except (ConfigError, ValueError) as e:
+            log.warn("stored model {name} is not valid: {error}", name=name, error=e)
+            continue
+        if taken & set(model.names):
+            log.warn(
+                "stored model {name} is skipped: the config file uses its name",
+                name=name,
+            )
+            continue
+        taken.update(model.names)
+        added.append(model)
+    return tuple(added)
+
+
 class _PoolService(Service):
     """
     Closes the upstream connection pool on stop.
@@ -275,6 +347,18 @@ def makeService(options: Options) -> IService:
         # The in-process agent is the only one: its Register, with the
         # engines it adopted, comes before any node exists to place on.
         control = replace(control, startup_grace=0.0)
+    try:
+        store = Store(sqlite_path(config.store_url, config.state_dir))
+        key_rows, stored_models = store.prepare()
+    except ConfigError as e:
+        sys.stderr.write(f"llmgw-server: config error: {e}\n")
+        sys.stderr.flush()
+        raise SystemExit(2) from None
+    config_names = frozenset(m.name for m in models)
+    models = tuple(models) + _runtime_models(stored_models, models)
+    keys = KeyRing(store, config.require_api_key)
+    keys.load(key_rows)
+    usage_sink = StoreUsageSink(store, reactor)
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown)
     static = [Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints]
@@ -310,17 +394,31 @@ def makeService(options: Options) -> IService:
         agent,
         settings,
         RouterMetrics(registry),
-        LogUsageSink(),
-        activator=plane if models else None,
+        UsageSinks(LogUsageSink(), usage_sink),
+        activator=plane,
+        auth=keys,
     )
     router_site = make_site(router.app.resource(), settings.max_body_size)
-    admin_site = Site(Admin(registry, inventory, plane).app.resource())
-    admin_site.log = lambda request: None  # type: ignore[method-assign]
+    admin = Admin(
+        registry,
+        inventory,
+        plane,
+        keys=keys,
+        store=store,
+        usage=usage_sink,
+        config_models=config_names,
+    )
+    admin_resource: Any = admin.app.resource()
     agent_port = local_port = None
     local_services: list[Service] = []
     try:
         router_port = _listen(reactor, "listen", config.listen, router_site)
+        admin_site = Site(_Guarded(admin_resource, keys))
+        admin_site.log = lambda request: None  # type: ignore[method-assign]
         admin_port = _listen(reactor, "admin_listen", config.admin_listen, admin_site)
+        admin_host = getattr(admin_port.getHost(), "host", "127.0.0.1")
+        admin_guarded = not _loopback(admin_host)
+        admin_site.resource.guarded = admin_guarded
         if config.accepts_agents:
             agent_port = _listen(
                 reactor,
@@ -354,6 +452,7 @@ def makeService(options: Options) -> IService:
     top = _OrderedService()  # type: ignore[no-untyped-call]
     # MultiService stops its children in reverse order: listeners first,
     # then the requests in flight drain, then the pool closes.
+    _StoreService(store).setServiceParent(top)  # type: ignore[no-untyped-call]
     _PoolService(pool).setServiceParent(top)  # type: ignore[no-untyped-call]
     # Local engines stop after the requests in flight drained; the local
     # uplink before them, so its agent does not report their ends as
@@ -362,6 +461,8 @@ def makeService(options: Options) -> IService:
         service.setServiceParent(top)
     if local_port is not None:
         _ListeningService(local_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+    # After the requests in flight drained, their usage is written.
+    usage_sink.setServiceParent(top)  # type: ignore[no-untyped-call]
     _DrainService(router, settings.drain_timeout).setServiceParent(top)  # type: ignore[no-untyped-call]
     plane.loop.setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]
@@ -401,7 +502,17 @@ def makeService(options: Options) -> IService:
             node=local_node_id(),
             state=config.state_dir,
         )
-    log.info(
-        "no API keys in this version: the client API is open to whoever reaches it"
-    )
+    if keys.required:
+        log.info(
+            "API keys required: {count} keys in {store}",
+            count=len(keys.keys()),
+            store=store.path,
+        )
+    else:
+        log.info(
+            "no API keys yet: the client API is open to whoever reaches it"
+            " (make one with llmgw ctl keys create, or set [auth] require_api_key)"
+        )
+    if admin_guarded:
+        log.info("admin API not on loopback: it needs an admin key")
     return top

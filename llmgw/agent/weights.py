@@ -1,0 +1,115 @@
+"""
+Model files on this node: what sits in the configured weights directories
+(each entry directly inside one: a file such as a GGUF, or a folder such
+as a Hugging Face cache entry), and their removal, never outside those
+directories.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+
+from llmgw.agent.engines import ProfileError
+from llmgw.wire import agent_pb2 as pb
+
+MAX_FILES_WALKED = 200_000
+"""
+Files looked at per scan, in all; a bigger tree is reported as far as
+walked.
+"""
+
+
+def _size_and_use(path: str, budget: list[int]) -> tuple[int, float]:
+    """
+    @return: bytes under C{path} and the latest access or change time
+        (POSIX seconds) of anything in it; symlinks are not followed.
+    """
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return 0, 0.0
+    size, last = info.st_size, max(info.st_atime, info.st_mtime)
+    if not os.path.isdir(path) or os.path.islink(path):
+        return size, last
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            if budget[0] <= 0:
+                return size, last
+            budget[0] -= 1
+            try:
+                info = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            size += info.st_size
+            last = max(last, info.st_atime, info.st_mtime)
+    return size, last
+
+
+def scan(directories: Sequence[str]) -> list[pb.WeightsFile]:
+    """
+    @return: each entry directly inside each directory, with its size in
+        bytes (a folder's files added up) and when it was last used.
+    """
+    budget = [MAX_FILES_WALKED]
+    found = []
+    for directory in directories:
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(directory, name)
+            size, last = _size_and_use(path, budget)
+            found.append(
+                pb.WeightsFile(path=path, size_bytes=size, last_used_unix=int(last))
+            )
+    return found
+
+
+def _inside(path: str, directory: str) -> bool:
+    return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def remove(
+    directories: Sequence[str], paths: Sequence[str], in_use: Sequence[str]
+) -> list[str]:
+    """
+    Delete C{paths}, each a file or folder inside one of C{directories}.
+    Every path is checked, symlinks resolved, before anything is deleted.
+
+    @param in_use: model sources of engines running here: refused too.
+    @return: the paths deleted.
+    @raise ProfileError: a path outside the weights directories (after
+        resolving symlinks), a weights directory itself, or one in use;
+        nothing is deleted then.
+    """
+    roots = [os.path.realpath(d) for d in directories]
+    if not roots:
+        raise ProfileError("this agent has no weights_dirs: it removes nothing")
+    used = [os.path.realpath(os.path.expanduser(s)) for s in in_use if s]
+    checked = []
+    for path in paths:
+        if not path or "\0" in path or not os.path.isabs(path):
+            raise ProfileError(f"path {path!r}: expected an absolute path")
+        real = os.path.realpath(path)
+        if not any(_inside(real, root) for root in roots):
+            raise ProfileError(
+                f"path {path!r} (resolved {real!r}) is outside the weights"
+                f" directories {', '.join(directories)}"
+            )
+        for source in used:
+            if source == real or _inside(source, real) or _inside(real, source):
+                raise ProfileError(f"path {path!r} is used by a running engine")
+        checked.append(real)
+    removed = []
+    for real in checked:
+        if os.path.isdir(real):
+            shutil.rmtree(real)
+        elif os.path.lexists(real):
+            os.remove(real)
+        else:
+            continue
+        removed.append(real)
+    return removed

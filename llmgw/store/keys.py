@@ -1,0 +1,296 @@
+"""
+API keys (DESIGN.md section 2): C{Authorization: Bearer sk-...}, stored as
+SHA-256 hashes with a visible prefix, each with allowed models, requests
+and tokens per minute and a token budget.  All keys are held in memory, so
+checking one costs no database round trip; changes are written through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmgw.router.errors import APIError
+from llmgw.store.db import Store
+
+WINDOW = 60.0
+"""
+Seconds over which requests and tokens per minute are counted.
+"""
+
+
+def hash_key(secret: str) -> str:
+    """
+    @return: the SHA-256 of C{secret}, hex: what the store keeps.
+    """
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class ApiKey:
+    """
+    A key as the router checks it.
+
+    @ivar models: the model names it may use; L{None} for all.
+    @ivar rpm: requests per minute, or L{None} for no limit.
+    @ivar tpm: tokens (prompt and completion) per minute, or L{None}.
+    @ivar budget_tokens: tokens in all, or L{None}.
+    @ivar tokens_used: tokens counted so far (stored, plus those not yet
+        flushed).
+    """
+
+    id: int
+    name: str
+    prefix: str
+    hash: str
+    models: tuple[str, ...] | None
+    rpm: int | None
+    tpm: int | None
+    budget_tokens: int | None
+    admin: bool
+    created: float
+    last_used: float | None = None
+    tokens_used: int = 0
+    revoked: float | None = None
+    requests: deque[float] = field(default_factory=deque)
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    tokens_in_window: int = 0
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "prefix": self.prefix,
+            "models": list(self.models) if self.models is not None else None,
+            "rpm": self.rpm,
+            "tpm": self.tpm,
+            "budget_tokens": self.budget_tokens,
+            "admin": self.admin,
+            "created": self.created,
+            "last_used": self.last_used,
+            "tokens_used": self.tokens_used,
+            "revoked": self.revoked,
+        }
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(401, message, "invalid_request_error", "invalid_api_key")
+
+
+class KeyRing:
+    """
+    The keys, loaded from the store at start.
+
+    @param store: where keys are kept.
+    @param required: C{[auth] require_api_key}: a key is needed even
+        while none exists.
+    @param clock: seconds (monotonic) for the per-minute windows.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        required: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self._required = required
+        self._clock = clock
+        self._by_hash: dict[str, ApiKey] = {}
+        self._by_id: dict[int, ApiKey] = {}
+
+    def load(self, rows: Sequence[dict[str, Any]]) -> None:
+        """
+        Take the keys read from the store at start.
+        """
+        for row in rows:
+            self._add(row)
+
+    def _add(self, row: dict[str, Any]) -> ApiKey:
+        key = ApiKey(
+            id=row["id"],
+            name=row["name"],
+            prefix=row["prefix"],
+            hash=row["hash"],
+            models=tuple(row["models"]) if row["models"] is not None else None,
+            rpm=row["rpm"],
+            tpm=row["tpm"],
+            budget_tokens=row["budget_tokens"],
+            admin=bool(row["admin"]),
+            created=row["created"],
+            last_used=row.get("last_used"),
+            tokens_used=row.get("tokens_used") or 0,
+            revoked=row.get("revoked"),
+        )
+        self._by_hash[key.hash] = key
+        self._by_id[key.id] = key
+        return key
+
+    @property
+    def required(self) -> bool:
+        """
+        Whether requests need a key: C{require_api_key}, or any key was
+        ever made (revoking the last one does not open the gateway).
+        """
+        return self._required or bool(self._by_id)
+
+    def keys(self) -> list[ApiKey]:
+        return sorted(self._by_id.values(), key=lambda k: k.id)
+
+    def find(self, name_or_prefix: str) -> ApiKey | None:
+        """
+        @return: the key of that name or prefix (revoked ones too).
+        """
+        for key in self._by_id.values():
+            if name_or_prefix in (key.name, key.prefix):
+                return key
+        return None
+
+    async def create(
+        self,
+        name: str,
+        models: Sequence[str] | None = None,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        budget_tokens: int | None = None,
+        admin: bool = False,
+    ) -> tuple[ApiKey, str]:
+        """
+        Make a key.
+
+        @return: the key and its secret, C{sk-...}: the only time it is
+            shown.
+        @raise ValueError: the name is taken or empty.
+        """
+        if not name or len(name) > 100:
+            raise ValueError("name: expected 1 to 100 characters")
+        if any(k.name == name for k in self._by_id.values()):
+            raise ValueError(f"name: a key named {name!r} exists")
+        secret = "sk-" + secrets.token_urlsafe(32)
+        row = {
+            "name": name,
+            "prefix": secret[:11],
+            "hash": hash_key(secret),
+            "models": list(models) if models is not None else None,
+            "rpm": rpm,
+            "tpm": tpm,
+            "budget_tokens": budget_tokens,
+            "admin": admin,
+            "created": time.time(),
+        }
+        row["id"] = await self.store.add_key(row)
+        return self._add(row), secret
+
+    async def revoke(self, key: ApiKey) -> None:
+        key.revoked = time.time()
+        await self.store.revoke_key(key.id, key.revoked)
+
+    def authenticate(self, header: bytes | None) -> ApiKey | None:
+        """
+        @param header: the request's C{Authorization} value.
+        @return: the key, or L{None} when keys are not required (whatever
+            was sent).
+        @raise APIError: 401, no key or an unknown or revoked one.
+        """
+        if not self.required:
+            # Open (no key made, none required): clients such as the openai
+            # library always send something; it is not checked.
+            return None
+        if header is None:
+            raise _unauthorized(
+                "You didn't provide an API key. Send it as"
+                " 'Authorization: Bearer sk-...'."
+            )
+        scheme, _, secret = header.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not secret.strip():
+            raise _unauthorized(
+                "The Authorization header must be 'Bearer' followed by an API key."
+            )
+        try:
+            text = secret.strip().decode("ascii")
+        except UnicodeDecodeError:
+            raise _unauthorized("Incorrect API key provided.") from None
+        key = self._by_hash.get(hash_key(text))
+        if key is None or key.revoked is not None:
+            raise _unauthorized("Incorrect API key provided.")
+        return key
+
+    def admit(self, key: ApiKey, names: Sequence[str]) -> None:
+        """
+        Count a request of C{key} for a model known by C{names} (as sent,
+        and its catalog name).
+
+        @raise APIError: 403 the key may not use the model; 429 over its
+            budget (C{insufficient_quota}) or its requests or tokens per
+            minute (with C{Retry-After}).
+        """
+        if not any(key.allows(n) for n in names):
+            raise APIError(
+                403,
+                f"This API key may not use model {names[0]!r}.",
+                "invalid_request_error",
+                "model_not_allowed",
+                "model",
+            )
+        if key.budget_tokens is not None and key.tokens_used >= key.budget_tokens:
+            raise APIError(
+                429,
+                "You exceeded your token budget; ask for a larger one.",
+                "insufficient_quota",
+                "insufficient_quota",
+            )
+        now = self._clock()
+        self._expire(key, now)
+        if key.rpm is not None and len(key.requests) >= key.rpm:
+            wait = key.requests[0] + WINDOW - now
+            raise _rate_limited(f"{key.rpm} requests per minute", wait)
+        if key.tpm is not None and key.tokens_in_window >= key.tpm:
+            over = key.tokens_in_window - key.tpm
+            wait = WINDOW
+            for when, count in key.tokens:
+                over -= count
+                if over < 0:
+                    wait = when + WINDOW - now
+                    break
+            raise _rate_limited(f"{key.tpm} tokens per minute", wait)
+        key.requests.append(now)
+        key.last_used = time.time()
+
+    def used(self, key: ApiKey, tokens: int) -> None:
+        """
+        Count the tokens a request of C{key} used, once it is over.
+        """
+        if tokens <= 0:
+            return
+        key.tokens_used += tokens
+        if key.tpm is not None:
+            key.tokens.append((self._clock(), tokens))
+            key.tokens_in_window += tokens
+
+    def _expire(self, key: ApiKey, now: float) -> None:
+        start = now - WINDOW
+        requests = key.requests
+        while requests and requests[0] <= start:
+            requests.popleft()
+        tokens = key.tokens
+        while tokens and tokens[0][0] <= start:
+            key.tokens_in_window -= tokens.popleft()[1]
+
+
+def _rate_limited(limit: str, wait: float) -> APIError:
+    return APIError(
+        429,
+        f"Rate limit reached: {limit}. Try again in {max(wait, 0):.1f}s.",
+        "requests" if "requests" in limit else "tokens",
+        "rate_limit_exceeded",
+        retry_after=max(1, math.ceil(wait)),
+    )

@@ -1,0 +1,160 @@
+"""
+Usage accounting: one record per request, buffered and written to the
+store in batches; on stop, everything buffered is written before the
+process ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from llmgw.router.app import RequestRecord
+from llmgw.store.db import Store, UsageRow
+
+MAX_BUFFERED = 200_000
+"""
+Records kept while the store cannot be written; beyond, the oldest are
+dropped (and counted in the log).
+"""
+
+
+class StoreUsageSink(Service):
+    """
+    A L{llmgw.router.app.UsageSink} writing to the store.
+
+    @param interval: seconds between batch writes.
+    @param batch_size: a batch is written early once this many wait.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        store: Store,
+        clock: IReactorTime,
+        interval: float = 1.0,
+        batch_size: int = 1000,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._interval = interval
+        self._batch_size = batch_size
+        self._wall_clock = wall_clock
+        self._rows: list[UsageRow] = []
+        self._key_use: dict[int, tuple[int, float]] = {}
+        self._writing: Deferred[None] | None = None
+        self._timer: LoopingCall | None = None
+        self.written = 0
+        self.dropped = 0
+
+    def record(self, record: RequestRecord) -> None:
+        now = self._wall_clock()
+        self._rows.append(
+            UsageRow(
+                time=now,
+                request_id=record.request_id,
+                key_id=record.key_id,
+                key_name=record.key_name,
+                model=record.model,
+                replica=record.replica,
+                status=record.status,
+                stream=record.stream,
+                prompt_tokens=record.prompt_tokens,
+                completion_tokens=record.completion_tokens,
+                latency=record.latency,
+                time_to_first_token=record.time_to_first_token,
+            )
+        )
+        if record.key_id is not None:
+            tokens, _ = self._key_use.get(record.key_id, (0, 0.0))
+            self._key_use[record.key_id] = (
+                tokens + record.prompt_tokens + record.completion_tokens,
+                now,
+            )
+        if len(self._rows) > MAX_BUFFERED:
+            drop = len(self._rows) - MAX_BUFFERED
+            del self._rows[:drop]
+            self.dropped += drop
+            self.log.error(
+                "usage: the store is not keeping up; dropped {count} records",
+                count=drop,
+            )
+        if len(self._rows) >= self._batch_size and self._writing is None:
+            self.flush()
+
+    def flush(self) -> Deferred[None]:
+        """
+        Write what is buffered now (after the write in progress).
+
+        @return: fires when it is written or failed (failures are logged
+            and the records kept for the next try).
+        """
+        if self._writing is not None:
+            done: Deferred[None] = Deferred()
+            self._writing.addBoth(lambda _: self.flush().chainDeferred(done))
+            return done
+        if not self._rows and not self._key_use:
+            return Deferred.fromCoroutine(_nothing())
+        rows, self._rows = self._rows, []
+        key_use, self._key_use = self._key_use, {}
+        writing = self._writing = self._store.add_usage(rows, key_use)
+
+        def written(_: object) -> None:
+            self.written += len(rows)
+
+        def failed(reason: object) -> None:
+            self.log.failure(
+                "usage: cannot write {count} records; keeping them",
+                reason,  # type: ignore[arg-type]
+                count=len(rows),
+            )
+            self._rows[:0] = rows
+            for key_id, (tokens, last) in key_use.items():
+                more, later = self._key_use.get(key_id, (0, 0.0))
+                self._key_use[key_id] = (tokens + more, max(last, later))
+
+        def finished(_: object) -> None:
+            self._writing = None
+
+        writing.addCallbacks(written, failed)
+        writing.addBoth(finished)
+        return writing
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._timer = LoopingCall(self.flush)
+        self._timer.clock = self._clock
+        self._timer.start(self._interval, now=False)
+
+    def stopService(self) -> Deferred[None]:
+        """
+        Stop the timer and write everything buffered.
+        """
+        super().stopService()  # type: ignore[no-untyped-call]
+        if self._timer is not None and self._timer.running:
+            self._timer.stop()
+        return Deferred.fromCoroutine(self._final())
+
+    async def _final(self) -> None:
+        # Two tries: one write may be in flight when the stop comes.
+        for _ in range(3):
+            await self.flush()
+            if not self._rows:
+                break
+        self.log.info(
+            "usage: {written} records written{dropped}",
+            written=self.written,
+            dropped=f", {self.dropped} dropped" if self.dropped else "",
+        )
+
+
+async def _nothing() -> None:
+    return None

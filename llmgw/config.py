@@ -8,6 +8,7 @@ without a traceback.
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -91,6 +92,8 @@ class ControlConfig:
     @ivar drain_timeout: a draining replica's requests in flight get this
         long before its engines are stopped.
     @ivar interval: seconds between reconciler passes when nothing kicks.
+    @ivar scale_up_in_flight: requests in flight per ready replica above
+        which a model gets one more replica (up to C{max_replicas}).
     """
 
     unreachable_after: float = 15.0
@@ -102,6 +105,7 @@ class ControlConfig:
     startup_grace: float = 10.0
     drain_timeout: float = 60.0
     interval: float = 1.0
+    scale_up_in_flight: float = 8.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ class ServerConfig:
     state_dir: str = "~/.local/state/llmgw"
     # [store] url: empty for STATE_DIR/llmgw.db.
     store_url: str = ""
+    # [store] flush_interval: seconds between usage batch writes.
+    usage_flush_interval: float = 1.0
     # [auth] require_api_key: keys needed even before any exists.
     require_api_key: bool = False
     endpoints: tuple[EndpointConfig, ...] = ()
@@ -176,6 +182,8 @@ def parse_duration(key: str, value: object) -> float:
     @raise ConfigError: the value is not a duration.
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: bad duration {value!r}: must be finite")
         if value < 0:
             raise ConfigError(f"{key}: bad duration {value!r}: must not be negative")
         return float(value)
@@ -319,7 +327,14 @@ def _router(table: object) -> RouterConfig:
             values[key] = value
         else:
             values[key] = parse_size(f"router.{key}", value)
-    return replace(defaults, **values)
+    router = replace(defaults, **values)
+    if router.activation_queue < 1:
+        raise ConfigError("router.activation_queue: must be at least 1")
+    if 0 < router.activation_keepalive < 0.1:
+        raise ConfigError(
+            "router.activation_keepalive: under the least, 100ms (0s turns it off)"
+        )
+    return router
 
 
 def _control(table: object) -> ControlConfig:
@@ -335,8 +350,19 @@ def _control(table: object) -> ControlConfig:
         "drain_timeout",
         "interval",
     }
-    _check_keys("control", table, durations | {"port_range"})
+    _check_keys("control", table, durations | {"port_range", "scale_up_in_flight"})
     values: dict[str, Any] = {}
+    if "scale_up_in_flight" in table:
+        level = table["scale_up_in_flight"]
+        if (
+            isinstance(level, bool)
+            or not isinstance(level, (int, float))
+            or not 1 <= level <= 100_000
+        ):
+            raise ConfigError(
+                f"control.scale_up_in_flight: expected a number from 1, got {level!r}"
+            )
+        values["scale_up_in_flight"] = float(level)
     for key, value in table.items():
         if key in durations:
             values[key] = parse_duration(f"control.{key}", value)
@@ -346,16 +372,21 @@ def _control(table: object) -> ControlConfig:
             not isinstance(ports, list)
             or len(ports) != 2
             or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
-            or not 0 < ports[0] <= ports[1] < 65536
+            or not 1024 <= ports[0] <= ports[1] < 65536
         ):
             raise ConfigError(
-                f"control.port_range: expected [first, last], ports 1 to 65535,"
+                f"control.port_range: expected [first, last], ports 1024 to 65535,"
                 f" got {ports!r}"
             )
         values["port_range"] = (ports[0], ports[1])
     control = replace(ControlConfig(), **values)
-    if control.interval <= 0:
-        raise ConfigError(f"control.interval: must be positive, got {control.interval}")
+    if control.interval < 0.01:
+        raise ConfigError(
+            f"control.interval: {control.interval:g}s is under the least, 10ms"
+        )
+    for key in ("unreachable_after", "start_timeout", "base_backoff"):
+        if getattr(control, key) <= 0:
+            raise ConfigError(f"control.{key}: must be more than 0s")
     if control.lost_after < control.unreachable_after:
         raise ConfigError(
             f"control.lost_after: {control.lost_after:g}s is shorter than"
@@ -402,9 +433,14 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
         table = data["store"]
         if not isinstance(table, dict):
             raise ConfigError(f"store: expected a table, got {table!r}")
-        _check_keys("store", table, {"url"})
+        _check_keys("store", table, {"url", "flush_interval"})
         if "url" in table:
             config = replace(config, store_url=_string("store.url", table["url"]))
+        if "flush_interval" in table:
+            interval = parse_duration("store.flush_interval", table["flush_interval"])
+            if interval <= 0:
+                raise ConfigError("store.flush_interval: must be positive")
+            config = replace(config, usage_flush_interval=interval)
     if "auth" in data:
         table = data["auth"]
         if not isinstance(table, dict):

@@ -97,6 +97,10 @@ class _Handler(BaseHTTPRequestHandler):
                 b'{"error": {"message": "slow down", "type": "rate_limit_error"}}',
                 {"Retry-After": "7"},
             )
+        elif mode == "close_without_answer":
+            # As an engine killed with the request on its connection.
+            self.server.closed_without_answer += 1
+            self.close_connection = True
         elif mode == "e302":
             self._send(302, b"", {"Location": "http://127.0.0.1:1/elsewhere"})
         else:
@@ -112,6 +116,7 @@ class FakeUpstream(ThreadingHTTPServer):
 
     daemon_threads = True
     flood_sent = 0
+    closed_without_answer = 0
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)

@@ -135,12 +135,14 @@ class Processes:
         return process, match.group(1)
 
     def start_server(
-        self, *args: str, config: str | None = None
+        self, *args: str, config: str | None = None, state: str | None = None
     ) -> tuple[Process, str, str]:
         """
         Start C{twistd -n llmgw-server} listening on free ports.
 
         @param config: TOML text for C{--config}, if any.
+        @param state: a name for its state directory, to reuse it in a
+            later start (after this one stopped); by default its own.
         @return: the process, the client API base URL and the admin base URL.
         """
         directory = self._directory()
@@ -156,7 +158,8 @@ class Processes:
             argv += ["--admin-listen", "tcp:0:interface=127.0.0.1"]
         if "--state-dir" not in args:
             # Its own store and certificates, not the user's.
-            argv += ["--state-dir", os.path.join(directory, "state")]
+            name = state or f"state-{time.monotonic_ns()}"
+            argv += ["--state-dir", os.path.join(directory, name)]
         argv += list(args)
         process = spawn(argv, directory, f"server-{time.monotonic_ns()}")
         self.addCleanup(process.stop)  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import ssl
@@ -274,6 +275,25 @@ class _Fleet(Processes):
         self.addCleanup(process.stop)
         return process
 
+    def assert_backs_off(self, agent: Process) -> None:
+        """
+        The agent's reconnect delays grow (doubling, jittered) while its
+        links are refused.
+        """
+        pattern = r"Scheduling retry \d+ to connect .* in ([\d.]+) seconds"
+        deadline = time.monotonic() + 30
+        delays: list[float] = []
+        while time.monotonic() < deadline:
+            delays = [float(d) for d in re.findall(pattern, agent.output())]
+            if len(delays) >= 3:
+                break
+            time.sleep(0.1)
+        self.assertGreaterEqual(len(delays), 3, agent.output()[-2000:])
+        # Twisted's backoffPolicy adds up to 1 s of jitter: 1-2 s, then
+        # 2-3 s, then 4-5 s.
+        self.assertLess(delays[0], 2.01)
+        self.assertGreaterEqual(delays[2], 4.0)
+
     def nodes(self) -> list[dict[str, Any]]:
         status, _, body = http("GET", self.admin_url + "/api/v1/nodes")
         self.assertEqual(status, 200)
@@ -345,8 +365,12 @@ class AgentLinkEndToEndTests(_Fleet, SynchronousTestCase):
                 dst.write(src.read())
         self.start_agent("gpu-01", foreign)
         self.server.wait_for(r"refused agent connection .*certificate verify failed")
-        self.start_agent("gpu-02", os.path.join(self.ca, "agents", "gpu-01"))
+        impostor = self.start_agent("gpu-02", os.path.join(self.ca, "agents", "gpu-01"))
         self.server.wait_for(r"certificate CN 'gpu-01' claims to be node 'gpu-02'")
+        # The refused agent backs off without a traceback (ClientService's
+        # prepareConnection raised NoTransition on each refusal).
+        self.assert_backs_off(impostor)
+        self.assertNotIn("Traceback", impostor.output())
         context = ssl.create_default_context(cafile=os.path.join(self.ca, "ca.pem"))
         with socket.create_connection(("127.0.0.1", self.agent_port), timeout=5) as raw:
             try:
@@ -638,7 +662,7 @@ class LinkRobustnessTests(_Fleet, SynchronousTestCase):
         self.server.stop()
         self.server, self.admin_url = self.start_fleet_server()
         agent = self.start_agent("gpu-01", os.path.join(self.ca, "agents", "gpu-01"))
-        agent.wait_for(r"Scheduling retry 2 to connect", timeout=30)
+        self.assert_backs_off(agent)
         self.assertEqual(self.nodes(), [])
         self.assertNotIn("registered with llmgw-server", agent.output())
 

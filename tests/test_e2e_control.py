@@ -137,6 +137,7 @@ class _Fleet(Processes):
             "--agent-listen",
             f"tcp:{self.agent_port}:interface=127.0.0.1",
             config=config,
+            state="server-state",
         )
         self.client = openai.OpenAI(
             base_url=self.api_url + "/v1", api_key="unused", max_retries=0, timeout=60
@@ -383,8 +384,8 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         self.assertEqual(
             explained["reasons"],
             [
-                "profile eight-h200: gpu-01: 2 of 8 GPUs free",
-                "profile eight-h200: gpu-02: 2 of 8 GPUs free",
+                "profile eight-h200: gpu-01: has 2 GPUs, needs 8",
+                "profile eight-h200: gpu-02: has 2 GPUs, needs 8",
             ],
         )
         started = time.monotonic()

@@ -911,3 +911,34 @@ class MisbehavingEngineTests(SynchronousTestCase, Processes):
             self.assertEqual(headers["content-type"], "application/json")
             self.assertIn("error", json.loads(body))
         self.assertNotIn("Traceback", self.server.output())
+
+
+class ClosedBeforeAnswerTests(SynchronousTestCase, Processes):
+    """
+    A replica that closes the connection with the request on it and not a
+    byte of an answer (an engine killed, a pooled connection it dropped).
+    """
+
+    timeout = 60
+
+    def test_tried_on_another_replica(self) -> None:
+        """
+        The request goes to another replica; the client sees no error.
+        """
+        from tests.fake_upstream import FakeUpstream
+
+        fake = FakeUpstream()
+        self.addCleanup(fake.stop)
+        _, sim_url = self.start_sim(model="m")
+        _, url, _ = self.start_server(
+            "--endpoint", f"fake={fake.url}=m", "--endpoint", f"sim={sim_url}=m"
+        )
+        gateway = client(url)
+        for _ in range(12):
+            answer = gateway.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                extra_body={"mode": "close_without_answer"},
+            )
+            self.assertTrue(answer.choices[0].message.content)
+        self.assertGreater(fake.closed_without_answer, 0)

@@ -182,7 +182,7 @@ class PlacementTests(SynchronousTestCase):
                 "profile two: gpu-03: 0 of 2 GPUs free, 4 with under 40 GB free",
                 "profile two: gpu-04: 1 of 2 GPUs free, 1 with problems",
                 "profile two: gpu-05: no free port in 8000-8009",
-                "profile two: gpu-06: 0 of 2 GPUs free, no GPUs",
+                "profile two: gpu-06: has 0 GPUs, needs 2",
             ],
         )
         self.check(

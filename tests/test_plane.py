@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionLost
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -19,12 +20,13 @@ from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
 from llmgw.router.balancer import Endpoint
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.protocol import CommandFailed
 
 SETTINGS = ControlConfig(
     unreachable_after=15,
     lost_after=60,
-    base_backoff=5,
-    max_backoff=40,
+    base_backoff=5.0,
+    max_backoff=40.0,
     port_range=(20000, 20009),
     start_timeout=120,
     startup_grace=0,
@@ -40,14 +42,22 @@ class _Agents:
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, pb.ControlMessage]] = []
-        self.refuse: set[str] = set()
+        # node -> the refusal's error code
+        self.refuse: dict[str, str] = {}
+        self.unanswered: list[Deferred[Any]] = []
+        self.hold = False
 
     def send(self, node_id: str, message: pb.ControlMessage) -> Deferred[Any]:
         self.sent.append((node_id, message))
         if node_id in self.refuse:
-            from twisted.internet.defer import fail
-
-            return fail(RuntimeError(f"{node_id} refuses"))
+            result = pb.CommandResult(
+                ok=False, error=f"{node_id} refuses", code=self.refuse[node_id]
+            )
+            return fail(CommandFailed(result))
+        if self.hold:
+            waiting: Deferred[Any] = Deferred()
+            self.unanswered.append(waiting)
+            return waiting
         return succeed(None)
 
     def starts(self) -> list[tuple[str, pb.StartShard]]:
@@ -209,11 +219,97 @@ class ReconcileTests(_Plane):
         An agent refusing StartShard fails the replica like an engine exit.
         """
         self.make(_model(low=1), nodes=("n1",))
-        self.agents.refuse.add("n1")
+        self.agents.refuse["n1"] = ""
         self.plane.reconcile()
         self.plane.reconcile()
         self.assertEqual(self.plane.replicas, {})
         self.assertIn("n1 refuses", self.plane.models_json()[0]["last_error"])
+        # Not a port conflict: the next try uses the same port.
+        self.clock.advance(6)
+        self.heartbeat("n1")
+        self.plane.reconcile()
+        ports = [s.port for _, s in self.agents.starts()]
+        self.assertEqual(ports, [20000, 20000])
+
+    def test_nodes_sharing_an_address_share_ports(self) -> None:
+        """
+        Two agents on one host: their engines get different ports.
+        """
+        self.make(_model(low=2), nodes=())
+        for node in ("n1", "n2"):
+            message = _register(node, gpus=2)
+            message.address = "10.9.9.9"
+            self.inventory.register(message, 0.0, self.clock.seconds())
+            self.plane.node_registered(node, message)
+        self.plane.reconcile()
+        starts = self.agents.starts()
+        self.assertEqual(sorted(n for n, _ in starts), ["n1", "n2"])
+        self.assertEqual(sorted(s.port for _, s in starts), [20000, 20001])
+        # And in a later pass, from the records.
+        self.plane.scale("m", 3, 4)
+        self.plane.reconcile()
+        self.assertEqual(self.agents.starts()[-1][1].port, 20002)
+
+    def test_port_in_use_avoided(self) -> None:
+        """
+        A start refused for its port: the next try on that node uses
+        another port.
+        """
+        self.make(_model(low=1), nodes=("n1",))
+        self.agents.refuse["n1"] = "port_in_use"
+        self.plane.reconcile()
+        self.plane.reconcile()
+        self.clock.advance(6)
+        self.heartbeat("n1")
+        self.plane.reconcile()
+        self.assertEqual([s.port for _, s in self.agents.starts()], [20000, 20001])
+
+    def test_link_lost_during_start(self) -> None:
+        """
+        The link drops with StartShard unanswered: the shard is not counted
+        failed (its engine may run); the node's next Register settles it.
+        """
+        self.make(_model(low=1), nodes=("n1",))
+        self.agents.hold = True
+        self.plane.reconcile()
+        (start,) = self.agents.starts()
+        self.agents.unanswered[0].errback(ConnectionLost())
+        self.plane.reconcile()
+        replica = self.plane.replicas[start[1].replica_id]
+        self.assertEqual(replica.shards[0].state, "pending")
+        running = pb.RunningShard(
+            shard_id=start[1].shard_id,
+            replica_id=start[1].replica_id,
+            model="m",
+            profile="one",
+            state=pb.SHARD_STATE_READY,
+            port=start[1].port,
+            gpu_indices=[0],
+            pid=9,
+        )
+        self.register("n1", shards=(running,))
+        self.plane.reconcile()
+        self.assertEqual(replica.state, "ready")
+        self.assertEqual(self.plane.models_json()[0]["failures_in_a_row"], 0)
+        self.assertEqual(self.agents.stops(), [])
+
+    def test_many_failures(self) -> None:
+        """
+        A model failing 1100 times in a row (two passes each): the backoff stays at
+        max_backoff (2 ** 1024 would overflow a float and stall every
+        pass).
+        """
+        self.make(_model(low=1), nodes=("n1",))
+        self.agents.refuse["n1"] = ""
+        for _ in range(2200):
+            self.plane.reconcile()
+            self.clock.advance(41)
+            self.heartbeat("n1")
+        model = self.plane.models_json()[0]
+        self.assertGreater(model["failures_in_a_row"], 1030)
+        self.assertLessEqual(model["retry_in"], 40)
+        # Still retried every max_backoff.
+        self.assertGreater(len(self.agents.starts()), 1030)
 
     def test_not_ready_in_time(self) -> None:
         """
@@ -321,6 +417,32 @@ class AdoptionTests(_Plane):
         self.plane.reconcile()
         self.assertEqual(len(self.agents.starts()), 1)
 
+    def test_foreign_shard_refused(self) -> None:
+        """
+        A node listing a shard id recorded on another node, or a rank its
+        profile does not have, gets it stopped; the real one is untouched.
+        """
+        self.make(_model(low=1), nodes=("n1",))
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        (node, start) = self.agents.starts()[0]
+        stolen = self._running(start.shard_id)
+        stolen.replica_id = start.replica_id
+        bad_rank = self._running("m-cccc-1", rank=1)
+        self.register("n2", shards=(stolen, bad_rank))
+        self.plane.reconcile()
+        self.assertEqual(
+            sorted(self.agents.stops()), sorted([start.shard_id, "m-cccc-1"])
+        )
+        self.assertEqual(
+            [n for n, m in self.agents.sent if m.WhichOneof("kind") == "stop_shard"],
+            ["n2", "n2"],
+        )
+        replica = self.plane.replicas[start.replica_id]
+        self.assertEqual([(s.node, s.state) for s in replica.shards], [("n1", "ready")])
+        self.assertEqual(len(self.endpoints()), 1)
+
     def test_surplus_after_adoption_drained(self) -> None:
         """
         Two adopted replicas of a model with max_replicas = 1: the one not
@@ -371,6 +493,44 @@ class ActivationTests(_Plane):
         self.assertEqual(self.endpoints(), [])
         self.plane.reconcile()
         self.assertEqual(self.agents.stops(), [replica + "-0"])
+
+    def test_scale_with_load(self) -> None:
+        """
+        More requests in flight per ready replica than scale_up_in_flight
+        (8): one replica more, up to max_replicas, not while one is
+        starting; light load for idle_timeout: one fewer, down to
+        min_replicas.
+        """
+        self.make(_model(low=1, high=2, idle=60))
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        (first,) = self.plane.replicas
+        self.in_flight[first] = 8
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.starts()), 1)
+        self.in_flight[first] = 9
+        self.plane.reconcile()
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.starts()), 2)
+        self.ready_all()
+        self.in_flight[first] = 40
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.starts()), 2)  # max_replicas
+        self.assertEqual(len(self.endpoints()), 2)
+        self.in_flight[first] = 0
+        self.clock.advance(59)
+        self.heartbeat("n1", "n2")
+        self.plane.touch("m")
+        self.plane.reconcile()
+        self.assertEqual(self.agents.stops(), [])
+        self.clock.advance(2)
+        self.heartbeat("n1", "n2")
+        self.plane.touch("m")
+        self.plane.reconcile()
+        self.assertEqual(len(self.endpoints()), 1)
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.stops()), 1)
 
     def test_unknown_model(self) -> None:
         """
@@ -437,5 +597,8 @@ class DrainTests(_Plane):
         self.assertEqual(self.agents.starts(), [])
         self.assertEqual(
             self.plane.explain("big")["reasons"],
-            ["profile x4: n1: 1 of 4 GPUs free", "profile x4: n2: 1 of 4 GPUs free"],
+            [
+                "profile x4: n1: has 1 GPUs, needs 4",
+                "profile x4: n2: has 1 GPUs, needs 4",
+            ],
         )

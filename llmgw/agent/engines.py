@@ -27,7 +27,13 @@ class ProfileError(Exception):
     """
     A shard cannot be launched as asked; the message says which check
     failed.
+
+    @ivar code: a failure the server acts on (C{"port_in_use"}), or C{""}.
     """
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -134,5 +140,5 @@ def check(command: pb.StartShard, launch: Launch, host: str = "127.0.0.1") -> No
             probe.bind((host, command.port))
         except OSError as e:
             raise ProfileError(
-                f"port {command.port} is not free: {e.strerror}"
+                f"port {command.port} is not free: {e.strerror}", "port_in_use"
             ) from None

@@ -45,8 +45,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self._clock = clock
         self._beat: LoopingCall | None = None
         self._weights: LoopingCall | None = None
-        # Fires on Welcome: only then does the link count as made, so the
-        # reconnect backoff keeps growing for a server that refuses us.
+        # Fires on Welcome.
         self.registered: Deferred[None] = Deferred()
 
     def connectionMade(self) -> None:
@@ -56,6 +55,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         kind = message.WhichOneof("kind")
         if kind == "welcome":
             if not self.registered.called:
+                self.factory.refused_in_a_row = 0
                 self.registered.callback(None)
             interval = message.welcome.heartbeat_interval_seconds or 5
             self.log.info(
@@ -75,7 +75,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         if kind is None:
             return
         command = getattr(message, kind)
-        error = ""
+        error = code = ""
         supervisor = self.factory.supervisor
         try:
             if kind == "start_shard":
@@ -98,7 +98,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
             else:
                 error = f"unknown command {kind}"
         except ProfileError as e:
-            error = str(e)
+            error, code = str(e), e.code
             self.log.warn("{kind} refused: {error}", kind=kind, error=error)
         except Exception as e:
             # Whatever the server sent, it gets an answer and the link stays.
@@ -107,7 +107,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self.send(
             pb.AgentMessage(
                 command_result=pb.CommandResult(
-                    command_id=command.command_id, ok=not error, error=error
+                    command_id=command.command_id, ok=not error, error=error, code=code
                 )
             )
         )
@@ -135,7 +135,12 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         if isinstance(factory, AgentFactory) and factory.current is self:
             factory.current = None
         if not self.registered.called:
+            # Connected but never welcomed (a refused certificate or node
+            # id): the reconnect backoff keeps growing.
+            if isinstance(factory, AgentFactory):
+                factory.refused_in_a_row += 1
             self.registered.errback(reason)
+            self.registered.addErrback(lambda _: None)
         self.log.info(
             "link to the server lost: {reason}", reason=reason.getErrorMessage()
         )
@@ -160,6 +165,8 @@ class AgentFactory(Factory):
         self._heartbeat = heartbeat
         self._clock = clock
         self.current: AgentProtocol | None = None
+        # Links closed before the server's Welcome, in a row.
+        self.refused_in_a_row = 0
         self.supervisor = Supervisor(
             clock, self.send_status, state_dir, engine_host=engine_host
         )

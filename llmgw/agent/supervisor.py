@@ -29,6 +29,10 @@ from llmgw.router.upstream import QuietConnectionPool
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
+KEEP_LOGS = 100
+"""
+Output files of ended shards kept in the state directory.
+"""
 _SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # Runs the engine in a new session, so that stopping it signals its whole
@@ -439,6 +443,28 @@ class Supervisor:
             os.remove(self.path(shard.id, ".json"))
         except FileNotFoundError:
             pass
+        self._prune_logs()
+
+    def _prune_logs(self, keep: int = KEEP_LOGS) -> None:
+        """
+        Delete the output of ended shards beyond the newest C{keep}: a
+        model failing in a loop must not fill the disk with files.
+        """
+        try:
+            names = [
+                n
+                for n in os.listdir(self._dir)
+                if n.endswith(".log") and n[: -len(".log")] not in self.shards
+            ]
+            paths = sorted(
+                (os.path.join(self._dir, n) for n in names),
+                key=os.path.getmtime,
+                reverse=True,
+            )
+            for path in paths[keep:]:
+                os.remove(path)
+        except OSError as e:
+            self.log.warn("cannot prune shard logs: {error}", error=str(e))
 
     def running(self) -> list[pb.RunningShard]:
         """

@@ -15,8 +15,10 @@ from twisted.application.internet import ClientService, backoffPolicy
 from twisted.application.service import IService
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.logger import Logger
 from twisted.python import usage
+from zope.interface import implementer
 
 from llmgw import __version__
 from llmgw.agent.gpus import discover, nvml_gpus
@@ -228,6 +230,30 @@ def _tls_options(config: AgentConfig, host: str) -> Any:
     )
 
 
+@implementer(IStreamClientEndpoint)
+class _Logged:
+    """
+    An endpoint that says why a connection to the server failed, naming
+    it (ClientService's own line names only the endpoint object).
+    """
+
+    def __init__(self, endpoint: Any, server: str) -> None:
+        self._endpoint = endpoint
+        self._server = server
+
+    def connect(self, factory: Any) -> Deferred[Any]:
+        def failed(reason: Any) -> Any:
+            log.warn(
+                "cannot connect to the server at {server}: {reason}",
+                server=self._server,
+                reason=reason.getErrorMessage(),
+            )
+            return reason
+
+        d: Deferred[Any] = self._endpoint.connect(factory)
+        return d.addErrback(failed)
+
+
 class _AgentService(ClientService):
     """
     The uplink; on stop it aborts the connection at once, so the agent ends
@@ -301,14 +327,14 @@ def build_agent(
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()
+    backoff = backoffPolicy(initialDelay=0.5, maxDelay=30.0, factor=2.0)
     service = _AgentService(
         factory,
-        endpoint,
+        _Logged(endpoint, config.server),
         factory,
-        retryPolicy=backoffPolicy(initialDelay=0.5, maxDelay=30.0, factor=2.0),
-        # A connection counts once the server welcomed us: a TLS connection
-        # the server then refuses must not reset the backoff.
-        prepareConnection=lambda protocol: protocol.registered,
+        # A link the server closes before welcoming us counts as a failed
+        # attempt too (ClientService resets its count on every connection).
+        retryPolicy=lambda attempt: backoff(max(attempt, factory.refused_in_a_row)),
     )
     log.info(
         "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"

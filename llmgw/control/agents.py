@@ -62,6 +62,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
         super().__init__(hub.max_frame_size)
         self._hub = hub
         self.node_id: str | None = None
+        self.attached_at = 0.0
         self._register_timer: IDelayedCall | None = None
 
     def connectionMade(self) -> None:
@@ -294,13 +295,23 @@ class AgentHub(Factory):
 
     def attach(self, link: AgentLink) -> None:
         assert link.node_id is not None
+        link.attached_at = self.clock.seconds()
         old = self.links.get(link.node_id)
         self.links[link.node_id] = link
         if old is not None and old is not link:
-            self.log.info(
-                "agent {node} connected again: closing its previous link",
-                node=link.node_id,
-            )
+            age = self.clock.seconds() - old.attached_at
+            if age < self.heartbeat_interval * 2:
+                self.log.warn(
+                    "agent {node} connected again {age:.1f}s after its previous"
+                    " link: are two agents running with node id {node}?",
+                    node=link.node_id,
+                    age=age,
+                )
+            else:
+                self.log.info(
+                    "agent {node} connected again: closing its previous link",
+                    node=link.node_id,
+                )
             old.node_id = None
             if old.transport is not None:
                 old.transport.loseConnection()

@@ -143,7 +143,7 @@ class Inventory:
                     problems=list(g.problems),
                     simulated=g.simulated,
                 )
-                for g in message.gpus
+                for g in {g.index: g for g in message.gpus}.values()
             ],
             last_seen=now,
             heard=heard,

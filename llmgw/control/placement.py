@@ -144,6 +144,8 @@ def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]
     usable.sort(key=lambda g: (g.free_mib, g.index))
     if len(usable) >= profile.gpus:
         return usable, ""
+    if len(node.gpus) < profile.gpus:
+        return usable, f"has {len(node.gpus)} GPUs, needs {profile.gpus}"
     why = [f"{len(usable)} of {profile.gpus} GPUs free"]
     if troubled:
         why.append(f"{troubled} with problems")
@@ -151,8 +153,6 @@ def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]
         why.append(f"{small} with under {profile.gpu_memory_gb:g} GB free")
     if allocated:
         why.append(f"{allocated} allocated")
-    if not node.gpus:
-        why.append("no GPUs")
     return usable, ", ".join(why)
 
 

@@ -29,6 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.config import ControlConfig
+from llmgw.control.agents import NoLink
 from llmgw.control.catalog import Model
 from llmgw.control.inventory import Inventory, Node
 from llmgw.control.loop import Loop
@@ -43,6 +44,7 @@ from llmgw.control.placement import (
 )
 from llmgw.router.balancer import Endpoint
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.protocol import CommandFailed
 
 _STATE_NAMES = {
     pb.SHARD_STATE_PENDING: "pending",
@@ -139,8 +141,10 @@ class ReplicaRecord:
             return "draining"
         if any(s.state in _GONE for s in self.shards):
             return "failed"
-        if len(self.shards) == self.profile.nodes and all(
-            s.state == "ready" for s in self.shards
+        if (
+            len(self.shards) == self.profile.nodes
+            and all(s.state == "ready" for s in self.shards)
+            and self.leader is not None
         ):
             return "ready"
         return "starting"
@@ -177,6 +181,7 @@ class _ModelState:
     model: Model
     wanted: int = 0
     last_used: float = 0.0
+    busy_at: float = 0.0
     failures: int = 0
     retry_at: float = 0.0
     last_error: str = ""
@@ -281,6 +286,23 @@ class ControlPlane:
         if model is not None:
             self._models[model].last_used = self.clock.seconds()
 
+    def why_not(self, name: str) -> str:
+        """
+        @return: why the model has no ready replica, in a few words fit for
+            a client (no node names or addresses), or C{""}.
+        """
+        model = self._names.get(name)
+        state = self._models.get(model) if model is not None else None
+        if state is None:
+            return ""
+        if state.no_fit is not None:
+            return "no node has room for it now"
+        if state.failures:
+            return f"its last {state.failures} starts failed"
+        if not any(n.state == "ready" for n in self.inventory.nodes()):
+            return "no node is connected"
+        return ""
+
     # What the agents say.
 
     def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
@@ -350,11 +372,26 @@ class ControlPlane:
             return f"model {running.model!r} is not in the catalog"
         if not any(p.name == running.profile for p in state.model.profiles):
             return f"model {running.model!r} has no profile {running.profile!r}"
-        if running.state in (pb.SHARD_STATE_DRAINING, pb.SHARD_STATE_STOPPED):
-            return "it is stopping"
+        if running.state in (
+            pb.SHARD_STATE_DRAINING,
+            pb.SHARD_STATE_STOPPED,
+            pb.SHARD_STATE_FAILED,
+        ):
+            return "it is stopping or failed"
+        profile = next(p for p in state.model.profiles if p.name == running.profile)
+        if running.rank >= profile.nodes:
+            return f"rank {running.rank} in a profile of {profile.nodes} nodes"
+        if running.shard_id in self._shards:
+            other = self._shards[running.shard_id][1].node
+            return f"shard id {running.shard_id!r} is already on node {other}"
         replica = self.replicas.get(running.replica_id)
-        if replica is not None and replica.state in ("draining", "failed"):
-            return f"its replica {replica.id} is {replica.state}"
+        if replica is not None:
+            if replica.state in ("draining", "failed"):
+                return f"its replica {replica.id} is {replica.state}"
+            if replica.model != running.model or replica.profile.name != profile.name:
+                return f"replica {replica.id} is of another model or profile"
+            if any(s.rank == running.rank for s in replica.shards):
+                return f"replica {replica.id} has a rank {running.rank} already"
         return ""
 
     def _adopt(self, node_id: str, running: pb.RunningShard, state: str) -> None:
@@ -592,15 +629,23 @@ class ControlPlane:
             self.grace_over = True
         self._update_nodes(now)
         for replica in list(self.replicas.values()):
-            self._check(replica, now)
+            try:
+                self._check(replica, now)
+            except Exception:
+                # One bad record must not stall every model.
+                self.log.failure("checking replica {replica}", replica=replica.id)
         by_model: dict[str, list[ReplicaRecord]] = {}
         for replica in self.replicas.values():
             by_model.setdefault(replica.model, []).append(replica)
         snapshot: _Snapshot | None = None
-        for state in self._models.values():
-            snapshot = self._scale(
-                state, now, snapshot, by_model.get(state.model.name, [])
-            )
+        for state in list(self._models.values()):
+            try:
+                snapshot = self._scale(
+                    state, now, snapshot, by_model.get(state.model.name, [])
+                )
+            except Exception:
+                self.log.failure("scaling model {model}", model=state.model.name)
+                snapshot = None
         for replica in list(self.replicas.values()):
             if replica.model not in self._models and replica.draining_since is None:
                 self._drain(replica, "its model left the catalog")
@@ -666,9 +711,10 @@ class ControlPlane:
             model.last_error = f"replica {replica.id}: {error}"
         elif model is not None:
             model.failures += 1
+            # The exponent is capped: 2 ** 1024 overflows a float.
             backoff = min(
                 settings.max_backoff,
-                settings.base_backoff * 2 ** (model.failures - 1),
+                settings.base_backoff * 2 ** min(model.failures - 1, 40),
             )
             model.retry_at = now + backoff
             model.last_error = f"replica {replica.id}: {error}"
@@ -712,6 +758,53 @@ class ControlPlane:
                 state.wanted = 0
         return min(max(model.min_replicas, state.wanted), model.max_replicas)
 
+    def _follow_load(
+        self, state: _ModelState, now: float, replicas: list[ReplicaRecord]
+    ) -> None:
+        """
+        Scale with traffic between C{min_replicas} and C{max_replicas}: one
+        replica more while the requests in flight per ready replica are over
+        C{[control] scale_up_in_flight} (and none is still starting); one
+        fewer after C{idle_timeout} with them under half of it.
+        """
+        model = state.model
+        threshold = self.settings.scale_up_in_flight
+        ready = [r for r in replicas if r.state == "ready"]
+        live = [r for r in replicas if r.draining_since is None]
+        in_flight = sum(self._outstanding(r.id) for r in replicas)
+        per_replica = in_flight / len(ready) if ready else 0.0
+        if per_replica > threshold / 2:
+            state.busy_at = now
+        current = max(model.min_replicas, state.wanted)
+        if (
+            per_replica > threshold
+            and len(ready) == len(live)
+            and len(live) >= current
+            and current < model.max_replicas
+        ):
+            state.wanted = current + 1
+            self.log.info(
+                "model {model}: {in_flight} requests in flight on {ready} replicas:"
+                " scaling up to {count}",
+                model=model.name,
+                in_flight=in_flight,
+                ready=len(ready),
+                count=state.wanted,
+            )
+        elif (
+            state.wanted > max(model.min_replicas, 1)
+            and model.idle_timeout > 0
+            and now - max(state.busy_at, self.started) >= model.idle_timeout
+        ):
+            state.wanted -= 1
+            state.busy_at = now
+            self.log.info(
+                "model {model}: light load for {seconds:g}s: scaling down to {count}",
+                model=model.name,
+                seconds=model.idle_timeout,
+                count=max(model.min_replicas, state.wanted),
+            )
+
     def _scale(
         self,
         state: _ModelState,
@@ -719,6 +812,7 @@ class ControlPlane:
         snapshot: _Snapshot | None,
         replicas: list[ReplicaRecord],
     ) -> _Snapshot | None:
+        self._follow_load(state, now, replicas)
         want = self.desired(state, now, replicas)
         live = [r for r in replicas if r.draining_since is None]
         if not self.grace_over:
@@ -748,6 +842,9 @@ class ControlPlane:
             )
             if isinstance(result, NoFit):
                 if state.no_fit != result:
+                    state.last_error = "no place for a replica: " + "; ".join(
+                        result.lines()[:3]
+                    )
                     self.log.warn(
                         "model {model}: no place for a replica: {why}",
                         model=state.model.name,
@@ -825,16 +922,29 @@ class ControlPlane:
     def _start_refused(self, reason: Failure, shard: ShardRecord) -> None:
         if shard.state in _GONE:
             return
-        # Something else may hold the port on that node (the agent checks
-        # it before launching): the next try gets another.
-        self._suspect[shard.node, shard.port] = self.clock.seconds()
+        if isinstance(reason.value, CommandFailed):
+            result = reason.value.result
+            if result.code == "port_in_use":
+                # Something else holds the port on that node: the next try
+                # gets another.
+                self._suspect[shard.node, shard.port] = self.clock.seconds()
+            shard.error = result.error
+        elif reason.check(NoLink):
+            # Never sent: nothing runs.
+            shard.error = f"not started: {reason.getErrorMessage()}"
+        else:
+            # The link went down with the command unanswered: the engine may
+            # run.  The node's next Register says (listed: kept; not listed:
+            # gone), and start_timeout bounds the wait.
+            self.log.info(
+                "start of shard {shard} on {node} unanswered: {why}; waiting for"
+                " the node to register again",
+                shard=shard.id,
+                node=shard.node,
+                why=reason.getErrorMessage(),
+            )
+            return
         shard.state = "failed"
-        result = getattr(reason.value, "result", None)
-        shard.error = (
-            result.error
-            if result is not None
-            else f"the start command was not answered: {reason.getErrorMessage()}"
-        )
         self.loop.kick()
 
     def _stop_shard(self, node_id: str, shard_id: str) -> None:
@@ -988,14 +1098,21 @@ class _Snapshot:
         suspect_ports: dict[str, set[int]],
         cache: dict[str, tuple[Any, NodeView]] | None = None,
     ) -> None:
+        nodes = list(nodes)
         taken: dict[str, set[int]] = {}
-        ports: dict[str, set[int]] = {k: set(v) for k, v in suspect_ports.items()}
+        # Ports are per address: two nodes on one host (two agents, or a
+        # test fleet) share its ports.
+        address = {node.id: node.address for node in nodes}
+        ports: dict[str, set[int]] = {}
+        for node_id, suspect in suspect_ports.items():
+            ports.setdefault(address.get(node_id, node_id), set()).update(suspect)
         for replica in replicas:
             for shard in replica.shards:
                 if shard.state in _GONE:
                     continue
                 taken.setdefault(shard.node, set()).update(shard.gpus)
-                ports.setdefault(shard.node, set()).add(shard.port)
+                key = address.get(shard.node, shard.node)
+                ports.setdefault(key, set()).add(shard.port)
         if cache is None:
             cache = {}
         views = []
@@ -1006,10 +1123,10 @@ class _Snapshot:
             if state == "ready" and node.draining:
                 state = "draining"
             used = frozenset(taken.get(node.id, ()))
-            busy = frozenset(ports.get(node.id, ()))
-            key = (node.version, state, used, busy)
+            busy = frozenset(ports.get(node.address, ()))
+            version = (node.version, state, used, busy)
             hit = cache.get(node.id)
-            if hit is not None and hit[0] == key:
+            if hit is not None and hit[0] == version:
                 views.append(hit[1])
                 continue
             view = NodeView(
@@ -1029,9 +1146,17 @@ class _Snapshot:
                 ),
                 ports_in_use=busy,
             )
-            cache[node.id] = (key, view)
+            cache[node.id] = (version, view)
             views.append(view)
         self.fleet = Fleet(views)
+        by_address: dict[str, list[str]] = {}
+        for node in nodes:
+            by_address.setdefault(node.address, []).append(node.id)
+        self._same_address = {
+            node.id: [n for n in by_address[node.address] if n != node.id]
+            for node in nodes
+            if len(by_address[node.address]) > 1
+        }
 
     def take(self, plan: Plan) -> None:
         for shard in plan.shards:
@@ -1046,3 +1171,8 @@ class _Snapshot:
                     ports_in_use=view.ports_in_use | {shard.port},
                 )
             )
+            for other in self._same_address.get(shard.node, ()):
+                view = self.fleet.get(other)
+                self.fleet.replace(
+                    replace(view, ports_in_use=view.ports_in_use | {shard.port})
+                )

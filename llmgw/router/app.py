@@ -22,7 +22,11 @@ from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone
+from twisted.web.client import (
+    RequestTransmissionFailed,
+    ResponseDone,
+    ResponseNeverReceived,
+)
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IRequest
@@ -125,6 +129,12 @@ class Activator(TypingProtocol):
     def touch(self, name: str) -> None:
         """
         A request for C{name} arrived (the model is not idle).
+        """
+
+    def why_not(self, name: str) -> str:
+        """
+        @return: why C{name} has no ready replica, for the client, or
+            C{""}.
         """
 
 
@@ -601,10 +611,13 @@ class _Exchange:
             if self.expired:
                 raise self._deadline_error() from None
             if timed_out:
+                why = activator.why_not(model)
                 raise APIError(
                     503,
                     f"No replica of model {model!r} became ready within"
-                    f" {settings.activation_timeout:g}s; try again later.",
+                    f" {settings.activation_timeout:g}s"
+                    + (f" ({why})" if why else "")
+                    + "; try again later.",
                     "service_unavailable_error",
                     "activation_timeout",
                     retry_after=30,
@@ -681,16 +694,28 @@ class _Exchange:
                     f"Could not connect to a replica of model {self.model!r}."
                 )
             ) from None
-        except Exception:
+        except Exception as e:
             if self.client_gone:
                 raise
             if self.expired:
                 router.metrics.upstream_errors.labels("timeout").inc()
                 raise self._deadline_error() from None
             router.metrics.upstream_errors.labels("broken").inc()
-            raise upstream_failed(
+            error = upstream_failed(
                 "The replica closed the connection before answering."
-            ) from None
+            )
+            if isinstance(e, (ResponseNeverReceived, RequestTransmissionFailed)):
+                # Not a byte of an answer: a pooled connection to an engine
+                # that died or closed it.  Another replica gets the request
+                # (as a connect failure would).
+                router.log.warn(
+                    "request {request_id}: replica {replica} closed the connection"
+                    " before answering; trying another",
+                    request_id=self.request_id.decode("ascii"),
+                    replica=replica.id,
+                )
+                raise _Retry(error) from None
+            raise error from None
         finally:
             self.waiting = None
         status: int = response.code

@@ -19,6 +19,7 @@ from klein import Klein
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
+from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw import __version__
 from llmgw.config import ConfigError, parse_duration
@@ -154,6 +155,30 @@ class Admin:
             error.status,
         )
 
+    @app.handle_errors(NotFound)
+    def _no_path(self, request: IRequest, failure: Any) -> bytes:
+        path = request.path.decode("utf-8", "replace")[:200]
+        return _json(
+            request, {"error": {"message": f"no path {path}", "code": "not_found"}}, 404
+        )
+
+    @app.handle_errors(MethodNotAllowed)
+    def _no_method(self, request: IRequest, failure: Any) -> bytes:
+        allowed = getattr(failure.value, "valid_methods", None) or []
+        if allowed:
+            request.setHeader(b"allow", ", ".join(allowed).encode("ascii"))
+        method = request.method.decode("ascii", "replace")
+        return _json(
+            request,
+            {
+                "error": {
+                    "message": f"{method} is not allowed here",
+                    "code": "bad_method",
+                }
+            },
+            405,
+        )
+
     def _plane(self) -> ControlPlane:
         if self.plane is None:
             raise AdminError(404, "no control plane in this server", "not_found")
@@ -201,9 +226,23 @@ class Admin:
         """
         C{{"nodes": [...]}}, each node as L{Node.to_json} gives it.
         """
-        return _json(
-            request, {"nodes": [node.to_json() for node in self.inventory.nodes()]}
-        )
+        nodes = [node.to_json() for node in self.inventory.nodes()]
+        if self.plane is not None:
+            # The control plane's records are current; the Register's
+            # list is as of the agent's last connection.
+            shards: dict[str, list[dict[str, Any]]] = {}
+            for replica in self.plane.replicas.values():
+                for shard in replica.shards:
+                    shards.setdefault(shard.node, []).append(
+                        {
+                            **shard.to_json(),
+                            "model": replica.model,
+                            "replica": replica.id,
+                        }
+                    )
+            for node in nodes:
+                node["shards"] = shards.get(node["id"], [])
+        return _json(request, {"nodes": nodes})
 
     @app.route("/api/v1/replicas", methods=["GET"])
     def replicas(self, request: IRequest) -> bytes:
@@ -238,6 +277,20 @@ class Admin:
         except KeyError:
             raise _not_found(f"node {node_id[:200]!r}") from None
         return _json(request, {"node": node_id, "draining_replicas": drained})
+
+    @app.route("/api/v1/nodes/<node_id>/undrain", methods=["POST"])
+    def undrain_node(self, request: IRequest, node_id: str) -> bytes:
+        """
+        Take a node back: placements may use it again (replicas already
+        moved stay where they are).
+        """
+        node = self.inventory.get(node_id)
+        if node is None:
+            raise _not_found(f"node {node_id[:200]!r}")
+        node.draining = False
+        node.version += 1
+        self._plane().loop.kick()
+        return _json(request, {"node": node_id, "draining": False})
 
     @app.route("/api/v1/replicas/<replica_id>/drain", methods=["POST"])
     def drain_replica(self, request: IRequest, replica_id: str) -> bytes:

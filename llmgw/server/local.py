@@ -141,7 +141,12 @@ def local_agent(
         state_dir=os.path.join(state_dir, "agent"),
         address="127.0.0.1",
     )
-    os.makedirs(os.path.join(config.state_dir, "shards"), mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(os.path.join(config.state_dir, "shards"), mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"state_dir: cannot use {config.state_dir!r}: {e.strerror}"
+        ) from None
     endpoint = wrapClientTLS(
         client_options(
             "127.0.0.1",

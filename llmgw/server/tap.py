@@ -230,6 +230,43 @@ class _Guarded(Resource):
         return (self._guard if self.guarded else self._inner).render(request)
 
 
+_held_locks: list[Any] = []
+
+
+def _lock_state_dir(state_dir: str) -> None:
+    """
+    Hold C{STATE_DIR/server.lock} for the life of the process: two servers
+    on one state directory would share its store, certificates and (with
+    --local) adopt and stop each other's engines.
+
+    @raise ConfigError: another server holds it, or it cannot be made.
+    """
+    import fcntl
+
+    folder = os.path.expanduser(state_dir)
+    path = os.path.join(folder, "server.lock")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        handle = open(path, "a+")
+    except OSError as e:
+        raise ConfigError(f"state_dir: cannot use {folder!r}: {e.strerror}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise ConfigError(
+            f"state_dir: {folder!r} is in use by llmgw-server pid {holder};"
+            " give this one its own --state-dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    _held_locks.append(handle)
+
+
 def _loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -348,6 +385,7 @@ def makeService(options: Options) -> IService:
         # engines it adopted, comes before any node exists to place on.
         control = replace(control, startup_grace=0.0)
     try:
+        _lock_state_dir(config.state_dir)
         store = Store(sqlite_path(config.store_url, config.state_dir))
         key_rows, stored_models = store.prepare()
     except ConfigError as e:
@@ -358,7 +396,7 @@ def makeService(options: Options) -> IService:
     models = tuple(models) + _runtime_models(stored_models, models)
     keys = KeyRing(store, config.require_api_key)
     keys.load(key_rows)
-    usage_sink = StoreUsageSink(store, reactor)
+    usage_sink = StoreUsageSink(store, reactor, config.usage_flush_interval)
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown)
     static = [Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints]

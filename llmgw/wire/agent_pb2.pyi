@@ -158,14 +158,16 @@ class ShardStatus(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CommandResult(_message.Message):
-    __slots__ = ("command_id", "ok", "error")
+    __slots__ = ("command_id", "ok", "error", "code")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     ok: bool
     error: str
-    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    code: str
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class WeightsReport(_message.Message):
     __slots__ = ("files",)

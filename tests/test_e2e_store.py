@@ -1,0 +1,431 @@
+"""
+Keys, usage, runtime models and weights end to end: C{twistd -n
+llmgw-server} with its SQLite store, driven by C{llmgw ctl} as an operator
+would and by the official C{openai} client; the sim engine as the replica;
+for models and weights, agent processes over mutual TLS with simulated GPUs
+(no GPU here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+import openai
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.support import BIN, Processes, http
+from tests.test_e2e_control import MODELS, _Fleet
+
+CHAT = [{"role": "user", "content": "count the tokens"}]
+
+
+class _Ctl:
+    admin_url: str
+
+    def ctl(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [os.path.join(BIN, "llmgw"), "ctl", "--admin-url", self.admin_url, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if ok and done.returncode != 0:
+            raise AssertionError(f"llmgw ctl {' '.join(args)}: {done.stderr}")
+        return done
+
+    def ctl_json(self, *args: str) -> Any:
+        return json.loads(self.ctl("--json", *args).stdout)
+
+
+class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
+    timeout = 120
+
+    def setUp(self) -> None:
+        _, self.sim_url = self.start_sim("--max-tokens", "7")
+        self.config = '[store]\nflush_interval = "1h"\n'
+        self.start()
+
+    def start(self) -> None:
+        self.server, self.url, self.admin_url = self.start_server(
+            "--endpoint",
+            f"sim-0={self.sim_url}=sim-model,other-model",
+            config=self.config,
+            state="server-state",
+        )
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def test_keys(self) -> None:
+        """
+        Keys made with llmgw ctl: a valid key works; no key is an
+        AuthenticationError; another key's model a PermissionDeniedError
+        (and /v1/models shows a key only its models); past --rpm a
+        RateLimitError with Retry-After; a revoked key stops working.
+        """
+        self.assertIn("auth_required: no", self.ctl("status").stdout)
+        made = self.ctl(
+            "keys", "create", "--name", "alice", "--models", "sim-model", "--rpm", "3"
+        )
+        alice = made.stdout.splitlines()[0]
+        self.assertTrue(alice.startswith("sk-"))
+        self.assertIn("shown only this once", made.stdout)
+        bob = self.ctl_json(
+            "keys", "create", "--name", "bob", "--models", "other-model"
+        )["key"]
+
+        answer = self.client(alice).chat.completions.create(
+            model="sim-model", messages=CHAT
+        )
+        self.assertTrue(answer.choices[0].message.content)
+        # No key at all (the openai client always sends one): plain HTTP.
+        status, _, body = http(
+            "POST",
+            self.url + "/v1/chat/completions",
+            json.dumps({"model": "sim-model", "messages": CHAT}).encode(),
+            {"content-type": "application/json"},
+        )
+        self.assertEqual(
+            (status, json.loads(body)["error"]["code"]), (401, "invalid_api_key")
+        )
+        with self.assertRaises(openai.AuthenticationError):
+            self.client("sk-not-a-key").chat.completions.create(
+                model="sim-model", messages=CHAT
+            )
+        with self.assertRaises(openai.PermissionDeniedError) as denied:
+            self.client(bob).chat.completions.create(model="sim-model", messages=CHAT)
+        self.assertEqual(denied.exception.code, "model_not_allowed")
+        self.assertEqual(
+            [m.id for m in self.client(bob).models.list()], ["other-model"]
+        )
+        # The scheme is case-insensitive.
+        status, _, _ = http(
+            "GET", self.url + "/v1/models", headers={"authorization": f"bEaReR {bob}"}
+        )
+        self.assertEqual(status, 200)
+
+        self.client(alice).chat.completions.create(model="sim-model", messages=CHAT)
+        self.client(alice).chat.completions.create(model="sim-model", messages=CHAT)
+        with self.assertRaises(openai.RateLimitError) as limited:
+            self.client(alice).chat.completions.create(model="sim-model", messages=CHAT)
+        self.assertEqual(limited.exception.code, "rate_limit_exceeded")
+        retry_after = int(limited.exception.response.headers["retry-after"])
+        self.assertTrue(50 <= retry_after <= 60, retry_after)
+
+        listed = self.ctl("keys", "list").stdout.splitlines()
+        self.assertEqual(listed[0].split()[:3], ["NAME", "PREFIX", "MODELS"])
+        self.assertEqual([line.split()[0] for line in listed[1:]], ["alice", "bob"])
+        self.assertNotIn(alice, self.ctl("keys", "list").stdout)
+        self.ctl("keys", "revoke", "bob")
+        with self.assertRaises(openai.AuthenticationError):
+            self.client(bob).models.list()
+        failed = self.ctl("keys", "revoke", "nobody", ok=False)
+        self.assertEqual(failed.returncode, 1)
+        self.assertEqual(failed.stderr, "llmgw ctl: no key 'nobody' (HTTP 404)\n")
+
+    def test_usage_exact_and_kept_over_sigterm(self) -> None:
+        """
+        10 streamed and 10 non-streamed requests: llmgw ctl usage shows the
+        token counts the engine reported, exactly.  The records are still
+        buffered (flush_interval 1h) when SIGTERM comes; after a restart
+        they are all in the store.
+        """
+        key = self.ctl_json("keys", "create", "--name", "meter")["key"]
+        client = self.client(key)
+        prompt = completion = 0
+        for _ in range(10):
+            answer = client.chat.completions.create(model="sim-model", messages=CHAT)
+            assert answer.usage is not None
+            prompt += answer.usage.prompt_tokens
+            completion += answer.usage.completion_tokens
+        for i in range(10):
+            # Half ask for the usage chunk; llmgw asks for it for the others
+            # and counts it all the same.
+            chunks = list(
+                client.chat.completions.create(
+                    model="sim-model",
+                    messages=CHAT,
+                    stream=True,
+                    **({"stream_options": {"include_usage": True}} if i % 2 else {}),
+                )
+            )
+            usage = [c.usage for c in chunks if c.usage is not None]
+            if i % 2:
+                prompt += usage[0].prompt_tokens
+                completion += usage[0].completion_tokens
+            else:
+                self.assertEqual(usage, [])
+                # Same prompt and max tokens as the odd ones: the same counts.
+                prompt += answer.usage.prompt_tokens
+                completion += answer.usage.completion_tokens
+        self.assertEqual(completion, 20 * 7)
+
+        # Nothing written yet (the batch waits an hour); SIGTERM writes it.
+        self.server.stop()
+        self.assertIn("usage: 20 records written", self.server.output())
+        self.start()
+        (row,) = self.ctl_json("usage", "--by", "key")["usage"]
+        self.assertEqual(
+            (
+                row["key"],
+                row["requests"],
+                row["errors"],
+                row["prompt_tokens"],
+                row["completion_tokens"],
+            ),
+            ("meter", 20, 0, prompt, completion),
+        )
+        (by_model,) = self.ctl_json("usage", "--by", "model")["usage"]
+        self.assertEqual(by_model["model"], "sim-model")
+        (listed,) = self.ctl_json("keys", "list")["keys"]
+        self.assertEqual(listed["tokens_used"], prompt + completion)
+        table = self.ctl("usage", "--by", "model").stdout.splitlines()
+        self.assertEqual(
+            table[1].split()[:5], ["sim-model", "20", "0", str(prompt), str(completion)]
+        )
+        self.assertEqual(
+            self.ctl_json(
+                "usage",
+                "--since",
+                "2000-01-01T00:00:00",
+                "--until",
+                "2000-01-02T00:00:00",
+            )["usage"],
+            [],
+        )
+        bad = self.ctl("usage", "--since", "yesterday", ok=False)
+        self.assertEqual(bad.returncode, 1)
+        self.assertIn("bad time 'yesterday'", bad.stderr)
+
+    def test_ctl_unreachable(self) -> None:
+        """
+        An admin URL where nothing listens: one line, exit 1.
+        """
+        done = subprocess.run(
+            [
+                os.path.join(BIN, "llmgw"),
+                "ctl",
+                "--admin-url",
+                "http://127.0.0.1:9",
+                "nodes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertEqual(done.returncode, 1)
+        self.assertEqual(len(done.stderr.splitlines()), 1)
+        self.assertIn("cannot reach the admin API at http://127.0.0.1:9", done.stderr)
+
+
+WEIGHTS_AGENT = """
+address = "127.0.0.1"
+weights_dirs = ["{weights}"]
+[[simulated_gpus]]
+name = "H200"
+memory_gb = 141
+[[simulated_gpus]]
+name = "H200"
+memory_gb = 141
+"""
+
+
+class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
+    def test_runtime_model_add_restart_remove(self) -> None:
+        """
+        A model added with llmgw ctl models add is placed and serves; it is
+        still there after a server restart (its replica adopted); models
+        remove stops its replica.  A config file model cannot be removed.
+        """
+        config = self.config(
+            MODELS.format(min_replicas=0, idle="0s"), startup_grace="2s"
+        )
+        self.start_fleet_server(config)
+        self.start_agent("gpu-01")
+        self.until(lambda: self.admin("/api/v1/nodes")["nodes"], 20, "the node")
+        self.ctl(
+            "models",
+            "add",
+            "added",
+            "--engine",
+            "sim",
+            "--source",
+            "sim",
+            "--gpus",
+            "1",
+            "--gpu-memory-gb",
+            "10",
+            "--min-replicas",
+            "1",
+            "--alias",
+            "added-alias",
+        )
+        (replica,) = self.until(
+            lambda: [r for r in self.replicas("added") if r["state"] == "ready"],
+            30,
+            "added ready",
+        )
+        self.assertTrue(self.chat("added-alias"))
+        listed = self.ctl("models").stdout
+        self.assertIn("runtime", listed)
+        self.assertIn("config", listed)
+
+        self.server.stop()
+        self.start_fleet_server(config)
+        again = self.until(
+            lambda: [r for r in self.replicas("added") if r["state"] == "ready"],
+            30,
+            "adopted",
+        )
+        self.assertEqual([r["id"] for r in again], [replica["id"]])
+        self.assertTrue(self.chat("added"))
+
+        refused = self.ctl("models", "remove", "chat", ok=False)
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("declared in the config file", refused.stderr)
+        self.ctl("models", "remove", "added")
+        pid = replica["shards"][0]["pid"]
+        self.until(lambda: not self.replicas("added"), 30, "replica stopped")
+        self.until(lambda: not os.path.exists(f"/proc/{pid}"), 15, "engine gone")
+        with self.assertRaises(openai.NotFoundError):
+            self.chat("added")
+        self.server.stop()
+        self.start_fleet_server(config)
+        self.assertNotIn(
+            "added", [m["name"] for m in self.admin("/api/v1/models")["models"]]
+        )
+
+    def test_weights_collect(self) -> None:
+        """
+        llmgw ctl weights lists the agent's files; --collect --dry-run
+        deletes nothing; --collect deletes only the files no catalog model
+        uses; a path outside the weights directories, also through a
+        symlink inside them, is refused by the agent and left alone.
+        """
+        weights = os.path.join(self.dir, "weights")
+        outside = os.path.join(self.dir, "precious")
+        os.makedirs(os.path.join(weights, "models--org--used-model", "blobs"))
+        os.makedirs(outside)
+        with open(os.path.join(outside, "keep.bin"), "wb") as f:
+            f.write(b"x" * 10)
+        files = {
+            "used.gguf": 1000,
+            "stale.gguf": 2000,
+            "models--org--used-model/blobs/a": 300,
+        }
+        for name, size in files.items():
+            with open(os.path.join(weights, name), "wb") as f:
+                f.write(b"w" * size)
+        os.makedirs(os.path.join(weights, "old-checkout"))
+        with open(
+            os.path.join(weights, "old-checkout", "model.safetensors"), "wb"
+        ) as f:
+            f.write(b"s" * 500)
+        os.symlink(outside, os.path.join(weights, "escape"))
+        models = (
+            MODELS.format(min_replicas=0, idle="0s")
+            + f'\n[[models]]\nname = "local-file"\n[[models.profiles]]\nname = "cpu"\n'
+            f'engine = "llamacpp"\nsource = "{weights}/used.gguf"\n'
+            '\n[[models]]\nname = "hub"\n[[models.profiles]]\nname = "gpu"\n'
+            'engine = "vllm"\nsource = "org/used-model"\ngpus = 1\n'
+        )
+        self.start_fleet_server(self.config(models))
+        path = os.path.join(self.dir, "agent-gpu-01.toml")
+        with open(path, "w") as f:
+            f.write(WEIGHTS_AGENT.format(weights=weights))
+        self._start_configured_agent("gpu-01", path)
+        listed = self.until(
+            lambda: [n for n in self.ctl_json("weights")["nodes"] if n["files"]],
+            20,
+            "weights report",
+        )
+        reported = {os.path.basename(f["path"]): f for f in listed[0]["files"]}
+        self.assertEqual(
+            sorted(reported),
+            [
+                "escape",
+                "models--org--used-model",
+                "old-checkout",
+                "stale.gguf",
+                "used.gguf",
+            ],
+        )
+        self.assertEqual(reported["old-checkout"]["size_bytes"] >= 500, True)
+        self.assertEqual(
+            sorted(k for k, f in reported.items() if f["unused"]),
+            ["escape", "old-checkout", "stale.gguf"],
+        )
+
+        dry = self.ctl("weights", "--collect", "--dry-run").stdout
+        self.assertIn("would remove", dry)
+        self.assertTrue(os.path.exists(os.path.join(weights, "stale.gguf")))
+
+        # The symlink escapes the weights directory: the agent refuses the
+        # whole batch and deletes nothing.
+        refused = self.ctl("weights", "--collect", ok=False)
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("is outside the weights directories", refused.stdout)
+        self.assertTrue(os.path.exists(os.path.join(weights, "stale.gguf")))
+        self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
+
+        # Given paths go through the same check.
+        direct = self.ctl(
+            "weights", "--remove", "gpu-01", outside + "/keep.bin", ok=False
+        )
+        self.assertEqual(direct.returncode, 1)
+        self.assertIn("outside the weights directories", direct.stderr)
+        self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
+
+        # The operator deletes the symlink; a removal through the agent
+        # makes it report again at once.
+        os.remove(os.path.join(weights, "escape"))
+        self.ctl("weights", "--remove", "gpu-01", os.path.join(weights, "stale.gguf"))
+        self.assertFalse(os.path.exists(os.path.join(weights, "stale.gguf")))
+        self.until(
+            lambda: [
+                n
+                for n in self.ctl_json("weights")["nodes"]
+                if n["files"]
+                and not any(
+                    f["path"].endswith(("stale.gguf", "escape")) for f in n["files"]
+                )
+            ],
+            20,
+            "the report after removal",
+        )
+        done = self.ctl("weights", "--collect").stdout
+        self.assertIn("removed " + os.path.join(weights, "old-checkout"), done)
+        self.assertEqual(
+            sorted(os.listdir(weights)), ["models--org--used-model", "used.gguf"]
+        )
+        self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
+
+    def _start_configured_agent(self, node_id: str, path: str) -> None:
+        from tests.support import TWISTD, spawn
+
+        process = spawn(
+            [
+                TWISTD,
+                "-n",
+                "--pidfile=",
+                "llmgw-agent",
+                "--config",
+                path,
+                "--server",
+                f"127.0.0.1:{self.agent_port}",
+                "--node-id",
+                node_id,
+                "--tls-dir",
+                os.path.join(self.ca, "agents", node_id),
+                "--state-dir",
+                os.path.join(self.dir, f"state-{node_id}"),
+            ],
+            self.dir,
+            f"agent-{node_id}-{time.monotonic_ns()}",
+        )
+        self.addCleanup(process.stop)
+        self.agents[node_id] = process

@@ -4,6 +4,9 @@
 -- "bench-model".
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+if os.getenv("BENCH_AUTH") then
+  wrk.headers["Authorization"] = os.getenv("BENCH_AUTH")
+end
 wrk.body = os.getenv("BENCH_BODY")
   or '{"model":"bench-model","messages":[{"role":"user","content":"Hi"}],'
   .. '"max_tokens":16,"stream":false}'

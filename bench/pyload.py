@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -172,7 +173,13 @@ async def run(
     path = parts.path or "/"
     request = (
         f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        + (
+            f"Authorization: {os.environ['BENCH_AUTH']}\r\n"
+            if os.environ.get("BENCH_AUTH")
+            else ""
+        )
+        + "\r\n"
     ).encode("ascii") + body
     tally = Tally()
     start = time.monotonic()

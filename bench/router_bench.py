@@ -49,7 +49,12 @@ MODEL = "bench-model"
 CONNECTIONS = 32
 TOKENS = 16
 PATH = "/v1/chat/completions"
-TARGETS = ("direct", "llmgw", "minimal-proxy")
+TARGETS = ("direct", "llmgw", "llmgw-auth", "minimal-proxy")
+"""
+llmgw runs with usage records off and no keys; llmgw-auth, the same
+server, with a key required on every request (limits set, so they are
+checked) and every request recorded in its SQLite store.
+"""
 KINDS = ("non-streaming", "streaming")
 WARMUP = 2.0
 """
@@ -148,7 +153,7 @@ class Children:
     """
 
     def __init__(self, directory: str, pin: bool) -> None:
-        self._directory = directory
+        self._directory = self.directory = directory
         self._pin = pin
         self._children: list[Child] = []
 
@@ -204,21 +209,28 @@ def start_targets(children: Children) -> dict[str, int]:
     )
     sim_port = int(sim.wait_for(r"llmgw sim listening on http://127\.0\.0\.1:(\d+)")[1])
     upstream = f"http://127.0.0.1:{sim_port}"
+    # In the run's folder, removed with it.
+    state = tempfile.mkdtemp(prefix="state-", dir=children.directory)
+    off = os.path.join(state, "off.toml")
+    with open(off, "w") as f:
+        f.write("[store]\nrecord_usage = false\n")
+    common = [
+        os.path.join(BIN, "twistd"),
+        "-n",
+        "--pidfile=",
+        "llmgw-server",
+        "--listen",
+        "tcp:0:interface=127.0.0.1",
+        "--admin-listen",
+        "tcp:0:interface=127.0.0.1",
+        "--endpoint",
+        f"sim={upstream}={MODEL}",
+    ]
     llmgw = children.start(
-        "llmgw",
-        PROXY_CORE,
-        [
-            os.path.join(BIN, "twistd"),
-            "-n",
-            "--pidfile=",
-            "llmgw-server",
-            "--listen",
-            "tcp:0:interface=127.0.0.1",
-            "--admin-listen",
-            "tcp:0:interface=127.0.0.1",
-            "--endpoint",
-            f"sim={upstream}={MODEL}",
-        ],
+        "llmgw", PROXY_CORE, [*common, "--config", off, "--state-dir", state + "/off"]
+    )
+    auth = children.start(
+        "llmgw-auth", PROXY_CORE, [*common, "--state-dir", state + "/on"]
     )
     minimal = children.start(
         "minimal-proxy",
@@ -233,23 +245,59 @@ def start_targets(children: Children) -> dict[str, int]:
         ],
     )
     llmgw_port = int(llmgw.wait_for(r"client API listening on 127\.0\.0\.1:(\d+)")[1])
+    auth_match = auth.wait_for(
+        r"client API listening on 127\.0\.0\.1:(\d+), admin on 127\.0\.0\.1:(\d+)"
+    )
+    made = subprocess.run(
+        [
+            os.path.join(BIN, "llmgw"),
+            "ctl",
+            "--admin-url",
+            f"http://127.0.0.1:{auth_match[2]}",
+            "--json",
+            "keys",
+            "create",
+            "--name",
+            "bench",
+            "--rpm",
+            "1000000000",
+            "--tpm",
+            "1000000000000",
+        ],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    AUTH["llmgw-auth"] = "Bearer " + json.loads(made.stdout)["key"]
     minimal_port = int(
         minimal.wait_for(r"minimal proxy listening on 127\.0\.0\.1:(\d+)")[1]
     )
-    return {"direct": sim_port, "llmgw": llmgw_port, "minimal-proxy": minimal_port}
+    return {
+        "direct": sim_port,
+        "llmgw": llmgw_port,
+        "llmgw-auth": int(auth_match[1]),
+        "minimal-proxy": minimal_port,
+    }
 
 
-def post(port: int, body: bytes) -> tuple[int, str, bytes]:
+AUTH: dict[str, str] = {}
+"""
+The Authorization header per target that needs one.
+"""
+
+
+def post(port: int, body: bytes, auth: str = "") -> tuple[int, str, bytes]:
     """
     One POST to C{PATH} on 127.0.0.1.
 
     @return: status, content type and the whole (de-chunked) body.
     """
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Content-Type": "application/json"}
+    if auth:
+        headers["Authorization"] = auth
     try:
-        connection.request(
-            "POST", PATH, body=body, headers={"Content-Type": "application/json"}
-        )
+        connection.request("POST", PATH, body=body, headers=headers)
         response = connection.getresponse()
         return response.status, response.getheader("content-type", ""), response.read()
     finally:
@@ -263,14 +311,17 @@ def check_target(target: str, port: int) -> None:
 
     @raise BenchError: otherwise.
     """
-    status, content_type, body = post(port, chat_body(stream=False))
+    auth = AUTH.get(target, "")
+    if auth and post(port, chat_body(stream=False))[0] != 401:
+        raise BenchError(f"{target}: a request without a key was not refused")
+    status, content_type, body = post(port, chat_body(stream=False), auth)
     if status != 200:
         raise BenchError(f"{target}: non-streaming status {status}: {body[:300]!r}")
     usage = json.loads(body).get("usage") or {}
     if usage.get("completion_tokens") != TOKENS:
         raise BenchError(f"{target}: non-streaming usage {usage}, not {TOKENS} tokens")
 
-    status, content_type, body = post(port, chat_body(stream=True))
+    status, content_type, body = post(port, chat_body(stream=True), auth)
     if status != 200:
         raise BenchError(f"{target}: streaming status {status}: {body[:300]!r}")
     if not content_type.startswith("text/event-stream"):
@@ -347,7 +398,12 @@ def parse_wrk(output: str) -> dict[str, float]:
 
 
 def load(
-    children: Children, loadgen: str, port: int, stream: bool, duration: float
+    children: Children,
+    loadgen: str,
+    port: int,
+    stream: bool,
+    duration: float,
+    auth: str = "",
 ) -> dict[str, float]:
     """
     Load 127.0.0.1:C{port} with C{CONNECTIONS} connections for C{duration}
@@ -356,6 +412,8 @@ def load(
     url = f"http://127.0.0.1:{port}{PATH}"
     body = chat_body(stream)
     env = dict(os.environ)
+    if auth:
+        env["BENCH_AUTH"] = auth
     if loadgen == "wrk":
         argv = [
             "wrk",
@@ -447,6 +505,20 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return result
 
 
+def auth_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """
+    llmgw with keys and usage records / llmgw without, per kind.
+    """
+    rate = {(r["target"], r["kind"]): r["requests_per_s"] for r in rows}
+    result = {}
+    for kind in KINDS:
+        off = rate.get(("llmgw", kind))
+        on = rate.get(("llmgw-auth", kind))
+        if off and on is not None:
+            result[kind] = on / off
+    return result
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'target':<15}{'kind':<15}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
@@ -520,9 +592,10 @@ def main(argv: list[str]) -> int:
             for target in order:
                 for kind in kinds:
                     stream = kind == "streaming"
-                    load(children, loadgen, ports[target], stream, WARMUP)
+                    auth = AUTH.get(target, "")
+                    load(children, loadgen, ports[target], stream, WARMUP, auth)
                     figures = load(
-                        children, loadgen, ports[target], stream, args.duration
+                        children, loadgen, ports[target], stream, args.duration, auth
                     )
                     run = Run(
                         target=target,
@@ -569,6 +642,10 @@ def main(argv: list[str]) -> int:
         print()
         for kind, value in result.items():
             print(f"ratio llmgw/minimal-proxy {kind} throughput: {value:.2f}")
+        for kind, value in auth_ratios(rows).items():
+            print(
+                f"ratio llmgw with keys+usage / without, {kind} throughput: {value:.2f}"
+            )
     errors = [r for r in rows if r["non_2xx"] or r["socket_errors"]]
     if errors:
         print()
@@ -592,6 +669,7 @@ def main(argv: list[str]) -> int:
                     "failed": failed,
                     "summary": rows,
                     "ratios_llmgw_over_minimal_proxy": result,
+                    "ratios_auth_usage_on_over_off": auth_ratios(rows),
                     "runs": [asdict(r) for r in runs],
                 },
                 f,

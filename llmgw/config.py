@@ -140,6 +140,8 @@ class ServerConfig:
     store_url: str = ""
     # [store] flush_interval: seconds between usage batch writes.
     usage_flush_interval: float = 1.0
+    # [store] record_usage: false keeps only the log line per request.
+    record_usage: bool = True
     # [auth] require_api_key: keys needed even before any exists.
     require_api_key: bool = False
     endpoints: tuple[EndpointConfig, ...] = ()
@@ -433,7 +435,14 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
         table = data["store"]
         if not isinstance(table, dict):
             raise ConfigError(f"store: expected a table, got {table!r}")
-        _check_keys("store", table, {"url", "flush_interval"})
+        _check_keys("store", table, {"url", "flush_interval", "record_usage"})
+        if "record_usage" in table:
+            record = table["record_usage"]
+            if not isinstance(record, bool):
+                raise ConfigError(
+                    f"store.record_usage: expected true or false, got {record!r}"
+                )
+            config = replace(config, record_usage=record)
         if "url" in table:
             config = replace(config, store_url=_string("store.url", table["url"]))
         if "flush_interval" in table:

@@ -432,7 +432,9 @@ def makeService(options: Options) -> IService:
         agent,
         settings,
         RouterMetrics(registry),
-        UsageSinks(LogUsageSink(), usage_sink),
+        UsageSinks(LogUsageSink(), usage_sink)
+        if config.record_usage
+        else LogUsageSink(),
         activator=plane,
         auth=keys,
     )

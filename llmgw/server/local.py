@@ -16,6 +16,7 @@ from typing import Any
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, wrapClientTLS
+from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from llmgw.agent.link import AgentFactory
@@ -118,13 +119,20 @@ class LocalEngines(Service):
     server restart and are adopted; this one's agent goes with the server.)
     """
 
+    log = Logger()
+
     def __init__(self, factory: AgentFactory, grace: float = 10.0) -> None:
         self._factory = factory
         self._grace = grace
 
     def stopService(self) -> Deferred[None]:
         super().stopService()  # type: ignore[no-untyped-call]
-        return self._factory.supervisor.stop_all(self._grace)
+        supervisor = self._factory.supervisor
+        if supervisor.shards:
+            self.log.info(
+                "--local: stopping {count} engines", count=len(supervisor.shards)
+            )
+        return supervisor.stop_all(self._grace)
 
 
 def local_agent(

@@ -207,3 +207,26 @@ def sim_stats(base_url: str) -> dict[str, Any]:
     assert status == 200, status
     result: dict[str, Any] = json.loads(body)
     return result
+
+
+def make_certs(directory: str, hosts: str, nodes: list[str]) -> str:
+    """
+    A fleet CA, a server certificate for C{hosts} (comma-separated) and
+    an agent certificate per node, made with C{llmgw certs} as an operator
+    would.
+
+    @return: the CA folder; agents' folders are C{CA/agents/NODE}.
+    """
+    ca = os.path.join(directory, "ca")
+    for args in (
+        ["init", "--dir", ca],
+        ["server", "--dir", ca, "--host", hosts],
+        *(["agent", "--dir", ca, "--node-id", node] for node in nodes),
+    ):
+        subprocess.run(
+            [os.path.join(BIN, "llmgw"), "certs", *args],
+            check=True,
+            timeout=60,
+            capture_output=True,
+        )
+    return ca

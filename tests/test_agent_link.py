@@ -31,7 +31,16 @@ from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
 from llmgw.wire.protocol import CommandFailed
 from llmgw.wire.tls import server_options
-from tests.support import BIN, TWISTD, Process, Processes, free_port, http, spawn
+from tests.support import (
+    BIN,
+    TWISTD,
+    Process,
+    Processes,
+    free_port,
+    http,
+    make_certs,
+    spawn,
+)
 
 AGENT_CONFIG = """
 fabrics = ["ib-a"]
@@ -219,18 +228,7 @@ class _Fleet(Processes):
 
     def setUp(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="llmgw-fleet-")
-        self.ca = os.path.join(self.dir, "ca")
-        for args in (
-            ["init", "--dir", self.ca],
-            ["server", "--dir", self.ca, "--host", "localhost,127.0.0.1"],
-            ["agent", "--dir", self.ca, "--node-id", "gpu-01"],
-        ):
-            subprocess.run(
-                [os.path.join(BIN, "llmgw"), "certs", *args],
-                check=True,
-                timeout=60,
-                capture_output=True,
-            )
+        self.ca = make_certs(self.dir, "localhost,127.0.0.1", ["gpu-01"])
         self.agent_port = free_port()
         self.server, self.admin_url = self.start_fleet_server()
 

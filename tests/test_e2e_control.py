@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -24,7 +23,7 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import BIN, TWISTD, Process, Processes, free_port, http, spawn
+from tests.support import TWISTD, Process, Processes, free_port, http, make_certs, spawn
 
 AGENT_CONFIG = """
 address = "{address}"
@@ -74,19 +73,7 @@ class _Fleet(Processes):
 
     def setUp(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="llmgw-control-")
-        self.ca = os.path.join(self.dir, "ca")
-        for args in (
-            ["init", "--dir", self.ca],
-            ["server", "--dir", self.ca, "--host", "127.0.0.1"],
-            ["agent", "--dir", self.ca, "--node-id", "gpu-01"],
-            ["agent", "--dir", self.ca, "--node-id", "gpu-02"],
-        ):
-            subprocess.run(
-                [os.path.join(BIN, "llmgw"), "certs", *args],
-                check=True,
-                timeout=60,
-                capture_output=True,
-            )
+        self.ca = make_certs(self.dir, "127.0.0.1", ["gpu-01", "gpu-02"])
         self.agent_port = free_port()
         first = random.randrange(21000, 40000)
         self.ports = (first, first + 20)
@@ -143,11 +130,15 @@ class _Fleet(Processes):
             base_url=self.api_url + "/v1", api_key="unused", max_retries=0, timeout=60
         )
 
-    def start_agent(self, node_id: str) -> Process:
+    def start_agent(self, node_id: str, config: str = AGENT_CONFIG) -> Process:
+        """
+        @param config: the agent's TOML; C{{address}} is replaced by the
+            node's loopback address.
+        """
         address = "127.0.0.1" if node_id == "gpu-01" else "127.0.0.2"
         path = os.path.join(self.dir, f"agent-{node_id}.toml")
         with open(path, "w") as f:
-            f.write(AGENT_CONFIG.format(address=address))
+            f.write(config.replace("{address}", address))
         process = spawn(
             [
                 TWISTD,

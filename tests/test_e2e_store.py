@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from typing import Any
 
 import openai
@@ -223,7 +222,7 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
 
 
 WEIGHTS_AGENT = """
-address = "127.0.0.1"
+address = "{address}"
 weights_dirs = ["{weights}"]
 [[simulated_gpus]]
 name = "H200"
@@ -334,10 +333,7 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
             'engine = "vllm"\nsource = "org/used-model"\ngpus = 1\n'
         )
         self.start_fleet_server(self.config(models))
-        path = os.path.join(self.dir, "agent-gpu-01.toml")
-        with open(path, "w") as f:
-            f.write(WEIGHTS_AGENT.format(weights=weights))
-        self._start_configured_agent("gpu-01", path)
+        self.start_agent("gpu-01", WEIGHTS_AGENT.replace("{weights}", weights))
         listed = self.until(
             lambda: [n for n in self.ctl_json("weights")["nodes"] if n["files"]],
             20,
@@ -403,29 +399,3 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
             sorted(os.listdir(weights)), ["models--org--used-model", "used.gguf"]
         )
         self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
-
-    def _start_configured_agent(self, node_id: str, path: str) -> None:
-        from tests.support import TWISTD, spawn
-
-        process = spawn(
-            [
-                TWISTD,
-                "-n",
-                "--pidfile=",
-                "llmgw-agent",
-                "--config",
-                path,
-                "--server",
-                f"127.0.0.1:{self.agent_port}",
-                "--node-id",
-                node_id,
-                "--tls-dir",
-                os.path.join(self.ca, "agents", node_id),
-                "--state-dir",
-                os.path.join(self.dir, f"state-{node_id}"),
-            ],
-            self.dir,
-            f"agent-{node_id}-{time.monotonic_ns()}",
-        )
-        self.addCleanup(process.stop)
-        self.agents[node_id] = process

@@ -159,8 +159,8 @@ class ServerConfig:
         return self.agent_tls is not None or self.insecure_agents
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$")
 _SIZE_UNITS = {
     None: 1,
@@ -195,7 +195,7 @@ def parse_duration(key: str, value: object) -> float:
             return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
     raise ConfigError(
         f"{key}: bad duration {value!r}: use a number with a unit,"
-        ' ms, s, m or h, such as "5s" or "2m"'
+        ' ms, s, m, h or d, such as "5s" or "2m"'
     )
 
 

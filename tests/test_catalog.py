@@ -89,7 +89,8 @@ class CatalogTests(SynchronousTestCase):
             ),
             (
                 '[[models]]\nname = "m"\n' + profile + "gpus = -1\n",
-                "models[0] (m).profiles[0] (p).gpus: expected an integer >= 0, got -1",
+                "models[0] (m).profiles[0] (p).gpus: expected an integer from 0"
+                " to 10000, got -1",
             ),
             (
                 '[[models]]\nname = "m"\n' + profile + "gpus = 8\nnodes = 2\n",

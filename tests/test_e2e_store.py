@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -219,6 +221,85 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
         self.assertEqual(done.returncode, 1)
         self.assertEqual(len(done.stderr.splitlines()), 1)
         self.assertIn("cannot reach the admin API at http://127.0.0.1:9", done.stderr)
+
+
+class BudgetTests(SynchronousTestCase, Processes, _Ctl):
+    """
+    Budgets against clients that leave early and clients that send many
+    requests at once.
+    """
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        _, sim_url = self.start_sim("--itl", "0.05", "--max-tokens", "40")
+        _, self.url, self.admin_url = self.start_server(
+            "--endpoint", f"sim-0={sim_url}=sim-model"
+        )
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def test_leaving_mid_stream_is_charged(self) -> None:
+        """
+        A client that closes a stream after 10 chunks gets no usage chunk,
+        and the engine's count never comes: the request is charged the
+        router's estimate (chunks relayed, prompt from the body), marked
+        estimated, and counts against the key's budget.
+        """
+        key = self.ctl_json(
+            "keys", "create", "--name", "leaver", "--budget-tokens", "30"
+        )
+        client = self.client(key["key"])
+        for _ in range(3):
+            stream = client.chat.completions.create(
+                model="sim-model", messages=CHAT, stream=True
+            )
+            for seen, _chunk in enumerate(stream, 1):
+                if seen == 10:
+                    break
+            stream.close()
+            time.sleep(0.3)
+            try:
+                client.chat.completions.create(
+                    model="sim-model", messages=CHAT, max_tokens=1
+                )
+            except openai.RateLimitError as e:
+                self.assertEqual(e.code, "insufficient_quota")
+                break
+        else:
+            self.fail("three streams of 10+ chunks never used up a 30-token budget")
+        (row,) = self.ctl_json("usage")["usage"]
+        self.assertGreaterEqual(row["estimated_requests"], 1)
+        self.assertGreaterEqual(row["completion_tokens"], 10)
+
+    def test_concurrent_requests_bounded_by_budget(self) -> None:
+        """
+        20 requests at once against a 100-token budget: tokens held for
+        each request in flight (prompt estimate and max_tokens) keep most
+        out; the budget is overshot by at most what the admitted ones use.
+        """
+        key = self.ctl_json(
+            "keys", "create", "--name", "burst", "--budget-tokens", "100"
+        )
+        client = self.client(key["key"])
+
+        def one(_: int) -> str:
+            try:
+                client.chat.completions.create(
+                    model="sim-model", messages=CHAT, max_tokens=40
+                )
+                return "ok"
+            except openai.RateLimitError as e:
+                return str(e.code)
+
+        with ThreadPoolExecutor(20) as pool:
+            outcomes = list(pool.map(one, range(20)))
+        admitted = outcomes.count("ok")
+        self.assertEqual(outcomes.count("insufficient_quota"), 20 - admitted)
+        self.assertLessEqual(admitted, 3, outcomes)
+        (listed,) = self.ctl_json("keys", "list")["keys"]
+        self.assertLessEqual(listed["tokens_used"], 100 + 3 * 50)
 
 
 WEIGHTS_AGENT = """

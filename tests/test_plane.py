@@ -602,3 +602,35 @@ class DrainTests(_Plane):
                 "profile x4: n2: has 1 GPUs, needs 4",
             ],
         )
+
+
+class RuntimeCatalogTests(_Plane):
+    def test_names_taken(self) -> None:
+        """
+        A model added at run time may not take a catalog name or alias, nor
+        a name a static endpoint serves (it would take its traffic).
+        """
+        self.clock = Clock()
+        self.inventory = Inventory()
+        self.agents = _Agents()
+        plane = ControlPlane(
+            self.clock,
+            self.inventory,
+            self.agents,
+            (_model(),),
+            SETTINGS,
+            lambda endpoints: None,
+            static=[Endpoint("e", "http://127.0.0.1:1", ("fixed",))],
+        )
+        from dataclasses import replace
+
+        for clash in (
+            _model(name="m"),
+            replace(_model(name="other"), aliases=("m-alias",)),
+            replace(_model(name="other"), aliases=("fixed",)),
+            _model(name="fixed"),
+        ):
+            with self.assertRaises(ValueError):
+                plane.add_model(clash)
+        plane.add_model(_model(name="new"))
+        self.assertEqual(plane.resolve("new-alias"), "new")

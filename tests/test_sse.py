@@ -126,6 +126,23 @@ class SSEParserTests(SynchronousTestCase):
 
 
 class UsageTests(SynchronousTestCase):
+    def test_responses_completed(self) -> None:
+        """
+        The Responses API's usage, in its response.completed event, is
+        found (and is not a usage-only chunk to hide).
+        """
+        event = json.dumps(
+            {
+                "type": "response.completed",
+                "response": {"usage": {"input_tokens": 9, "output_tokens": 4}},
+            }
+        ).encode()
+        self.assertEqual(
+            usage_of(event), ({"input_tokens": 9, "output_tokens": 4}, False)
+        )
+        other = b'{"type": "response.output_text.delta", "response": {"usage": {}}}'
+        self.assertIsNone(usage_of(other))
+
     def test_usage_only_chunk(self) -> None:
         """
         The chunk with empty choices and a usage object is recognized.

@@ -9,6 +9,7 @@ import os
 import sqlite3
 import tempfile
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
@@ -166,7 +167,8 @@ class AdminGuardTests(TestCase):
         guard = AdminGuard(_Inner(), ring)
 
         def call(path: bytes, host: str, key: str | None) -> tuple[int, bytes]:
-            request = DummyRequest([])
+            # As twisted.web.server.Request.process splits and decodes it.
+            request = DummyRequest([unquote_to_bytes(p) for p in path[1:].split(b"/")])
             request.path = path
             request.client = type("A", (), {"host": host, "port": 1})()
             if key is not None:
@@ -181,3 +183,65 @@ class AdminGuardTests(TestCase):
         self.assertEqual(call(b"/api/v1/keys", "10.0.0.9", admin), (200, b"inner"))
         self.assertEqual(call(b"/api/v1/keys", "127.0.0.1", None), (200, b"inner"))
         self.assertEqual(call(b"/metrics", "10.0.0.9", None), (200, b"inner"))
+        # Percent-encoded, the path routes to the same place: guarded too.
+        for path in (b"/%61pi/v1/keys", b"/api%2Fv1%2Fkeys", b"/API/v1/keys", b"/"):
+            self.assertEqual(call(path, "10.0.0.9", None)[0], 401, path)
+
+
+class WeightsRemovalTests(SynchronousTestCase):
+    """
+    The agent's side of weights removal, on real files.
+    """
+
+    def setUp(self) -> None:
+        from llmgw.agent.weights import remove
+
+        self.remove = remove
+        self.root = tempfile.mkdtemp(prefix="llmgw-weights-")
+        self.dir = os.path.join(self.root, "weights")
+        os.makedirs(os.path.join(self.dir, "models--org--running", "blobs"))
+        for name in ("model.gguf", "old.gguf"):
+            with open(os.path.join(self.dir, name), "wb") as f:
+                f.write(b"w")
+
+    def test_symlink_removed_not_its_target(self) -> None:
+        """
+        A link inside the weights directory to a file inside it: the link
+        goes, the file it points to (a catalog model's source) stays.
+        """
+        link = os.path.join(self.dir, "current.gguf")
+        os.symlink(os.path.join(self.dir, "model.gguf"), link)
+        self.assertEqual(self.remove([self.dir], [link], []), [link])
+        self.assertFalse(os.path.lexists(link))
+        self.assertTrue(os.path.exists(os.path.join(self.dir, "model.gguf")))
+
+    def test_refused(self) -> None:
+        """
+        Outside paths (also through '..' or a link), the directory itself,
+        relative paths, and what a running engine uses, hub ids included:
+        refused, and nothing of the batch deleted.
+        """
+        outside = os.path.join(self.root, "precious")
+        with open(outside, "wb") as f:
+            f.write(b"p")
+        escape = os.path.join(self.dir, "escape")
+        os.symlink(outside, escape)
+        old = os.path.join(self.dir, "old.gguf")
+        for paths, in_use in (
+            ([old, outside], []),
+            ([old, os.path.join(self.dir, "..", "precious")], []),
+            ([old, escape], []),
+            ([old, self.dir], []),
+            ([old, "weights/old.gguf"], []),
+            (
+                [old, os.path.join(self.dir, "model.gguf")],
+                [os.path.join(self.dir, "model.gguf")],
+            ),
+            ([old, os.path.join(self.dir, "models--org--running")], ["org/running"]),
+        ):
+            with self.assertRaises(Exception) as raised:
+                self.remove([self.dir], paths, in_use)
+            self.assertEqual(type(raised.exception).__name__, "ProfileError", paths)
+            self.assertTrue(os.path.exists(old), paths)
+        self.assertTrue(os.path.exists(outside))
+        self.assertTrue(os.path.exists(os.path.join(self.dir, "models--org--running")))

@@ -77,7 +77,8 @@ def remove(
 ) -> list[str]:
     """
     Delete C{paths}, each a file or folder inside one of C{directories}.
-    Every path is checked, symlinks resolved, before anything is deleted.
+    Every path is checked, symlinks resolved, before anything is deleted;
+    a symlink is removed itself, never what it points to.
 
     @param in_use: model sources of engines running here: refused too.
     @return: the paths deleted.
@@ -88,10 +89,17 @@ def remove(
     roots = [os.path.realpath(d) for d in directories]
     if not roots:
         raise ProfileError("this agent has no weights_dirs: it removes nothing")
-    used = [os.path.realpath(os.path.expanduser(s)) for s in in_use if s]
-    checked = []
+    used = []
+    cache_names = set()
+    for source in in_use:
+        if source.startswith(("/", "~", ".")):
+            used.append(os.path.realpath(os.path.expanduser(source)))
+        elif source:
+            # A hub id: its Hugging Face cache folder.
+            cache_names.add("models--" + source.replace("/", "--"))
+    checked: list[tuple[str, bool]] = []
     for path in paths:
-        if not path or "\0" in path or not os.path.isabs(path):
+        if not path or "\0" in path or "\n" in path or not os.path.isabs(path):
             raise ProfileError(f"path {path!r}: expected an absolute path")
         real = os.path.realpath(path)
         if not any(_inside(real, root) for root in roots):
@@ -99,17 +107,28 @@ def remove(
                 f"path {path!r} (resolved {real!r}) is outside the weights"
                 f" directories {', '.join(directories)}"
             )
+        link = os.path.islink(path)
+        if link and not any(
+            _inside(os.path.realpath(os.path.dirname(path)) + os.sep + "x", root)
+            for root in roots
+        ):
+            raise ProfileError(f"path {path!r} is outside the weights directories")
         for source in used:
             if source == real or _inside(source, real) or _inside(real, source):
                 raise ProfileError(f"path {path!r} is used by a running engine")
-        checked.append(real)
+        if os.path.basename(real) in cache_names:
+            raise ProfileError(f"path {path!r} is used by a running engine")
+        checked.append((path if link else real, link))
     removed = []
-    for real in checked:
-        if os.path.isdir(real):
-            shutil.rmtree(real)
-        elif os.path.lexists(real):
-            os.remove(real)
+    for target, link in checked:
+        if link:
+            # The link itself: what it points to may be in use by name.
+            os.remove(target)
+        elif os.path.isdir(target):
+            shutil.rmtree(target)
+        elif os.path.lexists(target):
+            os.remove(target)
         else:
             continue
-        removed.append(real)
+        removed.append(target)
     return removed

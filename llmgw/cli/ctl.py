@@ -53,6 +53,8 @@ class _Client:
             except (ValueError, KeyError, TypeError):
                 message = raw.decode("utf-8", "replace")[:300] or e.reason
             raise CtlError(f"{message} (HTTP {e.code})") from None
+        except ValueError as e:
+            raise CtlError(f"bad --admin-url {self.base!r}: {e}") from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise CtlError(
@@ -284,8 +286,13 @@ def run(args: argparse.Namespace, out: Any) -> None:
         action = args.action or "list"
         if action == "create":
             fields: dict[str, Any] = {"name": args.name, "admin": args.admin}
-            if args.models:
-                fields["models"] = [m for m in args.models.split(",") if m]
+            if args.models is not None:
+                models = [m.strip() for m in args.models.split(",") if m.strip()]
+                if not models:
+                    raise CtlError(
+                        "keys create: --models is empty (leave it out for all)"
+                    )
+                fields["models"] = models
             for field in ("rpm", "tpm", "budget_tokens"):
                 if getattr(args, field) is not None:
                     fields[field] = getattr(args, field)

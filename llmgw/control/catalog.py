@@ -87,9 +87,22 @@ def _named_table(
     return table, name, where
 
 
+MAX_COUNT = 10_000
+"""
+The largest replica, GPU or node count a model may ask for.
+"""
+
+
 def _count(where: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}: expected an integer >= {minimum}, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not minimum <= value <= MAX_COUNT
+    ):
+        shown = repr(value)[:100]
+        raise ConfigError(
+            f"{where}: expected an integer from {minimum} to {MAX_COUNT}, got {shown}"
+        )
     return value
 
 
@@ -140,7 +153,11 @@ def _profile(where: str, table: object) -> Profile:
             f"{where}.fabric: missing: nodes = {nodes} needs the fabric they share"
         )
     priority = table.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not -1_000_000 <= priority <= 1_000_000
+    ):
         raise ConfigError(f"{where}.priority: expected an integer, got {priority!r}")
     return Profile(
         name=name,

@@ -30,7 +30,7 @@ from twisted.python.failure import Failure
 
 from llmgw.config import ControlConfig
 from llmgw.control.agents import NoLink
-from llmgw.control.catalog import Model
+from llmgw.control.catalog import MAX_COUNT, Model
 from llmgw.control.inventory import Inventory, Node
 from llmgw.control.loop import Loop
 from llmgw.control.placement import (
@@ -442,11 +442,14 @@ class ControlPlane:
 
         @raise ValueError: one of its names is taken.
         """
+        static = {name for e in self._static for name in e.models}
         for name in model.names:
             if name in self._names:
                 raise ValueError(
                     f"name {name!r} is already model {self._names[name]!r}"
                 )
+            if name in static:
+                raise ValueError(f"name {name!r} is served by a static endpoint")
         self._models[model.name] = _ModelState(model)
         for name in model.names:
             self._names[name] = model.name
@@ -475,7 +478,11 @@ class ControlPlane:
         @raise ValueError: bounds out of order.
         """
         state = self._models[name]
-        if min_replicas < 0 or max_replicas < 1 or min_replicas > max_replicas:
+        if (
+            min_replicas < 0
+            or not 1 <= max_replicas <= MAX_COUNT
+            or min_replicas > max_replicas
+        ):
             raise ValueError(
                 f"expected 0 <= min_replicas <= max_replicas, 1 <= max_replicas;"
                 f" got {min_replicas} and {max_replicas}"

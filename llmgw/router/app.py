@@ -57,6 +57,11 @@ _SSE_HEADERS = (
     (b"x-accel-buffering", b"no"),
 )
 _JSON = b"application/json"
+DEFAULT_RESERVED_COMPLETION = 256
+"""
+Completion tokens held against a key's budget for a request that sets no
+max_tokens, until its real count comes.
+"""
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class RequestRecord:
     time_to_first_token: float | None
     key_id: int | None = None
     key_name: str | None = None
+    # The token counts are the router's estimate: the engine's never came.
+    usage_estimated: bool = False
+    reserved_tokens: int = 0
 
 
 class Auth(TypingProtocol):
@@ -94,14 +102,15 @@ class Auth(TypingProtocol):
         @raise APIError: 401.
         """
 
-    def admit(self, key: Any, names: Sequence[str]) -> None:
+    def admit(self, key: Any, names: Sequence[str], reserve: int) -> None:
         """
+        @param reserve: tokens to hold until L{used}.
         @raise APIError: 403 or 429.
         """
 
-    def used(self, key: Any, tokens: int) -> None:
+    def used(self, key: Any, tokens: int, reserved: int) -> None:
         """
-        Count a finished request's tokens.
+        Count a finished request's tokens; release its reservation.
         """
 
 
@@ -392,6 +401,11 @@ class _Exchange:
         self.model = ""
         self.requested_model = ""
         self.key: Any = None
+        self.events_relayed = 0
+        self.max_tokens = 0
+        # Tokens held against the key's budget and tokens per minute while
+        # the request runs: its prompt (estimated) and max_tokens.
+        self.reserved_tokens = 0
         self.stream = False
         self.strip_usage = False
         self.body = b""
@@ -476,6 +490,16 @@ class _Exchange:
                 "You must provide a model parameter (a string).", param="model"
             )
         self.model = self.requested_model = model
+        limit = next(
+            (
+                payload[k]
+                for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+                if isinstance(payload.get(k), int)
+                and not isinstance(payload.get(k), bool)
+            ),
+            DEFAULT_RESERVED_COMPLETION,
+        )
+        self.max_tokens = min(max(limit, 0), 1_000_000)
         stream = payload.get("stream", False)
         if stream is None:
             stream = False
@@ -533,7 +557,11 @@ class _Exchange:
             )
         if self.key is not None:
             assert self.router.auth is not None
-            self.router.auth.admit(self.key, (self.requested_model, self.model))
+            estimate = len(self.body) // 4 + self.max_tokens
+            self.router.auth.admit(
+                self.key, (self.requested_model, self.model), estimate
+            )
+            self.reserved_tokens = estimate
         tried: set[str] = set()
         last_error: APIError | None = None
         balancer = self.router.balancer
@@ -941,12 +969,29 @@ class _Exchange:
 
     def _write(self, data: bytes) -> None:
         self.headers_sent = True
+        self.events_relayed += data.count(b"data:")
         self.request.write(data)
 
     def record(self, status: int) -> RequestRecord:
         usage = self.usage or {}
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens")
+        # Chat and completions name them so; the Responses API input and
+        # output.
+        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+        completion = usage.get("completion_tokens", usage.get("output_tokens"))
+        estimated = False
+        if (
+            self.usage is None
+            and self.replica is not None
+            and status in (200, 499)
+            and self.body
+        ):
+            # The engine's count never came (the client left mid-stream, or
+            # the engine sends none): estimated, so that leaving early is
+            # not free.  About 4 bytes of request per prompt token; one
+            # token per event relayed.
+            estimated = True
+            prompt = len(self.body) // 4
+            completion = self.events_relayed
         now = self.clock.seconds()
         return RequestRecord(
             request_id=self.request_id.decode("ascii"),
@@ -970,6 +1015,8 @@ class _Exchange:
             ),
             key_id=self.key.id if self.key is not None else None,
             key_name=self.key.name if self.key is not None else None,
+            usage_estimated=estimated,
+            reserved_tokens=self.reserved_tokens,
         )
 
 
@@ -1171,7 +1218,9 @@ class Router:
             self.usage.record(record)
             if exchange.key is not None and self.auth is not None:
                 self.auth.used(
-                    exchange.key, record.prompt_tokens + record.completion_tokens
+                    exchange.key,
+                    record.prompt_tokens + record.completion_tokens,
+                    exchange.reserved_tokens,
                 )
 
     @app.route("/v1/chat/completions", methods=["POST"])

@@ -233,5 +233,13 @@ def usage_of(data: bytes) -> tuple[dict[str, Any], bool] | None:
         return None
     usage = chunk.get("usage")
     if not isinstance(usage, dict):
-        return None
+        # The Responses API: the usage comes in the response.completed
+        # event's response.
+        response = chunk.get("response")
+        if chunk.get("type") != "response.completed" or not isinstance(response, dict):
+            return None
+        usage = response.get("usage")
+        if not isinstance(usage, dict):
+            return None
+        return usage, False
     return usage, chunk.get("choices") == []

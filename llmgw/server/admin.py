@@ -10,6 +10,7 @@ body or parameter), 401 (admin key needed), 404, 409 (conflict).
 from __future__ import annotations
 
 import json
+import math
 import re
 import sqlite3
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 from klein import Klein
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 from werkzeug.exceptions import MethodNotAllowed, NotFound
@@ -64,13 +66,22 @@ def _body(request: IRequest) -> dict[str, Any]:
     return body
 
 
+_MAX_LIMIT = 2**53
+
+
 def _optional_count(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= _MAX_LIMIT
+    ):
         raise AdminError(
-            400, f"{name}: expected a positive integer, got {value!r}", "bad_request"
+            400,
+            f"{name}: expected an integer from 1 to {_MAX_LIMIT}, got {value!r}"[:300],
+            "bad_request",
         )
     return value
 
@@ -90,9 +101,12 @@ def parse_since(value: str, now: float) -> float:
     except ConfigError:
         pass
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if math.isfinite(seconds):
+            return seconds
     if _ISO.match(value):
         import datetime
 
@@ -126,6 +140,7 @@ class Admin:
     """
 
     app = Klein()
+    log = Logger()
 
     def __init__(
         self,
@@ -496,6 +511,8 @@ class Admin:
         since = parse_since(arg(b"since", "24h"), now)
         until_text = arg(b"until", "")
         until = parse_since(until_text, now) if until_text else None
+        if until is not None and until <= since:
+            raise AdminError(400, "until: must be after since", "bad_request")
         if self.usage is not None:
             # Records still buffered count too.
             await self.usage.flush()
@@ -568,6 +585,21 @@ class Admin:
             raise AdminError(409, result["error"], "refused")
         return _json(request, {"node": node_id, "removed": paths})
 
+    @app.handle_errors(Exception)
+    def _failed(self, request: IRequest, failure: Any) -> bytes:
+        # Last: the handlers above take what they know first.
+        self.log.failure("admin API: {path}", failure, path=request.path[:200])
+        return _json(
+            request,
+            {
+                "error": {
+                    "message": "internal error; see the server log",
+                    "code": "internal",
+                }
+            },
+            500,
+        )
+
     # Metrics and liveness
 
     @app.route("/metrics", methods=["GET"])
@@ -610,7 +642,11 @@ class AdminGuard(Resource):
 
     def render(self, request: IRequest) -> Any:
         peer = getattr(request.getClientAddress(), "host", "")
-        if request.path.startswith(b"/api/") and not _loopback_peer(peer):
+        # Decided on the segments routing uses (percent-decoded: /%61pi/
+        # is /api/), and closed unless plainly open.
+        segments = getattr(request, "postpath", None) or []
+        open_path = segments in ([b"metrics"], [b"healthz"])
+        if not open_path and not _loopback_peer(peer):
             try:
                 key = self._keys.authenticate(
                     request.getHeader(b"authorization") or b""

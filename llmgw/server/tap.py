@@ -233,18 +233,18 @@ class _Guarded(Resource):
 _held_locks: list[Any] = []
 
 
-def _lock_state_dir(state_dir: str) -> None:
+def _lock(folder: str, name: str) -> None:
     """
-    Hold C{STATE_DIR/server.lock} for the life of the process: two servers
-    on one state directory would share its store, certificates and (with
-    --local) adopt and stop each other's engines.
+    Hold C{folder/name} locked for the life of the process: two servers
+    on one state directory would share its certificates and (with --local)
+    adopt and stop each other's engines; two on one database would each
+    enforce keys and budgets from their own memory.
 
     @raise ConfigError: another server holds it, or it cannot be made.
     """
     import fcntl
 
-    folder = os.path.expanduser(state_dir)
-    path = os.path.join(folder, "server.lock")
+    path = os.path.join(folder, name)
     try:
         os.makedirs(folder, mode=0o700, exist_ok=True)
         handle = open(path, "a+")
@@ -257,8 +257,8 @@ def _lock_state_dir(state_dir: str) -> None:
         holder = handle.read().strip() or "another process"
         handle.close()
         raise ConfigError(
-            f"state_dir: {folder!r} is in use by llmgw-server pid {holder};"
-            " give this one its own --state-dir"
+            f"{path!r} is held by llmgw-server pid {holder}: one server per"
+            " state directory and per database (see --state-dir, [store] url)"
         ) from None
     handle.seek(0)
     handle.truncate()
@@ -385,8 +385,15 @@ def makeService(options: Options) -> IService:
         # engines it adopted, comes before any node exists to place on.
         control = replace(control, startup_grace=0.0)
     try:
-        _lock_state_dir(config.state_dir)
-        store = Store(sqlite_path(config.store_url, config.state_dir))
+        _lock(os.path.expanduser(config.state_dir), "server.lock")
+        database = sqlite_path(config.store_url, config.state_dir)
+        # Keys, budgets and limits live in each server's memory: one
+        # server per database, wherever its state directory is.
+        _lock(
+            os.path.dirname(os.path.abspath(database)),
+            os.path.basename(database) + ".lock",
+        )
+        store = Store(database)
         key_rows, stored_models = store.prepare()
     except ConfigError as e:
         sys.stderr.write(f"llmgw-server: config error: {e}\n")
@@ -396,7 +403,12 @@ def makeService(options: Options) -> IService:
     models = tuple(models) + _runtime_models(stored_models, models)
     keys = KeyRing(store, config.require_api_key)
     keys.load(key_rows)
-    usage_sink = StoreUsageSink(store, reactor, config.usage_flush_interval)
+    usage_sink = StoreUsageSink(
+        store,
+        reactor,
+        config.usage_flush_interval,
+        record_rows=config.record_usage,
+    )
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown)
     static = [Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints]
@@ -432,9 +444,7 @@ def makeService(options: Options) -> IService:
         agent,
         settings,
         RouterMetrics(registry),
-        UsageSinks(LogUsageSink(), usage_sink)
-        if config.record_usage
-        else LogUsageSink(),
+        UsageSinks(LogUsageSink(), usage_sink),
         activator=plane,
         auth=keys,
     )

@@ -61,6 +61,10 @@ MIGRATIONS: tuple[str, ...] = (
         added REAL NOT NULL
     );
     """,
+    # 2: token counts the router estimated (the engine's never came).
+    """
+    ALTER TABLE usage ADD COLUMN estimated INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 
@@ -101,6 +105,7 @@ class UsageRow:
     completion_tokens: int
     latency: float
     time_to_first_token: float | None
+    estimated: bool = False
 
 
 class Store:
@@ -260,7 +265,8 @@ class Store:
             cursor.executemany(
                 "INSERT INTO usage (time, request_id, key_id, key_name, model,"
                 " replica, status, stream, prompt_tokens, completion_tokens,"
-                " latency, time_to_first_token) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                " latency, time_to_first_token, estimated)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 [
                     (
                         r.time,
@@ -275,6 +281,7 @@ class Store:
                         r.completion_tokens,
                         r.latency,
                         r.time_to_first_token,
+                        int(r.estimated),
                     )
                     for r in rows
                 ],
@@ -296,13 +303,15 @@ class Store:
         @param until: POSIX seconds, exclusive; L{None} for now.
         @return: one dict per group: the group's name, requests, errors
             (status >= 400), prompt and completion tokens, mean latency
-            and mean time to first token (seconds).
+            and mean time to first token (seconds), and how many requests'
+            counts the router estimated.
         """
         column = {"key": "COALESCE(key_name, '')", "model": "model"}[by]
         query = (
             f"SELECT {column} AS name, COUNT(*), SUM(status >= 400),"
             " SUM(prompt_tokens), SUM(completion_tokens), AVG(latency),"
-            " AVG(time_to_first_token) FROM usage WHERE time >= ? AND time < ?"
+            " AVG(time_to_first_token), SUM(estimated)"
+            " FROM usage WHERE time >= ? AND time < ?"
             f" GROUP BY {column} ORDER BY {column}"
         )
 
@@ -316,8 +325,18 @@ class Store:
                     "completion_tokens": completion or 0,
                     "mean_latency": latency,
                     "mean_time_to_first_token": ttft,
+                    "estimated_requests": estimated or 0,
                 }
-                for name, count, errors, prompt, completion, latency, ttft in rows
+                for (
+                    name,
+                    count,
+                    errors,
+                    prompt,
+                    completion,
+                    latency,
+                    ttft,
+                    estimated,
+                ) in rows
             ]
 
         d = self.pool.runQuery(

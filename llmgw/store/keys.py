@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import secrets
 import time
 from collections import deque
@@ -19,6 +20,7 @@ from typing import Any
 from llmgw.router.errors import APIError
 from llmgw.store.db import Store
 
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$")
 WINDOW = 60.0
 """
 Seconds over which requests and tokens per minute are counted.
@@ -61,6 +63,7 @@ class ApiKey:
     requests: deque[float] = field(default_factory=deque)
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     tokens_in_window: int = 0
+    reserved: int = 0
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -151,7 +154,10 @@ class KeyRing:
         @return: the key of that name or prefix (revoked ones too).
         """
         for key in self._by_id.values():
-            if name_or_prefix in (key.name, key.prefix):
+            if key.name == name_or_prefix:
+                return key
+        for key in self._by_id.values():
+            if key.prefix == name_or_prefix:
                 return key
         return None
 
@@ -171,8 +177,11 @@ class KeyRing:
             shown.
         @raise ValueError: the name is taken or empty.
         """
-        if not name or len(name) > 100:
-            raise ValueError("name: expected 1 to 100 characters")
+        if not _NAME.match(name) or name.startswith("sk-"):
+            raise ValueError(
+                f"name: {name[:120]!r}: expected 1 to 100 letters, digits, '.',"
+                " '_', '-' or '@', not starting with sk-"
+            )
         if any(k.name == name for k in self._by_id.values()):
             raise ValueError(f"name: a key named {name!r} exists")
         secret = "sk-" + secrets.token_urlsafe(32)
@@ -224,10 +233,13 @@ class KeyRing:
             raise _unauthorized("Incorrect API key provided.")
         return key
 
-    def admit(self, key: ApiKey, names: Sequence[str]) -> None:
+    def admit(self, key: ApiKey, names: Sequence[str], reserve: int = 0) -> None:
         """
         Count a request of C{key} for a model known by C{names} (as sent,
-        and its catalog name).
+        and its catalog name), and hold C{reserve} tokens for it until
+        L{used}: requests in flight count against the budget and the
+        tokens per minute, so concurrent ones cannot overshoot them by
+        more than one request's own use.
 
         @raise APIError: 403 the key may not use the model; 429 over its
             budget (C{insufficient_quota}) or its requests or tokens per
@@ -241,7 +253,10 @@ class KeyRing:
                 "model_not_allowed",
                 "model",
             )
-        if key.budget_tokens is not None and key.tokens_used >= key.budget_tokens:
+        if (
+            key.budget_tokens is not None
+            and key.tokens_used + key.reserved >= key.budget_tokens
+        ):
             raise APIError(
                 429,
                 "You exceeded your token budget; ask for a larger one.",
@@ -253,8 +268,8 @@ class KeyRing:
         if key.rpm is not None and len(key.requests) >= key.rpm:
             wait = key.requests[0] + WINDOW - now
             raise _rate_limited(f"{key.rpm} requests per minute", wait)
-        if key.tpm is not None and key.tokens_in_window >= key.tpm:
-            over = key.tokens_in_window - key.tpm
+        if key.tpm is not None and key.tokens_in_window + key.reserved >= key.tpm:
+            over = key.tokens_in_window + key.reserved - key.tpm
             wait = WINDOW
             for when, count in key.tokens:
                 over -= count
@@ -264,11 +279,14 @@ class KeyRing:
             raise _rate_limited(f"{key.tpm} tokens per minute", wait)
         key.requests.append(now)
         key.last_used = time.time()
+        key.reserved += reserve
 
-    def used(self, key: ApiKey, tokens: int) -> None:
+    def used(self, key: ApiKey, tokens: int, reserved: int = 0) -> None:
         """
-        Count the tokens a request of C{key} used, once it is over.
+        Count the tokens a request of C{key} used, once it is over, and
+        release what L{admit} held for it.
         """
+        key.reserved = max(0, key.reserved - reserved)
         if tokens <= 0:
             return
         key.tokens_used += tokens

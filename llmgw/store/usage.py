@@ -31,6 +31,8 @@ class StoreUsageSink(Service):
 
     @param interval: seconds between batch writes.
     @param batch_size: a batch is written early once this many wait.
+    @param record_rows: false keeps no record per request, only each
+        key's token count (budgets hold across restarts either way).
     """
 
     log = Logger()
@@ -42,8 +44,10 @@ class StoreUsageSink(Service):
         interval: float = 1.0,
         batch_size: int = 1000,
         wall_clock: Callable[[], float] = time.time,
+        record_rows: bool = True,
     ) -> None:
         self._store = store
+        self._record_rows = record_rows
         self._clock = clock
         self._interval = interval
         self._batch_size = batch_size
@@ -57,6 +61,14 @@ class StoreUsageSink(Service):
 
     def record(self, record: RequestRecord) -> None:
         now = self._wall_clock()
+        if record.key_id is None and record.status == 401:
+            # Unauthenticated: anyone could fill the store with these (the
+            # log line and the metrics still count them).
+            return
+        if not self._record_rows:
+            if record.key_id is not None:
+                self._count_key(record, now)
+            return
         self._rows.append(
             UsageRow(
                 time=now,
@@ -71,14 +83,11 @@ class StoreUsageSink(Service):
                 completion_tokens=record.completion_tokens,
                 latency=record.latency,
                 time_to_first_token=record.time_to_first_token,
+                estimated=record.usage_estimated,
             )
         )
         if record.key_id is not None:
-            tokens, _ = self._key_use.get(record.key_id, (0, 0.0))
-            self._key_use[record.key_id] = (
-                tokens + record.prompt_tokens + record.completion_tokens,
-                now,
-            )
+            self._count_key(record, now)
         if len(self._rows) > MAX_BUFFERED:
             drop = len(self._rows) - MAX_BUFFERED
             del self._rows[:drop]
@@ -89,6 +98,14 @@ class StoreUsageSink(Service):
             )
         if len(self._rows) >= self._batch_size and self._writing is None:
             self.flush()
+
+    def _count_key(self, record: RequestRecord, now: float) -> None:
+        assert record.key_id is not None
+        tokens, _ = self._key_use.get(record.key_id, (0, 0.0))
+        self._key_use[record.key_id] = (
+            tokens + record.prompt_tokens + record.completion_tokens,
+            now,
+        )
 
     def flush(self) -> Deferred[None]:
         """

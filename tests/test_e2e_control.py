@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -23,7 +24,16 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import TWISTD, Process, Processes, free_port, http, make_certs, spawn
+from tests.support import (
+    BIN,
+    TWISTD,
+    Process,
+    Processes,
+    free_port,
+    http,
+    make_certs,
+    spawn,
+)
 
 AGENT_CONFIG = """
 address = "{address}"
@@ -250,7 +260,7 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
             15,
             "the failure counted",
         )
-        self.assertIn("exited", models[0]["last_error"])
+        self.assertIn("killed by signal 9", models[0]["last_error"])
         after = self.ready(2)
         replaced = next(r for r in after if r["id"] not in {x["id"] for x in ready})
         self.assertNotEqual(replaced["shards"][0]["pid"], pid)
@@ -436,3 +446,20 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
             n for n in self.admin("/api/v1/nodes")["nodes"] if n["id"] == node
         ]
         self.assertTrue(drained_node["draining"])
+        done = subprocess.run(
+            [
+                os.path.join(BIN, "llmgw"),
+                "ctl",
+                "--admin-url",
+                self.admin_url,
+                "undrain",
+                "node",
+                node,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertEqual(done.returncode, 0, done.stderr)
+        (back,) = [n for n in self.admin("/api/v1/nodes")["nodes"] if n["id"] == node]
+        self.assertFalse(back["draining"])

@@ -382,9 +382,10 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
     def test_weights_collect(self) -> None:
         """
         llmgw ctl weights lists the agent's files; --collect --dry-run
-        deletes nothing; --collect deletes only the files no catalog model
-        uses; a path outside the weights directories, also through a
-        symlink inside them, is refused by the agent and left alone.
+        deletes nothing; --collect deletes only the entries no catalog model
+        uses (a symlink itself, not what it points to); a path outside the
+        weights directories, also through a symlink inside them, is refused
+        by the agent, and one the catalog uses by the server.
         """
         weights = os.path.join(self.dir, "weights")
         outside = os.path.join(self.dir, "precious")
@@ -441,39 +442,36 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
         self.assertIn("would remove", dry)
         self.assertTrue(os.path.exists(os.path.join(weights, "stale.gguf")))
 
-        # The symlink escapes the weights directory: the agent refuses the
-        # whole batch and deletes nothing.
-        refused = self.ctl("weights", "--collect", ok=False)
-        self.assertEqual(refused.returncode, 1)
-        self.assertIn("is outside the weights directories", refused.stdout)
-        self.assertTrue(os.path.exists(os.path.join(weights, "stale.gguf")))
+        # Paths outside the weights directory, also through the symlink,
+        # are refused by the agent; nothing is deleted.
+        for path in (
+            os.path.join(outside, "keep.bin"),
+            os.path.join(weights, "escape", "keep.bin"),
+            os.path.join(weights, "..", "precious", "keep.bin"),
+        ):
+            refused = self.ctl("weights", "--remove", "gpu-01", path, ok=False)
+            self.assertEqual(refused.returncode, 1, path)
+            self.assertIn("outside the weights directories", refused.stderr)
         self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
-
-        # Given paths go through the same check.
-        direct = self.ctl(
-            "weights", "--remove", "gpu-01", outside + "/keep.bin", ok=False
+        # A file the catalog uses is refused by the server.
+        used = self.ctl(
+            "weights",
+            "--remove",
+            "gpu-01",
+            os.path.join(weights, "used.gguf"),
+            ok=False,
         )
-        self.assertEqual(direct.returncode, 1)
-        self.assertIn("outside the weights directories", direct.stderr)
-        self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
-
-        # The operator deletes the symlink; a removal through the agent
-        # makes it report again at once.
-        os.remove(os.path.join(weights, "escape"))
-        self.ctl("weights", "--remove", "gpu-01", os.path.join(weights, "stale.gguf"))
-        self.assertFalse(os.path.exists(os.path.join(weights, "stale.gguf")))
-        self.until(
-            lambda: [
-                n
-                for n in self.ctl_json("weights")["nodes"]
-                if n["files"]
-                and not any(
-                    f["path"].endswith(("stale.gguf", "escape")) for f in n["files"]
-                )
-            ],
-            20,
-            "the report after removal",
+        self.assertIn("is used by 'local-file'", used.stderr)
+        # --dry-run goes with --collect only.
+        self.assertEqual(
+            self.ctl(
+                "weights", "--remove", "gpu-01", "/x", "--dry-run", ok=False
+            ).returncode,
+            1,
         )
+
+        # Collect: the unused entries go; the symlink itself goes, what it
+        # points to outside stays.
         done = self.ctl("weights", "--collect").stdout
         self.assertIn("removed " + os.path.join(weights, "old-checkout"), done)
         self.assertEqual(

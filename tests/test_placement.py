@@ -177,10 +177,10 @@ class PlacementTests(SynchronousTestCase):
                 node("gpu-06"),
             ],
             [
-                "profile two: gpu-01: 1 of 2 GPUs free, 1 allocated",
+                "profile two: gpu-01: needs 2 GPUs, 1 usable: 1 allocated",
                 "profile two: gpu-02: unreachable",
-                "profile two: gpu-03: 0 of 2 GPUs free, 4 with under 40 GB free",
-                "profile two: gpu-04: 1 of 2 GPUs free, 1 with problems",
+                "profile two: gpu-03: no GPU has 40 GB",
+                "profile two: gpu-04: needs 2 GPUs, 1 usable: 1 with problems",
                 "profile two: gpu-05: no free port in 8000-8009",
                 "profile two: gpu-06: has 0 GPUs, needs 2",
             ],

@@ -121,6 +121,20 @@ class KeyRingTests(TestCase):
             self.ring.admit(key, ["m"])
         self.assertEqual(raised.exception.code, "insufficient_quota")
 
+    async def test_models_by_alias(self) -> None:
+        """
+        A key's models may be named by alias: the model and its other
+        names are allowed; other models are 403.
+        """
+        names = {"chat": "chat-a", "chat-a": "chat-a", "c": "chat-a", "other": "other"}
+        self.ring.resolve = names.get
+        key, _ = await self.ring.create("k", models=["chat"])
+        for name in ("chat", "chat-a", "c"):
+            self.ring.admit(key, [name])
+        with self.assertRaises(APIError) as raised:
+            self.ring.admit(key, ["other"])
+        self.assertEqual(raised.exception.status, 403)
+
     async def test_header_forms(self) -> None:
         """
         Bearer in any case; anything else is 401 once a key exists.
@@ -215,6 +229,24 @@ class WeightsRemovalTests(SynchronousTestCase):
         self.assertFalse(os.path.lexists(link))
         self.assertTrue(os.path.exists(os.path.join(self.dir, "model.gguf")))
 
+    def test_symlink_out_removed_not_followed(self) -> None:
+        """
+        A link inside the weights directory pointing outside: the link
+        goes, what it points to stays; a path through it is refused.
+        """
+        outside = os.path.join(self.root, "elsewhere")
+        os.makedirs(outside)
+        with open(os.path.join(outside, "keep.bin"), "wb") as f:
+            f.write(b"k")
+        link = os.path.join(self.dir, "escape")
+        os.symlink(outside, link)
+        from llmgw.agent.engines import ProfileError
+
+        with self.assertRaises(ProfileError):
+            self.remove([self.dir], [os.path.join(link, "keep.bin")], [])
+        self.assertEqual(self.remove([self.dir], [link], []), [link])
+        self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
+
     def test_refused(self) -> None:
         """
         Outside paths (also through '..' or a link), the directory itself,
@@ -225,12 +257,12 @@ class WeightsRemovalTests(SynchronousTestCase):
         with open(outside, "wb") as f:
             f.write(b"p")
         escape = os.path.join(self.dir, "escape")
-        os.symlink(outside, escape)
+        os.symlink(self.root, escape)
         old = os.path.join(self.dir, "old.gguf")
         for paths, in_use in (
             ([old, outside], []),
             ([old, os.path.join(self.dir, "..", "precious")], []),
-            ([old, escape], []),
+            ([old, os.path.join(escape, "precious")], []),
             ([old, self.dir], []),
             ([old, "weights/old.gguf"], []),
             (

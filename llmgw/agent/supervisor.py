@@ -260,7 +260,14 @@ class Shard:
             self._set(pb.SHARD_STATE_STOPPED)
         else:
             self.log.warn("shard {shard} exited with {code}", shard=self.id, code=code)
-            self._set(pb.SHARD_STATE_FAILED, f"the engine exited with code {code}")
+            if code is None:
+                # Adopted: its exit status went to the agent that started it.
+                why = "the engine is gone (exit status unknown)"
+            elif code < 0:
+                why = f"the engine was killed by signal {-code}"
+            else:
+                why = f"the engine exited with code {code}"
+            self._set(pb.SHARD_STATE_FAILED, why)
         self._supervisor.forget(self)
 
     def running(self) -> pb.RunningShard:

@@ -30,9 +30,11 @@ def _size_and_use(path: str, budget: list[int]) -> tuple[int, float]:
         info = os.lstat(path)
     except OSError:
         return 0, 0.0
-    size, last = info.st_size, max(info.st_atime, info.st_mtime)
     if not os.path.isdir(path) or os.path.islink(path):
-        return size, last
+        return info.st_size, max(info.st_atime, info.st_mtime)
+    # A folder: its files' sizes and uses (scanning it touches the
+    # folders' own access times).
+    size, last = 0, 0.0
     for root, _dirs, files in os.walk(path):
         for name in files:
             if budget[0] <= 0:
@@ -77,8 +79,8 @@ def remove(
 ) -> list[str]:
     """
     Delete C{paths}, each a file or folder inside one of C{directories}.
-    Every path is checked, symlinks resolved, before anything is deleted;
-    a symlink is removed itself, never what it points to.
+    Every path is checked, the folders on its way resolved, before anything
+    is deleted; a symlink is removed itself, never what it points to.
 
     @param in_use: model sources of engines running here: refused too.
     @return: the paths deleted.
@@ -101,24 +103,26 @@ def remove(
     for path in paths:
         if not path or "\0" in path or "\n" in path or not os.path.isabs(path):
             raise ProfileError(f"path {path!r}: expected an absolute path")
-        real = os.path.realpath(path)
+        link = os.path.islink(path)
+        # Every folder on the way is resolved; a symlink at the end is
+        # removed itself (what it points to is left alone, wherever it is).
+        parent = os.path.realpath(os.path.dirname(path))
+        real = (
+            os.path.join(parent, os.path.basename(path))
+            if link
+            else os.path.realpath(path)
+        )
         if not any(_inside(real, root) for root in roots):
             raise ProfileError(
                 f"path {path!r} (resolved {real!r}) is outside the weights"
                 f" directories {', '.join(directories)}"
             )
-        link = os.path.islink(path)
-        if link and not any(
-            _inside(os.path.realpath(os.path.dirname(path)) + os.sep + "x", root)
-            for root in roots
-        ):
-            raise ProfileError(f"path {path!r} is outside the weights directories")
         for source in used:
             if source == real or _inside(source, real) or _inside(real, source):
                 raise ProfileError(f"path {path!r} is used by a running engine")
         if os.path.basename(real) in cache_names:
             raise ProfileError(f"path {path!r} is used by a running engine")
-        checked.append((path if link else real, link))
+        checked.append((real, link))
     removed = []
     for target, link in checked:
         if link:

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import tomllib
 import urllib.error
 import urllib.parse
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace, out: Any) -> None:
                 "PROFILE",
                 "STATE",
                 "NODE",
-                "GPUS",
+                "GPU IDS",
                 "PORT",
                 "PID",
                 "LAST ERROR",
@@ -266,7 +267,7 @@ def run(args: argparse.Namespace, out: Any) -> None:
         result = client.call("GET", "/api/v1/placement/" + _quote(args.model))
         if result["fits"]:
             where = ", ".join(
-                f"{s['node']} GPUs {_cell(s['gpus'])} port {s['port']}"
+                f"{s['node']} GPU ids {_cell(s['gpus'])} port {s['port']}"
                 for s in result["shards"]
             )
             text = f"{result['model']}: fits, profile {result['profile']}: {where}\n"
@@ -274,6 +275,9 @@ def run(args: argparse.Namespace, out: Any) -> None:
             text = f"{result['model']}: fits nowhere\n" + "".join(
                 f"  {line}\n" for line in result["reasons"]
             )
+    elif command == "undrain":
+        result = client.call("POST", f"/api/v1/nodes/{_quote(args.id)}/undrain")
+        text = f"node {args.id} takes placements again\n"
     elif command == "drain":
         if args.kind == "node":
             result = client.call("POST", f"/api/v1/nodes/{_quote(args.id)}/drain")
@@ -370,6 +374,8 @@ def run(args: argparse.Namespace, out: Any) -> None:
             ),
         )
     elif command == "weights":
+        if args.dry_run and not args.collect:
+            raise CtlError("weights: --dry-run goes with --collect")
         if args.remove:
             node, *paths = args.remove
             if not paths:
@@ -400,7 +406,14 @@ def run(args: argparse.Namespace, out: Any) -> None:
                 raise CtlError("some nodes refused; see above")
         else:
             result = client.call("GET", "/api/v1/weights")
-            text = table(
+            now = time.time()
+            ages = "".join(
+                f"{n['node']}: reported {now - n['reported_at']:.0f}s ago"
+                " (agents report every 60 s and after a removal)\n"
+                for n in result["nodes"]
+                if n["reported_at"] is not None
+            )
+            text = ages + table(
                 [
                     (
                         n["node"],
@@ -423,6 +436,19 @@ def _quote(part: str) -> str:
     return urllib.parse.quote(part, safe="")
 
 
+def _with(shared: argparse.ArgumentParser, subparsers: Any) -> Any:
+    """
+    @return: C{subparsers}, whose parsers all take C{shared}'s options.
+    """
+    original = subparsers.add_parser
+
+    def add_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return original(name, parents=[shared], **kwargs)  # type: ignore[no-any-return]
+
+    subparsers.add_parser = add_parser
+    return subparsers
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="llmgw ctl", description="Run an llmgw fleet through the admin API."
@@ -438,13 +464,18 @@ def parser() -> argparse.ArgumentParser:
         help="an admin key, for an admin listener not on loopback ($LLMGW_ADMIN_KEY)",
     )
     top.add_argument("--json", action="store_true", help="print the API's JSON")
-    commands = top.add_subparsers(dest="command", required=True)
+    # --json is taken after the command too.
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    commands = _with(shared, top.add_subparsers(dest="command", required=True))
     commands.add_parser("status", help="version, uptime, counts")
     commands.add_parser("nodes", help="nodes and their GPUs")
     commands.add_parser("replicas", help="replicas and their shards")
 
     models = commands.add_parser("models", help="the catalog: list, add, remove, scale")
-    actions = models.add_subparsers(dest="action")
+    actions = _with(shared, models.add_subparsers(dest="action"))
     actions.add_parser("list")
     add = actions.add_parser("add", help="add a model (kept across restarts)")
     add.add_argument("name", nargs="?")
@@ -475,9 +506,12 @@ def parser() -> argparse.ArgumentParser:
     drain = commands.add_parser("drain", help="drain a node or a replica")
     drain.add_argument("kind", choices=("node", "replica"))
     drain.add_argument("id")
+    undrain = commands.add_parser("undrain", help="let placements use a node again")
+    undrain.add_argument("kind", choices=("node",))
+    undrain.add_argument("id")
 
     keys = commands.add_parser("keys", help="API keys: list, create, revoke")
-    key_actions = keys.add_subparsers(dest="action")
+    key_actions = _with(shared, keys.add_subparsers(dest="action"))
     key_actions.add_parser("list")
     create = key_actions.add_parser("create", help="make a key; printed once")
     create.add_argument("--name", required=True)

@@ -114,7 +114,7 @@ class NoFit:
     def lines(self) -> list[str]:
         """
         @return: the explanation, one line per profile and node, such as
-            C{"profile a100x2: gpu-03: 1 of 2 GPUs free"}.
+            C{"profile a100x2: gpu-03: needs 2 GPUs, 1 usable: 1 allocated"}.
         """
         out = []
         for profile, reasons in self.reasons:
@@ -146,14 +146,19 @@ def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]
         return usable, ""
     if len(node.gpus) < profile.gpus:
         return usable, f"has {len(node.gpus)} GPUs, needs {profile.gpus}"
-    why = [f"{len(usable)} of {profile.gpus} GPUs free"]
+    if all(g.memory_total_mib < need_mib for g in node.gpus):
+        # Whatever is freed, it will never fit here.
+        return usable, f"no GPU has {profile.gpu_memory_gb:g} GB"
+    why = []
+    if allocated:
+        why.append(f"{allocated} allocated")
     if troubled:
         why.append(f"{troubled} with problems")
     if small:
         why.append(f"{small} with under {profile.gpu_memory_gb:g} GB free")
-    if allocated:
-        why.append(f"{allocated} allocated")
-    return usable, ", ".join(why)
+    return usable, (
+        f"needs {profile.gpus} GPUs, {len(usable)} usable: " + ", ".join(why)
+    )
 
 
 def _free_port(node: NodeView, ports: range) -> int | None:

@@ -250,6 +250,12 @@ class ControlPlane:
         """
         return self._names.get(name)
 
+    def static_endpoints(self) -> tuple[Endpoint, ...]:
+        """
+        @return: the endpoints from the configuration.
+        """
+        return self._static
+
     def names(self) -> list[str]:
         """
         @return: every catalog name and alias, sorted.
@@ -445,9 +451,9 @@ class ControlPlane:
         static = {name for e in self._static for name in e.models}
         for name in model.names:
             if name in self._names:
-                raise ValueError(
-                    f"name {name!r} is already model {self._names[name]!r}"
-                )
+                owner = self._names[name]
+                what = "model" if owner == name else f"an alias of model {owner!r}"
+                raise ValueError(f"name {name!r} is already {what}")
             if name in static:
                 raise ValueError(f"name {name!r} is served by a static endpoint")
         self._models[model.name] = _ModelState(model)
@@ -495,37 +501,38 @@ class ControlPlane:
 
     # Weights.
 
-    def _sources(self) -> list[str]:
-        sources = [p.source for s in self._models.values() for p in s.model.profiles]
-        sources += [r.profile.source for r in self.replicas.values()]
-        return sources
+    def weights_user(self, path: str) -> str | None:
+        """
+        @return: the catalog model or replica that uses C{path} (its source
+            path, a folder holding it, a file or folder inside it, or the
+            Hugging Face cache entry C{models--ORG--NAME} of a hub id), or
+            L{None}.
+        """
+        users = [
+            (p.source, s.model.name)
+            for s in self._models.values()
+            for p in s.model.profiles
+        ]
+        users += [(r.profile.source, r.id) for r in self.replicas.values()]
+        path = path.rstrip("/")
+        name = path.rsplit("/", 1)[-1]
+        for source, user in users:
+            source = source.rstrip("/")
+            if (
+                source == path
+                or source.startswith(path + "/")
+                or path.startswith(source + "/")
+                or name == "models--" + source.replace("/", "--")
+            ):
+                return user
+        return None
 
     def unused_weights(self, node: Node) -> list[dict[str, Any]]:
         """
-        @return: the node's reported model files that no catalog model's
-            profile and no replica uses: neither a source path, a folder
-            holding one, a file or folder inside one, nor the Hugging Face
-            cache entry (C{models--ORG--NAME}) of a hub id.
+        @return: the node's reported model files that nothing in the
+            catalog and no replica uses (see L{weights_user}).
         """
-        sources = self._sources()
-        unused = []
-        for entry in node.weights:
-            path = entry["path"].rstrip("/")
-            name = path.rsplit("/", 1)[-1]
-            used = False
-            for source in sources:
-                source = source.rstrip("/")
-                if (
-                    source == path
-                    or source.startswith(path + "/")
-                    or path.startswith(source + "/")
-                    or name == "models--" + source.replace("/", "--")
-                ):
-                    used = True
-                    break
-            if not used:
-                unused.append(entry)
-        return unused
+        return [e for e in node.weights if self.weights_user(e["path"]) is None]
 
     async def collect_weights(self, dry_run: bool) -> list[dict[str, Any]]:
         """
@@ -701,8 +708,10 @@ class ControlPlane:
             error = f"not ready after {settings.start_timeout:g}s"
         elif state == "ready":
             model = self._models.get(replica.model)
-            if model is not None and model.failures:
+            if model is not None:
+                # Recovered: the last error is history.
                 model.failures = 0
+                model.last_error = ""
             return
         if not error:
             return

@@ -1260,8 +1260,8 @@ class Router:
     def _visible(self, key: Any, model: str) -> bool:
         if key is None:
             return True
-        canonical = self.activator.resolve(model) if self.activator else None
-        return bool(key.allows(model) or (canonical and key.allows(canonical)))
+        resolve = self.activator.resolve if self.activator else (lambda m: None)
+        return bool(key.allows(model, resolve))
 
     @app.route("/v1/models", methods=["GET"])
     def list_models(self, request: IRequest) -> bytes:

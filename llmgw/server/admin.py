@@ -229,7 +229,12 @@ class Admin:
                 "nodes": nodes,
                 "replicas": replicas,
                 "models": models,
-                "keys": len(self.keys.keys()) if self.keys is not None else 0,
+                "keys": sum(1 for k in self.keys.keys() if k.revoked is None)
+                if self.keys is not None
+                else 0,
+                "static_endpoints": len(self.plane.static_endpoints())
+                if self.plane is not None
+                else 0,
                 "auth_required": bool(self.keys is not None and self.keys.required),
             },
         )
@@ -375,6 +380,7 @@ class Admin:
         Remove a model added at run time: its replicas drain and stop.
         """
         plane = self._plane()
+        name = plane.resolve(name) or name
         if plane.model(name) is None:
             raise _not_found(f"model {name[:200]!r}")
         if name in self.config_models:
@@ -580,6 +586,18 @@ class Admin:
             or not all(isinstance(p, str) for p in paths)
         ):
             raise AdminError(400, "paths: expected a list of paths", "bad_request")
+        for path in paths:
+            if not path.startswith("/"):
+                raise AdminError(
+                    400,
+                    f"path {path[:200]!r}: expected an absolute path",
+                    "bad_request",
+                )
+            user = plane.weights_user(path)
+            if user is not None:
+                raise AdminError(
+                    409, f"path {path[:200]!r} is used by {user!r}", "in_use"
+                )
         result = await plane.remove_weights(node_id, paths)
         if result["error"]:
             raise AdminError(409, result["error"], "refused")

@@ -438,6 +438,7 @@ def makeService(options: Options) -> IService:
         outstanding=balancer.outstanding,
     )
     hub.listener = plane
+    keys.resolve = plane.resolve
     router = Router(
         reactor,
         balancer,

@@ -65,8 +65,17 @@ class ApiKey:
     tokens_in_window: int = 0
     reserved: int = 0
 
-    def allows(self, model: str) -> bool:
-        return self.models is None or model in self.models
+    def allows(
+        self, model: str, resolve: Callable[[str], str | None] = lambda m: None
+    ) -> bool:
+        """
+        @param resolve: a name's catalog model (aliases count as the
+            model they name), or L{None}.
+        """
+        if self.models is None or model in self.models:
+            return True
+        wanted = resolve(model)
+        return wanted is not None and any(resolve(m) == wanted for m in self.models)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +119,8 @@ class KeyRing:
         self._clock = clock
         self._by_hash: dict[str, ApiKey] = {}
         self._by_id: dict[int, ApiKey] = {}
+        # The catalog's name for a model name or alias (set by the server).
+        self.resolve: Callable[[str], str | None] = lambda name: None
 
     def load(self, rows: Sequence[dict[str, Any]]) -> None:
         """
@@ -245,7 +256,7 @@ class KeyRing:
             budget (C{insufficient_quota}) or its requests or tokens per
             minute (with C{Retry-After}).
         """
-        if not any(key.allows(n) for n in names):
+        if not any(key.allows(n, self.resolve) for n in names):
             raise APIError(
                 403,
                 f"This API key may not use model {names[0]!r}.",

@@ -246,6 +246,12 @@ def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None
             )
 
 
+def _bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
 def _string(key: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
@@ -437,11 +443,7 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             raise ConfigError(f"store: expected a table, got {table!r}")
         _check_keys("store", table, {"url", "flush_interval", "record_usage"})
         if "record_usage" in table:
-            record = table["record_usage"]
-            if not isinstance(record, bool):
-                raise ConfigError(
-                    f"store.record_usage: expected true or false, got {record!r}"
-                )
+            record = _bool("store.record_usage", table["record_usage"])
             config = replace(config, record_usage=record)
         if "url" in table:
             config = replace(config, store_url=_string("store.url", table["url"]))
@@ -455,12 +457,12 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
         if not isinstance(table, dict):
             raise ConfigError(f"auth: expected a table, got {table!r}")
         _check_keys("auth", table, {"require_api_key"})
-        required = table.get("require_api_key", False)
-        if not isinstance(required, bool):
-            raise ConfigError(
-                f"auth.require_api_key: expected true or false, got {required!r}"
-            )
-        config = replace(config, require_api_key=required)
+        config = replace(
+            config,
+            require_api_key=_bool(
+                "auth.require_api_key", table.get("require_api_key", False)
+            ),
+        )
     if "models" in data:
         from llmgw.control.catalog import parse_models
 
@@ -470,11 +472,7 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             config, agent_listen=_string("agent_listen", data["agent_listen"])
         )
     if "insecure_agents" in data:
-        insecure = data["insecure_agents"]
-        if not isinstance(insecure, bool):
-            raise ConfigError(
-                f"insecure_agents: expected true or false, got {insecure!r}"
-            )
+        insecure = _bool("insecure_agents", data["insecure_agents"])
         config = replace(config, insecure_agents=insecure)
     if "agent_tls" in data:
         table = data["agent_tls"]

@@ -11,7 +11,6 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,6 +18,7 @@ from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred
 
 from llmgw.config import ConfigError
+from llmgw.router.app import RequestRecord
 
 # Each migration runs once, in order, in one transaction with the bump of
 # user_version; a database newer than this code is refused.
@@ -85,27 +85,6 @@ def sqlite_path(url: str, state_dir: str) -> str:
             " sqlite:relative/path.db (only SQLite in this version)"
         )
     return os.path.expanduser(parts.path)
-
-
-@dataclass(frozen=True)
-class UsageRow:
-    """
-    One request as stored.  Times in POSIX seconds, durations in seconds.
-    """
-
-    time: float
-    request_id: str
-    key_id: int | None
-    key_name: str | None
-    model: str
-    replica: str | None
-    status: int
-    stream: bool
-    prompt_tokens: int
-    completion_tokens: int
-    latency: float
-    time_to_first_token: float | None
-    estimated: bool = False
 
 
 class Store:
@@ -252,12 +231,15 @@ class Store:
     # Usage
 
     def add_usage(
-        self, rows: Sequence[UsageRow], key_use: dict[int, tuple[int, float]]
+        self,
+        rows: Sequence[tuple[float, RequestRecord]],
+        key_use: dict[int, tuple[int, float]],
     ) -> Deferred[None]:
         """
         Write usage records and add to the keys' token counts, in one
         transaction.
 
+        @param rows: C{(POSIX seconds, record)} per request.
         @param key_use: per key id, C{(tokens, last used)}.
         """
 
@@ -269,7 +251,7 @@ class Store:
                 " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 [
                     (
-                        r.time,
+                        when,
                         r.request_id,
                         r.key_id,
                         r.key_name,
@@ -281,9 +263,9 @@ class Store:
                         r.completion_tokens,
                         r.latency,
                         r.time_to_first_token,
-                        int(r.estimated),
+                        int(r.usage_estimated),
                     )
-                    for r in rows
+                    for when, r in rows
                 ],
             )
             cursor.executemany(

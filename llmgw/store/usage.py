@@ -16,7 +16,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmgw.router.app import RequestRecord
-from llmgw.store.db import Store, UsageRow
+from llmgw.store.db import Store
 
 MAX_BUFFERED = 200_000
 """
@@ -52,7 +52,7 @@ class StoreUsageSink(Service):
         self._interval = interval
         self._batch_size = batch_size
         self._wall_clock = wall_clock
-        self._rows: list[UsageRow] = []
+        self._rows: list[tuple[float, RequestRecord]] = []
         self._key_use: dict[int, tuple[int, float]] = {}
         self._writing: Deferred[None] | None = None
         self._timer: LoopingCall | None = None
@@ -69,23 +69,7 @@ class StoreUsageSink(Service):
             if record.key_id is not None:
                 self._count_key(record, now)
             return
-        self._rows.append(
-            UsageRow(
-                time=now,
-                request_id=record.request_id,
-                key_id=record.key_id,
-                key_name=record.key_name,
-                model=record.model,
-                replica=record.replica,
-                status=record.status,
-                stream=record.stream,
-                prompt_tokens=record.prompt_tokens,
-                completion_tokens=record.completion_tokens,
-                latency=record.latency,
-                time_to_first_token=record.time_to_first_token,
-                estimated=record.usage_estimated,
-            )
-        )
+        self._rows.append((now, record))
         if record.key_id is not None:
             self._count_key(record, now)
         if len(self._rows) > MAX_BUFFERED:

@@ -97,6 +97,14 @@ class _Handler(BaseHTTPRequestHandler):
                 b'{"error": {"message": "slow down", "type": "rate_limit_error"}}',
                 {"Retry-After": "7"},
             )
+        elif mode == "ok":
+            self.server.answered += 1
+            self._send(
+                200,
+                b'{"id":"x","object":"chat.completion","choices":[{"index":0,'
+                b'"message":{"role":"assistant","content":"ok"},'
+                b'"finish_reason":"stop"}]}',
+            )
         elif mode == "close_without_answer":
             # As an engine killed with the request on its connection.
             self.server.closed_without_answer += 1
@@ -117,6 +125,7 @@ class FakeUpstream(ThreadingHTTPServer):
     daemon_threads = True
     flood_sent = 0
     closed_without_answer = 0
+    answered = 0
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)

@@ -113,3 +113,28 @@ class BalancerTests(SynchronousTestCase):
         b.set_endpoints([A])
         self.assertEqual(b.replicas()[0].outstanding, 5)
         self.assertEqual(b.models(), ["m"])
+
+
+class InFlightAcrossRepublishTests(SynchronousTestCase):
+    def test_count_survives(self) -> None:
+        """
+        A replica unpublished with requests in flight and published again
+        (an agent restart), or republished at another URL, keeps counting
+        the requests it carries.
+        """
+        from twisted.internet.task import Clock
+
+        balancer = Balancer(Clock(), 10)
+        first = Endpoint("r1", "http://10.0.0.1:1", ("m",))
+        balancer.set_endpoints([first])
+        replica = balancer.pick("m", set())
+        assert replica is not None
+        replica.outstanding += 3
+        balancer.set_endpoints([])
+        self.assertEqual(balancer.outstanding("r1"), 3)
+        balancer.set_endpoints([first])
+        self.assertEqual(balancer.outstanding("r1"), 3)
+        balancer.set_endpoints([Endpoint("r1", "http://10.0.0.2:1", ("m",))])
+        self.assertEqual(balancer.outstanding("r1"), 3)
+        replica.outstanding -= 3
+        self.assertEqual(balancer.outstanding("r1"), 0)

@@ -916,29 +916,54 @@ class MisbehavingEngineTests(SynchronousTestCase, Processes):
 class ClosedBeforeAnswerTests(SynchronousTestCase, Processes):
     """
     A replica that closes the connection with the request on it and not a
-    byte of an answer (an engine killed, a pooled connection it dropped).
+    byte of an answer.  The fake engine weighs 1000 times the simulator,
+    so it is always tried first.
     """
 
     timeout = 60
 
-    def test_tried_on_another_replica(self) -> None:
-        """
-        The request goes to another replica; the client sees no error.
-        """
+    def setUp(self) -> None:
         from tests.fake_upstream import FakeUpstream
 
-        fake = FakeUpstream()
-        self.addCleanup(fake.stop)
-        _, sim_url = self.start_sim(model="m")
+        self.fake = FakeUpstream()
+        self.addCleanup(self.fake.stop)
+        _, self.sim_url = self.start_sim(model="m")
         _, url, _ = self.start_server(
-            "--endpoint", f"fake={fake.url}=m", "--endpoint", f"sim={sim_url}=m"
-        )
-        gateway = client(url)
-        for _ in range(12):
-            answer = gateway.chat.completions.create(
-                model="m",
-                messages=MESSAGES,
-                extra_body={"mode": "close_without_answer"},
+            config=(
+                f'[[endpoints]]\nid = "fake"\nurl = "{self.fake.url}"\n'
+                'models = ["m"]\nweight = 1000\n'
+                f'[[endpoints]]\nid = "sim"\nurl = "{self.sim_url}"\nmodels = ["m"]\n'
             )
-            self.assertTrue(answer.choices[0].message.content)
-        self.assertGreater(fake.closed_without_answer, 0)
+        )
+        self.gateway = client(url)
+
+    def ask(self, mode: str) -> Any:
+        return self.gateway.chat.completions.create(
+            model="m", messages=MESSAGES, extra_body={"mode": mode}
+        )
+
+    def test_pooled_connection_retried(self) -> None:
+        """
+        On a connection taken from the pool (the engine may have closed it
+        while idle), the request goes to another replica, once.
+        """
+        self.assertEqual(self.ask("ok").choices[0].message.content, "ok")
+        answer = self.ask("close_without_answer")
+        self.assertTrue(answer.choices[0].message.content)
+        self.assertEqual(self.fake.closed_without_answer, 1)
+        self.assertEqual(sim_stats(self.sim_url)["requests_total"], 1)
+
+    def test_new_connection_not_retried(self) -> None:
+        """
+        On a new connection the engine had the whole request: not sent to
+        another engine (a prompt that crashes engines must not crash them
+        all); 502, and the replica sits out its cooldown.
+        """
+        with self.assertRaises(openai.APIStatusError) as raised:
+            self.ask("close_without_answer")
+        self.assertEqual(raised.exception.status_code, 502)
+        self.assertEqual(self.fake.closed_without_answer, 1)
+        self.assertEqual(sim_stats(self.sim_url)["requests_total"], 0)
+        # Ejected: the next request goes to the simulator.
+        self.assertTrue(self.ask("ok").choices[0].message.content)
+        self.assertEqual(self.fake.answered, 0)

@@ -417,6 +417,25 @@ class AdoptionTests(_Plane):
         self.plane.reconcile()
         self.assertEqual(len(self.agents.starts()), 1)
 
+    def test_changed_profile_not_adopted(self) -> None:
+        """
+        An engine started from another source than the catalog's profile
+        now names (the catalog changed during a restart) is stopped and a
+        new replica placed; one without the fields (an older agent) is
+        adopted.
+        """
+        self.make(_model(low=1), nodes=())
+        old = self._running("m-aaaa-0")
+        old.engine, old.source = "sim", "old-checkpoint"
+        self.register("n1", shards=(old,))
+        self.plane.reconcile()
+        self.assertEqual(self.agents.stops(), ["m-aaaa-0"])
+        self.assertEqual(len(self.agents.starts()), 1)
+        self.make(_model(low=1), nodes=())
+        self.register("n1", shards=(self._running("m-bbbb-0"),))
+        self.plane.reconcile()
+        self.assertEqual((self.agents.stops(), self.agents.starts()), ([], []))
+
     def test_foreign_shard_refused(self) -> None:
         """
         A node listing a shard id recorded on another node, or a rank its
@@ -634,3 +653,120 @@ class RuntimeCatalogTests(_Plane):
                 plane.add_model(clash)
         plane.add_model(_model(name="new"))
         self.assertEqual(plane.resolve("new-alias"), "new")
+
+
+class SecondReviewTests(_Plane):
+    """
+    Cases a second adversarial review found.
+    """
+
+    def _running(self, shard: str) -> pb.RunningShard:
+        return pb.RunningShard(
+            shard_id=shard,
+            replica_id=shard.rsplit("-", 1)[0],
+            model="m",
+            profile="one",
+            state=pb.SHARD_STATE_READY,
+            port=20000,
+            gpu_indices=[0],
+            pid=5,
+        )
+
+    def test_adopted_above_min_kept(self) -> None:
+        """
+        After a restart, a replica adopted above min_replicas (it ran
+        because of traffic) is not drained at the end of the grace.
+        """
+        from dataclasses import replace
+
+        self.make(
+            _model(low=0, idle=600),
+            nodes=(),
+            settings=replace(SETTINGS, startup_grace=5),
+        )
+        self.register("n1", shards=(self._running("m-aaaa-0"),))
+        self.plane.reconcile()
+        self.clock.advance(6)
+        self.heartbeat("n1")
+        self.plane.reconcile()
+        self.assertEqual(self.agents.stops(), [])
+        self.assertEqual(len(self.endpoints()), 1)
+
+    def test_lower_min_does_not_stop_at_once(self) -> None:
+        """
+        Scaling min_replicas down lets the model idle down later; the
+        replica in use is not drained now.
+        """
+        self.make(_model(low=1, idle=60), nodes=("n1",))
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        self.plane.scale("m", 0, 4)
+        self.plane.reconcile()
+        self.assertEqual(len(self.endpoints()), 1)
+        self.clock.advance(61)
+        self.heartbeat("n1")
+        self.plane.reconcile()
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.stops()), 1)
+
+    def test_lost_stop_sent_again(self) -> None:
+        """
+        A drain whose StopShard could not be delivered sends it again.
+        """
+        self.make(_model(low=1), nodes=("n1",))
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        (replica,) = self.plane.replicas
+        self.agents.refuse["n1"] = ""
+        self.plane.drain_replica(replica)
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.stops()), 1)
+        del self.agents.refuse["n1"]
+        self.clock.advance(41)
+        self.heartbeat("n1")
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.stops()), 2)
+
+    def test_backoff_holds_beside_a_ready_replica(self) -> None:
+        """
+        A second replica that keeps failing is retried with a growing
+        backoff even while the first is ready.
+        """
+        self.make(_model(low=2), nodes=("n1", "n2"))
+        self.plane.reconcile()
+        first, second = self.agents.starts()
+        self.status(first[1].shard_id, pb.SHARD_STATE_READY)
+        self.agents.refuse[second[0]] = ""
+        self.status(second[1].shard_id, pb.SHARD_STATE_FAILED)
+        for _ in range(60):
+            self.clock.advance(1)
+            self.heartbeat("n1", "n2")
+            self.plane.reconcile()
+        # 5 s, 10 s, 20 s, then 40 s: at most 4 more tries in a minute.
+        self.assertLessEqual(len(self.agents.starts()), 2 + 4)
+
+    def test_least_loaded_drained_first(self) -> None:
+        """
+        Scaling down drains the replica with the fewest requests in
+        flight.
+        """
+        self.make(_model(low=1), nodes=("n1", "n2"))
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        (busy,) = self.plane.replicas
+        self.clock.advance(5)
+        self.heartbeat("n1", "n2")
+        self.plane.scale("m", 2, 2)
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        (idle,) = set(self.plane.replicas) - {busy}
+        # The oldest carries the load.
+        self.in_flight[busy] = 3
+        self.plane.scale("m", 1, 1)
+        self.plane.reconcile()
+        draining = [r.id for r in self.plane.replicas.values() if r.draining_since]
+        self.assertEqual(draining, [idle])

@@ -286,6 +286,8 @@ class Shard:
             rank=c.rank,
             world_size=c.world_size,
             pid=self.pid or 0,
+            engine=c.engine,
+            source=c.source,
         )
 
 

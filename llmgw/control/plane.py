@@ -129,7 +129,7 @@ class ReplicaRecord:
     draining_since: float | None = None
     drain_reason: str = ""
     adopted: bool = False
-    stop_sent: bool = False
+    stop_sent_at: float | None = None
 
     @property
     def state(self) -> str:
@@ -182,6 +182,7 @@ class _ModelState:
     wanted: int = 0
     last_used: float = 0.0
     busy_at: float = 0.0
+    failed_at: float = 0.0
     failures: int = 0
     retry_at: float = 0.0
     last_error: str = ""
@@ -348,9 +349,18 @@ class ControlPlane:
             state = _STATE_NAMES.get(running.state, "starting")
             if found is not None and found[1].node == node_id:
                 shard = found[1]
+                same_engine = running.pid and running.pid == shard.pid
+                if shard.state == "ready" and state == "starting" and same_engine:
+                    # A restarted agent probes the engine again; the server
+                    # knows it is ready (and the router keeps sending).
+                    continue
                 if shard.state not in _GONE and state not in _GONE:
                     shard.state = state
                     shard.pid = running.pid or shard.pid
+                found_replica = found[0]
+                if found_replica.stop_sent_at is not None and state not in _GONE:
+                    # The stop may have been lost with the old link.
+                    self._stop_shard(node_id, shard.id)
                 continue
             reason = self._claim(running)
             if reason:
@@ -385,6 +395,15 @@ class ControlPlane:
         ):
             return "it is stopping or failed"
         profile = next(p for p in state.model.profiles if p.name == running.profile)
+        if (running.engine, running.source) != (profile.engine, profile.source) and (
+            running.engine or running.source
+        ):
+            # The catalog changed the profile since (another checkpoint):
+            # the old engine would serve the old weights under the name.
+            return (
+                f"profile {profile.name!r} is now {profile.engine} {profile.source!r},"
+                f" it runs {running.engine} {running.source!r}"
+            )
         if running.rank >= profile.nodes:
             return f"rank {running.rank} in a profile of {profile.nodes} nodes"
         if running.shard_id in self._shards:
@@ -405,15 +424,27 @@ class ControlPlane:
         profile = next(p for p in model.profiles if p.name == running.profile)
         replica = self.replicas.get(running.replica_id)
         if replica is None:
+            now = self.clock.seconds()
             replica = ReplicaRecord(
                 id=running.replica_id,
                 model=model.name,
                 profile=profile,
                 shards=[],
-                created=self.clock.seconds(),
+                created=now,
                 adopted=True,
             )
             self.replicas[replica.id] = replica
+            # What ran before the restart was wanted: kept, and left to the
+            # idle and load rules from now on (not drained at the end of
+            # the grace as surplus over min_replicas).
+            counts = self._models[model.name]
+            live = sum(
+                1
+                for r in self.replicas.values()
+                if r.model == model.name and r.draining_since is None
+            )
+            counts.wanted = min(model.max_replicas, max(counts.wanted, live))
+            counts.last_used = counts.busy_at = now
         shard = ShardRecord(
             id=running.shard_id,
             node=node_id,
@@ -493,9 +524,17 @@ class ControlPlane:
                 f"expected 0 <= min_replicas <= max_replicas, 1 <= max_replicas;"
                 f" got {min_replicas} and {max_replicas}"
             )
+        before = self.desired(state, self.clock.seconds())
         state.model = replace(
             state.model, min_replicas=min_replicas, max_replicas=max_replicas
         )
+        # A lower min lets the model idle down (after idle_timeout); it
+        # does not stop replicas in use now.  A lower max does.
+        state.wanted = min(max(state.wanted, before), max_replicas)
+        now = self.clock.seconds()
+        # Idle time counts from the change.
+        state.busy_at = max(state.busy_at, now)
+        state.last_used = max(state.last_used, now)
         self.loop.kick()
         return state.model
 
@@ -708,8 +747,9 @@ class ControlPlane:
             error = f"not ready after {settings.start_timeout:g}s"
         elif state == "ready":
             model = self._models.get(replica.model)
-            if model is not None:
-                # Recovered: the last error is history.
+            if model is not None and replica.created >= model.failed_at:
+                # Recovered (a replica started after the last failure is
+                # ready): the last error is history.
                 model.failures = 0
                 model.last_error = ""
             return
@@ -727,6 +767,7 @@ class ControlPlane:
             model.last_error = f"replica {replica.id}: {error}"
         elif model is not None:
             model.failures += 1
+            model.failed_at = now
             # The exponent is capped: 2 ** 1024 overflows a float.
             backoff = min(
                 settings.max_backoff,
@@ -785,9 +826,10 @@ class ControlPlane:
         """
         model = state.model
         threshold = self.settings.scale_up_in_flight
-        ready = [r for r in replicas if r.state == "ready"]
         live = [r for r in replicas if r.draining_since is None]
-        in_flight = sum(self._outstanding(r.id) for r in replicas)
+        ready = [r for r in live if r.state == "ready"]
+        in_flight = sum(self._outstanding(r.id) for r in live)
+        state.wanted = min(state.wanted, model.max_replicas)
         per_replica = in_flight / len(ready) if ready else 0.0
         if per_replica > threshold / 2:
             state.busy_at = now
@@ -834,8 +876,12 @@ class ControlPlane:
         if not self.grace_over:
             return snapshot
         if len(live) > want:
-            # Surplus: those not ready go first, then the newest.
-            order = sorted(live, key=lambda r: (r.state == "ready", r.created))
+            # Surplus: those not ready go first, then the least loaded, then
+            # the newest.
+            order = sorted(
+                live,
+                key=lambda r: (r.state == "ready", self._outstanding(r.id), -r.created),
+            )
             for replica in order[: len(live) - want]:
                 self._drain(replica, f"{len(live)} replicas, {want} wanted")
             return snapshot
@@ -986,7 +1032,14 @@ class ControlPlane:
 
     def _finish_drain(self, replica: ReplicaRecord, now: float) -> None:
         assert replica.draining_since is not None
-        if replica.stop_sent:
+        if replica.stop_sent_at is not None:
+            if now - replica.stop_sent_at > STOP_GRACE + 10:
+                # Not gone after SIGKILL's time: the stop was lost (a link
+                # down); again.
+                replica.stop_sent_at = now
+                for shard in replica.shards:
+                    if shard.state not in _GONE:
+                        self._stop_shard(shard.node, shard.id)
             return
         in_flight = self._outstanding(replica.id)
         late = now - replica.draining_since >= self.settings.drain_timeout
@@ -1000,7 +1053,7 @@ class ControlPlane:
                 count=in_flight,
                 seconds=self.settings.drain_timeout,
             )
-        replica.stop_sent = True
+        replica.stop_sent_at = now
         for shard in replica.shards:
             if shard.state not in _GONE:
                 shard.state = "draining"

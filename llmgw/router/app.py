@@ -402,6 +402,7 @@ class _Exchange:
         self.requested_model = ""
         self.key: Any = None
         self.events_relayed = 0
+        self.stale_retried = False
         self.max_tokens = 0
         # Tokens held against the key's budget and tokens per minute while
         # the request runs: its prompt (estimated) and max_tokens.
@@ -698,6 +699,8 @@ class _Exchange:
             headers,
             BytesProducer(self.body),
         )
+        # Agent.request takes its connection from the pool synchronously.
+        reused = router.pool is not None and router.pool.last_reused
         try:
             response = await self.waiting
         except UpstreamConnectError as e:
@@ -732,17 +735,24 @@ class _Exchange:
             error = upstream_failed(
                 "The replica closed the connection before answering."
             )
-            if isinstance(e, (ResponseNeverReceived, RequestTransmissionFailed)):
-                # Not a byte of an answer: a pooled connection to an engine
-                # that died or closed it.  Another replica gets the request
-                # (as a connect failure would).
+            never = isinstance(e, (ResponseNeverReceived, RequestTransmissionFailed))
+            if never and reused and not self.stale_retried:
+                # No byte of an answer on a connection taken from the pool:
+                # most likely one the engine closed (or died on) while it
+                # sat idle.  Another replica gets the request, once.  On a
+                # new connection the engine had the request and broke: that
+                # is not retried (a prompt that crashes engines must not
+                # crash them all), and the replica sits out.
+                self.stale_retried = True
                 router.log.warn(
-                    "request {request_id}: replica {replica} closed the connection"
-                    " before answering; trying another",
+                    "request {request_id}: replica {replica} closed a pooled"
+                    " connection before answering; trying another",
                     request_id=self.request_id.decode("ascii"),
                     replica=replica.id,
                 )
                 raise _Retry(error) from None
+            if never:
+                router.balancer.eject(replica)
             raise error from None
         finally:
             self.waiting = None
@@ -1087,9 +1097,13 @@ class Router:
         usage: UsageSink,
         activator: Activator | None = None,
         auth: Auth | None = None,
+        pool: Any = None,
     ) -> None:
         self.clock = clock
         self.auth = auth
+        # The upstream pool (QuietConnectionPool), to tell a reused
+        # connection from a new one.
+        self.pool = pool
         self.activator = activator
         # Requests waiting for activation, per model.
         self.activating: dict[str, int] = {}

@@ -85,20 +85,19 @@ class Balancer:
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """
-        Replace the endpoint list.  A replica whose id stays keeps its
-        outstanding count and ejection, so that in-flight requests, which
-        decrement the object they incremented, stay balanced.
+        Replace the endpoint list.  A replica whose id stays (or comes back
+        while requests to it are still in flight) is the same object, with
+        its outstanding count and ejection, so that in-flight requests,
+        which decrement the object they incremented, stay counted.
         """
         replicas: dict[str, Replica] = {}
         by_model: dict[str, list[Replica]] = {}
         for endpoint in endpoints:
-            replica = self._replicas.get(endpoint.id)
-            if replica is None or replica.endpoint != endpoint:
-                replica = Replica(
-                    endpoint,
-                    outstanding=replica.outstanding if replica else 0,
-                    ejected_until=replica.ejected_until if replica else 0.0,
-                )
+            replica = self._replicas.get(endpoint.id) or self._retired.get(endpoint.id)
+            if replica is None:
+                replica = Replica(endpoint)
+            elif replica.endpoint != endpoint:
+                replica.endpoint = endpoint
             replicas[endpoint.id] = replica
             for model in endpoint.models:
                 by_model.setdefault(model, []).append(replica)

@@ -391,7 +391,11 @@ class Admin:
             )
         assert self.store is not None
         await self.store.delete_model(name)
-        plane.remove_model(name)
+        try:
+            plane.remove_model(name)
+        except KeyError:
+            # Removed meanwhile by another request.
+            raise _not_found(f"model {name[:200]!r}") from None
         return _json(request, {"removed": name})
 
     @app.route("/api/v1/models/<path:name>/scale", methods=["POST"])
@@ -402,6 +406,7 @@ class Admin:
         back from the file at restart.
         """
         plane = self._plane()
+        name = plane.resolve(name) or name
         model = plane.model(name)
         if model is None:
             raise _not_found(f"model {name[:200]!r}")

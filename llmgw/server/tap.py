@@ -448,6 +448,7 @@ def makeService(options: Options) -> IService:
         UsageSinks(LogUsageSink(), usage_sink),
         activator=plane,
         auth=keys,
+        pool=pool,
     )
     router_site = make_site(router.app.resource(), settings.max_body_size)
     admin = Admin(

@@ -116,7 +116,7 @@ class GpuUsage(_message.Message):
     def __init__(self, index: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., new_problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunningShard(_message.Message):
-    __slots__ = ("shard_id", "replica_id", "model", "profile", "state", "port", "gpu_indices", "rank", "world_size", "pid")
+    __slots__ = ("shard_id", "replica_id", "model", "profile", "state", "port", "gpu_indices", "rank", "world_size", "pid", "engine", "source")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,8 @@ class RunningShard(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     replica_id: str
     model: str
@@ -137,7 +139,9 @@ class RunningShard(_message.Message):
     rank: int
     world_size: int
     pid: int
-    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    engine: str
+    source: str
+    def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail", "pid")

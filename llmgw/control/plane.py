@@ -9,6 +9,13 @@ what it lacks and drained what it has too many of; draining replicas are
 stopped once their requests in flight are done; the ready replicas are
 published to the router.
 
+How many replicas a model wants: C{min_replicas}, raised by traffic
+(the first request for a model at zero activates it; requests in flight
+per ready replica over C{scale_up_in_flight} add one, up to
+C{max_replicas}) and lowered again by idleness (C{idle_timeout}).  After
+a server restart, what the agents still run is adopted and counts as
+wanted, so nothing is started twice or stopped for being unexpected.
+
 Shard statuses and registrations arrive from the agent links between
 passes (L{ControlPlane.shard_status}, L{ControlPlane.node_registered}) and
 kick a pass.  Nothing here blocks: commands to agents are sent and their

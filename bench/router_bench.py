@@ -491,15 +491,17 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+def ratios(
+    rows: list[dict[str, Any]], target: str = "llmgw", baseline: str = "minimal-proxy"
+) -> dict[str, float]:
     """
-    llmgw / minimal-proxy throughput per kind.
+    C{target} / C{baseline} throughput per kind.
     """
     rate = {(r["target"], r["kind"]): r["requests_per_s"] for r in rows}
     result = {}
     for kind in KINDS:
-        floor = rate.get(("minimal-proxy", kind))
-        ours = rate.get(("llmgw", kind))
+        floor = rate.get((baseline, kind))
+        ours = rate.get((target, kind))
         if floor and ours is not None:
             result[kind] = ours / floor
     return result
@@ -509,14 +511,7 @@ def auth_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     """
     llmgw with keys and usage records / llmgw without, per kind.
     """
-    rate = {(r["target"], r["kind"]): r["requests_per_s"] for r in rows}
-    result = {}
-    for kind in KINDS:
-        off = rate.get(("llmgw", kind))
-        on = rate.get(("llmgw-auth", kind))
-        if off and on is not None:
-            result[kind] = on / off
-    return result
+    return ratios(rows, "llmgw-auth", "llmgw")
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

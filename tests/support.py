@@ -230,3 +230,42 @@ def make_certs(directory: str, hosts: str, nodes: list[str]) -> str:
             capture_output=True,
         )
     return ca
+
+
+def spawn_agent(
+    directory: str,
+    config: str,
+    agent_port: int,
+    node_id: str,
+    tls_dir: str,
+    *extra: str,
+) -> Process:
+    """
+    Start C{twistd -n llmgw-agent} as an operator would: C{config} as its
+    TOML file, dialing 127.0.0.1:C{agent_port}, its state in
+    C{directory/state-NODE}.
+    """
+    path = os.path.join(directory, f"agent-{node_id}-{time.monotonic_ns()}.toml")
+    with open(path, "w") as f:
+        f.write(config)
+    return spawn(
+        [
+            TWISTD,
+            "-n",
+            "--pidfile=",
+            "llmgw-agent",
+            "--config",
+            path,
+            "--server",
+            f"127.0.0.1:{agent_port}",
+            "--node-id",
+            node_id,
+            "--tls-dir",
+            tls_dir,
+            "--state-dir",
+            os.path.join(directory, f"state-{node_id}"),
+            *extra,
+        ],
+        directory,
+        f"agent-{node_id}-{time.monotonic_ns()}",
+    )

@@ -40,6 +40,7 @@ from tests.support import (
     http,
     make_certs,
     spawn,
+    spawn_agent,
 )
 
 AGENT_CONFIG = """
@@ -246,29 +247,8 @@ class _Fleet(Processes):
         return server, admin_url
 
     def start_agent(self, node_id: str, tls_dir: str, *extra: str) -> Process:
-        path = os.path.join(self.dir, f"agent-{node_id}-{time.monotonic_ns()}.toml")
-        with open(path, "w") as f:
-            f.write(AGENT_CONFIG)
-        process = spawn(
-            [
-                TWISTD,
-                "-n",
-                "--pidfile=",
-                "llmgw-agent",
-                "--config",
-                path,
-                "--server",
-                f"127.0.0.1:{self.agent_port}",
-                "--node-id",
-                node_id,
-                "--tls-dir",
-                tls_dir,
-                "--state-dir",
-                os.path.join(self.dir, f"state-{node_id}"),
-                *extra,
-            ],
-            self.dir,
-            f"agent-{node_id}-{time.monotonic_ns()}",
+        process = spawn_agent(
+            self.dir, AGENT_CONFIG, self.agent_port, node_id, tls_dir, *extra
         )
         self.addCleanup(process.stop)
         return process

@@ -26,13 +26,12 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import (
     BIN,
-    TWISTD,
     Process,
     Processes,
     free_port,
     http,
     make_certs,
-    spawn,
+    spawn_agent,
 )
 
 AGENT_CONFIG = """
@@ -146,28 +145,12 @@ class _Fleet(Processes):
             node's loopback address.
         """
         address = "127.0.0.1" if node_id == "gpu-01" else "127.0.0.2"
-        path = os.path.join(self.dir, f"agent-{node_id}.toml")
-        with open(path, "w") as f:
-            f.write(config.replace("{address}", address))
-        process = spawn(
-            [
-                TWISTD,
-                "-n",
-                "--pidfile=",
-                "llmgw-agent",
-                "--config",
-                path,
-                "--server",
-                f"127.0.0.1:{self.agent_port}",
-                "--node-id",
-                node_id,
-                "--tls-dir",
-                os.path.join(self.ca, "agents", node_id),
-                "--state-dir",
-                os.path.join(self.dir, f"state-{node_id}"),
-            ],
+        process = spawn_agent(
             self.dir,
-            f"agent-{node_id}-{time.monotonic_ns()}",
+            config.replace("{address}", address),
+            self.agent_port,
+            node_id,
+            os.path.join(self.ca, "agents", node_id),
         )
         self.addCleanup(process.stop)
         self.agents[node_id] = process

@@ -70,6 +70,14 @@ def scan(directories: Sequence[str]) -> list[pb.WeightsFile]:
     return found
 
 
+def hub_cache_name(source: str) -> str:
+    """
+    @return: the folder the Hugging Face cache keeps a hub id's files in,
+        C{models--ORG--NAME} (huggingface_hub's cache layout).
+    """
+    return "models--" + source.replace("/", "--")
+
+
 def _inside(path: str, directory: str) -> bool:
     return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
 
@@ -98,7 +106,7 @@ def remove(
             used.append(os.path.realpath(os.path.expanduser(source)))
         elif source:
             # A hub id: its Hugging Face cache folder.
-            cache_names.add("models--" + source.replace("/", "--"))
+            cache_names.add(hub_cache_name(source))
     checked: list[tuple[str, bool]] = []
     for path in paths:
         if not path or "\0" in path or "\n" in path or not os.path.isabs(path):

@@ -35,6 +35,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmgw.agent.weights import hub_cache_name
 from llmgw.config import ControlConfig
 from llmgw.control.agents import NoLink
 from llmgw.control.catalog import MAX_COUNT, Model
@@ -568,7 +569,7 @@ class ControlPlane:
                 source == path
                 or source.startswith(path + "/")
                 or path.startswith(source + "/")
-                or name == "models--" + source.replace("/", "--")
+                or name == hub_cache_name(source)
             ):
                 return user
         return None

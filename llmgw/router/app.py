@@ -509,11 +509,19 @@ class _Exchange:
         self.stream = stream
         if not self.router.knows(model):
             raise model_not_found(model)
+        activator = self.router.activator
+        canonical = activator.resolve(model) if activator is not None else None
+        # The body is written again (once) only when something in it changes
+        # other than the usage request of a body without stream_options.
+        rewrite = canonical is not None and canonical != model
+        if rewrite:
+            # An alias: engines serve the catalog name.
+            self.model = payload["model"] = str(canonical)
         if stream and self.path in _USAGE_STREAM_PATHS:
             # Ask for usage so it can be accounted, and hide the chunk that
             # carries it from a client that did not ask.
             options = payload.get("stream_options")
-            if "stream_options" not in payload:
+            if "stream_options" not in payload and not rewrite:
                 self.strip_usage = True
                 # The body stays as the client wrote it, with one member
                 # more before its closing brace (the body parsed as a JSON
@@ -531,17 +539,10 @@ class _Exchange:
             elif options is None or not options.get("include_usage"):
                 payload["stream_options"] = {**(options or {}), "include_usage": True}
                 self.strip_usage = True
-                # ASCII escapes: any string JSON can hold encodes, lone
-                # surrogates included.
-                self.body = json.dumps(payload).encode("ascii")
-        activator = self.router.activator
-        canonical = activator.resolve(model) if activator is not None else None
-        if canonical is not None and canonical != model:
-            # An alias: engines serve the catalog name.
-            self.model = payload["model"] = canonical
-            if self.strip_usage:
-                options = payload.get("stream_options") or {}
-                payload["stream_options"] = {**options, "include_usage": True}
+                rewrite = True
+        if rewrite:
+            # ASCII escapes: any string JSON can hold encodes, lone
+            # surrogates included.
             self.body = json.dumps(payload).encode("ascii")
 
     async def run(self) -> bytes | None:

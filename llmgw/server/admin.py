@@ -9,6 +9,7 @@ body or parameter), 401 (admin key needed), 404, 409 (conflict).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import re
@@ -636,24 +637,30 @@ class Admin:
         return b'{"status":"ok"}'
 
 
-def _loopback_peer(host: str) -> bool:
-    import ipaddress
-
+def is_loopback(host: str, otherwise: bool) -> bool:
+    """
+    @param host: an address as Twisted gives it.
+    @param otherwise: the answer when C{host} is not an IP address (a UNIX
+        socket's path, or nothing).
+    @return: whether C{host} is a loopback address.
+    """
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        return otherwise
 
 
 class AdminGuard(Resource):
     """
-    The admin API behind an admin key: for an admin listener that is not
-    on loopback.  Requests from this machine (a loopback peer) need none,
-    so the first admin key can be made there; C{/metrics} and
-    C{/healthz} stay open.
+    The admin API behind an admin key, while C{enabled}: for an admin
+    listener that is not on loopback.  Requests from this machine (a
+    loopback peer) need none, so the first admin key can be made there;
+    C{/metrics} and C{/healthz} stay open.
 
     @param inner: the admin app's resource.
     @param keys: where admin keys are found.
+    @ivar enabled: set once the listener's address is known (on by
+        default: closed until then).
     """
 
     isLeaf = True
@@ -662,6 +669,7 @@ class AdminGuard(Resource):
         super().__init__()  # type: ignore[no-untyped-call]
         self._inner = inner
         self._keys = keys
+        self.enabled = True
 
     def render(self, request: IRequest) -> Any:
         peer = getattr(request.getClientAddress(), "host", "")
@@ -669,7 +677,7 @@ class AdminGuard(Resource):
         # is /api/), and closed unless plainly open.
         segments = getattr(request, "postpath", None) or []
         open_path = segments in ([b"metrics"], [b"healthz"])
-        if not open_path and not _loopback_peer(peer):
+        if self.enabled and not open_path and not is_loopback(peer, False):
             try:
                 key = self._keys.authenticate(
                     request.getHeader(b"authorization") or b""

@@ -5,7 +5,6 @@ the server that touches the global reactor.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import sys
@@ -22,7 +21,6 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.web.client import HTTPConnectionPool
-from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from llmgw.config import (
@@ -41,7 +39,7 @@ from llmgw.router.app import LogUsageSink, Router, UsageSinks, make_site
 from llmgw.router.balancer import Balancer, Endpoint
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.upstream import make_upstream_client
-from llmgw.server.admin import Admin, AdminGuard
+from llmgw.server.admin import Admin, AdminGuard, is_loopback
 from llmgw.server.local import (
     LocalEngines,
     default_catalog,
@@ -212,24 +210,6 @@ class _StoreService(Service):
         self._store.close()
 
 
-class _Guarded(Resource):
-    """
-    The admin app, behind L{AdminGuard} once C{guarded} is set (the
-    listener turned out not to be on loopback).
-    """
-
-    isLeaf = True
-
-    def __init__(self, inner: Any, keys: KeyRing) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._inner = inner
-        self._guard = AdminGuard(inner, keys)
-        self.guarded = True
-
-    def render(self, request: Any) -> Any:
-        return (self._guard if self.guarded else self._inner).render(request)
-
-
 _held_locks: list[Any] = []
 
 
@@ -265,14 +245,6 @@ def _lock(folder: str, name: str) -> None:
     handle.write(str(os.getpid()))
     handle.flush()
     _held_locks.append(handle)
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        # A UNIX socket: reached through the file system's permissions.
-        return True
 
 
 def _runtime_models(
@@ -465,12 +437,13 @@ def makeService(options: Options) -> IService:
     local_services: list[Service] = []
     try:
         router_port = _listen(reactor, "listen", config.listen, router_site)
-        admin_site = Site(_Guarded(admin_resource, keys))
+        guard = AdminGuard(admin_resource, keys)
+        admin_site = Site(guard)
         admin_site.log = lambda request: None  # type: ignore[method-assign]
         admin_port = _listen(reactor, "admin_listen", config.admin_listen, admin_site)
         admin_host = getattr(admin_port.getHost(), "host", "127.0.0.1")
-        admin_guarded = not _loopback(admin_host)
-        admin_site.resource.guarded = admin_guarded
+        # A UNIX socket is reached through the file system's permissions.
+        admin_guarded = guard.enabled = not is_loopback(admin_host, True)
         if config.accepts_agents:
             agent_port = _listen(
                 reactor,

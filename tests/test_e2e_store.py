@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,6 +49,7 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
     def setUp(self) -> None:
         _, self.sim_url = self.start_sim("--max-tokens", "7")
         self.config = '[store]\nflush_interval = "1h"\n'
+        self.server_state = tempfile.mkdtemp(prefix="llmgw-db-")
         self.start()
 
     def start(self) -> None:
@@ -128,6 +130,28 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
         self.assertEqual(failed.returncode, 1)
         self.assertEqual(failed.stderr, "llmgw ctl: no key 'nobody' (HTTP 404)\n")
 
+        # Bad input: one line each, nothing made.
+        for args, message in (
+            (["--rpm", str(10**30)], "rpm: expected an integer from 1 to"),
+            (["--models", ""], "--models is empty"),
+            (["--models", " , "], "--models is empty"),
+        ):
+            bad = self.ctl("keys", "create", "--name", "bad", *args, ok=False)
+            self.assertEqual(bad.returncode, 1, args)
+            self.assertIn(message, bad.stderr)
+            self.assertEqual(len(bad.stderr.splitlines()), 1)
+        for name in ("sk-lookalike", "a/b", " "):
+            bad = self.ctl("keys", "create", "--name", name, ok=False)
+            self.assertIn("expected 1 to 100 letters", bad.stderr, name)
+        self.assertEqual(
+            [k["name"] for k in self.ctl_json("keys", "list")["keys"]], ["alice", "bob"]
+        )
+        for since in ("nan", "inf", "1e400"):
+            bad = self.ctl("usage", "--since", since, ok=False)
+            self.assertIn("bad time", bad.stderr, since)
+        bad = self.ctl("usage", "--since", "1h", "--until", "2h", ok=False)
+        self.assertIn("until: must be after since", bad.stderr)
+
     def test_usage_exact_and_kept_over_sigterm(self) -> None:
         """
         10 streamed and 10 non-streamed requests: llmgw ctl usage shows the
@@ -165,6 +189,15 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
                 completion += answer.usage.completion_tokens
         self.assertEqual(completion, 20 * 7)
 
+        # Refused for want of a key: not stored (anyone could fill the
+        # store with these).
+        status, _, _ = http(
+            "POST",
+            self.url + "/v1/chat/completions",
+            json.dumps({"model": "sim-model", "messages": CHAT}).encode(),
+            {"content-type": "application/json"},
+        )
+        self.assertEqual(status, 401)
         # Nothing written yet (the batch waits an hour); SIGTERM writes it.
         self.server.stop()
         self.assertIn("usage: 20 records written", self.server.output())
@@ -201,6 +234,49 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
         bad = self.ctl("usage", "--since", "yesterday", ok=False)
         self.assertEqual(bad.returncode, 1)
         self.assertIn("bad time 'yesterday'", bad.stderr)
+
+    def test_counts_kept_without_records(self) -> None:
+        """
+        With record_usage off, no record per request is kept, but a key's
+        token count is: its budget still holds after a restart.
+        """
+        self.config = "[store]\nrecord_usage = false\n"
+        self.server.stop()
+        self.start()
+        key = self.ctl_json(
+            "keys", "create", "--name", "capped", "--budget-tokens", "20"
+        )
+        client = self.client(key["key"])
+        used = 0
+        while used < 20:
+            answer = client.chat.completions.create(model="sim-model", messages=CHAT)
+            assert answer.usage is not None
+            used += answer.usage.total_tokens
+        self.server.stop()
+        self.start()
+        with self.assertRaises(openai.RateLimitError) as raised:
+            # The restarted server listens on another port.
+            self.client(key["key"]).chat.completions.create(
+                model="sim-model", messages=CHAT
+            )
+        self.assertEqual(raised.exception.code, "insufficient_quota")
+        (listed,) = self.ctl_json("keys", "list")["keys"]
+        self.assertEqual(listed["tokens_used"], used)
+        self.assertEqual(self.ctl_json("usage", "--by", "model")["usage"], [])
+
+    def test_one_server_per_database(self) -> None:
+        """
+        A second server on the same database, from another state
+        directory, is refused with one line.
+        """
+        database = os.path.join(self.server_state, "shared.db")
+        config = f'[store]\nurl = "sqlite://{database}"\n'
+        self.start_server("--endpoint", f"a={self.sim_url}=x", config=config)
+        with self.assertRaises(AssertionError) as raised:
+            self.start_server("--endpoint", f"b={self.sim_url}=x", config=config)
+        self.assertIn(
+            "shared.db.lock' is held by llmgw-server pid", str(raised.exception)
+        )
 
     def test_ctl_unreachable(self) -> None:
         """
@@ -462,13 +538,19 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
             ok=False,
         )
         self.assertIn("is used by 'local-file'", used.stderr)
-        # --dry-run goes with --collect only.
-        self.assertEqual(
-            self.ctl(
-                "weights", "--remove", "gpu-01", "/x", "--dry-run", ok=False
-            ).returncode,
-            1,
+        # --dry-run goes with --collect only: with --remove it is refused,
+        # and nothing is deleted.
+        refused = self.ctl(
+            "weights",
+            "--remove",
+            "gpu-01",
+            os.path.join(weights, "old-checkout"),
+            "--dry-run",
+            ok=False,
         )
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("--dry-run goes with --collect", refused.stderr)
+        self.assertTrue(os.path.exists(os.path.join(weights, "old-checkout")))
 
         # Collect: the unused entries go; the symlink itself goes, what it
         # points to outside stays.

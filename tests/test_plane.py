@@ -209,10 +209,11 @@ class ReconcileTests(_Plane):
         self.clock.advance(0.2)
         self.plane.reconcile()
         self.assertEqual(len(self.agents.starts()), 3)
-        # Ready again: the backoff starts over.
+        # Ready again: the backoff starts over, the last error is history.
         self.ready_all()
         self.plane.reconcile()
         self.assertEqual(self.plane.models_json()[0]["failures_in_a_row"], 0)
+        self.assertIsNone(self.plane.models_json()[0]["last_error"])
 
     def test_refused_start_is_a_failure(self) -> None:
         """
@@ -446,8 +447,9 @@ class AdoptionTests(_Plane):
         self.ready_all()
         self.plane.reconcile()
         (node, start) = self.agents.starts()[0]
+        # n1's shard id, under a replica of its own.
         stolen = self._running(start.shard_id)
-        stolen.replica_id = start.replica_id
+        stolen.replica_id = "m-elsewhere"
         bad_rank = self._running("m-cccc-1", rank=1)
         self.register("n2", shards=(stolen, bad_rank))
         self.plane.reconcile()

@@ -39,7 +39,8 @@ from llmgw.config import ControlConfig
 from llmgw.control.catalog import Model
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile, place
-from llmgw.control.plane import ControlPlane, _Snapshot
+from llmgw.control.plane import ControlPlane
+from llmgw.control.snapshot import Snapshot
 from llmgw.wire import agent_pb2 as pb
 
 
@@ -176,7 +177,7 @@ def measure(
         _ready(plane, agents)
         plane.reconcile()
 
-    snapshot = _Snapshot(plane.inventory.nodes(), plane.replicas.values(), {})
+    snapshot = Snapshot(plane.inventory.nodes(), plane.replicas.values(), {})
     fleet = snapshot.fleet
     catalog = _catalog(models)
     place_one = []

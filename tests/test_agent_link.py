@@ -383,6 +383,21 @@ class AgentLinkEndToEndTests(_Fleet, SynchronousTestCase):
         self.assertEqual(self.wait_for_node("gpu-01", timeout=40)["state"], "ready")
 
 
+class _Heard:
+    """
+    The hub's listener (the control plane's place): what the links told.
+    """
+
+    def __init__(self) -> None:
+        self.statuses: list[tuple[str, pb.ShardStatus]] = []
+
+    def node_registered(self, node_id: str, register: pb.Register) -> None:
+        pass
+
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+        self.statuses.append((node_id, status))
+
+
 class _LinkedAgent(TestCase):
     """
     Commands through the real link: the server's AgentHub runs in this
@@ -411,6 +426,8 @@ class _LinkedAgent(TestCase):
             )
         self.inventory = Inventory()
         self.hub = AgentHub(reactor, self.inventory)
+        self.heard = _Heard()
+        self.hub.listener = self.heard
         factory = TLSMemoryBIOFactory(
             server_options(f"{ca}/ca.pem", f"{ca}/server.pem", f"{ca}/server-key.pem"),
             False,
@@ -451,7 +468,7 @@ class _LinkedAgent(TestCase):
     def states(self, shard_id: str) -> list[str]:
         return [
             pb.ShardState.Name(s.state)
-            for node, s in self.hub.statuses
+            for node, s in self.heard.statuses
             if node == "gpu-01" and s.shard_id == shard_id
         ]
 
@@ -524,7 +541,7 @@ class ShardLifecycleTests(_LinkedAgent):
         self.assertTrue(result.ok)
         yield self.until(lambda: "SHARD_STATE_FAILED" in self.states("s2"), 30)
         (failed,) = [
-            s for _, s in self.hub.statuses if s.state == pb.SHARD_STATE_FAILED
+            s for _, s in self.heard.statuses if s.state == pb.SHARD_STATE_FAILED
         ]
         self.assertTrue(failed.has_exit_code)
         self.assertEqual(failed.exit_code, 2)
@@ -594,7 +611,7 @@ class ShardLifecycleTests(_LinkedAgent):
             http, "GET", f"http://127.0.0.1:{port}/health"
         )
         self.assertEqual(status, 200)
-        self.hub.statuses.clear()
+        self.heard.statuses.clear()
         self.agent = spawn(self.agent_argv, self.dir, "agent-again")
         yield self.until(
             lambda: self.hub.links.get("gpu-01") not in (None, first_link), 30
@@ -719,31 +736,32 @@ class LinkRobustnessTests(_Fleet, SynchronousTestCase):
 
 class DrainAndStopTests(_LinkedAgent):
     """
-    Drain through the real link, and the agent stopping while blocked.
+    Drains left to the server, and the agent stopping while blocked.
     """
 
     @defer.inlineCallbacks
-    def test_drain_then_stop(self) -> Generator[Any, Any, None]:
+    def test_drain_is_the_servers(self) -> Generator[Any, Any, None]:
         """
-        DrainShard reports draining at once, keeps the engine serving for
-        its grace, then stops it.
+        The agent times no drain: a DrainShard (the server never sends
+        one; it stops sending requests, waits for those in flight, then
+        sends StopShard) is answered as an unknown command, and the link
+        stays up.
         """
-        port = free_port()
-        model = f"m-{os.getpid()}-{port}"
-        self.addCleanup(subprocess.run, ["pkill", "-f", "--", f"--model {model}"])
-        yield self.start("s5", model, port, [])
-        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s5"), 30)
-        result = yield self.hub.links["gpu-01"].send_command(
-            pb.ControlMessage(drain_shard=pb.DrainShard(shard_id="s5", grace_seconds=2))
+        failure = yield self.assertFailure(
+            self.hub.links["gpu-01"].send_command(
+                pb.ControlMessage(
+                    drain_shard=pb.DrainShard(shard_id="s5", grace_seconds=2)
+                )
+            ),
+            CommandFailed,
         )
-        self.assertTrue(result.ok)
-        yield self.until(lambda: "SHARD_STATE_DRAINING" in self.states("s5"), 5)
-        status, _, _ = yield threads.deferToThread(
-            http, "GET", f"http://127.0.0.1:{port}/health"
+        self.assertIn("unknown command drain_shard", str(failure))
+        result = (
+            yield self.hub.links["gpu-01"]
+            .send_command(pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s5")))
+            .addErrback(lambda f: f.value.result)
         )
-        self.assertEqual(status, 200)
-        self.assertNotIn("SHARD_STATE_STOPPED", self.states("s5"))
-        yield self.until(lambda: "SHARD_STATE_STOPPED" in self.states("s5"), 15)
+        self.assertIn("no shard 's5'", result.error)
 
     def test_sigterm_while_blocked(self) -> None:
         """

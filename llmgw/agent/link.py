@@ -80,12 +80,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         try:
             if kind == "start_shard":
                 supervisor.start(command)
-            elif kind in ("stop_shard", "drain_shard"):
-                supervisor.stop(
-                    command.shard_id,
-                    command.grace_seconds or 30,
-                    draining=kind == "drain_shard",
-                )
+            elif kind == "stop_shard":
+                supervisor.stop(command.shard_id, command.grace_seconds or 30)
             elif kind == "remove_weights":
                 removed = remove(
                     self.factory.weights_dirs,

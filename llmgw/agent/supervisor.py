@@ -204,21 +204,6 @@ class Shard:
             self._health.stop()
         self._health = None
 
-    def drain(self, grace: float, stop_grace: float = 30.0) -> None:
-        """
-        Report draining (the router stops sending new requests), then stop
-        after C{grace} seconds, when requests in flight had their time.
-        """
-        if self.pid is None or self.exit_code is not None or self._stopping:
-            return
-        if self.state == pb.SHARD_STATE_DRAINING:
-            return
-        self._stop_probing()
-        self._set(pb.SHARD_STATE_DRAINING)
-        self._drain = self._supervisor.reactor.callLater(grace, self.stop, stop_grace)
-
-    _drain: IDelayedCall | None = None
-
     def stop(self, grace: float) -> None:
         """
         SIGTERM to the engine's process group, SIGKILL after C{grace}
@@ -228,8 +213,6 @@ class Shard:
             return
         self._stopping = True
         self._stop_probing()
-        if self._drain is not None and self._drain.active():
-            self._drain.cancel()
         self._signal(signal.SIGTERM)
         self._kill = self._supervisor.reactor.callLater(
             grace, self._signal, signal.SIGKILL
@@ -251,9 +234,6 @@ class Shard:
         if self._kill is not None and self._kill.active():
             self._kill.cancel()
         self._kill = None
-        if self._drain is not None and self._drain.active():
-            self._drain.cancel()
-        self._drain = None
         if self._stopping:
             # Workers the engine left behind in its group go too.
             self._signal(signal.SIGKILL)
@@ -409,20 +389,18 @@ class Supervisor:
         self.shards[shard.id] = shard
         return shard
 
-    def stop(self, shard_id: str, grace: float, draining: bool = False) -> None:
+    def stop(self, shard_id: str, grace: float) -> None:
         """
-        Stop a shard now (SIGKILL after C{grace} seconds), or with
-        C{draining}, report it draining and stop it after C{grace}.
+        Stop a shard now (SIGKILL after C{grace} seconds).  Draining is
+        the server's: it stops sending requests to the shard and sends
+        this once those in flight are done.
 
         @raise ProfileError: no such shard.
         """
         shard = self.shards.get(shard_id)
         if shard is None:
             raise ProfileError(f"no shard {shard_id!r} on this node")
-        if draining:
-            shard.drain(grace)
-        else:
-            shard.stop(grace)
+        shard.stop(grace)
 
     def stop_all(self, grace: float) -> Deferred[None]:
         """

@@ -6,7 +6,7 @@ link per node, and the inventory kept from what agents say.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred, fail
@@ -22,6 +22,7 @@ from llmgw.control.inventory import Inventory, Node
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import CommandingStream
+from llmgw.wire.states import ShardState
 from llmgw.wire.tls import peer_common_name
 
 HEARTBEAT_INTERVAL = 5
@@ -202,6 +203,8 @@ class AgentHub(Factory):
     @param inventory: where nodes are recorded.
     @param insecure: accept any claimed node id (plaintext links).
     @param register_timeout: seconds a connection has to send Register.
+    @param wall_clock: POSIX seconds now, for the inventory's
+        C{last_seen} and C{weights_at}.
     """
 
     log = Logger()
@@ -214,6 +217,7 @@ class AgentHub(Factory):
         register_timeout: float = 10.0,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         heartbeat_interval: int = HEARTBEAT_INTERVAL,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.clock = clock
         self.heartbeat_interval = max(1, heartbeat_interval)
@@ -223,7 +227,7 @@ class AgentHub(Factory):
         self.register_timeout = register_timeout
         self.max_frame_size = max_frame_size
         self.links: dict[str, AgentLink] = {}
-        self.statuses: deque[tuple[str, pb.ShardStatus]] = deque(maxlen=1000)
+        self.wall_clock = wall_clock
 
     def registered(self, register: pb.Register) -> Node:
         """
@@ -238,8 +242,8 @@ class AgentHub(Factory):
 
     def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
         """
-        A shard changed state; kept (the last 1000, cut to 50 lines of 500
-        characters of output) for the control plane.
+        A shard changed state: logged, and told the listener (the control
+        plane), its output cut to 50 lines of 500 characters.
         """
         kept = pb.ShardStatus(
             shard_id=status.shard_id[:200],
@@ -251,10 +255,9 @@ class AgentHub(Factory):
         )
         kept.state = status.state
         status = kept
-        self.statuses.append((node_id, status))
         if self.listener is not None:
             self.listener.shard_status(node_id, status)
-        name = pb.ShardState.Name(status.state).removeprefix("SHARD_STATE_").lower()
+        name = ShardState.from_pb(status.state) or "unspecified"
         if status.state == pb.SHARD_STATE_FAILED:
             self.log.warn(
                 "shard {shard} on {node}: {state}: {error}; last output: {tail}",
@@ -283,12 +286,6 @@ class AgentHub(Factory):
         if link is None or link.transport is None:
             return fail(NoLink(f"node {node_id} has no link"))
         return link.send_command(message)
-
-    def wall_clock(self) -> float:
-        """
-        @return: POSIX seconds, for the inventory's C{last_seen}.
-        """
-        return time.time()
 
     def buildProtocol(self, addr: Any) -> AgentLink:
         return AgentLink(self)

@@ -7,9 +7,35 @@ from __future__ import annotations
 import datetime
 import itertools
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.states import ShardState
+
+
+class NodeState(StrEnum):
+    """
+    A node's state, by how long its agent has been silent.
+    """
+
+    READY = "ready"
+    UNREACHABLE = "unreachable"
+    LOST = "lost"
+
+    @classmethod
+    def of_silence(cls, silent: float, unreachable: float, lost: float) -> NodeState:
+        """
+        @param silent: seconds since the node's agent was last heard.
+        @param unreachable: C{[control] unreachable_after}, seconds.
+        @param lost: C{[control] lost_after}, seconds.
+        @return: the node's state after that silence.
+        """
+        if silent >= lost:
+            return cls.LOST
+        if silent >= unreachable:
+            return cls.UNREACHABLE
+        return cls.READY
 
 
 @dataclass
@@ -50,7 +76,7 @@ class Node:
     memory_bytes: int
     gpus: list[GpuInfo]
     last_seen: float
-    state: str = "ready"
+    state: NodeState = NodeState.READY
     connected: bool = True
     shards: list[dict[str, Any]] = field(default_factory=list)
     heard: float = 0.0
@@ -155,9 +181,7 @@ class Inventory:
                 {
                     "id": shard.shard_id,
                     "model": shard.model,
-                    "state": pb.ShardState.Name(shard.state)
-                    .removeprefix("SHARD_STATE_")
-                    .lower(),
+                    "state": ShardState.from_pb(shard.state) or "unspecified",
                     "port": shard.port,
                     "pid": shard.pid,
                 }

@@ -1,6 +1,10 @@
 """
 The control plane (DESIGN.md section 3): desired replicas per catalog
 model against what the agents run, kept in step by one reconciler loop.
+This module is the orchestration; the policy is in pure modules beside
+it: L{scaling} (how many replicas), L{adoption} (what a Register's shards
+become), L{placement} over a L{snapshot} (where), and the records in
+L{records}.
 
 Each pass: node states from their agents' silence; replicas whose shards
 failed, whose nodes are lost or that never became ready are dropped (their
@@ -9,12 +13,10 @@ what it lacks and drained what it has too many of; draining replicas are
 stopped once their requests in flight are done; the ready replicas are
 published to the router.
 
-How many replicas a model wants: C{min_replicas}, raised by traffic
-(the first request for a model at zero activates it; requests in flight
-per ready replica over C{scale_up_in_flight} add one, up to
-C{max_replicas}) and lowered again by idleness (C{idle_timeout}).  After
-a server restart, what the agents still run is adopted and counts as
-wanted, so nothing is started twice or stopped for being unexpected.
+A drain is the server's alone: the replica is unpublished at once (no new
+requests), and its shards are told C{StopShard} once the router counts
+no request in flight to it, or after C{[control] drain_timeout}; only
+the server knows what is in flight.
 
 Shard statuses and registrations arrive from the agent links between
 passes (L{ControlPlane.shard_status}, L{ControlPlane.node_registered}) and
@@ -24,182 +26,32 @@ results handled when they come.
 
 from __future__ import annotations
 
-import re
-import secrets
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
-from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
-from llmgw.agent.weights import hub_cache_name
 from llmgw.config import ControlConfig
-from llmgw.control.agents import NoLink
-from llmgw.control.catalog import MAX_COUNT, Model
-from llmgw.control.inventory import Inventory, Node
+from llmgw.control import adoption, scaling
+from llmgw.control.catalog import Model
+from llmgw.control.commands import STOP_GRACE, Commands, ShardCommands
+from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
-from llmgw.control.placement import (
-    Fleet,
-    GpuView,
-    NodeView,
-    NoFit,
-    Plan,
-    Profile,
-    place,
-)
+from llmgw.control.placement import NodeView, NoFit, Plan, place
+from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+from llmgw.control.runtime import ModelCatalog, check_bounds
+from llmgw.control.scaling import ModelState
+from llmgw.control.snapshot import Snapshot, SuspectPorts
+from llmgw.control.weights import WeightsCollector
 from llmgw.router.balancer import Endpoint
 from llmgw.wire import agent_pb2 as pb
-from llmgw.wire.protocol import CommandFailed
-
-_STATE_NAMES = {
-    pb.SHARD_STATE_PENDING: "pending",
-    pb.SHARD_STATE_STARTING: "starting",
-    pb.SHARD_STATE_READY: "ready",
-    pb.SHARD_STATE_DRAINING: "draining",
-    pb.SHARD_STATE_STOPPED: "stopped",
-    pb.SHARD_STATE_FAILED: "failed",
-}
-_GONE = ("stopped", "failed", "lost")
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-SUSPECT_PORT_SECONDS = 600.0
-"""
-How long a port where a shard could not start is left out of placement on
-its node.
-"""
-STOP_GRACE = 30
-"""
-Seconds between SIGTERM and SIGKILL when the control plane stops a shard.
-"""
+from llmgw.wire.states import ShardState
 
 
-class Commands(Protocol):
-    """
-    How the control plane reaches agents: L{llmgw.control.agents.AgentHub}.
-    """
-
-    def send(self, node_id: str, message: pb.ControlMessage) -> Deferred[Any]:
-        """
-        Send a command to a node's agent.
-
-        @return: fires when the agent answers ok; fails when it refuses, or
-            when the node has no link.
-        """
-
-
-@dataclass
-class ShardRecord:
-    """
-    One engine process of a replica, on one node.
-
-    @ivar state: C{pending} (command sent), C{starting}, C{ready},
-        C{draining}, C{stopped}, C{failed}, or C{lost} (its node was lost).
-    """
-
-    id: str
-    node: str
-    gpus: tuple[int, ...]
-    port: int
-    rank: int
-    state: str = "pending"
-    pid: int = 0
-    error: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "node": self.node,
-            "gpus": list(self.gpus),
-            "port": self.port,
-            "rank": self.rank,
-            "state": self.state,
-            "pid": self.pid,
-            "last_error": self.error or None,
-        }
-
-
-@dataclass
-class ReplicaRecord:
-    """
-    One serving copy of a model: one shard per node of its profile.
-
-    @ivar created: reactor seconds when placed (or adopted).
-    @ivar draining_since: reactor seconds when draining began, or L{None}.
-    """
-
-    id: str
-    model: str
-    profile: Profile
-    shards: list[ShardRecord]
-    created: float
-    draining_since: float | None = None
-    drain_reason: str = ""
-    adopted: bool = False
-    stop_sent_at: float | None = None
-
-    @property
-    def state(self) -> str:
-        """
-        C{draining}, C{failed} (a shard failed or was lost), C{ready} (all
-        shards are), or C{starting}.
-        """
-        if self.draining_since is not None:
-            return "draining"
-        if any(s.state in _GONE for s in self.shards):
-            return "failed"
-        if (
-            len(self.shards) == self.profile.nodes
-            and all(s.state == "ready" for s in self.shards)
-            and self.leader is not None
-        ):
-            return "ready"
-        return "starting"
-
-    @property
-    def leader(self) -> ShardRecord | None:
-        for shard in self.shards:
-            if shard.rank == 0:
-                return shard
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "model": self.model,
-            "profile": self.profile.name,
-            "engine": self.profile.engine,
-            "state": self.state,
-            "adopted": self.adopted,
-            "shards": [s.to_json() for s in sorted(self.shards, key=lambda s: s.rank)],
-        }
-
-
-@dataclass
-class _ModelState:
-    """
-    What the control plane keeps per catalog model besides its replicas.
-
-    @ivar wanted: replicas asked for by traffic (scale from zero), above
-        C{min_replicas}.
-    @ivar last_used: reactor seconds of the last request.
-    """
-
-    model: Model
-    wanted: int = 0
-    last_used: float = 0.0
-    busy_at: float = 0.0
-    failed_at: float = 0.0
-    failures: int = 0
-    retry_at: float = 0.0
-    last_error: str = ""
-    no_fit: NoFit | None = None
-    waiters: list[Deferred[None]] = field(default_factory=list)
-
-
-def _safe(text: str, limit: int = 40) -> str:
-    return _UNSAFE.sub("-", text).strip("-._")[:limit] or "model"
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 class ControlPlane:
@@ -216,6 +68,8 @@ class ControlPlane:
     @param static: endpoints from the configuration, always published.
     @param outstanding: requests in flight to a replica id, by the router's
         count; a draining replica is stopped when it reaches 0.
+    @ivar replicas: the records, by replica id; read-only outside.
+    @ivar weights: finds and deletes model files nothing uses.
     """
 
     log = Logger()
@@ -236,87 +90,19 @@ class ControlPlane:
         self.commands = commands
         self.settings = settings
         self._publish = publish
-        self._static = tuple(static)
         self._outstanding = outstanding
-        self._models: dict[str, _ModelState] = {m.name: _ModelState(m) for m in models}
-        self._names: dict[str, str] = {name: m.name for m in models for name in m.names}
+        self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
+        self.catalog = ModelCatalog(clock, inventory, models, static, self.loop.kick)
         self.replicas: dict[str, ReplicaRecord] = {}
         self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
         self._published: tuple[Endpoint, ...] | None = None
-        self._suspect: dict[tuple[str, int], float] = {}
+        self._suspect = SuspectPorts()
+        self._commands = ShardCommands(clock, commands, self._suspect, self.loop.kick)
         self._views: dict[str, tuple[Any, NodeView]] = {}
-        self._ports = range(settings.port_range[0], settings.port_range[1] + 1)
+        self.ports = range(settings.port_range[0], settings.port_range[1] + 1)
         self.started = clock.seconds()
         self.grace_over = settings.startup_grace <= 0
-        self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
-
-    # The router's side: names, activation, use.
-
-    def resolve(self, name: str) -> str | None:
-        """
-        @return: the catalog model C{name} names (itself or an alias), or
-            L{None}.
-        """
-        return self._names.get(name)
-
-    def static_endpoints(self) -> tuple[Endpoint, ...]:
-        """
-        @return: the endpoints from the configuration.
-        """
-        return self._static
-
-    def names(self) -> list[str]:
-        """
-        @return: every catalog name and alias, sorted.
-        """
-        return sorted(self._names)
-
-    def activate(self, name: str) -> Deferred[None]:
-        """
-        A request for C{name} found no ready replica: ask for one.
-
-        @return: fires when a replica of the model is published; cancel it
-            to stop waiting.
-        @raise KeyError: C{name} is not in the catalog.
-        """
-        state = self._models[self._names[name]]
-        state.last_used = self.clock.seconds()
-        if state.wanted < 1:
-            state.wanted = 1
-            self.log.info(
-                "activating model {model}: a request is waiting", model=state.model.name
-            )
-        waiter: Deferred[None] = Deferred(
-            lambda d: state.waiters.remove(d) if d in state.waiters else None
-        )
-        state.waiters.append(waiter)
-        self.loop.kick()
-        return waiter
-
-    def touch(self, name: str) -> None:
-        """
-        A request for C{name} came: it is not idle.
-        """
-        model = self._names.get(name)
-        if model is not None:
-            self._models[model].last_used = self.clock.seconds()
-
-    def why_not(self, name: str) -> str:
-        """
-        @return: why the model has no ready replica, in a few words fit for
-            a client (no node names or addresses), or C{""}.
-        """
-        model = self._names.get(name)
-        state = self._models.get(model) if model is not None else None
-        if state is None:
-            return ""
-        if state.no_fit is not None:
-            return "no node has room for it now"
-        if state.failures:
-            return f"its last {state.failures} starts failed"
-        if not any(n.state == "ready" for n in self.inventory.nodes()):
-            return "no node is connected"
-        return ""
+        self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
 
     # What the agents say.
 
@@ -329,48 +115,36 @@ class ControlPlane:
         if found is None or found[1].node != node_id:
             return
         replica, shard = found
-        state = _STATE_NAMES.get(status.state, shard.state)
-        if shard.state in _GONE:
+        state = ShardState.from_pb(status.state) or shard.state
+        if shard.state.gone:
             return
         shard.state = state
         if status.pid:
             shard.pid = status.pid
-        if state == "failed":
+        if state == ShardState.FAILED:
             tail = " | ".join(status.output_tail[-3:])
             shard.error = status.error + (f"; last output: {tail}" if tail else "")
         self.loop.kick()
 
     def node_registered(self, node_id: str, register: pb.Register) -> None:
         """
-        Adoption: shards the catalog still claims become (or stay) replicas,
-        the others are stopped; shards recorded on this node that it no
-        longer lists are gone.
+        Adoption (see L{adoption}): shards the catalog still claims become
+        (or stay) replicas, the others are stopped; shards recorded on
+        this node that it no longer lists are gone.
         """
-        listed = {s.shard_id: s for s in register.shards}
+        listed = {s.shard_id for s in register.shards}
         for _, shard in list(self._shards.values()):
             if shard.node == node_id and shard.id not in listed:
-                if shard.state not in _GONE:
-                    shard.state = "failed"
+                if not shard.state.gone:
+                    shard.state = ShardState.FAILED
                     shard.error = f"not running on {node_id} after its agent registered"
+        models = {s.model.name: s.model for s in self.catalog.states()}
         for running in register.shards:
             found = self._shards.get(running.shard_id)
-            state = _STATE_NAMES.get(running.state, "starting")
             if found is not None and found[1].node == node_id:
-                shard = found[1]
-                same_engine = running.pid and running.pid == shard.pid
-                if shard.state == "ready" and state == "starting" and same_engine:
-                    # A restarted agent probes the engine again; the server
-                    # knows it is ready (and the router keeps sending).
-                    continue
-                if shard.state not in _GONE and state not in _GONE:
-                    shard.state = state
-                    shard.pid = running.pid or shard.pid
-                found_replica = found[0]
-                if found_replica.stop_sent_at is not None and state not in _GONE:
-                    # The stop may have been lost with the old link.
-                    self._stop_shard(node_id, shard.id)
+                self._relisted(found[0], found[1], running)
                 continue
-            reason = self._claim(running)
+            reason = adoption.claim(running, models, self._shard_node, self.replicas)
             if reason:
                 self.log.info(
                     "stopping shard {shard} on {node}: {reason}",
@@ -378,57 +152,35 @@ class ControlPlane:
                     node=node_id,
                     reason=reason,
                 )
-                self._stop_shard(node_id, running.shard_id)
+                self._commands.stop(node_id, running.shard_id)
                 continue
-            self._adopt(node_id, running, state)
-        for waiting in self._models.values():
+            self._adopt(node_id, running)
+        for waiting in self.catalog.states():
             # New capacity: models waiting for a place try again now.
             if waiting.no_fit is not None:
                 waiting.retry_at = 0.0
         self.loop.kick()
 
-    def _claim(self, running: pb.RunningShard) -> str:
-        """
-        @return: why the catalog does not claim C{running}, or C{""}.
-        """
-        state = self._models.get(running.model)
-        if state is None:
-            return f"model {running.model!r} is not in the catalog"
-        if not any(p.name == running.profile for p in state.model.profiles):
-            return f"model {running.model!r} has no profile {running.profile!r}"
-        if running.state in (
-            pb.SHARD_STATE_DRAINING,
-            pb.SHARD_STATE_STOPPED,
-            pb.SHARD_STATE_FAILED,
-        ):
-            return "it is stopping or failed"
-        profile = next(p for p in state.model.profiles if p.name == running.profile)
-        if (running.engine, running.source) != (profile.engine, profile.source) and (
-            running.engine or running.source
-        ):
-            # The catalog changed the profile since (another checkpoint):
-            # the old engine would serve the old weights under the name.
-            return (
-                f"profile {profile.name!r} is now {profile.engine} {profile.source!r},"
-                f" it runs {running.engine} {running.source!r}"
-            )
-        if running.rank >= profile.nodes:
-            return f"rank {running.rank} in a profile of {profile.nodes} nodes"
-        if running.shard_id in self._shards:
-            other = self._shards[running.shard_id][1].node
-            return f"shard id {running.shard_id!r} is already on node {other}"
-        replica = self.replicas.get(running.replica_id)
-        if replica is not None:
-            if replica.state in ("draining", "failed"):
-                return f"its replica {replica.id} is {replica.state}"
-            if replica.model != running.model or replica.profile.name != profile.name:
-                return f"replica {replica.id} is of another model or profile"
-            if any(s.rank == running.rank for s in replica.shards):
-                return f"replica {replica.id} has a rank {running.rank} already"
-        return ""
+    def _relisted(
+        self, replica: ReplicaRecord, shard: ShardRecord, running: pb.RunningShard
+    ) -> None:
+        if adoption.reprobed(shard, running):
+            return
+        state = adoption.relisted(shard, running)
+        if state is not None:
+            shard.state = state
+            shard.pid = running.pid or shard.pid
+        if replica.stop_sent_at is not None and not adoption.listed_state(running).gone:
+            # The stop may have been lost with the old link.
+            self._commands.stop(shard.node, shard.id)
 
-    def _adopt(self, node_id: str, running: pb.RunningShard, state: str) -> None:
-        model = self._models[running.model].model
+    def _shard_node(self, shard_id: str) -> str | None:
+        found = self._shards.get(shard_id)
+        return found[1].node if found is not None else None
+
+    def _adopt(self, node_id: str, running: pb.RunningShard) -> None:
+        counts = self.catalog[running.model]
+        model = counts.model
         profile = next(p for p in model.profiles if p.name == running.profile)
         replica = self.replicas.get(running.replica_id)
         if replica is None:
@@ -442,16 +194,12 @@ class ControlPlane:
                 adopted=True,
             )
             self.replicas[replica.id] = replica
-            # What ran before the restart was wanted: kept, and left to the
-            # idle and load rules from now on (not drained at the end of
-            # the grace as surplus over min_replicas).
-            counts = self._models[model.name]
             live = sum(
                 1
                 for r in self.replicas.values()
                 if r.model == model.name and r.draining_since is None
             )
-            counts.wanted = min(model.max_replicas, max(counts.wanted, live))
+            counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
             counts.last_used = counts.busy_at = now
         shard = ShardRecord(
             id=running.shard_id,
@@ -459,7 +207,7 @@ class ControlPlane:
             gpus=tuple(running.gpu_indices),
             port=running.port,
             rank=running.rank,
-            state=state,
+            state=adoption.listed_state(running),
             pid=running.pid,
         )
         replica.shards.append(shard)
@@ -474,47 +222,6 @@ class ControlPlane:
 
     # The catalog at run time.
 
-    def model(self, name: str) -> Model | None:
-        """
-        @return: the catalog model named C{name} (not an alias), if any.
-        """
-        state = self._models.get(name)
-        return state.model if state is not None else None
-
-    def add_model(self, model: Model) -> None:
-        """
-        Add a model to the catalog; its replicas are placed by the next pass.
-
-        @raise ValueError: one of its names is taken.
-        """
-        static = {name for e in self._static for name in e.models}
-        for name in model.names:
-            if name in self._names:
-                owner = self._names[name]
-                what = "model" if owner == name else f"an alias of model {owner!r}"
-                raise ValueError(f"name {name!r} is already {what}")
-            if name in static:
-                raise ValueError(f"name {name!r} is served by a static endpoint")
-        self._models[model.name] = _ModelState(model)
-        for name in model.names:
-            self._names[name] = model.name
-        self.loop.kick()
-
-    def remove_model(self, name: str) -> None:
-        """
-        Remove a model from the catalog: its replicas drain and stop;
-        requests waiting for it are let go (they find no replica: 503).
-
-        @raise KeyError: no such model.
-        """
-        state = self._models.pop(name)
-        for alias in state.model.names:
-            self._names.pop(alias, None)
-        waiters, state.waiters = state.waiters, []
-        for waiter in waiters:
-            waiter.callback(None)
-        self.loop.kick()
-
     def scale(self, name: str, min_replicas: int, max_replicas: int) -> Model:
         """
         Change a model's replica bounds.
@@ -522,16 +229,10 @@ class ControlPlane:
         @raise KeyError: no such model.
         @raise ValueError: bounds out of order.
         """
-        state = self._models[name]
-        if (
-            min_replicas < 0
-            or not 1 <= max_replicas <= MAX_COUNT
-            or min_replicas > max_replicas
-        ):
-            raise ValueError(
-                f"expected 0 <= min_replicas <= max_replicas, 1 <= max_replicas;"
-                f" got {min_replicas} and {max_replicas}"
-            )
+        state = self.catalog.get(name)
+        if state is None:
+            raise KeyError(name)
+        check_bounds(min_replicas, max_replicas)
         before = self.desired(state, self.clock.seconds())
         state.model = replace(
             state.model, min_replicas=min_replicas, max_replicas=max_replicas
@@ -546,89 +247,12 @@ class ControlPlane:
         self.loop.kick()
         return state.model
 
-    # Weights.
-
-    def weights_user(self, path: str) -> str | None:
-        """
-        @return: the catalog model or replica that uses C{path} (its source
-            path, a folder holding it, a file or folder inside it, or the
-            Hugging Face cache entry C{models--ORG--NAME} of a hub id), or
-            L{None}.
-        """
-        users = [
-            (p.source, s.model.name)
-            for s in self._models.values()
-            for p in s.model.profiles
-        ]
-        users += [(r.profile.source, r.id) for r in self.replicas.values()]
-        path = path.rstrip("/")
-        name = path.rsplit("/", 1)[-1]
-        for source, user in users:
-            source = source.rstrip("/")
-            if (
-                source == path
-                or source.startswith(path + "/")
-                or path.startswith(source + "/")
-                or name == hub_cache_name(source)
-            ):
-                return user
-        return None
-
-    def unused_weights(self, node: Node) -> list[dict[str, Any]]:
-        """
-        @return: the node's reported model files that nothing in the
-            catalog and no replica uses (see L{weights_user}).
-        """
-        return [e for e in node.weights if self.weights_user(e["path"]) is None]
-
-    async def collect_weights(self, dry_run: bool) -> list[dict[str, Any]]:
-        """
-        Delete, through each node's agent, the model files nothing uses.
-
-        @return: per node: the files chosen, and with C{dry_run} off,
-            whether the agent removed them or its error.
-        """
-        results = []
-        for node in self.inventory.nodes():
-            unused = self.unused_weights(node)
-            result: dict[str, Any] = {
-                "node": node.id,
-                "unused": unused,
-                "bytes": sum(e["size_bytes"] for e in unused),
-                "removed": False,
-                "error": None,
-            }
-            results.append(result)
-            if dry_run or not unused:
-                continue
-            result.update(
-                await self.remove_weights(node.id, [e["path"] for e in unused])
-            )
-        return results
-
-    async def remove_weights(self, node_id: str, paths: list[str]) -> dict[str, Any]:
-        """
-        Ask a node's agent to delete C{paths} (it refuses any outside its
-        weights directories).
-
-        @return: C{{"removed": bool, "error": str | None}}.
-        """
-        try:
-            await self.commands.send(
-                node_id,
-                pb.ControlMessage(remove_weights=pb.RemoveWeights(paths=paths)),
-            )
-        except Exception as e:
-            result = getattr(e, "result", None)
-            error = result.error if result is not None else str(e) or repr(e)
-            self.log.warn(
-                "removing weights on {node} refused: {error}", node=node_id, error=error
-            )
-            return {"removed": False, "error": error}
-        self.log.info(
-            "removed weights on {node}: {paths}", node=node_id, paths=", ".join(paths)
-        )
-        return {"removed": True, "error": None}
+    def _weights_in_use(self) -> Iterable[tuple[str, str]]:
+        for state in self.catalog.states():
+            for profile in state.model.profiles:
+                yield profile.source, state.model.name
+        for replica in self.replicas.values():
+            yield replica.profile.source, replica.id
 
     # Operator actions.
 
@@ -651,6 +275,20 @@ class ControlPlane:
                     drained.append(replica.id)
         self.loop.kick()
         return drained
+
+    def undrain_node(self, node_id: str) -> None:
+        """
+        Take a node back: placements may use it again (replicas already
+        moved stay where they are).
+
+        @raise KeyError: no such node.
+        """
+        node = self.inventory.get(node_id)
+        if node is None:
+            raise KeyError(node_id)
+        node.draining = False
+        node.version += 1
+        self.loop.kick()
 
     def drain_replica(self, replica_id: str) -> bool:
         """
@@ -679,6 +317,35 @@ class ControlPlane:
         self._publish_ready()
         return True
 
+    def _finish_drain(self, replica: ReplicaRecord, now: float) -> None:
+        assert replica.draining_since is not None
+        if replica.stop_sent_at is not None:
+            if now - replica.stop_sent_at > STOP_GRACE + 10:
+                # Not gone after SIGKILL's time: the stop was lost (a link
+                # down); again.
+                replica.stop_sent_at = now
+                for shard in replica.shards:
+                    if not shard.state.gone:
+                        self._commands.stop(shard.node, shard.id)
+            return
+        in_flight = self._outstanding(replica.id)
+        late = now - replica.draining_since >= self.settings.drain_timeout
+        if in_flight and not late:
+            return
+        if in_flight:
+            self.log.warn(
+                "replica {replica}: {count} requests still in flight after"
+                " {seconds:g}s of draining; stopping it",
+                replica=replica.id,
+                count=in_flight,
+                seconds=self.settings.drain_timeout,
+            )
+        replica.stop_sent_at = now
+        for shard in replica.shards:
+            if not shard.state.gone:
+                shard.state = ShardState.DRAINING
+                self._commands.stop(shard.node, shard.id)
+
     # The pass.
 
     def reconcile(self) -> None:
@@ -698,8 +365,8 @@ class ControlPlane:
         by_model: dict[str, list[ReplicaRecord]] = {}
         for replica in self.replicas.values():
             by_model.setdefault(replica.model, []).append(replica)
-        snapshot: _Snapshot | None = None
-        for state in list(self._models.values()):
+        snapshot: Snapshot | None = None
+        for state in self.catalog.states():
             try:
                 snapshot = self._scale(
                     state, now, snapshot, by_model.get(state.model.name, [])
@@ -708,7 +375,7 @@ class ControlPlane:
                 self.log.failure("scaling model {model}", model=state.model.name)
                 snapshot = None
         for replica in list(self.replicas.values()):
-            if replica.model not in self._models and replica.draining_since is None:
+            if replica.model not in self.catalog and replica.draining_since is None:
                 self._drain(replica, "its model left the catalog")
             if replica.draining_since is not None:
                 self._finish_drain(replica, now)
@@ -718,14 +385,11 @@ class ControlPlane:
         settings = self.settings
         for node in self.inventory.nodes():
             silent = now - max(node.heard, self.started)
-            if silent >= settings.lost_after:
-                state = "lost"
-            elif silent >= settings.unreachable_after:
-                state = "unreachable"
-            else:
-                state = "ready"
+            state = NodeState.of_silence(
+                silent, settings.unreachable_after, settings.lost_after
+            )
             if state != node.state:
-                log = self.log.warn if state != "ready" else self.log.info
+                log = self.log.warn if state != NodeState.READY else self.log.info
                 log(
                     "node {node} is {state} (silent {seconds:.0f}s)",
                     node=node.id,
@@ -735,32 +399,21 @@ class ControlPlane:
                 node.state = state
 
     def _check(self, replica: ReplicaRecord, now: float) -> None:
-        settings = self.settings
         for shard in replica.shards:
             node = self.inventory.get(shard.node)
-            if shard.state not in _GONE and (node is None or node.state == "lost"):
-                shard.state = "lost"
+            if not shard.state.gone and (node is None or node.state == NodeState.LOST):
+                shard.state = ShardState.LOST
                 shard.error = f"node {shard.node} is lost"
-        state = replica.state
         if replica.draining_since is not None:
-            if all(s.state in _GONE for s in replica.shards):
+            if all(s.state.gone for s in replica.shards):
                 self._forget(replica)
             return
-        error = ""
-        bad: ShardRecord | None = None
-        if state == "failed":
-            bad = next(s for s in replica.shards if s.state in _GONE)
-            error = f"shard {bad.id} on {bad.node}: {bad.state}: {bad.error}"
-        elif state == "starting" and now - replica.created > settings.start_timeout:
-            error = f"not ready after {settings.start_timeout:g}s"
-        elif state == "ready":
-            model = self._models.get(replica.model)
-            if model is not None and replica.created >= model.failed_at:
-                # Recovered (a replica started after the last failure is
-                # ready): the last error is history.
-                model.failures = 0
-                model.last_error = ""
+        model = self.catalog.get(replica.model)
+        if replica.state == ReplicaState.READY:
+            if model is not None:
+                scaling.recovered(model, replica.created)
             return
+        error, lost = replica.fault(now, self.settings.start_timeout)
         if not error:
             return
         self.log.warn(
@@ -769,23 +422,13 @@ class ControlPlane:
             model=replica.model,
             error=error,
         )
-        model = self._models.get(replica.model)
-        if model is not None and bad is not None and bad.state == "lost":
-            # The node's fault, not the model's: replaced at once.
-            model.last_error = f"replica {replica.id}: {error}"
-        elif model is not None:
-            model.failures += 1
-            model.failed_at = now
-            # The exponent is capped: 2 ** 1024 overflows a float.
-            backoff = min(
-                settings.max_backoff,
-                settings.base_backoff * 2 ** min(model.failures - 1, 40),
+        if model is not None:
+            scaling.failed(
+                model, now, f"replica {replica.id}: {error}", lost, self.settings
             )
-            model.retry_at = now + backoff
-            model.last_error = f"replica {replica.id}: {error}"
         for shard in replica.shards:
-            if shard.state not in _GONE:
-                self._stop_shard(shard.node, shard.id)
+            if not shard.state.gone:
+                self._commands.stop(shard.node, shard.id)
         self._forget(replica)
 
     def _forget(self, replica: ReplicaRecord) -> None:
@@ -796,24 +439,21 @@ class ControlPlane:
 
     def desired(
         self,
-        state: _ModelState,
+        state: ModelState,
         now: float,
         replicas: Sequence[ReplicaRecord] | None = None,
     ) -> int:
         """
         @param replicas: the model's replicas, when the caller has them.
-        @return: the replicas C{state}'s model should have now; idle
-            models fall back to C{min_replicas}.
+        @return: the replicas C{state}'s model should have now (see
+            L{scaling}); a model gone idle falls back to C{min_replicas}.
         """
         model = state.model
         if state.wanted > model.min_replicas and not state.waiters:
-            idle = (
-                model.idle_timeout > 0 and now - state.last_used >= model.idle_timeout
-            )
             if replicas is None:
                 replicas = [r for r in self.replicas.values() if r.model == model.name]
             busy = any(self._outstanding(r.id) for r in replicas)
-            if idle and not busy:
+            if scaling.gone_idle(state, now, busy):
                 self.log.info(
                     "model {model} idle for {seconds:g}s: scaling down to {count}",
                     model=model.name,
@@ -821,49 +461,34 @@ class ControlPlane:
                     count=model.min_replicas,
                 )
                 state.wanted = 0
-        return min(max(model.min_replicas, state.wanted), model.max_replicas)
+        return scaling.bounded(model, state.wanted)
 
     def _follow_load(
-        self, state: _ModelState, now: float, replicas: list[ReplicaRecord]
+        self, state: ModelState, now: float, live: list[ReplicaRecord]
     ) -> None:
-        """
-        Scale with traffic between C{min_replicas} and C{max_replicas}: one
-        replica more while the requests in flight per ready replica are over
-        C{[control] scale_up_in_flight} (and none is still starting); one
-        fewer after C{idle_timeout} with them under half of it.
-        """
         model = state.model
-        threshold = self.settings.scale_up_in_flight
-        live = [r for r in replicas if r.draining_since is None]
-        ready = [r for r in live if r.state == "ready"]
+        ready = sum(1 for r in live if r.state == ReplicaState.READY)
         in_flight = sum(self._outstanding(r.id) for r in live)
-        state.wanted = min(state.wanted, model.max_replicas)
-        per_replica = in_flight / len(ready) if ready else 0.0
-        if per_replica > threshold / 2:
-            state.busy_at = now
-        current = max(model.min_replicas, state.wanted)
-        if (
-            per_replica > threshold
-            and len(ready) == len(live)
-            and len(live) >= current
-            and current < model.max_replicas
-        ):
-            state.wanted = current + 1
+        step = scaling.follow_load(
+            state,
+            now,
+            self.started,
+            self.settings.scale_up_in_flight,
+            len(live),
+            ready,
+            in_flight,
+        )
+        state.wanted, state.busy_at = step.wanted, step.busy_at
+        if step.change > 0:
             self.log.info(
                 "model {model}: {in_flight} requests in flight on {ready} replicas:"
                 " scaling up to {count}",
                 model=model.name,
                 in_flight=in_flight,
-                ready=len(ready),
+                ready=ready,
                 count=state.wanted,
             )
-        elif (
-            state.wanted > max(model.min_replicas, 1)
-            and model.idle_timeout > 0
-            and now - max(state.busy_at, self.started) >= model.idle_timeout
-        ):
-            state.wanted -= 1
-            state.busy_at = now
+        elif step.change < 0:
             self.log.info(
                 "model {model}: light load for {seconds:g}s: scaling down to {count}",
                 model=model.name,
@@ -871,26 +496,31 @@ class ControlPlane:
                 count=max(model.min_replicas, state.wanted),
             )
 
+    def snapshot(self) -> Snapshot:
+        """
+        @return: the inventory as placement sees it now.
+        """
+        return Snapshot(
+            self.inventory.nodes(),
+            self.replicas.values(),
+            self._suspect.current(self.clock.seconds()),
+            self._views,
+        )
+
     def _scale(
         self,
-        state: _ModelState,
+        state: ModelState,
         now: float,
-        snapshot: _Snapshot | None,
+        snapshot: Snapshot | None,
         replicas: list[ReplicaRecord],
-    ) -> _Snapshot | None:
-        self._follow_load(state, now, replicas)
-        want = self.desired(state, now, replicas)
+    ) -> Snapshot | None:
         live = [r for r in replicas if r.draining_since is None]
+        self._follow_load(state, now, live)
+        want = self.desired(state, now, replicas)
         if not self.grace_over:
             return snapshot
         if len(live) > want:
-            # Surplus: those not ready go first, then the least loaded, then
-            # the newest.
-            order = sorted(
-                live,
-                key=lambda r: (r.state == "ready", self._outstanding(r.id), -r.created),
-            )
-            for replica in order[: len(live) - want]:
+            for replica in scaling.surplus(live, want, self._outstanding):
                 self._drain(replica, f"{len(live)} replicas, {want} wanted")
             return snapshot
         if len(live) == want:
@@ -899,16 +529,11 @@ class ControlPlane:
         if now < state.retry_at:
             return snapshot
         if snapshot is None:
-            snapshot = _Snapshot(
-                self.inventory.nodes(),
-                self.replicas.values(),
-                self._suspect_ports(now),
-                self._views,
-            )
+            snapshot = self.snapshot()
         spread = {s.node for r in live for s in r.shards}
         for _ in range(want - len(live)):
             result = place(
-                state.model.profiles, snapshot.fleet, self._ports, frozenset(spread)
+                state.model.profiles, snapshot.fleet, self.ports, frozenset(spread)
             )
             if isinstance(result, NoFit):
                 if state.no_fit != result:
@@ -929,153 +554,26 @@ class ControlPlane:
             spread.update(s.node for s in result.shards)
         return snapshot
 
+    # Commands and publishing.
+
     def _start(self, model: Model, plan: Plan, now: float) -> None:
-        replica_id = f"{_safe(model.name)}-{secrets.token_hex(4)}"
-        profile = plan.profile
-        replica = ReplicaRecord(replica_id, model.name, profile, [], now)
-        self.replicas[replica_id] = replica
         leader = plan.shards[0]
-        leader_node = self.inventory.get(leader.node)
-        leader_address = (
-            f"{leader_node.address}:{leader.port}" if leader_node is not None else ""
-        )
-        for shard_plan in plan.shards:
-            shard = ShardRecord(
-                id=f"{replica_id}-{shard_plan.rank}",
-                node=shard_plan.node,
-                gpus=shard_plan.gpus,
-                port=shard_plan.port,
-                rank=shard_plan.rank,
-            )
-            replica.shards.append(shard)
-            self._shards[shard.id] = (replica, shard)
-            command = pb.StartShard(
-                shard_id=shard.id,
-                replica_id=replica_id,
-                model=model.name,
-                profile=profile.name,
-                engine=profile.engine,
-                source=profile.source,
-                args=profile.args,
-                env=dict(profile.env),
-                port=shard.port,
-                gpu_indices=shard.gpus,
-                rank=shard.rank,
-                world_size=len(plan.shards),
-                leader_address=leader_address,
-            )
-            d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
-            d.addErrback(self._start_refused, shard)
-        self.log.info(
-            "placed replica {replica} of {model} with profile {profile} on {where}",
-            replica=replica_id,
-            model=model.name,
-            profile=profile.name,
-            where=", ".join(
-                f"{s.node} GPUs {list(s.gpus)} port {s.port}" for s in plan.shards
-            ),
-        )
-
-    def _suspect_ports(self, now: float) -> dict[str, set[int]]:
-        """
-        @return: per node, the ports where a shard failed to start lately;
-            placement leaves them alone for L{SUSPECT_PORT_SECONDS}.
-        """
-        ports: dict[str, set[int]] = {}
-        for (node, port), since in list(self._suspect.items()):
-            if now - since >= SUSPECT_PORT_SECONDS:
-                del self._suspect[node, port]
-            else:
-                ports.setdefault(node, set()).add(port)
-        return ports
-
-    def _start_refused(self, reason: Failure, shard: ShardRecord) -> None:
-        if shard.state in _GONE:
-            return
-        if isinstance(reason.value, CommandFailed):
-            result = reason.value.result
-            if result.code == "port_in_use":
-                # Something else holds the port on that node: the next try
-                # gets another.
-                self._suspect[shard.node, shard.port] = self.clock.seconds()
-            shard.error = result.error
-        elif reason.check(NoLink):
-            # Never sent: nothing runs.
-            shard.error = f"not started: {reason.getErrorMessage()}"
-        else:
-            # The link went down with the command unanswered: the engine may
-            # run.  The node's next Register says (listed: kept; not listed:
-            # gone), and start_timeout bounds the wait.
-            self.log.info(
-                "start of shard {shard} on {node} unanswered: {why}; waiting for"
-                " the node to register again",
-                shard=shard.id,
-                node=shard.node,
-                why=reason.getErrorMessage(),
-            )
-            return
-        shard.state = "failed"
-        self.loop.kick()
-
-    def _stop_shard(self, node_id: str, shard_id: str) -> None:
-        d = self.commands.send(
-            node_id,
-            pb.ControlMessage(
-                stop_shard=pb.StopShard(shard_id=shard_id, grace_seconds=STOP_GRACE)
-            ),
-        )
-
-        def failed(reason: Failure) -> None:
-            # A lost node's shards cannot be told; it stops them when its
-            # agent registers again and finds them unclaimed.
-            if not reason.check(CancelledError):
-                self.log.info(
-                    "stop of shard {shard} on {node} not done: {why}",
-                    shard=shard_id,
-                    node=node_id,
-                    why=reason.getErrorMessage(),
-                )
-
-        d.addErrback(failed)
-
-    def _finish_drain(self, replica: ReplicaRecord, now: float) -> None:
-        assert replica.draining_since is not None
-        if replica.stop_sent_at is not None:
-            if now - replica.stop_sent_at > STOP_GRACE + 10:
-                # Not gone after SIGKILL's time: the stop was lost (a link
-                # down); again.
-                replica.stop_sent_at = now
-                for shard in replica.shards:
-                    if shard.state not in _GONE:
-                        self._stop_shard(shard.node, shard.id)
-            return
-        in_flight = self._outstanding(replica.id)
-        late = now - replica.draining_since >= self.settings.drain_timeout
-        if in_flight and not late:
-            return
-        if in_flight:
-            self.log.warn(
-                "replica {replica}: {count} requests still in flight after"
-                " {seconds:g}s of draining; stopping it",
-                replica=replica.id,
-                count=in_flight,
-                seconds=self.settings.drain_timeout,
-            )
-        replica.stop_sent_at = now
+        node = self.inventory.get(leader.node)
+        address = f"{node.address}:{leader.port}" if node is not None else ""
+        replica = self._commands.start(model.name, plan, now, address)
+        self.replicas[replica.id] = replica
         for shard in replica.shards:
-            if shard.state not in _GONE:
-                shard.state = "draining"
-                self._stop_shard(shard.node, shard.id)
+            self._shards[shard.id] = (replica, shard)
 
     def _publish_ready(self) -> None:
-        endpoints = list(self._static)
+        endpoints = list(self.catalog.static_endpoints())
         ready_models: set[str] = set()
         for replica in self.replicas.values():
-            if replica.state != "ready":
+            if replica.state != ReplicaState.READY:
                 continue
             leader = replica.leader
             node = self.inventory.get(leader.node) if leader is not None else None
-            state = self._models.get(replica.model)
+            state = self.catalog.get(replica.model)
             if leader is None or node is None or state is None:
                 continue
             endpoints.append(
@@ -1091,165 +589,7 @@ class ControlPlane:
             self._published = published
             self._publish(endpoints)
         for name in ready_models:
-            state = self._models[name]
+            state = self.catalog[name]
             waiters, state.waiters = state.waiters, []
             for waiter in waiters:
                 waiter.callback(None)
-
-    # Reads for the admin API.
-
-    def models_json(self) -> list[dict[str, Any]]:
-        """
-        @return: each catalog model with its desired and ready counts.
-        """
-        now = self.clock.seconds()
-        out = []
-        for state in self._models.values():
-            model = state.model
-            replicas = [r for r in self.replicas.values() if r.model == model.name]
-            out.append(
-                {
-                    "name": model.name,
-                    "aliases": list(model.aliases),
-                    "min_replicas": model.min_replicas,
-                    "max_replicas": model.max_replicas,
-                    "idle_timeout": model.idle_timeout,
-                    "desired": self.desired(state, now),
-                    "ready": sum(1 for r in replicas if r.state == "ready"),
-                    "replicas": len(replicas),
-                    "waiting_requests": len(state.waiters),
-                    "failures_in_a_row": state.failures,
-                    "retry_in": max(0.0, round(state.retry_at - now, 1)),
-                    "last_error": state.last_error or None,
-                    "profiles": [p.name for p in model.profiles],
-                }
-            )
-        return out
-
-    def explain(self, name: str) -> dict[str, Any]:
-        """
-        @return: where a replica of the model would go now, or why it
-            cannot go anywhere: one line per profile and node.
-        @raise KeyError: not a catalog name.
-        """
-        model = self._models[self._names[name]].model
-        snapshot = _Snapshot(
-            self.inventory.nodes(),
-            self.replicas.values(),
-            self._suspect_ports(self.clock.seconds()),
-            self._views,
-        )
-        result = place(model.profiles, snapshot.fleet, self._ports)
-        if isinstance(result, NoFit):
-            return {"model": model.name, "fits": False, "reasons": result.lines()}
-        return {
-            "model": model.name,
-            "fits": True,
-            "profile": result.profile.name,
-            "shards": [
-                {"node": s.node, "gpus": list(s.gpus), "port": s.port, "rank": s.rank}
-                for s in result.shards
-            ],
-            "reasons": [],
-        }
-
-
-def _host(address: str) -> str:
-    return f"[{address}]" if ":" in address and not address.startswith("[") else address
-
-
-class _Snapshot:
-    """
-    The inventory as placement sees it during one pass: GPUs and ports
-    taken by live shards count as allocated, and each placement made in
-    the pass is taken at once so the next one does not reuse it.
-
-    @param cache: node views of earlier passes, reused for nodes where
-        nothing placement reads has changed.
-    """
-
-    def __init__(
-        self,
-        nodes: Iterable[Node],
-        replicas: Iterable[ReplicaRecord],
-        suspect_ports: dict[str, set[int]],
-        cache: dict[str, tuple[Any, NodeView]] | None = None,
-    ) -> None:
-        nodes = list(nodes)
-        taken: dict[str, set[int]] = {}
-        # Ports are per address: two nodes on one host (two agents, or a
-        # test fleet) share its ports.
-        address = {node.id: node.address for node in nodes}
-        ports: dict[str, set[int]] = {}
-        for node_id, suspect in suspect_ports.items():
-            ports.setdefault(address.get(node_id, node_id), set()).update(suspect)
-        for replica in replicas:
-            for shard in replica.shards:
-                if shard.state in _GONE:
-                    continue
-                taken.setdefault(shard.node, set()).update(shard.gpus)
-                key = address.get(shard.node, shard.node)
-                ports.setdefault(key, set()).add(shard.port)
-        if cache is None:
-            cache = {}
-        views = []
-        for node in nodes:
-            state = node.state
-            if state == "ready" and not node.connected:
-                state = "disconnected"
-            if state == "ready" and node.draining:
-                state = "draining"
-            used = frozenset(taken.get(node.id, ()))
-            busy = frozenset(ports.get(node.address, ()))
-            version = (node.version, state, used, busy)
-            hit = cache.get(node.id)
-            if hit is not None and hit[0] == version:
-                views.append(hit[1])
-                continue
-            view = NodeView(
-                id=node.id,
-                state=state,
-                fabrics=frozenset(node.fabrics),
-                gpus=tuple(
-                    GpuView(
-                        index=g.index,
-                        name=g.name,
-                        memory_total_mib=g.memory_total_mib,
-                        memory_used_mib=g.memory_used_mib,
-                        problems=tuple(g.problems),
-                        allocated=g.index in used,
-                    )
-                    for g in node.gpus
-                ),
-                ports_in_use=busy,
-            )
-            cache[node.id] = (version, view)
-            views.append(view)
-        self.fleet = Fleet(views)
-        by_address: dict[str, list[str]] = {}
-        for node in nodes:
-            by_address.setdefault(node.address, []).append(node.id)
-        self._same_address = {
-            node.id: [n for n in by_address[node.address] if n != node.id]
-            for node in nodes
-            if len(by_address[node.address]) > 1
-        }
-
-    def take(self, plan: Plan) -> None:
-        for shard in plan.shards:
-            view = self.fleet.get(shard.node)
-            self.fleet.replace(
-                replace(
-                    view,
-                    gpus=tuple(
-                        replace(g, allocated=True) if g.index in shard.gpus else g
-                        for g in view.gpus
-                    ),
-                    ports_in_use=view.ports_in_use | {shard.port},
-                )
-            )
-            for other in self._same_address.get(shard.node, ()):
-                view = self.fleet.get(other)
-                self.fleet.replace(
-                    replace(view, ports_in_use=view.ports_in_use | {shard.port})
-                )

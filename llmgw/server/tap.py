@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -398,6 +399,7 @@ def makeService(options: Options) -> IService:
         heartbeat_interval=min(
             HEARTBEAT_INTERVAL, max(1, int(control.unreachable_after / 3))
         ),
+        wall_clock=time.time,
     )
     plane = ControlPlane(
         reactor,
@@ -410,7 +412,7 @@ def makeService(options: Options) -> IService:
         outstanding=balancer.outstanding,
     )
     hub.listener = plane
-    keys.resolve = plane.resolve
+    keys.resolve = plane.catalog.resolve
     router = Router(
         reactor,
         balancer,
@@ -418,7 +420,7 @@ def makeService(options: Options) -> IService:
         settings,
         RouterMetrics(registry),
         UsageSinks(LogUsageSink(), usage_sink),
-        activator=plane,
+        activator=plane.catalog,
         auth=keys,
         pool=pool,
     )
@@ -431,6 +433,7 @@ def makeService(options: Options) -> IService:
         store=store,
         usage=usage_sink,
         config_models=config_names,
+        wall_clock=time.time,
     )
     admin_resource: Any = admin.app.resource()
     agent_port = local_port = None

@@ -1,0 +1,181 @@
+"""
+Commands to agents about shards: C{StartShard} for a placed replica,
+C{StopShard}, and what a refused or unanswered start means for the
+shard's record.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw.control.agents import NoLink
+from llmgw.control.placement import Plan
+from llmgw.control.records import ReplicaRecord, ShardRecord
+from llmgw.control.snapshot import SuspectPorts
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.protocol import CommandFailed
+from llmgw.wire.states import ShardState
+
+STOP_GRACE = 30
+"""
+Seconds between SIGTERM and SIGKILL when the control plane stops a shard.
+"""
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def _safe(text: str, limit: int = 40) -> str:
+    return _UNSAFE.sub("-", text).strip("-._")[:limit] or "model"
+
+
+class Commands(Protocol):
+    """
+    How the control plane reaches agents: L{llmgw.control.agents.AgentHub}.
+    """
+
+    def send(self, node_id: str, message: pb.ControlMessage) -> Deferred[Any]:
+        """
+        Send a command to a node's agent.
+
+        @return: fires when the agent answers ok; fails when it refuses, or
+            when the node has no link.
+        """
+
+
+class ShardCommands:
+    """
+    Sends shard commands and records what their answers say.
+
+    @param clock: the reactor's clock, for L{SuspectPorts}.
+    @param commands: the agents.
+    @param suspect: where a port found in use is marked.
+    @param changed: called when a record changed (a start failed): kicks
+        a pass.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        commands: Commands,
+        suspect: SuspectPorts,
+        changed: Callable[[], None],
+    ) -> None:
+        self.clock = clock
+        self.commands = commands
+        self.suspect = suspect
+        self.changed = changed
+
+    def start(
+        self, model: str, plan: Plan, now: float, leader_address: str
+    ) -> ReplicaRecord:
+        """
+        Make a replica of C{model} as C{plan} says, and send each of its
+        shards its start.
+
+        @param now: reactor seconds.
+        @param leader_address: C{host:port} of rank 0, for gangs; C{""}
+            when unknown.
+        @return: the new replica, its shards C{pending}.
+        """
+        profile = plan.profile
+        replica = ReplicaRecord(
+            f"{_safe(model)}-{secrets.token_hex(4)}", model, profile, [], now
+        )
+        for shard_plan in plan.shards:
+            shard = ShardRecord(
+                id=f"{replica.id}-{shard_plan.rank}",
+                node=shard_plan.node,
+                gpus=shard_plan.gpus,
+                port=shard_plan.port,
+                rank=shard_plan.rank,
+            )
+            replica.shards.append(shard)
+            command = pb.StartShard(
+                shard_id=shard.id,
+                replica_id=replica.id,
+                model=replica.model,
+                profile=profile.name,
+                engine=profile.engine,
+                source=profile.source,
+                args=profile.args,
+                env=dict(profile.env),
+                port=shard.port,
+                gpu_indices=shard.gpus,
+                rank=shard.rank,
+                world_size=len(plan.shards),
+                leader_address=leader_address,
+            )
+            d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
+            d.addErrback(self._start_refused, shard)
+        self.log.info(
+            "placed replica {replica} of {model} with profile {profile} on {where}",
+            replica=replica.id,
+            model=model,
+            profile=profile.name,
+            where=", ".join(
+                f"{s.node} GPUs {list(s.gpus)} port {s.port}" for s in plan.shards
+            ),
+        )
+        return replica
+
+    def _start_refused(self, reason: Failure, shard: ShardRecord) -> None:
+        if shard.state.gone:
+            return
+        if isinstance(reason.value, CommandFailed):
+            result = reason.value.result
+            if result.code == "port_in_use":
+                # Something else holds the port on that node: the next try
+                # gets another.
+                self.suspect.mark(shard.node, shard.port, self.clock.seconds())
+            shard.error = result.error
+        elif reason.check(NoLink):
+            # Never sent: nothing runs.
+            shard.error = f"not started: {reason.getErrorMessage()}"
+        else:
+            # The link went down with the command unanswered: the engine may
+            # run.  The node's next Register says (listed: kept; not listed:
+            # gone), and start_timeout bounds the wait.
+            self.log.info(
+                "start of shard {shard} on {node} unanswered: {why}; waiting for"
+                " the node to register again",
+                shard=shard.id,
+                node=shard.node,
+                why=reason.getErrorMessage(),
+            )
+            return
+        shard.state = ShardState.FAILED
+        self.changed()
+
+    def stop(self, node_id: str, shard_id: str) -> None:
+        """
+        Send C{StopShard}: SIGTERM, SIGKILL after L{STOP_GRACE}.  A stop
+        not done is logged; a lost node's shards are stopped when its
+        agent registers again and finds them unclaimed.
+        """
+        d = self.commands.send(
+            node_id,
+            pb.ControlMessage(
+                stop_shard=pb.StopShard(shard_id=shard_id, grace_seconds=STOP_GRACE)
+            ),
+        )
+
+        def failed(reason: Failure) -> None:
+            if not reason.check(CancelledError):
+                self.log.info(
+                    "stop of shard {shard} on {node} not done: {why}",
+                    shard=shard_id,
+                    node=node_id,
+                    why=reason.getErrorMessage(),
+                )
+
+        d.addErrback(failed)

@@ -1,0 +1,117 @@
+"""
+The control plane's records of what it placed or adopted: replicas and
+their shards, with their states.  Plain data; the reconciler
+(L{llmgw.control.plane}) changes them, the views
+(L{llmgw.control.views}) show them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from llmgw.wire.states import ShardState
+
+if TYPE_CHECKING:
+    from llmgw.control.placement import Profile
+
+
+class ReplicaState(StrEnum):
+    """
+    A replica's state, from its shards' and whether it drains.
+    """
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    FAILED = "failed"
+
+
+@dataclass
+class ShardRecord:
+    """
+    One engine process of a replica, on one node.
+
+    @ivar state: C{pending} (command sent), C{starting}, C{ready},
+        C{draining}, C{stopped}, C{failed}, or C{lost} (its node was lost).
+    @ivar gpus: GPU indices on its node.
+    @ivar pid: the engine's process id on its node, 0 while unknown.
+    @ivar error: why it failed, or C{""}.
+    """
+
+    id: str
+    node: str
+    gpus: tuple[int, ...]
+    port: int
+    rank: int
+    state: ShardState = ShardState.PENDING
+    pid: int = 0
+    error: str = ""
+
+
+@dataclass
+class ReplicaRecord:
+    """
+    One serving copy of a model: one shard per node of its profile.
+
+    @ivar created: reactor seconds when placed (or adopted).
+    @ivar draining_since: reactor seconds when draining began, or L{None}.
+    @ivar stop_sent_at: reactor seconds when its shards were told to
+        stop, or L{None}.
+    """
+
+    id: str
+    model: str
+    profile: Profile
+    shards: list[ShardRecord]
+    created: float
+    draining_since: float | None = None
+    drain_reason: str = ""
+    adopted: bool = False
+    stop_sent_at: float | None = None
+
+    @property
+    def state(self) -> ReplicaState:
+        """
+        C{draining}, C{failed} (a shard failed or was lost), C{ready} (all
+        shards are), or C{starting}.
+        """
+        if self.draining_since is not None:
+            return ReplicaState.DRAINING
+        if any(s.state.gone for s in self.shards):
+            return ReplicaState.FAILED
+        if (
+            len(self.shards) == self.profile.nodes
+            and all(s.state == ShardState.READY for s in self.shards)
+            and self.leader is not None
+        ):
+            return ReplicaState.READY
+        return ReplicaState.STARTING
+
+    @property
+    def leader(self) -> ShardRecord | None:
+        """
+        @return: its rank 0 shard, if recorded.
+        """
+        for shard in self.shards:
+            if shard.rank == 0:
+                return shard
+        return None
+
+    def fault(self, now: float, start_timeout: float) -> tuple[str, bool]:
+        """
+        @param now: reactor seconds.
+        @param start_timeout: C{[control] start_timeout}, seconds.
+        @return: why the replica is to be dropped (a shard gone, or not
+            ready in time), or C{""}; and whether its node was lost (the
+            node's fault, not the model's).
+        """
+        state = self.state
+        if state == ReplicaState.FAILED:
+            bad = next(s for s in self.shards if s.state.gone)
+            error = f"shard {bad.id} on {bad.node}: {bad.state}: {bad.error}"
+            return error, bad.state == ShardState.LOST
+        if state == ReplicaState.STARTING and now - self.created > start_timeout:
+            return f"not ready after {start_timeout:g}s", False
+        return "", False

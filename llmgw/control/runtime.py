@@ -1,0 +1,196 @@
+"""
+The catalog at run time, and the router's side of the control plane
+(L{llmgw.router.app.Activator}): each model's state by name, every name
+and alias that leads to it, activation and use.  Models come from the
+configuration and the admin API (added and removed while the server
+runs); the reconciler (L{llmgw.control.plane}) places what they want.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from llmgw.control.catalog import MAX_COUNT, Model
+from llmgw.control.inventory import Inventory, NodeState
+from llmgw.control.scaling import ModelState
+from llmgw.router.balancer import Endpoint
+
+
+class ModelCatalog:
+    """
+    @param clock: the reactor's clock.
+    @param inventory: the nodes (L{why_not} says when none is connected).
+    @param models: the configuration's catalog.
+    @param static: the configuration's endpoints; the model names they
+        serve cannot be taken by a catalog model.
+    @param changed: called when what the reconciler reads changed: kicks
+        a pass.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        inventory: Inventory,
+        models: Sequence[Model],
+        static: Sequence[Endpoint],
+        changed: Callable[[], None],
+    ) -> None:
+        self.clock = clock
+        self.inventory = inventory
+        self._models: dict[str, ModelState] = {m.name: ModelState(m) for m in models}
+        self._names: dict[str, str] = {name: m.name for m in models for name in m.names}
+        self._static = tuple(static)
+        self._changed = changed
+
+    def resolve(self, name: str) -> str | None:
+        """
+        @return: the catalog model C{name} names (itself or an alias), or
+            L{None}.
+        """
+        return self._names.get(name)
+
+    def names(self) -> list[str]:
+        """
+        @return: every catalog name and alias, sorted.
+        """
+        return sorted(self._names)
+
+    def static_endpoints(self) -> tuple[Endpoint, ...]:
+        """
+        @return: the endpoints from the configuration.
+        """
+        return self._static
+
+    def model(self, name: str) -> Model | None:
+        """
+        @return: the catalog model named C{name} (not an alias), if any.
+        """
+        state = self._models.get(name)
+        return state.model if state is not None else None
+
+    def get(self, model: str) -> ModelState | None:
+        """
+        @return: the state of the model named C{model} (not an alias), if
+            any.
+        """
+        return self._models.get(model)
+
+    def __getitem__(self, name: str) -> ModelState:
+        """
+        @return: the state of the model C{name} names (itself or an
+            alias).
+        @raise KeyError: not a catalog name.
+        """
+        return self._models[self._names[name]]
+
+    def __contains__(self, model: str) -> bool:
+        return model in self._models
+
+    def states(self) -> list[ModelState]:
+        """
+        @return: each model's state, in catalog order.
+        """
+        return list(self._models.values())
+
+    def activate(self, name: str) -> Deferred[None]:
+        """
+        A request for C{name} found no ready replica: ask for one.
+
+        @return: fires when a replica of the model is published; cancel it
+            to stop waiting.
+        @raise KeyError: C{name} is not in the catalog.
+        """
+        state = self[name]
+        state.last_used = self.clock.seconds()
+        if state.wanted < 1:
+            state.wanted = 1
+            self.log.info(
+                "activating model {model}: a request is waiting", model=state.model.name
+            )
+        waiter: Deferred[None] = Deferred(
+            lambda d: state.waiters.remove(d) if d in state.waiters else None
+        )
+        state.waiters.append(waiter)
+        self._changed()
+        return waiter
+
+    def touch(self, name: str) -> None:
+        """
+        A request for C{name} came: it is not idle.
+        """
+        model = self._names.get(name)
+        if model is not None:
+            self._models[model].last_used = self.clock.seconds()
+
+    def why_not(self, name: str) -> str:
+        """
+        @return: why the model has no ready replica, in a few words fit for
+            a client (no node names or addresses), or C{""}.
+        """
+        model = self._names.get(name)
+        state = self._models.get(model) if model is not None else None
+        if state is None:
+            return ""
+        if state.no_fit is not None:
+            return "no node has room for it now"
+        if state.failures:
+            return f"its last {state.failures} starts failed"
+        if not any(n.state == NodeState.READY for n in self.inventory.nodes()):
+            return "no node is connected"
+        return ""
+
+    def add(self, model: Model) -> None:
+        """
+        Add a model; its replicas are placed by the next pass.
+
+        @raise ValueError: one of its names is taken.
+        """
+        static = {name for e in self._static for name in e.models}
+        for name in model.names:
+            if name in self._names:
+                owner = self._names[name]
+                what = "model" if owner == name else f"an alias of model {owner!r}"
+                raise ValueError(f"name {name!r} is already {what}")
+            if name in static:
+                raise ValueError(f"name {name!r} is served by a static endpoint")
+        self._models[model.name] = ModelState(model)
+        for name in model.names:
+            self._names[name] = model.name
+        self._changed()
+
+    def remove(self, model: str) -> None:
+        """
+        Remove a model: its replicas drain and stop; requests waiting for
+        it are let go (they find no replica: 503).
+
+        @raise KeyError: no model named C{model}.
+        """
+        state = self._models.pop(model)
+        for alias in state.model.names:
+            self._names.pop(alias, None)
+        waiters, state.waiters = state.waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+        self._changed()
+
+
+def check_bounds(min_replicas: int, max_replicas: int) -> None:
+    """
+    @raise ValueError: not C{0 <= min_replicas <= max_replicas} with
+        C{1 <= max_replicas <= MAX_COUNT}.
+    """
+    if (
+        min_replicas < 0
+        or not 1 <= max_replicas <= MAX_COUNT
+        or min_replicas > max_replicas
+    ):
+        raise ValueError(
+            f"expected 0 <= min_replicas <= max_replicas, 1 <= max_replicas;"
+            f" got {min_replicas} and {max_replicas}"
+        )

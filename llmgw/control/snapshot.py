@@ -1,0 +1,153 @@
+"""
+The inventory as placement sees it during one reconciler pass, and the
+ports placement leaves alone for a while.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+from llmgw.control.inventory import Node, NodeState
+from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
+from llmgw.control.records import ReplicaRecord
+
+SUSPECT_PORT_SECONDS = 600.0
+"""
+How long a port where a shard could not start is left out of placement on
+its node.
+"""
+
+
+class SuspectPorts:
+    """
+    Ports where a shard could not start (something else holds them),
+    per node, for L{SUSPECT_PORT_SECONDS}.
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[tuple[str, int], float] = {}
+
+    def mark(self, node: str, port: int, now: float) -> None:
+        """
+        A start on C{node} found C{port} in use at C{now} (reactor
+        seconds).
+        """
+        self._since[node, port] = now
+
+    def current(self, now: float) -> dict[str, set[int]]:
+        """
+        @return: per node, the ports marked less than
+            L{SUSPECT_PORT_SECONDS} before C{now}; older marks are dropped.
+        """
+        ports: dict[str, set[int]] = {}
+        for (node, port), since in list(self._since.items()):
+            if now - since >= SUSPECT_PORT_SECONDS:
+                del self._since[node, port]
+            else:
+                ports.setdefault(node, set()).add(port)
+        return ports
+
+
+class Snapshot:
+    """
+    The inventory as placement sees it during one pass: GPUs and ports
+    taken by live shards count as allocated, and each placement made in
+    the pass is taken at once so the next one does not reuse it.
+
+    @param suspect_ports: per node, ports to leave alone.
+    @param cache: node views of earlier passes, reused for nodes where
+        nothing placement reads has changed; updated in place.
+    @ivar fleet: what L{llmgw.control.placement.place} reads.
+    """
+
+    def __init__(
+        self,
+        nodes: Iterable[Node],
+        replicas: Iterable[ReplicaRecord],
+        suspect_ports: dict[str, set[int]],
+        cache: dict[str, tuple[Any, NodeView]] | None = None,
+    ) -> None:
+        nodes = list(nodes)
+        taken: dict[str, set[int]] = {}
+        # Ports are per address: two nodes on one host (two agents, or a
+        # test fleet) share its ports.
+        address = {node.id: node.address for node in nodes}
+        ports: dict[str, set[int]] = {}
+        for node_id, suspect in suspect_ports.items():
+            ports.setdefault(address.get(node_id, node_id), set()).update(suspect)
+        for replica in replicas:
+            for shard in replica.shards:
+                if shard.state.gone:
+                    continue
+                taken.setdefault(shard.node, set()).update(shard.gpus)
+                key = address.get(shard.node, shard.node)
+                ports.setdefault(key, set()).add(shard.port)
+        if cache is None:
+            cache = {}
+        views = []
+        for node in nodes:
+            state: str = node.state
+            if state == NodeState.READY and not node.connected:
+                state = "disconnected"
+            if state == NodeState.READY and node.draining:
+                state = "draining"
+            used = frozenset(taken.get(node.id, ()))
+            busy = frozenset(ports.get(node.address, ()))
+            version = (node.version, state, used, busy)
+            hit = cache.get(node.id)
+            if hit is not None and hit[0] == version:
+                views.append(hit[1])
+                continue
+            view = NodeView(
+                id=node.id,
+                state=state,
+                fabrics=frozenset(node.fabrics),
+                gpus=tuple(
+                    GpuView(
+                        index=g.index,
+                        name=g.name,
+                        memory_total_mib=g.memory_total_mib,
+                        memory_used_mib=g.memory_used_mib,
+                        problems=tuple(g.problems),
+                        allocated=g.index in used,
+                    )
+                    for g in node.gpus
+                ),
+                ports_in_use=busy,
+            )
+            cache[node.id] = (version, view)
+            views.append(view)
+        self.fleet = Fleet(views)
+        by_address: dict[str, list[str]] = {}
+        for node in nodes:
+            by_address.setdefault(node.address, []).append(node.id)
+        self._same_address = {
+            node.id: [n for n in by_address[node.address] if n != node.id]
+            for node in nodes
+            if len(by_address[node.address]) > 1
+        }
+
+    def take(self, plan: Plan) -> None:
+        """
+        Count C{plan}'s GPUs and ports as taken (its ports on every node
+        at the same address).
+        """
+        for shard in plan.shards:
+            view = self.fleet.get(shard.node)
+            self.fleet.replace(
+                replace(
+                    view,
+                    gpus=tuple(
+                        replace(g, allocated=True) if g.index in shard.gpus else g
+                        for g in view.gpus
+                    ),
+                    ports_in_use=view.ports_in_use | {shard.port},
+                )
+            )
+            for other in self._same_address.get(shard.node, ()):
+                view = self.fleet.get(other)
+                self.fleet.replace(
+                    replace(view, ports_in_use=view.ports_in_use | {shard.port})
+                )

@@ -1,0 +1,138 @@
+"""
+The control plane as the admin API shows it: JSON-ready dicts, read from
+the records and the catalog, never changing them (except that asking
+for a model's desired count applies its idle rule, as a pass would).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from llmgw.control.inventory import Inventory
+from llmgw.control.placement import NoFit, place
+from llmgw.control.plane import ControlPlane
+from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+
+
+def shard_json(shard: ShardRecord) -> dict[str, Any]:
+    """
+    @return: id, node, gpus, port, rank, state, pid, last_error.
+    """
+    return {
+        "id": shard.id,
+        "node": shard.node,
+        "gpus": list(shard.gpus),
+        "port": shard.port,
+        "rank": shard.rank,
+        "state": shard.state,
+        "pid": shard.pid,
+        "last_error": shard.error or None,
+    }
+
+
+def replica_json(replica: ReplicaRecord) -> dict[str, Any]:
+    """
+    @return: id, model, profile, engine, state, adopted, and its shards
+        (L{shard_json}) by rank.
+    """
+    return {
+        "id": replica.id,
+        "model": replica.model,
+        "profile": replica.profile.name,
+        "engine": replica.profile.engine,
+        "state": replica.state,
+        "adopted": replica.adopted,
+        "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
+    }
+
+
+def replicas_json(plane: ControlPlane | None) -> list[dict[str, Any]]:
+    """
+    @return: every replica (L{replica_json}), by model then id.
+    """
+    replicas = plane.replicas.values() if plane is not None else ()
+    return [replica_json(r) for r in sorted(replicas, key=lambda r: (r.model, r.id))]
+
+
+def nodes_json(
+    inventory: Inventory, plane: ControlPlane | None
+) -> list[dict[str, Any]]:
+    """
+    @return: each node as L{Node.to_json} gives it; with a control plane,
+        its C{shards} from the plane's records (current, where the
+        Register's list is as of the agent's last connection), each with
+        its model and replica.
+    """
+    nodes = [node.to_json() for node in inventory.nodes()]
+    if plane is not None:
+        shards: dict[str, list[dict[str, Any]]] = {}
+        for replica in plane.replicas.values():
+            for shard in replica.shards:
+                shards.setdefault(shard.node, []).append(
+                    {**shard_json(shard), "model": replica.model, "replica": replica.id}
+                )
+        for node in nodes:
+            node["shards"] = shards.get(node["id"], [])
+    return nodes
+
+
+def count_states(states: Iterable[str]) -> dict[str, int]:
+    """
+    @return: how many of each state.
+    """
+    counts: dict[str, int] = {}
+    for state in states:
+        counts[state] = counts.get(state, 0) + 1
+    return counts
+
+
+def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
+    """
+    @return: each catalog model with its desired and ready counts.
+    """
+    now = plane.clock.seconds()
+    out = []
+    for state in plane.catalog.states():
+        model = state.model
+        replicas = [r for r in plane.replicas.values() if r.model == model.name]
+        out.append(
+            {
+                "name": model.name,
+                "aliases": list(model.aliases),
+                "min_replicas": model.min_replicas,
+                "max_replicas": model.max_replicas,
+                "idle_timeout": model.idle_timeout,
+                "desired": plane.desired(state, now),
+                "ready": sum(1 for r in replicas if r.state == ReplicaState.READY),
+                "replicas": len(replicas),
+                "waiting_requests": len(state.waiters),
+                "failures_in_a_row": state.failures,
+                "retry_in": max(0.0, round(state.retry_at - now, 1)),
+                "last_error": state.last_error or None,
+                "profiles": [p.name for p in model.profiles],
+            }
+        )
+    return out
+
+
+def explain(plane: ControlPlane, name: str) -> dict[str, Any]:
+    """
+    @return: where a replica of the model would go now, or why it cannot
+        go anywhere: one line per profile and node.
+    @raise KeyError: not a catalog name.
+    """
+    model = plane.catalog[name].model
+    result = place(model.profiles, plane.snapshot().fleet, plane.ports)
+    if isinstance(result, NoFit):
+        return {"model": model.name, "fits": False, "reasons": result.lines()}
+    return {
+        "model": model.name,
+        "fits": True,
+        "profile": result.profile.name,
+        "shards": [
+            {"node": s.node, "gpus": list(s.gpus), "port": s.port, "rank": s.rank}
+            for s in result.shards
+        ],
+        "reasons": [],
+    }

@@ -1,0 +1,66 @@
+"""
+What the admin API's route modules share: the Klein app their routes
+are on, its error, and reading and writing JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from klein import Klein
+from twisted.web.iweb import IRequest
+
+app = Klein()
+"""
+The admin API's routes, from L{llmgw.server.admin} and
+L{llmgw.server.admin_keys}; bound to an L{llmgw.server.admin.Admin}.
+"""
+
+
+class AdminError(Exception):
+    """
+    An answer other than 200: C{{"error": {"message", "code"}}}.
+
+    @ivar status: the HTTP status.
+    """
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def json_answer(request: IRequest, value: object, status: int = 200) -> bytes:
+    """
+    @return: C{value} as the JSON body of an answer with C{status}.
+    """
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps(value).encode("utf-8")
+
+
+def not_found(what: str) -> AdminError:
+    """
+    @return: a 404 saying there is no C{what}.
+    """
+    return AdminError(404, f"no {what}", "not_found")
+
+
+def read_body(request: IRequest) -> dict[str, Any]:
+    """
+    @return: the request's JSON object body; C{{}} when empty.
+    @raise AdminError: 400, not a JSON object.
+    """
+    content = request.content
+    raw = content.read() if content is not None else b""
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise AdminError(400, "the body is not valid JSON", "bad_request") from None
+    if not isinstance(body, dict):
+        raise AdminError(400, "the body must be a JSON object", "bad_request")
+    return body

@@ -1,0 +1,203 @@
+"""
+The admin API's keys and usage routes (C{/api/v1/keys},
+C{/api/v1/usage}), mixed into L{llmgw.server.admin.Admin}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+import sqlite3
+from collections.abc import Callable
+from typing import Any
+
+from twisted.web.iweb import IRequest
+
+from llmgw.config import ConfigError, parse_duration
+from llmgw.server.admin_http import AdminError, app, json_answer, not_found, read_body
+from llmgw.store.db import Store
+from llmgw.store.keys import KeyRing
+from llmgw.store.usage import StoreUsageSink
+
+_MAX_LIMIT = 2**53
+_ISO = re.compile(r"^\d{4}-\d\d-\d\d")
+
+
+def _optional_count(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= _MAX_LIMIT
+    ):
+        raise AdminError(
+            400,
+            f"{name}: expected an integer from 1 to {_MAX_LIMIT}, got {value!r}"[:300],
+            "bad_request",
+        )
+    return value
+
+
+def parse_since(value: str, now: float) -> float:
+    """
+    @param value: a duration back from now (C{"24h"}, C{"30m"}), an ISO
+        8601 time, or POSIX seconds.
+    @param now: POSIX seconds.
+    @return: POSIX seconds.
+    @raise AdminError: none of those.
+    """
+    try:
+        return now - parse_duration("since", value)
+    except ConfigError:
+        pass
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        if math.isfinite(seconds):
+            return seconds
+    if _ISO.match(value):
+        try:
+            parsed = datetime.datetime.fromisoformat(value)
+        except ValueError:
+            pass
+        else:
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=datetime.UTC)
+            return parsed.timestamp()
+    raise AdminError(
+        400,
+        f"bad time {value!r}: use a duration back from now (24h, 30m),"
+        " an ISO 8601 time or POSIX seconds",
+        "bad_request",
+    )
+
+
+class KeyRoutes:
+    """
+    Keys and usage.
+
+    @ivar keys: the API keys, when there is a store.
+    @ivar store: the database.
+    @ivar usage: the usage sink, flushed before usage is read.
+    @ivar wall_clock: POSIX seconds now.
+    """
+
+    keys: KeyRing | None
+    store: Store | None
+    usage: StoreUsageSink | None
+    wall_clock: Callable[[], float]
+
+    def _keys(self) -> KeyRing:
+        if self.keys is None or self.store is None:
+            raise AdminError(404, "no store in this server", "not_found")
+        return self.keys
+
+    @app.route("/api/v1/keys", methods=["GET"])
+    def list_keys(self, request: IRequest) -> bytes:
+        """
+        C{{"keys": [...]}}: name, prefix, limits, created, last used,
+        tokens used, revoked; never the key.
+        """
+        keys = [k.to_json() for k in self._keys().keys()]
+        return json_answer(request, {"keys": keys})
+
+    @app.route("/api/v1/keys", methods=["POST"])
+    async def create_key(self, request: IRequest) -> bytes:
+        """
+        Make a key: C{{"name", "models"?, "rpm"?, "tpm"?,
+        "budget_tokens"?, "admin"?}}.  201 with the key under C{"key"}:
+        the only time it is shown.
+        """
+        keys = self._keys()
+        body = read_body(request)
+        name = body.get("name")
+        if not isinstance(name, str):
+            raise AdminError(400, "name: expected a string", "bad_request")
+        models = body.get("models")
+        if models is not None and (
+            not isinstance(models, list)
+            or not models
+            or not all(isinstance(m, str) and m for m in models)
+        ):
+            raise AdminError(
+                400, f"models: expected a list of names, got {models!r}", "bad_request"
+            )
+        admin = body.get("admin", False)
+        if not isinstance(admin, bool):
+            raise AdminError(400, "admin: expected true or false", "bad_request")
+        try:
+            key, secret = await keys.create(
+                name,
+                models=models,
+                rpm=_optional_count(body, "rpm"),
+                tpm=_optional_count(body, "tpm"),
+                budget_tokens=_optional_count(body, "budget_tokens"),
+                admin=admin,
+            )
+        except ValueError as e:
+            raise AdminError(
+                409 if "exists" in str(e) else 400, str(e), "bad_key"
+            ) from None
+        except sqlite3.IntegrityError:
+            raise AdminError(409, f"a key named {name!r} exists", "conflict") from None
+        return json_answer(request, {**key.to_json(), "key": secret}, 201)
+
+    @app.route("/api/v1/keys/<name>", methods=["DELETE"])
+    @app.route("/api/v1/keys/<name>/revoke", methods=["POST"])
+    async def revoke_key(self, request: IRequest, name: str) -> bytes:
+        """
+        Revoke a key, by name or prefix: it stops working at once.
+        """
+        keys = self._keys()
+        key = keys.find(name)
+        if key is None:
+            raise not_found(f"key {name[:200]!r}")
+        if key.revoked is None:
+            await keys.revoke(key)
+        return json_answer(request, key.to_json())
+
+    @app.route("/api/v1/usage", methods=["GET"])
+    async def get_usage(self, request: IRequest) -> bytes:
+        """
+        Usage grouped by C{by} (C{key} or C{model}, default key) from
+        C{since} (default 24h) to C{until} (default now): requests,
+        errors, prompt and completion tokens, mean latency and time to
+        first token, per group.
+        """
+        if self.store is None:
+            raise AdminError(404, "no store in this server", "not_found")
+        args = request.args or {}
+
+        def arg(name: bytes, default: str) -> str:
+            values = args.get(name)
+            return values[0].decode("utf-8", "replace") if values else default
+
+        by = arg(b"by", "key")
+        if by not in ("key", "model"):
+            raise AdminError(
+                400, f"by: expected key or model, got {by!r}", "bad_request"
+            )
+        now = self.wall_clock()
+        since = parse_since(arg(b"since", "24h"), now)
+        until_text = arg(b"until", "")
+        until = parse_since(until_text, now) if until_text else None
+        if until is not None and until <= since:
+            raise AdminError(400, "until: must be after since", "bad_request")
+        if self.usage is not None:
+            # Records still buffered count too.
+            await self.usage.flush()
+        groups = await self.store.usage(by, since, until)
+        return json_answer(
+            request,
+            {
+                "by": by,
+                "since": since,
+                "until": until if until is not None else now,
+                "usage": groups,
+            },
+        )

@@ -1,0 +1,156 @@
+"""
+What the control plane's tests share: the reconciler on a L{Clock}, with
+the agents replaced by a recorder of the commands it sends (the real wire
+is in C{test_e2e_control}).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.config import ControlConfig
+from llmgw.control.catalog import Model
+from llmgw.control.inventory import Inventory
+from llmgw.control.placement import Profile
+from llmgw.control.plane import ControlPlane
+from llmgw.router.balancer import Endpoint
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.protocol import CommandFailed
+
+SETTINGS = ControlConfig(
+    unreachable_after=15,
+    lost_after=60,
+    base_backoff=5.0,
+    max_backoff=40.0,
+    port_range=(20000, 20009),
+    start_timeout=120,
+    startup_grace=0,
+    drain_timeout=30,
+    interval=1,
+)
+
+
+class Agents:
+    """
+    Records commands; answers ok at once unless told to refuse a node.
+    """
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, pb.ControlMessage]] = []
+        # node -> the refusal's error code
+        self.refuse: dict[str, str] = {}
+        self.unanswered: list[Deferred[Any]] = []
+        self.hold = False
+
+    def send(self, node_id: str, message: pb.ControlMessage) -> Deferred[Any]:
+        self.sent.append((node_id, message))
+        if node_id in self.refuse:
+            result = pb.CommandResult(
+                ok=False, error=f"{node_id} refuses", code=self.refuse[node_id]
+            )
+            return fail(CommandFailed(result))
+        if self.hold:
+            waiting: Deferred[Any] = Deferred()
+            self.unanswered.append(waiting)
+            return waiting
+        return succeed(None)
+
+    def starts(self) -> list[tuple[str, pb.StartShard]]:
+        return [
+            (node, m.start_shard)
+            for node, m in self.sent
+            if m.WhichOneof("kind") == "start_shard"
+        ]
+
+    def stops(self) -> list[str]:
+        return [
+            m.stop_shard.shard_id
+            for _, m in self.sent
+            if m.WhichOneof("kind") == "stop_shard"
+        ]
+
+
+def make_model(name: str = "m", low: int = 1, high: int = 4, idle: float = 0) -> Model:
+    return Model(
+        name=name,
+        aliases=(f"{name}-alias",),
+        min_replicas=low,
+        max_replicas=high,
+        idle_timeout=idle,
+        profiles=(
+            Profile(name="one", engine="sim", source="s", gpus=1, gpu_memory_gb=10),
+        ),
+    )
+
+
+def register_message(
+    node_id: str, gpus: int = 1, shards: tuple[pb.RunningShard, ...] = ()
+) -> pb.Register:
+    return pb.Register(
+        node_id=node_id,
+        address="10.0.0." + node_id[-1],
+        gpus=[
+            pb.Gpu(index=i, name="H100", memory_total_mib=80 * 1024)
+            for i in range(gpus)
+        ],
+        shards=shards,
+    )
+
+
+class PlaneCase(SynchronousTestCase):
+    """
+    A control plane on a L{Clock}, its commands recorded.
+    """
+
+    def make(
+        self,
+        *models: Model,
+        nodes: tuple[str, ...] = ("n1", "n2"),
+        settings: ControlConfig = SETTINGS,
+    ) -> None:
+        self.clock = Clock()
+        self.clock.advance(1000)
+        self.inventory = Inventory()
+        self.agents = Agents()
+        self.published: list[list[Endpoint]] = []
+        self.in_flight: dict[str, int] = {}
+        self.plane = ControlPlane(
+            self.clock,
+            self.inventory,
+            self.agents,
+            models or (make_model(),),
+            settings,
+            self.published.append,
+            outstanding=lambda rid: self.in_flight.get(rid, 0),
+        )
+        for node in nodes:
+            self.register(node)
+
+    def register(self, node_id: str, **kwargs: Any) -> None:
+        message = register_message(node_id, **kwargs)
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered(node_id, message)
+
+    def status(self, shard_id: str, state: int, node: str | None = None) -> None:
+        if node is None:
+            node = next(n for n, s in self.agents.starts() if s.shard_id == shard_id)
+        message = pb.ShardStatus(shard_id=shard_id, error="boom", pid=4242)
+        message.state = state  # type: ignore[assignment]
+        self.plane.shard_status(node, message)
+
+    def ready_all(self) -> None:
+        for _, start in self.agents.starts():
+            found = self.plane._shards.get(start.shard_id)
+            if found is not None and found[1].state == "pending":
+                self.status(start.shard_id, pb.SHARD_STATE_READY)
+
+    def heartbeat(self, *nodes: str) -> None:
+        for node in nodes:
+            self.inventory.heard(node, self.clock.seconds())
+
+    def endpoints(self) -> list[str]:
+        return sorted(e.url for e in self.published[-1]) if self.published else []

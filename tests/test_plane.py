@@ -276,6 +276,26 @@ class DrainTests(PlaneCase):
             ],
         )
 
+    def test_undrain_node(self) -> None:
+        """
+        A node taken back is placed on again; one never drained, or not
+        known, is refused.
+        """
+        self.make(make_model(low=1), nodes=("n1",))
+        self.plane.drain_node("n1")
+        self.plane.reconcile()
+        self.assertEqual(self.agents.starts(), [])
+        self.assertIn("n1: draining", "\n".join(explain(self.plane, "m")["reasons"]))
+        self.plane.undrain_node("n1")
+        self.assertFalse(self.inventory.get("n1").draining)  # type: ignore[union-attr]
+        self.assertTrue(explain(self.plane, "m")["fits"])
+        self.clock.advance(6)
+        self.heartbeat("n1")
+        self.plane.reconcile()
+        self.assertEqual([n for n, _ in self.agents.starts()], ["n1"])
+        self.assertRaises(KeyError, self.plane.undrain_node, "n9")
+        self.assertRaises(KeyError, self.plane.drain_node, "n9")
+
 
 class RuntimeCatalogTests(PlaneCase):
     def test_names_taken(self) -> None:

@@ -68,6 +68,7 @@ class ControlPlane:
     @param static: endpoints from the configuration, always published.
     @param outstanding: requests in flight to a replica id, by the router's
         count; a draining replica is stopped when it reaches 0.
+    @ivar catalog: the catalog at run time, and the router's side.
     @ivar replicas: the records, by replica id; read-only outside.
     @ivar weights: finds and deletes model files nothing uses.
     """

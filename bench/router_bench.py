@@ -31,17 +31,18 @@ import argparse
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import Any
+
+from children import BenchError, Children
+from wrk import parse_wrk
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BIN = os.path.dirname(sys.executable)
@@ -53,8 +54,11 @@ TARGETS = ("direct", "llmgw", "llmgw-auth", "minimal-proxy")
 """
 llmgw runs with usage records off and no keys; llmgw-auth, the same
 server, with a key required on every request (limits set, so they are
-checked) and every request recorded in its SQLite store.
+checked) and every request recorded in its SQLite store.  With
+C{--baseline-tree}, C{llmgw-baseline} is llmgw as that other checkout has
+it (an earlier commit, say), run the same way as C{llmgw}.
 """
+BASELINE = "llmgw-baseline"
 KINDS = ("non-streaming", "streaming")
 WARMUP = 2.0
 """
@@ -63,15 +67,6 @@ Seconds of load before each timed run, not measured.
 
 PROXY_CORE = "0"
 LOAD_CORE = "1"
-START_TIMEOUT = 30.0
-"""
-Seconds a child process has to print its listening line.
-"""
-
-STOP_TIMEOUT = 10.0
-"""
-Seconds between SIGTERM and SIGKILL, and after SIGKILL.
-"""
 
 
 def chat_body(stream: bool) -> bytes:
@@ -88,107 +83,14 @@ def chat_body(stream: bool) -> bytes:
     ).encode("utf-8")
 
 
-class BenchError(Exception):
+def start_targets(children: Children, baseline_tree: str | None) -> dict[str, int]:
     """
-    The benchmark cannot go on: a process did not start, a check failed.
-    """
+    Start the simulator, llmgw and the minimal proxy, and llmgw from
+    C{baseline_tree} when given.
 
-
-@dataclass
-class Child:
-    """
-    A child process whose stdout and stderr go to C{log_path}.
-    """
-
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: str
-
-    def output(self) -> str:
-        with open(self.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def wait_for(self, pattern: str) -> re.Match[str]:
-        """
-        Wait until the output matches C{pattern}.
-
-        @raise BenchError: the process exited or C{START_TIMEOUT} passed first.
-        """
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            # Only the first lines: the server logs one line per request.
-            with open(self.log_path, encoding="utf-8", errors="replace") as f:
-                match = regex.search(f.read(65536))
-            if match is not None:
-                return match
-            if self.popen.poll() is not None:
-                raise BenchError(
-                    f"{self.name} exited with {self.popen.returncode}:\n"
-                    + self.output()[-3000:]
-                )
-            time.sleep(0.05)
-        raise BenchError(
-            f"{self.name}: no {pattern!r} in {START_TIMEOUT} s:\n"
-            + self.output()[-3000:]
-        )
-
-    def stop(self) -> None:
-        """
-        SIGTERM, then SIGKILL after C{STOP_TIMEOUT} seconds.
-        """
-        if self.popen.poll() is not None:
-            return
-        self.popen.terminate()
-        try:
-            self.popen.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(STOP_TIMEOUT)
-
-
-class Children:
-    """
-    Starts child processes and stops them all, last started first.
-    """
-
-    def __init__(self, directory: str, pin: bool) -> None:
-        self._directory = self.directory = directory
-        self._pin = pin
-        self._children: list[Child] = []
-
-    def pinned(self, core: str, argv: list[str]) -> list[str]:
-        """
-        C{argv} run on C{core}, when pinning.
-        """
-        return ["taskset", "-c", core, *argv] if self._pin else argv
-
-    def start(self, name: str, core: str, argv: list[str]) -> Child:
-        log_path = os.path.join(self._directory, f"{name}.log")
-        with open(log_path, "wb") as log:
-            popen = subprocess.Popen(
-                self.pinned(core, argv),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self._directory,
-            )
-        child = Child(name, popen, log_path)
-        self._children.append(child)
-        return child
-
-    def stop_all(self) -> None:
-        for child in reversed(self._children):
-            try:
-                child.stop()
-            except Exception as e:  # keep stopping the others
-                sys.stderr.write(f"router_bench: stopping {child.name}: {e}\n")
-
-
-def start_targets(children: Children) -> dict[str, int]:
-    """
-    Start the simulator, llmgw and the minimal proxy.
-
+    @param baseline_tree: a checkout of llmgw whose C{llmgw} package and
+        twistd plugin come first on the baseline server's C{PYTHONPATH}
+        (this virtual environment's libraries serve both).
     @return: each target's port on 127.0.0.1.
     """
     sim = children.start(
@@ -232,6 +134,18 @@ def start_targets(children: Children) -> dict[str, int]:
     auth = children.start(
         "llmgw-auth", PROXY_CORE, [*common, "--state-dir", state + "/on"]
     )
+    ports: dict[str, int] = {}
+    if baseline_tree is not None:
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(baseline_tree))
+        baseline = children.start(
+            BASELINE,
+            PROXY_CORE,
+            [*common, "--config", off, "--state-dir", state + "/baseline"],
+            env=env,
+        )
+        ports[BASELINE] = int(
+            baseline.wait_for(r"client API listening on 127\.0\.0\.1:(\d+)")[1]
+        )
     minimal = children.start(
         "minimal-proxy",
         PROXY_CORE,
@@ -272,12 +186,15 @@ def start_targets(children: Children) -> dict[str, int]:
     minimal_port = int(
         minimal.wait_for(r"minimal proxy listening on 127\.0\.0\.1:(\d+)")[1]
     )
-    return {
-        "direct": sim_port,
-        "llmgw": llmgw_port,
-        "llmgw-auth": int(auth_match[1]),
-        "minimal-proxy": minimal_port,
-    }
+    ports.update(
+        {
+            "direct": sim_port,
+            "llmgw": llmgw_port,
+            "llmgw-auth": int(auth_match[1]),
+            "minimal-proxy": minimal_port,
+        }
+    )
+    return ports
 
 
 AUTH: dict[str, str] = {}
@@ -359,44 +276,6 @@ class Run:
     socket_errors: int
 
 
-_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}
-
-
-def _wrk_latency(output: str, percent: str) -> float:
-    match = re.search(
-        rf"^\s*{percent}(?:\.0+)?%\s+([\d.]+)(us|ms|s|m)\s*$", output, re.M
-    )
-    if match is None:
-        raise BenchError(f"wrk printed no {percent}% latency:\n{output}")
-    return float(match[1]) * _UNITS[match[2]]
-
-
-def parse_wrk(output: str) -> dict[str, float]:
-    """
-    The figures of C{wrk --latency}'s report.
-
-    @return: C{requests}, C{requests_per_s}, C{p50_ms}, C{p99_ms},
-        C{non_2xx}, C{socket_errors}.
-    @raise BenchError: no C{Requests/sec} line.
-    """
-    rate = re.search(r"^Requests/sec:\s+([\d.]+)", output, re.M)
-    total = re.search(r"^\s*(\d+) requests in", output, re.M)
-    if rate is None or total is None:
-        raise BenchError(f"cannot read wrk's report:\n{output}")
-    non_2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", output)
-    errors = re.search(
-        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output
-    )
-    return {
-        "requests": int(total[1]),
-        "requests_per_s": float(rate[1]),
-        "p50_ms": _wrk_latency(output, "50"),
-        "p99_ms": _wrk_latency(output, "99"),
-        "non_2xx": int(non_2xx[1]) if non_2xx else 0,
-        "socket_errors": sum(int(n) for n in errors.groups()) if errors else 0,
-    }
-
-
 def load(
     children: Children,
     loadgen: str,
@@ -471,7 +350,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
     Per target and kind: medians over rounds, errors summed.
     """
     rows = []
-    for target in TARGETS:
+    for target in (*TARGETS, BASELINE):
         for kind in KINDS:
             mine = [r for r in runs if r.target == target and r.kind == kind]
             if not mine:
@@ -545,12 +424,23 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--json", metavar="FILE", help="also write the results here")
     p.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        help="also run llmgw from this checkout (e.g. a git worktree of an"
+        " earlier commit) as target llmgw-baseline, side by side",
+    )
+    p.add_argument(
         "--loadgen",
         choices=("auto", "wrk", "python"),
         default="auto",
         help="wrk if installed (auto), or bench/pyload.py",
     )
     args = p.parse_args(argv)
+    targets = TARGETS
+    if args.baseline_tree is not None:
+        if not os.path.isfile(os.path.join(args.baseline_tree, "llmgw", "__init__.py")):
+            p.error(f"--baseline-tree: no llmgw checkout in {args.baseline_tree!r}")
+        targets = (*TARGETS, BASELINE)
     if not 1 <= args.rounds <= 100 or not 0 < args.duration <= 600:
         p.error("--rounds must be 1..100 and --duration 0..600 seconds")
     loadgen = args.loadgen
@@ -577,12 +467,12 @@ def main(argv: list[str]) -> int:
     runs: list[Run] = []
     failed = False
     try:
-        ports = start_targets(children)
-        for target in TARGETS:
+        ports = start_targets(children, args.baseline_tree)
+        for target in targets:
             check_target(target, ports[target])
         print("checks: 200s, 16 content chunks and data: [DONE] through every target")
         for round_ in range(args.rounds):
-            order = TARGETS if round_ % 2 == 0 else TARGETS[::-1]
+            order = targets if round_ % 2 == 0 else targets[::-1]
             kinds = KINDS if round_ % 2 == 0 else KINDS[::-1]
             for target in order:
                 for kind in kinds:
@@ -617,7 +507,7 @@ def main(argv: list[str]) -> int:
                         flush=True,
                     )
         # The load must not have broken anything: check again after it.
-        for target in TARGETS:
+        for target in targets:
             check_target(target, ports[target])
     except BenchError as e:
         sys.stderr.write(f"router_bench: FAILED: {e}\n")
@@ -641,6 +531,10 @@ def main(argv: list[str]) -> int:
             print(
                 f"ratio llmgw with keys+usage / without, {kind} throughput: {value:.2f}"
             )
+        for kind, value in ratios(rows, BASELINE).items():
+            print(f"ratio llmgw-baseline/minimal-proxy {kind} throughput: {value:.2f}")
+        for kind, value in ratios(rows, "llmgw", BASELINE).items():
+            print(f"ratio llmgw/llmgw-baseline {kind} throughput: {value:.2f}")
     errors = [r for r in rows if r["non_2xx"] or r["socket_errors"]]
     if errors:
         print()
@@ -665,6 +559,8 @@ def main(argv: list[str]) -> int:
                     "summary": rows,
                     "ratios_llmgw_over_minimal_proxy": result,
                     "ratios_auth_usage_on_over_off": auth_ratios(rows),
+                    "ratios_baseline_over_minimal_proxy": ratios(rows, BASELINE),
+                    "ratios_llmgw_over_baseline": ratios(rows, "llmgw", BASELINE),
                     "runs": [asdict(r) for r in runs],
                 },
                 f,

@@ -284,26 +284,17 @@ class ShardLifecycleTests(_LinkedAgent):
 
 class DrainAndStopTests(_LinkedAgent):
     """
-    Drains left to the server, and the agent stopping while blocked.
+    Stops of unknown shards, and the agent stopping while blocked.
     """
 
     @defer.inlineCallbacks
-    def test_drain_is_the_servers(self) -> Generator[Any, Any, None]:
+    def test_stop_unknown_shard(self) -> Generator[Any, Any, None]:
         """
-        The agent times no drain: a DrainShard (the server never sends
-        one; it stops sending requests, waits for those in flight, then
-        sends StopShard) is answered as an unknown command, and the link
-        stays up.
+        The agent times no drain (the protocol has no such command since
+        drains became the server's: it stops sending requests, waits for
+        those in flight, then sends StopShard); a StopShard for a shard the
+        agent does not run is refused with its id, and the link stays up.
         """
-        failure = yield self.assertFailure(
-            self.hub.links["gpu-01"].send_command(
-                pb.ControlMessage(
-                    drain_shard=pb.DrainShard(shard_id="s5", grace_seconds=2)
-                )
-            ),
-            CommandFailed,
-        )
-        self.assertIn("unknown command drain_shard", str(failure))
         result = (
             yield self.hub.links["gpu-01"]
             .send_command(pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s5")))

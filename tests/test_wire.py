@@ -185,7 +185,7 @@ class CommandTests(SynchronousTestCase):
         Commands without an answer fail when the connection is lost.
         """
         waiting = self.stream.send_command(
-            pb.ControlMessage(drain_shard=pb.DrainShard(shard_id="s"))
+            pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s"))
         )
         self.stream.connectionLost(Failure(ConnectionLost()))
         self.failureResultOf(waiting, ConnectionLost)

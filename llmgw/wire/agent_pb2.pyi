@@ -39,18 +39,16 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., command_result: _Optional[_Union[CommandResult, _Mapping]] = ..., weights_report: _Optional[_Union[WeightsReport, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "drain_shard", "remove_weights")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "remove_weights")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
-    DRAIN_SHARD_FIELD_NUMBER: _ClassVar[int]
     REMOVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
-    drain_shard: DrainShard
     remove_weights: RemoveWeights
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., drain_shard: _Optional[_Union[DrainShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ...) -> None: ...
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
     __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards")
@@ -237,16 +235,6 @@ class StartShard(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ...) -> None: ...
 
 class StopShard(_message.Message):
-    __slots__ = ("command_id", "shard_id", "grace_seconds")
-    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
-    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
-    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    command_id: int
-    shard_id: str
-    grace_seconds: int
-    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., grace_seconds: _Optional[int] = ...) -> None: ...
-
-class DrainShard(_message.Message):
     __slots__ = ("command_id", "shard_id", "grace_seconds")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]

@@ -24,7 +24,7 @@ from llmgw.wire.codec import (
 M = TypeVar("M", bound=Message)
 
 # The ControlMessage fields that are commands (all but welcome).
-_COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights")
+_COMMANDS = ("start_shard", "stop_shard", "remove_weights")
 
 
 class CommandFailed(Exception):

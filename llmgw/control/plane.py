@@ -35,7 +35,6 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.agent.weights import hub_cache_name
 from llmgw.config import ControlConfig
 from llmgw.control.agents import NoLink
 from llmgw.control.catalog import MAX_COUNT, Model
@@ -52,6 +51,7 @@ from llmgw.control.placement import (
 )
 from llmgw.router.balancer import Endpoint
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.engines import hub_cache_name
 from llmgw.wire.protocol import CommandFailed
 
 _STATE_NAMES = {

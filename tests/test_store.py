@@ -15,10 +15,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
-from llmgw.config import ConfigError
 from llmgw.router.errors import APIError
 from llmgw.server.admin import AdminGuard
-from llmgw.store.db import MIGRATIONS, Store, sqlite_path
+from llmgw.store.db import MIGRATIONS, Store, StoreError, sqlite_path
 from llmgw.store.keys import KeyRing, hash_key
 
 
@@ -61,7 +60,7 @@ class MigrationTests(SynchronousTestCase):
         connection.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
         connection.commit()
         connection.close()
-        with self.assertRaises(ConfigError) as raised:
+        with self.assertRaises(StoreError) as raised:
             store.prepare()
         self.assertIn(f"schema version {len(MIGRATIONS) + 1}", str(raised.exception))
 
@@ -72,7 +71,7 @@ class MigrationTests(SynchronousTestCase):
         store = _store(self)
         with open(store.path, "wb") as f:
             f.write(b"not a database at all" * 100)
-        with self.assertRaises(ConfigError) as raised:
+        with self.assertRaises(StoreError) as raised:
             store.prepare()
         self.assertIn(store.path, str(raised.exception))
 
@@ -80,7 +79,7 @@ class MigrationTests(SynchronousTestCase):
         self.assertEqual(sqlite_path("", "/s"), "/s/llmgw.db")
         self.assertEqual(sqlite_path("sqlite:///var/x.db", "/s"), "/var/x.db")
         for bad in ("postgres://h/db", "sqlite://host/x.db", "x.db"):
-            self.assertRaises(ConfigError, sqlite_path, bad, "/s")
+            self.assertRaises(StoreError, sqlite_path, bad, "/s")
 
 
 class KeyRingTests(TestCase):

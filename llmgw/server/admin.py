@@ -25,14 +25,14 @@ from twisted.web.resource import Resource
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw import __version__
-from llmgw.config import ConfigError, parse_duration
+from llmgw.checks import ConfigError, parse_duration
 from llmgw.control.catalog import parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
 from llmgw.router.errors import APIError
 from llmgw.store.db import Store
 from llmgw.store.keys import KeyRing
-from llmgw.store.usage import StoreUsageSink
+from llmgw.store.usage import UsageWriter
 
 
 class AdminError(Exception):
@@ -135,7 +135,7 @@ class Admin:
     @param plane: the control plane, when there is one.
     @param keys: the API keys, when there is a store.
     @param store: the database.
-    @param usage: the usage sink, flushed before usage is read.
+    @param usage: the usage writer, flushed before usage is read.
     @param config_models: names of the config file's models (not
         removable at run time).
     """
@@ -150,7 +150,7 @@ class Admin:
         plane: ControlPlane | None = None,
         keys: KeyRing | None = None,
         store: Store | None = None,
-        usage: StoreUsageSink | None = None,
+        usage: UsageWriter | None = None,
         config_models: frozenset[str] = frozenset(),
     ) -> None:
         self.registry = registry

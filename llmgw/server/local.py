@@ -21,7 +21,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.tap import AgentConfig, build_agent
-from llmgw.config import ConfigError
+from llmgw.checks import ConfigError
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile
 from llmgw.wire.certs import NODE_ID, init_ca, issue_agent, issue_server

@@ -32,7 +32,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy llmgw
 
 unit: $(STAMP)
-	$(BIN)/trial -j$(JOBS) tests.test_sse tests.test_balancer tests.test_config tests.test_sim tests.test_wire tests.test_certs tests.test_placement tests.test_catalog tests.test_loop
+	$(BIN)/trial -j$(JOBS) tests.test_sse tests.test_balancer tests.test_config tests.test_usage tests.test_sim tests.test_sim_site tests.test_sim_listening tests.test_wire tests.test_certs tests.test_placement tests.test_catalog tests.test_loop
 
 e2e: $(STAMP)
 	$(BIN)/trial -j$(JOBS) tests.test_e2e_router tests.test_e2e_llamacpp

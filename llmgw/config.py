@@ -1,27 +1,28 @@
 """
 Server configuration: the TOML file, the command-line overrides, validation.
 
-A configuration error is raised as L{ConfigError} carrying one line that names
-the key and the offending value, so that C{twistd} can print it and exit
-without a traceback.
+A configuration error is raised as L{llmgw.checks.ConfigError} carrying one
+line that names the key and the offending value, so that C{twistd} can print
+it and exit without a traceback.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
-from urllib.parse import urlsplit
 
-
-class ConfigError(Exception):
-    """
-    The configuration is invalid.  C{str(error)} is one line naming the key
-    and the value.
-    """
+from llmgw.checks import (
+    ConfigError,
+    check_bool,
+    check_keys,
+    check_string,
+    check_url,
+    parse_duration,
+    parse_size,
+)
+from llmgw.control.catalog import Model, parse_models
 
 
 @dataclass(frozen=True)
@@ -147,9 +148,7 @@ class ServerConfig:
     endpoints: tuple[EndpointConfig, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
-    # llmgw.control.catalog.Model; Any here, as the catalog imports this
-    # module.
-    models: tuple[Any, ...] = ()
+    models: tuple[Model, ...] = ()
 
     @property
     def accepts_agents(self) -> bool:
@@ -159,114 +158,15 @@ class ServerConfig:
         return self.agent_tls is not None or self.insecure_agents
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?\s*$")
-_SIZE_UNITS = {
-    None: 1,
-    "B": 1,
-    "KB": 1000,
-    "KiB": 1024,
-    "MB": 1000**2,
-    "MiB": 1024**2,
-    "GB": 1000**3,
-    "GiB": 1024**3,
-}
-
-
-def parse_duration(key: str, value: object) -> float:
-    """
-    Parse a duration such as C{"250ms"}, C{"5s"}, C{"2m"} or C{"1h"}.
-
-    @param key: the configuration key, for the error message.
-    @param value: a string with a unit, or a non-negative number of seconds.
-    @return: seconds.
-    @raise ConfigError: the value is not a duration.
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise ConfigError(f"{key}: bad duration {value!r}: must be finite")
-        if value < 0:
-            raise ConfigError(f"{key}: bad duration {value!r}: must not be negative")
-        return float(value)
-    if isinstance(value, str):
-        match = _DURATION.match(value)
-        if match is not None:
-            return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    raise ConfigError(
-        f"{key}: bad duration {value!r}: use a number with a unit,"
-        ' ms, s, m, h or d, such as "5s" or "2m"'
-    )
-
-
-def parse_size(key: str, value: object) -> int:
-    """
-    Parse a size such as C{33554432}, C{"32MiB"} or C{"500KB"}.
-
-    @return: bytes.
-    @raise ConfigError: the value is not a size, or is zero.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (match := _SIZE.match(value)) is not None:
-        size = int(match.group(1)) * _SIZE_UNITS[match.group(2)]
-    else:
-        raise ConfigError(
-            f'{key}: bad size {value!r}: use bytes or a unit, such as "32MiB"'
-        )
-    if size <= 0:
-        raise ConfigError(f"{key}: bad size {value!r}: must be positive")
-    return size
-
-
-def _check_url(key: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: bad URL {value!r}: expected a string")
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError:
-        raise ConfigError(f"{key}: bad URL {value!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
-            f"{key}: bad URL {value!r}: expected http://host:port or https://host:port"
-        )
-    if parts.query or parts.fragment:
-        raise ConfigError(f"{key}: bad URL {value!r}: no query or fragment allowed")
-    del port
-    return value.rstrip("/")
-
-
-def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
-    for key in table:
-        if key not in allowed:
-            name = f"{where}.{key}" if where else key
-            raise ConfigError(
-                f"{name}: unknown key (known here: {', '.join(sorted(allowed))})"
-            )
-
-
-def _bool(key: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    return value
-
-
-def _string(key: str, value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
-    return value
-
-
 def _endpoint(where: str, table: object) -> EndpointConfig:
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: expected a table, got {table!r}")
-    _check_keys(where, table, {"id", "url", "models", "weight"})
+    check_keys(where, table, {"id", "url", "models", "weight"})
     for required in ("id", "url", "models"):
         if required not in table:
             raise ConfigError(f"{where}.{required}: missing")
-    endpoint_id = _string(f"{where}.id", table["id"])
-    url = _check_url(f"{where}.url", table["url"])
+    endpoint_id = check_string(f"{where}.id", table["id"])
+    url = check_url(f"{where}.url", table["url"])
     models = table["models"]
     if isinstance(models, str):
         models = [models]
@@ -322,7 +222,7 @@ def _router(table: object) -> RouterConfig:
     }
     counts = {"max_retries", "max_idle_connections", "activation_queue"}
     sizes = {"max_body_size", "max_response_size", "max_event_size"}
-    _check_keys("router", table, durations | counts | sizes)
+    check_keys("router", table, durations | counts | sizes)
     values: dict[str, Any] = {}
     for key, value in table.items():
         if key in durations:
@@ -358,7 +258,7 @@ def _control(table: object) -> ControlConfig:
         "drain_timeout",
         "interval",
     }
-    _check_keys("control", table, durations | {"port_range", "scale_up_in_flight"})
+    check_keys("control", table, durations | {"port_range", "scale_up_in_flight"})
     values: dict[str, Any] = {}
     if "scale_up_in_flight" in table:
         level = table["scale_up_in_flight"]
@@ -414,7 +314,7 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
 
     @raise ConfigError: an unknown key, a missing field or a bad value.
     """
-    _check_keys(
+    check_keys(
         "",
         data,
         {
@@ -434,19 +334,19 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     )
     config = ServerConfig()
     if "state_dir" in data:
-        config = replace(config, state_dir=_string("state_dir", data["state_dir"]))
+        config = replace(config, state_dir=check_string("state_dir", data["state_dir"]))
     if "control" in data:
         config = replace(config, control=_control(data["control"]))
     if "store" in data:
         table = data["store"]
         if not isinstance(table, dict):
             raise ConfigError(f"store: expected a table, got {table!r}")
-        _check_keys("store", table, {"url", "flush_interval", "record_usage"})
+        check_keys("store", table, {"url", "flush_interval", "record_usage"})
         if "record_usage" in table:
-            record = _bool("store.record_usage", table["record_usage"])
+            record = check_bool("store.record_usage", table["record_usage"])
             config = replace(config, record_usage=record)
         if "url" in table:
-            config = replace(config, store_url=_string("store.url", table["url"]))
+            config = replace(config, store_url=check_string("store.url", table["url"]))
         if "flush_interval" in table:
             interval = parse_duration("store.flush_interval", table["flush_interval"])
             if interval <= 0:
@@ -456,43 +356,44 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
         table = data["auth"]
         if not isinstance(table, dict):
             raise ConfigError(f"auth: expected a table, got {table!r}")
-        _check_keys("auth", table, {"require_api_key"})
+        check_keys("auth", table, {"require_api_key"})
         config = replace(
             config,
-            require_api_key=_bool(
+            require_api_key=check_bool(
                 "auth.require_api_key", table.get("require_api_key", False)
             ),
         )
     if "models" in data:
-        from llmgw.control.catalog import parse_models
-
         config = replace(config, models=parse_models(data["models"]))
     if "agent_listen" in data:
         config = replace(
-            config, agent_listen=_string("agent_listen", data["agent_listen"])
+            config, agent_listen=check_string("agent_listen", data["agent_listen"])
         )
     if "insecure_agents" in data:
-        insecure = _bool("insecure_agents", data["insecure_agents"])
+        insecure = check_bool("insecure_agents", data["insecure_agents"])
         config = replace(config, insecure_agents=insecure)
     if "agent_tls" in data:
         table = data["agent_tls"]
         if not isinstance(table, dict):
             raise ConfigError(f"agent_tls: expected a table, got {table!r}")
-        _check_keys("agent_tls", table, {"ca", "cert", "key"})
+        check_keys("agent_tls", table, {"ca", "cert", "key"})
         for required in ("ca", "cert", "key"):
             if required not in table:
                 raise ConfigError(f"agent_tls.{required}: missing")
         config = replace(
             config,
             agent_tls=AgentTLSConfig(
-                *(_string(f"agent_tls.{k}", table[k]) for k in ("ca", "cert", "key"))
+                *(
+                    check_string(f"agent_tls.{k}", table[k])
+                    for k in ("ca", "cert", "key")
+                )
             ),
         )
     if "listen" in data:
-        config = replace(config, listen=_string("listen", data["listen"]))
+        config = replace(config, listen=check_string("listen", data["listen"]))
     if "admin_listen" in data:
         config = replace(
-            config, admin_listen=_string("admin_listen", data["admin_listen"])
+            config, admin_listen=check_string("admin_listen", data["admin_listen"])
         )
     if "router" in data:
         config = replace(config, router=_router(data["router"]))

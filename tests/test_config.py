@@ -4,16 +4,17 @@ Configuration parsing and validation.
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.checks import ConfigError, check_keys, parse_duration, parse_size
 from llmgw.config import (
-    ConfigError,
     ServerConfig,
     finish_config,
     parse_config,
-    parse_duration,
     parse_endpoint_flag,
-    parse_size,
 )
 
 
@@ -125,3 +126,53 @@ class ConfigTests(SynchronousTestCase):
             {"endpoints": [{"id": "a", "url": "http://h", "models": ["m"]}] * 2}
         )
         self.assertRaises(ConfigError, finish_config, twice)
+
+
+class UnknownKeyTests(SynchronousTestCase):
+    def test_one_message_for_every_table(self) -> None:
+        """
+        The server's file, its nested tables, the catalog's models and
+        profiles and the agent's file all name an unknown key the same
+        way: where it is, then the keys known there.
+        """
+        from llmgw.agent.tap import _parse as parse_agent
+        from llmgw.control.catalog import parse_models
+
+        profile = {"name": "p", "engine": "sim", "source": "s"}
+        cases: list[tuple[Any, object, str]] = [
+            (parse_config, {"colour": 1}, "colour"),
+            (parse_config, {"store": {"colour": 1}}, "store.colour"),
+            (parse_config, {"control": {"colour": 1}}, "control.colour"),
+            (
+                parse_models,
+                [{"name": "m", "colour": 1, "profiles": [profile]}],
+                "models[0] (m).colour",
+            ),
+            (
+                parse_models,
+                [{"name": "m", "profiles": [{**profile, "colour": 1}]}],
+                "models[0] (m).profiles[0] (p).colour",
+            ),
+            (parse_agent, {"colour": 1}, "colour"),
+            (
+                parse_agent,
+                {"simulated_gpus": [{"name": "g", "memory_gb": 1, "colour": 1}]},
+                "simulated_gpus[0].colour",
+            ),
+        ]
+        for parse, data, where in cases:
+            with self.assertRaises(ConfigError) as raised:
+                parse(data)
+            message = str(raised.exception)
+            self.assertRegex(
+                message, rf"^{re.escape(where)}: unknown key \(known: [a-z_, ]+\)$"
+            )
+
+    def test_known_keys_sorted(self) -> None:
+        """
+        The known keys are listed sorted, whatever order they came in.
+        """
+        with self.assertRaises(ConfigError) as raised:
+            check_keys("t", {"z": 1}, ["b", "a"])
+        self.assertEqual(str(raised.exception), "t.z: unknown key (known: a, b)")
+        check_keys("", {"a": 1, "b": 2}, ("a", "b"))

@@ -665,7 +665,7 @@ class TLSTests(SynchronousTestCase, Processes):
         import h2.connection
         import h2.events
 
-        from llmgw.cli.certs import init_ca, issue_server
+        from llmgw.wire.certs import init_ca, issue_server
 
         directory = tempfile.mkdtemp()
         ca = init_ca(directory)

@@ -278,6 +278,22 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
             "shared.db.lock' is held by llmgw-server pid", str(raised.exception)
         )
 
+    def test_not_a_database(self) -> None:
+        """
+        A store file that is not SQLite: the server exits 2 with one
+        config-error line naming it, no traceback.
+        """
+        database = os.path.join(self.server_state, "junk.db")
+        with open(database, "wb") as f:
+            f.write(b"not a database at all" * 100)
+        config = f'[store]\nurl = "sqlite://{database}"\n'
+        with self.assertRaises(AssertionError) as raised:
+            self.start_server("--endpoint", f"a={self.sim_url}=x", config=config)
+        output = str(raised.exception)
+        self.assertIn("process exited with 2", output)
+        self.assertIn(f"llmgw-server: config error: store: {database!r}: ", output)
+        self.assertNotIn("Traceback", output)
+
     def test_ctl_unreachable(self) -> None:
         """
         An admin URL where nothing listens: one line, exit 1.

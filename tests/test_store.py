@@ -15,10 +15,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
-from llmgw.config import ConfigError
 from llmgw.router.errors import APIError
 from llmgw.server.admin import AdminGuard
-from llmgw.store.db import MIGRATIONS, Store, sqlite_path
+from llmgw.store.db import MIGRATIONS, Store, StoreError, sqlite_path
 from llmgw.store.keys import KeyRing, hash_key
 
 
@@ -61,7 +60,7 @@ class MigrationTests(SynchronousTestCase):
         connection.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
         connection.commit()
         connection.close()
-        with self.assertRaises(ConfigError) as raised:
+        with self.assertRaises(StoreError) as raised:
             store.prepare()
         self.assertIn(f"schema version {len(MIGRATIONS) + 1}", str(raised.exception))
 
@@ -72,7 +71,7 @@ class MigrationTests(SynchronousTestCase):
         store = _store(self)
         with open(store.path, "wb") as f:
             f.write(b"not a database at all" * 100)
-        with self.assertRaises(ConfigError) as raised:
+        with self.assertRaises(StoreError) as raised:
             store.prepare()
         self.assertIn(store.path, str(raised.exception))
 
@@ -80,7 +79,7 @@ class MigrationTests(SynchronousTestCase):
         self.assertEqual(sqlite_path("", "/s"), "/s/llmgw.db")
         self.assertEqual(sqlite_path("sqlite:///var/x.db", "/s"), "/var/x.db")
         for bad in ("postgres://h/db", "sqlite://host/x.db", "x.db"):
-            self.assertRaises(ConfigError, sqlite_path, bad, "/s")
+            self.assertRaises(StoreError, sqlite_path, bad, "/s")
 
 
 class KeyRingTests(TestCase):
@@ -200,80 +199,3 @@ class AdminGuardTests(TestCase):
         # Percent-encoded, the path routes to the same place: guarded too.
         for path in (b"/%61pi/v1/keys", b"/api%2Fv1%2Fkeys", b"/API/v1/keys", b"/"):
             self.assertEqual(call(path, "10.0.0.9", None)[0], 401, path)
-
-
-class WeightsRemovalTests(SynchronousTestCase):
-    """
-    The agent's side of weights removal, on real files.
-    """
-
-    def setUp(self) -> None:
-        from llmgw.agent.weights import remove
-
-        self.remove = remove
-        self.root = tempfile.mkdtemp(prefix="llmgw-weights-")
-        self.dir = os.path.join(self.root, "weights")
-        os.makedirs(os.path.join(self.dir, "models--org--running", "blobs"))
-        for name in ("model.gguf", "old.gguf"):
-            with open(os.path.join(self.dir, name), "wb") as f:
-                f.write(b"w")
-
-    def test_symlink_removed_not_its_target(self) -> None:
-        """
-        A link inside the weights directory to a file inside it: the link
-        goes, the file it points to (a catalog model's source) stays.
-        """
-        link = os.path.join(self.dir, "current.gguf")
-        os.symlink(os.path.join(self.dir, "model.gguf"), link)
-        self.assertEqual(self.remove([self.dir], [link], []), [link])
-        self.assertFalse(os.path.lexists(link))
-        self.assertTrue(os.path.exists(os.path.join(self.dir, "model.gguf")))
-
-    def test_symlink_out_removed_not_followed(self) -> None:
-        """
-        A link inside the weights directory pointing outside: the link
-        goes, what it points to stays; a path through it is refused.
-        """
-        outside = os.path.join(self.root, "elsewhere")
-        os.makedirs(outside)
-        with open(os.path.join(outside, "keep.bin"), "wb") as f:
-            f.write(b"k")
-        link = os.path.join(self.dir, "escape")
-        os.symlink(outside, link)
-        from llmgw.agent.engines import ProfileError
-
-        with self.assertRaises(ProfileError):
-            self.remove([self.dir], [os.path.join(link, "keep.bin")], [])
-        self.assertEqual(self.remove([self.dir], [link], []), [link])
-        self.assertTrue(os.path.exists(os.path.join(outside, "keep.bin")))
-
-    def test_refused(self) -> None:
-        """
-        Outside paths (also through '..' or a link), the directory itself,
-        relative paths, and what a running engine uses, hub ids included:
-        refused, and nothing of the batch deleted.
-        """
-        outside = os.path.join(self.root, "precious")
-        with open(outside, "wb") as f:
-            f.write(b"p")
-        escape = os.path.join(self.dir, "escape")
-        os.symlink(self.root, escape)
-        old = os.path.join(self.dir, "old.gguf")
-        for paths, in_use in (
-            ([old, outside], []),
-            ([old, os.path.join(self.dir, "..", "precious")], []),
-            ([old, os.path.join(escape, "precious")], []),
-            ([old, self.dir], []),
-            ([old, "weights/old.gguf"], []),
-            (
-                [old, os.path.join(self.dir, "model.gguf")],
-                [os.path.join(self.dir, "model.gguf")],
-            ),
-            ([old, os.path.join(self.dir, "models--org--running")], ["org/running"]),
-        ):
-            with self.assertRaises(Exception) as raised:
-                self.remove([self.dir], paths, in_use)
-            self.assertEqual(type(raised.exception).__name__, "ProfileError", paths)
-            self.assertTrue(os.path.exists(old), paths)
-        self.assertTrue(os.path.exists(outside))
-        self.assertTrue(os.path.exists(os.path.join(self.dir, "models--org--running")))

@@ -19,14 +19,13 @@ import sys
 from dataclasses import dataclass
 
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.engines import ENGINES
 
-ENGINES = ("vllm", "sglang", "llamacpp", "sim")
 
-
-class ProfileError(Exception):
+class CommandRefused(Exception):
     """
-    A shard cannot be launched as asked; the message says which check
-    failed.
+    The agent refuses a command from the server; the message says why, and
+    goes back in the command's C{CommandResult.error}.
 
     @ivar code: a failure the server acts on (C{"port_in_use"}), or C{""}.
     """
@@ -34,6 +33,14 @@ class ProfileError(Exception):
     def __init__(self, message: str, code: str = "") -> None:
         super().__init__(message)
         self.code = code
+
+
+class ProfileError(CommandRefused):
+    """
+    A shard cannot be launched as asked by its profile (engine, command
+    line, environment, model source, port); the message says which check
+    failed.
+    """
 
 
 @dataclass(frozen=True)

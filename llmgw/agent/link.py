@@ -13,7 +13,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.agent.engines import ProfileError
+from llmgw.agent.engines import CommandRefused
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.weights import remove, scan
 from llmgw.wire import agent_pb2 as pb
@@ -93,7 +93,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 )
             else:
                 error = f"unknown command {kind}"
-        except ProfileError as e:
+        except CommandRefused as e:
             error, code = str(e), e.code
             self.log.warn("{kind} refused: {error}", kind=kind, error=error)
         except Exception as e:

@@ -24,8 +24,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, readBody
 
-from llmgw.agent.engines import Launch, ProfileError, build, check
-from llmgw.router.upstream import QuietConnectionPool
+from llmgw.agent.engines import CommandRefused, Launch, build, check
+from llmgw.httpclient import QuietConnectionPool
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
@@ -371,16 +371,17 @@ class Supervisor:
         """
         Check the profile and launch the engine.
 
-        @raise ProfileError: a check failed, or the shard id is taken.
+        @raise ProfileError: a check of the profile failed.
+        @raise CommandRefused: a bad shard id, or one already running.
         """
         if not _SHARD_ID.match(command.shard_id):
             # It names files in the state directory.
-            raise ProfileError(
+            raise CommandRefused(
                 f"shard_id: bad value {command.shard_id!r}: letters, digits,"
                 " '.', '_', '-', at most 128, not starting with a punctuation mark"
             )
         if command.shard_id in self.shards:
-            raise ProfileError(f"shard {command.shard_id!r} is already running")
+            raise CommandRefused(f"shard {command.shard_id!r} is already running")
         launch = build(command, self.engine_host)
         check(command, launch, self.engine_host)
         shard = Shard(self, command, launch)
@@ -395,11 +396,11 @@ class Supervisor:
         the server's: it stops sending requests to the shard and sends
         this once those in flight are done.
 
-        @raise ProfileError: no such shard.
+        @raise CommandRefused: no such shard.
         """
         shard = self.shards.get(shard_id)
         if shard is None:
-            raise ProfileError(f"no shard {shard_id!r} on this node")
+            raise CommandRefused(f"no shard {shard_id!r} on this node")
         shard.stop(grace)
 
     def stop_all(self, grace: float) -> Deferred[None]:

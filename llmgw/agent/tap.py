@@ -23,7 +23,7 @@ from zope.interface import implementer
 from llmgw import __version__
 from llmgw.agent.gpus import discover, nvml_gpus
 from llmgw.agent.link import AgentFactory
-from llmgw.config import ConfigError
+from llmgw.checks import ConfigError, check_keys
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.tls import client_options
 
@@ -66,9 +66,7 @@ def _parse(data: dict[str, Any]) -> AgentConfig:
         "simulated_gpus",
         "weights_dirs",
     }
-    for key in data:
-        if key not in known:
-            raise ConfigError(f"{key}: unknown key (known: {', '.join(sorted(known))})")
+    check_keys("", data, known)
     values: dict[str, Any] = {}
     for key in ("server", "node_id", "tls_dir", "state_dir", "address"):
         if key in data:
@@ -110,11 +108,7 @@ def _parse(data: dict[str, Any]) -> AgentConfig:
         where = f"simulated_gpus[{i}]"
         if not isinstance(table, dict):
             raise ConfigError(f"{where}: expected a table, got {table!r}")
-        for key in table:
-            if key not in ("name", "memory_gb"):
-                raise ConfigError(
-                    f"{where}.{key}: unknown key (known: memory_gb, name)"
-                )
+        check_keys(where, table, ("name", "memory_gb"))
         name, memory = table.get("name"), table.get("memory_gb")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}.name: expected a name, got {name!r}")

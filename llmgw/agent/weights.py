@@ -11,8 +11,17 @@ import os
 import shutil
 from collections.abc import Sequence
 
-from llmgw.agent.engines import ProfileError
+from llmgw.agent.engines import CommandRefused
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.engines import hub_cache_name
+
+
+class RemovalRefused(CommandRefused):
+    """
+    A C{RemoveWeights} path is not one this agent deletes: outside its
+    weights directories, a weights directory itself, or in use.
+    """
+
 
 MAX_FILES_WALKED = 200_000
 """
@@ -70,14 +79,6 @@ def scan(directories: Sequence[str]) -> list[pb.WeightsFile]:
     return found
 
 
-def hub_cache_name(source: str) -> str:
-    """
-    @return: the folder the Hugging Face cache keeps a hub id's files in,
-        C{models--ORG--NAME} (huggingface_hub's cache layout).
-    """
-    return "models--" + source.replace("/", "--")
-
-
 def _inside(path: str, directory: str) -> bool:
     return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
 
@@ -92,13 +93,13 @@ def remove(
 
     @param in_use: model sources of engines running here: refused too.
     @return: the paths deleted.
-    @raise ProfileError: a path outside the weights directories (after
+    @raise RemovalRefused: a path outside the weights directories (after
         resolving symlinks), a weights directory itself, or one in use;
         nothing is deleted then.
     """
     roots = [os.path.realpath(d) for d in directories]
     if not roots:
-        raise ProfileError("this agent has no weights_dirs: it removes nothing")
+        raise RemovalRefused("this agent has no weights_dirs: it removes nothing")
     used = []
     cache_names = set()
     for source in in_use:
@@ -110,7 +111,7 @@ def remove(
     checked: list[tuple[str, bool]] = []
     for path in paths:
         if not path or "\0" in path or "\n" in path or not os.path.isabs(path):
-            raise ProfileError(f"path {path!r}: expected an absolute path")
+            raise RemovalRefused(f"path {path!r}: expected an absolute path")
         link = os.path.islink(path)
         # Every folder on the way is resolved; a symlink at the end is
         # removed itself (what it points to is left alone, wherever it is).
@@ -121,15 +122,15 @@ def remove(
             else os.path.realpath(path)
         )
         if not any(_inside(real, root) for root in roots):
-            raise ProfileError(
+            raise RemovalRefused(
                 f"path {path!r} (resolved {real!r}) is outside the weights"
                 f" directories {', '.join(directories)}"
             )
         for source in used:
             if source == real or _inside(source, real) or _inside(real, source):
-                raise ProfileError(f"path {path!r} is used by a running engine")
+                raise RemovalRefused(f"path {path!r} is used by a running engine")
         if os.path.basename(real) in cache_names:
-            raise ProfileError(f"path {path!r} is used by a running engine")
+            raise RemovalRefused(f"path {path!r} is used by a running engine")
         checked.append((real, link))
     removed = []
     for target, link in checked:

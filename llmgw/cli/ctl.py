@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from llmgw.wire.engines import ENGINES
+
 DEFAULT_ADMIN_URL = "http://127.0.0.1:9090"
 
 
@@ -480,7 +482,7 @@ def parser() -> argparse.ArgumentParser:
     add = actions.add_parser("add", help="add a model (kept across restarts)")
     add.add_argument("name", nargs="?")
     add.add_argument("--file", help="a TOML file with one [[models]] table")
-    add.add_argument("--engine", choices=("vllm", "sglang", "llamacpp", "sim"))
+    add.add_argument("--engine", choices=ENGINES)
     add.add_argument("--source", help="hub id or local path")
     add.add_argument(
         "--profile", default="default", help="profile name (default: default)"

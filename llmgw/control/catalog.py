@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.config import ConfigError, parse_duration
+from llmgw.checks import ConfigError, check_keys, parse_duration
 from llmgw.control.placement import Profile
+from llmgw.wire.engines import ENGINES
 
-ENGINES = ("vllm", "sglang", "llamacpp", "sim")
 _MODEL_KEYS = {
     "name",
     "aliases",
@@ -61,13 +61,6 @@ class Model:
         return (self.name, *self.aliases)
 
 
-def _known(where: str, table: Mapping[str, Any], keys: set[str]) -> None:
-    for key in table:
-        if key not in keys:
-            known = ", ".join(sorted(keys))
-            raise ConfigError(f"{where}.{key}: unknown key (known: {known})")
-
-
 def _named_table(
     where: str, table: object, keys: set[str]
 ) -> tuple[Mapping[str, Any], str, str]:
@@ -83,7 +76,7 @@ def _named_table(
         raise ConfigError(f"{where}.name: missing")
     name = _name(f"{where}.name", table["name"])
     where = f"{where} ({name})"
-    _known(where, table, keys)
+    check_keys(where, table, keys)
     return table, name, where
 
 

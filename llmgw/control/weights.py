@@ -10,10 +10,10 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from llmgw.agent.weights import hub_cache_name
 from llmgw.control.commands import Commands
 from llmgw.control.inventory import Inventory, Node
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.engines import hub_cache_name
 
 
 class WeightsCollector:

@@ -21,7 +21,7 @@ from twisted.web.resource import Resource
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw import __version__
-from llmgw.config import ConfigError
+from llmgw.checks import ConfigError
 from llmgw.control.catalog import parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
@@ -38,7 +38,7 @@ from llmgw.server.admin_http import app as admin_app
 from llmgw.server.admin_keys import KeyRoutes
 from llmgw.store.db import Store
 from llmgw.store.keys import KeyRing
-from llmgw.store.usage import StoreUsageSink
+from llmgw.store.usage import UsageWriter
 
 __all__ = ["Admin", "AdminError", "AdminGuard", "is_loopback"]
 
@@ -51,7 +51,7 @@ class Admin(KeyRoutes):
     @param plane: the control plane, when there is one.
     @param keys: the API keys, when there is a store.
     @param store: the database.
-    @param usage: the usage sink, flushed before usage is read.
+    @param usage: the usage writer, flushed before usage is read.
     @param config_models: names of the config file's models (not
         removable at run time).
     @param wall_clock: POSIX seconds now (C{time.time}).
@@ -71,7 +71,7 @@ class Admin(KeyRoutes):
         plane: ControlPlane | None = None,
         keys: KeyRing | None = None,
         store: Store | None = None,
-        usage: StoreUsageSink | None = None,
+        usage: UsageWriter | None = None,
         config_models: frozenset[str] = frozenset(),
         *,
         wall_clock: Callable[[], float],

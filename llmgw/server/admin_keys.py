@@ -14,11 +14,11 @@ from typing import Any
 
 from twisted.web.iweb import IRequest
 
-from llmgw.config import ConfigError, parse_duration
+from llmgw.checks import ConfigError, parse_duration
 from llmgw.server.admin_http import AdminError, app, json_answer, not_found, read_body
 from llmgw.store.db import Store
 from llmgw.store.keys import KeyRing
-from llmgw.store.usage import StoreUsageSink
+from llmgw.store.usage import UsageWriter
 
 _MAX_LIMIT = 2**53
 _ISO = re.compile(r"^\d{4}-\d\d-\d\d")
@@ -83,13 +83,13 @@ class KeyRoutes:
 
     @ivar keys: the API keys, when there is a store.
     @ivar store: the database.
-    @ivar usage: the usage sink, flushed before usage is read.
+    @ivar usage: the usage writer, flushed before usage is read.
     @ivar wall_clock: POSIX seconds now.
     """
 
     keys: KeyRing | None
     store: Store | None
-    usage: StoreUsageSink | None
+    usage: UsageWriter | None
     wall_clock: Callable[[], float]
 
     def _keys(self) -> KeyRing:

@@ -21,10 +21,10 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.tap import AgentConfig, build_agent
-from llmgw.cli.certs import NODE_ID, init_ca, issue_agent, issue_server
-from llmgw.config import ConfigError
+from llmgw.checks import ConfigError
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile
+from llmgw.wire.certs import NODE_ID, init_ca, issue_agent, issue_server
 from llmgw.wire.tls import client_options, server_options
 
 DEFAULT_MODEL = "gemma-3-270m"

@@ -24,8 +24,8 @@ from twisted.python.failure import Failure
 from twisted.web.client import HTTPConnectionPool
 from twisted.web.server import Site
 
+from llmgw.checks import ConfigError
 from llmgw.config import (
-    ConfigError,
     EndpointConfig,
     ServerConfig,
     finish_config,
@@ -33,7 +33,7 @@ from llmgw.config import (
     parse_endpoint_flag,
 )
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
-from llmgw.control.catalog import parse_models
+from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
 from llmgw.router.app import LogUsageSink, Router, UsageSinks, make_site
@@ -49,9 +49,10 @@ from llmgw.server.local import (
     local_listener_factory,
     local_node_id,
 )
-from llmgw.store.db import Store, sqlite_path
+from llmgw.server.usage import StoreUsageSink
+from llmgw.store.db import Store, StoreError, sqlite_path
 from llmgw.store.keys import KeyRing
-from llmgw.store.usage import StoreUsageSink
+from llmgw.store.usage import UsageWriter
 from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
@@ -249,8 +250,8 @@ def _lock(folder: str, name: str) -> None:
 
 
 def _runtime_models(
-    stored: list[tuple[str, str]], config_models: tuple[Any, ...]
-) -> tuple[Any, ...]:
+    stored: list[tuple[str, str]], config_models: tuple[Model, ...]
+) -> tuple[Model, ...]:
     """
     The models added at run time, from the store; one whose name the
     config file now uses is skipped (the file wins), with a warning.
@@ -368,7 +369,7 @@ def makeService(options: Options) -> IService:
         )
         store = Store(database)
         key_rows, stored_models = store.prepare()
-    except ConfigError as e:
+    except (ConfigError, StoreError) as e:
         sys.stderr.write(f"llmgw-server: config error: {e}\n")
         sys.stderr.flush()
         raise SystemExit(2) from None
@@ -376,7 +377,7 @@ def makeService(options: Options) -> IService:
     models = tuple(models) + _runtime_models(stored_models, models)
     keys = KeyRing(store, config.require_api_key)
     keys.load(key_rows)
-    usage_sink = StoreUsageSink(
+    usage_writer = UsageWriter(
         store,
         reactor,
         config.usage_flush_interval,
@@ -419,7 +420,7 @@ def makeService(options: Options) -> IService:
         agent,
         settings,
         RouterMetrics(registry),
-        UsageSinks(LogUsageSink(), usage_sink),
+        UsageSinks(LogUsageSink(), StoreUsageSink(usage_writer)),
         activator=plane.catalog,
         auth=keys,
         pool=pool,
@@ -431,7 +432,7 @@ def makeService(options: Options) -> IService:
         plane,
         keys=keys,
         store=store,
-        usage=usage_sink,
+        usage=usage_writer,
         config_models=config_names,
         wall_clock=time.time,
     )
@@ -490,7 +491,7 @@ def makeService(options: Options) -> IService:
     if local_port is not None:
         _ListeningService(local_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     # After the requests in flight drained, their usage is written.
-    usage_sink.setServiceParent(top)  # type: ignore[no-untyped-call]
+    usage_writer.setServiceParent(top)  # type: ignore[no-untyped-call]
     _DrainService(router, settings.drain_timeout).setServiceParent(top)  # type: ignore[no-untyped-call]
     plane.loop.setServiceParent(top)  # type: ignore[no-untyped-call]
     _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]

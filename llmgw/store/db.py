@@ -2,6 +2,10 @@
 SQLite through L{twisted.enterprise.adbapi}: one connection on its own
 thread (SQLite serializes writers anyway), WAL journal, versioned schema
 migrations applied at start.
+
+A leaf, as the whole store: it imports nothing from the rest of llmgw.  Its
+callers hand it its own row types and turn L{StoreError} into their own
+errors.
 """
 
 from __future__ import annotations
@@ -11,14 +15,50 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred
 
-from llmgw.config import ConfigError
-from llmgw.router.app import RequestRecord
+
+class StoreError(Exception):
+    """
+    The database cannot be used: not a SQLite URL, a folder or file that
+    cannot be made or opened, not a database, or a schema newer than this
+    code.  C{str(error)} is one line naming the path or URL.
+    """
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """
+    One request's row of the C{usage} table.
+
+    @ivar key_id: the API key's id, L{None} without a key.
+    @ivar replica: the replica that answered, L{None} when none did.
+    @ivar status: the HTTP status the client got.
+    @ivar latency: seconds from receipt to the last byte.
+    @ivar time_to_first_token: seconds from receipt to the first byte of
+        the replica's answer; L{None} when none came.
+    @ivar estimated: the token counts are an estimate (the engine's never
+        came).
+    """
+
+    request_id: str
+    key_id: int | None
+    key_name: str | None
+    model: str
+    replica: str | None
+    status: int
+    stream: bool
+    prompt_tokens: int
+    completion_tokens: int
+    latency: float
+    time_to_first_token: float | None
+    estimated: bool = False
+
 
 # Each migration runs once, in order, in one transaction with the bump of
 # user_version; a database newer than this code is refused.
@@ -74,13 +114,13 @@ def sqlite_path(url: str, state_dir: str) -> str:
         C{sqlite:RELATIVE/PATH}; empty for the default,
         C{STATE_DIR/llmgw.db}.
     @return: the database file's path.
-    @raise ConfigError: not a SQLite URL.
+    @raise StoreError: not a SQLite URL.
     """
     if not url:
         return os.path.join(os.path.expanduser(state_dir), "llmgw.db")
     parts = urlsplit(url)
     if parts.scheme != "sqlite" or parts.netloc or not parts.path:
-        raise ConfigError(
+        raise StoreError(
             f"store.url: {url!r}: expected sqlite:///absolute/path.db or"
             " sqlite:relative/path.db (only SQLite in this version)"
         )
@@ -93,6 +133,7 @@ class Store:
     thread's result, on the reactor thread.
 
     @param path: the SQLite file, made (with its folder) if missing.
+    @raise StoreError: the folder cannot be made.
     """
 
     def __init__(self, path: str) -> None:
@@ -101,7 +142,7 @@ class Store:
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"store: cannot make {folder!r}: {e.strerror}") from None
+            raise StoreError(f"store: cannot make {folder!r}: {e.strerror}") from None
         self.pool = adbapi.ConnectionPool(
             "sqlite3",
             path,
@@ -124,14 +165,16 @@ class Store:
         At start, before the reactor runs: migrate, then read the keys and
         the runtime models, on this thread.
 
-        @return: the keys and the runtime models, as L{keys} and L{models}
-            give them.
-        @raise ConfigError: the database cannot be opened or migrated.
+        @return: every key, revoked ones included, as dicts of the
+            C{api_keys} columns (C{models} decoded: a list or L{None});
+            and the runtime models, as L{models} gives them.
+        @raise StoreError: the database cannot be opened or migrated (not
+            a database, or newer than this code).
         """
         try:
             connection = sqlite3.connect(self.path, isolation_level="DEFERRED")
         except sqlite3.Error as e:
-            raise ConfigError(f"store: cannot open {self.path!r}: {e}") from None
+            raise StoreError(f"store: cannot open {self.path!r}: {e}") from None
         try:
             self._opened(connection)
             cursor = connection.cursor()
@@ -143,18 +186,9 @@ class Store:
             ).fetchall()
             return keys, [(name, spec) for name, spec in models]
         except (sqlite3.Error, RuntimeError) as e:
-            raise ConfigError(f"store: {self.path!r}: {e}") from None
+            raise StoreError(f"store: {self.path!r}: {e}") from None
         finally:
             connection.close()
-
-    def migrate(self) -> Deferred[int]:
-        """
-        Apply the migrations this database has not had.
-
-        @return: fires with the schema version after.
-        @raise RuntimeError: (in the Deferred) the database is newer.
-        """
-        return self.pool.runInteraction(self._migrate)  # type: ignore[no-any-return]
 
     @staticmethod
     def _migrate(cursor: sqlite3.Cursor) -> int:
@@ -175,13 +209,6 @@ class Store:
         self.pool.close()
 
     # Keys
-
-    def keys(self) -> Deferred[list[dict[str, Any]]]:
-        """
-        @return: every key, revoked ones included, as dicts of the
-            C{api_keys} columns (C{models} decoded: a list or L{None}).
-        """
-        return self.pool.runInteraction(self._keys)  # type: ignore[no-any-return]
 
     @staticmethod
     def _keys(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
@@ -232,14 +259,14 @@ class Store:
 
     def add_usage(
         self,
-        rows: Sequence[tuple[float, RequestRecord]],
+        rows: Sequence[tuple[float, UsageRow]],
         key_use: dict[int, tuple[int, float]],
     ) -> Deferred[None]:
         """
         Write usage records and add to the keys' token counts, in one
         transaction.
 
-        @param rows: C{(POSIX seconds, record)} per request.
+        @param rows: C{(POSIX seconds, row)} per request.
         @param key_use: per key id, C{(tokens, last used)}.
         """
 
@@ -263,7 +290,7 @@ class Store:
                         r.completion_tokens,
                         r.latency,
                         r.time_to_first_token,
-                        int(r.usage_estimated),
+                        int(r.estimated),
                     )
                     for when, r in rows
                 ],

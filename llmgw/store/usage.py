@@ -1,7 +1,8 @@
 """
-Usage accounting: one record per request, buffered and written to the
-store in batches; on stop, everything buffered is written before the
-process ends.
+Usage accounting: one row per request, buffered and written to the store
+in batches, with each key's token count; on stop, everything buffered is
+written before the process ends.  The router's records become rows in the
+server's wiring (L{llmgw.server.usage}).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from llmgw.router.app import RequestRecord
-from llmgw.store.db import Store
+from llmgw.store.db import Store, UsageRow
 
 MAX_BUFFERED = 200_000
 """
@@ -25,9 +25,11 @@ dropped (and counted in the log).
 """
 
 
-class StoreUsageSink(Service):
+class UsageWriter(Service):
     """
-    A L{llmgw.router.app.UsageSink} writing to the store.
+    Writes usage rows and key token counts to the store: in batches, on a
+    timer and when a batch fills, keeping what a failed write had for the
+    next; everything on stop.
 
     @param interval: seconds between batch writes.
     @param batch_size: a batch is written early once this many wait.
@@ -52,26 +54,26 @@ class StoreUsageSink(Service):
         self._interval = interval
         self._batch_size = batch_size
         self._wall_clock = wall_clock
-        self._rows: list[tuple[float, RequestRecord]] = []
+        self._rows: list[tuple[float, UsageRow]] = []
         self._key_use: dict[int, tuple[int, float]] = {}
         self._writing: Deferred[None] | None = None
         self._timer: LoopingCall | None = None
         self.written = 0
         self.dropped = 0
 
-    def record(self, record: RequestRecord) -> None:
+    def add(self, row: UsageRow) -> None:
+        """
+        Buffer one request's row (timed now, by the wall clock) and add its
+        tokens to its key's count.
+        """
         now = self._wall_clock()
-        if record.key_id is None and record.status == 401:
-            # Unauthenticated: anyone could fill the store with these (the
-            # log line and the metrics still count them).
-            return
         if not self._record_rows:
-            if record.key_id is not None:
-                self._count_key(record, now)
+            if row.key_id is not None:
+                self._count_key(row, now)
             return
-        self._rows.append((now, record))
-        if record.key_id is not None:
-            self._count_key(record, now)
+        self._rows.append((now, row))
+        if row.key_id is not None:
+            self._count_key(row, now)
         if len(self._rows) > MAX_BUFFERED:
             drop = len(self._rows) - MAX_BUFFERED
             del self._rows[:drop]
@@ -83,11 +85,11 @@ class StoreUsageSink(Service):
         if len(self._rows) >= self._batch_size and self._writing is None:
             self.flush()
 
-    def _count_key(self, record: RequestRecord, now: float) -> None:
-        assert record.key_id is not None
-        tokens, _ = self._key_use.get(record.key_id, (0, 0.0))
-        self._key_use[record.key_id] = (
-            tokens + record.prompt_tokens + record.completion_tokens,
+    def _count_key(self, row: UsageRow, now: float) -> None:
+        assert row.key_id is not None
+        tokens, _ = self._key_use.get(row.key_id, (0, 0.0))
+        self._key_use[row.key_id] = (
+            tokens + row.prompt_tokens + row.completion_tokens,
             now,
         )
 
@@ -145,7 +147,8 @@ class StoreUsageSink(Service):
         return Deferred.fromCoroutine(self._final())
 
     async def _final(self) -> None:
-        # Two tries: one write may be in flight when the stop comes.
+        # Up to three tries (each after the write in flight, if any): a
+        # failed write keeps its rows for the next.
         for _ in range(3):
             await self.flush()
             if not self._rows:

@@ -1,0 +1,24 @@
+"""
+Facts about inference engines that the server and the agent both need:
+the engine names a catalog profile may give and an agent can launch, and
+where the Hugging Face cache keeps a hub model's files.
+
+Imports nothing but the standard library: both processes import it.
+"""
+
+from __future__ import annotations
+
+ENGINES = ("vllm", "sglang", "llamacpp", "sim")
+"""
+Engine names, as a catalog profile's C{engine} and C{StartShard.engine}:
+vLLM, SGLang, llama.cpp (or llama-cpp-python) and the simulator.
+"""
+
+
+def hub_cache_name(source: str) -> str:
+    """
+    @param source: a Hugging Face hub id, C{ORG/NAME}.
+    @return: the folder the Hugging Face cache keeps a hub id's files in,
+        C{models--ORG--NAME} (huggingface_hub's cache layout).
+    """
+    return "models--" + source.replace("/", "--")

@@ -29,9 +29,9 @@ from llmgw.config import ConfigError, parse_duration
 from llmgw.control.catalog import parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
+from llmgw.router.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.store.db import Store
-from llmgw.store.keys import KeyRing
 from llmgw.store.usage import StoreUsageSink
 
 

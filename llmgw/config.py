@@ -23,24 +23,7 @@ from llmgw.checks import (
     parse_size,
 )
 from llmgw.control.catalog import Model, parse_models
-
-
-@dataclass(frozen=True)
-class EndpointConfig:
-    """
-    One statically configured engine replica.
-
-    @ivar id: a name for the replica, unique in the configuration.
-    @ivar url: the engine's base URL, C{http://host:port} (without C{/v1}).
-    @ivar models: the model names this replica serves (as the engine's
-        served model name, which clients send in C{model}).
-    @ivar weight: relative share of traffic, > 0.
-    """
-
-    id: str
-    url: str
-    models: tuple[str, ...]
-    weight: float = 1.0
+from llmgw.router.interfaces import Endpoint
 
 
 @dataclass(frozen=True)
@@ -145,7 +128,7 @@ class ServerConfig:
     record_usage: bool = True
     # [auth] require_api_key: keys needed even before any exists.
     require_api_key: bool = False
-    endpoints: tuple[EndpointConfig, ...] = ()
+    endpoints: tuple[Endpoint, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     models: tuple[Model, ...] = ()
@@ -158,7 +141,7 @@ class ServerConfig:
         return self.agent_tls is not None or self.insecure_agents
 
 
-def _endpoint(where: str, table: object) -> EndpointConfig:
+def _endpoint(where: str, table: object) -> Endpoint:
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: expected a table, got {table!r}")
     check_keys(where, table, {"id", "url", "models", "weight"})
@@ -185,10 +168,10 @@ def _endpoint(where: str, table: object) -> EndpointConfig:
         or not weight > 0
     ):
         raise ConfigError(f"{where}.weight: expected a positive number, got {weight!r}")
-    return EndpointConfig(endpoint_id, url, tuple(models), float(weight))
+    return Endpoint(endpoint_id, url, tuple(models), float(weight))
 
 
-def parse_endpoint_flag(spec: str) -> EndpointConfig:
+def parse_endpoint_flag(spec: str) -> Endpoint:
     """
     Parse C{--endpoint id=URL=model[,model]}.
 

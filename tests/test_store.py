@@ -15,10 +15,10 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
+from llmgw.router.auth import KeyRing, hash_key
 from llmgw.router.errors import APIError
 from llmgw.server.admin import AdminGuard
 from llmgw.store.db import MIGRATIONS, Store, StoreError, sqlite_path
-from llmgw.store.keys import KeyRing, hash_key
 
 
 def _store(test: Any) -> Store:
@@ -85,7 +85,9 @@ class MigrationTests(SynchronousTestCase):
 class KeyRingTests(TestCase):
     def setUp(self) -> None:
         self.now = 1000.0
-        self.ring = KeyRing(_store(self), clock=lambda: self.now)
+        self.ring = KeyRing(
+            _store(self), clock=lambda: self.now, wall_clock=lambda: 1e9
+        )
         self.ring.store.prepare()
 
     async def test_windows(self) -> None:
@@ -173,7 +175,7 @@ class AdminGuardTests(TestCase):
         Off loopback, /api/ needs an admin key; a plain key or none gets
         401; loopback peers and /metrics pass.
         """
-        ring = KeyRing(_store(self))
+        ring = KeyRing(_store(self), clock=lambda: 0.0, wall_clock=lambda: 1e9)
         ring.store.prepare()
         _, admin = await ring.create("ops", admin=True)
         _, plain = await ring.create("app")

@@ -13,7 +13,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.app import RequestRecord
+from llmgw.router.interfaces import RequestRecord
 from llmgw.server.usage import StoreUsageSink, usage_row
 from llmgw.store.db import UsageRow
 from llmgw.store.usage import UsageWriter

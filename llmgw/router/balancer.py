@@ -11,23 +11,9 @@ from dataclasses import dataclass
 
 from twisted.internet.interfaces import IReactorTime
 
-
-@dataclass(frozen=True)
-class Endpoint:
-    """
-    A ready replica as the router sees it: where to send requests for which
-    model names.
-
-    @ivar id: the replica id, unique among endpoints.
-    @ivar url: the engine's base URL, C{http://host:port}, no trailing slash.
-    @ivar models: the model names clients may send for this replica.
-    @ivar weight: relative share of traffic, > 0.
-    """
-
-    id: str
-    url: str
-    models: tuple[str, ...]
-    weight: float = 1.0
+# Endpoint is defined with the router's other interfaces; named here too
+# for the modules that import it from the balancer.
+from llmgw.router.interfaces import Endpoint as Endpoint
 
 
 @dataclass(eq=False)

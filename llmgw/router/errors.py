@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
+
+from twisted.web.http_headers import Headers
 
 
 @dataclass(frozen=True)
@@ -129,4 +132,115 @@ def deadline_exceeded(phase: str, seconds: float) -> APIError:
         f"Deadline of {seconds:g}s exceeded {what}.",
         "timeout_error",
         f"{phase}_timeout",
+    )
+
+
+def retry_after(headers: Headers) -> int | None:
+    """
+    @return: a C{Retry-After} in whole seconds, when the engine sent one.
+    """
+    value = headers.getRawHeaders(b"retry-after", [b""])[0]
+    return int(value) if value.isdigit() and len(value) < 10 else None
+
+
+def engine_error(status: int, body: bytes, retry_after: int | None) -> APIError:
+    """
+    An engine's 4xx answer as an OpenAI error object.  Engines differ:
+    OpenAI's and recent vLLM's C{{"error": {...}}} (vLLM with an integer
+    C{code}), older vLLM's top-level C{message}, FastAPI's C{detail}.
+
+    @param status: the engine's HTTP status.
+    @param body: the engine's answer, any bytes.
+    @param retry_after: seconds for C{Retry-After}, or L{None}.
+    """
+    error: dict[str, Any] = {}
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        nested = parsed.get("error")
+        error = nested if isinstance(nested, dict) else parsed
+    message = error_message(body) or (
+        f"The replica rejected the request with status {status}."
+    )
+    kind = error.get("type")
+    code = error.get("code")
+    param = error.get("param")
+    default_kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return APIError(
+        status,
+        message,
+        kind if isinstance(kind, str) and kind else default_kind,
+        code if isinstance(code, str) else None,
+        param if isinstance(param, str) else None,
+        retry_after=retry_after,
+    )
+
+
+def error_message(body: bytes) -> str | None:
+    """
+    @return: the message of an engine's error body, if it has one: at most
+        1,000 characters of C{error.message}, C{error}, C{message} or
+        C{detail}.
+    """
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])[:1000]
+        if isinstance(error, str):
+            return error[:1000]
+        if isinstance(parsed.get("message"), str):
+            return str(parsed["message"])[:1000]
+        if isinstance(parsed.get("detail"), str):
+            return str(parsed["detail"])[:1000]
+    return None
+
+
+def activation_queue_full(model: str) -> APIError:
+    """
+    @return: a 503: too many requests already wait for C{model} to start.
+    """
+    return APIError(
+        503,
+        f"Too many requests are waiting for model {model!r} to start; try again later.",
+        "service_unavailable_error",
+        "activation_queue_full",
+        retry_after=5,
+    )
+
+
+def activation_timeout(model: str, seconds: float, why: str) -> APIError:
+    """
+    @param seconds: how long the request waited.
+    @param why: why no replica is ready, for the client, or C{""}.
+    @return: a 503: no replica of C{model} became ready in time.
+    """
+    return APIError(
+        503,
+        f"No replica of model {model!r} became ready within {seconds:g}s"
+        + (f" ({why})" if why else "")
+        + "; try again later.",
+        "service_unavailable_error",
+        "activation_timeout",
+        retry_after=30,
+    )
+
+
+def replica_unavailable(retry_after: int | None) -> APIError:
+    """
+    @param retry_after: the engine's C{Retry-After}, seconds, or L{None}
+        (then 1).
+    @return: a 503: the replica is overloaded or not ready.
+    """
+    return APIError(
+        503,
+        "The replica is overloaded or not ready.",
+        "service_unavailable_error",
+        "replica_unavailable",
+        retry_after=retry_after or 1,
     )

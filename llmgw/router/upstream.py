@@ -15,6 +15,7 @@ and together they cost a tenth of the router's CPU per request
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import error
@@ -24,16 +25,22 @@ from twisted.internet.interfaces import (
     IConsumer,
     IProtocol,
     IProtocolFactory,
+    IPushProducer,
     IStreamClientEndpoint,
 )
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import (
     URI,
     Agent,
     BrowserLikePolicyForHTTPS,
-    HTTPConnectionPool,
+    RequestTransmissionFailed,
+    ResponseDone,
+    ResponseNeverReceived,
 )
-from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
 from llmgw.httpclient import QuietConnectionPool
@@ -50,6 +57,21 @@ class UpstreamConnectError(Exception):
     def __init__(self, reason: str, timed_out: bool) -> None:
         super().__init__(reason)
         self.timed_out = timed_out
+
+
+class NoAnswer(Exception):
+    """
+    The connection closed before any byte of an answer came (the request
+    may have reached the engine).
+
+    @ivar reused: whether the connection was an idle one taken from the
+        pool, which the engine may have closed while it sat there, rather
+        than a new one.
+    """
+
+    def __init__(self, reason: str, reused: bool) -> None:
+        super().__init__(reason)
+        self.reused = reused
 
 
 @implementer(IStreamClientEndpoint)
@@ -116,7 +138,7 @@ def make_upstream_client(
     connect_timeout: float,
     max_idle_connections: int,
     idle_connection_timeout: float = 4.0,
-) -> tuple[IAgent, HTTPConnectionPool]:
+) -> tuple[IAgent, QuietConnectionPool]:
     """
     Build the HTTP client for engine traffic: no redirects, no cookies, no
     content decoding; bodies pass through as the engine sent them.
@@ -141,3 +163,91 @@ def make_upstream_client(
         reactor, _EndpointFactory(reactor, connect_timeout), pool=pool
     )
     return agent, pool
+
+
+class Upstream:
+    """
+    Sends requests to replicas: an L{IAgent} and, when it has one, its
+    L{QuietConnectionPool}, whose reuse signal it turns into L{NoAnswer}'s
+    C{reused}.
+
+    @param agent: the HTTP client (see L{make_upstream_client}).
+    @param pool: the agent's pool, or L{None} when reuse cannot be told
+        (every connection counts as new).
+    """
+
+    def __init__(self, agent: IAgent, pool: QuietConnectionPool | None = None):
+        self._agent = agent
+        self._pool = pool
+
+    def post(self, url: bytes, headers: Headers, body: bytes) -> Deferred[IResponse]:
+        """
+        POST C{body} to C{url}.
+
+        @return: fires with the response once its headers came;
+            cancellable.  Fails with L{UpstreamConnectError} when no
+            connection could be made (the request was not sent), with
+            L{NoAnswer} when the connection closed before any answer byte,
+            or with another exception when the exchange broke otherwise.
+        """
+        d = self._agent.request(b"POST", url, headers, BytesProducer(body))
+        # Agent.request takes its connection from the pool synchronously.
+        reused = self._pool is not None and self._pool.last_reused
+
+        def classify(failure: Failure) -> Failure:
+            if failure.check(ResponseNeverReceived, RequestTransmissionFailed):
+                raise NoAnswer(failure.getErrorMessage(), reused)
+            return failure
+
+        return d.addErrback(classify)
+
+
+class BodyReader(Protocol):
+    """
+    Receives a replica's response body chunk by chunk.  C{done} fires when
+    the body ends, fails when the exchange breaks or C{on_data} raises, and
+    cancelling it closes the upstream connection, so the engine stops
+    generating.
+
+    @param on_data: called with each chunk; what it raises ends the
+        exchange with that failure.
+    """
+
+    def __init__(self, on_data: Callable[[bytes], None]) -> None:
+        self._on_data = on_data
+        self.done: Deferred[None] = Deferred(self._cancel)
+        self.finished = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.finished:
+            return
+        try:
+            self._on_data(data)
+        except Exception:
+            # The answer broke a limit (or a bug): end the exchange with it.
+            failure = Failure()
+            self.abort()
+            self.done.errback(failure)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.done.callback(None)
+        else:
+            self.done.errback(reason)
+
+    def abort(self) -> None:
+        """
+        Close the upstream connection now, unless the body already ended.
+        """
+        if not self.finished:
+            self.finished = True
+            if self.transport is not None:
+                # The response's transport is a producer; stopping it closes
+                # the connection, so the engine sees the client go.
+                IPushProducer(self.transport).stopProducing()
+
+    def _cancel(self, d: Deferred[None]) -> None:
+        self.abort()

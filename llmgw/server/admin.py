@@ -32,12 +32,12 @@ from llmgw.control.views import (
     nodes_json,
     replicas_json,
 )
+from llmgw.router.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.server.admin_http import AdminError, json_answer, not_found, read_body
 from llmgw.server.admin_http import app as admin_app
 from llmgw.server.admin_keys import KeyRoutes
 from llmgw.store.db import Store
-from llmgw.store.keys import KeyRing
 from llmgw.store.usage import UsageWriter
 
 __all__ = ["Admin", "AdminError", "AdminGuard", "is_loopback"]

@@ -15,9 +15,9 @@ from typing import Any
 from twisted.web.iweb import IRequest
 
 from llmgw.checks import ConfigError, parse_duration
+from llmgw.router.auth import KeyRing
 from llmgw.server.admin_http import AdminError, app, json_answer, not_found, read_body
 from llmgw.store.db import Store
-from llmgw.store.keys import KeyRing
 from llmgw.store.usage import UsageWriter
 
 _MAX_LIMIT = 2**53

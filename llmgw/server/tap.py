@@ -26,7 +26,6 @@ from twisted.web.server import Site
 
 from llmgw.checks import ConfigError
 from llmgw.config import (
-    EndpointConfig,
     ServerConfig,
     finish_config,
     load_config,
@@ -36,10 +35,13 @@ from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
 from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
-from llmgw.router.app import LogUsageSink, Router, UsageSinks, make_site
-from llmgw.router.balancer import Balancer, Endpoint
+from llmgw.router.app import LogUsageSink, Router, UsageSinks
+from llmgw.router.auth import KeyRing
+from llmgw.router.balancer import Balancer
+from llmgw.router.interfaces import Endpoint
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.upstream import make_upstream_client
+from llmgw.router.site import make_site
+from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.server.admin import Admin, AdminGuard, is_loopback
 from llmgw.server.local import (
     LocalEngines,
@@ -51,7 +53,6 @@ from llmgw.server.local import (
 )
 from llmgw.server.usage import StoreUsageSink
 from llmgw.store.db import Store, StoreError, sqlite_path
-from llmgw.store.keys import KeyRing
 from llmgw.store.usage import UsageWriter
 from llmgw.wire.tls import server_options
 
@@ -145,7 +146,7 @@ class Options(usage.Options):
                 # A laptop's server is not for the network unless asked.
                 config = replace(config, listen="tcp:8080:interface=127.0.0.1")
         if self["endpoint"]:
-            endpoints: list[EndpointConfig] = [
+            endpoints: list[Endpoint] = [
                 parse_endpoint_flag(spec) for spec in self["endpoint"]
             ]
             config = replace(config, endpoints=tuple(endpoints))
@@ -375,7 +376,12 @@ def makeService(options: Options) -> IService:
         raise SystemExit(2) from None
     config_names = frozenset(m.name for m in models)
     models = tuple(models) + _runtime_models(stored_models, models)
-    keys = KeyRing(store, config.require_api_key)
+    keys = KeyRing(
+        store,
+        clock=time.monotonic,
+        wall_clock=time.time,
+        required=config.require_api_key,
+    )
     keys.load(key_rows)
     usage_writer = UsageWriter(
         store,
@@ -385,7 +391,7 @@ def makeService(options: Options) -> IService:
     )
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown)
-    static = [Endpoint(e.id, e.url, e.models, e.weight) for e in config.endpoints]
+    static = list(config.endpoints)
     balancer.set_endpoints(static)
     agent, pool = make_upstream_client(
         reactor, settings.connect_timeout, settings.max_idle_connections
@@ -417,13 +423,13 @@ def makeService(options: Options) -> IService:
     router = Router(
         reactor,
         balancer,
-        agent,
+        Upstream(agent, pool),
         settings,
         RouterMetrics(registry),
         UsageSinks(LogUsageSink(), StoreUsageSink(usage_writer)),
+        wall_clock=time.time,
         activator=plane.catalog,
         auth=keys,
-        pool=pool,
     )
     router_site = make_site(router.app.resource(), settings.max_body_size)
     admin = Admin(

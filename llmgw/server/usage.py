@@ -5,7 +5,7 @@ wires between L{llmgw.router.app.Router} and L{llmgw.store.usage.UsageWriter}.
 
 from __future__ import annotations
 
-from llmgw.router.app import RequestRecord
+from llmgw.router.interfaces import RequestRecord
 from llmgw.store.db import UsageRow
 from llmgw.store.usage import UsageWriter
 

@@ -1,8 +1,9 @@
 """
-API keys (DESIGN.md section 2): C{Authorization: Bearer sk-...}, stored as
-SHA-256 hashes with a visible prefix, each with allowed models, requests
-and tokens per minute and a token budget.  All keys are held in memory, so
-checking one costs no database round trip; changes are written through.
+API keys and their admission policy (DESIGN.md section 2): C{Authorization:
+Bearer sk-...}, stored as SHA-256 hashes with a visible prefix, each with
+allowed models, requests and tokens per minute and a token budget.  All keys
+are held in memory, so checking one costs no database round trip; changes are
+written through to a L{KeyStore} (L{llmgw.store.db.Store}).
 """
 
 from __future__ import annotations
@@ -11,20 +12,39 @@ import hashlib
 import math
 import re
 import secrets
-import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from llmgw.router.errors import APIError
-from llmgw.store.db import Store
+from llmgw.router.interfaces import Key
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$")
 WINDOW = 60.0
 """
 Seconds over which requests and tokens per minute are counted.
 """
+
+
+class KeyStore(Protocol):
+    """
+    Where keys are kept (L{llmgw.store.db.Store}).
+    """
+
+    def add_key(self, row: dict[str, Any]) -> Awaitable[int]:
+        """
+        Keep a new key: C{row} has C{name}, C{prefix}, C{hash}, C{models}
+        (a list or L{None}), C{rpm}, C{tpm}, C{budget_tokens}, C{admin}
+        and C{created} (seconds since the epoch).
+
+        @return: fires with the key's id.
+        """
+
+    def revoke_key(self, key_id: int, when: float) -> Awaitable[None]:
+        """
+        Mark a key revoked at C{when}, seconds since the epoch.
+        """
 
 
 def hash_key(secret: str) -> str:
@@ -100,23 +120,29 @@ def _unauthorized(message: str) -> APIError:
 
 class KeyRing:
     """
-    The keys, loaded from the store at start.
+    The keys, loaded from the store at start, and the checks of each
+    request against them (an L{llmgw.router.interfaces.Auth}).
 
     @param store: where keys are kept.
+    @param clock: seconds (monotonic) for the per-minute windows.
+    @param wall_clock: seconds since the epoch, for the times kept with a
+        key (made, last used, revoked).
     @param required: C{[auth] require_api_key}: a key is needed even
         while none exists.
-    @param clock: seconds (monotonic) for the per-minute windows.
     """
 
     def __init__(
         self,
-        store: Store,
+        store: KeyStore,
+        *,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
         required: bool = False,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self._required = required
         self._clock = clock
+        self._wall_clock = wall_clock
         self._by_hash: dict[str, ApiKey] = {}
         self._by_id: dict[int, ApiKey] = {}
         # The catalog's name for a model name or alias (set by the server).
@@ -205,13 +231,13 @@ class KeyRing:
             "tpm": tpm,
             "budget_tokens": budget_tokens,
             "admin": admin,
-            "created": time.time(),
+            "created": self._wall_clock(),
         }
         row["id"] = await self.store.add_key(row)
         return self._add(row), secret
 
     async def revoke(self, key: ApiKey) -> None:
-        key.revoked = time.time()
+        key.revoked = self._wall_clock()
         await self.store.revoke_key(key.id, key.revoked)
 
     def authenticate(self, header: bytes | None) -> ApiKey | None:
@@ -244,7 +270,7 @@ class KeyRing:
             raise _unauthorized("Incorrect API key provided.")
         return key
 
-    def admit(self, key: ApiKey, names: Sequence[str], reserve: int = 0) -> None:
+    def admit(self, key: Key, names: Sequence[str], reserve: int = 0) -> None:
         """
         Count a request of C{key} for a model known by C{names} (as sent,
         and its catalog name), and hold C{reserve} tokens for it until
@@ -256,6 +282,9 @@ class KeyRing:
             budget (C{insufficient_quota}) or its requests or tokens per
             minute (with C{Retry-After}).
         """
+        self._admit(self._by_id[key.id], names, reserve)
+
+    def _admit(self, key: ApiKey, names: Sequence[str], reserve: int) -> None:
         if not any(key.allows(n, self.resolve) for n in names):
             raise APIError(
                 403,
@@ -289,14 +318,17 @@ class KeyRing:
                     break
             raise _rate_limited(f"{key.tpm} tokens per minute", wait)
         key.requests.append(now)
-        key.last_used = time.time()
+        key.last_used = self._wall_clock()
         key.reserved += reserve
 
-    def used(self, key: ApiKey, tokens: int, reserved: int = 0) -> None:
+    def used(self, key: Key, tokens: int, reserved: int = 0) -> None:
         """
         Count the tokens a request of C{key} used, once it is over, and
         release what L{admit} held for it.
         """
+        self._used(self._by_id[key.id], tokens, reserved)
+
+    def _used(self, key: ApiKey, tokens: int, reserved: int) -> None:
         key.reserved = max(0, key.reserved - reserved)
         if tokens <= 0:
             return

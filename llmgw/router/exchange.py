@@ -1,0 +1,526 @@
+"""
+One client request's journey to the replicas and back: the wait for a replica
+to start, the attempts on replicas and the retries between them, and the
+answer, whole or relayed as a stream.  Orchestration only: the body was
+prepared (L{llmgw.router.prepare}), keys are checked and usage is accounted by
+the routes (L{llmgw.router.app}).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IRequest, IResponse
+
+from llmgw.config import RouterConfig
+from llmgw.router.balancer import Balancer, Replica
+from llmgw.router.deadlines import Deadlines
+from llmgw.router.errors import (
+    APIError,
+    activation_queue_full,
+    activation_timeout,
+    deadline_exceeded,
+    engine_error,
+    error_message,
+    no_ready_replica,
+    replica_unavailable,
+    retry_after,
+    upstream_failed,
+)
+from llmgw.router.interfaces import Activator
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.prepare import Prepared
+from llmgw.router.relay import StreamCut, UsageFilter
+from llmgw.router.site import JSON
+from llmgw.router.sse import EventTooLarge
+from llmgw.router.upstream import BodyReader, NoAnswer, Upstream, UpstreamConnectError
+
+SSE_HEADERS = (
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+)
+
+
+def client_gone(request: IRequest) -> bool:
+    """
+    @return: whether the client's connection is gone.  Read from the
+        request, which sets it before notifying anyone (Klein cancels the
+        handler from such a notification, so a flag set by another would
+        come too late).
+    """
+    return bool(getattr(request, "_disconnected", False))
+
+
+@dataclass(frozen=True)
+class Services:
+    """
+    What every exchange of a router shares.
+
+    @ivar clock: the reactor's clock, for deadlines.
+    @ivar activating: requests waiting for activation, per model (shared,
+        mutable).
+    @ivar log: where failures of replicas are logged.
+    """
+
+    clock: IReactorTime
+    settings: RouterConfig
+    balancer: Balancer
+    upstream: Upstream
+    metrics: RouterMetrics
+    activator: Activator | None
+    activating: dict[str, int]
+    log: Logger
+
+
+class AnswerTooLarge(Exception):
+    """
+    A replica's answer passed a size limit.
+    """
+
+
+class _Retry(Exception):
+    """
+    This attempt failed before anything reached the client, and another
+    replica may be tried.
+    """
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+
+class Exchange:
+    """
+    One prepared request, from its first attempt to its last byte.
+
+    @ivar status: the status answered (200 for a stream, also when it ended
+        with an error event that was not a deadline).
+    @ivar replica: the replica tried last, or L{None}.
+    @ivar usage: the engine's usage object, when one came.
+    @ivar first_byte_at: clock time of the replica's first byte, or L{None}.
+    @ivar events_relayed: C{data:} fields written to the client.
+    @ivar headers_sent: whether the client got any byte of the answer.
+    """
+
+    def __init__(
+        self,
+        services: Services,
+        request: IRequest,
+        path: bytes,
+        prepared: Prepared,
+        request_id: bytes,
+        upstream_id: bytes,
+    ) -> None:
+        self.services = services
+        self.request = request
+        self.path = path
+        self.prepared = prepared
+        self.request_id = request_id
+        self.upstream_id = upstream_id
+        settings = services.settings
+        self.deadlines = Deadlines(
+            services.clock,
+            self._cancel_waiting,
+            settings.connect_timeout,
+            settings.first_byte_timeout,
+            settings.idle_timeout,
+            settings.total_timeout,
+        )
+        self.model = prepared.model
+        self.status = 200
+        self.replica: Replica | None = None
+        self.usage: dict[str, Any] | None = None
+        self.first_byte_at: float | None = None
+        self.events_relayed = 0
+        self.headers_sent = False
+        self.stale_retried = False
+        self.waiting: Deferred[Any] | None = None
+        self.reader: BodyReader | None = None
+
+    def _cancel_waiting(self) -> None:
+        if self.waiting is not None:
+            self.waiting.cancel()
+
+    def _got_bytes(self) -> None:
+        if self.first_byte_at is None:
+            self.first_byte_at = self.services.clock.seconds()
+            self.deadlines.start("idle")
+        else:
+            self.deadlines.touch()
+
+    def _fail(self) -> APIError | None:
+        # After a wait broke: re-raise for a client that left, the
+        # deadline that passed, or None.
+        if client_gone(self.request):
+            return None
+        if self.deadlines.expired:
+            return self.deadlines.error()
+        return None
+
+    async def run(self) -> bytes | None:
+        """
+        Serve the request.
+
+        @return: the response body, or L{None} when already written.
+        @raise APIError: for a failure to answer as an error object.
+        """
+        services = self.services
+        self.deadlines.start_total()
+        tried: set[str] = set()
+        last_error: APIError | None = None
+        balancer = services.balancer
+        activator = services.activator
+        if activator is not None:
+            activator.touch(self.model)
+            if not balancer.serves(self.model) and activator.resolve(self.model):
+                await self._activate(activator)
+        for attempt in range(services.settings.max_retries + 1):
+            if self.deadlines.expired:
+                # The total deadline passed between two attempts.
+                raise self.deadlines.error()
+            replica = balancer.pick(self.model, tried)
+            if replica is None:
+                break
+            if attempt:
+                services.metrics.retries.labels(self.model).inc()
+            tried.add(replica.id)
+            self.replica = replica
+            replica.outstanding += 1
+            try:
+                return await self._attempt(replica)
+            except _Retry as retry:
+                last_error = retry.error
+            finally:
+                replica.outstanding -= 1
+        raise last_error if last_error is not None else no_ready_replica(self.model)
+
+    async def _activate(self, activator: Activator) -> None:
+        """
+        Wait for the control plane to make a replica of the model ready,
+        for at most C{activation_timeout}; a waiting stream gets an SSE
+        comment line every C{activation_keepalive}.
+
+        @raise APIError: 503 with C{Retry-After} when the wait is over or
+            too many requests already wait for this model.
+        """
+        services = self.services
+        settings = services.settings
+        activating = services.activating
+        model = self.model
+        waiting = activating.get(model, 0)
+        if waiting >= settings.activation_queue:
+            raise activation_queue_full(model)
+        activating[model] = waiting + 1
+        timed_out = False
+
+        def time_out() -> None:
+            nonlocal timed_out
+            timed_out = True
+            ready.cancel()
+
+        ready = self.waiting = activator.activate(model)
+        clock = services.clock
+        timer = (
+            clock.callLater(settings.activation_timeout, time_out)
+            if settings.activation_timeout > 0
+            else None
+        )
+        keepalive: LoopingCall | None = None
+        if self.prepared.stream and settings.activation_keepalive > 0:
+            keepalive = LoopingCall(self._keepalive)
+            keepalive.clock = clock
+            keepalive.start(settings.activation_keepalive, now=False)
+        try:
+            await ready
+        except CancelledError:
+            if client_gone(self.request):
+                raise
+            if self.deadlines.expired:
+                raise self.deadlines.error() from None
+            if timed_out:
+                raise activation_timeout(
+                    model, settings.activation_timeout, activator.why_not(model)
+                ) from None
+            raise
+        finally:
+            self.waiting = None
+            if timer is not None and timer.active():
+                timer.cancel()
+            if keepalive is not None and keepalive.running:
+                keepalive.stop()
+            left = activating.get(model, 1) - 1
+            if left:
+                activating[model] = left
+            else:
+                activating.pop(model, None)
+
+    def _keepalive(self) -> None:
+        if client_gone(self.request):
+            return
+        if not self.headers_sent:
+            self.request.setResponseCode(200)
+            for name, value in SSE_HEADERS:
+                self.request.setHeader(name, value)
+        # A comment line: clients skip it (WHATWG HTML, server-sent events).
+        self._write(b": waiting for a replica to start\n\n")
+
+    def finish(self) -> None:
+        """
+        Release timers and the upstream connection; called however the
+        request ended.
+        """
+        self.deadlines.stop()
+        if self.reader is not None:
+            self.reader.abort()
+
+    async def _attempt(self, replica: Replica) -> bytes | None:
+        services = self.services
+        metrics = services.metrics
+        self.deadlines.start("first_byte")
+        headers = Headers(
+            {
+                b"content-type": [JSON],
+                b"accept": [self.request.getHeader(b"accept") or b"*/*"],
+                b"x-request-id": [self.upstream_id],
+            }
+        )
+        self.waiting = services.upstream.post(
+            replica.url_bytes + self.path, headers, self.prepared.body
+        )
+        try:
+            response = await self.waiting
+        except UpstreamConnectError as e:
+            if client_gone(self.request):
+                raise
+            if self.deadlines.expired:
+                raise self.deadlines.error() from None
+            services.balancer.eject(replica)
+            metrics.upstream_errors.labels("connect").inc()
+            services.log.warn(
+                "request {request_id}: cannot connect to replica {replica}: {reason}",
+                request_id=self.request_id.decode("ascii"),
+                replica=replica.id,
+                reason=str(e),
+            )
+            if e.timed_out:
+                raise _Retry(
+                    deadline_exceeded("connect", services.settings.connect_timeout)
+                ) from None
+            raise _Retry(
+                upstream_failed(
+                    f"Could not connect to a replica of model {self.model!r}."
+                )
+            ) from None
+        except Exception as e:
+            if client_gone(self.request):
+                raise
+            if self.deadlines.expired:
+                metrics.upstream_errors.labels("timeout").inc()
+                raise self.deadlines.error() from None
+            metrics.upstream_errors.labels("broken").inc()
+            error = upstream_failed(
+                "The replica closed the connection before answering."
+            )
+            if isinstance(e, NoAnswer):
+                if e.reused and not self.stale_retried:
+                    # No byte of an answer on a connection taken from the
+                    # pool: most likely one the engine closed (or died on)
+                    # while it sat idle.  Another replica gets the request,
+                    # once.  On a new connection the engine had the request
+                    # and broke: that is not retried (a prompt that crashes
+                    # engines must not crash them all), and the replica
+                    # sits out.
+                    self.stale_retried = True
+                    services.log.warn(
+                        "request {request_id}: replica {replica} closed a pooled"
+                        " connection before answering; trying another",
+                        request_id=self.request_id.decode("ascii"),
+                        replica=replica.id,
+                    )
+                    raise _Retry(error) from None
+                services.balancer.eject(replica)
+            raise error from None
+        finally:
+            self.waiting = None
+        status: int = response.code
+        content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
+        if (
+            status == 200
+            and self.prepared.stream
+            and content_type.startswith(b"text/event-stream")
+        ):
+            await self._relay_stream(response)
+            return None
+        body = await self._read_whole(response)
+        wait = retry_after(response.headers)
+        if status == 503:
+            metrics.upstream_errors.labels("status").inc()
+            self._log_engine_failure(status, body)
+            raise _Retry(replica_unavailable(wait))
+        return self._answer_whole(status, content_type, body, wait)
+
+    async def _read_whole(self, response: IResponse) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        limit = self.services.settings.max_response_size
+
+        def on_data(data: bytes) -> None:
+            nonlocal size
+            self._got_bytes()
+            size += len(data)
+            if size > limit:
+                raise AnswerTooLarge(f"it is over max_response_size, {limit} bytes")
+            chunks.append(data)
+
+        if response.length == 0:
+            self._got_bytes()
+            return b""
+        await self._receive_body(
+            response,
+            on_data,
+            "The replica closed the connection in the middle of its answer.",
+        )
+        return b"".join(chunks)
+
+    async def _receive_body(
+        self,
+        response: IResponse,
+        on_data: Callable[[bytes], None],
+        broken: str,
+        relay: bool = False,
+    ) -> None:
+        """
+        Hand the replica's body to C{on_data} chunk by chunk until it ends.
+
+        @param on_data: called with each chunk, bytes.
+        @param broken: the message if the replica breaks the exchange.
+        @param relay: whether C{on_data} writes to the client; then the
+            replica's connection is paused while the client's is full, so a
+            slow reader holds back the engine instead of filling memory.
+        @raise APIError: a deadline passed (504), the answer passed a limit
+            or the exchange broke (502).
+        """
+        self.reader = reader = BodyReader(on_data)
+        response.deliverBody(reader)
+        request = self.request
+        metrics = self.services.metrics
+        producing = False
+        if relay and reader.transport is not None:
+            request.registerProducer(IPushProducer(reader.transport), True)  # type: ignore[attr-defined]
+            producing = True
+        self.waiting = reader.done
+        try:
+            await reader.done
+        except (AnswerTooLarge, EventTooLarge) as e:
+            metrics.upstream_errors.labels("broken").inc()
+            raise upstream_failed(f"The replica's answer was refused: {e}.") from None
+        except Exception:
+            if client_gone(request):
+                raise
+            if self.deadlines.expired:
+                metrics.upstream_errors.labels("timeout").inc()
+                raise self.deadlines.error() from None
+            metrics.upstream_errors.labels("broken").inc()
+            raise upstream_failed(broken) from None
+        finally:
+            self.waiting = None
+            self.reader = None
+            if producing and not client_gone(request):
+                request.unregisterProducer()  # type: ignore[attr-defined]
+
+    def _answer_whole(
+        self, status: int, content_type: bytes, body: bytes, wait: int | None
+    ) -> bytes:
+        if 200 <= status < 300:
+            if content_type.startswith(JSON):
+                try:
+                    parsed = json.loads(body)
+                except ValueError:
+                    parsed = None
+                if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
+                    self.usage = parsed["usage"]
+            self.status = status
+            self.request.setResponseCode(status)
+            self.request.setHeader(b"content-type", content_type or JSON)
+            self.request.setHeader(b"content-length", b"%d" % len(body))
+            return body
+        if 400 <= status < 500:
+            # The engine's verdict on the request (bad parameters, context
+            # too long, rate limit): the client needs its message, in
+            # OpenAI's shape whatever shape the engine used.
+            raise engine_error(status, body, wait)
+        self.services.metrics.upstream_errors.labels("status").inc()
+        self._log_engine_failure(status, body)
+        raise upstream_failed(f"The replica answered with status {status}.")
+
+    def _log_engine_failure(self, status: int, body: bytes) -> None:
+        # An engine's 5xx message can hold its traceback, file paths and
+        # addresses: the operator gets it in the log, the client only the
+        # status.
+        self.services.log.warn(
+            "request {request_id}: replica {replica} answered status {status}:"
+            " {message}",
+            request_id=self.request_id.decode("ascii"),
+            replica=self.replica.id if self.replica is not None else None,
+            status=status,
+            message=(error_message(body) or body[:500].decode("utf-8", "replace")),
+        )
+
+    async def _relay_stream(self, response: IResponse) -> None:
+        request = self.request
+        self.status = 200
+        if not self.headers_sent:
+            request.setResponseCode(200)
+            for name, value in SSE_HEADERS:
+                request.setHeader(name, value)
+        relay = UsageFilter(
+            self.services.settings.max_event_size, self.prepared.strip_usage
+        )
+        write = self._write
+        got_bytes = self._got_bytes
+
+        def on_data(data: bytes) -> None:
+            got_bytes()
+            out = relay.feed(data)
+            if out:
+                write(out)
+
+        try:
+            await self._receive_body(
+                response,
+                on_data,
+                "The replica closed the stream before it ended.",
+                relay=True,
+            )
+        except APIError as error:
+            if not self.headers_sent:
+                raise
+            self.status = error.status
+            request.write(error.sse_event())
+            return
+        finally:
+            # Counted however the stream ended (a client that left too).
+            self.usage = relay.usage
+        try:
+            rest = relay.end()
+        except StreamCut as e:
+            cut = upstream_failed(str(e))
+            self.services.metrics.upstream_errors.labels("broken").inc()
+            self.status = cut.status
+            self._write(cut.sse_event())
+            return
+        if rest:
+            self._write(rest)
+
+    def _write(self, data: bytes) -> None:
+        self.headers_sent = True
+        self.events_relayed += data.count(b"data:")
+        self.request.write(data)

@@ -1,0 +1,162 @@
+"""
+What the router defines and other parts of llmgw implement or fill in: the
+endpoints it sends to, the record of a finished request and where it goes,
+the API-key check, and scale-from-zero.
+
+A leaf: it imports nothing else from llmgw, so the store, the control plane,
+the configuration and the server wiring may all import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from twisted.internet.defer import Deferred
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """
+    A ready replica as the router sees it: where to send requests for which
+    model names.  Also the shape of a statically configured replica
+    (C{[[endpoints]]}, C{--endpoint}).
+
+    @ivar id: the replica id, unique among endpoints.
+    @ivar url: the engine's base URL, C{http://host:port}, no trailing slash
+        and without C{/v1}.
+    @ivar models: the model names clients may send for this replica (the
+        engine's served model names).
+    @ivar weight: relative share of traffic, > 0.
+    """
+
+    id: str
+    url: str
+    models: tuple[str, ...]
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """
+    What one client request used, for usage accounting.
+
+    @ivar latency: seconds from receipt to the last byte.
+    @ivar time_to_first_token: seconds from receipt to the first byte of the
+        replica's answer; L{None} when none came.
+    @ivar usage_estimated: the token counts are the router's estimate: the
+        engine's never came.
+    @ivar reserved_tokens: tokens held against the key while the request
+        ran.
+    """
+
+    request_id: str
+    upstream_request_id: str
+    model: str
+    replica: str | None
+    status: int
+    stream: bool
+    prompt_tokens: int
+    completion_tokens: int
+    latency: float
+    time_to_first_token: float | None
+    key_id: int | None = None
+    key_name: str | None = None
+    usage_estimated: bool = False
+    reserved_tokens: int = 0
+
+
+class UsageSink(Protocol):
+    """
+    Receives one L{RequestRecord} per finished request.
+    """
+
+    def record(self, record: RequestRecord) -> None:
+        """
+        Take the record of a finished request; must not raise.
+        """
+
+
+class Key(Protocol):
+    """
+    An API key as the router needs it.
+    """
+
+    @property
+    def id(self) -> int:
+        """
+        The key's id in the store.
+        """
+
+    @property
+    def name(self) -> str:
+        """
+        The key's name, for logs and usage records.
+        """
+
+    def allows(self, model: str, resolve: Callable[[str], str | None]) -> bool:
+        """
+        @param resolve: a name's catalog model, or L{None} (aliases count
+            as the model they name).
+        @return: whether the key may use C{model}.
+        """
+
+
+class Auth(Protocol):
+    """
+    API keys and their limits (L{llmgw.router.auth.KeyRing}).
+    """
+
+    def authenticate(self, header: bytes | None) -> Key | None:
+        """
+        @param header: the request's C{Authorization} value, or L{None}.
+        @return: the key, or L{None} when none is needed.
+        @raise llmgw.router.errors.APIError: 401.
+        """
+
+    def admit(self, key: Key, names: Sequence[str], reserve: int) -> None:
+        """
+        Count a request of C{key} for a model known by C{names}.
+
+        @param reserve: tokens to hold until L{used}.
+        @raise llmgw.router.errors.APIError: 403 or 429.
+        """
+
+    def used(self, key: Key, tokens: int, reserved: int) -> None:
+        """
+        Count a finished request's tokens; release its reservation.
+        """
+
+
+class Activator(Protocol):
+    """
+    Scale from zero: the catalog's names, and a replica started on demand
+    (L{llmgw.control.plane.ControlPlane}).
+    """
+
+    def resolve(self, name: str) -> str | None:
+        """
+        @return: the catalog model C{name} names, or L{None}.
+        """
+
+    def names(self) -> list[str]:
+        """
+        @return: every catalog name and alias.
+        """
+
+    def activate(self, name: str) -> Deferred[None]:
+        """
+        @return: fires once a replica of C{name} is ready; cancellable.
+        """
+
+    def touch(self, name: str) -> None:
+        """
+        A request for C{name} arrived (the model is not idle).
+        """
+
+    def why_not(self, name: str) -> str:
+        """
+        @return: why C{name} has no ready replica, for the client, or
+            C{""}.
+        """

@@ -1,0 +1,173 @@
+"""
+Request preparation, pure: a client's body parsed, checked and rewritten into
+what is sent to the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llmgw.router.errors import APIError, bad_request, model_not_found
+
+USAGE_STREAM_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
+"""
+Paths whose streams follow the chat/completions chunk format, where
+C{stream_options.include_usage} applies (OpenAI API reference).
+"""
+DEFAULT_RESERVED_COMPLETION = 256
+"""
+Completion tokens held against a key's budget for a request that sets no
+max_tokens, until its real count comes.
+"""
+_USAGE_MEMBER = b',"stream_options":{"include_usage":true}'
+
+
+def estimate_prompt_tokens(body: bytes) -> int:
+    """
+    @return: the prompt tokens of a request body, estimated: about 4 bytes
+        of request per token.
+    """
+    return len(body) // 4
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """
+    A request ready to send.
+
+    @ivar body: the body for the engine, JSON.
+    @ivar model: the catalog name engines serve (the requested name, or
+        the model an alias names).
+    @ivar requested_model: the name the client sent.
+    @ivar stream: whether the client asked for a stream.
+    @ivar strip_usage: the router asked for usage the client did not: the
+        usage-only chunk of the stream is to be left out.
+    @ivar max_tokens: the completion tokens the request may use, in
+        C{0..1,000,000}; L{DEFAULT_RESERVED_COMPLETION} when it sets none.
+    """
+
+    body: bytes
+    model: str
+    requested_model: str
+    stream: bool
+    strip_usage: bool
+    max_tokens: int
+
+    @property
+    def reserve(self) -> int:
+        """
+        Tokens to hold against a key while the request runs: its prompt
+        (estimated) and its C{max_tokens}.
+        """
+        return estimate_prompt_tokens(self.body) + self.max_tokens
+
+
+class Refused(Exception):
+    """
+    The request cannot be sent.
+
+    @ivar error: the answer for the client.
+    @ivar model: the model name read before the fault, or C{""}.
+    @ivar stream: the C{stream} flag read before the fault.
+    """
+
+    def __init__(self, error: APIError, model: str = "", stream: bool = False):
+        super().__init__(error)
+        self.error = error
+        self.model = model
+        self.stream = stream
+
+
+def prepare(
+    body: bytes,
+    path: bytes,
+    knows: Callable[[str], bool],
+    resolve: Callable[[str], str | None],
+) -> Prepared:
+    """
+    Parse and check a request body, and rewrite it for the engine: an alias
+    becomes its catalog name, and a stream on a L{USAGE_STREAM_PATHS} path
+    asks for usage (C{stream_options.include_usage}).  A body is written
+    again only when something in it changes other than the usage request of
+    a body without C{stream_options}, which gets one member more.
+
+    @param body: the client's body, bytes.
+    @param path: the request path, such as C{b"/v1/chat/completions"}.
+    @param knows: whether a model name is served or in the catalog.
+    @param resolve: a name's catalog model, or L{None}.
+    @raise Refused: a 400 for a malformed body, a 404 for an unknown model.
+    """
+    try:
+        payload = json.loads(body)
+    except ValueError as e:
+        raise Refused(
+            bad_request(f"The request body is not valid JSON: {e}.")
+        ) from None
+    except RecursionError:
+        raise Refused(bad_request("The request body is nested too deeply.")) from None
+    if not isinstance(payload, dict):
+        raise Refused(bad_request("The request body must be a JSON object."))
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise Refused(
+            bad_request("You must provide a model parameter (a string).", param="model")
+        )
+    limit = next(
+        (
+            payload[k]
+            for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+            if isinstance(payload.get(k), int) and not isinstance(payload.get(k), bool)
+        ),
+        DEFAULT_RESERVED_COMPLETION,
+    )
+    stream = payload.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise Refused(bad_request("'stream' must be a boolean.", param="stream"), model)
+    if not knows(model):
+        raise Refused(model_not_found(model), model, stream)
+    canonical = resolve(model)
+    target = model
+    rewrite = canonical is not None and canonical != model
+    if rewrite:
+        # An alias: engines serve the catalog name.
+        target = payload["model"] = str(canonical)
+    strip_usage = False
+    if stream and path in USAGE_STREAM_PATHS:
+        # Ask for usage so it can be accounted, and hide the chunk that
+        # carries it from a client that did not ask.
+        options = payload.get("stream_options")
+        if "stream_options" not in payload and not rewrite:
+            strip_usage = True
+            # The body stays as the client wrote it, with one member more
+            # before its closing brace (it parsed as a JSON object, so it
+            # ends with one).
+            end = body.rstrip().rfind(b"}")
+            body = body[:end] + _USAGE_MEMBER + body[end:]
+        elif options is not None and not isinstance(options, dict):
+            raise Refused(
+                bad_request(
+                    "'stream_options' must be an object.", param="stream_options"
+                ),
+                target,
+                stream,
+            )
+        elif options is None or not options.get("include_usage"):
+            payload["stream_options"] = {**(options or {}), "include_usage": True}
+            strip_usage = True
+            rewrite = True
+    if rewrite:
+        # ASCII escapes: any string JSON can hold encodes, lone surrogates
+        # included.
+        body = json.dumps(payload).encode("ascii")
+    return Prepared(
+        body=body,
+        model=target,
+        requested_model=model,
+        stream=stream,
+        strip_usage=strip_usage,
+        max_tokens=min(max(limit, 0), 1_000_000),
+    )

@@ -1,0 +1,121 @@
+"""
+The router's listening side: the L{Site} whose requests cap their body size,
+and the request ids every answer carries.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from urllib.parse import unquote_to_bytes
+
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+from twisted.web.server import Request, Site
+
+from llmgw.router.errors import bad_request
+
+JSON = b"application/json"
+"""
+The content type of the router's own answers.
+"""
+
+
+class LimitedRequest(Request):
+    """
+    A request that keeps at most C{max_body_size} bytes of its body, so an
+    oversized upload costs no memory and is answered with a 413 after it is
+    read (answering before would reset clients still sending).
+
+    @ivar body_too_large: whether the body passed C{max_body_size}; its
+        bytes were dropped.
+    @ivar request_id: the request's X-Request-ID, set when it is processed.
+    """
+
+    max_body_size = 32 * 1024 * 1024
+    body_too_large = False
+    _received = 0
+    request_id = b""
+
+    def process(self) -> None:
+        # Every answer carries X-Request-ID, errors from routing included.
+        self.request_id = request_id(self)
+        self.setHeader(b"x-request-id", self.request_id)  # type: ignore[no-untyped-call]
+        try:
+            unquote_to_bytes(self.path).decode("utf-8")
+        except UnicodeDecodeError:
+            # Klein would answer in HTML and log a traceback.
+            error = bad_request("The URL path is not valid UTF-8.")
+            self.setResponseCode(400)
+            self.setHeader(b"content-type", JSON)  # type: ignore[no-untyped-call]
+            self.write(error.body())  # type: ignore[no-untyped-call]
+            self.finish()  # type: ignore[no-untyped-call]
+            return
+        super().process()  # type: ignore[no-untyped-call]
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > self.max_body_size:
+            self.body_too_large = True
+            self.content = io.BytesIO()
+        else:
+            super().gotLength(length)  # type: ignore[no-untyped-call]
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.body_too_large:
+            return
+        self._received += len(data)
+        if self._received > self.max_body_size:
+            self.body_too_large = True
+            self.content = io.BytesIO()
+            return
+        assert self.content is not None
+        self.content.write(data)
+
+
+def make_site(resource: IResource, max_body_size: int) -> Site:
+    """
+    @param max_body_size: bytes of body a request may hold.
+    @return: a L{Site} for C{resource} whose requests are
+        L{LimitedRequest}s, without twisted.web's access log (the router
+        logs each request itself).
+    """
+
+    class _Request(LimitedRequest):
+        pass
+
+    _Request.max_body_size = max_body_size
+    # No form parsing: bodies are JSON, and parsing Content-Type through
+    # the email package cost 8% of the router's CPU per request.
+    site = Site(resource, requestFactory=_Request, parsePOSTFormSubmission=False)
+    site.log = lambda request: None  # type: ignore[method-assign]
+    return site
+
+
+def request_id(request: IRequest) -> bytes:
+    """
+    @return: the id of C{request}: its own X-Request-ID when that is at
+        most 200 printable ASCII characters without spaces, otherwise 32
+        new hex digits; ASCII.
+    """
+    given = request.getHeader(b"x-request-id")
+    if given and len(given) <= 200 and all(0x21 <= c <= 0x7E for c in given):
+        return bytes(given)
+    return os.urandom(16).hex().encode("ascii")
+
+
+def upstream_request_id(request_id: bytes) -> bytes:
+    """
+    The X-Request-ID to send to the engine: the request's own when it is a
+    UUID, otherwise a new UUID (logged beside the client's).
+    llama-cpp-python's server answers any other value with an empty 400
+    (its starlette-context request-id plugin validates UUIDs); vLLM and
+    SGLang take any string.
+
+    @param request_id: the request's id, ASCII.
+    """
+    try:
+        uuid.UUID(request_id.decode("ascii"))
+    except ValueError:
+        return os.urandom(16).hex().encode("ascii")
+    return request_id

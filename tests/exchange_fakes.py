@@ -1,0 +1,160 @@
+"""
+Fakes for in-process router tests: an L{IAgent} whose answers a test gives,
+a response whose body a test writes, and a client request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
+from zope.interface import implementer
+
+
+@implementer(IPushProducer)
+class FakeTransport:
+    """
+    The transport of a response body: stopping it closes the connection.
+    """
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.stopped = False
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+
+    def stopProducing(self) -> None:
+        self.stopped = True
+
+
+@implementer(IResponse)
+class FakeResponse:
+    """
+    A replica's answer; the test writes its body with L{write} and ends it
+    with L{end} or L{lose}.
+    """
+
+    version = (b"HTTP", 1, 1)
+    phrase = b"OK"
+    request = None
+    previousResponse = None
+
+    def __init__(
+        self, code: int, content_type: bytes, length: int | object = UNKNOWN_LENGTH
+    ) -> None:
+        self.code = code
+        self.headers = Headers({b"content-type": [content_type]})
+        self.length = length
+        self.transport = FakeTransport()
+        self.protocol: Protocol | None = None
+
+    def deliverBody(self, protocol: Protocol) -> None:
+        self.protocol = protocol
+        protocol.makeConnection(self.transport)  # type: ignore[arg-type]
+
+    def write(self, data: bytes) -> None:
+        assert self.protocol is not None
+        self.protocol.dataReceived(data)
+
+    def end(self) -> None:
+        assert self.protocol is not None
+        self.protocol.connectionLost(Failure(ResponseDone()))
+
+    def lose(self, reason: Exception) -> None:
+        assert self.protocol is not None
+        self.protocol.connectionLost(Failure(reason))
+
+    def setPreviousResponse(self, response: IResponse) -> None:
+        pass
+
+
+@dataclass
+class Sent:
+    """
+    One request the agent was asked to send.
+    """
+
+    uri: bytes
+    headers: Headers
+    body: bytes
+    answer: Deferred[IResponse]
+    cancelled: bool = False
+
+
+@implementer(IAgent)
+class FakeAgent:
+    """
+    Records each request; its answer waits for the test.
+    """
+
+    def __init__(self) -> None:
+        self.sent: list[Sent] = []
+
+    def request(
+        self,
+        method: bytes,
+        uri: bytes,
+        headers: Headers | None = None,
+        bodyProducer: IBodyProducer | None = None,
+    ) -> Deferred[IResponse]:
+        assert method == b"POST" and headers is not None
+        body = getattr(bodyProducer, "_data", b"")
+
+        def cancel(d: Deferred[IResponse]) -> None:
+            sent.cancelled = True
+
+        sent = Sent(uri, headers, body, Deferred(cancel))
+        self.sent.append(sent)
+        return sent.answer
+
+
+class FakePool:
+    """
+    A connection pool as far as L{llmgw.router.upstream.Upstream} reads it.
+    """
+
+    last_reused = False
+
+
+@dataclass
+class FakeRequest:
+    """
+    A client request as the exchange uses it.
+    """
+
+    headers: dict[bytes, bytes] = field(default_factory=dict)
+    code: int | None = None
+    response_headers: dict[bytes, bytes] = field(default_factory=dict)
+    written: list[bytes] = field(default_factory=list)
+    producer: Any = None
+    _disconnected: bool = False
+
+    def getHeader(self, name: bytes) -> bytes | None:
+        return self.headers.get(name.lower())
+
+    def setResponseCode(self, code: int) -> None:
+        self.code = code
+
+    def setHeader(self, name: bytes, value: bytes) -> None:
+        self.response_headers[name.lower()] = value
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        assert self.producer is None
+        self.producer = producer
+
+    def unregisterProducer(self) -> None:
+        self.producer = None

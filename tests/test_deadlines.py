@@ -1,0 +1,102 @@
+"""
+Phase deadlines on a fake clock.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.router.deadlines import Deadlines
+
+
+class DeadlinesTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.fired: list[str | None] = []
+
+    def deadlines(
+        self, first_byte: float = 10, idle: float = 3, total: float = 100
+    ) -> Deadlines:
+        deadlines = Deadlines(
+            self.clock,
+            lambda: self.fired.append(deadlines.expired),
+            connect=5,
+            first_byte=first_byte,
+            idle=idle,
+            total=total,
+        )
+        self.addCleanup(deadlines.stop)
+        return deadlines
+
+    def test_first_byte(self) -> None:
+        """
+        The first-byte phase expires after its seconds; the 504 names it.
+        """
+        deadlines = self.deadlines()
+        deadlines.start_total()
+        deadlines.start("first_byte")
+        self.clock.advance(9.9)
+        self.assertEqual(self.fired, [])
+        self.clock.advance(0.1)
+        self.assertEqual(self.fired, ["first_byte"])
+        error = deadlines.error()
+        self.assertEqual((error.status, error.code), (504, "first_byte_timeout"))
+        self.assertIn("10s", error.message)
+
+    def test_idle_restarts_on_bytes(self) -> None:
+        """
+        The idle phase starts over at each L{Deadlines.touch}; it ends the
+        first-byte phase.
+        """
+        deadlines = self.deadlines()
+        deadlines.start("first_byte")
+        self.clock.advance(5)
+        deadlines.start("idle")
+        for _ in range(5):
+            self.clock.advance(2.9)
+            deadlines.touch()
+        self.assertEqual(self.fired, [])
+        self.clock.advance(3)
+        self.assertEqual(self.fired, ["idle"])
+        self.assertEqual(deadlines.error().code, "idle_timeout")
+        self.assertIn("3s", deadlines.error().message)
+        # Touching after expiry is harmless.
+        deadlines.touch()
+
+    def test_total(self) -> None:
+        """
+        The total deadline runs across phases.
+        """
+        deadlines = self.deadlines(first_byte=60, idle=60, total=50)
+        deadlines.start_total()
+        deadlines.start("first_byte")
+        self.clock.advance(30)
+        deadlines.start("idle")
+        self.clock.advance(20)
+        self.assertEqual(self.fired, ["total"])
+        self.assertEqual(deadlines.error().code, "total_timeout")
+        self.assertIn("50s", deadlines.error().message)
+
+    def test_zero_is_off(self) -> None:
+        """
+        A duration of 0 sets no timer.
+        """
+        deadlines = self.deadlines(first_byte=0, idle=0, total=0)
+        deadlines.start_total()
+        deadlines.start("first_byte")
+        deadlines.start("idle")
+        deadlines.touch()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_stop(self) -> None:
+        """
+        L{Deadlines.stop} leaves no delayed call behind.
+        """
+        deadlines = self.deadlines()
+        deadlines.start_total()
+        deadlines.start("first_byte")
+        deadlines.stop()
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.clock.advance(1000)
+        self.assertEqual(self.fired, [])

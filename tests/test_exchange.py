@@ -1,0 +1,302 @@
+"""
+The exchange in process: a fake agent, a fake clock, fake requests.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+from prometheus_client import CollectorRegistry
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.task import Clock
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import ResponseNeverReceived
+from twisted.web.iweb import IRequest
+
+from llmgw.config import RouterConfig
+from llmgw.router.balancer import Balancer
+from llmgw.router.errors import APIError
+from llmgw.router.exchange import Exchange, Services
+from llmgw.router.interfaces import Endpoint
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.prepare import prepare
+from llmgw.router.upstream import Upstream, UpstreamConnectError
+from tests.exchange_fakes import FakeAgent, FakePool, FakeRequest, FakeResponse
+
+CHAT = b"/v1/chat/completions"
+SSE = b"text/event-stream"
+CHUNK = b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
+USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+DONE = b"data: [DONE]\n\n"
+SETTINGS = RouterConfig(
+    connect_timeout=5,
+    first_byte_timeout=10,
+    idle_timeout=3,
+    total_timeout=100,
+    max_retries=2,
+)
+
+
+class ExchangeTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.agent = FakeAgent()
+        self.pool = FakePool()
+        self.balancer = Balancer(self.clock, 10.0)
+        self.balancer.set_endpoints(
+            [Endpoint("r1", "http://a:1", ("m",)), Endpoint("r2", "http://b:2", ("m",))]
+        )
+        self.request = FakeRequest()
+        self.metrics = RouterMetrics(CollectorRegistry())
+
+    def start(
+        self, stream: bool = False, settings: RouterConfig = SETTINGS
+    ) -> tuple[Exchange, Deferred[bytes | None]]:
+        """
+        Start an exchange for model C{m}.
+        """
+        services = Services(
+            clock=self.clock,
+            settings=settings,
+            balancer=self.balancer,
+            upstream=Upstream(self.agent, self.pool),  # type: ignore[arg-type]
+            metrics=self.metrics,
+            activator=None,
+            activating={},
+            log=Logger(),
+        )
+        body = json.dumps({"model": "m", "stream": stream}).encode()
+        prepared = prepare(body, CHAT, lambda m: m == "m", lambda m: None)
+        exchange = Exchange(
+            services, cast(IRequest, self.request), CHAT, prepared, b"id", b"uid"
+        )
+        done = Deferred.fromCoroutine(exchange.run())
+
+        def finish(result: object) -> object:
+            exchange.finish()
+            return result
+
+        done.addBoth(finish)
+        self.addCleanup(lambda: self.assertEqual(self.clock.getDelayedCalls(), []))
+        return exchange, done
+
+    def error_of(self, done: Deferred[Any]) -> APIError:
+        return self.failureResultOf(done, APIError).value  # type: ignore[return-value]
+
+    def answer(
+        self, index: int, code: int = 200, content_type: bytes = b"application/json"
+    ) -> FakeResponse:
+        response = FakeResponse(code, content_type)
+        self.agent.sent[index].answer.callback(response)
+        return response
+
+    def retries(self) -> float:
+        return sum(
+            s.value
+            for m in self.metrics.retries.collect()
+            for s in m.samples
+            if s.name.endswith("_total")
+        )
+
+    def test_whole_answer(self) -> None:
+        """
+        A whole answer is returned with its usage; the engine got the
+        body, the upstream id and the accept header.
+        """
+        self.request.headers[b"accept"] = b"application/json"
+        exchange, done = self.start()
+        sent = self.agent.sent[0]
+        self.assertEqual(sent.uri, b"http://a:1" + CHAT)
+        self.assertEqual(sent.headers.getRawHeaders(b"x-request-id"), [b"uid"])
+        self.assertEqual(json.loads(sent.body), {"model": "m", "stream": False})
+        response = self.answer(0)
+        self.clock.advance(1)
+        response.write(b'{"usage": {"prompt_tokens": 4}}')
+        response.end()
+        self.assertEqual(self.successResultOf(done), b'{"usage": {"prompt_tokens": 4}}')
+        self.assertEqual(exchange.usage, {"prompt_tokens": 4})
+        self.assertEqual(exchange.first_byte_at, 1)
+        self.assertEqual(self.request.code, 200)
+
+    def test_first_byte_deadline(self) -> None:
+        """
+        No answer within first_byte_timeout: a 504 naming the phase, the
+        upstream request cancelled, no retry.
+        """
+        _, done = self.start()
+        self.clock.advance(9.9)
+        self.assertNoResult(done)
+        self.clock.advance(0.1)
+        error = self.error_of(done)
+        self.assertEqual((error.status, error.code), (504, "first_byte_timeout"))
+        self.assertTrue(self.agent.sent[0].cancelled)
+        self.assertEqual(len(self.agent.sent), 1)
+
+    def test_first_byte_deadline_headers_without_body(self) -> None:
+        """
+        Headers without a body byte do not end the first-byte phase.
+        """
+        _, done = self.start()
+        response = self.answer(0)
+        self.clock.advance(10)
+        self.assertEqual(self.error_of(done).code, "first_byte_timeout")
+        self.assertTrue(response.transport.stopped)
+
+    def test_idle_deadline(self) -> None:
+        """
+        A stream that stalls for idle_timeout ends with an error event; bytes
+        within it keep it going.
+        """
+        _, done = self.start(stream=True)
+        response = self.answer(0, content_type=SSE)
+        for _ in range(4):
+            response.write(CHUNK)
+            self.clock.advance(2.9)
+        self.assertNoResult(done)
+        self.clock.advance(0.1)
+        self.assertIsNone(self.successResultOf(done))
+        self.assertEqual(self.request.written[:4], [CHUNK] * 4)
+        last = json.loads(self.request.written[-1][len(b"data: ") :])
+        self.assertEqual(last["error"]["code"], "idle_timeout")
+        self.assertTrue(response.transport.stopped)
+
+    def test_total_deadline(self) -> None:
+        """
+        The total deadline ends a stream whose chunks keep coming.
+        """
+        settings = RouterConfig(first_byte_timeout=10, idle_timeout=3, total_timeout=20)
+        _, done = self.start(stream=True, settings=settings)
+        response = self.answer(0, content_type=SSE)
+        for _ in range(10):
+            response.write(CHUNK)
+            self.clock.advance(2)
+        last = json.loads(self.request.written[-1][len(b"data: ") :])
+        self.assertEqual(last["error"]["code"], "total_timeout")
+        self.assertIsNone(self.successResultOf(done))
+
+    def test_retry_stale_pooled_connection(self) -> None:
+        """
+        A pooled connection closed before any answer byte: the request goes
+        to another replica, once.
+        """
+        self.pool.last_reused = True
+        _, done = self.start()
+        self.agent.sent[0].answer.errback(ResponseNeverReceived([Failure(OSError())]))
+        self.assertEqual(len(self.agent.sent), 2)
+        self.assertNotEqual(self.agent.sent[1].uri, self.agent.sent[0].uri)
+        self.agent.sent[1].answer.errback(ResponseNeverReceived([Failure(OSError())]))
+        self.assertEqual(self.error_of(done).status, 502)
+        self.assertEqual(len(self.agent.sent), 2)
+        self.assertEqual(self.retries(), 1)
+
+    def test_new_connection_not_retried(self) -> None:
+        """
+        A new connection closed before any answer byte: the engine had the
+        request; it is not sent again.
+        """
+        _, done = self.start()
+        self.agent.sent[0].answer.errback(ResponseNeverReceived([Failure(OSError())]))
+        self.assertEqual(self.error_of(done).status, 502)
+        self.assertEqual(len(self.agent.sent), 1)
+
+    def test_retry_connect_and_503(self) -> None:
+        """
+        A refused connection and a 503 are retried on other replicas, within
+        max_retries; the answer of the last try is the client's.
+        """
+        self.balancer.set_endpoints(
+            [Endpoint(f"r{i}", f"http://h{i}:1", ("m",)) for i in range(4)]
+        )
+        _, done = self.start()
+        self.agent.sent[0].answer.errback(UpstreamConnectError("refused", False))
+        self.answer(1, code=503).end()
+        self.assertEqual(len(self.agent.sent), 3)
+        response = self.answer(2)
+        response.write(b"{}")
+        response.end()
+        self.assertEqual(self.successResultOf(done), b"{}")
+        self.assertEqual(len({s.uri for s in self.agent.sent}), 3)
+        self.assertEqual(self.retries(), 2)
+
+    def test_no_retry_after_first_byte(self) -> None:
+        """
+        Once a byte of the answer came, a broken exchange is not retried:
+        a stream ends with an error event, a whole answer with a 502.
+        """
+        _, done = self.start(stream=True)
+        response = self.answer(0, content_type=SSE)
+        response.write(CHUNK)
+        response.lose(OSError("reset"))
+        self.assertIsNone(self.successResultOf(done))
+        self.assertEqual(len(self.agent.sent), 1)
+        last = json.loads(self.request.written[-1][len(b"data: ") :])
+        self.assertEqual(last["error"]["code"], "upstream_error")
+
+        self.request = FakeRequest()
+        _, done = self.start()
+        response = self.answer(1)
+        response.write(b'{"partial"')
+        response.lose(OSError("reset"))
+        self.assertEqual(self.error_of(done).status, 502)
+        self.assertEqual(len(self.agent.sent), 2)
+
+    def test_relay_strips_usage(self) -> None:
+        """
+        A stream whose client did not ask for usage is relayed without its
+        usage-only chunk, however the engine cuts it; the usage is kept, and
+        a slow client holds back the engine.
+        """
+        exchange, done = self.start(stream=True)
+        self.assertIn(b'"include_usage"', self.agent.sent[0].body)
+        response = self.answer(0, content_type=SSE)
+        self.assertEqual(self.request.response_headers[b"content-type"], SSE)
+        self.assertIs(self.request.producer, response.transport)
+        stream = CHUNK + CHUNK + USAGE + DONE
+        response.write(stream[:5])
+        self.assertEqual(self.request.written, [])
+        for i in range(5, len(stream), 9):
+            response.write(stream[i : i + 9])
+        response.end()
+        self.assertIsNone(self.successResultOf(done))
+        self.assertEqual(b"".join(self.request.written), CHUNK + CHUNK + DONE)
+        self.assertEqual(exchange.usage, {"prompt_tokens": 3, "completion_tokens": 2})
+        self.assertEqual(exchange.events_relayed, 3)
+        self.assertIsNone(self.request.producer)
+
+    def test_stream_cut_mid_event(self) -> None:
+        """
+        A stream that ends inside an event ends with an error event instead
+        of the half event.
+        """
+        _, done = self.start(stream=True)
+        response = self.answer(0, content_type=SSE)
+        response.write(CHUNK + b'data: {"cho')
+        response.end()
+        self.assertIsNone(self.successResultOf(done))
+        self.assertEqual(self.request.written[0], CHUNK)
+        self.assertIn(b"in the middle of an event", self.request.written[-1])
+
+    def test_disconnect_cancels_upstream(self) -> None:
+        """
+        A client that leaves mid-stream (Klein cancels the handler) closes
+        the upstream connection; one that leaves before the answer cancels
+        the upstream request.
+        """
+        _, done = self.start(stream=True)
+        response = self.answer(0, content_type=SSE)
+        response.write(CHUNK)
+        self.request._disconnected = True
+        done.cancel()
+        self.failureResultOf(done, CancelledError)
+        self.assertTrue(response.transport.stopped)
+
+        self.request = FakeRequest()
+        _, done = self.start()
+        self.request._disconnected = True
+        done.cancel()
+        self.failureResultOf(done, CancelledError)
+        self.assertTrue(self.agent.sent[1].cancelled)
+        self.assertEqual(len(self.agent.sent), 2)

@@ -1,0 +1,200 @@
+"""
+Request preparation: bodies parsed, checked and rewritten for the engine.
+"""
+
+from __future__ import annotations
+
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.router.prepare import (
+    DEFAULT_RESERVED_COMPLETION,
+    Refused,
+    estimate_prompt_tokens,
+    prepare,
+)
+
+CHAT = b"/v1/chat/completions"
+EMBED = b"/v1/embeddings"
+# Served names: "m" (a catalog model), "alias" (names "m"), "static" (a
+# replica outside the catalog).
+ALIASES = {"m": "m", "alias": "m"}
+
+
+def knows(name: str) -> bool:
+    return name in ALIASES or name == "static"
+
+
+def _prepare(body: bytes, path: bytes = CHAT):  # type: ignore[no-untyped-def]
+    return prepare(body, path, knows, ALIASES.get)
+
+
+class RefusedTests(SynchronousTestCase):
+    def test_refusals(self) -> None:
+        """
+        Each malformed body is refused with its status, code and param, and
+        the model and stream flag read before the fault.
+        """
+        table: list[tuple[bytes, int, str | None, str | None, str, bool]] = [
+            # body, status, code, param, model, stream
+            (b"{", 400, None, None, "", False),
+            (b"[" * 100_000, 400, None, None, "", False),
+            (b"[1]", 400, None, None, "", False),
+            (b"{}", 400, None, "model", "", False),
+            (b'{"model": ""}', 400, None, "model", "", False),
+            (b'{"model": 3}', 400, None, "model", "", False),
+            (b'{"model": "m", "stream": "yes"}', 400, None, "stream", "m", False),
+            (b'{"model": "nope"}', 404, "model_not_found", "model", "nope", False),
+            (
+                b'{"model": "nope", "stream": true}',
+                404,
+                "model_not_found",
+                "model",
+                "nope",
+                True,
+            ),
+            (
+                b'{"model": "alias", "stream": true, "stream_options": 1}',
+                400,
+                None,
+                "stream_options",
+                "m",
+                True,
+            ),
+        ]
+        for body, status, code, param, model, stream in table:
+            with self.assertRaises(Refused) as raised:
+                _prepare(body)
+            refused = raised.exception
+            self.assertEqual(
+                (
+                    refused.error.status,
+                    refused.error.code,
+                    refused.error.param,
+                    refused.model,
+                    refused.stream,
+                ),
+                (status, code, param, model, stream),
+            )
+
+    def test_messages(self) -> None:
+        """
+        The messages say what is wrong.
+        """
+        for body, message in [
+            (b"{", "The request body is not valid JSON: "),
+            (b"[" * 100_000, "The request body is nested too deeply."),
+            (b"1", "The request body must be a JSON object."),
+            (b"{}", "You must provide a model parameter (a string)."),
+            (b'{"model":"m","stream":1}', "'stream' must be a boolean."),
+        ]:
+            with self.assertRaises(Refused) as raised:
+                _prepare(body)
+            self.assertTrue(
+                raised.exception.error.message.startswith(message),
+                raised.exception.error.message,
+            )
+
+
+class PreparedTests(SynchronousTestCase):
+    def test_rewrites(self) -> None:
+        """
+        The body sent, the model engines see, and whether the usage chunk is
+        left out, for each kind of body.
+        """
+        usage = b',"stream_options":{"include_usage":true}'
+        table: list[tuple[bytes, bytes, bytes | None, str, bool]] = [
+            # body, path, the body sent (None: unchanged), model, strip
+            (b'{"model":"m"}', CHAT, b'{"model":"m"}', "m", False),
+            (b'{"model":"static"}', CHAT, b'{"model":"static"}', "static", False),
+            (b'{"model":"m","stream":null}', CHAT, None, "m", False),
+            (b'{"model":"m","stream":false}', CHAT, None, "m", False),
+            # One member more, the rest as the client wrote it.
+            (
+                b'{"model": "m", "stream": true}  \n',
+                CHAT,
+                b'{"model": "m", "stream": true' + usage + b"}  \n",
+                "m",
+                True,
+            ),
+            # Not a path with a usage chunk: unchanged.
+            (b'{"model":"m","stream":true}', EMBED, None, "m", False),
+            # Asked for: unchanged, not stripped.
+            (
+                b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}',
+                CHAT,
+                None,
+                "m",
+                False,
+            ),
+            (b'{"model":"alias"}', CHAT, b'{"model": "m"}', "m", False),
+            (
+                b'{"model":"alias","stream":true}',
+                CHAT,
+                b'{"model": "m", "stream": true, "stream_options":'
+                b' {"include_usage": true}}',
+                "m",
+                True,
+            ),
+            (
+                b'{"model":"m","stream":true,"stream_options":{"x":1}}',
+                CHAT,
+                b'{"model": "m", "stream": true, "stream_options":'
+                b' {"x": 1, "include_usage": true}}',
+                "m",
+                True,
+            ),
+            (
+                b'{"model":"m","stream":true,"stream_options":null}',
+                CHAT,
+                b'{"model": "m", "stream": true, "stream_options":'
+                b' {"include_usage": true}}',
+                "m",
+                True,
+            ),
+            # Lone surrogates survive the rewrite, escaped.
+            (
+                b'{"model":"alias","x":"\\ud800"}',
+                CHAT,
+                b'{"model": "m", "x": "\\ud800"}',
+                "m",
+                False,
+            ),
+        ]
+        for body, path, sent, model, strip in table:
+            prepared = _prepare(body, path)
+            self.assertEqual(prepared.body, body if sent is None else sent)
+            self.assertEqual(prepared.model, model)
+            self.assertEqual(prepared.requested_model, json.loads(body)["model"])
+            self.assertEqual(prepared.strip_usage, strip)
+            json.loads(prepared.body)
+
+    def test_max_tokens(self) -> None:
+        """
+        The completion limit is the first integer of max_completion_tokens,
+        max_tokens and max_output_tokens, clamped to 0..1,000,000; booleans
+        are not integers.
+        """
+        for extra, expected in [
+            ("", DEFAULT_RESERVED_COMPLETION),
+            (',"max_tokens":10', 10),
+            (',"max_tokens":10,"max_completion_tokens":20', 20),
+            (',"max_output_tokens":30', 30),
+            (',"max_tokens":true', DEFAULT_RESERVED_COMPLETION),
+            (',"max_tokens":"5"', DEFAULT_RESERVED_COMPLETION),
+            (',"max_tokens":-5', 0),
+            (',"max_tokens":10000000', 1_000_000),
+        ]:
+            body = ('{"model":"m"' + extra + "}").encode()
+            prepared = _prepare(body)
+            self.assertEqual(prepared.max_tokens, expected)
+            self.assertEqual(prepared.reserve, estimate_prompt_tokens(body) + expected)
+
+    def test_estimate(self) -> None:
+        """
+        About 4 bytes of request per prompt token.
+        """
+        self.assertEqual(
+            [estimate_prompt_tokens(b"x" * n) for n in (0, 3, 4, 9)], [0, 0, 1, 2]
+        )

@@ -1,0 +1,169 @@
+"""
+The stream relay's usage filter, fed whole, chunk by chunk and one byte at a
+time.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.router.relay import StreamCut, UsageFilter
+from llmgw.router.sse import EventTooLarge
+
+CHUNK = b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
+USAGE_ONLY = (
+    b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+)
+DONE = b"data: [DONE]\n\n"
+STREAM = CHUNK + CHUNK + USAGE_ONLY + DONE
+# Odd line endings and comments: the general path.
+MIXED = (
+    b": comment\r\n\r\n"
+    + CHUNK.replace(b"\n", b"\r\n")
+    + USAGE_ONLY.replace(b"\n\n", b"\r\r")
+    + DONE
+)
+MIXED_STRIPPED = b": comment\r\n\r\n" + CHUNK.replace(b"\n", b"\r\n") + DONE
+
+
+def relay(pieces: list[bytes], strip: bool) -> tuple[bytes, UsageFilter]:
+    usage_filter = UsageFilter(1024 * 1024, strip)
+    out = b"".join(usage_filter.feed(piece) for piece in pieces)
+    return out + usage_filter.end(), usage_filter
+
+
+def cuttings(stream: bytes) -> dict[str, list[bytes]]:
+    """
+    @return: C{stream} cut whole, one byte at a time, in pieces of 7
+        bytes, and after each blank line (as engines write).
+    """
+    parts = stream.split(b"\n\n")
+    events = [part + b"\n\n" for part in parts[:-1]] + [parts[-1]]
+    return {
+        "whole": [stream],
+        "bytes": [stream[i : i + 1] for i in range(len(stream))],
+        "sevens": [stream[i : i + 7] for i in range(0, len(stream), 7)],
+        "events": events,
+    }
+
+
+class UsageFilterTests(SynchronousTestCase):
+    def test_strip(self) -> None:
+        """
+        With strip on, the usage-only chunk is left out and its usage kept,
+        however the stream is cut.
+        """
+        for stream, expected in (
+            (STREAM, CHUNK + CHUNK + DONE),
+            (MIXED, MIXED_STRIPPED),
+        ):
+            for how, pieces in cuttings(stream).items():
+                out, usage_filter = relay(pieces, strip=True)
+                self.assertEqual(out, expected, how)
+                self.assertEqual(
+                    usage_filter.usage,
+                    {"prompt_tokens": 3, "completion_tokens": 2},
+                    how,
+                )
+
+    def test_keep(self) -> None:
+        """
+        With strip off, every byte passes, and the usage is read.
+        """
+        for stream in (STREAM, MIXED):
+            for how, pieces in cuttings(stream).items():
+                out, usage_filter = relay(pieces, strip=False)
+                self.assertEqual(out, stream, how)
+                self.assertEqual(
+                    usage_filter.usage, {"prompt_tokens": 3, "completion_tokens": 2}
+                )
+
+    def test_whole_events_only(self) -> None:
+        """
+        Bytes of an event come out only once the event is whole.
+        """
+        usage_filter = UsageFilter(1024, strip=True)
+        self.assertEqual(usage_filter.feed(CHUNK[:10]), b"")
+        self.assertEqual(usage_filter.feed(CHUNK[10:] + CHUNK[:5]), CHUNK)
+        self.assertEqual(usage_filter.feed(CHUNK[5:]), CHUNK)
+
+    def test_fast_path_no_copy(self) -> None:
+        """
+        A piece of whole events without usage comes out as the same object;
+        one with a usage object that stays comes out whole too.
+        """
+        usage_filter = UsageFilter(1024, strip=True)
+        piece = CHUNK + CHUNK
+        self.assertIs(usage_filter.feed(piece), piece)
+        kept = UsageFilter(1024, strip=False)
+        piece = CHUNK + USAGE_ONLY
+        self.assertIs(kept.feed(piece), piece)
+        self.assertIsNotNone(kept.usage)
+
+    def test_usage_in_chunk_with_choices(self) -> None:
+        """
+        A usage object on a chunk with choices is read and the chunk kept.
+        """
+        chunk = b'data: {"choices":[{"delta":{}}],"usage":{"prompt_tokens":1}}\n\n'
+        for how, pieces in cuttings(chunk + DONE).items():
+            out, usage_filter = relay(pieces, strip=True)
+            self.assertEqual(out, chunk + DONE, how)
+            self.assertEqual(usage_filter.usage, {"prompt_tokens": 1})
+
+    def test_end_whole_lines(self) -> None:
+        """
+        A stream that ends after whole lines, without the blank line, passes
+        them on at the end.
+        """
+        usage_filter = UsageFilter(1024, strip=False)
+        self.assertEqual(usage_filter.feed(CHUNK + b"data: x\n"), CHUNK)
+        self.assertEqual(usage_filter.end(), b"data: x\n")
+        self.assertEqual(usage_filter.end(), b"")
+
+    def test_end_cut(self) -> None:
+        """
+        A stream that ends inside a line is cut: L{UsageFilter.end} raises,
+        and what came before the event passed.
+        """
+        for how, pieces in cuttings(CHUNK + b'data: {"cho').items():
+            usage_filter = UsageFilter(1024, strip=False)
+            out = b"".join(usage_filter.feed(piece) for piece in pieces)
+            self.assertEqual(out, CHUNK, how)
+            self.assertRaises(StreamCut, usage_filter.end)
+
+    def test_event_too_large(self) -> None:
+        """
+        An event past the limit raises the parser's L{EventTooLarge}.
+        """
+        usage_filter = UsageFilter(100, strip=False)
+        self.assertRaises(EventTooLarge, usage_filter.feed, b"data: " + b"x" * 200)
+
+
+class UsageFilterPropertyTests(SynchronousTestCase):
+    @settings(max_examples=200, deadline=None)
+    @given(
+        st.lists(st.sampled_from([CHUNK, USAGE_ONLY, DONE, b": c\n\n"]), max_size=8),
+        st.lists(st.integers(min_value=0, max_value=400), max_size=10),
+        st.booleans(),
+    )
+    def test_cut_anywhere(
+        self, events: list[bytes], cuts: list[int], strip: bool
+    ) -> None:
+        """
+        However a stream of whole events is cut, the bytes passed on and the
+        usage found are those of the whole stream fed at once.
+        """
+        stream = b"".join(events)
+        points = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+        pieces = [stream[a:b] for a, b in zip(points, points[1:], strict=False)]
+        self.assertEqual(relay(pieces, strip)[0], relay([stream], strip)[0])
+        self.assertEqual(relay(pieces, strip)[1].usage, relay([stream], strip)[1].usage)
+        # Comments since the event before go with the chunk left out: the
+        # filter cuts at event ends.
+        left_out = re.compile(rb"(?:: c\n\n)*" + re.escape(USAGE_ONLY))
+        expected = left_out.sub(b"", stream) if strip else stream
+        self.assertEqual(relay(pieces, strip)[0], expected)

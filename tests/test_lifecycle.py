@@ -25,6 +25,20 @@ from llmgw.server.lifecycle import STOP_STEPS, Lifecycle
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import encode_frame
 
+ORDER = [
+    "listeners stop accepting",
+    "router drain",
+    "reconciler stop",
+    "agent links closed",
+    "usage flushed",
+    "local engines stopped",
+    "connection pools closed",
+    "store closed",
+]
+"""
+The server's stop as issue 9 and the makeService docstring tell it.
+"""
+
 
 class _Recorder(Service):
     def __init__(self, name: str, record: list[str], wait: Deferred[None] | None):
@@ -180,6 +194,23 @@ class MakeServiceStopTests(TestCase):
         globalLogPublisher.addObserver(events.append)
         self.addCleanup(globalLogPublisher.removeObserver, events.append)
         top = makeService(options)
+        assert isinstance(top, Lifecycle)
+        self.assertEqual(
+            [
+                (step, [type(s).__name__ for s in services])
+                for step, services in top.steps()
+            ],
+            [
+                (ORDER[0], ["ListeningService"] * 3),
+                (ORDER[1], ["DrainService"]),
+                (ORDER[2], ["Loop"]),
+                (ORDER[3], ["LinksService"]),
+                (ORDER[4], ["StoreUsageSink"]),
+                (ORDER[5], []),
+                (ORDER[6], ["PoolService"]),
+                (ORDER[7], ["StoreService"]),
+            ],
+        )
         top.startService()
         self.addCleanup(lambda: top.stopService() if top.running else None)
         (agent_port,) = [
@@ -198,7 +229,7 @@ class MakeServiceStopTests(TestCase):
         yield top.stopService()
         yield agent.lost
         expected = []
-        for step in STOP_STEPS:
+        for step in ORDER:
             expected += [("stopping", step), ("stopped", step)]
         self.assertEqual(_steps(events), expected)
         formats = [(e.get("log_format"), e.get("step")) for e in events]

@@ -80,6 +80,12 @@ class Lifecycle(MultiService):
         for service in services:
             service.setServiceParent(self)
 
+    def steps(self) -> list[tuple[str, list[IService]]]:
+        """
+        @return: each step of L{STOP_STEPS} with its services, in order.
+        """
+        return [(step, list(self._steps[step])) for step in STOP_STEPS]
+
     def startService(self) -> None:
         Service.startService(self)
         for step in reversed(STOP_STEPS):

@@ -31,11 +31,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy llmgw
 
+# By name, so that a new module is never left out: tests/test_e2e_*.py start
+# real daemons (minutes); every other tests/test_*.py is the rest.  The two
+# together are `make test`'s `trial tests`.
+E2E_TESTS := $(basename $(subst /,.,$(wildcard tests/test_e2e_*.py)))
+UNIT_TESTS := $(filter-out $(E2E_TESTS),$(basename $(subst /,.,$(wildcard tests/test_*.py))))
+
 unit: $(STAMP)
-	$(BIN)/trial -j$(JOBS) tests.test_sse tests.test_balancer tests.test_config tests.test_usage tests.test_sim tests.test_sim_site tests.test_sim_listening tests.test_wire tests.test_certs tests.test_placement tests.test_catalog tests.test_loop
+	$(BIN)/trial -j$(JOBS) $(UNIT_TESTS)
 
 e2e: $(STAMP)
-	$(BIN)/trial -j$(JOBS) tests.test_e2e_router tests.test_e2e_llamacpp
+	$(BIN)/trial -j$(JOBS) $(E2E_TESTS)
 
 # Regenerate llmgw/wire/agent_pb2.py(i) after editing proto/llmgw/v1/agent.proto
 # (tests/test_wire.py fails while the checked-in code is stale).

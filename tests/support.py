@@ -22,6 +22,32 @@ BIN = os.path.dirname(sys.executable)
 TWISTD = os.path.join(BIN, "twistd")
 
 
+_home: list[str] = []
+
+
+def hermetic_env() -> dict[str, str]:
+    """
+    The environment for a child process of a test: this process's, with
+    C{HOME} and the XDG folders in a temporary folder of its own (made on
+    first use, one per test process).  A daemon that falls back to its
+    default state directory, C{~/.local/state/llmgw}, then never reads or
+    writes the user's, nor meets the lock of a server the user runs there
+    (a C{make run} in another terminal).  The user's C{LLMGW_*} variables
+    (C{llmgw ctl}'s admin URL and key) are left out too.
+
+    @return: a new dict, for C{subprocess}'s C{env}.
+    """
+    if not _home:
+        _home.append(tempfile.mkdtemp(prefix="llmgw-home-"))
+    home = _home[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMGW_")}
+    env["HOME"] = home
+    env["XDG_STATE_HOME"] = os.path.join(home, ".local", "state")
+    env["XDG_CONFIG_HOME"] = os.path.join(home, ".config")
+    env["XDG_DATA_HOME"] = os.path.join(home, ".local", "share")
+    return env
+
+
 def free_port() -> int:
     """
     A TCP port on 127.0.0.1 that was free a moment ago (for programs that
@@ -102,6 +128,7 @@ def spawn(argv: list[str], directory: str, name: str) -> Process:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=directory,
+            env=hermetic_env(),
         )
     return Process(popen, log_path)
 
@@ -228,6 +255,7 @@ def make_certs(directory: str, hosts: str, nodes: list[str]) -> str:
             check=True,
             timeout=60,
             capture_output=True,
+            env=hermetic_env(),
         )
     return ca
 

@@ -25,14 +25,18 @@ from twisted.internet.ssl import (
 from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 
-from tests.support import BIN
+from tests.support import BIN, hermetic_env
 
 LLMGW = os.path.join(BIN, "llmgw")
 
 
 def certs(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [LLMGW, "certs", *args], capture_output=True, text=True, timeout=60
+        [LLMGW, "certs", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=hermetic_env(),
     )
 
 

@@ -29,6 +29,7 @@ from tests.support import (
     Process,
     Processes,
     free_port,
+    hermetic_env,
     http,
     make_certs,
     spawn_agent,
@@ -442,6 +443,7 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
             capture_output=True,
             text=True,
             timeout=60,
+            env=hermetic_env(),
         )
         self.assertEqual(done.returncode, 0, done.stderr)
         (back,) = [n for n in self.admin("/api/v1/nodes")["nodes"] if n["id"] == node]

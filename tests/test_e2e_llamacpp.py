@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -17,6 +18,7 @@ import urllib.request
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.server.lifecycle import STOP_STEPS
 from tests.support import Processes, free_port, http, spawn
 
 MODEL = "gemma-3-270m"
@@ -166,3 +168,11 @@ class LocalModeTests(SynchronousTestCase, Processes):
             time.sleep(0.1)
         else:
             self.fail(f"engine pid {pid} still running after the server stopped")
+        # The stop's named steps, in order, the engine stopped in its own.
+        output = server.output()
+        self.assertEqual(
+            re.findall(r"stopping: (.+)$", output, re.MULTILINE), list(STOP_STEPS)
+        )
+        engines = output.index("--local: stopping 1 engines")
+        self.assertLess(output.index("stopping: local engines stopped"), engines)
+        self.assertLess(engines, output.index("stopped: local engines stopped in "))

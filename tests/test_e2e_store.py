@@ -19,7 +19,7 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import BIN, Processes, http
+from tests.support import BIN, Processes, hermetic_env, http
 from tests.test_e2e_control import MODELS, _Fleet
 
 CHAT = [{"role": "user", "content": "count the tokens"}]
@@ -34,6 +34,7 @@ class _Ctl:
             capture_output=True,
             text=True,
             timeout=60,
+            env=hermetic_env(),
         )
         if ok and done.returncode != 0:
             raise AssertionError(f"llmgw ctl {' '.join(args)}: {done.stderr}")
@@ -309,6 +310,7 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
             capture_output=True,
             text=True,
             timeout=60,
+            env=hermetic_env(),
         )
         self.assertEqual(done.returncode, 1)
         self.assertEqual(len(done.stderr.splitlines()), 1)

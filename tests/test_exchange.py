@@ -5,6 +5,8 @@ The exchange in process: a fake agent, a fake clock, fake requests.
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Sequence
 from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
@@ -40,12 +42,19 @@ SETTINGS = RouterConfig(
 )
 
 
+class _FirstChoice(random.Random):
+    def choice(self, seq: Sequence[Any]) -> Any:
+        return seq[0]
+
+
 class ExchangeTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.agent = FakeAgent()
         self.pool = FakePool()
-        self.balancer = Balancer(self.clock, 10.0)
+        # Ties go to the first replica listed, so that each test knows which
+        # replica its first attempt reaches.
+        self.balancer = Balancer(self.clock, 10.0, rng=_FirstChoice())
         self.balancer.set_endpoints(
             [Endpoint("r1", "http://a:1", ("m",)), Endpoint("r2", "http://b:2", ("m",))]
         )

@@ -1,12 +1,25 @@
 """
 GPU discovery through NVML (the C{pynvml} module of the C{nvidia-ml-py}
-package), plus GPUs simulated from the configuration.
+package), plus GPUs simulated from the configuration; and the GPUs' state
+for the heartbeats: memory in use, and problems.
+
+NVML is initialised once, at start (L{Nvml.start}), and every later call is
+made in a thread (L{GpuMonitor}): an NVML call can block for seconds on a
+GPU in trouble, and the reactor thread sends the heartbeats.
+
+A GPU's problems are what makes the server's placement avoid it (they stay
+on its record until the agent registers again): an NVML call that fails
+for that GPU (C{"nvml memory info: GPU is lost"}) and the Xid errors NVML
+reports as critical events (C{"xid 79"}), but for the Xids an application
+causes on a healthy GPU (L{APPLICATION_XIDS}).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from llmgw.wire import agent_pb2 as pb
@@ -14,40 +27,146 @@ from llmgw.wire import agent_pb2 as pb
 log = Logger()
 _MIB = 1024 * 1024
 
+MAX_PROBLEMS = 16
+"""
+Problems an agent keeps per GPU; later ones are dropped.
+"""
 
-def nvml_gpus() -> list[pb.Gpu]:
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
+"""
+Xids that a faulty program causes, not the GPU (graphics exception, memory
+page fault, stopped processing, preemptive cleanup, video decoder
+exception): not problems of the GPU.
+"""
+
+_MAX_EVENTS = 64
+_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+_ERROR_TIMEOUT = 10  # NVML_ERROR_TIMEOUT
+
+
+def load_nvml() -> Any:
     """
-    @return: the GPUs NVML sees, memory in MiB; none where NVML is missing
-        (no driver, no library), which is logged once by the caller.
-    @raise RuntimeError: NVML is not available, with the reason.
+    @return: the C{pynvml} module.
+    @raise RuntimeError: it is not installed.
     """
     try:
         import pynvml
     except ImportError as e:
         raise RuntimeError(f"pynvml is not installed: {e}") from None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        raise RuntimeError(f"NVML is not available: {e}") from None
-    try:
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory: Any = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            name = pynvml.nvmlDeviceGetName(handle)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            gpus.append(
-                pb.Gpu(
-                    index=index,
-                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                    name=name.decode() if isinstance(name, bytes) else str(name),
-                    memory_total_mib=int(memory.total) // _MIB,
-                    memory_used_mib=int(memory.used) // _MIB,
+    return pynvml
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Nvml:
+    """
+    NVML for one agent: initialised once by L{start}, read by L{poll}.
+    L{poll} blocks: call it in a thread, one call at a time.
+
+    @param module: the C{pynvml} module, or one that acts like it (tests).
+    """
+
+    def __init__(self, module: Any) -> None:
+        self._nvml = module
+        self._handles: dict[int, Any] = {}
+        self._events: Any = None
+
+    def start(self) -> list[pb.Gpu]:
+        """
+        Initialise NVML, and listen for critical Xid events where the GPUs
+        allow it.
+
+        @return: the GPUs NVML sees, memory in MiB.
+        @raise RuntimeError: NVML is not available, with the reason.
+        """
+        nvml = self._nvml
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as e:
+            raise RuntimeError(f"NVML is not available: {e}") from None
+        try:
+            gpus = []
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                memory: Any = nvml.nvmlDeviceGetMemoryInfo(handle)
+                gpus.append(
+                    pb.Gpu(
+                        index=index,
+                        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+                        name=_text(nvml.nvmlDeviceGetName(handle)),
+                        memory_total_mib=int(memory.total) // _MIB,
+                        memory_used_mib=int(memory.used) // _MIB,
+                    )
                 )
-            )
+                self._handles[index] = handle
+        except nvml.NVMLError as e:
+            nvml.nvmlShutdown()
+            raise RuntimeError(f"NVML cannot list the GPUs: {e}") from None
+        self._listen_for_xids()
         return gpus
-    finally:
-        pynvml.nvmlShutdown()
+
+    def _listen_for_xids(self) -> None:
+        nvml = self._nvml
+        try:
+            self._events = nvml.nvmlEventSetCreate()
+        except (nvml.NVMLError, AttributeError) as e:
+            log.info("no Xid events from NVML: {reason}", reason=str(e))
+            return
+        for index, handle in self._handles.items():
+            try:
+                nvml.nvmlDeviceRegisterEvents(handle, _XID_CRITICAL, self._events)
+            except nvml.NVMLError as e:
+                log.info(
+                    "no Xid events from NVML for GPU {index}: {reason}",
+                    index=index,
+                    reason=str(e),
+                )
+
+    def poll(self) -> dict[int, tuple[int | None, list[str]]]:
+        """
+        Blocking: read each GPU's memory in use and the Xid events that
+        came since the last call.
+
+        @return: per GPU index, its memory used in MiB (L{None} when NVML
+            could not tell) and its problems seen now (each NVML call that
+            failed for it, C{"nvml memory info: REASON"}, and C{"xid N"}).
+        """
+        nvml = self._nvml
+        found: dict[int, tuple[int | None, list[str]]] = {}
+        for index, handle in self._handles.items():
+            try:
+                memory: Any = nvml.nvmlDeviceGetMemoryInfo(handle)
+                found[index] = (int(memory.used) // _MIB, [])
+            except nvml.NVMLError as e:
+                found[index] = (None, [f"nvml memory info: {e}"])
+        for index, problem in self._xids():
+            found.setdefault(index, (None, []))[1].append(problem)
+        return found
+
+    def _xids(self) -> list[tuple[int, str]]:
+        if self._events is None:
+            return []
+        nvml = self._nvml
+        wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
+        seen = []
+        for _ in range(_MAX_EVENTS):
+            try:
+                data = wait(self._events, 0)
+            except nvml.NVMLError as e:
+                if getattr(e, "value", None) != _ERROR_TIMEOUT:
+                    log.warn("reading NVML events: {reason}", reason=str(e))
+                break
+            xid = int(data.eventData)
+            if xid in APPLICATION_XIDS:
+                continue
+            try:
+                index = int(nvml.nvmlDeviceGetIndex(data.device))
+            except nvml.NVMLError:
+                continue
+            seen.append((index, f"xid {xid}"))
+        return seen
 
 
 def simulated_gpus(
@@ -73,14 +192,102 @@ def simulated_gpus(
     ]
 
 
-def discover(node_id: str, specs: list[tuple[str, float]]) -> list[pb.Gpu]:
+def discover(
+    node_id: str,
+    specs: list[tuple[str, float]],
+    load: Callable[[], Any] = load_nvml,
+) -> tuple[list[pb.Gpu], Nvml | None]:
     """
+    Blocking (call it at start, before the reactor runs).
+
+    @param load: returns the C{pynvml} module (tests give another one).
     @return: NVML's GPUs (none without NVML, said in the log) followed by
-        the simulated ones.
+        the simulated ones; and NVML, started, if it is there.
     """
     try:
-        real = nvml_gpus()
+        nvml = Nvml(load())
+        real = nvml.start()
     except RuntimeError as e:
         log.info("no GPUs from NVML on this machine: {reason}", reason=str(e))
-        real = []
-    return real + simulated_gpus(node_id, specs, len(real))
+        return simulated_gpus(node_id, specs, 0), None
+    return real + simulated_gpus(node_id, specs, len(real)), nvml
+
+
+class GpuMonitor:
+    """
+    The GPUs' part of the heartbeats.  L{heartbeat} answers at once from
+    the last reading and asks NVML again in a thread, so a heartbeat is
+    never late for NVML; the memory it tells is one heartbeat old.
+
+    @param gpus: the GPUs the agent registered with; their C{problems}
+        grow with those found, so that a later Register carries them.
+    @param nvml: started, or L{None} without NVML (simulated GPUs only).
+    @param in_thread: runs a blocking call in a thread; returns a Deferred
+        of its result (L{twisted.internet.threads.deferToThread}).
+    """
+
+    def __init__(
+        self,
+        gpus: list[pb.Gpu],
+        nvml: Nvml | None,
+        in_thread: Callable[[Callable[[], Any]], Deferred[Any]],
+    ) -> None:
+        self._gpus = {g.index: g for g in gpus}
+        self._nvml = nvml
+        self._in_thread = in_thread
+        self._new: dict[int, list[str]] = {}
+        self._reading: Deferred[None] | None = None
+
+    def heartbeat(self) -> pb.Heartbeat:
+        """
+        @return: each GPU's memory in use and its problems new since the
+            last heartbeat; a new reading is asked for.
+        """
+        new, self._new = self._new, {}
+        message = pb.Heartbeat(
+            gpus=[
+                pb.GpuUsage(
+                    index=g.index,
+                    memory_used_mib=g.memory_used_mib,
+                    new_problems=new.get(g.index, []),
+                )
+                for g in self._gpus.values()
+            ]
+        )
+        self.refresh()
+        return message
+
+    def refresh(self) -> Deferred[None] | None:
+        """
+        Read NVML in a thread, unless a reading is under way.
+
+        @return: fires once the reading is applied; L{None} when there is
+            nothing to read or a reading is under way.
+        """
+        if self._nvml is None or self._reading is not None:
+            return None
+        reading: Deferred[None] = self._in_thread(self._nvml.poll).addCallbacks(
+            self._apply,
+            lambda failure: log.failure("reading NVML", failure),
+        )
+        self._reading = reading
+
+        def done(result: object) -> None:
+            self._reading = None
+
+        reading.addBoth(done)
+        return reading
+
+    def _apply(self, found: dict[int, tuple[int | None, list[str]]]) -> None:
+        for index, (used, problems) in found.items():
+            gpu = self._gpus.get(index)
+            if gpu is None:
+                continue
+            if used is not None:
+                gpu.memory_used_mib = used
+            for problem in problems:
+                if problem in gpu.problems or len(gpu.problems) >= MAX_PROBLEMS:
+                    continue
+                log.warn("GPU {index}: {problem}", index=index, problem=problem)
+                gpu.problems.append(problem)
+                self._new.setdefault(index, []).append(problem)

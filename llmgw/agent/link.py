@@ -6,8 +6,9 @@ commands.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -28,7 +29,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
     Welcome names, and a CommandResult for every command.
 
     @param register: builds the Register message (the whole inventory).
-    @param heartbeat: builds a Heartbeat message.
+    @param heartbeat: builds a Heartbeat message; it must not block (see
+        L{llmgw.agent.gpus.GpuMonitor}).
     """
 
     log = Logger()
@@ -45,8 +47,9 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self._clock = clock
         self._beat: LoopingCall | None = None
         self._weights: LoopingCall | None = None
-        # Fires on Welcome.
+        # Fires on Welcome; fails if the link is lost before.
         self.registered: Deferred[None] = Deferred()
+        self.welcomed = False
 
     def connectionMade(self) -> None:
         self.send(pb.AgentMessage(register=self._register()))
@@ -55,7 +58,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         kind = message.WhichOneof("kind")
         if kind == "welcome":
             if not self.registered.called:
-                self.factory.refused_in_a_row = 0
+                self.welcomed = True
                 self.registered.callback(None)
             interval = message.welcome.heartbeat_interval_seconds or 5
             self.log.info(
@@ -110,14 +113,24 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         if kind == "remove_weights" and not error:
             self.send_weights()
 
-    def send_weights(self) -> None:
+    def send_weights(self) -> Deferred[None]:
         """
-        Report the model files in the weights directories.
+        Report the model files in the weights directories, scanned in a
+        thread (up to L{MAX_FILES_WALKED} files: seconds, on a slow disk).
+
+        @return: fires once sent (or dropped, the link being gone).
         """
-        if self.transport is None:
-            return
-        files = scan(self.factory.weights_dirs)
-        self.send(pb.AgentMessage(weights_report=pb.WeightsReport(files=files)))
+        scanned = self.factory.in_thread(lambda: scan(self.factory.weights_dirs))
+
+        def report(files: list[pb.WeightsFile]) -> None:
+            if self.transport is not None and self.factory.current is self:
+                self.send(pb.AgentMessage(weights_report=pb.WeightsReport(files=files)))
+
+        def failed(reason: Failure) -> None:
+            self.log.failure("scanning the weights directories", reason)
+
+        done: Deferred[None] = scanned.addCallbacks(report, failed)
+        return done
 
     def _send_heartbeat(self) -> None:
         self.send(pb.AgentMessage(heartbeat=self._heartbeat()))
@@ -132,9 +145,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
             factory.current = None
         if not self.registered.called:
             # Connected but never welcomed (a refused certificate or node
-            # id): the reconnect backoff keeps growing.
-            if isinstance(factory, AgentFactory):
-                factory.refused_in_a_row += 1
+            # id): the uplink counts a failed attempt, its backoff grows.
             self.registered.errback(reason)
             self.registered.addErrback(lambda _: None)
         self.log.info(
@@ -155,14 +166,18 @@ class AgentFactory(Factory):
         state_dir: str,
         engine_host: str = "127.0.0.1",
         weights_dirs: tuple[str, ...] = (),
+        in_thread: Callable[[Callable[[], Any]], Deferred[Any]] | None = None,
     ) -> None:
         self.weights_dirs = weights_dirs
+        # Runs blocking work (the weights scan) off the reactor thread; by
+        # default in the caller's thread (tests on a Clock).
+        self.in_thread: Callable[[Callable[[], Any]], Deferred[Any]] = (
+            in_thread or maybeDeferred
+        )
         self._register = register
         self._heartbeat = heartbeat
         self._clock = clock
         self.current: AgentProtocol | None = None
-        # Links closed before the server's Welcome, in a row.
-        self.refused_in_a_row = 0
         self.supervisor = Supervisor(
             clock, self.send_status, state_dir, engine_host=engine_host
         )

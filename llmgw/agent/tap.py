@@ -1,6 +1,7 @@
 """
-C{twistd llmgw-agent}: options and the service tree.  The only module of the
-agent that touches the global reactor.
+C{twistd llmgw-agent}: its configuration, options and C{makeService} (the
+service itself is L{llmgw.agent.service}).  The only module of the agent
+that touches the global reactor.
 """
 
 from __future__ import annotations
@@ -11,20 +12,13 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from twisted.application.internet import ClientService, backoffPolicy
 from twisted.application.service import IService
-from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
-from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.logger import Logger
 from twisted.python import usage
-from zope.interface import implementer
 
-from llmgw import __version__
-from llmgw.agent.gpus import discover, nvml_gpus
-from llmgw.agent.link import AgentFactory
+from llmgw.agent.service import agent_state_dir, build_agent
 from llmgw.checks import ConfigError, check_keys
-from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.tls import client_options
 
 log = Logger(namespace="llmgw.agent")
@@ -202,16 +196,12 @@ class Options(usage.Options):
                     f"tls_dir: cannot load the certificates in {config.tls_dir!r}: {e}"
                 ) from None
         try:
-            os.makedirs(os.path.join(_state_dir(config), "shards"), exist_ok=True)
+            os.makedirs(os.path.join(agent_state_dir(config), "shards"), exist_ok=True)
         except OSError as e:
             raise ConfigError(
-                f"state_dir: cannot use {_state_dir(config)!r}: {e.strerror}"
+                f"state_dir: cannot use {agent_state_dir(config)!r}: {e.strerror}"
             ) from None
         return config
-
-
-def _state_dir(config: AgentConfig) -> str:
-    return os.path.expanduser(config.state_dir or "~/.local/state/llmgw/agent")
 
 
 def _tls_options(config: AgentConfig, host: str) -> Any:
@@ -224,127 +214,10 @@ def _tls_options(config: AgentConfig, host: str) -> Any:
     )
 
 
-@implementer(IStreamClientEndpoint)
-class _Logged:
-    """
-    An endpoint that says why a connection to the server failed, naming
-    it (ClientService's own line names only the endpoint object).
-    """
-
-    def __init__(self, endpoint: Any, server: str) -> None:
-        self._endpoint = endpoint
-        self._server = server
-
-    def connect(self, factory: Any) -> Deferred[Any]:
-        def failed(reason: Any) -> Any:
-            log.warn(
-                "cannot connect to the server at {server}: {reason}",
-                server=self._server,
-                reason=reason.getErrorMessage(),
-            )
-            return reason
-
-        d: Deferred[Any] = self._endpoint.connect(factory)
-        return d.addErrback(failed)
-
-
-class _AgentService(ClientService):
-    """
-    The uplink; on stop it aborts the connection at once, so the agent ends
-    within seconds even while a write to the server is stuck.
-    """
-
-    def __init__(self, factory: AgentFactory, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._agent_factory = factory
-
-    def stopService(self) -> Deferred[None]:
-        protocol = self._agent_factory.current
-        if protocol is not None and protocol.transport is not None:
-            protocol.transport.abortConnection()  # type: ignore[attr-defined]
-        return super().stopService()
-
-
-def build_agent(
-    reactor: Any, config: AgentConfig, endpoint: Any
-) -> tuple[_AgentService, AgentFactory]:
-    """
-    The agent's uplink over C{endpoint} (TLS already wrapped around it, or
-    not), reconnecting forever with exponential backoff from 0.5 s to 30 s
-    (doubling, with Twisted's jitter); engines recorded in the state
-    directory that still run are adopted first.
-
-    @return: the service, not started, and the factory whose supervisor
-        runs the engines.
-    """
-    gpus = discover(config.node_id, list(config.simulated_gpus))
-    page = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-    def register() -> pb.Register:
-        return pb.Register(
-            node_id=config.node_id,
-            agent_version=__version__,
-            address=config.address or "127.0.0.1",
-            labels=config.labels,
-            fabrics=config.fabrics,
-            cpus=os.cpu_count() or 1,
-            memory_bytes=page,
-            gpus=gpus,
-            shards=factory.supervisor.running(),
-        )
-
-    def heartbeat() -> pb.Heartbeat:
-        if any(not g.simulated for g in gpus):
-            # Memory in use changes with what runs: ask NVML again.
-            try:
-                used = {g.index: g.memory_used_mib for g in nvml_gpus()}
-            except RuntimeError:
-                used = {}
-            for gpu in gpus:
-                if gpu.index in used:
-                    gpu.memory_used_mib = used[gpu.index]
-        return pb.Heartbeat(
-            gpus=[
-                pb.GpuUsage(index=g.index, memory_used_mib=g.memory_used_mib)
-                for g in gpus
-            ]
-        )
-
-    factory = AgentFactory(
-        register,
-        heartbeat,
-        reactor,
-        _state_dir(config),
-        engine_host=config.address or "127.0.0.1",
-        weights_dirs=config.weights_dirs,
-    )
-    # Engines outlive the agent: take back those still running, before the
-    # first Register lists them.
-    adopted = factory.supervisor.adopt_running()
-    backoff = backoffPolicy(initialDelay=0.5, maxDelay=30.0, factor=2.0)
-    service = _AgentService(
-        factory,
-        _Logged(endpoint, config.server),
-        factory,
-        # A link the server closes before welcoming us counts as a failed
-        # attempt too (ClientService resets its count on every connection).
-        retryPolicy=lambda attempt: backoff(max(attempt, factory.refused_in_a_row)),
-    )
-    log.info(
-        "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"
-        " adopted; dialing {server}",
-        adopted=len(adopted),
-        node=config.node_id,
-        gpus=len(gpus),
-        simulated=sum(1 for g in gpus if g.simulated),
-        server=config.server,
-    )
-    return service, factory
-
-
 def makeService(options: Options) -> IService:
     """
-    Build the agent: one uplink to the server (see L{build_agent}).
+    Build the agent: one uplink to the server (see
+    L{llmgw.agent.service.build_agent}).
     """
     from twisted.internet import reactor
 

@@ -20,7 +20,8 @@ from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from llmgw.agent.link import AgentFactory
-from llmgw.agent.tap import AgentConfig, build_agent
+from llmgw.agent.service import build_agent
+from llmgw.agent.tap import AgentConfig
 from llmgw.checks import ConfigError
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile

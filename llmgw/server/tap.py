@@ -13,15 +13,13 @@ from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.application.service import IService, Service
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from twisted.python.failure import Failure
-from twisted.web.client import HTTPConnectionPool
 from twisted.web.server import Site
 
 from llmgw.checks import ConfigError
@@ -43,6 +41,22 @@ from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.server.admin import Admin, AdminGuard, is_loopback
+from llmgw.server.lifecycle import (
+    AGENT_LINKS,
+    DRAIN,
+    LISTENERS,
+    LOCAL_ENGINES,
+    POOLS,
+    RECONCILER,
+    STORE,
+    USAGE,
+    DrainService,
+    Lifecycle,
+    LinksService,
+    ListeningService,
+    PoolService,
+    StoreService,
+)
 from llmgw.server.local import (
     LocalEngines,
     default_catalog,
@@ -153,66 +167,6 @@ class Options(usage.Options):
         return finish_config(config)
 
 
-class _OrderedService(MultiService):
-    """
-    Stops its children one after the other, last added first, each once
-    the one before has finished stopping (L{MultiService} stops them all at
-    once, which would close the upstream pool under the streams draining).
-    """
-
-    def stopService(self) -> Deferred[None]:
-        Service.stopService(self)
-        return Deferred.fromCoroutine(self._stop_in_order())
-
-    async def _stop_in_order(self) -> None:
-        for service in reversed(list(self)):
-            try:
-                await maybeDeferred(service.stopService)
-            except Exception:
-                log.failure("stopping {service}", service=service)
-
-
-class _ListeningService(Service):
-    """
-    Owns a port that is already listening; stops listening on stop.
-    """
-
-    def __init__(self, port: IListeningPort) -> None:
-        self._port = port
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()  # type: ignore[no-untyped-call]
-        return self._port.stopListening()
-
-
-class _DrainService(Service):
-    """
-    On stop, after the listeners closed, lets the router's requests in
-    flight finish (bounded by C{[router] drain_timeout}).
-    """
-
-    def __init__(self, router: Router, timeout: float) -> None:
-        self._router = router
-        self._timeout = timeout
-
-    def stopService(self) -> Deferred[None]:
-        super().stopService()  # type: ignore[no-untyped-call]
-        return self._router.drain(self._timeout)
-
-
-class _StoreService(Service):
-    """
-    Closes the database last.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-
-    def stopService(self) -> None:
-        super().stopService()  # type: ignore[no-untyped-call]
-        self._store.close()
-
-
 _held_locks: list[Any] = []
 
 
@@ -276,19 +230,6 @@ def _runtime_models(
     return tuple(added)
 
 
-class _PoolService(Service):
-    """
-    Closes the upstream connection pool on stop.
-    """
-
-    def __init__(self, pool: HTTPConnectionPool) -> None:
-        self._pool = pool
-
-    def stopService(self) -> Deferred[None]:
-        super().stopService()  # type: ignore[no-untyped-call]
-        return self._pool.closeCachedConnections()  # type: ignore[no-any-return]
-
-
 def _agent_factory(config: ServerConfig, hub: AgentHub) -> Any:
     """
     The agent links' factory, inside TLS from C{[agent_tls]} unless agents
@@ -339,8 +280,12 @@ def _listen(reactor: Any, key: str, description: str, factory: Any) -> IListenin
 
 def makeService(options: Options) -> IService:
     """
-    Build the server: the client API listener, the admin listener, and the
-    upstream connection pool, stopped in that order.
+    Build the server's service tree; its stop is the sequence of
+    L{llmgw.server.lifecycle.STOP_STEPS}: the listeners (client API, admin,
+    agents) stop accepting, the router drains its requests in flight, the
+    reconciler stops, the agent links close (with C{--local}, the local
+    agent's uplink and listener first), usage is flushed, the local engines
+    stop, the upstream connection pool closes, and the store last.
     """
     from twisted.internet import reactor
 
@@ -444,7 +389,8 @@ def makeService(options: Options) -> IService:
     )
     admin_resource: Any = admin.app.resource()
     agent_port = local_port = None
-    local_services: list[Service] = []
+    local_uplink: list[Service] = []
+    local_engines: list[Service] = []
     try:
         router_port = _listen(reactor, "listen", config.listen, router_site)
         guard = AdminGuard(admin_resource, keys)
@@ -478,31 +424,30 @@ def makeService(options: Options) -> IService:
                 getattr(local_port.getHost(), "port", 0),
                 agent_folder,
             )
-            local_services = [LocalEngines(agent_factory), uplink]
+            local_uplink, local_engines = [uplink], [LocalEngines(agent_factory)]
     except ConfigError as e:
         sys.stderr.write(f"llmgw-server: {e}\n")
         sys.stderr.flush()
         raise SystemExit(1) from None
 
-    top = _OrderedService()  # type: ignore[no-untyped-call]
-    # MultiService stops its children in reverse order: listeners first,
-    # then the requests in flight drain, then the pool closes.
-    _StoreService(store).setServiceParent(top)  # type: ignore[no-untyped-call]
-    _PoolService(pool).setServiceParent(top)  # type: ignore[no-untyped-call]
-    # Local engines stop after the requests in flight drained; the local
-    # uplink before them, so its agent does not report their ends as
-    # failures to the control plane.
-    for service in local_services:
-        service.setServiceParent(top)
-    if local_port is not None:
-        _ListeningService(local_port).setServiceParent(top)  # type: ignore[no-untyped-call]
-    # After the requests in flight drained, their usage is written.
-    usage_writer.setServiceParent(top)  # type: ignore[no-untyped-call]
-    _DrainService(router, settings.drain_timeout).setServiceParent(top)  # type: ignore[no-untyped-call]
-    plane.loop.setServiceParent(top)  # type: ignore[no-untyped-call]
-    _ListeningService(admin_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+    top = Lifecycle()
+    top.add(LISTENERS, ListeningService(router_port))
     if agent_port is not None:
-        _ListeningService(agent_port).setServiceParent(top)  # type: ignore[no-untyped-call]
+        top.add(LISTENERS, ListeningService(agent_port))
+    top.add(LISTENERS, ListeningService(admin_port))
+    top.add(DRAIN, DrainService(router, settings.drain_timeout))
+    top.add(RECONCILER, plane.loop)
+    # The local uplink first, so that its agent does not report the ends of
+    # its engines (next steps) as failures to the control plane.
+    top.add(AGENT_LINKS, *local_uplink)
+    if local_port is not None:
+        top.add(AGENT_LINKS, ListeningService(local_port))
+    top.add(AGENT_LINKS, LinksService(hub, reactor))
+    top.add(USAGE, usage_writer)
+    top.add(LOCAL_ENGINES, *local_engines)
+    top.add(POOLS, PoolService(pool))
+    top.add(STORE, StoreService(store))
+    if agent_port is not None:
         agent_address = agent_port.getHost()
         log.info(
             "agent listener on {host}:{port} ({security})",
@@ -517,7 +462,6 @@ def makeService(options: Options) -> IService:
             )
     elif not config.local:
         log.info("no [agent_tls]: not listening for agents")
-    _ListeningService(router_port).setServiceParent(top)  # type: ignore[no-untyped-call]
     # The bound addresses, not the configured strings: with port 0 this is
     # the only place the port is told (tests and scripts read this line).
     router_address = router_port.getHost()

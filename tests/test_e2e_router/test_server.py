@@ -14,7 +14,7 @@ import tempfile
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import TWISTD, Processes
+from tests.support import TWISTD, Processes, hermetic_env
 from tests.test_e2e_router import MESSAGES, client
 
 
@@ -26,14 +26,28 @@ class StartupTests(SynchronousTestCase, Processes):
     timeout = 60
 
     def run_server(self, *args: str, config: str | None = None) -> tuple[int, str]:
-        argv = [TWISTD, "-n", "--pidfile=", "llmgw-server", *args]
+        # Its own state directory and admin port, not the defaults that a
+        # server the user runs (make run) holds.
+        argv = [
+            TWISTD,
+            "-n",
+            "--pidfile=",
+            "llmgw-server",
+            "--state-dir",
+            tempfile.mkdtemp(prefix="llmgw-state-"),
+            "--admin-listen",
+            "tcp:0:interface=127.0.0.1",
+            *args,
+        ]
         if config is not None:
             path = tempfile.mktemp(suffix=".toml")
             with open(path, "w") as f:
                 f.write(config)
             self.addCleanup(os.remove, path)
             argv += ["--config", path]
-        done = subprocess.run(argv, capture_output=True, timeout=30, text=True)
+        done = subprocess.run(
+            argv, capture_output=True, timeout=30, text=True, env=hermetic_env()
+        )
         return done.returncode, done.stdout + done.stderr
 
     def assertOneLineError(self, output: str, *fragments: str) -> None:

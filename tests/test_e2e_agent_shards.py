@@ -30,6 +30,7 @@ from tests.support import (
     BIN,
     TWISTD,
     free_port,
+    hermetic_env,
     http,
     spawn,
 )
@@ -75,6 +76,7 @@ class _LinkedAgent(TestCase):
                 check=True,
                 timeout=60,
                 capture_output=True,
+                env=hermetic_env(),
             )
         self.inventory = Inventory()
         self.hub = AgentHub(reactor, self.inventory)

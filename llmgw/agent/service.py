@@ -1,0 +1,228 @@
+"""
+The agent's service: its uplink to the server, reconnecting forever, and
+what it reports; built the same for C{twistd llmgw-agent} and for the
+agent inside C{llmgw-server --local}.
+
+The uplink is a L{ClientService} on the reactor's clock whose connection
+counts only once registered: its C{prepareConnection} waits for the
+server's Welcome, so a link the server closes before welcoming (a refused
+certificate or node id) is a failed attempt and the backoff keeps growing,
+while a link lost after its Welcome starts the backoff again from the
+first delay.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from twisted.application.internet import ClientService, backoffPolicy
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from llmgw import __version__
+from llmgw.agent.gpus import GpuMonitor, discover
+from llmgw.agent.link import AgentFactory, AgentProtocol
+from llmgw.wire import agent_pb2 as pb
+
+if TYPE_CHECKING:
+    from llmgw.agent.tap import AgentConfig
+
+log = Logger(namespace="llmgw.agent")
+
+DEFAULT_STATE_DIR = "~/.local/state/llmgw/agent"
+
+
+def agent_state_dir(config: AgentConfig) -> str:
+    """
+    @return: the agent's state directory, C{~} expanded.
+    """
+    return os.path.expanduser(config.state_dir or DEFAULT_STATE_DIR)
+
+
+class _Gate(Protocol):
+    """
+    Between L{ClientService}'s protocol and the endpoint: a link lost before
+    its Welcome is told to the agent's protocol only, whose C{registered}
+    fails (the attempt failed: C{prepareConnection}'s answer); a link lost
+    after, to L{ClientService} too (a connection ended).  L{ClientService}
+    has no transition for a connection lost while it prepares it.
+    """
+
+    def __init__(self, outer: IProtocol, agent: AgentProtocol) -> None:
+        self.outer = outer
+        self._agent = agent
+
+    def makeConnection(self, transport: Any) -> None:
+        self.transport = transport
+        self.connected = True
+        self.outer.makeConnection(transport)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.outer.dataReceived(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.connected = False
+        if self._agent.welcomed:
+            self.outer.connectionLost(reason)
+        else:
+            self._agent.connectionLost(reason)
+
+
+class _GateFactory(Factory):
+    noisy = False
+
+    def __init__(self, outer: Any, agents: AgentFactory) -> None:
+        self._outer = outer
+        self._agents = agents
+
+    def buildProtocol(self, addr: Any) -> Protocol | None:
+        outer = self._outer.buildProtocol(addr)
+        agent = self._agents.current
+        if outer is None or agent is None:
+            return None
+        return _Gate(outer, agent)
+
+
+@implementer(IStreamClientEndpoint)
+class _Uplink:
+    """
+    The endpoint the uplink dials through: puts the L{_Gate} in, and says
+    why a connection to the server failed, naming it (L{ClientService}'s
+    own line names only the endpoint object).
+    """
+
+    def __init__(self, endpoint: Any, server: str, agents: AgentFactory) -> None:
+        self._endpoint = endpoint
+        self._server = server
+        self._agents = agents
+
+    def connect(self, factory: Any) -> Deferred[Any]:
+        def failed(reason: Failure) -> Failure:
+            log.warn(
+                "cannot connect to the server at {server}: {reason}",
+                server=self._server,
+                reason=reason.getErrorMessage(),
+            )
+            return reason
+
+        d: Deferred[Any] = self._endpoint.connect(_GateFactory(factory, self._agents))
+        # ClientService is given back the protocol its factory built.
+        return d.addCallbacks(lambda gate: gate.outer, failed)
+
+    def __repr__(self) -> str:
+        return f"<llmgw server at {self._server}>"
+
+
+def _registered(protocol: Any) -> Deferred[None]:
+    """
+    C{prepareConnection}: the link counts once the server welcomed it.
+    """
+    d: Deferred[None] = Deferred()
+
+    def told(result: object) -> object:
+        if isinstance(result, Failure):
+            d.errback(result)
+        else:
+            d.callback(None)
+        return result
+
+    protocol.registered.addBoth(told)
+    return d
+
+
+class AgentService(ClientService):
+    """
+    The uplink; on stop it aborts the connection at once, so the agent ends
+    within seconds even while a write to the server is stuck.
+
+    @param factory: the agent's factory; its C{current} protocol is the one
+        aborted.
+    @param endpoint: the server's endpoint (TLS wrapped around it, or not).
+    @param server: C{HOST:PORT}, for the log.
+    @param clock: the reactor (its clock times the retries).
+    """
+
+    def __init__(
+        self, factory: AgentFactory, endpoint: Any, server: str, clock: Any
+    ) -> None:
+        super().__init__(
+            _Uplink(endpoint, server, factory),
+            factory,
+            # From 0.5 s to 30 s, doubling, plus up to 1 s of jitter so that
+            # a fleet does not dial back in lockstep.
+            retryPolicy=backoffPolicy(initialDelay=0.5, maxDelay=30.0, factor=2.0),
+            clock=clock,
+            prepareConnection=_registered,
+        )
+        self._agent_factory = factory
+
+    def stopService(self) -> Deferred[None]:
+        protocol = self._agent_factory.current
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.abortConnection()  # type: ignore[attr-defined]
+        return super().stopService()
+
+
+def build_agent(
+    reactor: Any, config: AgentConfig, endpoint: Any
+) -> tuple[AgentService, AgentFactory]:
+    """
+    The agent's uplink over C{endpoint} (TLS already wrapped around it, or
+    not), reconnecting forever with exponential backoff from 0.5 s to 30 s
+    (doubling, with Twisted's jitter); engines recorded in the state
+    directory that still run are adopted first.  Blocking (NVML's start):
+    call it before the reactor runs.
+
+    @return: the service, not started, and the factory whose supervisor
+        runs the engines.
+    """
+    gpus, nvml = discover(config.node_id, list(config.simulated_gpus))
+    page = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def in_thread(call: Any) -> Deferred[Any]:
+        return deferToThreadPool(reactor, reactor.getThreadPool(), call)
+
+    monitor = GpuMonitor(gpus, nvml, in_thread)
+
+    def register() -> pb.Register:
+        return pb.Register(
+            node_id=config.node_id,
+            agent_version=__version__,
+            address=config.address or "127.0.0.1",
+            labels=config.labels,
+            fabrics=config.fabrics,
+            cpus=os.cpu_count() or 1,
+            memory_bytes=page,
+            gpus=gpus,
+            shards=factory.supervisor.running(),
+        )
+
+    factory = AgentFactory(
+        register,
+        monitor.heartbeat,
+        reactor,
+        agent_state_dir(config),
+        engine_host=config.address or "127.0.0.1",
+        weights_dirs=config.weights_dirs,
+        in_thread=in_thread,
+    )
+    # Engines outlive the agent: take back those still running, before the
+    # first Register lists them.
+    adopted = factory.supervisor.adopt_running()
+    service = AgentService(factory, endpoint, config.server, reactor)
+    log.info(
+        "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"
+        " adopted; dialing {server}",
+        adopted=len(adopted),
+        node=config.node_id,
+        gpus=len(gpus),
+        simulated=sum(1 for g in gpus if g.simulated),
+        server=config.server,
+    )
+    return service, factory

@@ -1,0 +1,220 @@
+"""
+The module layout's rules (DESIGN.md section 8, README "Architecture"):
+which package of llmgw may import which.  Processes are the boundaries:
+the control plane and the agent meet only through C{wire}; the router
+defines the interfaces others implement and imports none of them; C{store},
+C{wire} and C{sim} are leaves.
+
+Imports are read from the source with L{ast}, so a function-level import or
+one under C{TYPE_CHECKING} counts as much as one at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+
+from twisted.trial.unittest import SynchronousTestCase
+
+import llmgw
+
+ROOT = os.path.dirname(os.path.abspath(llmgw.__file__))
+
+# (importing package, imported package, why).  A package is the first part
+# of the module's name below llmgw ("store" for llmgw.store.db; "config"
+# for llmgw.config).  "*" as the imported package: any llmgw module
+# outside the importer's own package.
+FORBIDDEN: tuple[tuple[str, str, str], ...] = (
+    ("store", "*", "the store is a leaf: any process may use it"),
+    ("agent", "control", "agent and control plane meet only through wire"),
+    ("control", "agent", "agent and control plane meet only through wire"),
+    ("agent", "router", "the agent runs on GPU nodes, without the router"),
+    ("wire", "control", "wire is the protocol both processes share"),
+    ("wire", "agent", "wire is the protocol both processes share"),
+    ("wire", "router", "wire is the protocol both processes share"),
+    ("wire", "store", "wire is the protocol both processes share"),
+    ("router", "control", "the router defines Activator; control implements it"),
+    ("router", "store", "the router defines Auth and UsageSink; others implement them"),
+    ("router", "server", "server/ wires the router, not the other way"),
+    ("sim", "*", "the simulator stands alone like a real engine"),
+    ("checks", "*", "configuration checks are a leaf every table uses"),
+    ("httpclient", "*", "the quiet connection pool is a leaf"),
+)
+
+# Modules that define the router's interfaces import nothing else from
+# llmgw, so that implementing one never drags the router in.
+LEAF_MODULES = ("llmgw.router.interfaces",)
+
+
+def modules() -> Iterator[tuple[str, str]]:
+    """
+    @return: (dotted module name, file path) of every module of llmgw.
+    """
+    for folder, _, files in os.walk(ROOT):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, os.path.dirname(ROOT))[: -len(".py")]
+            parts = relative.split(os.sep)
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield ".".join(parts), path
+
+
+MODULES = frozenset(name for name, _ in modules())
+
+
+def imports_of(module: str, path: str) -> set[str]:
+    """
+    @return: the dotted names of the llmgw modules C{path} imports,
+        relative imports resolved against C{module}.
+    """
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    is_package = path.endswith("__init__.py")
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".")
+                if not is_package:
+                    package.pop()
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            # "from llmgw.wire import agent_pb2" imports the module
+            # llmgw.wire.agent_pb2; "from llmgw.wire.codec import X", the
+            # module llmgw.wire.codec.
+            names = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                for alias in node.names
+            ]
+        else:
+            continue
+        found.update(n for n in names if n == "llmgw" or n.startswith("llmgw."))
+    return found
+
+
+def package_of(module: str) -> str:
+    """
+    @return: the part of C{module}'s name below llmgw, or C{""} for llmgw
+        itself.
+    """
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def violations(
+    edges: dict[str, set[str]],
+    forbidden: tuple[tuple[str, str, str], ...] = FORBIDDEN,
+    leaves: tuple[str, ...] = LEAF_MODULES,
+) -> list[str]:
+    """
+    @param edges: module name -> the llmgw modules it imports.
+    @return: one line per forbidden import, sorted.
+    """
+    found = []
+    for module, imported in edges.items():
+        source = package_of(module)
+        for target in sorted(imported):
+            destination = package_of(target)
+            if destination == source or destination == "":
+                # Its own package, or llmgw's __init__ (the version).
+                if module not in leaves or target == module:
+                    continue
+            if module in leaves and not target.startswith(module):
+                found.append(
+                    f"{module} imports {target}: an interface module is a leaf"
+                )
+                continue
+            for importer, importee, why in forbidden:
+                if importer != source:
+                    continue
+                if importee == destination or (importee == "*" and destination):
+                    found.append(f"{module} imports {target}: {why}")
+    return sorted(set(found))
+
+
+def all_edges() -> dict[str, set[str]]:
+    return {module: imports_of(module, path) for module, path in modules()}
+
+
+class ImportRuleTests(SynchronousTestCase):
+    """
+    Every module of llmgw keeps the layout's import rules.
+    """
+
+    def test_no_forbidden_import(self) -> None:
+        """
+        No module of llmgw imports across a forbidden edge.
+        """
+        self.assertEqual(violations(all_edges()), [])
+
+    def test_reads_the_tree(self) -> None:
+        """
+        The walk finds the packages the rules speak of, so a rule cannot
+        pass because its importer was never read.
+        """
+        packages = {package_of(module) for module, _ in modules()}
+        for importer, _, _ in FORBIDDEN:
+            self.assertIn(importer, packages)
+        for leaf in LEAF_MODULES:
+            self.assertIn(leaf, dict(modules()))
+
+    def test_detects_each_kind_of_import(self) -> None:
+        """
+        A forbidden edge is found whether written as C{import a.b},
+        C{from a import b}, a relative import or inside a function.
+        """
+        cases = {
+            "import llmgw.router.app\n": "llmgw.router.app",
+            "from llmgw.router import app\n": "llmgw.router.app",
+            "from ..router.app import Router\n": "llmgw.router.app",
+            "def f():\n    from llmgw.router.app import Router\n": "llmgw.router.app",
+        }
+        path = self.mktemp()
+        for source, target in cases.items():
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(source)
+            edges = {"llmgw.store.db": imports_of("llmgw.store.db", path)}
+            self.assertIn(target, edges["llmgw.store.db"], source)
+            self.assertEqual(
+                violations(edges),
+                [
+                    f"llmgw.store.db imports {target}: the store is a leaf:"
+                    " any process may use it"
+                ],
+                source,
+            )
+
+    def test_allowed_edges_pass(self) -> None:
+        """
+        Edges the rules allow are not reported: the server wiring imports
+        everything, the control plane imports the router's interfaces and
+        wire, a package imports itself.
+        """
+        edges = {
+            "llmgw.server.tap": {"llmgw.router.app", "llmgw.control.plane"},
+            "llmgw.control.plane": {"llmgw.router.interfaces", "llmgw.wire.states"},
+            "llmgw.store.usage": {"llmgw.store.db"},
+            "llmgw.agent.link": {"llmgw.wire.protocol", "llmgw"},
+        }
+        self.assertEqual(violations(edges), [])
+
+    def test_interface_module_is_a_leaf(self) -> None:
+        """
+        The router's interface module may import nothing else from llmgw,
+        not even the router's own modules.
+        """
+        edges = {"llmgw.router.interfaces": {"llmgw.router.errors"}}
+        self.assertEqual(
+            violations(edges),
+            [
+                "llmgw.router.interfaces imports llmgw.router.errors:"
+                " an interface module is a leaf"
+            ],
+        )

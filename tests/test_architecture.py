@@ -37,6 +37,7 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("router", "control", "the router defines Activator; control implements it"),
     ("router", "store", "the router defines Auth and UsageSink; others implement them"),
     ("router", "server", "server/ wires the router, not the other way"),
+    ("router", "config", "the router's settings are its own (router.settings)"),
     ("sim", "*", "the simulator stands alone like a real engine"),
     ("checks", "*", "configuration checks are a leaf every table uses"),
     ("httpclient", "*", "the quiet connection pool is a leaf"),

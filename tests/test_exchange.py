@@ -18,13 +18,13 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseNeverReceived
 from twisted.web.iweb import IRequest
 
-from llmgw.config import RouterConfig
 from llmgw.router.balancer import Balancer
 from llmgw.router.errors import APIError
 from llmgw.router.exchange import Exchange, Services
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.prepare import prepare
+from llmgw.router.settings import RouterConfig
 from llmgw.router.upstream import Upstream, UpstreamConnectError
 from tests.exchange_fakes import FakeAgent, FakePool, FakeRequest, FakeResponse
 

@@ -14,12 +14,12 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.config import RouterConfig
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint, Key, RequestRecord
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.settings import RouterConfig
 from llmgw.router.upstream import Upstream
 from tests.exchange_fakes import FakeAgent, FakeResponse
 

@@ -18,7 +18,6 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from llmgw.config import RouterConfig
 from llmgw.router.balancer import Balancer
 from llmgw.router.errors import APIError, body_too_large, model_not_found
 from llmgw.router.exchange import Exchange, Services, client_gone
@@ -28,6 +27,7 @@ from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
 from llmgw.router.interfaces import RequestRecord as RequestRecord
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.prepare import Prepared, Refused, estimate_prompt_tokens, prepare
+from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON, request_id, upstream_request_id
 from llmgw.router.upstream import Upstream
 

@@ -20,7 +20,6 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest, IResponse
 
-from llmgw.config import RouterConfig
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
 from llmgw.router.errors import (
@@ -39,6 +38,7 @@ from llmgw.router.interfaces import Activator
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.prepare import Prepared
 from llmgw.router.relay import StreamCut, UsageFilter
+from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON
 from llmgw.router.sse import EventTooLarge
 from llmgw.router.upstream import BodyReader, NoAnswer, Upstream, UpstreamConnectError

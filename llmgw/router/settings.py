@@ -1,0 +1,40 @@
+"""
+The router's settings, the C{[router]} table of the server's configuration
+(parsed and checked by L{llmgw.config}).  Here, in the router, so that the
+router needs nothing of the configuration module, which also knows the
+control plane's catalog.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """
+    Router settings, the C{[router]} table.  Durations in seconds, sizes in
+    bytes; a duration of 0 disables that deadline.
+    """
+
+    connect_timeout: float = 5.0
+    # Long prefill is normal on big prompts: minutes, not seconds.
+    first_byte_timeout: float = 300.0
+    idle_timeout: float = 60.0
+    total_timeout: float = 1800.0
+    max_body_size: int = 32 * 1024 * 1024
+    # Bounds on what a replica may send: a whole (non-streamed) answer, and
+    # one event of a stream.
+    max_response_size: int = 256 * 1024 * 1024
+    max_event_size: int = 16 * 1024 * 1024
+    max_retries: int = 2
+    eject_cooldown: float = 10.0
+    max_idle_connections: int = 256
+    # On stop, requests in flight get this long to finish.
+    drain_timeout: float = 30.0
+    # Scale from zero: how long a request for a catalog model with no ready
+    # replica waits for one, how many may wait per model, and how often a
+    # waiting stream gets an SSE comment line (a keep-alive for proxies).
+    activation_timeout: float = 300.0
+    activation_queue: int = 256
+    activation_keepalive: float = 15.0

@@ -17,7 +17,7 @@ from llmgw.control.catalog import Model
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
-from llmgw.router.balancer import Endpoint
+from llmgw.router.interfaces import Endpoint
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import CommandFailed
 

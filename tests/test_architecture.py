@@ -43,6 +43,13 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("httpclient", "*", "the quiet connection pool is a leaf"),
 )
 
+# (importing package, imported package): the only modules of the imported
+# package the importer may use.  The control plane implements the router's
+# interfaces and fills in its endpoints; it never reaches into the router.
+ONLY: dict[tuple[str, str], tuple[str, ...]] = {
+    ("control", "router"): ("llmgw.router.interfaces",),
+}
+
 # Modules that define the router's interfaces import nothing else from
 # llmgw, so that implementing one never drags the router in.
 LEAF_MODULES = ("llmgw.router.interfaces",)
@@ -113,6 +120,7 @@ def violations(
     edges: dict[str, set[str]],
     forbidden: tuple[tuple[str, str, str], ...] = FORBIDDEN,
     leaves: tuple[str, ...] = LEAF_MODULES,
+    only: dict[tuple[str, str], tuple[str, ...]] = ONLY,
 ) -> list[str]:
     """
     @param edges: module name -> the llmgw modules it imports.
@@ -132,6 +140,12 @@ def violations(
                     f"{module} imports {target}: an interface module is a leaf"
                 )
                 continue
+            allowed = only.get((source, destination))
+            if allowed is not None and target not in allowed:
+                found.append(
+                    f"{module} imports {target}: only {', '.join(allowed)}"
+                    f" of {destination} is for {source}"
+                )
             for importer, importee, why in forbidden:
                 if importer != source:
                     continue
@@ -205,6 +219,25 @@ class ImportRuleTests(SynchronousTestCase):
             "llmgw.agent.link": {"llmgw.wire.protocol", "llmgw"},
         }
         self.assertEqual(violations(edges), [])
+
+    def test_control_uses_only_router_interfaces(self) -> None:
+        """
+        The control plane may import the router's interfaces, and nothing
+        else of the router.
+        """
+        edges = {
+            "llmgw.control.plane": {
+                "llmgw.router.interfaces",
+                "llmgw.router.balancer",
+            }
+        }
+        self.assertEqual(
+            violations(edges),
+            [
+                "llmgw.control.plane imports llmgw.router.balancer: only"
+                " llmgw.router.interfaces of router is for control"
+            ],
+        )
 
     def test_interface_module_is_a_leaf(self) -> None:
         """

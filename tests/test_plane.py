@@ -13,7 +13,7 @@ from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
 from llmgw.control.views import explain, models_json
-from llmgw.router.balancer import Endpoint
+from llmgw.router.interfaces import Endpoint
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import (
     SETTINGS,

@@ -45,7 +45,7 @@ from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
 from llmgw.control.snapshot import Snapshot, SuspectPorts
 from llmgw.control.weights import WeightsCollector
-from llmgw.router.balancer import Endpoint
+from llmgw.router.interfaces import Endpoint
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
 

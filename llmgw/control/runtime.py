@@ -1,6 +1,6 @@
 """
 The catalog at run time, and the router's side of the control plane
-(L{llmgw.router.app.Activator}): each model's state by name, every name
+(L{llmgw.router.interfaces.Activator}): each model's state by name, every name
 and alias that leads to it, activation and use.  Models come from the
 configuration and the admin API (added and removed while the server
 runs); the reconciler (L{llmgw.control.plane}) places what they want.
@@ -17,7 +17,7 @@ from twisted.logger import Logger
 from llmgw.control.catalog import MAX_COUNT, Model
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.scaling import ModelState
-from llmgw.router.balancer import Endpoint
+from llmgw.router.interfaces import Endpoint
 
 
 class ModelCatalog:

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 from twisted.internet.interfaces import IReactorTime
 
-# Endpoint is defined with the router's other interfaces; named here too
-# for the modules that import it from the balancer.
-from llmgw.router.interfaces import Endpoint as Endpoint
+from llmgw.router.interfaces import Endpoint
 
 
 @dataclass(eq=False)

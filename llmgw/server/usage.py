@@ -32,7 +32,7 @@ def usage_row(record: RequestRecord) -> UsageRow:
 
 class StoreUsageSink:
     """
-    A L{llmgw.router.app.UsageSink} handing each request's row to the
+    A L{llmgw.router.interfaces.UsageSink} handing each request's row to the
     store's writer.
 
     @param writer: buffers the rows and writes them.

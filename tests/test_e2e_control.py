@@ -218,9 +218,11 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         unreachable then lost, its replica is placed on the other node, and
         requests keep succeeding all along.
         """
-        # The grace lets both agents register before the first placement.
+        # The grace lets both agents register before the first placement
+        # (2 s was too short on a loaded machine: both replicas went to the
+        # first node to register).
         self.start_fleet_server(
-            self.config(MODELS.format(min_replicas=2, idle="0s"), startup_grace="2s")
+            self.config(MODELS.format(min_replicas=2, idle="0s"), startup_grace="6s")
         )
         self.start_agent("gpu-01")
         self.start_agent("gpu-02")

@@ -191,7 +191,11 @@ class KeyRoutes:
         if self.usage is not None:
             # Records still buffered count too.
             await self.usage.flush()
-        groups = await self.store.usage(by, since, until)
+        # Without an end: up to now, and the records of this second (a
+        # record's time is when its request finished).
+        groups = await self.store.usage(
+            by, since, until if until is not None else now + 1
+        )
         return json_answer(
             request,
             {

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -304,12 +303,12 @@ class Store:
         return self.pool.runInteraction(add)  # type: ignore[no-any-return]
 
     def usage(
-        self, by: str, since: float, until: float | None = None
+        self, by: str, since: float, until: float
     ) -> Deferred[list[dict[str, Any]]]:
         """
         @param by: C{"key"} or C{"model"}.
         @param since: POSIX seconds, inclusive.
-        @param until: POSIX seconds, exclusive; L{None} for now.
+        @param until: POSIX seconds, exclusive.
         @return: one dict per group: the group's name, requests, errors
             (status >= 400), prompt and completion tokens, mean latency
             and mean time to first token (seconds), and how many requests'
@@ -348,9 +347,7 @@ class Store:
                 ) in rows
             ]
 
-        d = self.pool.runQuery(
-            query, (since, until if until is not None else time.time() + 1)
-        )
+        d = self.pool.runQuery(query, (since, until))
         return d.addCallback(shape)  # type: ignore[no-any-return]
 
     # Runtime models

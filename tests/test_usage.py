@@ -183,8 +183,9 @@ def _record(**fields: Any) -> RequestRecord:
 
 
 class _Writer:
-    def __init__(self) -> None:
+    def __init__(self, record_rows: bool = True) -> None:
         self.rows: list[UsageRow] = []
+        self.record_rows = record_rows
 
     def add(self, row: UsageRow) -> None:
         self.rows.append(row)
@@ -225,3 +226,16 @@ class StoreUsageSinkTests(SynchronousTestCase):
         sink.record(_record(request_id="b", key_id=None, key_name=None))
         sink.record(_record(request_id="c", status=401))
         self.assertEqual([r.request_id for r in writer.rows], ["b", "c"])
+
+    def test_no_row_built_for_nothing(self) -> None:
+        """
+        With C{record_usage = false}, a request without a key has nothing
+        to be written or counted: no row is made (a row per request is a
+        cost on the router's hot path); a key's request still reaches the
+        writer for its token count.
+        """
+        writer = _Writer(record_rows=False)
+        sink = StoreUsageSink(writer)  # type: ignore[arg-type]
+        sink.record(_record(request_id="a", key_id=None, key_name=None))
+        sink.record(_record(request_id="b"))
+        self.assertEqual([r.request_id for r in writer.rows], ["b"])

@@ -486,10 +486,17 @@ class Exchange:
         )
         write = self._write
         got_bytes = self._got_bytes
+        touch = self.deadlines.touch
+        feed = relay.feed
 
         def on_data(data: bytes) -> None:
-            got_bytes()
-            out = relay.feed(data)
+            # Per chunk of every stream: the idle deadline restarts with one
+            # call once the first byte has been seen.
+            if self.first_byte_at is None:
+                got_bytes()
+            else:
+                touch()
+            out = feed(data)
             if out:
                 write(out)
 

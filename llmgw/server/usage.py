@@ -42,8 +42,11 @@ class StoreUsageSink:
         self.writer = writer
 
     def record(self, record: RequestRecord) -> None:
-        if record.key_id is None and record.status == 401:
+        if record.key_id is None and (
+            record.status == 401 or not self.writer.record_rows
+        ):
             # Unauthenticated: anyone could fill the store with these (the
-            # log line and the metrics still count them).
+            # log line and the metrics still count them).  Or nothing to
+            # write: no rows kept, no key to count for.
             return
         self.writer.add(usage_row(record))

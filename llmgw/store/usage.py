@@ -35,6 +35,8 @@ class UsageWriter(Service):
     @param batch_size: a batch is written early once this many wait.
     @param record_rows: false keeps no record per request, only each
         key's token count (budgets hold across restarts either way).
+    @ivar record_rows: C{record_rows}, for callers that would build a row
+        only to have it dropped.
     """
 
     log = Logger()
@@ -49,7 +51,7 @@ class UsageWriter(Service):
         record_rows: bool = True,
     ) -> None:
         self._store = store
-        self._record_rows = record_rows
+        self.record_rows = record_rows
         self._clock = clock
         self._interval = interval
         self._batch_size = batch_size
@@ -67,7 +69,7 @@ class UsageWriter(Service):
         tokens to its key's count.
         """
         now = self._wall_clock()
-        if not self._record_rows:
+        if not self.record_rows:
             if row.key_id is not None:
                 self._count_key(row, now)
             return

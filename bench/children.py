@@ -68,6 +68,16 @@ class Child:
             + self.output()[-3000:]
         )
 
+    def cpu_seconds(self) -> float:
+        """
+        @return: user and system CPU seconds the process has used so far
+            (C{/proc/PID/stat}, fields 14 and 15, in clock ticks; C{taskset}
+            execs the program, so the pid is the program's).
+        """
+        with open(f"/proc/{self.popen.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         """
         SIGTERM, then SIGKILL after C{STOP_TIMEOUT} seconds.
@@ -121,6 +131,16 @@ class Children:
         child = Child(name, popen, log_path)
         self._children.append(child)
         return child
+
+    def find(self, name: str) -> Child:
+        """
+        @return: the child started as C{name}.
+        @raise KeyError: none was.
+        """
+        for child in self._children:
+            if child.name == name:
+                return child
+        raise KeyError(name)
 
     def stop_all(self) -> None:
         for child in reversed(self._children):

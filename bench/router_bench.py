@@ -274,6 +274,7 @@ class Run:
     p99_ms: float
     non_2xx: int
     socket_errors: int
+    cpu_ms_per_request: float
 
 
 def load(
@@ -363,6 +364,7 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                     "requests_per_s": _median(mine, "requests_per_s"),
                     "p50_ms": _median(mine, "p50_ms"),
                     "p99_ms": _median(mine, "p99_ms"),
+                    "cpu_ms_per_request": _median(mine, "cpu_ms_per_request"),
                     "non_2xx": sum(r.non_2xx for r in mine),
                     "socket_errors": sum(r.socket_errors for r in mine),
                 }
@@ -371,12 +373,15 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 
 
 def ratios(
-    rows: list[dict[str, Any]], target: str = "llmgw", baseline: str = "minimal-proxy"
+    rows: list[dict[str, Any]],
+    target: str = "llmgw",
+    baseline: str = "minimal-proxy",
+    figure: str = "requests_per_s",
 ) -> dict[str, float]:
     """
-    C{target} / C{baseline} throughput per kind.
+    C{target} / C{baseline} of a figure (throughput unless told) per kind.
     """
-    rate = {(r["target"], r["kind"]): r["requests_per_s"] for r in rows}
+    rate = {(r["target"], r["kind"]): r[figure] for r in rows}
     result = {}
     for kind in KINDS:
         floor = rate.get((baseline, kind))
@@ -396,13 +401,14 @@ def auth_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'target':<15}{'kind':<15}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}"
-        f"{'non-2xx':>9}{'sock err':>9}"
+        f"{'non-2xx':>9}{'sock err':>9}{'cpu ms/req':>11}"
     )
     for r in rows:
         print(
             f"{r['target']:<15}{r['kind']:<15}{r['requests_per_s']:>10.1f}"
             f"{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}"
             f"{r['non_2xx']:>9}{r['socket_errors']:>9}"
+            f"{r['cpu_ms_per_request']:>11.3f}"
         )
 
 
@@ -479,9 +485,12 @@ def main(argv: list[str]) -> int:
                     stream = kind == "streaming"
                     auth = AUTH.get(target, "")
                     load(children, loadgen, ports[target], stream, WARMUP, auth)
+                    server = children.find("sim" if target == "direct" else target)
+                    cpu_before = server.cpu_seconds()
                     figures = load(
                         children, loadgen, ports[target], stream, args.duration, auth
                     )
+                    cpu = server.cpu_seconds() - cpu_before
                     run = Run(
                         target=target,
                         kind=kind,
@@ -492,12 +501,14 @@ def main(argv: list[str]) -> int:
                         p99_ms=figures["p99_ms"],
                         non_2xx=int(figures["non_2xx"]),
                         socket_errors=int(figures["socket_errors"]),
+                        cpu_ms_per_request=cpu * 1000 / max(1, figures["requests"]),
                     )
                     runs.append(run)
                     print(
                         f"round {run.round} {target:<14} {kind:<14}"
                         f" {run.requests_per_s:9.1f} req/s  p50 {run.p50_ms:7.2f} ms"
                         f"  p99 {run.p99_ms:7.2f} ms"
+                        f"  cpu {run.cpu_ms_per_request:6.3f} ms/req"
                         + (f"  NON-2XX {run.non_2xx}" if run.non_2xx else "")
                         + (
                             f"  SOCKET ERRORS {run.socket_errors}"
@@ -535,6 +546,12 @@ def main(argv: list[str]) -> int:
             print(f"ratio llmgw-baseline/minimal-proxy {kind} throughput: {value:.2f}")
         for kind, value in ratios(rows, "llmgw", BASELINE).items():
             print(f"ratio llmgw/llmgw-baseline {kind} throughput: {value:.2f}")
+        for kind, value in ratios(
+            rows, "llmgw", BASELINE, "cpu_ms_per_request"
+        ).items():
+            print(
+                f"ratio llmgw/llmgw-baseline {kind} server CPU per request: {value:.3f}"
+            )
     errors = [r for r in rows if r["non_2xx"] or r["socket_errors"]]
     if errors:
         print()
@@ -561,6 +578,9 @@ def main(argv: list[str]) -> int:
                     "ratios_auth_usage_on_over_off": auth_ratios(rows),
                     "ratios_baseline_over_minimal_proxy": ratios(rows, BASELINE),
                     "ratios_llmgw_over_baseline": ratios(rows, "llmgw", BASELINE),
+                    "ratios_cpu_per_request_llmgw_over_baseline": ratios(
+                        rows, "llmgw", BASELINE, "cpu_ms_per_request"
+                    ),
                     "runs": [asdict(r) for r in runs],
                 },
                 f,

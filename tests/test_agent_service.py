@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -141,7 +142,9 @@ def fake_nvml(
     The calls are counted in C{calls}.
     """
     calls: dict[str, int] = {}
-    state = SimpleNamespace(failing=set(), used=used_mib, xids=list(xids or []))
+    state = SimpleNamespace(
+        failing=set(), used=used_mib, xids=list(xids or []), events_broken=False
+    )
 
     def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
@@ -156,6 +159,8 @@ def fake_nvml(
         return SimpleNamespace(total=80 * 1024**3, used=state.used * 1024**2)
 
     def wait(events: Any, timeout_ms: int) -> Any:
+        if state.events_broken:
+            raise _NVMLError(999)
         if not state.xids:
             raise _NVMLError(10)
         index, xid = state.xids.pop(0)
@@ -268,6 +273,26 @@ class GpuMonitorTests(SynchronousTestCase):
         self.assertEqual([usage[0][1], usage[1][1]], [[], []])
         self.assertEqual(list(self.gpus[0].problems), ["xid 79"])
         self.assertEqual(list(self.gpus[1].problems), ["nvml memory info: error 15"])
+
+    def test_event_error_logged_on_the_reactor_thread(self) -> None:
+        """
+        An NVML event read that fails (not a timeout) is logged when the
+        reading is applied, on the reactor thread, not from the thread
+        that read it (twisted.logger's observers are not for other
+        threads).
+        """
+        self.nvml.state.events_broken = True
+        self.monitor.heartbeat()
+        with capturedLogs() as events:
+            ((call, d),) = self.pending
+            self.pending = []
+            result = call()
+        self.assertEqual(events, [])
+        with capturedLogs() as events:
+            d.callback(result)
+        self.assertEqual(
+            [formatEvent(e) for e in events], ["reading NVML events: error 999"]
+        )
 
     def test_without_nvml(self) -> None:
         """

@@ -316,6 +316,25 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
         self.assertEqual(len(done.stderr.splitlines()), 1)
         self.assertIn("cannot reach the admin API at http://127.0.0.1:9", done.stderr)
 
+    def test_ctl_bad_url_and_admin_key(self) -> None:
+        """
+        An admin URL without a scheme: one line naming it, exit 1 (it was
+        a traceback).  C{keys create --admin} makes an admin key (argparse
+        took --admin for an ambiguous abbreviation of --admin-url and
+        --admin-key, so no admin key could be made with ctl).
+        """
+        done = self.ctl("--admin-url", "foo", "status", ok=False)
+        self.assertEqual(done.returncode, 1, done.stderr)
+        self.assertEqual(len(done.stderr.splitlines()), 1, done.stderr)
+        self.assertIn("bad --admin-url 'foo'", done.stderr)
+        self.assertNotIn("Traceback", done.stderr)
+        made = self.ctl_json("keys", "create", "--name", "ops", "--admin")
+        self.assertTrue(made["key"].startswith("sk-"))
+        (ops,) = [
+            k for k in self.ctl_json("keys", "list")["keys"] if k["name"] == "ops"
+        ]
+        self.assertTrue(ops["admin"])
+
 
 class BudgetTests(SynchronousTestCase, Processes, _Ctl):
     """

@@ -125,6 +125,29 @@ class RouterTests(SynchronousTestCase):
         self.assertFalse(record.usage_estimated)
         self.assertEqual(record.reserved_tokens, reserve)
 
+    def test_drain_released_after_accounting(self) -> None:
+        """
+        The drain the stop waits for is released only once the last
+        request's record reached the usage sink and its key was charged:
+        the stop's next step, "usage flushed", runs as soon as the drain
+        fires, and must find them (the record was written after the flush,
+        and lost, when the drain fired first).
+        """
+        d = self.post(b'{"model": "m", "max_tokens": 10}')
+        seen: list[tuple[int, int]] = []
+        drained = self.router.drain(30.0)
+        drained.addCallback(
+            lambda _: seen.append((len(self.sink.records), len(self.auth.used_calls)))
+        )
+        response = FakeResponse(200, b"application/json")
+        self.agent.sent[0].answer.callback(response)
+        response.write(b"{}")
+        response.end()
+        self.stub.flush()
+        self.successResultOf(d)
+        self.successResultOf(drained)
+        self.assertEqual(seen, [(1, 1)])
+
     def test_refused_before_sending(self) -> None:
         """
         A bad key, an unknown model or a refused admission is answered

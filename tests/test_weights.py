@@ -1,21 +1,24 @@
 """
-The agent's weights removal on real files, and the answers the agent's
-link gives to commands it refuses (a removal outside its weights
-directories, a stop for a shard it does not run).
+The agent's weights removal on real files, the answers the agent's link
+gives to commands it refuses (a removal outside its weights directories, a
+stop for a shard it does not run), and the order of its weights reports.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.link import AgentFactory
 from llmgw.wire import agent_pb2 as pb
-from llmgw.wire.codec import FrameDecoder
+from llmgw.wire.codec import FrameDecoder, encode_frame
 
 
 class WeightsRemovalTests(SynchronousTestCase):
@@ -149,3 +152,65 @@ class RefusalAnswerTests(SynchronousTestCase):
             (answer.command_id, answer.ok, answer.error),
             (4, False, "no shard 's-1' on this node"),
         )
+
+
+class ReportOrderTests(SynchronousTestCase):
+    """
+    Weights scans run in threads, so they can end out of order: the report
+    the server keeps (the last one sent) must not be older than a report
+    already sent.
+    """
+
+    def test_stale_scan_not_sent_after_removal(self) -> None:
+        """
+        A periodic scan walks a folder; meanwhile a RemoveWeights deletes it
+        and starts a scan of its own, which ends first.  The slow scan's
+        report, which still lists the folder, is not sent after it (the
+        server would list the removed folder again for a minute).
+        """
+        root = tempfile.mkdtemp(prefix="llmgw-order-")
+        victim = os.path.join(root, "models--org--old")
+        os.makedirs(victim)
+        with open(os.path.join(victim, "w.bin"), "wb") as f:
+            f.write(b"x" * 10)
+        pending: list[tuple[Callable[[], Any], Deferred[Any]]] = []
+
+        def in_thread(call: Callable[[], Any]) -> Deferred[Any]:
+            # A thread whose result reaches the reactor when the test says.
+            d: Deferred[Any] = Deferred()
+            pending.append((call, d))
+            return d
+
+        factory = AgentFactory(
+            lambda: pb.Register(node_id="n1"),
+            pb.Heartbeat,
+            Clock(),
+            tempfile.mkdtemp(),
+            weights_dirs=(root,),
+            in_thread=in_thread,
+        )
+        protocol = factory.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        welcome = pb.ControlMessage(
+            welcome=pb.Welcome(server_version="test", heartbeat_interval_seconds=5)
+        )
+        protocol.dataReceived(encode_frame(welcome.SerializeToString()))
+        # The periodic scan started at Welcome: it walks the folder now.
+        ((periodic, periodic_done),) = pending
+        slow_result = periodic()
+        remove = pb.ControlMessage(
+            remove_weights=pb.RemoveWeights(command_id=1, paths=[victim])
+        )
+        protocol.dataReceived(encode_frame(remove.SerializeToString()))
+        self.assertFalse(os.path.exists(victim))
+        _, (after, after_done) = pending
+        after_done.callback(after())
+        periodic_done.callback(slow_result)
+        messages = [
+            pb.AgentMessage.FromString(f)
+            for f in FrameDecoder().feed(transport.value())
+        ]
+        reports = [m.weights_report for m in messages if m.HasField("weights_report")]
+        self.assertEqual(len(reports), 1)
+        self.assertNotIn(victim, [f.path for f in reports[-1].files])

@@ -72,6 +72,9 @@ class Nvml:
         self._nvml = module
         self._handles: dict[int, Any] = {}
         self._events: Any = None
+        # Written by poll() in its thread, logged from the reactor thread
+        # (twisted.logger's observers are not for other threads).
+        self.warnings: list[str] = []
 
     def start(self) -> list[pb.Gpu]:
         """
@@ -156,7 +159,7 @@ class Nvml:
                 data = wait(self._events, 0)
             except nvml.NVMLError as e:
                 if getattr(e, "value", None) != _ERROR_TIMEOUT:
-                    log.warn("reading NVML events: {reason}", reason=str(e))
+                    self.warnings.append(f"reading NVML events: {e}")
                 break
             xid = int(data.eventData)
             if xid in APPLICATION_XIDS:
@@ -279,6 +282,10 @@ class GpuMonitor:
         return reading
 
     def _apply(self, found: dict[int, tuple[int | None, list[str]]]) -> None:
+        if self._nvml is not None and self._nvml.warnings:
+            warnings, self._nvml.warnings = self._nvml.warnings, []
+            for warning in warnings:
+                log.warn("{reason}", reason=warning)
         for index, (used, problems) in found.items():
             gpu = self._gpus.get(index)
             if gpu is None:

@@ -47,6 +47,10 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self._clock = clock
         self._beat: LoopingCall | None = None
         self._weights: LoopingCall | None = None
+        # Scans run in threads and may end out of order: each is numbered,
+        # and one that ends after a later one was sent is not sent.
+        self._scans_started = 0
+        self._scan_sent = 0
         # Fires on Welcome; fails if the link is lost before.
         self.registered: Deferred[None] = Deferred()
         self.welcomed = False
@@ -120,9 +124,16 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
 
         @return: fires once sent (or dropped, the link being gone).
         """
+        self._scans_started += 1
+        number = self._scans_started
         scanned = self.factory.in_thread(lambda: scan(self.factory.weights_dirs))
 
         def report(files: list[pb.WeightsFile]) -> None:
+            if number < self._scan_sent:
+                # A later scan (after a removal) was sent already: this
+                # one would bring back what it no longer saw.
+                return
+            self._scan_sent = number
             if self.transport is not None and self.factory.current is self:
                 self.send(pb.AgentMessage(weights_report=pb.WeightsReport(files=files)))
 

@@ -43,10 +43,11 @@ class _Client:
         headers = {"content-type": "application/json"}
         if self.key:
             headers["authorization"] = f"Bearer {self.key}"
-        request = urllib.request.Request(
-            self.base + path, data=data, method=method, headers=headers
-        )
         try:
+            # A URL without a scheme fails here, as a ValueError.
+            request = urllib.request.Request(
+                self.base + path, data=data, method=method, headers=headers
+            )
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as e:
@@ -453,7 +454,11 @@ def _with(shared: argparse.ArgumentParser, subparsers: Any) -> Any:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
-        prog="llmgw ctl", description="Run an llmgw fleet through the admin API."
+        prog="llmgw ctl",
+        description="Run an llmgw fleet through the admin API.",
+        # Else "keys create --admin" is taken for an abbreviation of
+        # --admin-url or --admin-key, and refused as ambiguous.
+        allow_abbrev=False,
     )
     top.add_argument(
         "--admin-url",

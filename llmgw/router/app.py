@@ -261,10 +261,6 @@ class Router:
                 exchange.finish()
             metrics.in_flight.dec()
             self.in_flight -= 1
-            if self.in_flight == 0 and self._idle_waiters:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for waiter in waiters:
-                    waiter.callback(None)
             record = self._record(
                 rid, started, status, model, stream, key, reserved, exchange
             )
@@ -274,6 +270,13 @@ class Router:
                 self.auth.used(
                     key, record.prompt_tokens + record.completion_tokens, reserved
                 )
+            # Last: a drain released here goes straight on to the stop's
+            # next steps, "usage flushed" among them, which must find this
+            # request's record and its key's tokens.
+            if self.in_flight == 0 and self._idle_waiters:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for waiter in waiters:
+                    waiter.callback(None)
 
     def _record(
         self,

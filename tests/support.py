@@ -236,6 +236,21 @@ def sim_stats(base_url: str) -> dict[str, Any]:
     return result
 
 
+def llmgw_certs(*args: str) -> None:
+    """
+    Run C{llmgw certs ARGS} as an operator would.
+
+    @raise subprocess.CalledProcessError: it failed.
+    """
+    subprocess.run(
+        [os.path.join(BIN, "llmgw"), "certs", *args],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        env=hermetic_env(),
+    )
+
+
 def make_certs(directory: str, hosts: str, nodes: list[str]) -> str:
     """
     A fleet CA, a server certificate for C{hosts} (comma-separated) and
@@ -250,13 +265,7 @@ def make_certs(directory: str, hosts: str, nodes: list[str]) -> str:
         ["server", "--dir", ca, "--host", hosts],
         *(["agent", "--dir", ca, "--node-id", node] for node in nodes),
     ):
-        subprocess.run(
-            [os.path.join(BIN, "llmgw"), "certs", *args],
-            check=True,
-            timeout=60,
-            capture_output=True,
-            env=hermetic_env(),
-        )
+        llmgw_certs(*args)
     return ca
 
 

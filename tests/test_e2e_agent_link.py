@@ -26,6 +26,7 @@ from tests.support import (
     free_port,
     hermetic_env,
     http,
+    llmgw_certs,
     make_certs,
     spawn_agent,
 )
@@ -153,13 +154,7 @@ class AgentLinkEndToEndTests(_Fleet, SynchronousTestCase):
             ["init", "--dir", other],
             ["agent", "--dir", other, "--node-id", "gpu-01"],
         ):
-            subprocess.run(
-                [os.path.join(BIN, "llmgw"), "certs", *args],
-                check=True,
-                timeout=60,
-                capture_output=True,
-                env=hermetic_env(),
-            )
+            llmgw_certs(*args)
         foreign = os.path.join(other, "agents", "gpu-01")
         # It trusts the real server, so only the server can refuse it.
         with open(os.path.join(self.ca, "ca.pem"), "rb") as src:

@@ -27,11 +27,10 @@ from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import CommandFailed
 from llmgw.wire.tls import server_options
 from tests.support import (
-    BIN,
     TWISTD,
     free_port,
-    hermetic_env,
     http,
+    llmgw_certs,
     spawn,
 )
 
@@ -71,13 +70,7 @@ class _LinkedAgent(TestCase):
             ["server", "--dir", ca, "--host", "127.0.0.1"],
             ["agent", "--dir", ca, "--node-id", "gpu-01"],
         ):
-            subprocess.run(
-                [os.path.join(BIN, "llmgw"), "certs", *args],
-                check=True,
-                timeout=60,
-                capture_output=True,
-                env=hermetic_env(),
-            )
+            llmgw_certs(*args)
         self.inventory = Inventory()
         self.hub = AgentHub(reactor, self.inventory)
         self.heard = _Heard()

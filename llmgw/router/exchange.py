@@ -156,15 +156,6 @@ class Exchange:
         else:
             self.deadlines.touch()
 
-    def _fail(self) -> APIError | None:
-        # After a wait broke: re-raise for a client that left, the
-        # deadline that passed, or None.
-        if client_gone(self.request):
-            return None
-        if self.deadlines.expired:
-            return self.deadlines.error()
-        return None
-
     async def run(self) -> bytes | None:
         """
         Serve the request.

@@ -36,7 +36,7 @@ from llmgw.router.errors import (
 )
 from llmgw.router.interfaces import Activator
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.prepare import Prepared
+from llmgw.router.prepare import USAGE_STREAM_PATHS, Prepared
 from llmgw.router.relay import StreamCut, UsageFilter
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON
@@ -473,7 +473,9 @@ class Exchange:
             for name, value in SSE_HEADERS:
                 request.setHeader(name, value)
         relay = UsageFilter(
-            self.services.settings.max_event_size, self.prepared.strip_usage
+            self.services.settings.max_event_size,
+            self.prepared.strip_usage,
+            completion=self.path in USAGE_STREAM_PATHS,
         )
         write = self._write
         got_bytes = self._got_bytes
@@ -510,6 +512,8 @@ class Exchange:
         try:
             rest = relay.end()
         except StreamCut as e:
+            if e.rest:
+                self._write(e.rest)
             cut = upstream_failed(str(e))
             self.services.metrics.upstream_errors.labels("broken").inc()
             self.status = cut.status

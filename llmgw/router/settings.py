@@ -38,3 +38,5 @@ class RouterConfig:
     activation_timeout: float = 300.0
     activation_queue: int = 256
     activation_keepalive: float = 15.0
+    # [cors] allow_origins: ("*",), the origins allowed, or () for no CORS.
+    cors_allow_origins: tuple[str, ...] = ()

@@ -169,6 +169,7 @@ def _router(table: object) -> RouterConfig:
         "connect_timeout",
         "first_byte_timeout",
         "idle_timeout",
+        "client_stall_timeout",
         "total_timeout",
         "eject_cooldown",
         "drain_timeout",

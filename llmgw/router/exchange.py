@@ -20,6 +20,7 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest, IResponse
 
+from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
 from llmgw.router.errors import (
@@ -404,8 +405,18 @@ class Exchange:
         request = self.request
         metrics = self.services.metrics
         producing = False
+        backpressure: Backpressure | None = None
         if relay and reader.transport is not None:
-            request.registerProducer(IPushProducer(reader.transport), True)  # type: ignore[attr-defined]
+            channel = getattr(request, "channel", None)
+            backpressure = Backpressure(
+                self.services.clock,
+                IPushProducer(reader.transport),
+                self.deadlines,
+                self.services.settings.client_stall_timeout,
+                lambda: unsent_bytes(channel),
+                self._client_stalled,
+            )
+            request.registerProducer(backpressure, True)  # type: ignore[attr-defined]
             producing = True
         self.waiting = reader.done
         try:
@@ -424,8 +435,22 @@ class Exchange:
         finally:
             self.waiting = None
             self.reader = None
+            if backpressure is not None:
+                backpressure.stop()
             if producing and not client_gone(request):
                 request.unregisterProducer()  # type: ignore[attr-defined]
+
+    def _client_stalled(self) -> None:
+        # The client read nothing for client_stall_timeout while it held
+        # the replica back: its fault, not the replica's.  Once cut, the
+        # request ends as for any client that left (499, usage estimated).
+        self.services.log.warn(
+            "request {request_id}: client {client} read nothing for"
+            " {seconds:g}s; closing its connection (the replica was not late)",
+            request_id=self.request_id.decode("ascii"),
+            client=abort_client(self.request),
+            seconds=self.services.settings.client_stall_timeout,
+        )
 
     def _answer_whole(
         self, status: int, content_type: bytes, body: bytes, wait: int | None

@@ -8,6 +8,7 @@ it and exit without a traceback.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -168,6 +169,7 @@ def _router(table: object) -> RouterConfig:
         "connect_timeout",
         "first_byte_timeout",
         "idle_timeout",
+        "client_stall_timeout",
         "total_timeout",
         "eject_cooldown",
         "drain_timeout",
@@ -197,6 +199,36 @@ def _router(table: object) -> RouterConfig:
             "router.activation_keepalive: under the least, 100ms (0s turns it off)"
         )
     return router
+
+
+_ORIGIN = re.compile(r"^https?://[^/?#@\s]+$")
+
+
+def _cors(table: object) -> tuple[str, ...]:
+    """
+    @return: the C{[cors] allow_origins}: C{("*",)}, or the origins, lower
+        case (as browsers send C{Origin}, RFC 6454 section 6.1).
+    """
+    if not isinstance(table, dict):
+        raise ConfigError(f"cors: expected a table, got {table!r}")
+    check_keys("cors", table, {"allow_origins"})
+    value = table.get("allow_origins", [])
+    if value == "*":
+        return ("*",)
+    if not isinstance(value, list):
+        raise ConfigError(
+            'cors.allow_origins: expected "*" or a list of origins'
+            f' such as ["https://app.example.com"], got {value!r}'
+        )
+    origins: list[str] = []
+    for origin in value:
+        if not isinstance(origin, str) or not _ORIGIN.match(origin):
+            raise ConfigError(
+                "cors.allow_origins: expected an origin, scheme://host[:port]"
+                f' with no path (or "*" alone), got {origin!r}'
+            )
+        origins.append(origin.lower())
+    return tuple(origins)
 
 
 def _control(table: object) -> ControlConfig:
@@ -284,6 +316,7 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             "state_dir",
             "store",
             "auth",
+            "cors",
         },
     )
     config = ServerConfig()
@@ -351,6 +384,11 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
         )
     if "router" in data:
         config = replace(config, router=_router(data["router"]))
+    if "cors" in data:
+        origins = _cors(data["cors"])
+        config = replace(
+            config, router=replace(config.router, cors_allow_origins=origins)
+        )
     if "endpoints" in data:
         tables = data["endpoints"]
         if not isinstance(tables, list):

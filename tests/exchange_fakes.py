@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Protocol
@@ -128,6 +129,31 @@ class FakePool:
 
 
 @dataclass
+class FakeClientTransport:
+    """
+    The unsent bytes of a client's connection, as Twisted's
+    C{FileDescriptor} keeps them.
+    """
+
+    dataBuffer: bytes = b""
+    offset: int = 0
+    _tempDataLen: int = 0
+
+
+@dataclass
+class FakeChannel:
+    """
+    A client's HTTP connection: its transport, and whether it was aborted.
+    """
+
+    transport: FakeClientTransport = field(default_factory=FakeClientTransport)
+    aborted: bool = False
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+
+
+@dataclass
 class FakeRequest:
     """
     A client request as the exchange uses it.
@@ -139,6 +165,10 @@ class FakeRequest:
     written: list[bytes] = field(default_factory=list)
     producer: Any = None
     _disconnected: bool = False
+    channel: FakeChannel = field(default_factory=lambda: FakeChannel())
+
+    def getClientAddress(self) -> IPv4Address:
+        return IPv4Address("TCP", "10.0.0.9", 4321)
 
     def getHeader(self, name: bytes) -> bytes | None:
         return self.headers.get(name.lower())

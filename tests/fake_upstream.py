@@ -16,6 +16,10 @@ CHUNK = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":'
     b'[{"index":0,"delta":{"content":"ok"}}]}\n\n'
 )
+FINISH = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":'
+    b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -43,11 +47,30 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
 
+    def _chunked(self, pieces: list[bytes]) -> None:
+        # A chunked body, ended by its last chunk; the connection stays.
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for piece in pieces:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        self.wfile.write(b"0\r\n\r\n")
+
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))
-        request = json.loads(self.rfile.read(length))
+        raw = self.rfile.read(length)
+        self.server.received.append((dict(self.headers.items()), raw))
+        request = json.loads(raw)
         mode = request.get("mode")
-        if mode == "partial_then_drop":
+        if mode == "no_done":
+            # Finished (finish_reason), then the body ends: no [DONE].
+            self._chunked([CHUNK, FINISH])
+        elif mode == "done_no_blank":
+            # [DONE] without its blank line, then the connection closes.
+            self._start_stream()
+            self.wfile.write(CHUNK + FINISH + b"data: [DONE]")
+        elif mode == "partial_then_drop":
             self._start_stream()
             # No length and no chunking: the body ends when the connection
             # closes, cleanly, in the middle of the second event.
@@ -73,6 +96,9 @@ class _Handler(BaseHTTPRequestHandler):
                 for _ in range(int(request.get("chunks", 3000))):
                     self.wfile.write(CHUNK * 600)
                     self.server.flood_sent += len(CHUNK) * 600
+                if request.get("finish"):
+                    self.wfile.write(FINISH + b"data: [DONE]\n\n")
+                    self.server.flood_finished = True
             except OSError:
                 pass
         elif mode == "big_json":
@@ -120,15 +146,19 @@ class FakeUpstream(ThreadingHTTPServer):
     Serve on 127.0.0.1 on a free port in a daemon thread.
 
     @ivar flood_sent: bytes the C{flood} mode has written so far.
+    @ivar flood_finished: whether a C{flood} with C{finish} wrote its end.
     """
 
     daemon_threads = True
     flood_sent = 0
+    flood_finished = False
     closed_without_answer = 0
     answered = 0
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
+        # The headers and body of each request, in order.
+        self.received: list[tuple[dict[str, str], bytes]] = []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()

@@ -176,3 +176,43 @@ class UnknownKeyTests(SynchronousTestCase):
             check_keys("t", {"z": 1}, ["b", "a"])
         self.assertEqual(str(raised.exception), "t.z: unknown key (known: a, b)")
         check_keys("", {"a": 1, "b": 2}, ("a", "b"))
+
+
+class CorsConfigTests(SynchronousTestCase):
+    def test_allow_origins(self) -> None:
+        """
+        C{[cors] allow_origins} is C{"*"} or a list of origins (lower case);
+        without the table, no origin; anything else is one line naming the
+        key and the value.
+        """
+        self.assertEqual(parse_config({}).router.cors_allow_origins, ())
+        for value, expected in [
+            ("*", ("*",)),
+            ([], ()),
+            (
+                ["https://App.example.com", "http://127.0.0.1:3000"],
+                ("https://app.example.com", "http://127.0.0.1:3000"),
+            ),
+        ]:
+            config = parse_config(
+                {"router": {"idle_timeout": "5s"}, "cors": {"allow_origins": value}}
+            )
+            self.assertEqual(config.router.cors_allow_origins, expected)
+            self.assertEqual(config.router.idle_timeout, 5.0)
+        for bad in (
+            "https://app.example.com",
+            ["https://app.example.com/"],
+            ["app.example.com"],
+            ["*"],
+            ["https://a.example/path"],
+            [3],
+            True,
+        ):
+            with self.assertRaises(ConfigError) as raised:
+                parse_config({"cors": {"allow_origins": bad}})
+            message = str(raised.exception)
+            self.assertTrue(message.startswith("cors.allow_origins: "), message)
+            self.assertNotIn("\n", message)
+        with self.assertRaises(ConfigError) as raised:
+            parse_config({"cors": {"origins": "*"}})
+        self.assertIn("cors.origins: unknown key", str(raised.exception))

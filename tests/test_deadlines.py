@@ -100,3 +100,33 @@ class DeadlinesTests(SynchronousTestCase):
         self.assertEqual(self.clock.getDelayedCalls(), [])
         self.clock.advance(1000)
         self.assertEqual(self.fired, [])
+
+    def test_pause(self) -> None:
+        """
+        A paused phase does not run (llmgw, not the replica, stopped
+        reading); resumed, it starts over; a phase started while paused
+        waits for the resume; the total deadline runs on; after stop, a
+        resume starts nothing.
+        """
+        deadlines = self.deadlines(idle=3, total=100)
+        deadlines.start_total()
+        deadlines.start("idle")
+        self.clock.advance(2)
+        deadlines.pause()
+        deadlines.touch()
+        self.clock.advance(50)
+        deadlines.start("idle")
+        self.clock.advance(20)
+        self.assertEqual(self.fired, [])
+        deadlines.resume()
+        deadlines.resume()
+        self.clock.advance(2.9)
+        self.assertEqual(self.fired, [])
+        self.clock.advance(0.1)
+        self.assertEqual(self.fired, ["idle"])
+        self.clock.advance(30)
+        self.assertEqual(self.fired, ["idle", "total"])
+        deadlines.pause()
+        deadlines.stop()
+        deadlines.resume()
+        self.assertEqual(self.clock.getDelayedCalls(), [])

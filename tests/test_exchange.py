@@ -59,6 +59,7 @@ class ExchangeTests(SynchronousTestCase):
             [Endpoint("r1", "http://a:1", ("m",)), Endpoint("r2", "http://b:2", ("m",))]
         )
         self.request = FakeRequest()
+        self.logged: list[dict[str, Any]] = []
         self.metrics = RouterMetrics(CollectorRegistry())
 
     def start(
@@ -75,7 +76,7 @@ class ExchangeTests(SynchronousTestCase):
             metrics=self.metrics,
             activator=None,
             activating={},
-            log=Logger(),
+            log=Logger(observer=self.logged.append),
         )
         body = json.dumps({"model": "m", "stream": stream}).encode()
         prepared = prepare(body, CHAT, lambda m: m == "m", lambda m: None)
@@ -172,6 +173,62 @@ class ExchangeTests(SynchronousTestCase):
         self.assertEqual(last["error"]["code"], "idle_timeout")
         self.assertTrue(response.transport.stopped)
 
+    def test_idle_deadline_stops_while_client_holds_back(self) -> None:
+        """
+        While the client's connection has paused the relay (llmgw stopped
+        reading the engine for a slow client), the idle deadline does not
+        run: the engine is not late.  Once resumed it starts over.
+        """
+        _, done = self.start(stream=True)
+        response = self.answer(0, content_type=SSE)
+        response.write(CHUNK)
+        self.clock.advance(2)
+        self.request.producer.pauseProducing()
+        self.assertTrue(response.transport.paused)
+        self.clock.advance(30)
+        self.assertNoResult(done)
+        self.request.producer.resumeProducing()
+        self.assertFalse(response.transport.paused)
+        self.clock.advance(2.9)
+        self.assertNoResult(done)
+        self.clock.advance(0.1)
+        self.assertIsNone(self.successResultOf(done))
+        last = json.loads(self.request.written[-1][len(b"data: ") :])
+        self.assertEqual(last["error"]["code"], "idle_timeout")
+        self.assertFalse(self.request.channel.aborted)
+
+    def test_stalled_client_cut(self) -> None:
+        """
+        A client that holds the stream back and reads nothing for
+        client_stall_timeout is cut (its connection aborted), with a
+        warning naming it and the request, not the replica; bytes leaving
+        for it in the meantime count as reading.
+        """
+        settings = RouterConfig(idle_timeout=3, client_stall_timeout=8)
+        _, done = self.start(stream=True, settings=settings)
+        response = self.answer(0, content_type=SSE)
+        response.write(CHUNK)
+        unsent = self.request.channel.transport
+        unsent.dataBuffer = b"x" * 100_000
+        self.request.producer.pauseProducing()
+        self.clock.pump([1] * 4)
+        unsent.offset = 4096  # the client read a little (seen at 6 s)
+        self.clock.pump([1] * 9)
+        self.assertFalse(self.request.channel.aborted)
+        self.clock.advance(1)
+        self.assertTrue(self.request.channel.aborted)
+        (warning,) = [e for e in self.logged if "read nothing" in e["log_format"]]
+        self.assertEqual(
+            (warning["client"], warning["request_id"], warning["seconds"]),
+            ("10.0.0.9:4321", "id", 8),
+        )
+        self.assertNotIn("replica", warning)
+        # The connection's loss cancels the request (Klein does so).
+        self.request._disconnected = True
+        done.cancel()
+        self.failureResultOf(done, CancelledError)
+        self.assertTrue(response.transport.stopped)
+
     def test_total_deadline(self) -> None:
         """
         The total deadline ends a stream whose chunks keep coming.
@@ -245,6 +302,7 @@ class ExchangeTests(SynchronousTestCase):
         self.assertEqual(last["error"]["code"], "upstream_error")
 
         self.request = FakeRequest()
+        self.logged: list[dict[str, Any]] = []
         _, done = self.start()
         response = self.answer(1)
         response.write(b'{"partial"')
@@ -262,7 +320,11 @@ class ExchangeTests(SynchronousTestCase):
         self.assertIn(b'"include_usage"', self.agent.sent[0].body)
         response = self.answer(0, content_type=SSE)
         self.assertEqual(self.request.response_headers[b"content-type"], SSE)
-        self.assertIs(self.request.producer, response.transport)
+        # The client's pauses reach the engine's connection.
+        self.request.producer.pauseProducing()
+        self.assertTrue(response.transport.paused)
+        self.request.producer.resumeProducing()
+        self.assertFalse(response.transport.paused)
         stream = CHUNK + CHUNK + USAGE + DONE
         response.write(stream[:5])
         self.assertEqual(self.request.written, [])
@@ -303,6 +365,7 @@ class ExchangeTests(SynchronousTestCase):
         self.assertTrue(response.transport.stopped)
 
         self.request = FakeRequest()
+        self.logged: list[dict[str, Any]] = []
         _, done = self.start()
         self.request._disconnected = True
         done.cancel()

@@ -97,6 +97,70 @@ class RefusedTests(SynchronousTestCase):
             )
 
 
+class FieldCheckTests(SynchronousTestCase):
+    def test_refused_fields(self) -> None:
+        """
+        Non-JSON numbers and fields of the wrong type are a 400 naming the
+        field (OpenAI's own C{param} spelling).
+        """
+        table: list[tuple[bytes, str | None, str]] = [
+            # the members after "model": "m", param, start of the message
+            (b'"temperature": NaN', None, "The request body is not valid JSON"),
+            (b'"temperature": Infinity', None, "The request body is not valid"),
+            (b'"x": [-Infinity]', None, "The request body is not valid JSON"),
+            (b'"messages": "hello"', "messages", "Invalid type for 'messages'"),
+            (b'"messages": {"role": "user"}', "messages", "Invalid type for"),
+            (b'"messages": ["hi"]', "messages.[0]", "Invalid type for 'messages[0]'"),
+            (
+                b'"messages": [{"role": "user"}, {"content": "x"}]',
+                "messages.[1].role",
+                "Invalid type for 'messages[1].role': expected a string,"
+                " but got nothing",
+            ),
+            (
+                b'"messages": [{"role": 1}]',
+                "messages.[0].role",
+                "Invalid type for 'messages[0].role'",
+            ),
+            (b'"prompt": 5', "prompt", "Invalid type for 'prompt'"),
+            (b'"prompt": {}', "prompt", "Invalid type for 'prompt'"),
+            (b'"stream": "true"', "stream", "'stream' must be a boolean."),
+            (b'"stream_options": []', "stream_options", "'stream_options' must"),
+            (b'"n": -1', "n", "Invalid value for 'n'"),
+            (b'"n": 1.5', "n", "Invalid value for 'n'"),
+            (b'"max_tokens": true', "max_tokens", "Invalid value for 'max_tokens'"),
+            (b'"max_tokens": "5"', "max_tokens", "Invalid value for 'max_tokens'"),
+            (b'"max_completion_tokens": -3', "max_completion_tokens", "Invalid"),
+        ]
+        for members, param, message in table:
+            body = b'{"model": "m", ' + members + b"}"
+            with self.assertRaises(Refused, msg=members) as raised:
+                _prepare(body)
+            error = raised.exception.error
+            self.assertEqual(
+                (error.status, error.type, error.param),
+                (400, "invalid_request_error", param),
+                members,
+            )
+            self.assertTrue(error.message.startswith(message), error.message)
+
+    def test_accepted_fields(self) -> None:
+        """
+        Fields of the right type, absent or null, and unknown fields pass,
+        and the body goes to the engine byte for byte.
+        """
+        for members in [
+            b'"messages": []',
+            b'"messages": [{"role": "user", "content": 5, "x": "NaN"}]',
+            b'"messages": null, "prompt": null, "n": null, "max_tokens": null',
+            b'"prompt": "hi", "n": 0, "max_tokens": 0, "max_completion_tokens": 9',
+            b'"prompt": ["a", [1, 2]], "stream": null, "stream_options": null',
+            b'"temperature": 1e308, "vendor_field": {"nested": [true, null]}',
+        ]:
+            body = b'{"model": "m", ' + members + b"}"
+            self.assertEqual(_prepare(body).body, body, members)
+
+
 class PreparedTests(SynchronousTestCase):
     def test_rewrites(self) -> None:
         """
@@ -181,9 +245,11 @@ class PreparedTests(SynchronousTestCase):
             (',"max_tokens":10', 10),
             (',"max_tokens":10,"max_completion_tokens":20', 20),
             (',"max_output_tokens":30', 30),
-            (',"max_tokens":true', DEFAULT_RESERVED_COMPLETION),
-            (',"max_tokens":"5"', DEFAULT_RESERVED_COMPLETION),
-            (',"max_tokens":-5', 0),
+            # max_tokens of another type, or negative, is refused
+            # (FieldCheckTests); max_output_tokens is not checked.
+            (',"max_output_tokens":true', DEFAULT_RESERVED_COMPLETION),
+            (',"max_output_tokens":"5"', DEFAULT_RESERVED_COMPLETION),
+            (',"max_output_tokens":-5', 0),
             (',"max_tokens":10000000', 1_000_000),
         ]:
             body = ('{"model":"m"' + extra + "}").encode()

@@ -143,6 +143,84 @@ class UsageFilterTests(SynchronousTestCase):
         self.assertRaises(EventTooLarge, usage_filter.feed, b"data: " + b"x" * 200)
 
 
+FINISH = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"usage":null}\n\n'
+
+
+def relay_completion(pieces: list[bytes], strip: bool) -> bytes | StreamCut:
+    usage_filter = UsageFilter(1024 * 1024, strip, completion=True)
+    out = b"".join(usage_filter.feed(piece) for piece in pieces)
+    try:
+        return out + usage_filter.end()
+    except StreamCut as cut:
+        return cut
+
+
+class CompletionEndTests(SynchronousTestCase):
+    def test_endings(self) -> None:
+        """
+        A chat or completions stream ends with exactly one C{[DONE]}: the
+        replica's own, one whose blank line never came, or one added after
+        a clean end once a choice finished; a stream cut inside a line or
+        ended before any choice finished ends with L{StreamCut}, after the
+        whole events.  However the stream is cut into pieces.
+        """
+        cut_mid = "The replica's stream ended in the middle of an event."
+        unfinished = "The replica's stream ended before its answer was complete"
+        table: list[tuple[bytes, bool, bytes | tuple[str, bytes]]] = [
+            # stream, strip, what the client gets (or the cut: message, rest)
+            (CHUNK + FINISH + DONE, False, CHUNK + FINISH + DONE),
+            (CHUNK + FINISH, False, CHUNK + FINISH + DONE),
+            (CHUNK + FINISH + b"data: [DONE]", False, CHUNK + FINISH + DONE),
+            (CHUNK + FINISH + b"data: [DONE]\n", False, CHUNK + FINISH + DONE),
+            (
+                CHUNK + FINISH + b"data:[DONE]\r",
+                False,
+                CHUNK + FINISH + b"data:[DONE]\r\n\n",
+            ),
+            (CHUNK + FINISH + USAGE_ONLY, True, CHUNK + FINISH + DONE),
+            (CHUNK + FINISH + USAGE_ONLY[:-1], True, CHUNK + FINISH + DONE),
+            (CHUNK + FINISH + USAGE_ONLY, False, CHUNK + FINISH + USAGE_ONLY + DONE),
+            (CHUNK + FINISH[:-1], False, CHUNK + FINISH + DONE),
+            (
+                CHUNK + FINISH + b": bye\n\n",
+                False,
+                CHUNK + FINISH + b": bye\n\n" + DONE,
+            ),
+            (CHUNK + DONE, False, CHUNK + DONE),
+            (CHUNK + FINISH + b'data: {"cho', False, (cut_mid, b"")),
+            (CHUNK + b"data: [DON", False, (cut_mid, b"")),
+            (CHUNK + CHUNK, False, (unfinished, b"")),
+            (CHUNK + CHUNK[:-1], False, (unfinished, CHUNK)),
+            # Generated text that reads like an ending is not one.
+            (
+                b'data: {"choices":[{"delta":{"content":"\\"finish_reason\\":\\"x'
+                b' data: [DONE]"}}]}\n\n',
+                False,
+                (unfinished, b""),
+            ),
+        ]
+        for stream, strip, expected in table:
+            for how, pieces in cuttings(stream).items():
+                got = relay_completion(pieces, strip)
+                if isinstance(expected, bytes):
+                    self.assertEqual(got, expected, (stream, how))
+                else:
+                    assert isinstance(got, StreamCut), (stream, how, got)
+                    self.assertTrue(str(got).startswith(expected[0]), (stream, got))
+                    self.assertEqual(got.rest, expected[1], (stream, how))
+
+    def test_usage_of_last_event(self) -> None:
+        """
+        The usage of a last event whose blank line never came is read.
+        """
+        usage_filter = UsageFilter(1024, strip=True, completion=True)
+        usage_filter.feed(FINISH + USAGE_ONLY[:-1])
+        self.assertEqual(usage_filter.end(), DONE)
+        self.assertEqual(
+            usage_filter.usage, {"prompt_tokens": 3, "completion_tokens": 2}
+        )
+
+
 class UsageFilterPropertyTests(SynchronousTestCase):
     @settings(max_examples=200, deadline=None)
     @given(

@@ -19,6 +19,7 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw.router.balancer import Balancer
+from llmgw.router.cors import Cors
 from llmgw.router.errors import APIError, body_too_large, model_not_found
 from llmgw.router.exchange import Exchange, Services, client_gone
 from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
@@ -136,6 +137,11 @@ class Router:
         self.in_flight = 0
         self._idle_waiters: list[Deferred[None]] = []
         self._resolve = activator.resolve if activator is not None else _no_alias
+        routes = self.app.url_map.bind("gateway")
+        self.cors = Cors(
+            settings.cors_allow_origins,
+            lambda path: sorted(set(routes.allowed_methods(path)) - {"HEAD"}),
+        )
         self.services = Services(
             clock=clock,
             settings=settings,
@@ -387,12 +393,22 @@ class Router:
 
     def _key_for(self, request: IRequest) -> Key | None:
         """
+        The key comes in C{Authorization: Bearer sk-...} (OpenAI's
+        clients) or in C{api-key: sk-...} (Azure OpenAI's, which the
+        OpenAI SDK's C{AzureOpenAI} sends); when both come, C{Authorization}
+        is the one checked.
+
         @return: the request's API key, or L{None} when none is needed.
         @raise APIError: 401.
         """
         if self.auth is None:
             return None
-        return self.auth.authenticate(request.getHeader(b"authorization"))
+        header = request.getHeader(b"authorization")
+        if header is None:
+            api_key = request.getHeader(b"api-key")
+            if api_key is not None and api_key.strip():
+                header = b"Bearer " + api_key.strip()
+        return self.auth.authenticate(header)
 
     def _visible(self, key: Key | None, model: str) -> bool:
         return key is None or key.allows(model, self._resolve)

@@ -254,7 +254,7 @@ class KeyRing:
         if header is None:
             raise _unauthorized(
                 "You didn't provide an API key. Send it as"
-                " 'Authorization: Bearer sk-...'."
+                " 'Authorization: Bearer sk-...' (or 'api-key: sk-...')."
             )
         scheme, _, secret = header.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not secret.strip():

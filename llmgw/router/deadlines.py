@@ -47,7 +47,9 @@ class Deadlines:
         }
         self.expired: str | None = None
         self._phase: IDelayedCall | None = None
+        self._phase_name = ""
         self._phase_seconds = 0.0
+        self._paused = False
         self._total: IDelayedCall | None = None
 
     def start_total(self) -> None:
@@ -66,9 +68,33 @@ class Deadlines:
         if self._phase is not None and self._phase.active():
             self._phase.cancel()
         self._phase = None
+        self._phase_name = phase
         seconds = self._phase_seconds = self._seconds[phase]
-        if seconds > 0:
+        if seconds > 0 and not self._paused:
             self._phase = self._clock.callLater(seconds, self._expire, phase)
+
+    def pause(self) -> None:
+        """
+        llmgw itself stopped reading the replica (a slow client holds it
+        back): the current phase measures the replica, so it stops until
+        L{resume}.  The whole request's deadline runs on.
+        """
+        self._paused = True
+        if self._phase is not None and self._phase.active():
+            self._phase.cancel()
+        self._phase = None
+
+    def resume(self) -> None:
+        """
+        llmgw reads the replica again: the current phase starts over.
+        """
+        if not self._paused:
+            return
+        self._paused = False
+        if self.expired is None and self._phase_name and self._phase_seconds > 0:
+            self._phase = self._clock.callLater(
+                self._phase_seconds, self._expire, self._phase_name
+            )
 
     def touch(self) -> None:
         """
@@ -105,3 +131,4 @@ class Deadlines:
             if timer is not None and timer.active():
                 timer.cancel()
         self._phase = self._total = None
+        self._phase_name = ""

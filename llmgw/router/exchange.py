@@ -20,6 +20,7 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest, IResponse
 
+from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
 from llmgw.router.errors import (
@@ -36,7 +37,7 @@ from llmgw.router.errors import (
 )
 from llmgw.router.interfaces import Activator
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.prepare import Prepared
+from llmgw.router.prepare import USAGE_STREAM_PATHS, Prepared
 from llmgw.router.relay import StreamCut, UsageFilter
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON
@@ -404,8 +405,18 @@ class Exchange:
         request = self.request
         metrics = self.services.metrics
         producing = False
+        backpressure: Backpressure | None = None
         if relay and reader.transport is not None:
-            request.registerProducer(IPushProducer(reader.transport), True)  # type: ignore[attr-defined]
+            channel = getattr(request, "channel", None)
+            backpressure = Backpressure(
+                self.services.clock,
+                IPushProducer(reader.transport),
+                self.deadlines,
+                self.services.settings.client_stall_timeout,
+                lambda: unsent_bytes(channel),
+                self._client_stalled,
+            )
+            request.registerProducer(backpressure, True)  # type: ignore[attr-defined]
             producing = True
         self.waiting = reader.done
         try:
@@ -424,8 +435,22 @@ class Exchange:
         finally:
             self.waiting = None
             self.reader = None
+            if backpressure is not None:
+                backpressure.stop()
             if producing and not client_gone(request):
                 request.unregisterProducer()  # type: ignore[attr-defined]
+
+    def _client_stalled(self) -> None:
+        # The client read nothing for client_stall_timeout while it held
+        # the replica back: its fault, not the replica's.  Once cut, the
+        # request ends as for any client that left (499, usage estimated).
+        self.services.log.warn(
+            "request {request_id}: client {client} read nothing for"
+            " {seconds:g}s; closing its connection (the replica was not late)",
+            request_id=self.request_id.decode("ascii"),
+            client=abort_client(self.request),
+            seconds=self.services.settings.client_stall_timeout,
+        )
 
     def _answer_whole(
         self, status: int, content_type: bytes, body: bytes, wait: int | None
@@ -473,7 +498,9 @@ class Exchange:
             for name, value in SSE_HEADERS:
                 request.setHeader(name, value)
         relay = UsageFilter(
-            self.services.settings.max_event_size, self.prepared.strip_usage
+            self.services.settings.max_event_size,
+            self.prepared.strip_usage,
+            completion=self.path in USAGE_STREAM_PATHS,
         )
         write = self._write
         got_bytes = self._got_bytes
@@ -510,6 +537,8 @@ class Exchange:
         try:
             rest = relay.end()
         except StreamCut as e:
+            if e.rest:
+                self._write(e.rest)
             cut = upstream_failed(str(e))
             self.services.metrics.upstream_errors.labels("broken").inc()
             self.status = cut.status

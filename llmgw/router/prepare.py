@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from llmgw.router.errors import APIError, bad_request, model_not_found
 
@@ -80,6 +81,95 @@ class Refused(Exception):
         self.stream = stream
 
 
+def _refuse_constant(name: str) -> float:
+    # json.loads takes NaN, Infinity and -Infinity by default; RFC 8259
+    # (section 6) has no such numbers, and engines parse them differently.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_COUNTS = ("n", "max_tokens", "max_completion_tokens")
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
+    """
+    Check the types of the fields llmgw or every engine relies on, and
+    nothing stricter: a field that is absent or null is not checked (the
+    engine judges what it requires), and unknown fields pass.  Messages
+    and parameter names follow OpenAI's own 400s (C{"Invalid type for
+    'messages[0].role': ..."} with param C{messages.[0].role}).
+
+      - C{messages}: an array of objects, each with a string C{role};
+      - C{prompt}: a string or an array;
+      - C{stream}: a boolean; C{stream_options}: an object;
+      - C{n}, C{max_tokens}, C{max_completion_tokens}: non-negative
+        integers (a boolean is not one).
+
+    @param payload: the parsed body, a JSON object.
+    @return: the message and the C{param} of the first fault, or L{None}.
+    """
+    messages = payload.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list):
+            return (
+                "Invalid type for 'messages': expected an array of objects,"
+                f" but got {_type_name(messages)} instead.",
+                "messages",
+            )
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict):
+                return (
+                    f"Invalid type for 'messages[{index}]': expected an object,"
+                    f" but got {_type_name(message)} instead.",
+                    f"messages.[{index}]",
+                )
+            role = message.get("role")
+            if not isinstance(role, str):
+                got = _type_name(role) if "role" in message else "nothing"
+                return (
+                    f"Invalid type for 'messages[{index}].role': expected a"
+                    f" string, but got {got} instead.",
+                    f"messages.[{index}].role",
+                )
+    prompt = payload.get("prompt")
+    if prompt is not None and not isinstance(prompt, (str, list)):
+        return (
+            "Invalid type for 'prompt': expected a string or an array,"
+            f" but got {_type_name(prompt)} instead.",
+            "prompt",
+        )
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return "'stream' must be a boolean.", "stream"
+    options = payload.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return "'stream_options' must be an object.", "stream_options"
+    for name in _COUNTS:
+        value = payload.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return (
+                f"Invalid value for '{name}': expected a non-negative integer,"
+                f" but got {json.dumps(value)[:100]}.",
+                name,
+            )
+    return None
+
+
 def prepare(
     body: bytes,
     path: bytes,
@@ -100,7 +190,7 @@ def prepare(
     @raise Refused: a 400 for a malformed body, a 404 for an unknown model.
     """
     try:
-        payload = json.loads(body)
+        payload = json.loads(body, parse_constant=_refuse_constant)
     except ValueError as e:
         raise Refused(
             bad_request(f"The request body is not valid JSON: {e}.")
@@ -135,6 +225,9 @@ def prepare(
     if rewrite:
         # An alias: engines serve the catalog name.
         target = payload["model"] = str(canonical)
+    fault = check_fields(payload)
+    if fault is not None:
+        raise Refused(bad_request(*fault), target, stream)
     strip_usage = False
     if stream and path in USAGE_STREAM_PATHS:
         # Ask for usage so it can be accounted, and hide the chunk that
@@ -147,14 +240,6 @@ def prepare(
             # ends with one).
             end = body.rstrip().rfind(b"}")
             body = body[:end] + _USAGE_MEMBER + body[end:]
-        elif options is not None and not isinstance(options, dict):
-            raise Refused(
-                bad_request(
-                    "'stream_options' must be an object.", param="stream_options"
-                ),
-                target,
-                stream,
-            )
         elif options is None or not options.get("include_usage"):
             payload["stream_options"] = {**(options or {}), "include_usage": True}
             strip_usage = True

@@ -21,6 +21,9 @@ class RouterConfig:
     # Long prefill is normal on big prompts: minutes, not seconds.
     first_byte_timeout: float = 300.0
     idle_timeout: float = 60.0
+    # A client that holds a stream back (llmgw stopped reading the replica
+    # for it) and reads nothing for this long is cut.
+    client_stall_timeout: float = 60.0
     total_timeout: float = 1800.0
     max_body_size: int = 32 * 1024 * 1024
     # Bounds on what a replica may send: a whole (non-streamed) answer, and
@@ -38,3 +41,5 @@ class RouterConfig:
     activation_timeout: float = 300.0
     activation_queue: int = 256
     activation_keepalive: float = 15.0
+    # [cors] allow_origins: ("*",), the origins allowed, or () for no CORS.
+    cors_allow_origins: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from llmgw.router.cors import Cors
 from llmgw.router.errors import bad_request
 
 JSON = b"application/json"
@@ -31,19 +32,22 @@ class LimitedRequest(Request):
     @ivar body_too_large: whether the body passed C{max_body_size}; its
         bytes were dropped.
     @ivar request_id: the request's X-Request-ID, set when it is processed.
+    @ivar cors: the cross-origin policy whose headers every answer
+        carries, or L{None}.
     """
 
     max_body_size = 32 * 1024 * 1024
     body_too_large = False
     _received = 0
     request_id = b""
+    cors: Cors | None = None
 
     def process(self) -> None:
         # Every answer carries X-Request-ID, errors from routing included.
         self.request_id = request_id(self)
         self.setHeader(b"x-request-id", self.request_id)  # type: ignore[no-untyped-call]
         try:
-            unquote_to_bytes(self.path).decode("utf-8")
+            path = unquote_to_bytes(self.path).decode("utf-8")
         except UnicodeDecodeError:
             # Klein would answer in HTML and log a traceback.
             error = bad_request("The URL path is not valid UTF-8.")
@@ -52,7 +56,36 @@ class LimitedRequest(Request):
             self.write(error.body())  # type: ignore[no-untyped-call]
             self.finish()  # type: ignore[no-untyped-call]
             return
+        if self.cors is not None and self._cors(path):
+            return
         super().process()  # type: ignore[no-untyped-call]
+
+    def _cors(self, path: str) -> bool:
+        """
+        Add the CORS headers, on every answer, errors included (a script
+        must be able to read a 401), and answer a preflight.
+
+        @return: whether the request was answered (a preflight).
+        """
+        assert self.cors is not None
+        origin = self.getHeader(b"origin")
+        for name, value in self.cors.answer_headers(origin):
+            self.setHeader(name, value)  # type: ignore[no-untyped-call]
+        if self.method != b"OPTIONS":
+            return False
+        preflight = self.cors.preflight(
+            path,
+            origin,
+            self.getHeader(b"access-control-request-method"),
+            self.getHeader(b"access-control-request-headers"),
+        )
+        if preflight is None:
+            return False
+        for name, value in preflight:
+            self.setHeader(name, value)  # type: ignore[no-untyped-call]
+        self.setResponseCode(204)
+        self.finish()  # type: ignore[no-untyped-call]
+        return True
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self.max_body_size:
@@ -73,9 +106,12 @@ class LimitedRequest(Request):
         self.content.write(data)
 
 
-def make_site(resource: IResource, max_body_size: int) -> Site:
+def make_site(
+    resource: IResource, max_body_size: int, cors: Cors | None = None
+) -> Site:
     """
     @param max_body_size: bytes of body a request may hold.
+    @param cors: the cross-origin policy, or L{None} for none.
     @return: a L{Site} for C{resource} whose requests are
         L{LimitedRequest}s, without twisted.web's access log (the router
         logs each request itself).
@@ -85,6 +121,7 @@ def make_site(resource: IResource, max_body_size: int) -> Site:
         pass
 
     _Request.max_body_size = max_body_size
+    _Request.cors = cors if cors is not None and cors.enabled else None
     # No form parsing: bodies are JSON, and parsing Content-Type through
     # the email package cost 8% of the router's CPU per request.
     site = Site(resource, requestFactory=_Request, parsePOSTFormSubmission=False)

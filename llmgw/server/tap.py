@@ -376,7 +376,7 @@ def makeService(options: Options) -> IService:
         activator=plane.catalog,
         auth=keys,
     )
-    router_site = make_site(router.app.resource(), settings.max_body_size)
+    router_site = make_site(router.app.resource(), settings.max_body_size, router.cors)
     admin = Admin(
         registry,
         inventory,

@@ -160,6 +160,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
                 welcome=pb.Welcome(
                     server_version=__version__,
                     heartbeat_interval_seconds=self._hub.heartbeat_interval,
+                    max_frame_size=self._hub.max_frame_size,
                 )
             )
         )

@@ -44,6 +44,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def do_POST(self) -> None:
+        self.server.headers_seen.append({k.lower(): v for k, v in self.headers.items()})
         length = int(self.headers.get("Content-Length", "0"))
         request = json.loads(self.rfile.read(length))
         mode = request.get("mode")
@@ -120,6 +121,7 @@ class FakeUpstream(ThreadingHTTPServer):
     Serve on 127.0.0.1 on a free port in a daemon thread.
 
     @ivar flood_sent: bytes the C{flood} mode has written so far.
+    @ivar headers_seen: each request's headers, names in lower case.
     """
 
     daemon_threads = True
@@ -129,6 +131,7 @@ class FakeUpstream(ThreadingHTTPServer):
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
+        self.headers_seen: list[dict[str, str]] = []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()

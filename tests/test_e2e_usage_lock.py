@@ -115,6 +115,10 @@ class LockedStoreTests(SynchronousTestCase, Processes):
                 break
         self.assertIsNone(holder.poll(), "the lock was released too early")
         self.assertLess(max(latencies), 2.0, latencies)
+        print(
+            f"\nwhile locked: {len(latencies)} calls, slowest {max(latencies):.2f}s;"
+            f" answers {[status for status, _ in answers]}"
+        )
         for status, answer in answers:
             if status == 200:
                 # What was committed before the lock, at least; the rest

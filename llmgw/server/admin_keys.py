@@ -22,7 +22,7 @@ from llmgw.store.usage import UsageWriter
 
 _MAX_LIMIT = 2**53
 
-USAGE_FLUSH_WAIT = 1.0
+USAGE_FLUSH_WAIT = 0.5
 """
 Seconds C{GET /api/v1/usage} waits for buffered records to be written
 before it answers from what the store holds (the rest counted in

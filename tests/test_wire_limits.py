@@ -142,6 +142,7 @@ class AgentKeepsToServerTests(SynchronousTestCase):
         self.assertEqual(agent.max_sent, 20_000)
         register, first, second = _sent(transport, pb.AgentMessage)
         self.assertEqual(register.WhichOneof("kind"), "register")
+        self.assertEqual(register.register.max_frame_size, 4 * 1024 * 1024)
         for message in (first, second):
             report = message.weights_report
             self.assertLessEqual(message.ByteSize(), 20_000)
@@ -163,7 +164,8 @@ class AgentKeepsToServerTests(SynchronousTestCase):
 class ServerSideTests(SynchronousTestCase):
     def test_welcome_says_maximum_and_flag_kept(self) -> None:
         """
-        The server's Welcome names its frame maximum; a truncated report is
+        The server's Welcome names its frame maximum, and it keeps to the
+        agent's, said in Register, when smaller; a truncated report is
         kept with its flag and total; one longer than the inventory keeps
         is flagged too.
         """
@@ -177,12 +179,21 @@ class ServerSideTests(SynchronousTestCase):
             link.dataReceived(
                 encode_frame(
                     pb.AgentMessage(
-                        register=pb.Register(node_id="n1")
+                        register=pb.Register(node_id="n1", max_frame_size=100_000)
                     ).SerializeToString()
                 )
             )
         (welcome,) = _sent(transport, pb.ControlMessage)
         self.assertEqual(welcome.welcome.max_frame_size, 2_000_000)
+        # The server keeps to the agent's smaller maximum.
+        self.assertEqual(link.max_sent, 100_000)
+        waiting = hub.send(
+            "n1",
+            pb.ControlMessage(
+                remove_weights=pb.RemoveWeights(paths=["/w/" + "x" * 200_000])
+            ),
+        )
+        self.failureResultOf(waiting, MessageTooLarge)
         report = pb.WeightsReport(files=_files(10), total=40_000, truncated=True)
         link.dataReceived(
             encode_frame(pb.AgentMessage(weights_report=report).SerializeToString())

@@ -60,7 +60,9 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self.welcomed = False
 
     def connectionMade(self) -> None:
-        if not self.send_or_log(pb.AgentMessage(register=self._register())):
+        register = self._register()
+        register.max_frame_size = self._max
+        if not self.send_or_log(pb.AgentMessage(register=register)):
             # Without its Register the server would wait and then close.
             assert self.transport is not None
             self.transport.loseConnection()

@@ -51,7 +51,7 @@ class ControlMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards")
+    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards", "max_frame_size")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class Register(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_SIZE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_version: str
     address: str
@@ -77,7 +78,8 @@ class Register(_message.Message):
     memory_bytes: int
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     shards: _containers.RepeatedCompositeFieldContainer[RunningShard]
-    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ...) -> None: ...
+    max_frame_size: int
+    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., max_frame_size: _Optional[int] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "problems", "simulated")

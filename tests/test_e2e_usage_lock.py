@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
@@ -87,6 +88,11 @@ class LockedStoreTests(SynchronousTestCase, Processes):
             chat()
         _, status, before = usage()
         self.assertEqual((status, requests(before)), (200, 3))
+
+        # WAL: readers see the last commit while a writer holds the lock.
+        with sqlite3.connect(os.path.join(state, "llmgw.db")) as db:
+            self.assertEqual(db.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+        db.close()
 
         holder = subprocess.Popen(
             [sys.executable, "-c", HOLDER, os.path.join(state, "llmgw.db"), "6"],

@@ -116,7 +116,7 @@ class ServerConfig:
 def _endpoint(where: str, table: object) -> Endpoint:
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: expected a table, got {table!r}")
-    check_keys(where, table, {"id", "url", "models", "weight"})
+    check_keys(where, table, {"id", "url", "models", "weight", "api_key"})
     for required in ("id", "url", "models"):
         if required not in table:
             raise ConfigError(f"{where}.{required}: missing")
@@ -140,7 +140,14 @@ def _endpoint(where: str, table: object) -> Endpoint:
         or not weight > 0
     ):
         raise ConfigError(f"{where}.weight: expected a positive number, got {weight!r}")
-    return Endpoint(endpoint_id, url, tuple(models), float(weight))
+    api_key = table.get("api_key", "")
+    if not isinstance(api_key, str) or not all(" " < c < "\x7f" for c in api_key):
+        # Sent in a header: visible ASCII only, nothing to split it.
+        raise ConfigError(
+            f"{where}.api_key: expected a string of visible ASCII characters"
+            " (the engine's --api-key)"
+        )
+    return Endpoint(endpoint_id, url, tuple(models), float(weight), api_key)
 
 
 def parse_endpoint_flag(spec: str) -> Endpoint:

@@ -58,6 +58,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
 
     def do_POST(self) -> None:
+        self.server.headers_seen.append({k.lower(): v for k, v in self.headers.items()})
         length = int(self.headers.get("Content-Length", "0"))
         raw = self.rfile.read(length)
         self.server.received.append((dict(self.headers.items()), raw))
@@ -147,6 +148,7 @@ class FakeUpstream(ThreadingHTTPServer):
 
     @ivar flood_sent: bytes the C{flood} mode has written so far.
     @ivar flood_finished: whether a C{flood} with C{finish} wrote its end.
+    @ivar headers_seen: each request's headers, names in lower case.
     """
 
     daemon_threads = True
@@ -159,6 +161,7 @@ class FakeUpstream(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         # The headers and body of each request, in order.
         self.received: list[tuple[dict[str, str], bytes]] = []
+        self.headers_seen: list[dict[str, str]] = []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()

@@ -6,11 +6,13 @@ the server's adapter from the router's records to the store's rows.
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
+from twisted.logger import Logger, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.interfaces import RequestRecord
@@ -143,6 +145,59 @@ class UsageWriterTests(SynchronousTestCase):
         self.assertEqual(len(self.store.calls), 4)
         self.assertEqual(len(self.flushLoggedErrors(OSError)), 3)
         self.assertEqual(writer.written, 1)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_locked_store_one_warning_per_episode(self) -> None:
+        """
+        Writes refused by the database (locked) are one warning naming the
+        records pending, no traceback, however many tries fail; one line
+        when a write goes through again; a new episode warns again.
+        L{UsageWriter.flush_within} answers C{False} after its time while
+        the write waits, C{True} once written.
+        """
+        events: list[dict[str, Any]] = []
+        writer = UsageWriter(
+            self.store,  # type: ignore[arg-type]
+            self.clock,
+            interval=1.0,
+            wall_clock=lambda: self.now,
+        )
+        writer.startService()
+        writer.log = Logger(observer=events.append)
+        writer.add(_row("a"))
+        waited = writer.flush_within(0.5)
+        self.assertEqual(writer.pending, 1)
+        self.clock.advance(0.5)
+        self.assertIs(self.successResultOf(waited), False)
+        for attempt in range(3):
+            self.store.writes[attempt].errback(
+                sqlite3.OperationalError("database is locked")
+            )
+            writer.add(_row(f"b{attempt}"))
+            self.clock.advance(1)
+        self.assertEqual(self.flushLoggedErrors(), [])
+        texts = [formatEvent(e) for e in events]
+        self.assertEqual(
+            texts,
+            [
+                "usage: cannot write to the store (database is locked); keeping"
+                " 1 records and retrying every 1.0s"
+            ],
+        )
+        self.assertEqual(writer.pending, 4)
+        waited = writer.flush_within(0.5)
+        self.store.writes[3].callback(None)
+        self.assertTrue(self.successResultOf(waited))
+        self.assertEqual(writer.pending, 0)
+        self.assertIn("the store is writable again after 3.0s", formatEvent(events[1]))
+        writer.add(_row("c"))
+        self.clock.advance(1)
+        self.store.writes[4].errback(sqlite3.OperationalError("database is locked"))
+        self.assertEqual(len(events), 3)
+        self.clock.advance(1)
+        self.store.writes[5].callback(None)
+        self.successResultOf(writer.stopService())
+        self.assertEqual(writer.written, 5)
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
     def test_without_rows_only_key_counts(self) -> None:

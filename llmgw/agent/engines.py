@@ -8,6 +8,16 @@ sglang.launch_server --model-path --served-model-name --port --tp --nnodes
 --node-rank --dist-init-addr} (SGLang), C{llama-server -m --alias --port}
 (llama.cpp) or C{python -m llama_cpp.server --model --model_alias --port}
 (llama-cpp-python), and C{llmgw sim}.
+
+The engine's own secret (C{StartShard.api_key}) goes to each engine's flag:
+C{--api-key} for vLLM, SGLang, llama-server and C{llmgw sim},
+C{--api_key} for C{python -m llama_cpp.server} (its settings' field name).
+What it protects, from each engine's source: vLLM's
+C{AuthenticationMiddleware} checks only paths under C{/v1}; SGLang's
+C{add_api_key_middleware} all but C{/health*} and C{/metrics*};
+llama-server all but C{/health}, C{/v1/health}, C{/models}, C{/v1/models};
+llama-cpp-python every route it has, C{/v1/models} (its health probe here)
+included.  The probe sends the key every time: harmless where not needed.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import os
 import shutil
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.engines import ENGINES
@@ -51,11 +61,14 @@ class Launch:
     @ivar argv: the command line; C{argv[0]} is an executable path or name.
     @ivar env: variables added to the agent's environment.
     @ivar health_url: answers 200 once the engine serves.
+    @ivar headers: sent with every probe of C{health_url} (the engine's
+        C{Authorization}); not shown in the launch's repr.
     """
 
-    argv: list[str]
-    env: dict[str, str]
+    argv: list[str] = field(repr=False)
+    env: dict[str, str] = field(repr=False)
     health_url: str
+    headers: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def _cuda(gpus: list[int]) -> dict[str, str]:
@@ -67,9 +80,27 @@ def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
     @param command: what to start: engine, source, args, env, port, GPUs,
         rank, world size, leader address.
     @param host: the interface engines listen on.
-    @return: the launch, with the catalog name as the served model name.
+    @return: the launch, with the catalog name as the served model name,
+        and the engine's secret (C{command.api_key}, when set) on its
+        command line and in its probe's headers.
     @raise ProfileError: an unknown engine.
     """
+    launch = _build(command, host)
+    key = command.api_key
+    if not key:
+        return launch
+    flag = "--api_key" if "llama_cpp.server" in launch.argv else "--api-key"
+    # Last, after the profile's args: the engines' parsers keep the last
+    # value, and the secret is not the profile's to change.
+    return Launch(
+        [*launch.argv, flag, key],
+        launch.env,
+        launch.health_url,
+        {"Authorization": f"Bearer {key}"},
+    )
+
+
+def _build(command: pb.StartShard, host: str) -> Launch:
     port = str(command.port)
     gpus = list(command.gpu_indices)
     args = list(command.args)

@@ -16,9 +16,10 @@ from twisted.python.failure import Failure
 
 from llmgw.agent.engines import CommandRefused
 from llmgw.agent.supervisor import Supervisor
-from llmgw.agent.weights import remove, scan
+from llmgw.agent.weights import fit_report, remove, scan
 from llmgw.wire import agent_pb2 as pb
-from llmgw.wire.protocol import MessageStream
+from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
+from llmgw.wire.protocol import MessageStream, MessageTooLarge
 
 WEIGHTS_REPORT_INTERVAL = 60.0
 
@@ -31,6 +32,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
     @param register: builds the Register message (the whole inventory).
     @param heartbeat: builds a Heartbeat message; it must not block (see
         L{llmgw.agent.gpus.GpuMonitor}).
+    @param max_frame_size: the largest frame accepted or sent, bytes; what
+        is sent keeps to the server's maximum too, once its Welcome says it.
     """
 
     log = Logger()
@@ -40,8 +43,9 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         register: Callable[[], pb.Register],
         heartbeat: Callable[[], pb.Heartbeat],
         clock: object,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     ) -> None:
-        super().__init__(pb.ControlMessage)
+        super().__init__(pb.ControlMessage, max_frame_size)
         self._register = register
         self._heartbeat = heartbeat
         self._clock = clock
@@ -56,7 +60,27 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         self.welcomed = False
 
     def connectionMade(self) -> None:
-        self.send(pb.AgentMessage(register=self._register()))
+        register = self._register()
+        register.max_frame_size = self._max
+        if not self.send_or_log(pb.AgentMessage(register=register)):
+            # Without its Register the server would wait and then close.
+            assert self.transport is not None
+            self.transport.loseConnection()
+
+    def send_or_log(self, message: pb.AgentMessage) -> bool:
+        """
+        Send C{message}; one over the frame maximum is not sent but logged
+        as an error naming its type and size (no traceback: the link
+        stays).
+
+        @return: whether it was sent.
+        """
+        try:
+            self.send(message)
+        except MessageTooLarge as e:
+            self.log.error("cannot send to the server: {error}", error=str(e))
+            return False
+        return True
 
     def message_received(self, message: pb.ControlMessage) -> None:
         kind = message.WhichOneof("kind")
@@ -65,10 +89,13 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 self.welcomed = True
                 self.registered.callback(None)
             interval = message.welcome.heartbeat_interval_seconds or 5
+            self.limit_sent(message.welcome.max_frame_size)
             self.log.info(
-                "registered with llmgw-server {version}; heartbeat every {interval}s",
+                "registered with llmgw-server {version}; heartbeat every"
+                " {interval}s; frames up to {max_frame} bytes",
                 version=message.welcome.server_version,
                 interval=interval,
+                max_frame=self.max_sent,
             )
             if self._beat is None:
                 self._beat = LoopingCall(self._send_heartbeat)
@@ -107,7 +134,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
             # Whatever the server sent, it gets an answer and the link stays.
             error = f"cannot {kind.replace('_', ' ')}: {e}"[:1000]
             self.log.failure("{kind} failed", kind=kind)
-        self.send(
+        self.send_or_log(
             pb.AgentMessage(
                 command_result=pb.CommandResult(
                     command_id=command.command_id, ok=not error, error=error, code=code
@@ -120,7 +147,10 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
     def send_weights(self) -> Deferred[None]:
         """
         Report the model files in the weights directories, scanned in a
-        thread (up to L{MAX_FILES_WALKED} files: seconds, on a slow disk).
+        thread (up to L{MAX_FILES_WALKED} files: seconds, on a slow disk),
+        as many as fit in one frame (L{fit_report}): a longer list goes
+        truncated, flagged, with its total, and a warning when that begins
+        or its total changes.
 
         @return: fires once sent (or dropped, the link being gone).
         """
@@ -135,7 +165,9 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 return
             self._scan_sent = number
             if self.transport is not None and self.factory.current is self:
-                self.send(pb.AgentMessage(weights_report=pb.WeightsReport(files=files)))
+                weights = fit_report(files, self.max_sent)
+                self.factory.note_truncation(weights)
+                self.send_or_log(pb.AgentMessage(weights_report=weights))
 
         def failed(reason: Failure) -> None:
             self.log.failure("scanning the weights directories", reason)
@@ -144,7 +176,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         return done
 
     def _send_heartbeat(self) -> None:
-        self.send(pb.AgentMessage(heartbeat=self._heartbeat()))
+        self.send_or_log(pb.AgentMessage(heartbeat=self._heartbeat()))
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         for loop in (self._beat, self._weights):
@@ -169,6 +201,8 @@ class AgentFactory(Factory):
     Builds the L{AgentProtocol} of each connection the agent dials.
     """
 
+    log = Logger()
+
     def __init__(
         self,
         register: Callable[[], pb.Register],
@@ -189,6 +223,7 @@ class AgentFactory(Factory):
         self._heartbeat = heartbeat
         self._clock = clock
         self.current: AgentProtocol | None = None
+        self._truncated_total: int | None = None
         self.supervisor = Supervisor(
             clock, self.send_status, state_dir, engine_host=engine_host
         )
@@ -199,7 +234,26 @@ class AgentFactory(Factory):
         carries the shards again after a reconnect).
         """
         if self.current is not None and self.current.transport is not None:
-            self.current.send(pb.AgentMessage(shard_status=status))
+            self.current.send_or_log(pb.AgentMessage(shard_status=status))
+
+    def note_truncation(self, report: pb.WeightsReport) -> None:
+        """
+        Warn when the weights report starts being truncated or its total
+        changes while it is (not every 60 s), and say when it fits again.
+        """
+        total = report.total if report.truncated else None
+        if total == self._truncated_total:
+            return
+        self._truncated_total = total
+        if total is None:
+            self.log.info("the weights report fits in one frame again")
+        else:
+            self.log.warn(
+                "weights directories hold {total} entries; the report to the"
+                " server carries the first {sent} (one frame), marked truncated",
+                total=total,
+                sent=len(report.files),
+            )
 
     def buildProtocol(self, addr: object) -> AgentProtocol:
         protocol = AgentProtocol(self._register, self._heartbeat, self._clock)

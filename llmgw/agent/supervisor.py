@@ -23,6 +23,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, readBody
+from twisted.web.http_headers import Headers
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
 from llmgw.httpclient import QuietConnectionPool
@@ -136,7 +137,13 @@ class Shard:
             status.exit_code = self.exit_code
             status.has_exit_code = True
         if state == pb.SHARD_STATE_FAILED:
-            status.output_tail.extend(self.output)
+            # Engines print their arguments (vLLM logs its non-default
+            # args): the key is not to travel on in the output tail.
+            key = self.command.api_key
+            status.output_tail.extend(
+                line.replace(key, "[engine key]") if key else line
+                for line in self.output
+            )
         self._supervisor.report(status)
 
     def spawn(self) -> None:
@@ -184,7 +191,11 @@ class Shard:
         if self._probing:
             return
         self._probing = True
-        d = self._supervisor.http.request(b"GET", self.launch.health_url.encode())
+        d = self._supervisor.http.request(
+            b"GET",
+            self.launch.health_url.encode(),
+            Headers({k: [v] for k, v in self.launch.headers.items()}),
+        )
 
         def answered(response: Any) -> None:
             self._probing = False
@@ -317,7 +328,9 @@ class Supervisor:
             "start_time": shard.start_time,
         }
         temporary = self.path(shard.id, ".json.tmp")
-        with open(temporary, "w") as f:
+        # 0600: the command holds the engine's secret.
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as f:
             json.dump(data, f)
         os.replace(temporary, self.path(shard.id, ".json"))
 

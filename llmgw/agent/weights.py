@@ -79,6 +79,42 @@ def scan(directories: Sequence[str]) -> list[pb.WeightsFile]:
     return found
 
 
+# Bytes a report needs besides its files: the AgentMessage field's tag and
+# length (up to 1 + 5), total (up to 1 + 5) and truncated (2), rounded up.
+_REPORT_OVERHEAD = 32
+
+
+def _varint_size(value: int) -> int:
+    size = 1
+    while value >= 0x80:
+        value >>= 7
+        size += 1
+    return size
+
+
+def fit_report(files: Sequence[pb.WeightsFile], max_bytes: int) -> pb.WeightsReport:
+    """
+    The report of C{files} that fits in one frame: the first files, in
+    order, whose L{pb.AgentMessage} serializes to at most C{max_bytes}.
+
+    @param max_bytes: the frame maximum in force, bytes.
+    @return: a report with C{total} = C{len(files)}, and C{truncated} set
+        when some were left out.
+    """
+    budget = max_bytes - _REPORT_OVERHEAD
+    kept = 0
+    for entry in files:
+        size = entry.ByteSize()
+        # Each repeated entry: its tag (1 byte), its length, itself.
+        budget -= 1 + _varint_size(size) + size
+        if budget < 0:
+            break
+        kept += 1
+    return pb.WeightsReport(
+        files=files[:kept], total=len(files), truncated=kept < len(files)
+    )
+
+
 def _inside(path: str, directory: str) -> bool:
     return path != directory and path.startswith(directory.rstrip(os.sep) + os.sep)
 

@@ -388,6 +388,22 @@ def run(args: argparse.Namespace, out: Any) -> None:
             )
             text = "".join(f"removed {p} on {node}\n" for p in result["removed"])
         elif args.collect:
+            if not args.dry_run:
+                # A truncated list leaves files out, maybe the one that
+                # makes a listed file used: nothing is deleted on it.
+                listed = client.call("GET", "/api/v1/weights")
+                cut = [n for n in listed["nodes"] if n.get("truncated")]
+                if cut:
+                    raise CtlError(
+                        "weights --collect: refusing, the weights list of "
+                        + ", ".join(
+                            f"{n['node']} is truncated ({len(n['files'])} of"
+                            f" {n['total']} entries reported)"
+                            for n in cut
+                        )
+                        + "; use --dry-run to see the list, --remove NODE PATH"
+                        " to delete by path"
+                    )
             result = client.call(
                 "POST", "/api/v1/weights/collect", {"dry_run": args.dry_run}
             )
@@ -412,7 +428,13 @@ def run(args: argparse.Namespace, out: Any) -> None:
             now = time.time()
             ages = "".join(
                 f"{n['node']}: reported {now - n['reported_at']:.0f}s ago"
-                " (agents report every 60 s and after a removal)\n"
+                " (agents report every 60 s and after a removal)"
+                + (
+                    f"; TRUNCATED: {len(n['files'])} of {n['total']} entries listed"
+                    if n.get("truncated")
+                    else ""
+                )
+                + "\n"
                 for n in result["nodes"]
                 if n["reported_at"] is not None
             )

@@ -150,6 +150,8 @@ class AgentLink(TimeoutMixin, CommandingStream):
             self._register_timer.cancel()
         self._register_timer = None
         self.node_id = claim
+        # Both sides keep to the smaller frame maximum.
+        self.limit_sent(register.max_frame_size)
         self._hub.attach(self)
         # Heartbeats come every HEARTBEAT_INTERVAL: six missed, the link is
         # dead even if TCP has not noticed.
@@ -160,6 +162,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
                 welcome=pb.Welcome(
                     server_version=__version__,
                     heartbeat_interval_seconds=self._hub.heartbeat_interval,
+                    max_frame_size=self._hub.max_frame_size,
                 )
             )
         )

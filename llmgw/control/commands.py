@@ -59,6 +59,8 @@ class ShardCommands:
     @param suspect: where a port found in use is marked.
     @param changed: called when a record changed (a start failed): kicks
         a pass.
+    @param engine_key: a shard id's engine secret (C{StartShard.api_key},
+        the router's C{Endpoint.api_key}); C{""} for none.
     """
 
     log = Logger()
@@ -69,11 +71,13 @@ class ShardCommands:
         commands: Commands,
         suspect: SuspectPorts,
         changed: Callable[[], None],
+        engine_key: Callable[[str], str] = lambda shard_id: "",
     ) -> None:
         self.clock = clock
         self.commands = commands
         self.suspect = suspect
         self.changed = changed
+        self.engine_key = engine_key
 
     def start(
         self, model: str, plan: Plan, now: float, leader_address: str
@@ -114,6 +118,7 @@ class ShardCommands:
                 rank=shard.rank,
                 world_size=len(plan.shards),
                 leader_address=leader_address,
+                api_key=self.engine_key(shard.id),
             )
             d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
             d.addErrback(self._start_refused, shard)

@@ -85,6 +85,10 @@ class Node:
     # report: path, size_bytes, last_used (POSIX seconds).
     weights: list[dict[str, Any]] = field(default_factory=list)
     weights_at: float | None = None
+    # How many entries the agent found, and whether the list above leaves
+    # some out (one frame's worth, or MAX_WEIGHTS_FILES).
+    weights_total: int = 0
+    weights_truncated: bool = False
     # Changes whenever what placement reads of the node changes.
     version: int = 0
 
@@ -176,6 +180,8 @@ class Inventory:
             draining=old.draining if old is not None else False,
             weights=old.weights if old is not None else [],
             weights_at=old.weights_at if old is not None else None,
+            weights_total=old.weights_total if old is not None else 0,
+            weights_truncated=old.weights_truncated if old is not None else False,
             version=next(self._versions),
             shards=[
                 {
@@ -230,7 +236,8 @@ class Inventory:
     def weights(self, node_id: str, report: pb.WeightsReport, now: float) -> None:
         """
         Keep a node's report of its model files (the first
-        L{MAX_WEIGHTS_FILES}).
+        L{MAX_WEIGHTS_FILES}), with the total the agent found and whether
+        the list kept is truncated (by the agent, to fit a frame, or here).
         """
         node = self._nodes.get(node_id)
         if node is None:
@@ -243,6 +250,10 @@ class Inventory:
             }
             for f in report.files[:MAX_WEIGHTS_FILES]
         ]
+        node.weights_total = max(report.total, len(report.files))
+        node.weights_truncated = report.truncated or len(node.weights) < len(
+            report.files
+        )
         node.weights_at = now
 
     def get(self, node_id: str) -> Node | None:

@@ -68,6 +68,7 @@ class ControlPlane:
     @param static: endpoints from the configuration, always published.
     @param outstanding: requests in flight to a replica id, by the router's
         count; a draining replica is stopped when it reaches 0.
+    @param keys: a shard id's engine secret (L{ShardCommands}), "" for none.
     @ivar catalog: the catalog at run time, and the router's side.
     @ivar replicas: the records, by replica id; read-only outside.
     @ivar weights: finds and deletes model files nothing uses.
@@ -85,6 +86,7 @@ class ControlPlane:
         publish: Callable[[list[Endpoint]], None],
         static: Sequence[Endpoint] = (),
         outstanding: Callable[[str], int] = lambda replica_id: 0,
+        keys: Callable[[str], str] = lambda shard_id: "",
     ) -> None:
         self.clock = clock
         self.inventory = inventory
@@ -99,6 +101,7 @@ class ControlPlane:
         self._published: tuple[Endpoint, ...] | None = None
         self._suspect = SuspectPorts()
         self._commands = ShardCommands(clock, commands, self._suspect, self.loop.kick)
+        self._commands.engine_key = keys
         self._views: dict[str, tuple[Any, NodeView]] = {}
         self.ports = range(settings.port_range[0], settings.port_range[1] + 1)
         self.started = clock.seconds()
@@ -582,6 +585,7 @@ class ControlPlane:
                     replica.id,
                     f"http://{_host(node.address)}:{leader.port}",
                     state.model.names,
+                    api_key=self._commands.engine_key(leader.id),
                 )
             )
             ready_models.add(replica.model)

@@ -71,7 +71,9 @@ class WeightsCollector:
         Delete, through each node's agent, the model files nothing uses.
 
         @return: per node: the files chosen, and with C{dry_run} off,
-            whether the agent removed them or its error.
+            whether the agent removed them or its error.  A node whose list
+            is truncated is refused (error said, nothing removed): what it
+            left out may be what makes a listed file used.
         """
         results = []
         for node in self.inventory.nodes():
@@ -85,6 +87,13 @@ class WeightsCollector:
             }
             results.append(result)
             if dry_run or not unused:
+                continue
+            if node.weights_truncated:
+                result["error"] = (
+                    f"its weights list is truncated ({len(node.weights)} of"
+                    f" {node.weights_total} entries reported): not collecting;"
+                    " remove files by path (llmgw ctl weights --remove)"
+                )
                 continue
             result.update(await self.remove(node.id, [e["path"] for e in unused]))
         return results

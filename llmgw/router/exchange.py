@@ -17,7 +17,6 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.web.http_headers import Headers
 from twisted.web.iweb import IRequest, IResponse
 
 from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
@@ -42,7 +41,13 @@ from llmgw.router.relay import StreamCut, UsageFilter
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON
 from llmgw.router.sse import EventTooLarge
-from llmgw.router.upstream import BodyReader, NoAnswer, Upstream, UpstreamConnectError
+from llmgw.router.upstream import (
+    BodyReader,
+    NoAnswer,
+    Upstream,
+    UpstreamConnectError,
+    upstream_headers,
+)
 
 SSE_HEADERS = (
     (b"content-type", b"text/event-stream"),
@@ -277,12 +282,10 @@ class Exchange:
         services = self.services
         metrics = services.metrics
         self.deadlines.start("first_byte")
-        headers = Headers(
-            {
-                b"content-type": [JSON],
-                b"accept": [self.request.getHeader(b"accept") or b"*/*"],
-                b"x-request-id": [self.upstream_id],
-            }
+        headers = upstream_headers(
+            self.request.getHeader(b"accept"),
+            self.upstream_id,
+            replica.endpoint.api_key,
         )
         self.waiting = services.upstream.post(
             replica.url_bytes + self.path, headers, self.prepared.body

@@ -10,7 +10,7 @@ the configuration and the server wiring may all import it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from twisted.internet.defer import Deferred
@@ -29,12 +29,16 @@ class Endpoint:
     @ivar models: the model names clients may send for this replica (the
         engine's served model names).
     @ivar weight: relative share of traffic, > 0.
+    @ivar api_key: the engine's own secret, sent as C{Authorization: Bearer}
+        on every request to it; C{""} for none.  Never shown (not in the
+        repr, not in the admin API).
     """
 
     id: str
     url: str
     models: tuple[str, ...]
     weight: float = 1.0
+    api_key: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,29 @@ from zope.interface import implementer
 from llmgw.httpclient import QuietConnectionPool
 
 
+def upstream_headers(accept: bytes | None, request_id: bytes, api_key: str) -> Headers:
+    """
+    The headers of a request to a replica: built anew, so that nothing of
+    the client's (its C{Authorization} or C{api-key} above all) reaches an
+    engine.
+
+    @param accept: the client's C{Accept}, if any.
+    @param request_id: the upstream request id, C{X-Request-ID}.
+    @param api_key: the replica's own secret (L{Endpoint.api_key}), sent as
+        C{Authorization: Bearer}; C{""} sends none.
+    """
+    headers = Headers(
+        {
+            b"content-type": [b"application/json"],
+            b"accept": [accept or b"*/*"],
+            b"x-request-id": [request_id],
+        }
+    )
+    if api_key:
+        headers.setRawHeaders(b"authorization", [b"Bearer " + api_key.encode("utf-8")])
+    return headers
+
+
 class UpstreamConnectError(Exception):
     """
     No connection could be made to a replica: the request was not sent.

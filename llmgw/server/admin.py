@@ -336,7 +336,9 @@ class Admin(KeyRoutes):
     def weights(self, request: IRequest) -> bytes:
         """
         Per node: the model files its agent reported (path, size_bytes,
-        last_used), when, and which of them nothing uses.
+        last_used), when, which of them nothing uses, how many it found
+        (C{total}) and whether the list leaves some out (C{truncated}: more
+        than one frame or the inventory holds).
         """
         plane = self.plane
         nodes = []
@@ -346,6 +348,8 @@ class Admin(KeyRoutes):
                 {
                     "node": node.id,
                     "reported_at": node.weights_at,
+                    "total": node.weights_total,
+                    "truncated": node.weights_truncated,
                     "files": [
                         {**e, "unused": e["path"] in unused} for e in node.weights
                     ],
@@ -357,7 +361,8 @@ class Admin(KeyRoutes):
     async def collect(self, request: IRequest) -> bytes:
         """
         Delete the files no catalog model and no replica uses, through
-        the agents; C{{"dry_run": true}} only lists them.
+        the agents; C{{"dry_run": true}} only lists them.  A node whose
+        list is truncated is left alone (its C{error} says why).
         """
         body = read_body(request)
         dry_run = body.get("dry_run", False)

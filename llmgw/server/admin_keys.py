@@ -21,6 +21,13 @@ from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
 
 _MAX_LIMIT = 2**53
+
+USAGE_FLUSH_WAIT = 0.5
+"""
+Seconds C{GET /api/v1/usage} waits for buffered records to be written
+before it answers from what the store holds (the rest counted in
+C{pending}); the read itself is bounded by the store's read busy timeout.
+"""
 _ISO = re.compile(r"^\d{4}-\d\d-\d\d")
 
 
@@ -167,7 +174,10 @@ class KeyRoutes:
         Usage grouped by C{by} (C{key} or C{model}, default key) from
         C{since} (default 24h) to C{until} (default now): requests,
         errors, prompt and completion tokens, mean latency and time to
-        first token, per group.
+        first token, per group; C{pending}: records not yet written to
+        the store (another process holding its lock), not counted.
+        Answers within about 2 s: 503 C{store_busy} when the store cannot be
+        read then.
         """
         if self.store is None:
             raise AdminError(404, "no store in this server", "not_found")
@@ -188,14 +198,23 @@ class KeyRoutes:
         until = parse_since(until_text, now) if until_text else None
         if until is not None and until <= since:
             raise AdminError(400, "until: must be after since", "bad_request")
-        if self.usage is not None:
-            # Records still buffered count too.
-            await self.usage.flush()
+        pending = 0
+        # Records still buffered count too, once written; a write waiting
+        # for the lock is not waited for past USAGE_FLUSH_WAIT.
+        if self.usage is not None and not await self.usage.flush_within(
+            USAGE_FLUSH_WAIT
+        ):
+            pending = self.usage.pending
         # Without an end: up to now, and the records of this second (a
         # record's time is when its request finished).
-        groups = await self.store.usage(
-            by, since, until if until is not None else now + 1
-        )
+        try:
+            groups = await self.store.usage(
+                by, since, until if until is not None else now + 1
+            )
+        except sqlite3.OperationalError as e:
+            raise AdminError(
+                503, f"the store cannot be read now ({e}); try again", "store_busy"
+            ) from None
         return json_answer(
             request,
             {
@@ -203,5 +222,6 @@ class KeyRoutes:
                 "since": since,
                 "until": until if until is not None else now,
                 "usage": groups,
+                "pending": pending,
             },
         )

@@ -41,6 +41,7 @@ from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.server.admin import Admin, AdminGuard, is_loopback
+from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.lifecycle import (
     AGENT_LINKS,
     DRAIN,
@@ -315,7 +316,8 @@ def makeService(options: Options) -> IService:
         )
         store = Store(database)
         key_rows, stored_models = store.prepare()
-    except (ConfigError, StoreError) as e:
+        engine_keys = EngineKeys(config.state_dir)
+    except (ConfigError, StoreError, OSError, ValueError) as e:
         sys.stderr.write(f"llmgw-server: config error: {e}\n")
         sys.stderr.flush()
         raise SystemExit(2) from None
@@ -362,6 +364,7 @@ def makeService(options: Options) -> IService:
         balancer.set_endpoints,
         static=static,
         outstanding=balancer.outstanding,
+        keys=engine_keys.for_shard,
     )
     hub.listener = plane
     keys.resolve = plane.catalog.resolve

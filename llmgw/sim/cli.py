@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         "drop_after_chunks, byte_writes",
     )
     p.add_argument("--verbose", action="store_true", help="log each request")
+    p.add_argument(
+        "--api-key",
+        default="",
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on /v1 routes (401 without), as"
+        " vLLM's --api-key; /health and /metrics stay open",
+    )
     return p
 
 
@@ -157,6 +164,7 @@ def main(argv: list[str]) -> int:
         max_queue=args.max_queue,
         embedding_dim=args.embedding_dim,
         verbose=args.verbose,
+        api_key=args.api_key,
     )
     level = LogLevel.info if args.verbose else LogLevel.warn
     globalLogBeginner.beginLoggingTo(

@@ -347,6 +347,10 @@ class SimConfig:
     @ivar max_queue: waiting requests beyond which requests get 503.
     @ivar embedding_dim: floats per embedding.
     @ivar verbose: log each request.
+    @ivar api_key: when set, requests under C{/v1} without C{Authorization:
+        Bearer API_KEY} get 401, as vLLM's C{--api-key} does (its
+        middleware checks only C{/v1} paths: C{/health} and C{/metrics}
+        stay open, as they are for SGLang and llama-server too).
     """
 
     models: tuple[str, ...]
@@ -357,6 +361,7 @@ class SimConfig:
     max_queue: int = 1024
     embedding_dim: int = 16
     verbose: bool = False
+    api_key: str = field(default="", repr=False)
 
 
 @dataclass(slots=True)

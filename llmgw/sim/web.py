@@ -10,10 +10,14 @@ Routes::
     POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings
     GET  /v1/models             GET  /health           GET  /metrics
     GET  /sim/stats             POST /sim/stats/reset  POST /sim/fault
+
+With C{--api-key}, the C{/v1} routes need C{Authorization: Bearer KEY}
+(401 otherwise), the others stay open, as vLLM's C{--api-key} leaves them.
 """
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 
 from twisted.internet.interfaces import IAddress
@@ -103,6 +107,16 @@ class SimResource(Resource):
         method = request.method
         path = request.path
         handler = self._routes.get((method, path))
+        if handler is not None and not self._authorized(request, path):
+            return _error(
+                request,
+                ApiError(
+                    401,
+                    "Unauthorized: this engine needs its API key",
+                    type="authentication_error",
+                    code="invalid_api_key",
+                ),
+            )
         if handler is not None:
             try:
                 return handler(request)
@@ -118,6 +132,13 @@ class SimResource(Resource):
                 404, f"no route {path.decode('ascii', 'replace')}", code="not_found"
             ),
         )
+
+    def _authorized(self, request: Request, path: bytes) -> bool:
+        key = self._sim.config.api_key
+        if not key or not path.startswith(b"/v1/"):
+            return True
+        given = request.getHeader(b"authorization") or b""
+        return hmac.compare_digest(given, b"Bearer " + key.encode("utf-8"))
 
     def _count(self, path: bytes, request: Request) -> None:
         stats = self._sim.stats

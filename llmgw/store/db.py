@@ -1,7 +1,10 @@
 """
-SQLite through L{twisted.enterprise.adbapi}: one connection on its own
-thread (SQLite serializes writers anyway), WAL journal, versioned schema
-migrations applied at start.
+SQLite through L{twisted.enterprise.adbapi}: one writing connection on its
+own thread (SQLite serializes writers anyway), and one reading connection on
+another, so that a read never queues behind a write waiting for the lock
+(in WAL mode readers see the last commit and are not blocked by a writer:
+U{https://www.sqlite.org/wal.html}, "Concurrency"); WAL journal, versioned
+schema migrations applied at start.
 
 A leaf, as the whole store: it imports nothing from the rest of llmgw.  Its
 callers hand it its own row types and turn L{StoreError} into their own
@@ -126,6 +129,14 @@ def sqlite_path(url: str, state_dir: str) -> str:
     return os.path.expanduser(parts.path)
 
 
+READ_BUSY_TIMEOUT_MS = 1000
+"""
+How long a read waits for a lock, milliseconds, before failing with
+L{sqlite3.OperationalError}.  A WAL reader needs none in the common case;
+this bounds the rare ones (another process recovering the WAL index).
+"""
+
+
 class Store:
     """
     The database.  Every method returns a Deferred fired from the pool's
@@ -152,12 +163,30 @@ class Store:
             # Autocommit off: each interaction is one transaction.
             isolation_level="DEFERRED",
         )
+        # Reads on their own connection and thread: a write waiting out
+        # another process's lock (busy_timeout) holds only the writer's.
+        self.reader = adbapi.ConnectionPool(
+            "sqlite3",
+            path,
+            check_same_thread=False,
+            cp_min=1,
+            cp_max=1,
+            cp_openfun=self._opened_reader,
+            isolation_level="DEFERRED",
+        )
 
     @staticmethod
     def _opened(connection: sqlite3.Connection) -> None:
         connection.execute("PRAGMA journal_mode=WAL")
         connection.execute("PRAGMA synchronous=NORMAL")
         connection.execute("PRAGMA busy_timeout=5000")
+
+    @staticmethod
+    def _opened_reader(connection: sqlite3.Connection) -> None:
+        # The journal mode is the file's (set by prepare); this connection
+        # only reads, and waits little for what a WAL reader rarely needs.
+        connection.execute("PRAGMA query_only=1")
+        connection.execute(f"PRAGMA busy_timeout={READ_BUSY_TIMEOUT_MS}")
 
     def prepare(self) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
         """
@@ -205,6 +234,7 @@ class Store:
         return len(MIGRATIONS)
 
     def close(self) -> None:
+        self.reader.close()
         self.pool.close()
 
     # Keys
@@ -312,7 +342,10 @@ class Store:
         @return: one dict per group: the group's name, requests, errors
             (status >= 400), prompt and completion tokens, mean latency
             and mean time to first token (seconds), and how many requests'
-            counts the router estimated.
+            counts the router estimated; read from what is committed, on
+            the reading connection (not behind a write in progress).  Fails
+            with L{sqlite3.OperationalError} when the file stays locked
+            past L{READ_BUSY_TIMEOUT_MS}.
         """
         column = {"key": "COALESCE(key_name, '')", "model": "model"}[by]
         query = (
@@ -347,7 +380,7 @@ class Store:
                 ) in rows
             ]
 
-        d = self.pool.runQuery(query, (since, until))
+        d = self.reader.runQuery(query, (since, until))
         return d.addCallback(shape)  # type: ignore[no-any-return]
 
     # Runtime models

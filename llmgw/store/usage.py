@@ -7,6 +7,7 @@ server's wiring (L{llmgw.server.usage}).
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from llmgw.store.db import Store, UsageRow
 
@@ -29,7 +31,9 @@ class UsageWriter(Service):
     """
     Writes usage rows and key token counts to the store: in batches, on a
     timer and when a batch fills, keeping what a failed write had for the
-    next; everything on stop.
+    next; everything on stop.  A store that cannot be written (another
+    process holds the lock) is one warning per episode, with the records
+    pending, and one line when the writes go through again.
 
     @param interval: seconds between batch writes.
     @param batch_size: a batch is written early once this many wait.
@@ -59,9 +63,21 @@ class UsageWriter(Service):
         self._rows: list[tuple[float, UsageRow]] = []
         self._key_use: dict[int, tuple[int, float]] = {}
         self._writing: Deferred[None] | None = None
+        self._in_flight = 0
         self._timer: LoopingCall | None = None
         self.written = 0
         self.dropped = 0
+        # When the current episode of failed writes began (clock seconds),
+        # or None while writes go through.
+        self._failing_since: float | None = None
+
+    @property
+    def pending(self) -> int:
+        """
+        Records buffered, not yet written to the store (those of a write in
+        progress included).
+        """
+        return len(self._rows) + (self._in_flight if self._writing else 0)
 
     def add(self, row: UsageRow) -> None:
         """
@@ -110,17 +126,22 @@ class UsageWriter(Service):
             return Deferred.fromCoroutine(_nothing())
         rows, self._rows = self._rows, []
         key_use, self._key_use = self._key_use, {}
+        self._in_flight = len(rows)
         writing = self._writing = self._store.add_usage(rows, key_use)
 
         def written(_: object) -> None:
             self.written += len(rows)
+            if self._failing_since is not None:
+                self.log.info(
+                    "usage: the store is writable again after {seconds:.1f}s;"
+                    " {count} records written",
+                    seconds=self._clock.seconds() - self._failing_since,
+                    count=len(rows),
+                )
+                self._failing_since = None
 
-        def failed(reason: object) -> None:
-            self.log.failure(
-                "usage: cannot write {count} records; keeping them",
-                reason,  # type: ignore[arg-type]
-                count=len(rows),
-            )
+        def failed(reason: Failure) -> None:
+            self._episode(reason, len(rows) + len(self._rows))
             self._rows[:0] = rows
             for key_id, (tokens, last) in key_use.items():
                 more, later = self._key_use.get(key_id, (0, 0.0))
@@ -132,6 +153,59 @@ class UsageWriter(Service):
         writing.addCallbacks(written, failed)
         writing.addBoth(finished)
         return writing
+
+    def _episode(self, reason: Failure, pending: int) -> None:
+        """
+        Log a failed write.  The database refusing it (locked by another
+        process, busy, disk full) is one warning per episode: every later
+        one until a write goes through is kept quiet (retried on the timer,
+        the records kept).  Anything else is not expected: logged with its
+        traceback every time.
+        """
+        if not reason.check(sqlite3.Error):
+            self.log.failure(
+                "usage: cannot write {count} records; keeping them",
+                reason,
+                count=pending,
+            )
+            return
+        if self._failing_since is not None:
+            return
+        self._failing_since = self._clock.seconds()
+        # The database says what in one line; a traceback adds nothing.
+        self.log.warn(
+            "usage: cannot write to the store ({error}); keeping {count}"
+            " records and retrying every {interval}s",
+            error=reason.getErrorMessage(),
+            count=pending,
+            interval=self._interval,
+        )
+
+    def flush_within(self, seconds: float) -> Deferred[bool]:
+        """
+        Flush (L{flush}), waiting for it at most C{seconds}.
+
+        @param seconds: how long to wait for the write, seconds.
+        @return: fires with C{True} once everything buffered now is written,
+            or C{False} after C{seconds} or when the write failed (the
+            records stay pending: see L{pending}); never fails.
+        """
+        done: Deferred[bool] = Deferred()
+
+        def late() -> None:
+            if not done.called:
+                done.callback(False)
+
+        timer = self._clock.callLater(seconds, late)
+
+        def flushed(_: object) -> None:
+            if timer.active():
+                timer.cancel()
+            if not done.called:
+                done.callback(self._failing_since is None and not self._rows)
+
+        self.flush().addBoth(flushed)
+        return done
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]

@@ -51,7 +51,7 @@ class ControlMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards")
+    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards", "max_frame_size")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class Register(_message.Message):
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_SIZE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_version: str
     address: str
@@ -77,7 +78,8 @@ class Register(_message.Message):
     memory_bytes: int
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     shards: _containers.RepeatedCompositeFieldContainer[RunningShard]
-    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ...) -> None: ...
+    max_frame_size: int
+    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., max_frame_size: _Optional[int] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "problems", "simulated")
@@ -172,10 +174,14 @@ class CommandResult(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., code: _Optional[str] = ...) -> None: ...
 
 class WeightsReport(_message.Message):
-    __slots__ = ("files",)
+    __slots__ = ("files", "total", "truncated")
     FILES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     files: _containers.RepeatedCompositeFieldContainer[WeightsFile]
-    def __init__(self, files: _Optional[_Iterable[_Union[WeightsFile, _Mapping]]] = ...) -> None: ...
+    total: int
+    truncated: bool
+    def __init__(self, files: _Optional[_Iterable[_Union[WeightsFile, _Mapping]]] = ..., total: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class WeightsFile(_message.Message):
     __slots__ = ("path", "size_bytes", "last_used_unix")
@@ -188,15 +194,17 @@ class WeightsFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., last_used_unix: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("server_version", "heartbeat_interval_seconds")
+    __slots__ = ("server_version", "heartbeat_interval_seconds", "max_frame_size")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_SIZE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     heartbeat_interval_seconds: int
-    def __init__(self, server_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[int] = ...) -> None: ...
+    max_frame_size: int
+    def __init__(self, server_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[int] = ..., max_frame_size: _Optional[int] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("command_id", "shard_id", "replica_id", "model", "profile", "engine", "source", "args", "env", "port", "gpu_indices", "rank", "world_size", "leader_address")
+    __slots__ = ("command_id", "shard_id", "replica_id", "model", "profile", "engine", "source", "args", "env", "port", "gpu_indices", "rank", "world_size", "leader_address", "api_key")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +226,7 @@ class StartShard(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    API_KEY_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     shard_id: str
     replica_id: str
@@ -232,7 +241,8 @@ class StartShard(_message.Message):
     rank: int
     world_size: int
     leader_address: str
-    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ...) -> None: ...
+    api_key: str
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., api_key: _Optional[str] = ...) -> None: ...
 
 class StopShard(_message.Message):
     __slots__ = ("command_id", "shard_id", "grace_seconds")

@@ -27,6 +27,40 @@ M = TypeVar("M", bound=Message)
 _COMMANDS = ("start_shard", "stop_shard", "remove_weights")
 
 
+class MessageTooLarge(FrameError):
+    """
+    A message to send serializes to more than the frame maximum in force:
+    it is not sent (the peer would close the link on it).
+
+    @ivar kind: the message type and what it holds, such as
+        C{"AgentMessage.weights_report"}.
+    """
+
+    def __init__(self, kind: str, size: int, max_frame_size: int) -> None:
+        super().__init__(size, max_frame_size)
+        self.kind = kind
+        self.args = (
+            f"{kind} of {size} bytes is over the frame maximum of"
+            f" {max_frame_size} bytes: not sent",
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def describe(message: Message) -> str:
+    """
+    @return: the message's type, and the field its C{kind} oneof holds if
+        it has one: C{"ControlMessage.start_shard"}.
+    """
+    name = type(message).__name__
+    try:
+        kind = message.WhichOneof("kind")
+    except ValueError:
+        kind = None
+    return f"{name}.{kind}" if kind else name
+
+
 class CommandFailed(Exception):
     """
     The agent answered a command with C{ok = false}.
@@ -47,7 +81,8 @@ class MessageStream(Protocol, Generic[M]):
     the size.
 
     @param incoming: the message class the peer sends.
-    @param max_frame_size: the largest frame accepted or sent, bytes.
+    @param max_frame_size: the largest frame accepted or sent, bytes (the
+        largest sent can be lowered to the peer's: L{limit_sent}).
     """
 
     log = Logger()
@@ -57,6 +92,7 @@ class MessageStream(Protocol, Generic[M]):
     ) -> None:
         self._incoming = incoming
         self._max = max_frame_size
+        self._max_sent = max_frame_size
         self._decoder = FrameDecoder(max_frame_size)
         self._closing = False
 
@@ -92,14 +128,37 @@ class MessageStream(Protocol, Generic[M]):
         if self.transport is not None:
             self.transport.loseConnection()
 
+    @property
+    def max_sent(self) -> int:
+        """
+        The largest frame L{send} writes, bytes: the smaller of this side's
+        maximum and the peer's, once known.
+        """
+        return self._max_sent
+
+    def limit_sent(self, peer_max_frame_size: int) -> None:
+        """
+        Keep to the peer's frame maximum too, when it is smaller than this
+        side's.
+
+        @param peer_max_frame_size: bytes; 0 (unsaid) changes nothing.
+        """
+        if peer_max_frame_size > 0:
+            self._max_sent = min(self._max, peer_max_frame_size)
+
     def send(self, message: Message) -> None:
         """
-        Frame C{message} and write it.
+        Frame C{message} and write it, after checking its size against
+        L{max_sent}.
 
-        @raise FrameError: the message serializes to more than the maximum.
+        @raise MessageTooLarge: the message serializes to more than
+            L{max_sent}; nothing was written.
         """
         assert self.transport is not None
-        self.transport.write(encode_frame(message.SerializeToString(), self._max))
+        payload = message.SerializeToString()
+        if len(payload) > self._max_sent:
+            raise MessageTooLarge(describe(message), len(payload), self._max_sent)
+        self.transport.write(encode_frame(payload, self._max_sent))
 
     def message_received(self, message: M) -> None:
         """
@@ -143,6 +202,17 @@ class CommandTracker:
             return waiting
         self._pending[command_id] = waiting
         return waiting
+
+    def forget(self, message: pb.ControlMessage, reason: Failure) -> None:
+        """
+        Fail the command in C{message} (prepared, never sent) with
+        C{reason}.
+        """
+        kind = message.WhichOneof("kind")
+        command_id = getattr(message, kind).command_id if kind else 0
+        waiting = self._pending.pop(command_id, None)
+        if waiting is not None:
+            waiting.errback(reason)
 
     @property
     def outstanding(self) -> int:
@@ -189,11 +259,16 @@ class CommandingStream(MessageStream[pb.AgentMessage]):
 
     def send_command(self, message: pb.ControlMessage) -> Deferred[pb.CommandResult]:
         """
-        Send a command; see L{CommandTracker.prepare} for what fires.
+        Send a command; see L{CommandTracker.prepare} for what fires.  A
+        command over the frame maximum fails with L{MessageTooLarge}, the
+        link untouched.
         """
         waiting = self.commands.prepare(message)
         if not waiting.called:
-            self.send(message)
+            try:
+                self.send(message)
+            except MessageTooLarge:
+                self.commands.forget(message, Failure())
         return waiting
 
     def message_received(self, message: pb.AgentMessage) -> None:

@@ -362,6 +362,7 @@ def makeService(options: Options) -> IService:
         balancer.set_endpoints,
         static=static,
         outstanding=balancer.outstanding,
+        cut=balancer.cut,
     )
     hub.listener = plane
     keys.resolve = plane.catalog.resolve

@@ -42,6 +42,21 @@ gpu_memory_gb = 40
 args = {args}
 """
 
+IDLE = """
+[[models]]
+name = "chat"
+min_replicas = 0
+max_replicas = 1
+idle_timeout = "5s"
+[[models.profiles]]
+name = "one"
+engine = "sim"
+source = "sim"
+gpus = 1
+gpu_memory_gb = 40
+args = ["--itl", "0.05"]
+"""
+
 SIM = STAND_IN.replace('engine = "vllm"', 'engine = "sim"').replace(
     'source = "org/chat"', 'source = "sim"'
 )
@@ -189,3 +204,29 @@ class LostReplicaTests(_Faults, SynchronousTestCase):
         self.assertIn("went away", error)
         self.assertLess(seconds, 10)
         report("stream of a lost node", seconds_to_error_event=round(seconds, 2))
+
+
+class IdleTests(_Faults, SynchronousTestCase):
+    def test_idle_counts_from_the_last_answer(self) -> None:
+        """
+        Issue 14 case 3: idle_timeout = 5 s, a request that activates the
+        model from zero and streams for 10 s: the model goes back to zero
+        (its replica unpublished) 5 to 7 s after the stream ended, not at
+        once.
+        """
+        self.fleet(IDLE, "gpu-01")
+        self.until(lambda: self.admin("/api/v1/nodes")["nodes"], 20, "the node")
+        chunks: list[str] = []
+        errors: list[Any] = []
+        self.stream(200, chunks, errors)
+        ended = time.monotonic()
+        self.assertEqual((len(chunks), errors), (200, []))
+        self.until(
+            lambda: not [r for r in self.replicas() if r["state"] == "ready"],
+            15,
+            "the model back at zero",
+        )
+        seconds = time.monotonic() - ended
+        report("idle after a 10 s stream (idle_timeout 5 s)", seconds=round(seconds, 2))
+        self.assertGreaterEqual(seconds, 4.5)
+        self.assertLessEqual(seconds, 7.5)

@@ -246,3 +246,37 @@ class CutTests(_Gateway):
         (record,) = self.sink.records
         self.assertEqual((record.status, record.completion_tokens), (502, 1))
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_request_waiting_for_an_answer_goes_elsewhere(self) -> None:
+        """
+        A request sent to a replica whose engine then exits, before any
+        byte of its answer: the cut sends it to the other replica, and the
+        client gets that one's answer.
+        """
+        self.make(low=2, nodes=2)
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        done = self.post(b'{"model": "m", "max_tokens": 3}')
+        (first,) = self.agent.sent
+        replica = next(
+            r
+            for r in self.plane.replicas.values()
+            if first.uri.startswith(f"http://10.0.0.{r.shards[0].node[-1]}:".encode())
+        )
+        status = pb.ShardStatus(shard_id=replica.shards[0].id, error="exited")
+        status.state = pb.SHARD_STATE_FAILED
+        self.plane.shard_status(replica.shards[0].node, status)
+        self.plane.reconcile()
+        self.stub.flush()
+        self.assertTrue(first.cancelled)
+        second = self.agent.sent[1]
+        self.assertNotEqual(second.uri, first.uri)
+        response = FakeResponse(200, b"application/json")
+        second.answer.callback(response)
+        response.write(b'{"usage": {"prompt_tokens": 2, "completion_tokens": 3}}')
+        response.end()
+        self.stub.flush()
+        self.assertEqual(self.successResultOf(done).code, 200)
+        (record,) = self.sink.records
+        self.assertEqual((record.status, record.completion_tokens), (200, 3))

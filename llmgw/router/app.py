@@ -284,6 +284,7 @@ class Router:
             record = self._record(
                 rid, started, status, model, stream, key, reserved, exchange
             )
+            self._note_usage(status, exchange)
             self._count(record)
             self.usage.record(record)
             if key is not None and self.auth is not None:
@@ -310,7 +311,6 @@ class Router:
         exchange: Exchange | None,
     ) -> RequestRecord:
         usage = (exchange.usage if exchange is not None else None) or {}
-        self._note_usage(status, exchange)
         # Chat and completions name them so; the Responses API input and
         # output.
         prompt = usage.get("prompt_tokens", usage.get("input_tokens"))

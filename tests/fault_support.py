@@ -46,6 +46,8 @@ if counter:
     if n < int(get("--fail-times", "0")):
         print(f"start {{n + 1}}: RuntimeError: NCCL error", flush=True)
         sys.exit(1)
+if get("--load"):
+    print("INFO loading weights", flush=True)
 time.sleep(float(get("--load", "0")))
 argv = ["{llmgw}", "sim", "--port", get("--port"), "--host", get("--host"),
         "--model", get("--served-model-name")]

@@ -11,6 +11,7 @@ duplicate engines, seconds to serve again, usage records lost.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -25,7 +26,7 @@ from tests.fault_support import (
     spawn_agent_with_path,
     stand_in_engine,
 )
-from tests.support import Process
+from tests.support import Process, http
 from tests.test_e2e_control import AGENT_CONFIG, _Fleet
 
 STAND_IN = """
@@ -173,6 +174,66 @@ class CauseTests(_Faults, SynchronousTestCase):
             m for m in self.admin("/api/v1/models")["models"] if m["name"] == "chat"
         ]
         self.assertIn("CUDA out of memory", model["last_error"])
+
+    def test_start_timeout_shows_output(self) -> None:
+        """
+        Issue 14 case 4: a start that times out (start_timeout 3 s, an
+        engine still loading) is listed failed "not ready after 3s" with
+        its engine's output, and the model's last error carries it.
+        """
+        self.fleet(
+            'start_timeout = "3s"\n' + STAND_IN.format(low=1, args='["--load", "60"]'),
+            "gpu-01",
+        )
+
+        def failed() -> list[dict[str, Any]]:
+            return [
+                r
+                for r in self.replicas()
+                if r["state"] == "failed" and r["shards"][0]["output_tail"]
+            ]
+
+        (replica,) = self.until(failed, 30, "a failed replica with its output")
+        self.assertIn("not ready after 3s", replica["last_error"])
+        self.assertIn("INFO loading weights", replica["shards"][0]["output_tail"])
+        (model,) = [
+            m for m in self.admin("/api/v1/models")["models"] if m["name"] == "chat"
+        ]
+        self.assertIn("loading weights", model["last_error"])
+
+
+class UsageTests(_Faults, SynchronousTestCase):
+    def test_broken_stream_charged(self) -> None:
+        """
+        Issue 14 case 9: a stream whose engine aborts the connection after
+        20 chunks is charged its estimate (20 completion tokens and the
+        prompt's estimate) in the usage API, not 0/0.
+        """
+        self.fleet(SIM.format(low=1, args="[]"), "gpu-01")
+        self.ready(1)
+        chunks: list[str] = []
+        with self.assertRaises(openai.APIError):
+            for chunk in self.client.chat.completions.create(
+                model="chat",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=100,
+                stream=True,
+                extra_body={"llmgw_sim": {"drop_after_chunks": 20}},
+            ):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    chunks.append(chunk.choices[0].delta.content)
+        status, _, body = http("GET", self.admin_url + "/api/v1/usage?by=model")
+        self.assertEqual(status, 200, body)
+        (group,) = [g for g in json.loads(body)["usage"] if g["model"] == "chat"]
+        report(
+            "stream broken after 20 chunks",
+            chunks=len(chunks),
+            prompt_tokens=group["prompt_tokens"],
+            completion_tokens=group["completion_tokens"],
+        )
+        self.assertEqual(group["errors"], 1)
+        self.assertGreaterEqual(group["completion_tokens"], 19)
+        self.assertGreater(group["prompt_tokens"], 0)
 
 
 class LostReplicaTests(_Faults, SynchronousTestCase):

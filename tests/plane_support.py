@@ -118,6 +118,7 @@ class PlaneCase(SynchronousTestCase):
         self.agents = Agents()
         self.published: list[list[Endpoint]] = []
         self.in_flight: dict[str, int] = {}
+        self.cuts: list[tuple[str, str]] = []
         self.plane = ControlPlane(
             self.clock,
             self.inventory,
@@ -126,6 +127,7 @@ class PlaneCase(SynchronousTestCase):
             settings,
             self.published.append,
             outstanding=lambda rid: self.in_flight.get(rid, 0),
+            cut=lambda rid, why: self.cuts.append((rid, why)),
         )
         for node in nodes:
             self.register(node)

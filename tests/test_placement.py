@@ -198,6 +198,38 @@ class PlacementTests(SynchronousTestCase):
         )
         self.check([ONE], [], ["profile one: no nodes"])
 
+    def test_explanation_says_free_gpus_are_fragmented(self) -> None:
+        """
+        Issue 14 case 10: a model that fits nowhere because its free GPUs
+        are spread over nodes is explained so: enough usable GPUs in total,
+        not enough on one node.  A node that is not ready does not count.
+        """
+        four = Profile("four", "vllm", "m", gpus=4, gpu_memory_gb=40)
+        self.check(
+            [four],
+            [
+                node("a", *busy(4, 2)),
+                node("b", *busy(4, 1)),
+                node("c", *gpus(4), state="unreachable"),
+            ],
+            [
+                "profile four: a: needs 4 GPUs, 2 usable: 2 allocated",
+                "profile four: b: needs 4 GPUs, 3 usable: 1 allocated",
+                "profile four: c: unreachable",
+                "profile four: 5 usable GPUs are free in total on 2 nodes, enough"
+                " for 4, but no node has 4 of them: the free GPUs are fragmented",
+            ],
+        )
+        # Not enough in total: no such line.
+        self.check(
+            [four],
+            [node("a", *busy(4, 2)), node("b", *busy(4, 3))],
+            [
+                "profile four: a: needs 4 GPUs, 2 usable: 2 allocated",
+                "profile four: b: needs 4 GPUs, 1 usable: 3 allocated",
+            ],
+        )
+
     def test_spread(self) -> None:
         """
         Nodes already running the model are used only when no other fits,

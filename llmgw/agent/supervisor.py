@@ -121,6 +121,7 @@ class Shard:
         self._kill: IDelayedCall | None = None
         self._stopping = False
         self._probing = False
+        self._served = False
 
     @property
     def output(self) -> list[str]:
@@ -130,13 +131,19 @@ class Shard:
         return tail(self._supervisor.path(self.id, ".log"))
 
     def _set(self, state: int, error_text: str = "") -> None:
+        if state == pb.SHARD_STATE_READY:
+            self._served = True
         self.state = state
         status = pb.ShardStatus(shard_id=self.id, error=error_text, pid=self.pid or 0)
         status.state = state  # type: ignore[assignment]
         if self.exit_code is not None:
             status.exit_code = self.exit_code
             status.has_exit_code = True
-        if state == pb.SHARD_STATE_FAILED:
+        if state == pb.SHARD_STATE_FAILED or (
+            state == pb.SHARD_STATE_STOPPED and not self._served
+        ):
+            # Stopped before it ever served (the server gave up waiting
+            # for it): its output says why as much as a failure's does.
             # Engines print their arguments (vLLM logs its non-default
             # args): the key is not to travel on in the output tail.
             key = self.command.api_key

@@ -344,4 +344,36 @@ def _scan(
             f"only {len(fits)} of {profile.nodes} nodes fit"
             + (f" on fabric {profile.fabric}" if profile.fabric else "")
         )
+    fragmented = _fragmentation(profile, fleet)
+    if fragmented:
+        why.append(fragmented)
     return None, tuple(why)
+
+
+def _fragmentation(profile: Profile, fleet: Fleet) -> str:
+    """
+    @return: a line saying that enough usable GPUs are free in total over
+        the ready nodes, only not enough of them on one node, when that is
+        why C{profile} fits nowhere; else C{""}.
+    """
+    counts = [
+        len(_fitting_gpus(node, profile)[0])
+        for node in fleet.nodes()
+        if node.state == "ready"
+    ]
+    total = sum(counts)
+    whole = sum(1 for count in counts if count >= profile.gpus)
+    need = profile.gpus * profile.nodes
+    if total < need or whole >= profile.nodes:
+        return ""
+    holding = sum(1 for count in counts if count)
+    where = (
+        "no node has"
+        if profile.nodes == 1
+        else f"only {whole} of the {profile.nodes} nodes needed have"
+    )
+    return (
+        f"{total} usable GPUs are free in total on {holding} nodes, enough for"
+        f" {need}, but {where} {profile.gpus} of them: the free GPUs are"
+        " fragmented"
+    )

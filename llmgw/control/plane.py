@@ -36,11 +36,17 @@ from twisted.logger import Logger
 from llmgw.config import ControlConfig
 from llmgw.control import adoption, scaling
 from llmgw.control.catalog import Model
-from llmgw.control.commands import STOP_GRACE, Commands, ShardCommands
+from llmgw.control.commands import Commands, ShardCommands
+from llmgw.control.drains import Draining
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
 from llmgw.control.placement import NodeView, NoFit, Plan, place
-from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+from llmgw.control.records import (
+    ReplicaRecord,
+    ReplicaState,
+    ShardRecord,
+    output_summary,
+)
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
 from llmgw.control.snapshot import Snapshot, SuspectPorts
@@ -54,7 +60,20 @@ def _host(address: str) -> str:
     return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
-class ControlPlane:
+def _gone_why(replica: ReplicaRecord) -> str:
+    """
+    @return: why a replica's requests in flight are cut, in words fit for a
+        client (no node names or addresses).
+    """
+    states = {s.state for s in replica.shards}
+    if ShardState.LOST in states:
+        return "its node was lost"
+    if ShardState.FAILED in states:
+        return "its engine exited"
+    return "it stopped"
+
+
+class ControlPlane(Draining):
     """
     Keeps each catalog model's replicas running.
 
@@ -69,8 +88,15 @@ class ControlPlane:
     @param outstanding: requests in flight to a replica id, by the router's
         count; a draining replica is stopped when it reaches 0.
     @param keys: a shard id's engine secret (L{ShardCommands}), "" for none.
+    @param cut: ends the router's requests in flight to a replica id now,
+        with a reason (L{llmgw.router.balancer.Balancer.cut}): called when
+        the replica is gone (its node lost, its engine exited) or its drain
+        ran out of time.
     @ivar catalog: the catalog at run time, and the router's side.
     @ivar replicas: the records, by replica id; read-only outside.
+    @ivar failed: each model's last failed replica, with its error and
+        its engines' output, until the model has a ready replica again (or
+        leaves the catalog); read-only outside.
     @ivar weights: finds and deletes model files nothing uses.
     """
 
@@ -87,6 +113,7 @@ class ControlPlane:
         static: Sequence[Endpoint] = (),
         outstanding: Callable[[str], int] = lambda replica_id: 0,
         keys: Callable[[str], str] = lambda shard_id: "",
+        cut: Callable[[str, str], object] = lambda replica_id, why: 0,
     ) -> None:
         self.clock = clock
         self.inventory = inventory
@@ -94,9 +121,11 @@ class ControlPlane:
         self.settings = settings
         self._publish = publish
         self._outstanding = outstanding
+        self._cut = cut
         self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
         self.catalog = ModelCatalog(clock, inventory, models, static, self.loop.kick)
         self.replicas: dict[str, ReplicaRecord] = {}
+        self.failed: dict[str, ReplicaRecord] = {}
         self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
         self._published: tuple[Endpoint, ...] | None = None
         self._suspect = SuspectPorts()
@@ -117,6 +146,7 @@ class ControlPlane:
         """
         found = self._shards.get(status.shard_id)
         if found is None or found[1].node != node_id:
+            self._late_output(node_id, status)
             return
         replica, shard = found
         state = ShardState.from_pb(status.state) or shard.state
@@ -125,10 +155,32 @@ class ControlPlane:
         shard.state = state
         if status.pid:
             shard.pid = status.pid
+        if status.output_tail:
+            shard.output = tuple(status.output_tail)
         if state == ShardState.FAILED:
-            tail = " | ".join(status.output_tail[-3:])
-            shard.error = status.error + (f"; last output: {tail}" if tail else "")
+            shard.error = status.error + output_summary(shard.output)
         self.loop.kick()
+
+    def _late_output(self, node_id: str, status: pb.ShardStatus) -> None:
+        """
+        The output of a shard of a failed replica, sent when its engine
+        stopped (one the server gave up waiting for): kept with the
+        replica, and its summary added to the model's last error.
+        """
+        if not status.output_tail:
+            return
+        for replica in self.failed.values():
+            for shard in replica.shards:
+                if shard.id == status.shard_id and shard.node == node_id:
+                    if shard.output:
+                        return
+                    shard.output = tuple(status.output_tail)
+                    state = self.catalog.get(replica.model)
+                    if state is not None and state.last_error.startswith(
+                        f"replica {replica.id}: "
+                    ):
+                        state.last_error += output_summary(shard.output)
+                    return
 
     def node_registered(self, node_id: str, register: pb.Register) -> None:
         """
@@ -258,98 +310,6 @@ class ControlPlane:
         for replica in self.replicas.values():
             yield replica.profile.source, replica.id
 
-    # Operator actions.
-
-    def drain_node(self, node_id: str) -> list[str]:
-        """
-        No new placements on C{node_id}; its replicas drain and are placed
-        elsewhere.
-
-        @return: the ids of the replicas now draining.
-        @raise KeyError: no such node.
-        """
-        node = self.inventory.get(node_id)
-        if node is None:
-            raise KeyError(node_id)
-        node.draining = True
-        drained = []
-        for replica in list(self.replicas.values()):
-            if any(s.node == node_id for s in replica.shards):
-                if self._drain(replica, f"node {node_id} is draining"):
-                    drained.append(replica.id)
-        self.loop.kick()
-        return drained
-
-    def undrain_node(self, node_id: str) -> None:
-        """
-        Take a node back: placements may use it again (replicas already
-        moved stay where they are).
-
-        @raise KeyError: no such node.
-        """
-        node = self.inventory.get(node_id)
-        if node is None:
-            raise KeyError(node_id)
-        node.draining = False
-        node.version += 1
-        self.loop.kick()
-
-    def drain_replica(self, replica_id: str) -> bool:
-        """
-        Drain one replica (a new one is placed if the model needs it).
-
-        @return: whether it started draining (not already draining).
-        @raise KeyError: no such replica.
-        """
-        replica = self.replicas[replica_id]
-        started = self._drain(replica, "an operator asked")
-        self.loop.kick()
-        return started
-
-    def _drain(self, replica: ReplicaRecord, why: str) -> bool:
-        if replica.draining_since is not None:
-            return False
-        replica.draining_since = self.clock.seconds()
-        replica.drain_reason = why
-        self.log.info(
-            "draining replica {replica} of {model}: {why}",
-            replica=replica.id,
-            model=replica.model,
-            why=why,
-        )
-        # No new requests from now on.
-        self._publish_ready()
-        return True
-
-    def _finish_drain(self, replica: ReplicaRecord, now: float) -> None:
-        assert replica.draining_since is not None
-        if replica.stop_sent_at is not None:
-            if now - replica.stop_sent_at > STOP_GRACE + 10:
-                # Not gone after SIGKILL's time: the stop was lost (a link
-                # down); again.
-                replica.stop_sent_at = now
-                for shard in replica.shards:
-                    if not shard.state.gone:
-                        self._commands.stop(shard.node, shard.id)
-            return
-        in_flight = self._outstanding(replica.id)
-        late = now - replica.draining_since >= self.settings.drain_timeout
-        if in_flight and not late:
-            return
-        if in_flight:
-            self.log.warn(
-                "replica {replica}: {count} requests still in flight after"
-                " {seconds:g}s of draining; stopping it",
-                replica=replica.id,
-                count=in_flight,
-                seconds=self.settings.drain_timeout,
-            )
-        replica.stop_sent_at = now
-        for shard in replica.shards:
-            if not shard.state.gone:
-                shard.state = ShardState.DRAINING
-                self._commands.stop(shard.node, shard.id)
-
     # The pass.
 
     def reconcile(self) -> None:
@@ -366,6 +326,8 @@ class ControlPlane:
             except Exception:
                 # One bad record must not stall every model.
                 self.log.failure("checking replica {replica}", replica=replica.id)
+        for name in [m for m in self.failed if m not in self.catalog]:
+            del self.failed[name]
         by_model: dict[str, list[ReplicaRecord]] = {}
         for replica in self.replicas.values():
             by_model.setdefault(replica.model, []).append(replica)
@@ -410,12 +372,16 @@ class ControlPlane:
                 shard.error = f"node {shard.node} is lost"
         if replica.draining_since is not None:
             if all(s.state.gone for s in replica.shards):
-                self._forget(replica)
+                self._forget(replica, _gone_why(replica))
             return
         model = self.catalog.get(replica.model)
         if replica.state == ReplicaState.READY:
             if model is not None:
                 scaling.recovered(model, replica.created)
+            gone = self.failed.get(replica.model)
+            if gone is not None and gone.created <= replica.created:
+                # Replaced: the failure is history.
+                del self.failed[replica.model]
             return
         error, lost = replica.fault(now, self.settings.start_timeout)
         if not error:
@@ -433,9 +399,17 @@ class ControlPlane:
         for shard in replica.shards:
             if not shard.state.gone:
                 self._commands.stop(shard.node, shard.id)
-        self._forget(replica)
+        self._forget(replica, _gone_why(replica))
+        # Shown with its error and output until the model is served again.
+        replica.error = error
+        if model is not None:
+            self.failed[replica.model] = replica
 
-    def _forget(self, replica: ReplicaRecord) -> None:
+    def _forget(self, replica: ReplicaRecord, why: str = "it stopped") -> None:
+        if self._outstanding(replica.id):
+            # Its engine is gone or going: what is in flight to it ends
+            # now, not at the router's idle deadline.
+            self._cut(replica.id, why)
         self.replicas.pop(replica.id, None)
         for shard in replica.shards:
             if self._shards.get(shard.id, (None, None))[1] is shard:
@@ -525,7 +499,12 @@ class ControlPlane:
             return snapshot
         if len(live) > want:
             for replica in scaling.surplus(live, want, self._outstanding):
-                self._drain(replica, f"{len(live)} replicas, {want} wanted")
+                # A stream on it is waited for up to idle_timeout.
+                self._drain(
+                    replica,
+                    f"{len(live)} replicas, {want} wanted",
+                    state.model.idle_timeout,
+                )
             return snapshot
         if len(live) == want:
             state.no_fit = None

@@ -7,6 +7,8 @@ their shards, with their states.  Plain data; the reconciler
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -15,6 +17,32 @@ from llmgw.wire.states import ShardState
 
 if TYPE_CHECKING:
     from llmgw.control.placement import Profile
+
+
+# Lines that name a cause rather than a consequence: Python's exception
+# lines ("ValueError: ...", "torch.OutOfMemoryError: CUDA out of memory"),
+# CUDA's and the C++ runtime's wording, and log levels.
+_CAUSE = re.compile(
+    r"error|exception|out of memory|fatal|killed|abort|cannot|can't|failed",
+    re.IGNORECASE,
+)
+
+
+def output_summary(lines: Sequence[str], last: int = 3) -> str:
+    """
+    @param lines: an engine's last output lines.
+    @return: C{"; last output: ..."} for an error message: the first line
+        that names a cause (an error, an exception, out of memory), where
+        it is not among the last C{last} lines, then those, joined by
+        C{" | "}; C{""} for no lines.
+    """
+    if not lines:
+        return ""
+    shown = list(lines[-last:])
+    cause = next((line for line in lines if _CAUSE.search(line)), None)
+    if cause is not None and cause not in shown:
+        shown = [cause, "...", *shown]
+    return "; last output: " + " | ".join(shown)
 
 
 class ReplicaState(StrEnum):
@@ -38,6 +66,8 @@ class ShardRecord:
     @ivar gpus: GPU indices on its node.
     @ivar pid: the engine's process id on its node, 0 while unknown.
     @ivar error: why it failed, or C{""}.
+    @ivar output: the engine's last output lines (at most 50, as its agent
+        sent them) when it failed or was stopped before it served.
     """
 
     id: str
@@ -48,6 +78,7 @@ class ShardRecord:
     state: ShardState = ShardState.PENDING
     pid: int = 0
     error: str = ""
+    output: tuple[str, ...] = ()
 
 
 @dataclass
@@ -59,6 +90,10 @@ class ReplicaRecord:
     @ivar draining_since: reactor seconds when draining began, or L{None}.
     @ivar stop_sent_at: reactor seconds when its shards were told to
         stop, or L{None}.
+    @ivar drain_patience: seconds its requests in flight may take once it
+        drains, when more than C{[control] drain_timeout}.
+    @ivar error: why it failed, once it did (it is then kept for the
+        admin API until its model has a ready replica again), or C{""}.
     """
 
     id: str
@@ -70,6 +105,8 @@ class ReplicaRecord:
     drain_reason: str = ""
     adopted: bool = False
     stop_sent_at: float | None = None
+    drain_patience: float = 0.0
+    error: str = ""
 
     @property
     def state(self) -> ReplicaState:
@@ -79,7 +116,7 @@ class ReplicaRecord:
         """
         if self.draining_since is not None:
             return ReplicaState.DRAINING
-        if any(s.state.gone for s in self.shards):
+        if self.error or any(s.state.gone for s in self.shards):
             return ReplicaState.FAILED
         if (
             len(self.shards) == self.profile.nodes

@@ -31,7 +31,8 @@ class ModelState:
 
     @ivar wanted: replicas asked for by traffic (scale from zero, load),
         above C{min_replicas}.
-    @ivar last_used: reactor seconds of the last request.
+    @ivar last_used: reactor seconds of the last use: a request's arrival
+        or completion (the router touches the model at both).
     @ivar busy_at: reactor seconds when the load was last over half the
         scale-up threshold.
     @ivar failed_at: reactor seconds of the last failed replica.

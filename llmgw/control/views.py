@@ -17,7 +17,9 @@ from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 
 def shard_json(shard: ShardRecord) -> dict[str, Any]:
     """
-    @return: id, node, gpus, port, rank, state, pid, last_error.
+    @return: id, node, gpus, port, rank, state, pid, last_error, and
+        C{output_tail}: the engine's last output lines (at most 50) when it
+        failed or was stopped before it served, else C{[]}.
     """
     return {
         "id": shard.id,
@@ -28,13 +30,14 @@ def shard_json(shard: ShardRecord) -> dict[str, Any]:
         "state": shard.state,
         "pid": shard.pid,
         "last_error": shard.error or None,
+        "output_tail": list(shard.output),
     }
 
 
 def replica_json(replica: ReplicaRecord) -> dict[str, Any]:
     """
-    @return: id, model, profile, engine, state, adopted, and its shards
-        (L{shard_json}) by rank.
+    @return: id, model, profile, engine, state, adopted, last_error (why
+        it failed, or L{None}), and its shards (L{shard_json}) by rank.
     """
     return {
         "id": replica.id,
@@ -43,15 +46,19 @@ def replica_json(replica: ReplicaRecord) -> dict[str, Any]:
         "engine": replica.profile.engine,
         "state": replica.state,
         "adopted": replica.adopted,
+        "last_error": replica.error or None,
         "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
     }
 
 
 def replicas_json(plane: ControlPlane | None) -> list[dict[str, Any]]:
     """
-    @return: every replica (L{replica_json}), by model then id.
+    @return: every replica (L{replica_json}), by model then id, with each
+        model's last failed one until the model is served again.
     """
-    replicas = plane.replicas.values() if plane is not None else ()
+    replicas = (
+        [*plane.replicas.values(), *plane.failed.values()] if plane is not None else []
+    )
     return [replica_json(r) for r in sorted(replicas, key=lambda r: (r.model, r.id))]
 
 

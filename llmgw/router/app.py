@@ -27,7 +27,13 @@ from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
 # Named here too for the modules that import them from the routes.
 from llmgw.router.interfaces import RequestRecord as RequestRecord
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.prepare import Prepared, Refused, estimate_prompt_tokens, prepare
+from llmgw.router.prepare import (
+    USAGE_STREAM_PATHS,
+    Prepared,
+    Refused,
+    estimate_prompt_tokens,
+    prepare,
+)
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON, request_id, upstream_request_id
 from llmgw.router.upstream import Upstream
@@ -51,6 +57,15 @@ def _loggable(text: str, limit: int = 200) -> str:
 
 def _no_alias(name: str) -> str | None:
     return None
+
+
+def _began(exchange: Exchange) -> bool:
+    """
+    @return: whether the replica began a successful answer (the engine
+        took the request and did work) before the exchange ended.
+    """
+    status = exchange.answer_status
+    return status is not None and 200 <= status < 300
 
 
 class UsageSinks:
@@ -135,6 +150,8 @@ class Router:
         self.usage = usage
         self.created = int(wall_clock())
         self.in_flight = 0
+        # Models whose engines sent no usage in a stream (warned once).
+        self._no_stream_usage: set[str] = set()
         self._idle_waiters: list[Deferred[None]] = []
         self._resolve = activator.resolve if activator is not None else _no_alias
         routes = self.app.url_map.bind("gateway")
@@ -267,9 +284,13 @@ class Router:
                 exchange.finish()
             metrics.in_flight.dec()
             self.in_flight -= 1
+            if self.activator is not None and prepared is not None:
+                # Idle time counts from the last completion, not arrival.
+                self.activator.touch(prepared.model)
             record = self._record(
                 rid, started, status, model, stream, key, reserved, exchange
             )
+            self._note_usage(status, exchange)
             self._count(record)
             self.usage.record(record)
             if key is not None and self.auth is not None:
@@ -306,12 +327,13 @@ class Router:
             exchange is not None
             and exchange.usage is None
             and replica is not None
-            and status in (200, 499)
+            and (status in (200, 499) or _began(exchange))
             and exchange.prepared.body
         ):
-            # The engine's count never came (the client left mid-stream, or
-            # the engine sends none): estimated, so that leaving early is
-            # not free.  One token per event relayed.
+            # The engine's count never came (the client left mid-stream,
+            # the stream broke, or the engine sends none): estimated,
+            # whatever the status, so that neither leaving early nor a
+            # fault is free.  One token per event relayed.
             estimated = True
             prompt = estimate_prompt_tokens(exchange.prepared.body)
             completion = exchange.events_relayed
@@ -339,6 +361,33 @@ class Router:
             key_name=key.name if key is not None else None,
             usage_estimated=estimated,
             reserved_tokens=reserved,
+        )
+
+    def _note_usage(self, status: int, exchange: Exchange | None) -> None:
+        """
+        Warn once per model whose engine ended a stream cleanly without
+        the usage the router asked for (llama-cpp-python's server ignores
+        C{stream_options}): its usage is estimated, and the operator
+        should know.
+        """
+        if (
+            exchange is None
+            or status != 200
+            or exchange.usage is not None
+            or not exchange.prepared.stream
+            or exchange.path not in USAGE_STREAM_PATHS
+            or exchange.answer_status != 200
+            or exchange.model in self._no_stream_usage
+            or not self.knows(exchange.model)
+        ):
+            return
+        self._no_stream_usage.add(exchange.model)
+        self.log.warn(
+            "model {model}: its engine (replica {replica}) sends no usage in"
+            " streams though asked (stream_options.include_usage); its streams'"
+            " usage is estimated from the events relayed",
+            model=exchange.model,
+            replica=exchange.replica.id if exchange.replica is not None else None,
         )
 
     def _count(self, record: RequestRecord) -> None:

@@ -6,8 +6,8 @@ passive health (a replica that refuses connections sits out a cooldown).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -23,11 +23,14 @@ class Replica:
         router itself.
     @ivar ejected_until: reactor time, seconds, before which the replica is
         passed over; 0 when healthy.
+    @ivar exchanges: how to end each exchange in flight to it at once (see
+        L{Balancer.cut}), called with the reason.
     """
 
     endpoint: Endpoint
     outstanding: int = 0
     ejected_until: float = 0.0
+    exchanges: set[Callable[[str], None]] = field(default_factory=set)
 
     @property
     def id(self) -> str:
@@ -171,6 +174,26 @@ class Balancer:
             if replica is not None:
                 count += replica.outstanding
         return count
+
+    def cut(self, replica_id: str, why: str) -> int:
+        """
+        The replica C{replica_id} went away (its node was lost, its engine
+        exited, or its drain ran out of time): end the exchanges in flight
+        to it now, rather than at their idle deadline (a lost node's
+        connections see no FIN; they would hang until then).
+
+        @param why: the reason, in a few words fit for a client.
+        @return: how many exchanges were cut.
+        """
+        cutters: list[Callable[[str], None]] = []
+        for table in (self._replicas, self._retired):
+            replica = table.get(replica_id)
+            if replica is not None:
+                cutters.extend(replica.exchanges)
+                replica.exchanges.clear()
+        for cut in cutters:
+            cut(why)
+        return len(cutters)
 
     def eject(self, replica: Replica) -> None:
         """

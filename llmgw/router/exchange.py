@@ -112,6 +112,8 @@ class Exchange:
     @ivar replica: the replica tried last, or L{None}.
     @ivar usage: the engine's usage object, when one came.
     @ivar first_byte_at: clock time of the replica's first byte, or L{None}.
+    @ivar answer_status: the status of the replica's answer, once its
+        headers came, or L{None}.
     @ivar events_relayed: C{data:} fields written to the client.
     @ivar headers_sent: whether the client got any byte of the answer.
     """
@@ -145,11 +147,13 @@ class Exchange:
         self.replica: Replica | None = None
         self.usage: dict[str, Any] | None = None
         self.first_byte_at: float | None = None
+        self.answer_status: int | None = None
         self.events_relayed = 0
         self.headers_sent = False
         self.stale_retried = False
         self.waiting: Deferred[Any] | None = None
         self.reader: BodyReader | None = None
+        self.cut_reason: str | None = None
 
     def _cancel_waiting(self) -> None:
         if self.waiting is not None:
@@ -191,12 +195,14 @@ class Exchange:
             tried.add(replica.id)
             self.replica = replica
             replica.outstanding += 1
+            replica.exchanges.add(self.cut)
             try:
                 return await self._attempt(replica)
             except _Retry as retry:
                 last_error = retry.error
             finally:
                 replica.outstanding -= 1
+                replica.exchanges.discard(self.cut)
         raise last_error if last_error is not None else no_ready_replica(self.model)
 
     async def _activate(self, activator: Activator) -> None:
@@ -259,6 +265,24 @@ class Exchange:
             else:
                 activating.pop(model, None)
 
+    def cut(self, why: str) -> None:
+        """
+        The replica went away (L{Balancer.cut}): stop waiting for it now.
+        Before its answer began the request may go to another replica; a
+        stream already relayed ends with an SSE error event.
+
+        @param why: the reason, for the client.
+        """
+        self.cut_reason = why
+        self._cancel_waiting()
+
+    def _cut_error(self) -> APIError | None:
+        why, self.cut_reason = self.cut_reason, None
+        if why is None:
+            return None
+        self.services.metrics.upstream_errors.labels("broken").inc()
+        return upstream_failed(f"The replica went away: {why}.")
+
     def _keepalive(self) -> None:
         if client_gone(self.request):
             return
@@ -320,6 +344,9 @@ class Exchange:
             if self.deadlines.expired:
                 metrics.upstream_errors.labels("timeout").inc()
                 raise self.deadlines.error() from None
+            gone = self._cut_error()
+            if gone is not None:
+                raise _Retry(gone) from None
             metrics.upstream_errors.labels("broken").inc()
             error = upstream_failed(
                 "The replica closed the connection before answering."
@@ -346,6 +373,7 @@ class Exchange:
         finally:
             self.waiting = None
         status: int = response.code
+        self.answer_status = status
         content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
         if (
             status == 200
@@ -433,6 +461,9 @@ class Exchange:
             if self.deadlines.expired:
                 metrics.upstream_errors.labels("timeout").inc()
                 raise self.deadlines.error() from None
+            gone = self._cut_error()
+            if gone is not None:
+                raise gone from None
             metrics.upstream_errors.labels("broken").inc()
             raise upstream_failed(broken) from None
         finally:

@@ -156,7 +156,8 @@ class Activator(Protocol):
 
     def touch(self, name: str) -> None:
         """
-        A request for C{name} arrived (the model is not idle).
+        A request for C{name} arrived or finished (the model is not idle:
+        its idle time counts from the last completion).
         """
 
     def why_not(self, name: str) -> str:

@@ -365,6 +365,7 @@ def makeService(options: Options) -> IService:
         static=static,
         outstanding=balancer.outstanding,
         keys=engine_keys.for_shard,
+        cut=balancer.cut,
     )
     hub.listener = plane
     keys.resolve = plane.catalog.resolve

@@ -41,6 +41,7 @@ from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.server.admin import Admin, AdminGuard, is_loopback
+from llmgw.server.fdlimit import raise_open_file_limit
 from llmgw.server.lifecycle import (
     AGENT_LINKS,
     DRAIN,
@@ -376,7 +377,8 @@ def makeService(options: Options) -> IService:
         activator=plane.catalog,
         auth=keys,
     )
-    router_site = make_site(router.app.resource(), settings.max_body_size)
+    raise_open_file_limit(settings.max_connections)
+    router_site = make_site(router.app.resource(), settings, reactor)
     admin = Admin(
         registry,
         inventory,

@@ -15,6 +15,7 @@ import http.client
 import json
 import resource
 import socket
+import ssl
 import time
 from typing import Any
 
@@ -106,8 +107,9 @@ class NormalClient:
     @ivar latencies: seconds per request, in order.
     """
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, context: ssl.SSLContext | None = None) -> None:
         self.port = port
+        self.context = context
         self.latencies: list[float] = []
         self._connection: http.client.HTTPConnection | None = None
 
@@ -118,9 +120,18 @@ class NormalClient:
         @raise AssertionError: it did not answer 200.
         """
         if self._connection is None:
-            self._connection = http.client.HTTPConnection(
-                "127.0.0.1", self.port, timeout=10, source_address=("127.0.0.1", 0)
-            )
+            if self.context is None:
+                self._connection = http.client.HTTPConnection(
+                    "127.0.0.1", self.port, timeout=10, source_address=("127.0.0.1", 0)
+                )
+            else:
+                self._connection = http.client.HTTPSConnection(
+                    "127.0.0.1",
+                    self.port,
+                    timeout=10,
+                    source_address=("127.0.0.1", 0),
+                    context=self.context,
+                )
         start = time.monotonic()
         self._connection.request(
             "POST",
@@ -178,9 +189,15 @@ class EdgeServer(Processes):
         )
         self.server, self.url, _ = self.start_server(*args, config=config)
         self.port = int(self.url.rsplit(":", 1)[1])
-        self.normal = NormalClient(self.port)
+        self.normal = NormalClient(self.port, self.client_tls())
         self.addCleanup(self.normal.close)  # type: ignore[attr-defined]
         self.addCleanup(self.assert_clean_log)  # type: ignore[attr-defined]
+
+    def client_tls(self) -> ssl.SSLContext | None:
+        """
+        @return: the TLS context the normal client uses: none here.
+        """
+        return None
 
     def assert_clean_log(self) -> None:
         """

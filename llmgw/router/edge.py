@@ -33,18 +33,22 @@ C{h2} library advertises C{SETTINGS_MAX_CONCURRENT_STREAMS} 100 and refuses
 streams over it, and Twisted (since 23.10) closes a connection with GOAWAY
 C{ENHANCE_YOUR_CALM} once its peer resets streams faster than a token
 bucket allows (1000 at once, then 33/s), the CVE-2023-44487 defence; the
-hostile-client suite checks both.  C{keepalive_timeout} is its idle
-timeout.
+hostile-client suite checks both.  Over TLS that connection then stayed
+open until the idle timeout (see L{EdgeProtocol.dataReceived}): the edge
+aborts it L{LINGER} seconds after the GOAWAY.  C{keepalive_timeout} is its
+idle timeout.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from h2.connection import ConnectionState
 from twisted.internet.interfaces import IAddress, IDelayedCall, ISSLTransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http
+from twisted.web._http2 import H2Connection
 from twisted.web.http import _GenericHTTPChannelProtocol
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
@@ -337,6 +341,7 @@ class EdgeProtocol(_GenericHTTPChannelProtocol):
     _edge: EdgeSite
     _host: str | None = None
     _refused = False
+    _goaway_abort: IDelayedCall | None = None
 
     def makeConnection(self, transport: Any) -> None:
         host = client_host(transport.getPeer())
@@ -357,16 +362,100 @@ class EdgeProtocol(_GenericHTTPChannelProtocol):
         super().makeConnection(transport)
 
     def dataReceived(self, data: bytes) -> None:
-        if not self._refused:
-            super().dataReceived(data)  # type: ignore[no-untyped-call]
+        if self._refused or self._goaway_abort is not None:
+            # Refused, or HTTP/2 after GOAWAY: h2 answers every later read
+            # with one more GOAWAY, for a client that is on its way out.
+            return
+        if self._negotiatedProtocol is None and (
+            getattr(self._channel.transport, "negotiatedProtocol", None) == b"h2"
+        ):
+            self._switch_to_h2()
+        super().dataReceived(data)  # type: ignore[no-untyped-call]
+        channel = self._channel
+        if (
+            self._goaway_abort is None
+            and isinstance(channel, H2Connection)
+            and channel.conn.state_machine.state is ConnectionState.CLOSED
+        ):
+            # Twisted sent GOAWAY (a protocol error, a rapid-reset flood)
+            # and asked TLS to close, but TLS waits for H2Connection to
+            # unregister as its producer, which it does not: the client
+            # kept the connection until the idle timeout.  It gets LINGER
+            # seconds to read the GOAWAY.
+            self._goaway_abort = self._edge.reactor.callLater(
+                LINGER, self._abort_after_goaway
+            )
+
+    def _switch_to_h2(self) -> None:
+        # Twisted's own switch (_GenericHTTPChannelProtocol.dataReceived,
+        # Twisted 26.10), with EdgeH2Connection in place of H2Connection.
+        me: Any = self  # Twisted's private attributes, untyped
+        old = me._channel
+        producer = old._networkProducer
+        producer.unregisterProducer()
+        old.setTimeout(None)
+        transport = old.transport
+        channel: Any = EdgeH2Connection(self._edge.reactor)  # type: ignore[no-untyped-call]
+        channel.requestFactory = me._requestFactory
+        channel.site = me._site
+        channel.factory = me._factory
+        channel.timeOut = me._timeOut
+        channel.callLater = me._callLater
+        me._channel = channel
+        channel.makeConnection(transport)
+        producer.registerProducer(channel, True)
+        me._negotiatedProtocol = b"h2"
+
+    def _abort_after_goaway(self) -> None:
+        self._goaway_abort = None
+        transport: Any = self._channel.transport
+        if transport is not None:
+            transport.abortConnection()
 
     def connectionLost(self, reason: Failure) -> None:
+        if self._goaway_abort is not None and self._goaway_abort.active():
+            self._goaway_abort.cancel()
+        self._goaway_abort = None
         if self._refused:
             return
         if self._host is not None:
             self._edge.release(self._host)
             self._host = None
         super().connectionLost(reason)
+
+
+class EdgeH2Connection(H2Connection):
+    """
+    Twisted's HTTP/2 connection, quiet about answers to streams that are
+    gone.  When a client sends a request and its RST_STREAM in one read (a
+    rapid-reset flood does), h2 closes the stream before Twisted hands the
+    request to the router; an answer written at once then raised from h2
+    (StreamClosedError, StreamIDTooLowError, or a ProtocolError once the
+    connection is closed) and Twisted logged a traceback per stream.  The
+    answer has no reader: it is dropped, as Twisted drops writes to a lost
+    HTTP/1.1 connection; Twisted cleans the stream up when it handles the
+    reset.
+    """
+
+    def _gone(self, stream_id: int) -> bool:
+        if self.conn.state_machine.state is ConnectionState.CLOSED:
+            return True
+        stream = self.conn.streams.get(stream_id)
+        return stream is None or bool(stream.closed)
+
+    def writeHeaders(
+        self, version: bytes, code: bytes, reason: bytes, headers: Any, streamID: int
+    ) -> None:
+        if not self._gone(streamID):
+            super().writeHeaders(version, code, reason, headers, streamID)  # type: ignore[no-untyped-call]
+
+    def writeDataToStream(self, streamID: int, data: bytes) -> None:
+        if not self._gone(streamID):
+            super().writeDataToStream(streamID, data)  # type: ignore[no-untyped-call]
+
+    def endRequest(self, streamID: int) -> None:
+        if not self._gone(streamID):
+            super().endRequest(streamID)  # type: ignore[no-untyped-call]
 
 
 def client_host(address: IAddress) -> str:

@@ -198,3 +198,32 @@ class HTTP2Tests(SynchronousTestCase, EdgeServer):
             tls.sendall(connection.data_to_send())
         self.assertTrue(json.loads(body)["choices"])
         self.note("HTTP/2 too many streams")
+
+    def test_http1_over_tls_error_answer(self) -> None:
+        """
+        Over TLS (no half-close there), an HTTP/1.1 request line of 100 KB
+        still gets its 414 error object, and the connection closes promptly.
+        """
+        context = ssl.create_default_context(cafile=self.ca)
+        raw = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
+        self.addCleanup(tls.close)
+        start = time.monotonic()
+        try:
+            tls.sendall(b"GET /" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        except (ConnectionResetError, BrokenPipeError, ssl.SSLError):
+            pass
+        data = b""
+        while True:
+            try:
+                chunk = tls.recv(65536)
+            except (ConnectionResetError, ssl.SSLError, TimeoutError):
+                break
+            if not chunk:
+                break
+            data += chunk
+        self.assertLess(time.monotonic() - start, 5.0)
+        head, _, body = data.partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 414 "), data[:200])
+        self.assertEqual(json.loads(body)["error"]["code"], "uri_too_long")
+        self.normal.request()

@@ -41,6 +41,7 @@ idle timeout.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any
 
 from h2.connection import ConnectionState
@@ -93,20 +94,32 @@ def _response(error: APIError) -> bytes:
     ) + body
 
 
+class _Phase(Enum):
+    """
+    Where an HTTP/1.1 connection is, for the edge: which deadline runs.
+    """
+
+    IDLE = "idle"  # between requests: keepalive_timeout
+    HEAD = "head"  # a request's line and headers: header_timeout
+    BODY = "body"  # its body: min_body_rate
+    BUSY = "busy"  # the application answers it: none of the edge's
+    CLOSING = "closing"  # after an error answer: LINGER
+
+
 class EdgeChannel(http.HTTPChannel):
     """
     An HTTP/1.1 channel that holds its client to the bounds of
-    L{RouterConfig} (see the module's docstring).  Its phases: C{"idle"}
-    between requests, C{"head"} from a request's first byte to the end of
-    its headers, C{"body"} while its body arrives, C{"busy"} while the
-    application answers it (no edge deadline: the router's own apply), and
-    C{"closing"} after an error answer.
+    L{RouterConfig} (see the module's docstring), one L{_Phase} at a time:
+    idle between requests, head from a request's first byte to the end of
+    its headers, body while its body arrives, busy while the application
+    answers it (no edge deadline: the router's own apply), and closing
+    after an error answer.
     """
 
     def __init__(self, settings: RouterConfig) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._settings = settings
-        self._phase = "idle"
+        self._phase = _Phase.IDLE
         self._timer: IDelayedCall | None = None
         self._awaiting_request_line = True
         self._header_bytes = 0
@@ -143,11 +156,11 @@ class EdgeChannel(http.HTTPChannel):
         return super().setTimeout(period)  # type: ignore[no-untyped-call]
 
     def dataReceived(self, data: bytes) -> None:
-        if self._phase == "closing":
+        if self._phase is _Phase.CLOSING:
             self._linger_read(data)
             return
-        if self._phase == "idle":
-            self._phase = "head"
+        if self._phase is _Phase.IDLE:
+            self._phase = _Phase.HEAD
             self._awaiting_request_line = True
             self._header_bytes = 0
             self._header_lines = 0
@@ -155,7 +168,7 @@ class EdgeChannel(http.HTTPChannel):
         super().dataReceived(data)  # type: ignore[no-untyped-call]
 
     def lineReceived(self, line: bytes) -> None:
-        if self._phase == "closing":
+        if self._phase is _Phase.CLOSING:
             return
         if self._awaiting_request_line:
             if line:
@@ -233,8 +246,8 @@ class EdgeChannel(http.HTTPChannel):
 
     def allHeadersReceived(self) -> None:
         super().allHeadersReceived()  # type: ignore[no-untyped-call]
-        if self._phase == "head" and self.length != 0:
-            self._phase = "body"
+        if self._phase is _Phase.HEAD and self.length != 0:
+            self._phase = _Phase.BODY
             self._window_bytes = 0
             if self._settings.min_body_rate > 0:
                 self._arm(self._settings.body_rate_window, self._body_window_ended)
@@ -242,23 +255,23 @@ class EdgeChannel(http.HTTPChannel):
                 self._disarm()
 
     def rawDataReceived(self, data: bytes) -> None:
-        if self._phase == "closing":
+        if self._phase is _Phase.CLOSING:
             self._linger_read(data)
             return
-        if self._phase == "body":
+        if self._phase is _Phase.BODY:
             self._window_bytes += len(data)
         super().rawDataReceived(data)
 
     def allContentReceived(self) -> None:
-        self._phase = "busy"
+        self._phase = _Phase.BUSY
         self._disarm()
         super().allContentReceived()  # type: ignore[no-untyped-call]
 
     def requestDone(self, request: Request) -> None:
-        if self.persistent and self._phase == "busy":
+        if self.persistent and self._phase is _Phase.BUSY:
             # Set before Twisted replays pipelined bytes, which start the
             # next request's header deadline.
-            self._phase = "idle"
+            self._phase = _Phase.IDLE
             self._arm(self._settings.keepalive_timeout, self._idle_expired)
         super().requestDone(request)  # type: ignore[no-untyped-call]
 
@@ -304,9 +317,9 @@ class EdgeChannel(http.HTTPChannel):
         module's docstring).  Whatever the client sends afterwards is
         dropped.
         """
-        if self._phase == "closing" or self.transport is None:
+        if self._phase is _Phase.CLOSING or self.transport is None:
             return
-        self._phase = "closing"
+        self._phase = _Phase.CLOSING
         self.persistent = False
         self.clearLineBuffer()  # type: ignore[no-untyped-call]
         self.setRawMode()  # type: ignore[no-untyped-call]
@@ -315,7 +328,9 @@ class EdgeChannel(http.HTTPChannel):
         self._arm(LINGER, self._linger_ended)
         if ISSLTransport.providedBy(transport):
             # No half-close under TLS: close_notify, then the abort above.
-            transport.loseConnection()
+            # Through the channel, which unregisters itself as the TLS
+            # transport's producer (TLS closes only once none is left).
+            self.loseConnection()  # type: ignore[no-untyped-call]
         else:
             transport.loseWriteConnection()
 

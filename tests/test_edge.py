@@ -19,7 +19,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.static import Data
 
-from llmgw.router.edge import LINGER, EdgeSite
+from llmgw.router.connections import EdgeSite
+from llmgw.router.edge import LINGER
 from llmgw.router.settings import RouterConfig
 
 

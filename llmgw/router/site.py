@@ -15,7 +15,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
-from llmgw.router.edge import EdgeSite
+from llmgw.router.connections import EdgeSite
 from llmgw.router.errors import bad_request
 from llmgw.router.settings import RouterConfig
 

@@ -21,6 +21,14 @@ from typing import Any
 
 from tests.support import Processes
 
+P99_BOUND = 2.0
+"""
+Seconds the normal client's p99 latency must stay under.  Loose: the issue
+asks for 100 ms on a quiet machine; tests here share two cores with other
+runs (load averages of 6 seen), so they assert success and a generous
+bound and print what they measured.
+"""
+
 CHAT = json.dumps(
     {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
 ).encode()

@@ -23,7 +23,7 @@ import h2.events
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.wire.certs import init_ca, issue_server
-from tests.edge_support import CHAT, EdgeServer
+from tests.edge_support import CHAT, P99_BOUND, EdgeServer
 
 MODELS = [
     (":method", "GET"),
@@ -31,8 +31,6 @@ MODELS = [
     (":authority", "127.0.0.1"),
     (":scheme", "https"),
 ]
-# Loose: two cores shared with other test runs.
-P99_BOUND = 1.0
 # Seconds of server CPU a flood may cost.
 CPU_BOUND = 10.0
 
@@ -148,9 +146,11 @@ class HTTP2Tests(SynchronousTestCase, EdgeServer):
                 break
             if batch % 5 == 4:
                 self.normal.request()
+        sent_at = time.monotonic()
         code = self.read_goaway(tls, connection)
+        # Closed soon after the GOAWAY, not at the idle timeout (60 s).
+        self.assertLess(time.monotonic() - sent_at, 5.0)
         elapsed = time.monotonic() - start
-        self.assertLess(elapsed, 30.0)
         cost = cpu_seconds(self.server.popen.pid) - before
         print(
             f"rapid reset: {sent} streams sent in {elapsed:.1f}s,"

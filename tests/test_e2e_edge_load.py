@@ -14,6 +14,7 @@ import time
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.edge_support import (
+    P99_BOUND,
     EdgeServer,
     connect,
     parse_response,
@@ -22,10 +23,6 @@ from tests.edge_support import (
 )
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-
-# Loose: the issue asks for 100 ms on a quiet machine; this one has two
-# cores shared with other test runs.
-P99_BOUND = 1.0
 
 
 def still_open(sock: socket.socket) -> bool:
@@ -91,7 +88,7 @@ class HeldConnectionTests(SynchronousTestCase, EdgeServer):
         limit = raise_fd_limit(1_000)
         if limit is not None:
             raise self.skipTest(f"open-file limit {limit}, under 1,000")  # type: ignore[misc]
-        self.start_edge('header_timeout = "5s"')
+        self.start_edge('header_timeout = "8s"')
         slow: list[socket.socket] = []
 
         def close_all() -> None:
@@ -108,14 +105,14 @@ class HeldConnectionTests(SynchronousTestCase, EdgeServer):
             self.normal.run(100, 1.0)
             for sock in slow:
                 sock.sendall(b"X-Drip-%d: 1\r\n" % line)
-        self.assertLess(time.monotonic() - start, 5.0, "too slow to test")
+        self.assertLess(time.monotonic() - start, 7.0, "too slow to test")
         self.assertEqual([s for s in slow[::25] if not still_open(s)], [])
         self.assertLess(self.normal.p99(), P99_BOUND)
         self.note("500 slow clients")
         statuses = []
         for sock in slow:
             data, _, closed = read_until_closed(
-                sock, max(0.1, start + 9 - time.monotonic())
+                sock, max(0.1, start + 12 - time.monotonic())
             )
             self.assertTrue(closed)
             statuses.append(parse_response(data)[0])

@@ -1,7 +1,8 @@
 """
 The connection edge (L{llmgw.router.edge}) on a L{Clock}: which deadline
 runs in which phase of a connection, what is answered when one passes, and
-the connection caps' counting and log line.  The same behaviours through a
+the connection caps' counting and log line; and the open-file limit
+raised at start (L{llmgw.server.fdlimit}).  The same behaviours through a
 real server: L{tests.test_e2e_edge_http1}.
 """
 
@@ -197,3 +198,55 @@ class EdgeTests(SynchronousTestCase):
         self.assertEqual(site.open_connections, 2)
         self.connect()
         self.assertEqual(site.open_connections, 3)
+
+
+class OpenFileLimitTests(SynchronousTestCase):
+    """
+    L{raise_open_file_limit} with C{resource}'s calls replaced.
+    """
+
+    def limits(self, soft: int, hard: int, refuse: bool = False) -> list[Any]:
+        from llmgw.server import fdlimit
+
+        calls: list[Any] = []
+        state = [soft, hard]
+
+        def getrlimit(which: int) -> tuple[int, int]:
+            return state[0], state[1]
+
+        def setrlimit(which: int, value: tuple[int, int]) -> None:
+            if refuse:
+                raise ValueError("not allowed")
+            calls.append(value)
+            state[0] = value[0]
+
+        self.patch(fdlimit.resource, "getrlimit", getrlimit)
+        self.patch(fdlimit.resource, "setrlimit", setrlimit)
+        events: list[dict[str, Any]] = []
+        self.patch(fdlimit, "log", Logger(observer=events.append))
+        return [calls, events]
+
+    def test_raised_to_hard(self) -> None:
+        """
+        The soft limit is raised to the hard one and the line says both.
+        """
+        from llmgw.server.fdlimit import raise_open_file_limit
+
+        calls, events = self.limits(1024, 65536)
+        self.assertEqual(raise_open_file_limit(16384), 65536)
+        self.assertEqual(calls, [(65536, 65536)])
+        self.assertEqual(len(events), 1)
+        self.assertEqual((events[0]["soft"], events[0]["target"]), (1024, 65536))
+
+    def test_refused_and_too_low(self) -> None:
+        """
+        A refused raise is a warning, and a cap that cannot fit under the
+        limit is another, naming both numbers.
+        """
+        from llmgw.server.fdlimit import raise_open_file_limit
+
+        calls, events = self.limits(1024, 4096, refuse=True)
+        self.assertEqual(raise_open_file_limit(16384), 1024)
+        self.assertEqual(calls, [])
+        self.assertEqual(len(events), 2)
+        self.assertEqual((events[1]["cap"], events[1]["soft"]), (16384, 1024))

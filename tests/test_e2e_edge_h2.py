@@ -197,6 +197,8 @@ class HTTP2Tests(SynchronousTestCase, EdgeServer):
                     ended = True
             tls.sendall(connection.data_to_send())
         self.assertTrue(json.loads(body)["choices"])
+        # What the server advertised (h2's default, kept by Twisted).
+        self.assertEqual(connection.remote_settings.max_concurrent_streams, 100)
         self.note("HTTP/2 too many streams")
 
     def test_http1_over_tls_error_answer(self) -> None:

@@ -120,7 +120,8 @@ class EdgeProtocol(_GenericHTTPChannelProtocol):
         me._negotiatedProtocol = b"h2"
 
     def _abort_after_goaway(self) -> None:
-        self._goaway_abort = None
+        # _goaway_abort stays set: what arrives before connectionLost is
+        # still dropped.
         transport: Any = self._channel.transport
         if transport is not None:
             transport.abortConnection()
@@ -227,11 +228,11 @@ class EdgeSite(Site):
         total = self.settings.max_connections
         per_client = self.settings.max_connections_per_client
         if total and self.open_connections >= total:
-            self._refuse(f"{self.open_connections} open, the limit")
+            self._refuse(self.open_connections, total, None)
             return False
         mine = self._per_client.get(host, 0)
         if per_client and mine >= per_client:
-            self._refuse(f"{mine} open from {host}, the per-client limit")
+            self._refuse(mine, per_client, host)
             return False
         self.open_connections += 1
         self._per_client[host] = mine + 1
@@ -248,17 +249,40 @@ class EdgeSite(Site):
         else:
             self._per_client.pop(host, None)
 
-    def _refuse(self, which: str) -> None:
+    def _refuse(self, count: int, limit: int, host: str | None) -> None:
+        """
+        Count a refused connection; log at most one line per
+        L{CAP_LOG_INTERVAL}, with how many were refused since the last.
+
+        @param count: connections open (from C{host}, if given).
+        @param limit: the cap reached.
+        @param host: the client address for the per-client cap, or L{None}
+            for the global one.
+        """
         self.refused_connections += 1
         self._unlogged += 1
         now = self.reactor.seconds()
         if self._logged_at is not None and now - self._logged_at < CAP_LOG_INTERVAL:
             return
-        self.logger.warn(
-            "connection cap reached ({which}): refused {refused} connection(s)"
-            " since the last such line",
-            which=which,
-            refused=self._unlogged,
-        )
+        if host is None:
+            self.logger.warn(
+                "connection cap reached: {count} connections open, the limit"
+                " (router.max_connections {limit}); refused {refused}"
+                " connection(s) since the last such line",
+                count=count,
+                limit=limit,
+                refused=self._unlogged,
+            )
+        else:
+            self.logger.warn(
+                "per-client connection cap reached: {count} connections open"
+                " from {host}, the limit (router.max_connections_per_client"
+                " {limit}); refused {refused} connection(s) since the last"
+                " such line",
+                count=count,
+                host=host,
+                limit=limit,
+                refused=self._unlogged,
+            )
         self._logged_at = now
         self._unlogged = 0

@@ -182,9 +182,25 @@ def _router(table: object) -> RouterConfig:
         "drain_timeout",
         "activation_timeout",
         "activation_keepalive",
+        "header_timeout",
+        "body_rate_window",
+        "keepalive_timeout",
     }
-    counts = {"max_retries", "max_idle_connections", "activation_queue"}
-    sizes = {"max_body_size", "max_response_size", "max_event_size"}
+    counts = {
+        "max_retries",
+        "max_idle_connections",
+        "activation_queue",
+        "max_connections",
+        "max_connections_per_client",
+    }
+    sizes = {
+        "max_body_size",
+        "max_response_size",
+        "max_event_size",
+        "min_body_rate",
+        "max_request_line",
+        "max_header_size",
+    }
     check_keys("router", table, durations | counts | sizes)
     values: dict[str, Any] = {}
     for key, value in table.items():
@@ -196,6 +212,8 @@ def _router(table: object) -> RouterConfig:
                     f"router.{key}: expected a non-negative integer, got {value!r}"
                 )
             values[key] = value
+        elif key == "min_body_rate" and value in (0, "0", "0B"):
+            values[key] = 0  # off; parse_size refuses 0
         else:
             values[key] = parse_size(f"router.{key}", value)
     router = replace(defaults, **values)
@@ -205,6 +223,7 @@ def _router(table: object) -> RouterConfig:
         raise ConfigError(
             "router.activation_keepalive: under the least, 100ms (0s turns it off)"
         )
+    _check_edge(router)
     return router
 
 
@@ -236,6 +255,21 @@ def _cors(table: object) -> tuple[str, ...]:
             )
         origins.append(origin.lower())
     return tuple(origins)
+
+
+def _check_edge(router: RouterConfig) -> None:
+    """
+    @raise ConfigError: a bound of the connection edge that would refuse
+        every client.
+    """
+    for key in ("max_request_line", "max_header_size"):
+        if getattr(router, key) < 1024:
+            raise ConfigError(f"router.{key}: under the least, 1KiB")
+    if router.min_body_rate > 0 and router.body_rate_window < 0.1:
+        raise ConfigError(
+            "router.body_rate_window: under the least, 100ms, while"
+            " min_body_rate is set (min_body_rate = 0 turns the check off)"
+        )
 
 
 def _control(table: object) -> ControlConfig:

@@ -103,6 +103,50 @@ class ConfigTests(SynchronousTestCase):
             self.assertIn(message, str(raised.exception))
             self.assertNotIn("\n", str(raised.exception))
 
+    def test_edge_keys(self) -> None:
+        """
+        The connection edge's keys parse with their units, and bounds that
+        would refuse every client are a one-line error naming the key.
+        """
+        router = parse_config(
+            {
+                "router": {
+                    "header_timeout": "5s",
+                    "min_body_rate": "2KiB",
+                    "body_rate_window": "3s",
+                    "keepalive_timeout": "0s",
+                    "max_request_line": "8KiB",
+                    "max_header_size": "64KiB",
+                    "max_connections": 100,
+                    "max_connections_per_client": 0,
+                }
+            }
+        ).router
+        self.assertEqual(
+            (
+                router.header_timeout,
+                router.min_body_rate,
+                router.body_rate_window,
+                router.keepalive_timeout,
+                router.max_request_line,
+                router.max_header_size,
+                router.max_connections,
+                router.max_connections_per_client,
+            ),
+            (5.0, 2048, 3.0, 0.0, 8192, 65536, 100, 0),
+        )
+        for table, message in [
+            ({"max_request_line": 100}, "router.max_request_line: under the least"),
+            ({"max_header_size": "1000B"}, "router.max_header_size: under the least"),
+            ({"body_rate_window": "0s"}, "router.body_rate_window: under the least"),
+            ({"max_connections": -1}, "router.max_connections"),
+        ]:
+            with self.assertRaises(ConfigError) as raised:
+                parse_config({"router": table})
+            self.assertIn(message, str(raised.exception))
+        # No body rate: no window needed.
+        parse_config({"router": {"min_body_rate": 0, "body_rate_window": "0s"}})
+
     def test_endpoint_flag(self) -> None:
         """
         --endpoint id=URL=model[,model], with = allowed inside the URL.

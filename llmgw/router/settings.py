@@ -43,3 +43,17 @@ class RouterConfig:
     activation_keepalive: float = 15.0
     # [cors] allow_origins: ("*",), the origins allowed, or () for no CORS.
     cors_allow_origins: tuple[str, ...] = ()
+    # The connection edge (L{llmgw.router.edge}): the request line and
+    # headers within header_timeout of the request's first byte; the body at
+    # min_body_rate bytes/s over each body_rate_window; keepalive_timeout
+    # idle between requests; caps on the request line and headers (414,
+    # 431) and on open connections, in all and per client address (0: no
+    # cap).
+    header_timeout: float = 10.0
+    min_body_rate: int = 1024
+    body_rate_window: float = 10.0
+    keepalive_timeout: float = 60.0
+    max_request_line: int = 16 * 1024
+    max_header_size: int = 32 * 1024
+    max_connections: int = 16384
+    max_connections_per_client: int = 1024

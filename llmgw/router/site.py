@@ -8,14 +8,17 @@ from __future__ import annotations
 import io
 import os
 import uuid
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from llmgw.router.connections import EdgeSite
 from llmgw.router.cors import Cors
 from llmgw.router.errors import bad_request
+from llmgw.router.settings import RouterConfig
 
 JSON = b"application/json"
 """
@@ -107,12 +110,18 @@ class LimitedRequest(Request):
 
 
 def make_site(
-    resource: IResource, max_body_size: int, cors: Cors | None = None
+    resource: IResource,
+    settings: RouterConfig,
+    reactor: Any,
+    cors: Cors | None = None,
 ) -> Site:
     """
-    @param max_body_size: bytes of body a request may hold.
+    @param settings: the router's settings: C{max_body_size}, bytes of body
+        a request may hold, and the bounds of the connection edge (see
+        L{llmgw.router.edge}).
+    @param reactor: the reactor its connections' deadlines run on.
     @param cors: the cross-origin policy, or L{None} for none.
-    @return: a L{Site} for C{resource} whose requests are
+    @return: an L{EdgeSite} for C{resource} whose requests are
         L{LimitedRequest}s, without twisted.web's access log (the router
         logs each request itself).
     """
@@ -120,11 +129,17 @@ def make_site(
     class _Request(LimitedRequest):
         pass
 
-    _Request.max_body_size = max_body_size
+    _Request.max_body_size = settings.max_body_size
     _Request.cors = cors if cors is not None and cors.enabled else None
     # No form parsing: bodies are JSON, and parsing Content-Type through
     # the email package cost 8% of the router's CPU per request.
-    site = Site(resource, requestFactory=_Request, parsePOSTFormSubmission=False)
+    site = EdgeSite(
+        resource,
+        settings,
+        reactor,
+        requestFactory=_Request,
+        parsePOSTFormSubmission=False,
+    )
     site.log = lambda request: None  # type: ignore[method-assign]
     return site
 

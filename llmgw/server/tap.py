@@ -42,6 +42,7 @@ from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.server.admin import Admin, AdminGuard, is_loopback
 from llmgw.server.engine_keys import EngineKeys
+from llmgw.server.fdlimit import raise_open_file_limit
 from llmgw.server.lifecycle import (
     AGENT_LINKS,
     DRAIN,
@@ -380,7 +381,8 @@ def makeService(options: Options) -> IService:
         activator=plane.catalog,
         auth=keys,
     )
-    router_site = make_site(router.app.resource(), settings.max_body_size, router.cors)
+    raise_open_file_limit(settings.max_connections)
+    router_site = make_site(router.app.resource(), settings, reactor, router.cors)
     admin = Admin(
         registry,
         inventory,

@@ -31,10 +31,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy llmgw
 
-# By name, so that a new module is never left out: tests/test_e2e_*.py start
-# real daemons (minutes); every other tests/test_*.py is the rest.  The two
-# together are `make test`'s `trial tests`.
-E2E_TESTS := $(basename $(subst /,.,$(wildcard tests/test_e2e_*.py)))
+# By name, so that a new module is never left out: tests/test_e2e_*.py and
+# the packages tests/test_e2e_*/ start real daemons (minutes); every other
+# tests/test_*.py is the rest.  The two together are `make test`'s
+# `trial tests`.
+E2E_TESTS := $(basename $(subst /,.,$(wildcard tests/test_e2e_*.py))) \
+	$(subst /,.,$(patsubst %/__init__.py,%,$(wildcard tests/test_e2e_*/__init__.py)))
 UNIT_TESTS := $(filter-out $(E2E_TESTS),$(basename $(subst /,.,$(wildcard tests/test_*.py))))
 
 unit: $(STAMP)

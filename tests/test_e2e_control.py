@@ -285,7 +285,7 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         router serves again within 10 s.
         """
         config = self.config(
-            MODELS.format(min_replicas=2, idle="0s"), startup_grace="3s"
+            MODELS.format(min_replicas=2, idle="0s"), startup_grace="6s"
         )
         self.start_fleet_server(config)
         self.start_agent("gpu-01")
@@ -306,7 +306,7 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         self.assertLess(time.monotonic() - stopped, 10)
         after = self.ready(2)
         # Past the grace period: still the same two, nothing new placed.
-        time.sleep(3.5)
+        time.sleep(max(0.0, 6.5 - (time.monotonic() - stopped)))
         after = self.ready(2)
         self.assertEqual(sorted(r["shards"][0]["pid"] for r in after), pids)
         self.assertEqual({r["id"] for r in after}, {r["id"] for r in before})

@@ -23,6 +23,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, readBody
+from twisted.web.http_headers import Headers
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
 from llmgw.httpclient import QuietConnectionPool
@@ -184,20 +185,39 @@ class Shard:
         if self._probing:
             return
         self._probing = True
-        d = self._supervisor.http.request(b"GET", self.launch.health_url.encode())
+        d = Deferred.fromCoroutine(self._serves())
 
-        def answered(response: Any) -> None:
+        def answered(serves: bool) -> None:
             self._probing = False
-            readBody(response).addErrback(lambda _: None)
-            if response.code == 200 and self.state == pb.SHARD_STATE_STARTING:
+            if serves and self.state == pb.SHARD_STATE_STARTING:
                 self._stop_probing()
                 self.log.info("shard {shard} is ready", shard=self.id)
                 self._set(pb.SHARD_STATE_READY)
 
         def failed(reason: Failure) -> None:
+            # Not listening yet, or an answer cut short: the next probe.
             self._probing = False
 
         d.addCallbacks(answered, failed)
+
+    async def _serves(self) -> bool:
+        """
+        @return: whether every probe of the launch passes now (see
+            L{Probe}); a follower without probes serves once it runs.
+        """
+        headers = Headers(
+            {k.encode(): [v.encode()] for k, v in self.launch.headers.items()}
+        )
+        for probe in self.launch.probes:
+            response = await self._supervisor.http.request(
+                b"GET", probe.url.encode(), headers
+            )
+            body = await readBody(response)
+            if response.code != 200:
+                return False
+            if probe.lists and not _lists(body, probe.lists):
+                return False
+        return True
 
     def _stop_probing(self) -> None:
         if self._health is not None and self._health.running:
@@ -315,6 +335,9 @@ class Supervisor:
             "command": json.loads(_to_json(shard.command)),
             "pid": shard.pid,
             "start_time": shard.start_time,
+            # Where it listens: the node's address may change before a
+            # restarted agent adopts it.
+            "host": shard.launch.host,
         }
         temporary = self.path(shard.id, ".json.tmp")
         with open(temporary, "w") as f:
@@ -342,7 +365,7 @@ class Supervisor:
                     command.shard_id + ".json"
                 ):
                     raise ValueError(f"shard id {command.shard_id!r}")
-                launch = build(command)
+                launch = build(command, str(data.get("host", self.engine_host)))
             except Exception as e:
                 # A record this agent cannot use (foreign, corrupt, from
                 # another version) must not keep it from starting.
@@ -382,6 +405,14 @@ class Supervisor:
             )
         if command.shard_id in self.shards:
             raise CommandRefused(f"shard {command.shard_id!r} is already running")
+        for other in self.shards.values():
+            # One that still loads may not listen yet: the bind check
+            # below would not see it.
+            if other.command.port == command.port and other.exit_code is None:
+                raise CommandRefused(
+                    f"port {command.port} is not free: shard {other.id} holds it",
+                    "port_in_use",
+                )
         launch = build(command, self.engine_host)
         check(command, launch, self.engine_host)
         shard = Shard(self, command, launch)
@@ -465,6 +496,20 @@ def _to_json(command: pb.StartShard) -> str:
     from google.protobuf import json_format
 
     return json_format.MessageToJson(command)
+
+
+def _lists(body: bytes, model: str) -> bool:
+    """
+    @return: whether C{body} is an OpenAI model list (C{{"data": [{"id":
+        ...}]}}, the answer to C{GET /v1/models}) naming C{model}.
+    """
+    try:
+        data = json.loads(body).get("data")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(data, list) and any(
+        isinstance(m, dict) and m.get("id") == model for m in data
+    )
 
 
 def _from_json(text: str) -> pb.StartShard:

@@ -21,6 +21,7 @@ def claim(
     models: Mapping[str, Model],
     shard_node: Callable[[str], str | None],
     replicas: Mapping[str, ReplicaRecord],
+    settled: bool = False,
 ) -> str:
     """
     @param running: a shard a node lists that the records do not hold
@@ -28,6 +29,10 @@ def claim(
     @param models: the catalog by model name.
     @param shard_node: the node a recorded shard id is on, or L{None}.
     @param replicas: the recorded replicas by id.
+    @param settled: the server's startup grace is over: a replica not
+        recorded by now is gone, and a follower of it (rank > 0) is an
+        orphan, never a replica on its own.  During the grace its leader
+        may register after it.
     @return: why the catalog does not claim C{running}, or C{""} when it
         is to be adopted.
     """
@@ -58,6 +63,11 @@ def claim(
     if other is not None:
         return f"shard id {running.shard_id!r} is already on node {other}"
     replica = replicas.get(running.replica_id)
+    if replica is None and running.rank > 0 and settled:
+        return (
+            f"rank {running.rank} of replica {running.replica_id}, which is gone"
+            " (an orphan of its gang)"
+        )
     if replica is not None:
         if replica.state in (ReplicaState.DRAINING, ReplicaState.FAILED):
             return f"its replica {replica.id} is {replica.state}"

@@ -83,13 +83,18 @@ class ShardCommands:
         shards its start.
 
         @param now: reactor seconds.
-        @param leader_address: C{host:port} of rank 0, for gangs; C{""}
-            when unknown.
+        @param leader_address: C{host:port} where a gang's ranks meet, on
+            rank 0's address; C{""} when unknown.
         @return: the new replica, its shards C{pending}.
         """
         profile = plan.profile
         replica = ReplicaRecord(
-            f"{_safe(model)}-{secrets.token_hex(4)}", model, profile, [], now
+            f"{_safe(model)}-{secrets.token_hex(4)}",
+            model,
+            profile,
+            [],
+            now,
+            rendezvous_port=plan.rendezvous_port,
         )
         for shard_plan in plan.shards:
             shard = ShardRecord(
@@ -134,9 +139,11 @@ class ShardCommands:
         if isinstance(reason.value, CommandFailed):
             result = reason.value.result
             if result.code == "port_in_use":
-                # Something else holds the port on that node: the next try
-                # gets another.
+                # Something else holds the port on that node: a fact for
+                # placement, not the model's failure; the next try, at
+                # once, gets another port.
                 self.suspect.mark(shard.node, shard.port, self.clock.seconds())
+                shard.misplaced = True
             shard.error = result.error
         elif reason.check(NoLink):
             # Never sent: nothing runs.

@@ -43,7 +43,7 @@ from llmgw.control.placement import NodeView, NoFit, Plan, place
 from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
-from llmgw.control.snapshot import Snapshot, SuspectPorts
+from llmgw.control.snapshot import Snapshot, SuspectPorts, warn_ephemeral
 from llmgw.control.weights import WeightsCollector
 from llmgw.router.interfaces import Endpoint
 from llmgw.wire import agent_pb2 as pb
@@ -101,6 +101,7 @@ class ControlPlane:
         self._commands = ShardCommands(clock, commands, self._suspect, self.loop.kick)
         self._views: dict[str, tuple[Any, NodeView]] = {}
         self.ports = range(settings.port_range[0], settings.port_range[1] + 1)
+        warn_ephemeral(self.ports)
         self.started = clock.seconds()
         self.grace_over = settings.startup_grace <= 0
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
@@ -145,7 +146,9 @@ class ControlPlane:
             if found is not None and found[1].node == node_id:
                 self._relisted(found[0], found[1], running)
                 continue
-            reason = adoption.claim(running, models, self._shard_node, self.replicas)
+            reason = adoption.claim(
+                running, models, self._shard_node, self.replicas, self.grace_over
+            )
             if reason:
                 self.log.info(
                     "stopping shard {shard} on {node}: {reason}",
@@ -560,7 +563,8 @@ class ControlPlane:
     def _start(self, model: Model, plan: Plan, now: float) -> None:
         leader = plan.shards[0]
         node = self.inventory.get(leader.node)
-        address = f"{node.address}:{leader.port}" if node is not None else ""
+        port = plan.rendezvous_port or leader.port
+        address = f"{_host(node.address)}:{port}" if node is not None else ""
         replica = self._commands.start(model.name, plan, now, address)
         self.replicas[replica.id] = replica
         for shard in replica.shards:

@@ -38,6 +38,8 @@ class ShardRecord:
     @ivar gpus: GPU indices on its node.
     @ivar pid: the engine's process id on its node, 0 while unknown.
     @ivar error: why it failed, or C{""}.
+    @ivar misplaced: it failed for where it was placed (its port was not
+        free), not for its model: replaced at once, no backoff.
     """
 
     id: str
@@ -48,6 +50,7 @@ class ShardRecord:
     state: ShardState = ShardState.PENDING
     pid: int = 0
     error: str = ""
+    misplaced: bool = False
 
 
 @dataclass
@@ -59,6 +62,8 @@ class ReplicaRecord:
     @ivar draining_since: reactor seconds when draining began, or L{None}.
     @ivar stop_sent_at: reactor seconds when its shards were told to
         stop, or L{None}.
+    @ivar rendezvous_port: for a gang, the port on rank 0's address where
+        its ranks meet (C{StartShard.leader_address}); 0 otherwise.
     """
 
     id: str
@@ -70,6 +75,7 @@ class ReplicaRecord:
     drain_reason: str = ""
     adopted: bool = False
     stop_sent_at: float | None = None
+    rendezvous_port: int = 0
 
     @property
     def state(self) -> ReplicaState:
@@ -104,14 +110,15 @@ class ReplicaRecord:
         @param now: reactor seconds.
         @param start_timeout: C{[control] start_timeout}, seconds.
         @return: why the replica is to be dropped (a shard gone, or not
-            ready in time), or C{""}; and whether its node was lost (the
-            node's fault, not the model's).
+            ready in time), or C{""}; and whether it is not the model's
+            fault (its node was lost, or its port was taken): replaced
+            at once.
         """
         state = self.state
         if state == ReplicaState.FAILED:
             bad = next(s for s in self.shards if s.state.gone)
             error = f"shard {bad.id} on {bad.node}: {bad.state}: {bad.error}"
-            return error, bad.state == ShardState.LOST
+            return error, bad.state == ShardState.LOST or bad.misplaced
         if state == ReplicaState.STARTING and now - self.created > start_timeout:
             return f"not ready after {start_timeout:g}s", False
         return "", False

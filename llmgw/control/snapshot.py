@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from twisted.logger import Logger
+
 from llmgw.control.inventory import Node, NodeState
 from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
 from llmgw.control.records import ReplicaRecord
@@ -18,6 +20,49 @@ SUSPECT_PORT_SECONDS = 600.0
 How long a port where a shard could not start is left out of placement on
 its node.
 """
+
+
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+"""
+The kernel's range of ports for outgoing connections (ip-sysctl.rst,
+C{ip_local_port_range}; Linux's default: 32768 to 60999).
+"""
+
+_log = Logger(namespace="llmgw.control")
+
+
+def ephemeral_overlap(ports: range, path: str = EPHEMERAL_PORTS) -> range:
+    """
+    @param ports: C{[control] port_range}.
+    @param path: where the kernel tells its ephemeral range, two numbers.
+    @return: the ports of C{ports} inside the ephemeral range (Linux's
+        default when it cannot be read), empty when none.
+    """
+    try:
+        with open(path) as f:
+            low, high = (int(n) for n in f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(max(ports.start, low), min(ports.stop, high + 1))
+
+
+def warn_ephemeral(ports: range, path: str = EPHEMERAL_PORTS) -> None:
+    """
+    Log one warning when engine ports lie in the ephemeral range: any
+    outgoing connection may take one, and a start there finds it busy.
+    """
+    overlap = ephemeral_overlap(ports, path)
+    if overlap:
+        _log.warn(
+            "control.port_range {first}-{last} overlaps the kernel's ephemeral"
+            " ports ({path}) on {low}-{high}: outgoing connections take ports"
+            " there, and engines then start on another; choose a range outside",
+            first=ports.start,
+            last=ports.stop - 1,
+            path=path,
+            low=overlap.start,
+            high=overlap.stop - 1,
+        )
 
 
 class SuspectPorts:
@@ -84,6 +129,8 @@ class Snapshot:
                 taken.setdefault(shard.node, set()).update(shard.gpus)
                 key = address.get(shard.node, shard.node)
                 ports.setdefault(key, set()).add(shard.port)
+                if shard.rank == 0 and replica.rendezvous_port:
+                    ports[key].add(replica.rendezvous_port)
         if cache is None:
             cache = {}
         views = []
@@ -95,7 +142,7 @@ class Snapshot:
                 state = "draining"
             used = frozenset(taken.get(node.id, ()))
             busy = frozenset(ports.get(node.address, ()))
-            version = (node.version, state, used, busy)
+            version = (node.version, state, used, busy, node.address)
             hit = cache.get(node.id)
             if hit is not None and hit[0] == version:
                 views.append(hit[1])
@@ -116,6 +163,7 @@ class Snapshot:
                     for g in node.gpus
                 ),
                 ports_in_use=busy,
+                address=node.address,
             )
             cache[node.id] = (version, view)
             views.append(view)
@@ -135,6 +183,9 @@ class Snapshot:
         at the same address).
         """
         for shard in plan.shards:
+            held = {shard.port}
+            if shard.rank == 0 and plan.rendezvous_port:
+                held.add(plan.rendezvous_port)
             view = self.fleet.get(shard.node)
             self.fleet.replace(
                 replace(
@@ -143,11 +194,9 @@ class Snapshot:
                         replace(g, allocated=True) if g.index in shard.gpus else g
                         for g in view.gpus
                     ),
-                    ports_in_use=view.ports_in_use | {shard.port},
+                    ports_in_use=view.ports_in_use | held,
                 )
             )
             for other in self._same_address.get(shard.node, ()):
                 view = self.fleet.get(other)
-                self.fleet.replace(
-                    replace(view, ports_in_use=view.ports_in_use | {shard.port})
-                )
+                self.fleet.replace(replace(view, ports_in_use=view.ports_in_use | held))

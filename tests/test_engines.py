@@ -235,6 +235,10 @@ class GangPlacementTests(PlaneCase):
             self.heartbeat("n1")
             self.plane.reconcile()
         self.assertNotIn(old, self.plane.replicas)
+        # The leader, told to stop, holds its GPU until it is gone.
+        leader = self.agents.starts()[0][1]
+        self.assertIn(leader.shard_id, self.agents.stops())
+        self.status(leader.shard_id, pb.SHARD_STATE_STOPPED, node="n1")
         running = pb.RunningShard(
             shard_id=follower.shard_id,
             replica_id=old,
@@ -259,3 +263,82 @@ class GangPlacementTests(PlaneCase):
         self.assertNotIn(old, self.plane.replicas)
         (new,) = self.plane.replicas.values()
         self.assertEqual(len(new.shards), 2)
+
+
+class StrayTests(PlaneCase):
+    """
+    Issue 14, case 7: what a forgotten engine holds is not given to a new
+    shard, and a start refused for it is not charged to the model.
+    """
+
+    def test_stray_holds_its_port(self) -> None:
+        """
+        A node registers running an engine no replica claims: it is
+        stopped, and its port stays out of placement until it is reported
+        stopped; its GPU is the agent's to refuse (gpus_in_use), which is
+        not charged and tried again at once.
+        """
+        self.make(nodes=())
+        stray = pb.RunningShard(
+            shard_id="gone-0",
+            replica_id="gone",
+            model="not-in-the-catalog",
+            profile="p",
+            state=pb.SHARD_STATE_READY,
+            port=20000,
+            gpu_indices=[0],
+            pid=77,
+        )
+        self.agents.refuse["n1"] = "gpus_in_use"
+        self.register("n1", gpus=2, shards=(stray,))
+        self.plane.reconcile()
+        self.assertEqual(self.agents.stops(), ["gone-0"])
+        self.status("gone-0", pb.SHARD_STATE_STOPPED, node="n1")
+        del self.agents.refuse["n1"]
+        self.plane.reconcile()
+        # First on the stray's GPU (refused, and left alone since), then
+        # on the other GPU and the port the stray no longer holds.
+        self.assertEqual(
+            [(list(s.gpu_indices), s.port) for _, s in self.agents.starts()],
+            [([0], 20001), ([1], 20000)],
+        )
+        self.assertEqual(self.plane.catalog["m"].failures, 0)
+
+    def test_gpus_in_use_not_charged(self) -> None:
+        """
+        The agent refuses a start for GPUs an engine of its own holds: the
+        model is not charged, and the start is tried again in the next
+        pass.
+        """
+        self.make(nodes=())
+        self.register("n1", gpus=2)
+        self.agents.refuse["n1"] = "gpus_in_use"
+        self.plane.reconcile()
+        del self.agents.refuse["n1"]
+        self.plane.reconcile()
+        self.assertEqual(
+            [list(s.gpu_indices) for _, s in self.agents.starts()], [[0], [1]]
+        )
+        self.assertEqual(self.plane.catalog["m"].failures, 0)
+
+    def test_dropped_replica_holds_until_gone(self) -> None:
+        """
+        A replica dropped (not ready by start_timeout) has its shard told
+        to stop; its GPU is not given to a new shard until it is reported
+        stopped.
+        """
+        self.make(nodes=())
+        self.register("n1")
+        self.plane.reconcile()
+        ((_, first),) = self.agents.starts()
+        for _ in range(13):
+            self.clock.advance(10)
+            self.heartbeat("n1")
+            self.plane.reconcile()
+        self.assertEqual(self.agents.stops(), [first.shard_id])
+        self.assertEqual(len(self.agents.starts()), 1)
+        self.status(first.shard_id, pb.SHARD_STATE_STOPPED, node="n1")
+        self.clock.advance(10)
+        self.heartbeat("n1")
+        self.plane.reconcile()
+        self.assertEqual(len(self.agents.starts()), 2)

@@ -31,7 +31,8 @@ class CommandRefused(Exception):
     The agent refuses a command from the server; the message says why, and
     goes back in the command's C{CommandResult.error}.
 
-    @ivar code: a failure the server acts on (C{"port_in_use"}), or C{""}.
+    @ivar code: a failure the server acts on (C{"port_in_use"},
+        C{"gpus_in_use"}), or C{""}.
     """
 
     def __init__(self, message: str, code: str = "") -> None:

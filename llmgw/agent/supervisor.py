@@ -30,6 +30,10 @@ from llmgw.httpclient import QuietConnectionPool
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
+PROBE_TIMEOUT = 10.0
+"""
+Seconds a readiness probe (all of a launch's requests) may take.
+"""
 KEEP_LOGS = 100
 """
 Output files of ended shards kept in the state directory.
@@ -186,6 +190,9 @@ class Shard:
             return
         self._probing = True
         d = Deferred.fromCoroutine(self._serves())
+        # An engine that accepts and never answers must not hold probing
+        # up for good.
+        d.addTimeout(PROBE_TIMEOUT, self._supervisor.reactor)
 
         def answered(serves: bool) -> None:
             self._probing = False
@@ -395,7 +402,9 @@ class Supervisor:
         Check the profile and launch the engine.
 
         @raise ProfileError: a check of the profile failed.
-        @raise CommandRefused: a bad shard id, or one already running.
+        @raise CommandRefused: a bad shard id, or one already running; a
+            port or GPUs another shard holds (codes C{port_in_use},
+            C{gpus_in_use}: facts for placement, not the model's failure).
         """
         if not _SHARD_ID.match(command.shard_id):
             # It names files in the state directory.
@@ -406,12 +415,20 @@ class Supervisor:
         if command.shard_id in self.shards:
             raise CommandRefused(f"shard {command.shard_id!r} is already running")
         for other in self.shards.values():
+            if other.exit_code is not None:
+                continue
             # One that still loads may not listen yet: the bind check
             # below would not see it.
-            if other.command.port == command.port and other.exit_code is None:
+            if other.command.port == command.port:
                 raise CommandRefused(
                     f"port {command.port} is not free: shard {other.id} holds it",
                     "port_in_use",
+                )
+            shared = set(other.command.gpu_indices) & set(command.gpu_indices)
+            if shared:
+                raise CommandRefused(
+                    f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
+                    "gpus_in_use",
                 )
         launch = build(command, self.engine_host)
         check(command, launch, self.engine_host)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from llmgw.control.catalog import Model
+from llmgw.control.placement import Profile
 from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
@@ -112,3 +113,35 @@ def relisted(shard: ShardRecord, running: pb.RunningShard) -> ShardState | None:
     if shard.state.gone or state.gone:
         return None
     return state
+
+
+def replica_record(
+    running: pb.RunningShard, profile: Profile, now: float
+) -> ReplicaRecord:
+    """
+    @return: the record of the replica C{running} is a shard of, made on
+        its adoption at C{now} (reactor seconds), with no shard yet.
+    """
+    return ReplicaRecord(
+        id=running.replica_id,
+        model=running.model,
+        profile=profile,
+        shards=[],
+        created=now,
+        adopted=True,
+    )
+
+
+def shard_record(node_id: str, running: pb.RunningShard) -> ShardRecord:
+    """
+    @return: the record of C{running}, adopted on C{node_id}.
+    """
+    return ShardRecord(
+        id=running.shard_id,
+        node=node_id,
+        gpus=tuple(running.gpu_indices),
+        port=running.port,
+        rank=running.rank,
+        state=listed_state(running),
+        pid=running.pid,
+    )

@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from llmgw.control.agents import NoLink
 from llmgw.control.placement import Plan
 from llmgw.control.records import ReplicaRecord, ShardRecord
-from llmgw.control.snapshot import SuspectPorts
+from llmgw.control.snapshot import Strays, SuspectPorts
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import CommandFailed
 from llmgw.wire.states import ShardState
@@ -59,6 +59,7 @@ class ShardCommands:
     @param suspect: where a port found in use is marked.
     @param changed: called when a record changed (a start failed): kicks
         a pass.
+    @param strays: where engines that may run on unrecorded are kept.
     """
 
     log = Logger()
@@ -69,11 +70,13 @@ class ShardCommands:
         commands: Commands,
         suspect: SuspectPorts,
         changed: Callable[[], None],
+        strays: Strays | None = None,
     ) -> None:
         self.clock = clock
         self.commands = commands
         self.suspect = suspect
         self.changed = changed
+        self.strays = strays if strays is not None else Strays()
 
     def start(
         self, model: str, plan: Plan, now: float, leader_address: str
@@ -139,11 +142,17 @@ class ShardCommands:
         if isinstance(reason.value, CommandFailed):
             result = reason.value.result
             if result.code == "port_in_use":
-                # Something else holds the port on that node: a fact for
-                # placement, not the model's failure; the next try, at
-                # once, gets another port.
+                # Something else holds the port on that node: the next
+                # try gets another.
                 self.suspect.mark(shard.node, shard.port, self.clock.seconds())
-                shard.misplaced = True
+            elif result.code == "gpus_in_use":
+                # An engine the server does not know of holds them: left
+                # alone until it is gone (or for as long as it may live).
+                now = self.clock.seconds()
+                self.strays.add(shard.node, shard.id, shard.gpus, 0, now)
+            # A port or GPUs found taken are facts for placement, not the
+            # model's failure: tried again at once, elsewhere.
+            shard.misplaced = result.code in ("port_in_use", "gpus_in_use")
             shard.error = result.error
         elif reason.check(NoLink):
             # Never sent: nothing runs.
@@ -163,12 +172,21 @@ class ShardCommands:
         shard.state = ShardState.FAILED
         self.changed()
 
-    def stop(self, node_id: str, shard_id: str) -> None:
+    def stop(
+        self, node_id: str, shard_id: str, forgotten: ShardRecord | None = None
+    ) -> None:
         """
         Send C{StopShard}: SIGTERM, SIGKILL after L{STOP_GRACE}.  A stop
         not done is logged; a lost node's shards are stopped when its
         agent registers again and finds them unclaimed.
+
+        @param forgotten: the record of the shard, when the records drop
+            it now: its GPUs and port stay taken (L{Strays}) until it is
+            gone.
         """
+        if forgotten is not None:
+            now = self.clock.seconds()
+            self.strays.add(node_id, shard_id, forgotten.gpus, forgotten.port, now)
         d = self.commands.send(
             node_id,
             pb.ControlMessage(

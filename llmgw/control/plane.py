@@ -43,7 +43,7 @@ from llmgw.control.placement import NodeView, NoFit, Plan, place
 from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
-from llmgw.control.snapshot import Snapshot, SuspectPorts, warn_ephemeral
+from llmgw.control.snapshot import Snapshot, Strays, SuspectPorts, warn_ephemeral
 from llmgw.control.weights import WeightsCollector
 from llmgw.router.interfaces import Endpoint
 from llmgw.wire import agent_pb2 as pb
@@ -98,7 +98,10 @@ class ControlPlane:
         self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
         self._published: tuple[Endpoint, ...] | None = None
         self._suspect = SuspectPorts()
-        self._commands = ShardCommands(clock, commands, self._suspect, self.loop.kick)
+        self._strays = Strays()
+        self._commands = ShardCommands(
+            clock, commands, self._suspect, self.loop.kick, self._strays
+        )
         self._views: dict[str, tuple[Any, NodeView]] = {}
         self.ports = range(settings.port_range[0], settings.port_range[1] + 1)
         warn_ephemeral(self.ports)
@@ -115,6 +118,8 @@ class ControlPlane:
         """
         found = self._shards.get(status.shard_id)
         if found is None or found[1].node != node_id:
+            if (ShardState.from_pb(status.state) or ShardState.PENDING).gone:
+                self._strays.gone(node_id, status.shard_id)
             return
         replica, shard = found
         state = ShardState.from_pb(status.state) or shard.state
@@ -135,6 +140,7 @@ class ControlPlane:
         this node that it no longer lists are gone.
         """
         listed = {s.shard_id for s in register.shards}
+        self._strays.listed(node_id, listed)
         for _, shard in list(self._shards.values()):
             if shard.node == node_id and shard.id not in listed:
                 if not shard.state.gone:
@@ -157,6 +163,8 @@ class ControlPlane:
                     reason=reason,
                 )
                 self._commands.stop(node_id, running.shard_id)
+                now = self.clock.seconds()
+                self._strays.add(node_id, running.shard_id, (), running.port, now)
                 continue
             self._adopt(node_id, running)
         for waiting in self.catalog.states():
@@ -189,14 +197,7 @@ class ControlPlane:
         replica = self.replicas.get(running.replica_id)
         if replica is None:
             now = self.clock.seconds()
-            replica = ReplicaRecord(
-                id=running.replica_id,
-                model=model.name,
-                profile=profile,
-                shards=[],
-                created=now,
-                adopted=True,
-            )
+            replica = adoption.replica_record(running, profile, now)
             self.replicas[replica.id] = replica
             live = sum(
                 1
@@ -205,15 +206,7 @@ class ControlPlane:
             )
             counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
             counts.last_used = counts.busy_at = now
-        shard = ShardRecord(
-            id=running.shard_id,
-            node=node_id,
-            gpus=tuple(running.gpu_indices),
-            port=running.port,
-            rank=running.rank,
-            state=adoption.listed_state(running),
-            pid=running.pid,
-        )
+        shard = adoption.shard_record(node_id, running)
         replica.shards.append(shard)
         self._shards[shard.id] = (replica, shard)
         self.log.info(
@@ -432,7 +425,7 @@ class ControlPlane:
             )
         for shard in replica.shards:
             if not shard.state.gone:
-                self._commands.stop(shard.node, shard.id)
+                self._commands.stop(shard.node, shard.id, shard)
         self._forget(replica)
 
     def _forget(self, replica: ReplicaRecord) -> None:
@@ -509,6 +502,7 @@ class ControlPlane:
             self.replicas.values(),
             self._suspect.current(self.clock.seconds()),
             self._views,
+            self._strays.held(self.clock.seconds()),
         )
 
     def _scale(

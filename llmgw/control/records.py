@@ -38,8 +38,8 @@ class ShardRecord:
     @ivar gpus: GPU indices on its node.
     @ivar pid: the engine's process id on its node, 0 while unknown.
     @ivar error: why it failed, or C{""}.
-    @ivar misplaced: it failed for where it was placed (its port was not
-        free), not for its model: replaced at once, no backoff.
+    @ivar misplaced: it failed for where it was placed (its port or GPUs
+        were not free), not for its model: replaced at once, no backoff.
     """
 
     id: str

@@ -95,6 +95,66 @@ class SuspectPorts:
         return ports
 
 
+STRAY_SECONDS = 45.0
+"""
+How long a stray is counted at most: an engine told to stop is killed
+after C{commands.STOP_GRACE} (30 s), so by then it is gone even if no
+status said so.
+"""
+
+
+class Strays:
+    """
+    Engines the records no longer hold that may still run: shards of a
+    dropped replica told to stop, and engines a node lists that no
+    replica claims.  Until they are gone (reported stopped or failed, no
+    longer listed when their node registers, or after L{STRAY_SECONDS})
+    a new shard is not given what they hold: their port, and the GPUs of
+    those this server placed (an unclaimed engine's GPUs are the agent's
+    to refuse, C{gpus_in_use}, which is not the model's failure).
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[str, tuple[tuple[int, ...], int, float]]] = {}
+
+    def add(
+        self, node: str, shard_id: str, gpus: Iterable[int], port: int, now: float
+    ) -> None:
+        """
+        C{shard_id} on C{node} may run on until it stops, holding C{gpus}
+        and C{port} (0: none); C{now} in reactor seconds.
+        """
+        self._held.setdefault(node, {})[shard_id] = (tuple(gpus), port, now)
+
+    def listed(self, node: str, shard_ids: set[str]) -> None:
+        """
+        C{node} registered listing C{shard_ids}: the others are gone.
+        """
+        held = self._held.get(node, {})
+        for shard_id in [s for s in held if s not in shard_ids]:
+            del held[shard_id]
+
+    def gone(self, node: str, shard_id: str) -> None:
+        """
+        C{shard_id} on C{node} was reported stopped or failed.
+        """
+        self._held.get(node, {}).pop(shard_id, None)
+
+    def held(self, now: float) -> dict[str, list[tuple[tuple[int, ...], int]]]:
+        """
+        @return: per node, the GPU indices and port each stray holds;
+            those older than L{STRAY_SECONDS} at C{now} are dropped.
+        """
+        result: dict[str, list[tuple[tuple[int, ...], int]]] = {}
+        for node, held in self._held.items():
+            for shard_id, (gpus, port, since) in list(held.items()):
+                if now - since >= STRAY_SECONDS:
+                    del held[shard_id]
+                else:
+                    result.setdefault(node, []).append((gpus, port))
+        return result
+
+
 class Snapshot:
     """
     The inventory as placement sees it during one pass: GPUs and ports
@@ -102,6 +162,8 @@ class Snapshot:
     the pass is taken at once so the next one does not reuse it.
 
     @param suspect_ports: per node, ports to leave alone.
+    @param strays: per node, the GPUs and port each stray holds
+        (L{Strays.held}).
     @param cache: node views of earlier passes, reused for nodes where
         nothing placement reads has changed; updated in place.
     @ivar fleet: what L{llmgw.control.placement.place} reads.
@@ -113,6 +175,7 @@ class Snapshot:
         replicas: Iterable[ReplicaRecord],
         suspect_ports: dict[str, set[int]],
         cache: dict[str, tuple[Any, NodeView]] | None = None,
+        strays: dict[str, list[tuple[tuple[int, ...], int]]] | None = None,
     ) -> None:
         nodes = list(nodes)
         taken: dict[str, set[int]] = {}
@@ -122,6 +185,11 @@ class Snapshot:
         ports: dict[str, set[int]] = {}
         for node_id, suspect in suspect_ports.items():
             ports.setdefault(address.get(node_id, node_id), set()).update(suspect)
+        for node_id, held in (strays or {}).items():
+            for gpus, port in held:
+                taken.setdefault(node_id, set()).update(gpus)
+                if port:
+                    ports.setdefault(address.get(node_id, node_id), set()).add(port)
         for replica in replicas:
             for shard in replica.shards:
                 if shard.state.gone:

@@ -336,6 +336,10 @@ class StrayTests(PlaneCase):
             self.heartbeat("n1")
             self.plane.reconcile()
         self.assertEqual(self.agents.stops(), [first.shard_id])
+        # Past the backoff: still held.
+        self.clock.advance(10)
+        self.heartbeat("n1")
+        self.plane.reconcile()
         self.assertEqual(len(self.agents.starts()), 1)
         self.status(first.shard_id, pb.SHARD_STATE_STOPPED, node="n1")
         self.clock.advance(10)

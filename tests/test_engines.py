@@ -41,9 +41,10 @@ class GangArgvTests(SynchronousTestCase):
 
     def test_vllm(self) -> None:
         """
-        vLLM's multiprocessing multi-node flags ("Parallelism and
-        Scaling", docs.vllm.ai): TP within a node, PP across nodes; rank
-        0 serves the API, the others run --headless and have no probe.
+        vLLM's multiprocessing multi-node flags (docs/serving/
+        parallelism_scaling.md, "Running vLLM with MultiProcessing"): TP
+        within a node, PP across nodes; rank 0 serves the API, the others
+        run --headless and have no probe.
         """
         leader = build(_gang("vllm", 0), "10.0.0.1")
         self.assertEqual(

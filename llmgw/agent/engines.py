@@ -124,10 +124,12 @@ def _vllm(
         if gpus > 1 and "--tensor-parallel-size" not in args:
             argv += ["--tensor-parallel-size", str(gpus)]
         return argv, _serves(base, command.model)
-    # A gang with vLLM's multiprocessing backend: tensor parallel within a
-    # node, pipeline parallel across nodes; followers run --headless (no
-    # API server). "Parallelism and Scaling", docs.vllm.ai (vLLM 0.11+):
-    # vllm serve ... --nnodes N --node-rank R --master-addr A --master-port P.
+    # A gang with vLLM's multiprocessing backend, as vLLM's docs give it
+    # (docs/serving/parallelism_scaling.md, "Running vLLM with
+    # MultiProcessing", vllm-project/vllm#30509): TP within a node, PP
+    # across nodes, --nnodes/--node-rank/--master-addr (and --master-port:
+    # ours, not its default 29501, so that two gangs on one leader do not
+    # clash) on every node; followers run --headless (no API server).
     leader_host, leader_port = _leader(command)
     if "--tensor-parallel-size" not in args:
         argv += ["--tensor-parallel-size", str(max(gpus, 1))]
@@ -151,9 +153,10 @@ def _sglang(
         argv += ["--tp", str(max(gpus, 1) * max(command.world_size, 1))]
     if command.world_size <= 1:
         return argv, _serves(base, command.model)
-    # SGLang docs, "Multi-Node Deployment": every node gets --nnodes,
-    # --node-rank and --dist-init-addr HOST:PORT of rank 0; only rank 0
-    # serves the API.
+    # SGLang docs, "Multi-Node Deployment" (docs.sglang.io, references/
+    # multi_node_deployment): --tp over all the gang's GPUs, and on every
+    # node --nnodes, --node-rank and --dist-init-addr HOST:PORT on rank 0;
+    # only rank 0 serves the API.
     argv += ["--nnodes", str(command.world_size)]
     argv += ["--node-rank", str(command.rank)]
     argv += ["--dist-init-addr", command.leader_address]

@@ -276,6 +276,38 @@ class ShardLifecycleTests(_LinkedAgent):
         with self.assertRaises(ProcessLookupError):
             os.killpg(pid, 0)
 
+    @defer.inlineCallbacks
+    def test_taken_port_and_gpus_refused(self) -> Generator[Any, Any, None]:
+        """
+        A start on the port or GPUs of a shard this agent runs (still
+        loading: its port not yet bound) is refused with the code the
+        server takes as a placement fact, not an engine failure.
+        """
+        port = free_port()
+        model = f"m-{os.getpid()}-{port}"
+        self.addCleanup(subprocess.run, ["pkill", "-f", "--", f"--model {model}"])
+        link = self.hub.links["gpu-01"]
+
+        def start(shard_id: str, port: int, gpus: list[int]) -> Any:
+            command = pb.StartShard(
+                shard_id=shard_id,
+                model=model,
+                engine="sim",
+                port=port,
+                gpu_indices=gpus,
+            )
+            return link.send_command(pb.ControlMessage(start_shard=command))
+
+        yield start("s6", port, [0])
+        for shard_id, other, gpus, code in (
+            ("s7", port, [1], "port_in_use"),
+            ("s8", free_port(), [0, 1], "gpus_in_use"),
+        ):
+            with self.assertRaises(CommandFailed) as raised:
+                yield start(shard_id, other, gpus)
+            self.assertEqual(raised.exception.result.code, code)
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s6"), 30)
+
 
 class DrainAndStopTests(_LinkedAgent):
     """

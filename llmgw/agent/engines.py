@@ -1,6 +1,6 @@
 """
 Engine adapters: a shard's profile, port and GPUs turned into the command
-line, environment and health URL of an inference engine.
+line, environment and readiness probes of an inference engine.
 
 Command lines follow each engine's documentation: C{vllm serve MODEL
 --served-model-name --port --tensor-parallel-size} (vLLM), C{python -m
@@ -18,6 +18,10 @@ C{add_api_key_middleware} all but C{/health*} and C{/metrics*};
 llama-server all but C{/health}, C{/v1/health}, C{/models}, C{/v1/models};
 llama-cpp-python every route it has, C{/v1/models} (its health probe here)
 included.  The probe sends the key every time: harmless where not needed.
+
+Where an engine listens is decided here only (L{engine_url}): the launch,
+the adoption of an engine a previous agent started, and every probe use
+it.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ class CommandRefused(Exception):
     The agent refuses a command from the server; the message says why, and
     goes back in the command's C{CommandResult.error}.
 
-    @ivar code: a failure the server acts on (C{"port_in_use"}), or C{""}.
+    @ivar code: a failure the server acts on (C{"port_in_use"},
+        C{"gpus_in_use"}), or C{""}.
     """
 
     def __init__(self, message: str, code: str = "") -> None:
@@ -54,36 +59,132 @@ class ProfileError(CommandRefused):
 
 
 @dataclass(frozen=True)
+class Probe:
+    """
+    One readiness check: C{GET url} answers 200 and, when C{lists} is set,
+    a JSON body whose C{data} holds an object with that C{id} (the
+    OpenAI model list, C{GET /v1/models}).
+    """
+
+    url: str
+    lists: str = ""
+
+
+@dataclass(frozen=True)
 class Launch:
     """
     How to run one shard.
 
     @ivar argv: the command line; C{argv[0]} is an executable path or name.
     @ivar env: variables added to the agent's environment.
-    @ivar health_url: answers 200 once the engine serves.
-    @ivar headers: sent with every probe of C{health_url} (the engine's
-        C{Authorization}); not shown in the launch's repr.
+    @ivar host: the interface the engine listens on.
+    @ivar probes: all pass, in order, once the engine serves the model; none
+        for a gang's follower that serves no HTTP (the leader's readiness
+        waits for it).
+    @ivar headers: sent with every probe (the engine's C{Authorization});
+        not shown in the launch's repr, nor are C{argv} and C{env}.
     """
 
     argv: list[str] = field(repr=False)
     env: dict[str, str] = field(repr=False)
-    health_url: str
+    host: str
+    probes: tuple[Probe, ...]
     headers: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+def engine_url(host: str, port: int) -> str:
+    """
+    The one place that knows where an engine listening on C{host} is
+    reached from its own node: a wildcard address on loopback.
+
+    @param host: the interface the engine listens on (the node's
+        C{address}).
+    @param port: its port.
+    @return: C{http://HOST:PORT}, an IPv6 host in brackets.
+    """
+    probe = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in probe:
+        probe = f"[{probe}]"
+    return f"http://{probe}:{port}"
 
 
 def _cuda(gpus: list[int]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)} if gpus else {}
 
 
+def _leader(command: pb.StartShard) -> tuple[str, str]:
+    host, _, port = command.leader_address.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _serves(base: str, model: str) -> tuple[Probe, ...]:
+    # vLLM and SGLang answer /health once the engine runs; the model list
+    # names what a request may ask for (vLLM docs, "OpenAI-Compatible
+    # Server"; SGLang docs, "Native APIs").
+    return (Probe(base + "/health"), Probe(base + "/v1/models", model))
+
+
+def _vllm(
+    command: pb.StartShard, host: str, base: str
+) -> tuple[list[str], tuple[Probe, ...]]:
+    gpus = len(command.gpu_indices)
+    args = list(command.args)
+    argv = ["vllm", "serve", command.source, "--served-model-name", command.model]
+    argv += ["--host", host, "--port", str(command.port)]
+    if command.world_size <= 1:
+        if gpus > 1 and "--tensor-parallel-size" not in args:
+            argv += ["--tensor-parallel-size", str(gpus)]
+        return argv, _serves(base, command.model)
+    # A gang with vLLM's multiprocessing backend, as vLLM's docs give it
+    # (docs/serving/parallelism_scaling.md, "Running vLLM with
+    # MultiProcessing", vllm-project/vllm#30509): TP within a node, PP
+    # across nodes, --nnodes/--node-rank/--master-addr (and --master-port:
+    # ours, not its default 29501, so that two gangs on one leader do not
+    # clash) on every node; followers run --headless (no API server).
+    leader_host, leader_port = _leader(command)
+    if "--tensor-parallel-size" not in args:
+        argv += ["--tensor-parallel-size", str(max(gpus, 1))]
+    if "--pipeline-parallel-size" not in args:
+        argv += ["--pipeline-parallel-size", str(command.world_size)]
+    argv += ["--nnodes", str(command.world_size), "--node-rank", str(command.rank)]
+    argv += ["--master-addr", leader_host, "--master-port", leader_port]
+    if command.rank > 0:
+        return argv + ["--headless"], ()
+    return argv, _serves(base, command.model)
+
+
+def _sglang(
+    command: pb.StartShard, host: str, base: str
+) -> tuple[list[str], tuple[Probe, ...]]:
+    gpus = len(command.gpu_indices)
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path"]
+    argv += [command.source, "--served-model-name", command.model]
+    argv += ["--host", host, "--port", str(command.port)]
+    if gpus > 1 or command.world_size > 1:
+        argv += ["--tp", str(max(gpus, 1) * max(command.world_size, 1))]
+    if command.world_size <= 1:
+        return argv, _serves(base, command.model)
+    # SGLang docs, "Multi-Node Deployment" (docs.sglang.io, references/
+    # multi_node_deployment): --tp over all the gang's GPUs, and on every
+    # node --nnodes, --node-rank and --dist-init-addr HOST:PORT on rank 0;
+    # only rank 0 serves the API.
+    argv += ["--nnodes", str(command.world_size)]
+    argv += ["--node-rank", str(command.rank)]
+    argv += ["--dist-init-addr", command.leader_address]
+    return argv, _serves(base, command.model) if command.rank == 0 else ()
+
+
 def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
     """
     @param command: what to start: engine, source, args, env, port, GPUs,
-        rank, world size, leader address.
-    @param host: the interface engines listen on.
+        rank, world size, and for a gang the rendezvous C{HOST:PORT} of
+        rank 0 (C{leader_address}).
+    @param host: the interface the engine listens on: the node's address.
     @return: the launch, with the catalog name as the served model name,
         and the engine's secret (C{command.api_key}, when set) on its
-        command line and in its probe's headers.
-    @raise ProfileError: an unknown engine.
+        command line and in its probes' headers.
+    @raise ProfileError: an unknown engine, or a gang of an engine that
+        cannot form one (llama.cpp).
     """
     launch = _build(command, host)
     key = command.api_key
@@ -95,7 +196,8 @@ def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
     return Launch(
         [*launch.argv, flag, key],
         launch.env,
-        launch.health_url,
+        launch.host,
+        launch.probes,
         {"Authorization": f"Bearer {key}"},
     )
 
@@ -105,43 +207,34 @@ def _build(command: pb.StartShard, host: str) -> Launch:
     gpus = list(command.gpu_indices)
     args = list(command.args)
     env = {**_cuda(gpus), **dict(command.env)}
-    # Probed where it listens (a wildcard address is reached on loopback).
-    probe = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    if ":" in probe:
-        probe = f"[{probe}]"
-    base = f"http://{probe}:{command.port}"
+    base = engine_url(host, command.port)
     engine = command.engine
     if engine == "vllm":
-        argv = ["vllm", "serve", command.source, "--served-model-name", command.model]
-        argv += ["--host", host, "--port", port]
-        if len(gpus) > 1 and "--tensor-parallel-size" not in args:
-            argv += ["--tensor-parallel-size", str(len(gpus))]
-        return Launch(argv + args, env, base + "/health")
+        argv, probes = _vllm(command, host, base)
+        return Launch(argv + args, env, host, probes)
     if engine == "sglang":
-        argv = [sys.executable, "-m", "sglang.launch_server", "--model-path"]
-        argv += [command.source, "--served-model-name", command.model]
-        argv += ["--host", host, "--port", port]
-        if len(gpus) > 1:
-            argv += ["--tp", str(len(gpus) * max(command.world_size, 1))]
-        if command.world_size > 1:
-            argv += ["--nnodes", str(command.world_size)]
-            argv += ["--node-rank", str(command.rank)]
-            argv += ["--dist-init-addr", command.leader_address]
-        return Launch(argv + args, env, base + "/health")
+        argv, probes = _sglang(command, host, base)
+        return Launch(argv + args, env, host, probes)
     if engine == "llamacpp":
+        if command.world_size > 1:
+            raise ProfileError("engine: llamacpp runs on one node (nodes = 1)")
         if shutil.which("llama-server"):
+            # llama.cpp's server answers /health 503 while it loads the
+            # model and 200 once it serves (tools/server/README.md).
             argv = ["llama-server", "-m", command.source, "--alias", command.model]
             argv += ["--host", host, "--port", port]
-            return Launch(argv + args, env, base + "/health")
-        # python -m llama_cpp.server has no /health: /v1/models answers once
-        # the model is loaded.
+            return Launch(argv + args, env, host, (Probe(base + "/health"),))
+        # python -m llama_cpp.server has no /health, and lists no model (an
+        # empty list) while it loads: ready once the alias is listed.
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", command.source]
         argv += ["--model_alias", command.model, "--host", host, "--port", port]
-        return Launch(argv + args, env, base + "/v1/models")
+        probes = (Probe(base + "/v1/models", command.model),)
+        return Launch(argv + args, env, host, probes)
     if engine == "sim":
+        # Each rank of a simulated gang is a whole simulator: all probed.
         argv = [sys.executable, "-m", "llmgw.cli.main", "sim", "--port", port]
         argv += ["--host", host, "--model", command.model]
-        return Launch(argv + args, env, base + "/health")
+        return Launch(argv + args, env, host, _serves(base, command.model))
     raise ProfileError(f"engine: unknown {engine!r} (known: {', '.join(ENGINES)})")
 
 

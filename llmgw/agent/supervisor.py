@@ -30,6 +30,10 @@ from llmgw.httpclient import QuietConnectionPool
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
+PROBE_TIMEOUT = 10.0
+"""
+Seconds a readiness probe (all of a launch's requests) may take.
+"""
 KEEP_LOGS = 100
 """
 Output files of ended shards kept in the state directory.
@@ -198,24 +202,42 @@ class Shard:
         if self._probing:
             return
         self._probing = True
-        d = self._supervisor.http.request(
-            b"GET",
-            self.launch.health_url.encode(),
-            Headers({k: [v] for k, v in self.launch.headers.items()}),
-        )
+        d = Deferred.fromCoroutine(self._serves())
+        # An engine that accepts and never answers must not hold probing
+        # up for good.
+        d.addTimeout(PROBE_TIMEOUT, self._supervisor.reactor)
 
-        def answered(response: Any) -> None:
+        def answered(serves: bool) -> None:
             self._probing = False
-            readBody(response).addErrback(lambda _: None)
-            if response.code == 200 and self.state == pb.SHARD_STATE_STARTING:
+            if serves and self.state == pb.SHARD_STATE_STARTING:
                 self._stop_probing()
                 self.log.info("shard {shard} is ready", shard=self.id)
                 self._set(pb.SHARD_STATE_READY)
 
         def failed(reason: Failure) -> None:
+            # Not listening yet, or an answer cut short: the next probe.
             self._probing = False
 
         d.addCallbacks(answered, failed)
+
+    async def _serves(self) -> bool:
+        """
+        @return: whether every probe of the launch passes now (see
+            L{Probe}); a follower without probes serves once it runs.
+        """
+        headers = Headers(
+            {k.encode(): [v.encode()] for k, v in self.launch.headers.items()}
+        )
+        for probe in self.launch.probes:
+            response = await self._supervisor.http.request(
+                b"GET", probe.url.encode(), headers
+            )
+            body = await readBody(response)
+            if response.code != 200:
+                return False
+            if probe.lists and not _lists(body, probe.lists):
+                return False
+        return True
 
     def _stop_probing(self) -> None:
         if self._health is not None and self._health.running:
@@ -333,6 +355,9 @@ class Supervisor:
             "command": json.loads(_to_json(shard.command)),
             "pid": shard.pid,
             "start_time": shard.start_time,
+            # Where it listens: the node's address may change before a
+            # restarted agent adopts it.
+            "host": shard.launch.host,
         }
         temporary = self.path(shard.id, ".json.tmp")
         # 0600: the command holds the engine's secret.
@@ -362,7 +387,7 @@ class Supervisor:
                     command.shard_id + ".json"
                 ):
                     raise ValueError(f"shard id {command.shard_id!r}")
-                launch = build(command)
+                launch = build(command, str(data.get("host", self.engine_host)))
             except Exception as e:
                 # A record this agent cannot use (foreign, corrupt, from
                 # another version) must not keep it from starting.
@@ -392,7 +417,9 @@ class Supervisor:
         Check the profile and launch the engine.
 
         @raise ProfileError: a check of the profile failed.
-        @raise CommandRefused: a bad shard id, or one already running.
+        @raise CommandRefused: a bad shard id, or one already running; a
+            port or GPUs another shard holds (codes C{port_in_use},
+            C{gpus_in_use}: facts for placement, not the model's failure).
         """
         if not _SHARD_ID.match(command.shard_id):
             # It names files in the state directory.
@@ -402,6 +429,22 @@ class Supervisor:
             )
         if command.shard_id in self.shards:
             raise CommandRefused(f"shard {command.shard_id!r} is already running")
+        for other in self.shards.values():
+            if other.exit_code is not None:
+                continue
+            # One that still loads may not listen yet: the bind check
+            # below would not see it.
+            if other.command.port == command.port:
+                raise CommandRefused(
+                    f"port {command.port} is not free: shard {other.id} holds it",
+                    "port_in_use",
+                )
+            shared = set(other.command.gpu_indices) & set(command.gpu_indices)
+            if shared:
+                raise CommandRefused(
+                    f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
+                    "gpus_in_use",
+                )
         launch = build(command, self.engine_host)
         check(command, launch, self.engine_host)
         shard = Shard(self, command, launch)
@@ -485,6 +528,20 @@ def _to_json(command: pb.StartShard) -> str:
     from google.protobuf import json_format
 
     return json_format.MessageToJson(command)
+
+
+def _lists(body: bytes, model: str) -> bool:
+    """
+    @return: whether C{body} is an OpenAI model list (C{{"data": [{"id":
+        ...}]}}, the answer to C{GET /v1/models}) naming C{model}.
+    """
+    try:
+        data = json.loads(body).get("data")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(data, list) and any(
+        isinstance(m, dict) and m.get("id") == model for m in data
+    )
 
 
 def _from_json(text: str) -> pb.StartShard:

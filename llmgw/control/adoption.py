@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from llmgw.control.catalog import Model
+from llmgw.control.placement import Profile
 from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
@@ -21,6 +22,7 @@ def claim(
     models: Mapping[str, Model],
     shard_node: Callable[[str], str | None],
     replicas: Mapping[str, ReplicaRecord],
+    settled: bool = False,
 ) -> str:
     """
     @param running: a shard a node lists that the records do not hold
@@ -28,6 +30,10 @@ def claim(
     @param models: the catalog by model name.
     @param shard_node: the node a recorded shard id is on, or L{None}.
     @param replicas: the recorded replicas by id.
+    @param settled: the server's startup grace is over: a replica not
+        recorded by now is gone, and a follower of it (rank > 0) is an
+        orphan, never a replica on its own.  During the grace its leader
+        may register after it.
     @return: why the catalog does not claim C{running}, or C{""} when it
         is to be adopted.
     """
@@ -58,6 +64,11 @@ def claim(
     if other is not None:
         return f"shard id {running.shard_id!r} is already on node {other}"
     replica = replicas.get(running.replica_id)
+    if replica is None and running.rank > 0 and settled:
+        return (
+            f"rank {running.rank} of replica {running.replica_id}, which is gone"
+            " (an orphan of its gang)"
+        )
     if replica is not None:
         if replica.state in (ReplicaState.DRAINING, ReplicaState.FAILED):
             return f"its replica {replica.id} is {replica.state}"
@@ -102,3 +113,35 @@ def relisted(shard: ShardRecord, running: pb.RunningShard) -> ShardState | None:
     if shard.state.gone or state.gone:
         return None
     return state
+
+
+def replica_record(
+    running: pb.RunningShard, profile: Profile, now: float
+) -> ReplicaRecord:
+    """
+    @return: the record of the replica C{running} is a shard of, made on
+        its adoption at C{now} (reactor seconds), with no shard yet.
+    """
+    return ReplicaRecord(
+        id=running.replica_id,
+        model=running.model,
+        profile=profile,
+        shards=[],
+        created=now,
+        adopted=True,
+    )
+
+
+def shard_record(node_id: str, running: pb.RunningShard) -> ShardRecord:
+    """
+    @return: the record of C{running}, adopted on C{node_id}.
+    """
+    return ShardRecord(
+        id=running.shard_id,
+        node=node_id,
+        gpus=tuple(running.gpu_indices),
+        port=running.port,
+        rank=running.rank,
+        state=listed_state(running),
+        pid=running.pid,
+    )

@@ -64,6 +64,10 @@ class AgentLink(TimeoutMixin, CommandingStream):
         self._hub = hub
         self.node_id: str | None = None
         self.attached_at = 0.0
+        # Closing (refused, timed out, or replaced by a newer link): what
+        # still arrives on it (retransmitted after a cut link healed) is
+        # stale, and changes nothing.
+        self.closing = False
         self._register_timer: IDelayedCall | None = None
 
     def connectionMade(self) -> None:
@@ -83,6 +87,17 @@ class AgentLink(TimeoutMixin, CommandingStream):
             peer=self._peer(),
             **fields,
         )
+        self.close()
+
+    def close(self) -> None:
+        """
+        Stop listening to this link at once, and close it: a link whose
+        peer went silent may take long to close (its unsent data waits on
+        a cut path), and nothing it delivers meanwhile counts.
+        """
+        self.closing = True
+        if self.node_id is not None:
+            self._hub.detach(self)
         if self.transport is not None:
             self.transport.loseConnection()
 
@@ -96,8 +111,14 @@ class AgentLink(TimeoutMixin, CommandingStream):
         self._refuse(
             "node {node} silent for {seconds}s", node=self.node_id, seconds=self.timeOut
         )
+        # Silent: its path may be cut, and a graceful close would wait
+        # on it for minutes.
+        if self.transport is not None:
+            self.transport.abortConnection()  # type: ignore[attr-defined]
 
     def dataReceived(self, data: bytes) -> None:
+        if self.closing:
+            return
         self.resetTimeout()  # type: ignore[no-untyped-call]
         if self.node_id is not None:
             self._hub.inventory.heard(self.node_id, self._hub.clock.seconds())
@@ -105,6 +126,8 @@ class AgentLink(TimeoutMixin, CommandingStream):
 
     def agent_message_received(self, message: pb.AgentMessage) -> None:
         kind = message.WhichOneof("kind")
+        if self.closing:
+            return
         if self.node_id is None:
             if kind != "register":
                 self._refuse("first message was {kind}, not Register", kind=kind)
@@ -312,6 +335,7 @@ class AgentHub(Factory):
                     "agent {node} connected again: closing its previous link",
                     node=link.node_id,
                 )
+            old.closing = True
             old.node_id = None
             if old.transport is not None:
                 old.transport.loseConnection()

@@ -19,7 +19,7 @@ from twisted.python.failure import Failure
 from llmgw.control.agents import NoLink
 from llmgw.control.placement import Plan
 from llmgw.control.records import ReplicaRecord, ShardRecord
-from llmgw.control.snapshot import SuspectPorts
+from llmgw.control.snapshot import Strays, SuspectPorts
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import CommandFailed
 from llmgw.wire.states import ShardState
@@ -61,6 +61,7 @@ class ShardCommands:
         a pass.
     @param engine_key: a shard id's engine secret (C{StartShard.api_key},
         the router's C{Endpoint.api_key}); C{""} for none.
+    @param strays: where engines that may run on unrecorded are kept.
     """
 
     log = Logger()
@@ -72,12 +73,14 @@ class ShardCommands:
         suspect: SuspectPorts,
         changed: Callable[[], None],
         engine_key: Callable[[str], str] = lambda shard_id: "",
+        strays: Strays | None = None,
     ) -> None:
         self.clock = clock
         self.commands = commands
         self.suspect = suspect
         self.changed = changed
         self.engine_key = engine_key
+        self.strays = strays if strays is not None else Strays()
 
     def start(
         self, model: str, plan: Plan, now: float, leader_address: str
@@ -87,13 +90,18 @@ class ShardCommands:
         shards its start.
 
         @param now: reactor seconds.
-        @param leader_address: C{host:port} of rank 0, for gangs; C{""}
-            when unknown.
+        @param leader_address: C{host:port} where a gang's ranks meet, on
+            rank 0's address; C{""} when unknown.
         @return: the new replica, its shards C{pending}.
         """
         profile = plan.profile
         replica = ReplicaRecord(
-            f"{_safe(model)}-{secrets.token_hex(4)}", model, profile, [], now
+            f"{_safe(model)}-{secrets.token_hex(4)}",
+            model,
+            profile,
+            [],
+            now,
+            rendezvous_port=plan.rendezvous_port,
         )
         for shard_plan in plan.shards:
             shard = ShardRecord(
@@ -139,9 +147,17 @@ class ShardCommands:
         if isinstance(reason.value, CommandFailed):
             result = reason.value.result
             if result.code == "port_in_use":
-                # Something else holds the port on that node: the next try
-                # gets another.
+                # Something else holds the port on that node: the next
+                # try gets another.
                 self.suspect.mark(shard.node, shard.port, self.clock.seconds())
+            elif result.code == "gpus_in_use":
+                # An engine the server does not know of holds them: left
+                # alone until it is gone (or for as long as it may live).
+                now = self.clock.seconds()
+                self.strays.add(shard.node, shard.id, shard.gpus, 0, now)
+            # A port or GPUs found taken are facts for placement, not the
+            # model's failure: tried again at once, elsewhere.
+            shard.misplaced = result.code in ("port_in_use", "gpus_in_use")
             shard.error = result.error
         elif reason.check(NoLink):
             # Never sent: nothing runs.
@@ -161,12 +177,21 @@ class ShardCommands:
         shard.state = ShardState.FAILED
         self.changed()
 
-    def stop(self, node_id: str, shard_id: str) -> None:
+    def stop(
+        self, node_id: str, shard_id: str, forgotten: ShardRecord | None = None
+    ) -> None:
         """
         Send C{StopShard}: SIGTERM, SIGKILL after L{STOP_GRACE}.  A stop
         not done is logged; a lost node's shards are stopped when its
         agent registers again and finds them unclaimed.
+
+        @param forgotten: the record of the shard, when the records drop
+            it now: its GPUs and port stay taken (L{Strays}) until it is
+            gone.
         """
+        if forgotten is not None:
+            now = self.clock.seconds()
+            self.strays.add(node_id, shard_id, forgotten.gpus, forgotten.port, now)
         d = self.commands.send(
             node_id,
             pb.ControlMessage(

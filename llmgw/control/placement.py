@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class NodeView:
     A node as placement sees it.
 
     @ivar ports_in_use: ports of shards placed on it.
+    @ivar address: where its engines listen; nodes of one address share
+        its ports (C{""}: its own).
     """
 
     id: str
@@ -77,6 +79,7 @@ class NodeView:
     fabrics: frozenset[str] = frozenset()
     gpus: tuple[GpuView, ...] = ()
     ports_in_use: frozenset[int] = frozenset()
+    address: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,14 @@ class ShardPlan:
 class Plan:
     """
     A replica placed: the profile chosen and its shards, leader first.
+
+    @ivar rendezvous_port: for a gang, a further port on the leader's
+        address where its ranks meet; 0 for one node.
     """
 
     profile: Profile
     shards: tuple[ShardPlan, ...]
+    rendezvous_port: int = 0
 
 
 @dataclass(frozen=True)
@@ -258,6 +265,40 @@ def _plan(profile: Profile, chosen: Sequence[tuple[str, list[GpuView], int]]) ->
     )
 
 
+def _gang(
+    profile: Profile,
+    fleet: Fleet,
+    ports: range,
+    chosen: Sequence[tuple[str, list[GpuView], int]],
+) -> Plan | None:
+    """
+    A gang's ports: distinct for its shards on one address (two agents
+    may share one), and one more on the leader's for the rendezvous.
+
+    @return: the plan, or L{None} when the ports run out.
+    """
+    taken: dict[str, set[int]] = {}
+
+    def port_on(node: NodeView) -> int | None:
+        held = taken.setdefault(node.address or node.id, set())
+        for port in ports:
+            if port not in node.ports_in_use and port not in held:
+                held.add(port)
+                return port
+        return None
+
+    ranked = []
+    for node_id, usable, _ in chosen:
+        port = port_on(fleet.get(node_id))
+        if port is None:
+            return None
+        ranked.append((node_id, usable, port))
+    rendezvous = port_on(fleet.get(chosen[0][0]))
+    if rendezvous is None:
+        return None
+    return replace(_plan(profile, ranked), rendezvous_port=rendezvous)
+
+
 def _place_one_node(
     profile: Profile, fleet: Fleet, ports: range, spread: frozenset[str]
 ) -> Plan | None:
@@ -338,7 +379,15 @@ def _scan(
     fits.sort(key=lambda f: (f[1] in spread, f[0], f[1]))
     if len(fits) >= profile.nodes:
         chosen = [(node_id, usable, port) for _, node_id, usable, port in fits]
-        return _plan(profile, chosen[: profile.nodes]), ()
+        if profile.nodes == 1:
+            return _plan(profile, chosen[:1]), ()
+        gang = _gang(profile, fleet, ports, chosen[: profile.nodes])
+        if gang is not None:
+            return gang, ()
+        why.append(
+            f"no {profile.nodes + 1} free ports in {ports.start}-{ports.stop - 1}"
+        )
+        return None, tuple(why)
     if profile.nodes > 1 and fits:
         why.append(
             f"only {len(fits)} of {profile.nodes} nodes fit"

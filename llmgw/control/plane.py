@@ -49,7 +49,7 @@ from llmgw.control.records import (
 )
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
-from llmgw.control.snapshot import Snapshot, SuspectPorts
+from llmgw.control.snapshot import Snapshot, Strays, SuspectPorts, warn_ephemeral
 from llmgw.control.weights import WeightsCollector
 from llmgw.router.interfaces import Endpoint
 from llmgw.wire import agent_pb2 as pb
@@ -129,10 +129,14 @@ class ControlPlane(Draining):
         self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
         self._published: tuple[Endpoint, ...] | None = None
         self._suspect = SuspectPorts()
-        self._commands = ShardCommands(clock, commands, self._suspect, self.loop.kick)
+        self._strays = Strays()
+        self._commands = ShardCommands(
+            clock, commands, self._suspect, self.loop.kick, strays=self._strays
+        )
         self._commands.engine_key = keys
         self._views: dict[str, tuple[Any, NodeView]] = {}
         self.ports = range(settings.port_range[0], settings.port_range[1] + 1)
+        warn_ephemeral(self.ports)
         self.started = clock.seconds()
         self.grace_over = settings.startup_grace <= 0
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
@@ -146,6 +150,8 @@ class ControlPlane(Draining):
         """
         found = self._shards.get(status.shard_id)
         if found is None or found[1].node != node_id:
+            if (ShardState.from_pb(status.state) or ShardState.PENDING).gone:
+                self._strays.gone(node_id, status.shard_id)
             self._late_output(node_id, status)
             return
         replica, shard = found
@@ -189,6 +195,7 @@ class ControlPlane(Draining):
         this node that it no longer lists are gone.
         """
         listed = {s.shard_id for s in register.shards}
+        self._strays.listed(node_id, listed)
         for _, shard in list(self._shards.values()):
             if shard.node == node_id and shard.id not in listed:
                 if not shard.state.gone:
@@ -200,7 +207,9 @@ class ControlPlane(Draining):
             if found is not None and found[1].node == node_id:
                 self._relisted(found[0], found[1], running)
                 continue
-            reason = adoption.claim(running, models, self._shard_node, self.replicas)
+            reason = adoption.claim(
+                running, models, self._shard_node, self.replicas, self.grace_over
+            )
             if reason:
                 self.log.info(
                     "stopping shard {shard} on {node}: {reason}",
@@ -209,6 +218,8 @@ class ControlPlane(Draining):
                     reason=reason,
                 )
                 self._commands.stop(node_id, running.shard_id)
+                now = self.clock.seconds()
+                self._strays.add(node_id, running.shard_id, (), running.port, now)
                 continue
             self._adopt(node_id, running)
         for waiting in self.catalog.states():
@@ -241,14 +252,7 @@ class ControlPlane(Draining):
         replica = self.replicas.get(running.replica_id)
         if replica is None:
             now = self.clock.seconds()
-            replica = ReplicaRecord(
-                id=running.replica_id,
-                model=model.name,
-                profile=profile,
-                shards=[],
-                created=now,
-                adopted=True,
-            )
+            replica = adoption.replica_record(running, profile, now)
             self.replicas[replica.id] = replica
             live = sum(
                 1
@@ -257,15 +261,7 @@ class ControlPlane(Draining):
             )
             counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
             counts.last_used = counts.busy_at = now
-        shard = ShardRecord(
-            id=running.shard_id,
-            node=node_id,
-            gpus=tuple(running.gpu_indices),
-            port=running.port,
-            rank=running.rank,
-            state=adoption.listed_state(running),
-            pid=running.pid,
-        )
+        shard = adoption.shard_record(node_id, running)
         replica.shards.append(shard)
         self._shards[shard.id] = (replica, shard)
         self.log.info(
@@ -398,7 +394,7 @@ class ControlPlane(Draining):
             )
         for shard in replica.shards:
             if not shard.state.gone:
-                self._commands.stop(shard.node, shard.id)
+                self._commands.stop(shard.node, shard.id, shard)
         self._forget(replica, _gone_why(replica))
         # Shown with its error and output until the model is served again.
         replica.error = error
@@ -483,6 +479,7 @@ class ControlPlane(Draining):
             self.replicas.values(),
             self._suspect.current(self.clock.seconds()),
             self._views,
+            self._strays.held(self.clock.seconds()),
         )
 
     def _scale(
@@ -542,7 +539,8 @@ class ControlPlane(Draining):
     def _start(self, model: Model, plan: Plan, now: float) -> None:
         leader = plan.shards[0]
         node = self.inventory.get(leader.node)
-        address = f"{node.address}:{leader.port}" if node is not None else ""
+        port = plan.rendezvous_port or leader.port
+        address = f"{_host(node.address)}:{port}" if node is not None else ""
         replica = self._commands.start(model.name, plan, now, address)
         self.replicas[replica.id] = replica
         for shard in replica.shards:

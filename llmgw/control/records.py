@@ -68,6 +68,8 @@ class ShardRecord:
     @ivar error: why it failed, or C{""}.
     @ivar output: the engine's last output lines (at most 50, as its agent
         sent them) when it failed or was stopped before it served.
+    @ivar misplaced: it failed for where it was placed (its port or GPUs
+        were not free), not for its model: replaced at once, no backoff.
     """
 
     id: str
@@ -79,6 +81,7 @@ class ShardRecord:
     pid: int = 0
     error: str = ""
     output: tuple[str, ...] = ()
+    misplaced: bool = False
 
 
 @dataclass
@@ -94,6 +97,8 @@ class ReplicaRecord:
         drains, when more than C{[control] drain_timeout}.
     @ivar error: why it failed, once it did (it is then kept for the
         admin API until its model has a ready replica again), or C{""}.
+    @ivar rendezvous_port: for a gang, the port on rank 0's address where
+        its ranks meet (C{StartShard.leader_address}); 0 otherwise.
     """
 
     id: str
@@ -107,6 +112,7 @@ class ReplicaRecord:
     stop_sent_at: float | None = None
     drain_patience: float = 0.0
     error: str = ""
+    rendezvous_port: int = 0
 
     @property
     def state(self) -> ReplicaState:
@@ -141,14 +147,15 @@ class ReplicaRecord:
         @param now: reactor seconds.
         @param start_timeout: C{[control] start_timeout}, seconds.
         @return: why the replica is to be dropped (a shard gone, or not
-            ready in time), or C{""}; and whether its node was lost (the
-            node's fault, not the model's).
+            ready in time), or C{""}; and whether it is not the model's
+            fault (its node was lost, or its port was taken): replaced
+            at once.
         """
         state = self.state
         if state == ReplicaState.FAILED:
             bad = next(s for s in self.shards if s.state.gone)
             error = f"shard {bad.id} on {bad.node}: {bad.state}: {bad.error}"
-            return error, bad.state == ShardState.LOST
+            return error, bad.state == ShardState.LOST or bad.misplaced
         if state == ReplicaState.STARTING and now - self.created > start_timeout:
             return f"not ready after {start_timeout:g}s", False
         return "", False

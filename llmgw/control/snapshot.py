@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from twisted.logger import Logger
+
 from llmgw.control.inventory import Node, NodeState
 from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
 from llmgw.control.records import ReplicaRecord
@@ -18,6 +20,49 @@ SUSPECT_PORT_SECONDS = 600.0
 How long a port where a shard could not start is left out of placement on
 its node.
 """
+
+
+EPHEMERAL_PORTS = "/proc/sys/net/ipv4/ip_local_port_range"
+"""
+The kernel's range of ports for outgoing connections (ip-sysctl.rst,
+C{ip_local_port_range}; Linux's default: 32768 to 60999).
+"""
+
+_log = Logger(namespace="llmgw.control")
+
+
+def ephemeral_overlap(ports: range, path: str = EPHEMERAL_PORTS) -> range:
+    """
+    @param ports: C{[control] port_range}.
+    @param path: where the kernel tells its ephemeral range, two numbers.
+    @return: the ports of C{ports} inside the ephemeral range (Linux's
+        default when it cannot be read), empty when none.
+    """
+    try:
+        with open(path) as f:
+            low, high = (int(n) for n in f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(max(ports.start, low), min(ports.stop, high + 1))
+
+
+def warn_ephemeral(ports: range, path: str = EPHEMERAL_PORTS) -> None:
+    """
+    Log one warning when engine ports lie in the ephemeral range: any
+    outgoing connection may take one, and a start there finds it busy.
+    """
+    overlap = ephemeral_overlap(ports, path)
+    if overlap:
+        _log.warn(
+            "control.port_range {first}-{last} overlaps the kernel's ephemeral"
+            " ports ({path}) on {low}-{high}: outgoing connections take ports"
+            " there, and engines then start on another; choose a range outside",
+            first=ports.start,
+            last=ports.stop - 1,
+            path=path,
+            low=overlap.start,
+            high=overlap.stop - 1,
+        )
 
 
 class SuspectPorts:
@@ -50,6 +95,66 @@ class SuspectPorts:
         return ports
 
 
+STRAY_SECONDS = 45.0
+"""
+How long a stray is counted at most: an engine told to stop is killed
+after C{commands.STOP_GRACE} (30 s), so by then it is gone even if no
+status said so.
+"""
+
+
+class Strays:
+    """
+    Engines the records no longer hold that may still run: shards of a
+    dropped replica told to stop, and engines a node lists that no
+    replica claims.  Until they are gone (reported stopped or failed, no
+    longer listed when their node registers, or after L{STRAY_SECONDS})
+    a new shard is not given what they hold: their port, and the GPUs of
+    those this server placed (an unclaimed engine's GPUs are the agent's
+    to refuse, C{gpus_in_use}, which is not the model's failure).
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[str, tuple[tuple[int, ...], int, float]]] = {}
+
+    def add(
+        self, node: str, shard_id: str, gpus: Iterable[int], port: int, now: float
+    ) -> None:
+        """
+        C{shard_id} on C{node} may run on until it stops, holding C{gpus}
+        and C{port} (0: none); C{now} in reactor seconds.
+        """
+        self._held.setdefault(node, {})[shard_id] = (tuple(gpus), port, now)
+
+    def listed(self, node: str, shard_ids: set[str]) -> None:
+        """
+        C{node} registered listing C{shard_ids}: the others are gone.
+        """
+        held = self._held.get(node, {})
+        for shard_id in [s for s in held if s not in shard_ids]:
+            del held[shard_id]
+
+    def gone(self, node: str, shard_id: str) -> None:
+        """
+        C{shard_id} on C{node} was reported stopped or failed.
+        """
+        self._held.get(node, {}).pop(shard_id, None)
+
+    def held(self, now: float) -> dict[str, list[tuple[tuple[int, ...], int]]]:
+        """
+        @return: per node, the GPU indices and port each stray holds;
+            those older than L{STRAY_SECONDS} at C{now} are dropped.
+        """
+        result: dict[str, list[tuple[tuple[int, ...], int]]] = {}
+        for node, held in self._held.items():
+            for shard_id, (gpus, port, since) in list(held.items()):
+                if now - since >= STRAY_SECONDS:
+                    del held[shard_id]
+                else:
+                    result.setdefault(node, []).append((gpus, port))
+        return result
+
+
 class Snapshot:
     """
     The inventory as placement sees it during one pass: GPUs and ports
@@ -57,6 +162,8 @@ class Snapshot:
     the pass is taken at once so the next one does not reuse it.
 
     @param suspect_ports: per node, ports to leave alone.
+    @param strays: per node, the GPUs and port each stray holds
+        (L{Strays.held}).
     @param cache: node views of earlier passes, reused for nodes where
         nothing placement reads has changed; updated in place.
     @ivar fleet: what L{llmgw.control.placement.place} reads.
@@ -68,6 +175,7 @@ class Snapshot:
         replicas: Iterable[ReplicaRecord],
         suspect_ports: dict[str, set[int]],
         cache: dict[str, tuple[Any, NodeView]] | None = None,
+        strays: dict[str, list[tuple[tuple[int, ...], int]]] | None = None,
     ) -> None:
         nodes = list(nodes)
         taken: dict[str, set[int]] = {}
@@ -77,6 +185,11 @@ class Snapshot:
         ports: dict[str, set[int]] = {}
         for node_id, suspect in suspect_ports.items():
             ports.setdefault(address.get(node_id, node_id), set()).update(suspect)
+        for node_id, held in (strays or {}).items():
+            for gpus, port in held:
+                taken.setdefault(node_id, set()).update(gpus)
+                if port:
+                    ports.setdefault(address.get(node_id, node_id), set()).add(port)
         for replica in replicas:
             for shard in replica.shards:
                 if shard.state.gone:
@@ -84,6 +197,8 @@ class Snapshot:
                 taken.setdefault(shard.node, set()).update(shard.gpus)
                 key = address.get(shard.node, shard.node)
                 ports.setdefault(key, set()).add(shard.port)
+                if shard.rank == 0 and replica.rendezvous_port:
+                    ports[key].add(replica.rendezvous_port)
         if cache is None:
             cache = {}
         views = []
@@ -95,7 +210,7 @@ class Snapshot:
                 state = "draining"
             used = frozenset(taken.get(node.id, ()))
             busy = frozenset(ports.get(node.address, ()))
-            version = (node.version, state, used, busy)
+            version = (node.version, state, used, busy, node.address)
             hit = cache.get(node.id)
             if hit is not None and hit[0] == version:
                 views.append(hit[1])
@@ -116,6 +231,7 @@ class Snapshot:
                     for g in node.gpus
                 ),
                 ports_in_use=busy,
+                address=node.address,
             )
             cache[node.id] = (version, view)
             views.append(view)
@@ -135,6 +251,9 @@ class Snapshot:
         at the same address).
         """
         for shard in plan.shards:
+            held = {shard.port}
+            if shard.rank == 0 and plan.rendezvous_port:
+                held.add(plan.rendezvous_port)
             view = self.fleet.get(shard.node)
             self.fleet.replace(
                 replace(
@@ -143,11 +262,9 @@ class Snapshot:
                         replace(g, allocated=True) if g.index in shard.gpus else g
                         for g in view.gpus
                     ),
-                    ports_in_use=view.ports_in_use | {shard.port},
+                    ports_in_use=view.ports_in_use | held,
                 )
             )
             for other in self._same_address.get(shard.node, ()):
                 view = self.fleet.get(other)
-                self.fleet.replace(
-                    replace(view, ports_in_use=view.ports_in_use | {shard.port})
-                )
+                self.fleet.replace(replace(view, ports_in_use=view.ports_in_use | held))

@@ -212,7 +212,13 @@ class GangTests(_Faults, SynchronousTestCase):
         follower = shards[1]
         self.agents[follower["node"]].popen.kill()
         self.until(
-            lambda: not any(r["id"] == gang["id"] for r in self.replicas()),
+            # Listed on as failed, with its error, until replaced.
+            lambda: (
+                not any(
+                    r["id"] == gang["id"] and r["state"] != "failed"
+                    for r in self.replicas()
+                )
+            ),
             20,
             "the gang dropped with its node",
         )

@@ -51,7 +51,7 @@ class BuildTests(SynchronousTestCase):
             self.assertEqual(launch.argv[-4:], ["--x", "1", flag, "llmgw-secret"])
             self.assertEqual(launch.argv[:-2], plain.argv)
             self.assertEqual(launch.headers, {"Authorization": "Bearer llmgw-secret"})
-            self.assertEqual(launch.health_url, plain.health_url)
+            self.assertEqual(launch.probes, plain.probes)
             self.assertNotIn("llmgw-secret", repr(launch))
 
     def test_llama_server_flag(self) -> None:

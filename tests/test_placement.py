@@ -220,6 +220,14 @@ class PlacementTests(SynchronousTestCase):
                 " for 4, but no node has 4 of them: the free GPUs are fragmented",
             ],
         )
+        # A gang of 2 nodes x 1 GPU with one node left: too few nodes, not
+        # fragmented GPUs, so no such line.
+        pair = Profile("pair", "vllm", "m", gpus=1, gpu_memory_gb=40, nodes=2)
+        self.check(
+            [pair],
+            [node("a", *gpus(2)), node("b", *gpus(2), state="lost")],
+            ["profile pair: b: lost", "profile pair: only 1 of 2 nodes fit"],
+        )
         # Not enough in total: no such line.
         self.check(
             [four],

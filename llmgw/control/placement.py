@@ -413,9 +413,11 @@ def _fragmentation(profile: Profile, fleet: Fleet) -> str:
     total = sum(counts)
     whole = sum(1 for count in counts if count >= profile.gpus)
     need = profile.gpus * profile.nodes
-    if total < need or whole >= profile.nodes:
-        return ""
     holding = sum(1 for count in counts if count)
+    if total < need or whole >= profile.nodes or holding < profile.nodes:
+        # Too few GPUs, enough whole nodes, or too few nodes for a gang:
+        # not a matter of how the free GPUs are spread.
+        return ""
     where = (
         "no node has"
         if profile.nodes == 1

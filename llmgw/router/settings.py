@@ -38,3 +38,6 @@ class RouterConfig:
     activation_timeout: float = 300.0
     activation_queue: int = 256
     activation_keepalive: float = 15.0
+    # Seconds between reads of each replica's /metrics (engine load); 0
+    # turns the poller off.
+    load_poll_interval: float = 1.0

@@ -203,11 +203,11 @@ class MakeServiceStopTests(TestCase):
             [
                 (ORDER[0], ["ListeningService"] * 3),
                 (ORDER[1], ["DrainService"]),
-                (ORDER[2], ["Loop"]),
+                (ORDER[2], ["Loop", "LoadBoard"]),
                 (ORDER[3], ["LinksService"]),
                 (ORDER[4], ["UsageWriter"]),
                 (ORDER[5], []),
-                (ORDER[6], ["PoolService"]),
+                (ORDER[6], ["PoolService", "PoolService"]),
                 (ORDER[7], ["StoreService"]),
             ],
         )

@@ -40,7 +40,7 @@ from llmgw.control.commands import STOP_GRACE, Commands, ShardCommands
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
 from llmgw.control.placement import NodeView, NoFit, Plan, place
-from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+from llmgw.control.records import PlaneCounts, ReplicaRecord, ReplicaState, ShardRecord
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
 from llmgw.control.snapshot import Snapshot, SuspectPorts
@@ -104,6 +104,7 @@ class ControlPlane:
         self.started = clock.seconds()
         self.grace_over = settings.startup_grace <= 0
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
+        self.counts = PlaneCounts()
 
     # What the agents say.
 
@@ -423,6 +424,7 @@ class ControlPlane:
             model=replica.model,
             error=error,
         )
+        self.counts.failed(replica.model)
         if model is not None:
             scaling.failed(
                 model, now, f"replica {replica.id}: {error}", lost, self.settings
@@ -537,6 +539,7 @@ class ControlPlane:
                 state.model.profiles, snapshot.fleet, self.ports, frozenset(spread)
             )
             if isinstance(result, NoFit):
+                self.counts.no_fit(result.lines())
                 if state.no_fit != result:
                     state.last_error = "no place for a replica: " + "; ".join(
                         result.lines()[:3]
@@ -562,6 +565,7 @@ class ControlPlane:
         node = self.inventory.get(leader.node)
         address = f"{node.address}:{leader.port}" if node is not None else ""
         replica = self._commands.start(model.name, plan, now, address)
+        self.counts.started(model.name)
         self.replicas[replica.id] = replica
         for shard in replica.shards:
             self._shards[shard.id] = (replica, shard)

@@ -62,6 +62,17 @@ class UsageWriter(Service):
         self._timer: LoopingCall | None = None
         self.written = 0
         self.dropped = 0
+        # Batch writes done (or failed) and their seconds, wall clock from
+        # the call to the store's answer (its thread's queue included).
+        self.writes = 0
+        self.write_seconds = 0.0
+
+    @property
+    def pending(self) -> int:
+        """
+        Records buffered, not written yet.
+        """
+        return len(self._rows)
 
     def add(self, row: UsageRow) -> None:
         """
@@ -110,6 +121,7 @@ class UsageWriter(Service):
             return Deferred.fromCoroutine(_nothing())
         rows, self._rows = self._rows, []
         key_use, self._key_use = self._key_use, {}
+        began = time.perf_counter()
         writing = self._writing = self._store.add_usage(rows, key_use)
 
         def written(_: object) -> None:
@@ -128,6 +140,8 @@ class UsageWriter(Service):
 
         def finished(_: object) -> None:
             self._writing = None
+            self.writes += 1
+            self.write_seconds += time.perf_counter() - began
 
         writing.addCallbacks(written, failed)
         writing.addBoth(finished)

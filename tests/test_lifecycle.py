@@ -207,7 +207,7 @@ class MakeServiceStopTests(TestCase):
                 (ORDER[3], ["LinksService"]),
                 (ORDER[4], ["UsageWriter"]),
                 (ORDER[5], []),
-                (ORDER[6], ["PoolService", "PoolService"]),
+                (ORDER[6], ["PoolService"]),
                 (ORDER[7], ["StoreService"]),
             ],
         )

@@ -39,7 +39,7 @@ from llmgw.router.app import LogUsageSink, Router, UsageSinks
 from llmgw.router.auth import KeyRing
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import LoadBoard, LoadCollector
+from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
@@ -362,10 +362,11 @@ def makeService(options: Options) -> IService:
     agent, pool = make_upstream_client(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
-    # Engine load: its own pool, one idle connection per engine, so that
-    # polls never wait behind traffic.
-    load_agent, load_pool = make_upstream_client(reactor, settings.connect_timeout, 1)
-    load = LoadBoard(reactor, load_agent, settings.load_poll_interval)
+    # Engine load: its own connections, one per engine, so that polls never
+    # wait behind traffic.
+    interval = settings.load_poll_interval
+    scraper = make_scraper(reactor, settings.connect_timeout, interval)
+    load = LoadBoard(reactor, scraper, interval)
     registry.register(LoadCollector(load))
 
     def publish(endpoints: list[Endpoint]) -> None:
@@ -499,7 +500,7 @@ def makeService(options: Options) -> IService:
     top.add(AGENT_LINKS, LinksService(hub, reactor))
     top.add(USAGE, usage_writer)
     top.add(LOCAL_ENGINES, *local_engines)
-    top.add(POOLS, PoolService(pool), PoolService(load_pool))
+    top.add(POOLS, PoolService(pool))
     top.add(STORE, StoreService(store))
     if agent_port is not None:
         agent_address = agent_port.getHost()

@@ -124,8 +124,8 @@ _NO_FIT_KINDS = (
     ("no nodes", "no_nodes"),
     ("fabric", "fabric"),
     ("free port", "ports"),
-    ("GPU", "gpus"),
     (" GB", "gpu_memory"),
+    ("GPU", "gpus"),
     ("nodes fit", "multi_node"),
 )
 

@@ -144,7 +144,7 @@ class LoadBoard(Service):
     Polls each endpoint's C{/metrics} and keeps its last load reading.
 
     Bounded: one poll in flight per endpoint (a slow engine is skipped
-    until its poll ends), each cancelled after C{timeout} seconds, over an
+    until its poll ends), each cancelled after C{timeout} seconds, over a
     kept-alive connection per engine (L{llmgw.router.scrape}).
 
     @param clock: the reactor's clock.

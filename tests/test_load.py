@@ -118,6 +118,22 @@ class ParseTests(SynchronousTestCase):
         self.assertEqual((load.running, load.waiting), (2.0, 1.0))
         self.assertIsNotNone(load.kv_cache_usage)
 
+    def test_label_sets_summed(self) -> None:
+        """
+        Several label sets of one family (vLLM with data parallel engines)
+        are summed, the cache use is the largest; label values with
+        braces or escaped quotes do not confuse the line picker.
+        """
+        text = (
+            'vllm:num_requests_running{engine="0",model_name="a}b"} 2.0\n'
+            'vllm:num_requests_running{engine="1",model_name="a\\"q"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0"} 1.0\n'
+            'vllm:num_requests_waiting{engine="1"} 4.0\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+            'vllm:kv_cache_usage_perc{engine="1"} 0.25\n'
+        )
+        self.assertEqual(parse_load(text, 1.0), EngineLoad(5.0, 5.0, 0.5, 1.0))
+
     def test_unknown_page(self) -> None:
         self.assertRaises(NoLoadMetrics, parse_load, "# TYPE x gauge\nx 1\n", 0.0)
 
@@ -186,7 +202,7 @@ class BoardTests(SynchronousTestCase):
         says so.
         """
         self.board.startService()
-        self.engine.page = b"vllm:num_requests_running{oops 1\n"
+        self.engine.page = b'vllm:num_requests_running{a="b"} oops\n'
         self.tick(3.0)
         self.assertFalse(self.board.stale("r1", 3.0))
         self.tick(1.0)

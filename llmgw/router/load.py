@@ -53,11 +53,15 @@ KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
 _WANTED = frozenset(RUNNING + WAITING + KV_CACHE)
 # The sample lines worth handing to the parser: an engine's page is mostly
 # histograms (vLLM's is tens of KiB, the simulator's 6 KiB) and
-# prometheus_client's parser is pure Python, so one regular expression
-# picks the few sample lines of the names above first (on the simulator's
-# page: 0.14 ms instead of 0.33 ms for the whole parse, this machine).
+# prometheus_client's parser is pure Python, label parsing its slowest
+# part.  One regular expression picks the sample lines of the names above
+# and drops their labels (quoted values may hold braces): the samples of a
+# family are summed anyway.  parse_load of the simulator's page: 0.09 ms,
+# against 0.33 ms parsing the whole page (this machine, timeit).
 _SAMPLE_LINES = re.compile(
-    r"\n((?:" + "|".join(re.escape(n) for n in sorted(_WANTED)) + r")[{ ][^\n]*)"
+    r"\n("
+    + "|".join(re.escape(n) for n in sorted(_WANTED))
+    + r')(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?( [^\n]*)'
 )
 
 # A reading older than this many poll intervals is stale.
@@ -102,9 +106,9 @@ def parse_load(text: str, read_at: float) -> EngineLoad:
     @raise NoLoadMetrics: it names none of L{RUNNING} or L{WAITING}.
     @raise ValueError: the kept lines are not valid Prometheus text.
     """
-    kept = _SAMPLE_LINES.findall("\n" + text)
+    kept = "\n".join(name + rest for name, rest in _SAMPLE_LINES.findall("\n" + text))
     found: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families("\n".join(kept) + "\n"):
+    for family in text_string_to_metric_families(kept + "\n"):
         if family.name in _WANTED:
             found.setdefault(family.name, []).extend(s.value for s in family.samples)
 

@@ -139,6 +139,15 @@ def check_bool(key: str, value: object) -> bool:
     return value
 
 
+def check_choice(key: str, value: object, choices: tuple[str, ...]) -> str:
+    """
+    @raise ConfigError: not one of the strings C{choices}.
+    """
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{key}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def check_string(key: str, value: object) -> str:
     """
     @raise ConfigError: not a string, or empty.

@@ -17,6 +17,7 @@ from typing import Any
 from llmgw.checks import (
     ConfigError,
     check_bool,
+    check_choice,
     check_keys,
     check_string,
     check_url,
@@ -86,6 +87,10 @@ class ServerConfig:
 
     listen: str = "tcp:8080"
     admin_listen: str = "tcp:9090:interface=127.0.0.1"
+    # A listener serving /metrics only; empty for none.
+    metrics_listen: str = ""
+    # Server log lines: "text" (twistd's) or "json" (one object a line).
+    log_format: str = "text"
     agent_listen: str = "tcp:7443"
     agent_tls: AgentTLSConfig | None = None
     insecure_agents: bool = False
@@ -185,6 +190,7 @@ def _router(table: object) -> RouterConfig:
         "header_timeout",
         "body_rate_window",
         "keepalive_timeout",
+        "load_poll_interval",
     }
     counts = {
         "max_retries",
@@ -224,6 +230,10 @@ def _router(table: object) -> RouterConfig:
             "router.activation_keepalive: under the least, 100ms (0s turns it off)"
         )
     _check_edge(router)
+    if 0 < router.load_poll_interval < 0.1:
+        raise ConfigError(
+            "router.load_poll_interval: under the least, 100ms (0s turns it off)"
+        )
     return router
 
 
@@ -335,6 +345,9 @@ def _control(table: object) -> ControlConfig:
     return control
 
 
+LOG_FORMATS = ("text", "json")
+
+
 def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     """
     Validate a parsed TOML document.
@@ -347,6 +360,8 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
         {
             "listen",
             "admin_listen",
+            "metrics_listen",
+            "log_format",
             "agent_listen",
             "agent_tls",
             "insecure_agents",
@@ -422,6 +437,16 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     if "admin_listen" in data:
         config = replace(
             config, admin_listen=check_string("admin_listen", data["admin_listen"])
+        )
+    if "metrics_listen" in data:
+        config = replace(
+            config,
+            metrics_listen=check_string("metrics_listen", data["metrics_listen"]),
+        )
+    if "log_format" in data:
+        config = replace(
+            config,
+            log_format=check_choice("log_format", data["log_format"], LOG_FORMATS),
         )
     if "router" in data:
         config = replace(config, router=_router(data["router"]))

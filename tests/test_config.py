@@ -96,6 +96,15 @@ class ConfigTests(SynchronousTestCase):
                 "endpoints[0].weight",
             ),
             ({"router": {"max_retries": -1}}, "router.max_retries"),
+            (
+                {"router": {"load_poll_interval": "10ms"}},
+                "router.load_poll_interval: under the least",
+            ),
+            (
+                {"log_format": "xml"},
+                "log_format: expected one of text, json, got 'xml'",
+            ),
+            ({"metrics_listen": ""}, "metrics_listen: expected a non-empty string"),
         ]
         for data, message in cases:
             with self.assertRaises(ConfigError) as raised:
@@ -146,6 +155,31 @@ class ConfigTests(SynchronousTestCase):
             self.assertIn(message, str(raised.exception))
         # No body rate: no window needed.
         parse_config({"router": {"min_body_rate": 0, "body_rate_window": "0s"}})
+
+    def test_metrics_and_logs(self) -> None:
+        """
+        C{metrics_listen}, C{log_format} and C{[router] load_poll_interval}
+        are read; a poll interval of 0 turns polling off.
+        """
+        config = parse_config(
+            {
+                "metrics_listen": "tcp:9091",
+                "log_format": "json",
+                "router": {"load_poll_interval": "0s"},
+            }
+        )
+        self.assertEqual(config.metrics_listen, "tcp:9091")
+        self.assertEqual(config.log_format, "json")
+        self.assertEqual(config.router.load_poll_interval, 0.0)
+        default = parse_config({})
+        self.assertEqual(
+            (
+                default.metrics_listen,
+                default.log_format,
+                default.router.load_poll_interval,
+            ),
+            ("", "text", 1.0),
+        )
 
     def test_endpoint_flag(self) -> None:
         """

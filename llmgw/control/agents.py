@@ -254,11 +254,16 @@ class AgentHub(Factory):
         self.max_frame_size = max_frame_size
         self.links: dict[str, AgentLink] = {}
         self.wall_clock = wall_clock
+        # Registers from nodes known before (agents that came back).
+        self.reconnects = 0
 
     def registered(self, register: pb.Register) -> Node:
         """
-        Record a Register in the inventory and tell the listener.
+        Record a Register in the inventory and tell the listener; a node
+        known before counts as a reconnect.
         """
+        if self.inventory.get(register.node_id) is not None:
+            self.reconnects += 1
         node = self.inventory.register(
             register, self.wall_clock(), self.clock.seconds()
         )

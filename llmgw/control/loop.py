@@ -6,6 +6,7 @@ pass becomes exactly one more pass; stopping waits for the pass in flight.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from twisted.application.service import Service
@@ -42,6 +43,9 @@ class Loop(Service):
         self._running_pass: Deferred[None] | None = None
         self._again = False
         self.passes = 0
+        # Seconds (wall clock) of the passes done, and of the last one.
+        self.pass_seconds = 0.0
+        self.last_pass_seconds = 0.0
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
@@ -72,12 +76,15 @@ class Loop(Service):
         self._running_pass.addBoth(self._done)
 
     async def _one_pass(self) -> None:
+        began = time.perf_counter()
         try:
             result = self._work()
             if result is not None:
                 await result
         except Exception:
             self.log.failure("{name}: pass failed; next pass as usual", name=self.name)
+        self.last_pass_seconds = time.perf_counter() - began
+        self.pass_seconds += self.last_pass_seconds
 
     def _done(self, _: object) -> None:
         self._running_pass = None

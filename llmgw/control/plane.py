@@ -42,6 +42,7 @@ from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
 from llmgw.control.placement import NodeView, NoFit, Plan, place
 from llmgw.control.records import (
+    PlaneCounts,
     ReplicaRecord,
     ReplicaState,
     ShardRecord,
@@ -140,6 +141,7 @@ class ControlPlane(Draining):
         self.started = clock.seconds()
         self.grace_over = settings.startup_grace <= 0
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
+        self.counts = PlaneCounts()
 
     # What the agents say.
 
@@ -388,6 +390,7 @@ class ControlPlane(Draining):
             model=replica.model,
             error=error,
         )
+        self.counts.failed(replica.model)
         if model is not None:
             scaling.failed(
                 model, now, f"replica {replica.id}: {error}", lost, self.settings
@@ -516,6 +519,7 @@ class ControlPlane(Draining):
                 state.model.profiles, snapshot.fleet, self.ports, frozenset(spread)
             )
             if isinstance(result, NoFit):
+                self.counts.no_fit(result.lines())
                 if state.no_fit != result:
                     state.last_error = "no place for a replica: " + "; ".join(
                         result.lines()[:3]
@@ -542,6 +546,7 @@ class ControlPlane(Draining):
         port = plan.rendezvous_port or leader.port
         address = f"{_host(node.address)}:{port}" if node is not None else ""
         replica = self._commands.start(model.name, plan, now, address)
+        self.counts.started(model.name)
         self.replicas[replica.id] = replica
         for shard in replica.shards:
             self._shards[shard.id] = (replica, shard)

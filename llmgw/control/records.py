@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -159,3 +159,62 @@ class ReplicaRecord:
         if state == ReplicaState.STARTING and now - self.created > start_timeout:
             return f"not ready after {start_timeout:g}s", False
         return "", False
+
+
+# Placement failure reasons, a fixed set (metric label values): a NoFit
+# line's cause, told by the words placement writes (see
+# L{llmgw.control.placement}).
+_NO_FIT_KINDS = (
+    ("no nodes", "no_nodes"),
+    ("fabric", "fabric"),
+    ("free port", "ports"),
+    (" GB", "gpu_memory"),
+    ("GPU", "gpus"),
+    ("nodes fit", "multi_node"),
+)
+
+
+def no_fit_kinds(lines: list[str]) -> set[str]:
+    """
+    @param lines: a L{llmgw.control.placement.NoFit}'s lines.
+    @return: the kinds of cause among them, each a fixed word
+        (C{no_nodes}, C{fabric}, C{ports}, C{gpus}, C{gpu_memory},
+        C{multi_node}, or C{node_state} for a node not ready).
+    """
+    kinds = set()
+    for line in lines:
+        for words, kind in _NO_FIT_KINDS:
+            if words in line:
+                kinds.add(kind)
+                break
+        else:
+            kinds.add("node_state")
+    return kinds
+
+
+@dataclass
+class PlaneCounts:
+    """
+    What the control plane did since it started, for the fleet metrics
+    (L{llmgw.control.metrics}).
+
+    @ivar engine_starts: replicas started, by model.
+    @ivar engine_failures: replicas failed (not drained), by model.
+    @ivar placement_failures: placements that found no fit, by kind of
+        cause (L{no_fit_kinds}); one placement may count under several.
+    """
+
+    engine_starts: dict[str, int] = field(default_factory=dict)
+    engine_failures: dict[str, int] = field(default_factory=dict)
+    placement_failures: dict[str, int] = field(default_factory=dict)
+
+    def started(self, model: str) -> None:
+        self.engine_starts[model] = self.engine_starts.get(model, 0) + 1
+
+    def failed(self, model: str) -> None:
+        self.engine_failures[model] = self.engine_failures.get(model, 0) + 1
+
+    def no_fit(self, lines: list[str]) -> None:
+        for kind in no_fit_kinds(lines):
+            count = self.placement_failures.get(kind, 0)
+            self.placement_failures[kind] = count + 1

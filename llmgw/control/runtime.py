@@ -47,6 +47,10 @@ class ModelCatalog:
         self._names: dict[str, str] = {name: m.name for m in models for name in m.names}
         self._static = tuple(static)
         self._changed = changed
+        # Requests that waited for an activation, and their seconds waited
+        # (the fleet metrics' summary).
+        self.activation_waits = 0
+        self.activation_wait_seconds = 0.0
 
     def resolve(self, name: str) -> str | None:
         """
@@ -116,6 +120,14 @@ class ModelCatalog:
         waiter: Deferred[None] = Deferred(
             lambda d: state.waiters.remove(d) if d in state.waiters else None
         )
+        started = self.clock.seconds()
+
+        def waited(result: object) -> object:
+            self.activation_waits += 1
+            self.activation_wait_seconds += self.clock.seconds() - started
+            return result
+
+        waiter.addBoth(waited)
         state.waiters.append(waiter)
         self._changed()
         return waiter

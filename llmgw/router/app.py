@@ -26,7 +26,8 @@ from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
 
 # Named here too for the modules that import them from the routes.
 from llmgw.router.interfaces import RequestRecord as RequestRecord
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.load import LoadBoard
+from llmgw.router.metrics import OTHER_MODEL, RouterMetrics
 from llmgw.router.prepare import (
     USAGE_STREAM_PATHS,
     Prepared,
@@ -103,6 +104,10 @@ class LogUsageSink:
             prompt_tokens=record.prompt_tokens,
             completion_tokens=record.completion_tokens,
             latency=record.latency,
+            # Not in the text line; fields of the JSON line (--log-format).
+            time_to_first_token=record.time_to_first_token,
+            stream=record.stream,
+            usage_estimated=record.usage_estimated,
         )
 
 
@@ -121,6 +126,8 @@ class Router:
         C{created} field of model objects).
     @param activator: scale from zero, or L{None}.
     @param auth: API keys, or L{None} for an open gateway.
+    @ivar load: each replica's engine load, when the server polls it
+        (set by the server's wiring).
     """
 
     app = Klein()
@@ -152,6 +159,7 @@ class Router:
         self.in_flight = 0
         # Models whose engines sent no usage in a stream (warned once).
         self._no_stream_usage: set[str] = set()
+        self.load: LoadBoard | None = None
         self._idle_waiters: list[Deferred[None]] = []
         self._resolve = activator.resolve if activator is not None else _no_alias
         routes = self.app.url_map.bind("gateway")
@@ -396,7 +404,7 @@ class Router:
         metrics = self.metrics
         status = str(record.status)
         known = self.knows(record.model)
-        metrics.requests.labels(record.model if known else "", status).inc()
+        metrics.requests.labels(record.model if known else OTHER_MODEL, status).inc()
         if not known:
             return
         metrics.request_duration.labels(record.model).observe(record.latency)

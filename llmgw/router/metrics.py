@@ -13,6 +13,11 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+# The one C{model} label value for every name that is not configured: a
+# client must not be able to grow the series by inventing model names.
+OTHER_MODEL = "other"
+
+
 class RouterMetrics:
     """
     Counters and histograms for client traffic, registered in C{registry}.
@@ -21,7 +26,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "llmgw_requests",
-            "Client requests finished, by model and HTTP status.",
+            "Client requests finished, by model and HTTP status; names no"
+            ' replica or catalog model has count under model="other".',
             ["model", "status"],
             registry=registry,
         )

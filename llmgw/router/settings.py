@@ -57,3 +57,6 @@ class RouterConfig:
     max_header_size: int = 32 * 1024
     max_connections: int = 16384
     max_connections_per_client: int = 1024
+    # Seconds between reads of each replica's /metrics (engine load); 0
+    # turns the poller off.
+    load_poll_interval: float = 1.0

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IListeningPort, IReactorTime
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
+from twisted.python.components import Componentized
 from twisted.web.client import HTTPConnectionPool
 
 log = Logger(namespace="llmgw.server")
@@ -61,7 +62,12 @@ class Lifecycle(MultiService):
 
     @param clock: times the steps (C{seconds()}); by default the monotonic
         clock.
+    @ivar log_observer: when set, given to the twistd application this
+        service joins as its log observer (twistd's C{AppLogger.start}
+        reads the application's L{ILogObserver} component).
     """
+
+    log_observer: ILogObserver | None = None
 
     def __init__(self, clock: IReactorTime | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -69,6 +75,11 @@ class Lifecycle(MultiService):
             clock.seconds if clock is not None else time.monotonic
         )
         self._steps: dict[str, list[IService]] = {name: [] for name in STOP_STEPS}
+
+    def setServiceParent(self, parent: Any) -> Any:
+        if self.log_observer is not None and isinstance(parent, Componentized):
+            parent.setComponent(ILogObserver, self.log_observer)
+        return super().setServiceParent(parent)  # type: ignore[no-untyped-call]
 
     def add(self, step: str, *services: IService) -> None:
         """

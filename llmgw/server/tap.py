@@ -22,8 +22,9 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 from twisted.web.server import Site
 
-from llmgw.checks import ConfigError
+from llmgw.checks import ConfigError, check_choice
 from llmgw.config import (
+    LOG_FORMATS,
     ServerConfig,
     finish_config,
     load_config,
@@ -32,11 +33,13 @@ from llmgw.config import (
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
 from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
+from llmgw.control.metrics import FleetCollector
 from llmgw.control.plane import ControlPlane
 from llmgw.router.app import LogUsageSink, Router, UsageSinks
 from llmgw.router.auth import KeyRing
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
+from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
@@ -67,6 +70,8 @@ from llmgw.server.local import (
     local_listener_factory,
     local_node_id,
 )
+from llmgw.server.logs import json_observer
+from llmgw.server.metrics_site import metrics_site
 from llmgw.server.usage import StoreUsageSink
 from llmgw.store.db import Store, StoreError, sqlite_path
 from llmgw.store.usage import UsageWriter
@@ -106,6 +111,19 @@ class Options(usage.Options):
             None,
             "Admin listener, a Twisted server endpoint string"
             " (default tcp:9090:interface=127.0.0.1).",
+        ],
+        [
+            "metrics-listen",
+            None,
+            None,
+            "A listener serving /metrics only, safe to open to a Prometheus"
+            " server (default: none; the admin listener serves /metrics too).",
+        ],
+        [
+            "log-format",
+            None,
+            None,
+            "text (default) or json: one JSON object per log line.",
         ],
         [
             "state-dir",
@@ -154,6 +172,11 @@ class Options(usage.Options):
             config = replace(config, admin_listen=self["admin-listen"])
         if self["agent-listen"] is not None:
             config = replace(config, agent_listen=self["agent-listen"])
+        if self["metrics-listen"] is not None:
+            config = replace(config, metrics_listen=self["metrics-listen"])
+        if self["log-format"] is not None:
+            log_format = check_choice("--log-format", self["log-format"], LOG_FORMATS)
+            config = replace(config, log_format=log_format)
         if self["state-dir"] is not None:
             config = replace(config, state_dir=self["state-dir"])
         if self["local"]:
@@ -339,11 +362,22 @@ def makeService(options: Options) -> IService:
     )
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown)
-    static = list(config.endpoints)
-    balancer.set_endpoints(static)
     agent, pool = make_upstream_client(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
+    # Engine load: its own connections, one per engine, so that polls never
+    # wait behind traffic.
+    interval = settings.load_poll_interval
+    scraper = make_scraper(reactor, settings.connect_timeout, interval)
+    load = LoadBoard(reactor, scraper, interval)
+    registry.register(LoadCollector(load))
+
+    def publish(endpoints: list[Endpoint]) -> None:
+        balancer.set_endpoints(endpoints)
+        load.set_endpoints(endpoints)
+
+    static = list(config.endpoints)
+    publish(static)
     inventory = Inventory()
     hub = AgentHub(
         reactor,
@@ -362,13 +396,14 @@ def makeService(options: Options) -> IService:
         hub,
         models,
         control,
-        balancer.set_endpoints,
+        publish,
         static=static,
         outstanding=balancer.outstanding,
         keys=engine_keys.for_shard,
         cut=balancer.cut,
     )
     hub.listener = plane
+    registry.register(FleetCollector(plane, hub, usage_writer))
     keys.resolve = plane.catalog.resolve
     router = Router(
         reactor,
@@ -381,6 +416,7 @@ def makeService(options: Options) -> IService:
         activator=plane.catalog,
         auth=keys,
     )
+    router.load = load
     raise_open_file_limit(settings.max_connections)
     router_site = make_site(router.app.resource(), settings, reactor, router.cors)
     admin = Admin(
@@ -403,6 +439,11 @@ def makeService(options: Options) -> IService:
         admin_site = Site(guard)
         admin_site.log = lambda request: None  # type: ignore[method-assign]
         admin_port = _listen(reactor, "admin_listen", config.admin_listen, admin_site)
+        metrics_port = None
+        if config.metrics_listen:
+            metrics_port = _listen(
+                reactor, "metrics_listen", config.metrics_listen, metrics_site(registry)
+            )
         admin_host = getattr(admin_port.getHost(), "host", "127.0.0.1")
         # A UNIX socket is reached through the file system's permissions.
         admin_guarded = guard.enabled = not is_loopback(admin_host, True)
@@ -437,12 +478,26 @@ def makeService(options: Options) -> IService:
         raise SystemExit(1) from None
 
     top = Lifecycle()
+    if config.log_format == "json":
+        try:
+            top.log_observer = json_observer(getattr(options, "parent", None))
+        except OSError as e:
+            sys.stderr.write(f"llmgw-server: cannot open the log file: {e}\n")
+            raise SystemExit(1) from None
     top.add(LISTENERS, ListeningService(router_port))
     if agent_port is not None:
         top.add(LISTENERS, ListeningService(agent_port))
     top.add(LISTENERS, ListeningService(admin_port))
+    if metrics_port is not None:
+        top.add(LISTENERS, ListeningService(metrics_port))
+        metrics_address = metrics_port.getHost()
+        log.info(
+            "metrics-only listener on {host}:{port}",
+            host=getattr(metrics_address, "host", metrics_address),
+            port=getattr(metrics_address, "port", ""),
+        )
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    top.add(RECONCILER, plane.loop)
+    top.add(RECONCILER, plane.loop, load)
     # The local uplink first, so that its agent does not report the ends of
     # its engines (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *local_uplink)

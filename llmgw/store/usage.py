@@ -70,6 +70,10 @@ class UsageWriter(Service):
         # When the current episode of failed writes began (clock seconds),
         # or None while writes go through.
         self._failing_since: float | None = None
+        # Batch writes done (or failed) and their seconds, wall clock from
+        # the call to the store's answer (its thread's queue included).
+        self.writes = 0
+        self.write_seconds = 0.0
 
     @property
     def pending(self) -> int:
@@ -127,6 +131,7 @@ class UsageWriter(Service):
         rows, self._rows = self._rows, []
         key_use, self._key_use = self._key_use, {}
         self._in_flight = len(rows)
+        began = time.perf_counter()
         writing = self._writing = self._store.add_usage(rows, key_use)
 
         def written(_: object) -> None:
@@ -149,6 +154,8 @@ class UsageWriter(Service):
 
         def finished(_: object) -> None:
             self._writing = None
+            self.writes += 1
+            self.write_seconds += time.perf_counter() - began
 
         writing.addCallbacks(written, failed)
         writing.addBoth(finished)

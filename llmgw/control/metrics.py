@@ -1,0 +1,268 @@
+"""
+Fleet metrics (DESIGN.md section 6): the control plane's state, read at
+scrape time by a custom collector, so that each series stands for
+something the plane holds now and label values are bounded by the fleet
+itself: node ids, GPU indexes, catalog model names, replica states, and
+fixed words (node states, placement failure kinds).  Never a secret, a
+key, a user field or a request id.
+
+Registered on the server's one registry (L{llmgw.server.tap}), served on
+the same C{/metrics} as the traffic figures (L{llmgw.router.metrics}).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+
+from llmgw.control.agents import AgentHub
+from llmgw.control.inventory import NodeState
+from llmgw.control.plane import ControlPlane
+from llmgw.control.records import ReplicaState
+from llmgw.control.scaling import bounded
+from llmgw.wire.states import ShardState
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+class UsageBuffer(Protocol):
+    """
+    The usage writer as the metrics read it
+    (L{llmgw.store.usage.UsageWriter}).
+    """
+
+    @property
+    def pending(self) -> int: ...
+
+    writes: int
+    write_seconds: float
+    written: int
+    dropped: int
+
+
+class FleetCollector:
+    """
+    The fleet's figures, from C{plane}, its agents' C{hub} and the
+    C{usage} writer, computed at each scrape.
+
+    @param plane: the control plane (its catalog, replicas, inventory,
+        loop and counts).
+    @param hub: the agent links (reconnects).
+    @param usage: the usage writer, or L{None}.
+    """
+
+    def __init__(
+        self, plane: ControlPlane, hub: AgentHub, usage: UsageBuffer | None = None
+    ) -> None:
+        self.plane = plane
+        self.hub = hub
+        self.usage = usage
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._nodes()
+        yield from self._models()
+        yield from self._plane()
+        if self.usage is not None:
+            yield from self._usage(self.usage)
+
+    def _nodes(self) -> Iterator[Metric]:
+        plane = self.plane
+        nodes = plane.inventory.nodes()
+        by_state = GaugeMetricFamily(
+            "llmgw_nodes", "Nodes known, by state.", labels=["state"]
+        )
+        counts = {state: 0 for state in NodeState}
+        for node in nodes:
+            counts[node.state] = counts.get(node.state, 0) + 1
+        for state, count in counts.items():
+            by_state.add_metric([str(state)], count)
+        yield by_state
+        yield GaugeMetricFamily(
+            "llmgw_nodes_draining",
+            "Nodes being drained (nothing new placed on them).",
+            value=sum(1 for n in nodes if n.draining),
+        )
+        labels = ["node", "gpu"]
+        total = GaugeMetricFamily(
+            "llmgw_gpu_memory_total_bytes",
+            "GPU memory, bytes, as the node's agent reports it.",
+            labels=labels,
+        )
+        used = GaugeMetricFamily(
+            "llmgw_gpu_memory_used_bytes",
+            "GPU memory in use, bytes, as the node's agent reports it.",
+            labels=labels,
+        )
+        allocated = GaugeMetricFamily(
+            "llmgw_gpu_memory_allocated_bytes",
+            "GPU memory, bytes, that the replicas placed on the GPU asked"
+            " for (their profile's gpu_memory_gb, GiB).",
+            labels=labels,
+        )
+        shards = GaugeMetricFamily(
+            "llmgw_gpu_shards",
+            "Engine shards placed on the GPU and not gone.",
+            labels=labels,
+        )
+        placed: dict[tuple[str, int], tuple[float, int]] = {}
+        for replica in plane.replicas.values():
+            need = replica.profile.gpu_memory_gb * GIB
+            for shard in replica.shards:
+                if shard.state.gone:
+                    continue
+                for index in shard.gpus:
+                    memory, count = placed.get((shard.node, index), (0.0, 0))
+                    placed[shard.node, index] = (memory + need, count + 1)
+        for node in nodes:
+            for gpu in node.gpus:
+                values = [node.id, str(gpu.index)]
+                total.add_metric(values, gpu.memory_total_mib * MIB)
+                used.add_metric(values, gpu.memory_used_mib * MIB)
+                memory, count = placed.get((node.id, gpu.index), (0.0, 0))
+                allocated.add_metric(values, memory)
+                shards.add_metric(values, count)
+        yield from (total, used, allocated, shards)
+
+    def _models(self) -> Iterator[Metric]:
+        plane = self.plane
+        now = plane.clock.seconds()
+        model = ["model"]
+        replicas = GaugeMetricFamily(
+            "llmgw_replicas",
+            "Replicas of each catalog model, by state.",
+            labels=["model", "state"],
+        )
+        desired = GaugeMetricFamily(
+            "llmgw_model_replicas_desired",
+            "Replicas each model should have now.",
+            labels=model,
+        )
+        ready = GaugeMetricFamily(
+            "llmgw_model_replicas_ready", "Ready replicas of each model.", labels=model
+        )
+        queue = GaugeMetricFamily(
+            "llmgw_activation_queue_length",
+            "Requests waiting for a replica of the model to become ready.",
+            labels=model,
+        )
+        backoff = GaugeMetricFamily(
+            "llmgw_model_backoff_seconds",
+            "Seconds before the model's next placement after failed"
+            " replicas (0 when not backing off).",
+            labels=model,
+        )
+        failing = GaugeMetricFamily(
+            "llmgw_model_failures_in_a_row",
+            "Replicas of the model that failed in a row.",
+            labels=model,
+        )
+        by_model: dict[str, dict[ReplicaState, int]] = {}
+        for replica in plane.replicas.values():
+            states = by_model.setdefault(replica.model, {})
+            states[replica.state] = states.get(replica.state, 0) + 1
+        for state in plane.catalog.states():
+            name = state.model.name
+            states = by_model.get(name, {})
+            for replica_state in ReplicaState:
+                replicas.add_metric(
+                    [name, str(replica_state)], states.get(replica_state, 0)
+                )
+            desired.add_metric([name], bounded(state.model, state.wanted))
+            ready.add_metric([name], states.get(ReplicaState.READY, 0))
+            queue.add_metric([name], len(state.waiters))
+            backoff.add_metric([name], max(0.0, state.retry_at - now))
+            failing.add_metric([name], state.failures)
+        yield from (replicas, desired, ready, queue, backoff, failing)
+        catalog = plane.catalog
+        yield SummaryMetricFamily(
+            "llmgw_activation_wait_seconds",
+            "Seconds requests waited for a replica to be activated (served"
+            " or given up).",
+            count_value=catalog.activation_waits,
+            sum_value=catalog.activation_wait_seconds,
+        )
+
+    def _plane(self) -> Iterator[Metric]:
+        plane = self.plane
+        counts = plane.counts
+        placement = CounterMetricFamily(
+            "llmgw_placement_failures",
+            "Placements that found no fit, by kind of cause (no_nodes, gpus,"
+            " gpu_memory, fabric, ports, multi_node, node_state).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(counts.placement_failures.items()):
+            placement.add_metric([reason], count)
+        starts = CounterMetricFamily(
+            "llmgw_engine_starts", "Replicas started, by model.", labels=["model"]
+        )
+        failures = CounterMetricFamily(
+            "llmgw_engine_failures",
+            "Replicas that failed (not drained), by model.",
+            labels=["model"],
+        )
+        for name, count in sorted(counts.engine_starts.items()):
+            starts.add_metric([name], count)
+        for name, count in sorted(counts.engine_failures.items()):
+            failures.add_metric([name], count)
+        yield from (placement, starts, failures)
+        yield CounterMetricFamily(
+            "llmgw_agent_reconnects",
+            "Registers from nodes known before (agents that came back).",
+            value=self.hub.reconnects,
+        )
+        loop = plane.loop
+        yield SummaryMetricFamily(
+            "llmgw_reconcile_pass_seconds",
+            "Reconciler passes and their duration, seconds (wall clock).",
+            count_value=loop.passes,
+            sum_value=loop.pass_seconds,
+        )
+        yield GaugeMetricFamily(
+            "llmgw_reconcile_last_pass_seconds",
+            "The last reconciler pass's duration, seconds.",
+            value=loop.last_pass_seconds,
+        )
+        shards = GaugeMetricFamily(
+            "llmgw_shards", "Engine shards, by state.", labels=["state"]
+        )
+        shard_counts = {state: 0 for state in ShardState}
+        for replica in plane.replicas.values():
+            for shard in replica.shards:
+                shard_counts[shard.state] = shard_counts.get(shard.state, 0) + 1
+        for shard_state, count in shard_counts.items():
+            shards.add_metric([str(shard_state)], count)
+        yield shards
+
+    def _usage(self, usage: UsageBuffer) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "llmgw_usage_records_pending",
+            "Usage records buffered, not written to the store yet.",
+            value=usage.pending,
+        )
+        yield CounterMetricFamily(
+            "llmgw_usage_records_written",
+            "Usage records written to the store.",
+            value=usage.written,
+        )
+        yield CounterMetricFamily(
+            "llmgw_usage_records_dropped",
+            "Usage records dropped because the buffer was full.",
+            value=usage.dropped,
+        )
+        yield SummaryMetricFamily(
+            "llmgw_store_write_seconds",
+            "Usage batch writes to the store and their latency, seconds"
+            " (from the call to the answer, the store thread's queue"
+            " included).",
+            count_value=usage.writes,
+            sum_value=usage.write_seconds,
+        )

@@ -68,6 +68,11 @@ from llmgw.server.local import (
 from llmgw.server.usage import StoreUsageSink
 from llmgw.store.db import Store, StoreError, sqlite_path
 from llmgw.store.usage import UsageWriter
+from llmgw.web.fleet import Fleet
+from llmgw.web.history import FailureTap, History
+from llmgw.web.login import LoginGate, Mount, Sessions, Split
+from llmgw.web.pages import CookieCsrf, Dashboard
+from llmgw.web.profiling import Profiling
 from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
@@ -363,7 +368,8 @@ def makeService(options: Options) -> IService:
         static=static,
         outstanding=balancer.outstanding,
     )
-    hub.listener = plane
+    failures = FailureTap(plane, time.time)
+    hub.listener = failures
     keys.resolve = plane.catalog.resolve
     router = Router(
         reactor,
@@ -376,7 +382,6 @@ def makeService(options: Options) -> IService:
         activator=plane.catalog,
         auth=keys,
     )
-    router_site = make_site(router.app.resource(), settings.max_body_size)
     admin = Admin(
         registry,
         inventory,
@@ -387,7 +392,39 @@ def makeService(options: Options) -> IService:
         config_models=config_names,
         wall_clock=time.time,
     )
-    admin_resource: Any = admin.app.resource()
+    history = History(reactor, registry, plane, keys, wall_clock=time.time)
+    fleet = Fleet(
+        inventory,
+        plane,
+        keys,
+        history,
+        failures,
+        getattr(router, "load", None),
+        wall_clock=time.time,
+    )
+    # The dashboard at /admin on the client listener, behind a login.
+    sessions = Sessions(keys, time.monotonic)
+    client_dashboard = Dashboard(fleet, admin, sessions, "/admin", logout=True)
+    router_site = make_site(
+        Mount(
+            router.app.resource(),
+            b"admin",
+            LoginGate(client_dashboard.app.resource(), sessions, "/admin"),
+        ),
+        settings.max_body_size,
+    )
+    # The admin listener: its API, metrics and profiling, the dashboard
+    # at every other path.
+    api: Any = admin.app.resource()
+    admin_resource = Split(
+        {
+            b"api": api,
+            b"metrics": api,
+            b"healthz": api,
+            b"debug": Profiling(reactor).app.resource(),
+        },
+        Dashboard(fleet, admin, CookieCsrf()).app.resource(),
+    )
     agent_port = local_port = None
     local_uplink: list[Service] = []
     local_engines: list[Service] = []
@@ -436,7 +473,7 @@ def makeService(options: Options) -> IService:
         top.add(LISTENERS, ListeningService(agent_port))
     top.add(LISTENERS, ListeningService(admin_port))
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    top.add(RECONCILER, plane.loop)
+    top.add(RECONCILER, plane.loop, history)
     # The local uplink first, so that its agent does not report the ends of
     # its engines (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *local_uplink)

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 import urllib.parse
 from typing import Any
@@ -133,9 +135,20 @@ class AdminListenerTests(_Browser, SynchronousTestCase):
         page.wait_for_selector("[data-node=gpu-02]")
         self.assertEqual(page.locator("[data-node]").count(), 2)
         self.assertEqual(page.locator(".nodes .gpu").count(), 4)
+        # The one replica holds one GPU; each bar says its memory.
+        self.assertEqual(page.locator(".nodes .gpu.alloc").count(), 1)
+        self.assertIn("/141 GiB", page.inner_text(".nodes"))
         self.assertIn("gpu-01", page.inner_text("main"))
         self.assertIn("ready 1", page.inner_text("#replica-states"))
         self.assertIn("chat", page.inner_text("main"))
+        # Traffic reaches the sparklines (sampled every 5 s) and the page
+        # shows it by its refresh.
+        for _ in range(5):
+            self.chat()
+        rate = page.locator(".card .big").first
+        self.expect(rate).to_have_text(
+            re.compile(r"^(?!0\.0$)\d+\.\d$"), timeout=20_000
+        )
         self.shot("overview-1280.png")
         page.set_viewport_size({"width": 390, "height": 844})
         self.shot("overview-phone.png")
@@ -266,3 +279,20 @@ class ClientListenerTests(_Browser, SynchronousTestCase):
             )
             statuses.append(status)
         self.assertEqual(statuses, [403] * 4 + [429] * 2)
+
+
+class SkipRuleTests(SynchronousTestCase):
+    def test_no_chromium(self) -> None:
+        """
+        Without Chromium the browser tests skip with a reason naming the
+        package, and fail instead under C{CI=true}.
+        """
+        self.patch(sys.modules[__name__], "CHROMIUM", "/nonexistent/chromium")
+        self.patch(os, "environ", {**os.environ, "CI": "false"})
+        with self.assertRaises(SkipTest) as skipped:
+            _browser_or_skip()
+        self.assertIn("chromium package", str(skipped.exception))
+        self.patch(os, "environ", {**os.environ, "CI": "true"})
+        with self.assertRaises(AssertionError) as failed:
+            _browser_or_skip()
+        self.assertIn("chromium", str(failed.exception))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from typing import Any, cast
+from urllib.parse import urlencode
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from treq.testing import StubTreq
@@ -23,7 +24,7 @@ from llmgw.control.plane import ControlPlane
 from llmgw.router.auth import KeyRing, hash_key
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, sparkline
-from llmgw.web.login import SESSION_COOKIE, Mount, Sessions, Split
+from llmgw.web.login import SESSION_COOKIE, LoginGate, Mount, Sessions, Split
 from llmgw.web.pages import CookieCsrf, Dashboard
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import PlaneCase
@@ -181,7 +182,8 @@ class HistoryTests(SynchronousTestCase):
         """
         svg = sparkline([0, 5, 10], width=100, height=40)
         self.assertIn('points="0.0,38.0 50.0,20.0 100.0,2.0"', svg)
-        self.assertIn("<polyline", sparkline([]))
+        self.assertIn('points="0.0,38.0 100.0,38.0"', sparkline([], width=100))
+        self.assertIn('points="0.0,38.0 100.0,2.0"', sparkline([3], width=100))
 
 
 class _Listener:
@@ -358,3 +360,57 @@ class MountTests(SynchronousTestCase):
         self.assertTrue(self.get(split, "/debug/threads").startswith(b"prof"))
         self.assertTrue(self.get(split, "/").startswith(b"d "))
         self.assertTrue(self.get(split, "/nodes/api").startswith(b"d "))
+
+
+class LoginGateTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.sessions = Sessions(_keys(), self.clock.seconds)
+        gate = LoginGate(_Leaf(b"dash"), self.sessions, "/admin")
+        self.treq = StubTreq(Mount(_Leaf(b"api"), b"admin", gate))
+
+    def post_login(self, scheme: str, key: str) -> Any:
+        response = self.successResultOf(
+            self.treq.post(
+                f"{scheme}://x/admin/login",
+                data=urlencode({"key": key}).encode(),
+                headers={"content-type": "application/x-www-form-urlencoded"},
+                allow_redirects=False,
+            )
+        )
+        self.successResultOf(response.content())
+        return response
+
+    def test_cookie(self) -> None:
+        """
+        An admin key's login answers 303 to the pages with a session
+        cookie that is C{HttpOnly}, C{SameSite=Strict}, for C{/admin}
+        only, and C{Secure} under TLS; a non-admin key gets 403 and no
+        cookie.
+        """
+        response = self.post_login("http", ADMIN)
+        self.assertEqual(response.code, 303)
+        self.assertEqual(response.headers.getRawHeaders("location"), ["/admin/"])
+        (cookie,) = response.headers.getRawHeaders("set-cookie")
+        self.assertIn("HttpOnly", cookie)
+        self.assertIn("SameSite=strict", cookie)
+        self.assertIn("Path=/admin", cookie)
+        self.assertNotIn("Secure", cookie)
+        (cookie,) = self.post_login("https", ADMIN).headers.getRawHeaders("set-cookie")
+        self.assertIn("Secure", cookie)
+        response = self.post_login("http", PLAIN)
+        self.assertEqual(response.code, 403)
+        self.assertIsNone(response.headers.getRawHeaders("set-cookie"))
+
+    def test_pages_need_a_session(self) -> None:
+        """
+        Without a session the pages send to the login form (a fragment
+        request gets 401); the client API beside them is untouched.
+        """
+        for path, code in (("/admin/", 303), ("/admin/nodes/n1?fragment=1", 401)):
+            response = self.successResultOf(
+                self.treq.get("http://x" + path, allow_redirects=False)
+            )
+            self.assertEqual(response.code, code, path)
+        response = self.successResultOf(self.treq.get("http://x/v1/models"))
+        self.assertEqual(self.successResultOf(response.content())[:3], b"api")

@@ -63,7 +63,7 @@ def _ago(then: float | None, now: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def _gpus(node: Node) -> list[dict[str, Any]]:
+def _gpus(node: Node, allocated: set[int]) -> list[dict[str, Any]]:
     out = []
     for gpu in node.gpus:
         total = gpu.memory_total_mib
@@ -78,6 +78,7 @@ def _gpus(node: Node) -> list[dict[str, Any]]:
                 "percent": round(100 * used / total) if total else 0,
                 "problems": gpu.problems,
                 "simulated": gpu.simulated,
+                "allocated": gpu.index in allocated,
             }
         )
     return out
@@ -116,14 +117,27 @@ class Fleet:
             return []
         return sorted(self.plane.replicas.values(), key=lambda r: (r.model, r.id))
 
-    def _node_row(self, node: Node, now: float) -> dict[str, Any]:
+    def _allocated(self) -> dict[str, set[int]]:
+        """
+        @return: per node, the GPUs its live shards hold.
+        """
+        held: dict[str, set[int]] = {}
+        for replica in self._replicas():
+            for shard in replica.shards:
+                if not shard.state.gone:
+                    held.setdefault(shard.node, set()).update(shard.gpus)
+        return held
+
+    def _node_row(
+        self, node: Node, now: float, allocated: dict[str, set[int]]
+    ) -> dict[str, Any]:
         return {
             "id": node.id,
             "state": str(node.state),
             "draining": node.draining,
             "connected": node.connected,
             "seen": _ago(node.last_seen, now),
-            "gpus": _gpus(node),
+            "gpus": _gpus(node, allocated.get(node.id, set())),
         }
 
     def overview(self) -> dict[str, Any]:
@@ -132,7 +146,8 @@ class Fleet:
             desired and ready, the three sparklines and recent failures.
         """
         now = self.wall_clock()
-        nodes = [self._node_row(n, now) for n in self.inventory.nodes()]
+        allocated = self._allocated()
+        nodes = [self._node_row(n, now, allocated) for n in self.inventory.nodes()]
         replicas = self._replicas()
         points = list(self.history.points)
         last = points[-1] if points else None
@@ -200,7 +215,7 @@ class Fleet:
                         }
                     )
         return {
-            **self._node_row(node, now),
+            **self._node_row(node, now, self._allocated()),
             "address": node.address,
             "agent_version": node.agent_version,
             "labels": node.labels,

@@ -269,7 +269,8 @@ def sparkline(
     """
     points = [v if v is not None else 0.0 for v in values]
     if len(points) < 2:
-        points = [0.0, *points, 0.0][-2:] if points else [0.0, 0.0]
+        # One sample, or none: a line from zero to it.
+        points = [0.0, *points] if points else [0.0, 0.0]
     top = max(points) or 1.0
     step = width / (len(points) - 1)
     coords = " ".join(

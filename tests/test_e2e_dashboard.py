@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import urllib.parse
@@ -213,6 +214,18 @@ class AdminListenerTests(_Browser, SynchronousTestCase):
         status, _, _ = http("POST", url, f"csrf={csrf['value']}".encode())
         self.assertEqual(status, 403)
         self.assertFalse(self.node_draining(node))
+
+        # An engine killed: its agent's report, output tail and all,
+        # reaches the overview's failures and the replica's page.
+        # (The drain above moved the replica: the one ready now.)
+        (current,) = self.ready(1)
+        os.killpg(current["shards"][0]["pid"], signal.SIGKILL)
+        page.goto(self.admin_url + "/")
+        failure = page.locator("details.failure").first
+        self.expect(failure).to_contain_text("killed by signal 9", timeout=20_000)
+        failure.locator("summary").click()
+        self.assertIn("llmgw sim", failure.locator("pre").inner_text())
+        self.shot("overview-failure.png")
 
 
 class ClientListenerTests(_Browser, SynchronousTestCase):

@@ -414,3 +414,71 @@ class LoginGateTests(SynchronousTestCase):
             self.assertEqual(response.code, code, path)
         response = self.successResultOf(self.treq.get("http://x/v1/models"))
         self.assertEqual(self.successResultOf(response.content())[:3], b"api")
+
+
+class _Reading:
+    running = 3.0
+    waiting = 1.0
+    kv_cache_usage: float | None = 0.42
+    read_at = 100.0
+
+
+class _Load:
+    def __init__(self) -> None:
+        self.metrics: bool | None = True
+        self.is_stale = False
+        self.value: _Reading | None = _Reading()
+
+    def reading(self, replica_id: str) -> _Reading | None:
+        return self.value
+
+    def stale(self, replica_id: str, now: float) -> bool:
+        return self.is_stale
+
+    def has_metrics(self, replica_id: str) -> bool | None:
+        return self.metrics
+
+
+class EngineLoadTests(PlaneCase):
+    def test_replica_load(self) -> None:
+        """
+        The replica page shows C{router.load}'s reading (running, waiting,
+        KV cache, its age), says when it is stale, when the engine serves
+        no metrics, and when the server polls none.
+        """
+        self.make()
+        self.plane.reconcile()
+        self.ready_all()
+        (replica,) = self.plane.replicas
+        history = History(
+            self.clock, CollectorRegistry(), self.plane, None, wall_clock=time.time
+        )
+        load = _Load()
+        fleet = Fleet(
+            self.inventory,
+            self.plane,
+            None,
+            history,
+            None,
+            load,
+            wall_clock=lambda: 105,
+        )
+
+        def shown() -> dict[str, Any]:
+            row = fleet.replica(replica)
+            assert row is not None
+            result: dict[str, Any] = row["load"]
+            return result
+
+        self.assertEqual(
+            shown(),
+            {"text": "", "running": "3", "waiting": "1", "kv": "42%", "age": "5s ago"},
+        )
+        load.is_stale = True
+        self.assertEqual(shown()["text"], "stale")
+        load.value = None
+        self.assertEqual(shown(), {"text": "no reading yet"})
+        load.metrics = False
+        self.assertEqual(shown(), {"text": "no reading: the engine serves no metrics"})
+        fleet.load = None
+        self.assertIn("does not poll", shown()["text"])

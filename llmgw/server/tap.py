@@ -401,6 +401,7 @@ def makeService(options: Options) -> IService:
         failures,
         getattr(router, "load", None),
         wall_clock=time.time,
+        load_clock=reactor.seconds,
     )
     # The dashboard at /admin on the client listener, behind a login.
     sessions = Sessions(keys, time.monotonic)

@@ -36,7 +36,10 @@ class EngineLoad(Protocol):
     def kv_cache_usage(self) -> float | None: ...
 
     @property
-    def read_at(self) -> float: ...
+    def read_at(self) -> float:
+        """
+        Reactor seconds of the reading.
+        """
 
 
 class LoadBoard(Protocol):
@@ -91,6 +94,8 @@ class Fleet:
     @param load: C{router.load} when the router polls engine load, else
         L{None} (the replica page says "no reading").
     @param wall_clock: POSIX seconds now.
+    @param load_clock: the clock of C{load}'s readings (the reactor's
+        C{seconds}); C{wall_clock} by default.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class Fleet:
         load: LoadBoard | None = None,
         *,
         wall_clock: Callable[[], float] = time.time,
+        load_clock: Callable[[], float] | None = None,
     ) -> None:
         self.inventory = inventory
         self.plane = plane
@@ -111,6 +117,7 @@ class Fleet:
         self.failures = failures
         self.load = load
         self.wall_clock = wall_clock
+        self.load_clock = load_clock or wall_clock
 
     def _replicas(self) -> list[ReplicaRecord]:
         if self.plane is None:
@@ -273,10 +280,11 @@ class Fleet:
                 {"ago": _ago(at, now), "state": state}
                 for at, state in reversed(self.history.states.get(replica_id, ()))
             ],
-            "load": self._load(replica_id, now),
+            "load": self._load(replica_id, self.load_clock()),
         }
 
     def _load(self, replica_id: str, now: float) -> dict[str, Any]:
+        # now: on the readings' clock (read_at is reactor seconds).
         if self.load is None:
             return {"text": "no reading (this server does not poll engine load)"}
         if self.load.has_metrics(replica_id) is False:

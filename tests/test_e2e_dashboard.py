@@ -169,6 +169,14 @@ class AdminListenerTests(_Browser, SynchronousTestCase):
         self.assertIn("one-h200", page.inner_text("main"))
         self.assertIn(replica, page.inner_text("main"))
         self.shot("model.png")
+        page.fill("input[name=max_replicas]", "1")
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("button:has-text('Scale')")
+        self.until(
+            lambda: self.admin("/api/v1/models")["models"][0]["max_replicas"] == 1,
+            10,
+            "max_replicas 1 through the scale form",
+        )
         page.goto(self.admin_url + "/keys")
         self.shot("keys.png")
 
@@ -268,6 +276,11 @@ class ClientListenerTests(_Browser, SynchronousTestCase):
         page.goto(base + "/keys")
         self.assertIn(admin_key[:11], page.inner_text("main"))
         self.assertNotIn(admin_key, page.content())
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("form[action$='/keys/app/revoke'] button")
+        self.expect(page.locator("main")).to_contain_text("revoked")
+        (app,) = [k for k in self.admin("/api/v1/keys")["keys"] if k["name"] == "app"]
+        self.assertIsNotNone(app["revoked"])
 
         answer = page.request.post(
             base + "/nodes/gpu-01/drain",

@@ -36,6 +36,7 @@ from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
 from llmgw.router.auth import KeyRing
+from llmgw.router.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, Point
 from llmgw.web.pages import CookieCsrf, Dashboard
@@ -154,11 +155,13 @@ def build(nodes: int, gpus: int, models: int) -> tuple[Dashboard, ControlPlane]:
             for i in range(50)
         ]
     )
-    history = History(clock, CollectorRegistry(), plane, keys, wall_clock=time.time)
+    history = History(
+        clock, RouterMetrics(CollectorRegistry()), plane, keys, wall_clock=time.time
+    )
     for i in range(120):
         history.points.append(Point(time.time() - 600 + 5 * i, i % 17, 0.01, 0.2))
         history.record_states(time.time())
-        history._sample_keys(keys)
+        history.sample_keys(keys)
     fleet = Fleet(inventory, plane, keys, history, failures, wall_clock=time.time)
     return Dashboard(fleet, _Actions(), CookieCsrf()), plane
 

@@ -12,7 +12,7 @@ import time
 from typing import Any, cast
 from urllib.parse import urlencode
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -22,6 +22,7 @@ from twisted.web.test.requesthelper import DummyChannel
 
 from llmgw.control.plane import ControlPlane
 from llmgw.router.auth import KeyRing, hash_key
+from llmgw.router.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, sparkline
 from llmgw.web.login import SESSION_COOKIE, LoginGate, Mount, Sessions, Split
@@ -138,16 +139,14 @@ class HistoryTests(SynchronousTestCase):
         replica state changes; stopping leaves no delayed call.
         """
         clock = Clock()
-        registry = CollectorRegistry()
-        requests = Counter("llmgw_requests", "", ["model", "status"], registry=registry)
-        ttft = Histogram(
-            "llmgw_time_to_first_token_seconds", "", ["model"], registry=registry
-        )
+        metrics = RouterMetrics(CollectorRegistry())
+        requests = metrics.requests
+        ttft = metrics.time_to_first_token
         plane: Any = type("Plane", (), {})()
         plane.replicas = {"r1": _Replica("starting")}
         history = History(
             clock,
-            registry,
+            metrics,
             cast(ControlPlane, plane),
             None,
             wall_clock=clock.seconds,
@@ -239,7 +238,11 @@ class DashboardTests(PlaneCase):
         self.plane.reconcile()
         self.ready_all()
         history = History(
-            self.clock, CollectorRegistry(), self.plane, None, wall_clock=time.time
+            self.clock,
+            RouterMetrics(CollectorRegistry()),
+            self.plane,
+            None,
+            wall_clock=time.time,
         )
         fleet = Fleet(self.inventory, self.plane, None, history, None)
         self.actions = _Actions()
@@ -451,7 +454,11 @@ class EngineLoadTests(PlaneCase):
         self.ready_all()
         (replica,) = self.plane.replicas
         history = History(
-            self.clock, CollectorRegistry(), self.plane, None, wall_clock=time.time
+            self.clock,
+            RouterMetrics(CollectorRegistry()),
+            self.plane,
+            None,
+            wall_clock=time.time,
         )
         load = _Load()
         fleet = Fleet(

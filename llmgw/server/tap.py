@@ -392,7 +392,7 @@ def makeService(options: Options) -> IService:
         config_models=config_names,
         wall_clock=time.time,
     )
-    history = History(reactor, registry, plane, keys, wall_clock=time.time)
+    history = History(reactor, router.metrics, plane, keys, wall_clock=time.time)
     fleet = Fleet(
         inventory,
         plane,

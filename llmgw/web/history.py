@@ -16,13 +16,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry
 from twisted.application.service import Service
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control.plane import ControlPlane
 from llmgw.router.auth import KeyRing
+from llmgw.router.metrics import RouterMetrics
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
 
@@ -119,9 +119,17 @@ class FailureTap:
         self._inner.shard_status(node_id, status)
 
 
-def _sum(registry: CollectorRegistry, name: str, match: Callable[[Any], bool]) -> float:
+def _any(labels: Any) -> bool:
+    return True
+
+
+def _sum(metric: Any, name: str, match: Callable[[Any], bool]) -> float:
+    """
+    @param metric: a prometheus_client metric (all its label values).
+    @return: the sum of its samples called C{name} whose labels C{match}.
+    """
     total = 0.0
-    for family in registry.collect():
+    for family in metric.collect():
         for sample in family.samples:
             if sample.name == name and match(sample.labels):
                 total += sample.value
@@ -132,8 +140,9 @@ class History(Service):
     """
     Samples every C{interval} seconds, while running.
 
-    @param registry: where the router's counters are
-        (C{llmgw_requests_total} by status, C{llmgw_time_to_first_token_seconds}).
+    @param metrics: the router's counters (C{llmgw_requests_total} by
+        status, C{llmgw_time_to_first_token_seconds}), read alone rather
+        than through the whole registry.
     @param plane: the control plane, or L{None}.
     @param keys: the API keys, or L{None}.
     @param wall_clock: POSIX seconds now.
@@ -145,7 +154,7 @@ class History(Service):
     def __init__(
         self,
         reactor: IReactorTime,
-        registry: CollectorRegistry,
+        metrics: RouterMetrics,
         plane: ControlPlane | None,
         keys: KeyRing | None,
         *,
@@ -153,7 +162,7 @@ class History(Service):
         interval: float = 5.0,
     ) -> None:
         self._reactor = reactor
-        self._registry = registry
+        self._metrics = metrics
         self._plane = plane
         self._keys = keys
         self._wall_clock = wall_clock
@@ -188,19 +197,16 @@ class History(Service):
 
     def _sample(self) -> None:
         now = self._wall_clock()
-        registry = self._registry
-        requests = _sum(registry, "llmgw_requests_total", lambda labels: True)
+        counted = self._metrics.requests
+        requests = _sum(counted, "llmgw_requests_total", _any)
         errors = _sum(
-            registry,
+            counted,
             "llmgw_requests_total",
             lambda labels: str(labels.get("status", "")).startswith("5"),
         )
-        ttft_sum = _sum(
-            registry, "llmgw_time_to_first_token_seconds_sum", lambda labels: True
-        )
-        ttft_count = _sum(
-            registry, "llmgw_time_to_first_token_seconds_count", lambda labels: True
-        )
+        ttft = self._metrics.time_to_first_token
+        ttft_sum = _sum(ttft, "llmgw_time_to_first_token_seconds_sum", _any)
+        ttft_count = _sum(ttft, "llmgw_time_to_first_token_seconds_count", _any)
         figures = (now, requests, errors, ttft_sum, ttft_count)
         if self._last is not None:
             at, requests0, errors0, sum0, count0 = self._last
@@ -218,7 +224,7 @@ class History(Service):
         self._last = figures
         self.record_states(now)
         if self._keys is not None:
-            self._sample_keys(self._keys)
+            self.sample_keys(self._keys)
 
     def record_states(self, now: float) -> None:
         """
@@ -237,7 +243,10 @@ class History(Service):
         for gone in [r for r in self.states if r not in replicas]:
             del self.states[gone]
 
-    def _sample_keys(self, keys: KeyRing) -> None:
+    def sample_keys(self, keys: KeyRing) -> None:
+        """
+        Note each key's tokens used so far.
+        """
         names = set()
         for key in keys.keys():
             names.add(key.name)

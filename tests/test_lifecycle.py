@@ -203,7 +203,7 @@ class MakeServiceStopTests(TestCase):
             [
                 (ORDER[0], ["ListeningService"] * 3),
                 (ORDER[1], ["DrainService"]),
-                (ORDER[2], ["Loop"]),
+                (ORDER[2], ["Loop", "History"]),
                 (ORDER[3], ["LinksService"]),
                 (ORDER[4], ["UsageWriter"]),
                 (ORDER[5], []),

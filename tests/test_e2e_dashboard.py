@@ -164,6 +164,10 @@ class AdminListenerTests(_Browser, SynchronousTestCase):
         self.assertEqual(page.inner_text("#replica-state"), "ready")
         self.assertIn(node, page.inner_text("main"))
         self.assertIn("Engine load", page.inner_text("main"))
+        # Its states as the agent reported them, newest first.
+        history = page.locator("#history li").all_inner_texts()
+        self.assertRegex(history[0], r"ago: ready$")
+        self.assertRegex(history[-1], r"ago: starting$")
         self.shot("replica.png")
         page.goto(self.admin_url + "/models/chat")
         self.assertIn("one-h200", page.inner_text("main"))

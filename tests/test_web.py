@@ -200,10 +200,13 @@ class FailureTapTests(SynchronousTestCase):
     def test_keeps_failures_passes_all(self) -> None:
         """
         A failed shard's output tail is kept; every message goes on to
-        the plane unchanged.
+        the plane unchanged, and C{changed} is called after each shard
+        status reached it.
         """
         inner = _Listener()
         tap = FailureTap(inner, lambda: 5.0)
+        seen: list[int] = []
+        tap.changed = lambda: seen.append(len(inner.got))
         ready = pb.ShardStatus(shard_id="s1", state=pb.SHARD_STATE_READY)
         failed = pb.ShardStatus(
             shard_id="s2",
@@ -219,6 +222,8 @@ class FailureTapTests(SynchronousTestCase):
         (failure,) = tap.failures
         self.assertEqual((failure.node, failure.error), ("n1", "exit 1"))
         self.assertEqual(tap.tails, {"s2": ("a", "b")})
+        # Told after the plane has each shard status.
+        self.assertEqual(seen, [2, 3])
 
 
 class _Actions:

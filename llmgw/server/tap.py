@@ -393,6 +393,7 @@ def makeService(options: Options) -> IService:
         wall_clock=time.time,
     )
     history = History(reactor, router.metrics, plane, keys, wall_clock=time.time)
+    failures.changed = lambda: history.record_states(time.time())
     fleet = Fleet(
         inventory,
         plane,

@@ -94,11 +94,14 @@ class FailureTap:
 
     @param inner: the control plane.
     @param wall_clock: POSIX seconds now.
+    @ivar changed: called after each shard status has reached the plane
+        (the server notes replica states then, not only every few seconds).
     """
 
     def __init__(self, inner: LinkListener, wall_clock: Callable[[], float]) -> None:
         self._inner = inner
         self._wall_clock = wall_clock
+        self.changed: Callable[[], None] = lambda: None
         self.failures: deque[Failure] = deque(maxlen=FAILURES_KEPT)
         self.tails: dict[str, tuple[str, ...]] = {}
 
@@ -117,6 +120,7 @@ class FailureTap:
             if len(self.tails) > 10 * FAILURES_KEPT:
                 self.tails.pop(next(iter(self.tails)))
         self._inner.shard_status(node_id, status)
+        self.changed()
 
 
 def _any(labels: Any) -> bool:

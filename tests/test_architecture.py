@@ -41,6 +41,11 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("sim", "*", "the simulator stands alone like a real engine"),
     ("checks", "*", "configuration checks are a leaf every table uses"),
     ("httpclient", "*", "the quiet connection pool is a leaf"),
+    # The dashboard reads the control plane and the keys; server/ wires it.
+    ("web", "agent", "the dashboard runs in the server, reading the plane"),
+    ("web", "server", "server/ wires the dashboard, not the other way"),
+    ("router", "web", "the router serves clients; server/ mounts the dashboard"),
+    ("control", "web", "the dashboard reads the plane, not the other way"),
 )
 
 # (importing package, imported package): the only modules of the imported

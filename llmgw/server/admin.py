@@ -317,9 +317,27 @@ class Admin(KeyRoutes):
                     400, f"{field}: expected an integer, got {value!r}", "bad_request"
                 )
         try:
-            plane.scale(name, low, high)
+            name = await self.set_scale(name, low, high)
+        except KeyError:
+            raise not_found(f"model {name[:200]!r}") from None
         except ValueError as e:
             raise AdminError(400, str(e), "bad_request") from None
+        return json_answer(request, self._model_json(name))
+
+    async def set_scale(self, name: str, low: int, high: int) -> str:
+        """
+        Set a model's bounds, kept across restarts for a model added at
+        run time (the dashboard's scale action calls this too).
+
+        @return: the model's catalog name.
+        @raise KeyError: no such model (or alias).
+        @raise ValueError: bounds the plane refuses.
+        """
+        plane = self._plane()
+        name = plane.catalog.resolve(name) or name
+        if plane.catalog.model(name) is None:
+            raise KeyError(name)
+        plane.scale(name, low, high)
         if name not in self.config_models and self.store is not None:
             for stored, spec in await self.store.models():
                 if stored == name:
@@ -328,7 +346,7 @@ class Admin(KeyRoutes):
                     await self.store.put_model(
                         name, json.dumps(table), self.wall_clock()
                     )
-        return json_answer(request, self._model_json(name))
+        return name
 
     # Weights
 

@@ -15,7 +15,7 @@ from typing import Any
 from twisted.web.iweb import IRequest
 
 from llmgw.checks import ConfigError, parse_duration
-from llmgw.router.auth import KeyRing
+from llmgw.router.auth import ApiKey, KeyRing
 from llmgw.server.admin_http import AdminError, app, json_answer, not_found, read_body
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
@@ -160,13 +160,26 @@ class KeyRoutes:
         """
         Revoke a key, by name or prefix: it stops working at once.
         """
+        try:
+            key = await self.revoke(name)
+        except KeyError:
+            raise not_found(f"key {name[:200]!r}") from None
+        return json_answer(request, key.to_json())
+
+    async def revoke(self, name: str) -> ApiKey:
+        """
+        Revoke a key by name or prefix (the dashboard's revoke action
+        calls this too); revoking a revoked key changes nothing.
+
+        @raise KeyError: no such key.
+        """
         keys = self._keys()
         key = keys.find(name)
         if key is None:
-            raise not_found(f"key {name[:200]!r}")
+            raise KeyError(name)
         if key.revoked is None:
             await keys.revoke(key)
-        return json_answer(request, key.to_json())
+        return key
 
     @app.route("/api/v1/usage", methods=["GET"])
     async def get_usage(self, request: IRequest) -> bytes:

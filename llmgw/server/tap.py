@@ -75,6 +75,11 @@ from llmgw.server.metrics_site import metrics_site
 from llmgw.server.usage import StoreUsageSink
 from llmgw.store.db import Store, StoreError, sqlite_path
 from llmgw.store.usage import UsageWriter
+from llmgw.web.fleet import Fleet
+from llmgw.web.history import FailureTap, History
+from llmgw.web.login import LoginGate, Mount, Sessions, Split
+from llmgw.web.pages import CookieCsrf, Dashboard
+from llmgw.web.profiling import Profiling
 from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
@@ -402,7 +407,8 @@ def makeService(options: Options) -> IService:
         keys=engine_keys.for_shard,
         cut=balancer.cut,
     )
-    hub.listener = plane
+    failures = FailureTap(plane, time.time)
+    hub.listener = failures
     registry.register(FleetCollector(plane, hub, usage_writer))
     keys.resolve = plane.catalog.resolve
     router = Router(
@@ -418,7 +424,6 @@ def makeService(options: Options) -> IService:
     )
     router.load = load
     raise_open_file_limit(settings.max_connections)
-    router_site = make_site(router.app.resource(), settings, reactor, router.cors)
     admin = Admin(
         registry,
         inventory,
@@ -429,7 +434,43 @@ def makeService(options: Options) -> IService:
         config_models=config_names,
         wall_clock=time.time,
     )
-    admin_resource: Any = admin.app.resource()
+    history = History(reactor, router.metrics, plane, keys, wall_clock=time.time)
+    failures.changed = lambda: history.record_states(time.time())
+    fleet = Fleet(
+        inventory,
+        plane,
+        keys,
+        history,
+        failures,
+        router.load,
+        wall_clock=time.time,
+        load_clock=reactor.seconds,
+    )
+    # The dashboard at /admin on the client listener, behind a login.
+    sessions = Sessions(keys, time.monotonic)
+    client_dashboard = Dashboard(fleet, admin, sessions, "/admin", logout=True)
+    router_site = make_site(
+        Mount(
+            router.app.resource(),
+            b"admin",
+            LoginGate(client_dashboard.app.resource(), sessions, "/admin"),
+        ),
+        settings,
+        reactor,
+        router.cors,
+    )
+    # The admin listener: its API, metrics and profiling, the dashboard
+    # at every other path.
+    api: Any = admin.app.resource()
+    admin_resource = Split(
+        {
+            b"api": api,
+            b"metrics": api,
+            b"healthz": api,
+            b"debug": Profiling(reactor).app.resource(),
+        },
+        Dashboard(fleet, admin, CookieCsrf()).app.resource(),
+    )
     agent_port = local_port = None
     local_uplink: list[Service] = []
     local_engines: list[Service] = []
@@ -497,7 +538,7 @@ def makeService(options: Options) -> IService:
             port=getattr(metrics_address, "port", ""),
         )
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    top.add(RECONCILER, plane.loop, load)
+    top.add(RECONCILER, plane.loop, load, history)
     # The local uplink first, so that its agent does not report the ends of
     # its engines (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *local_uplink)

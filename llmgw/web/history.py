@@ -1,0 +1,297 @@
+"""
+What the dashboard remembers that no record keeps: traffic figures
+sampled every few seconds into ring buffers (the sparklines), each
+replica's state changes, keys' token use over time, and recent engine
+failures with their output tails.
+
+Sampled from the metrics registry (the router's counters, as a scrape
+reads them) and from the control plane's records, on the reactor, in
+memory only: a restart starts them empty.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from twisted.application.service import Service
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from llmgw.control.plane import ControlPlane
+from llmgw.router.auth import KeyRing
+from llmgw.router.metrics import RouterMetrics
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.states import ShardState
+
+SAMPLES = 120
+"""
+Points per sparkline: 10 minutes at the default 5 s interval.
+"""
+
+STATES_KEPT = 20
+"""
+State changes kept per replica.
+"""
+
+FAILURES_KEPT = 20
+"""
+Engine failures kept for the overview.
+"""
+
+
+@dataclass(frozen=True)
+class Point:
+    """
+    One sample of the traffic figures.
+
+    @ivar at: POSIX seconds.
+    @ivar rate: requests per second since the previous sample.
+    @ivar error_rate: the share of those requests answered 5xx (0 to 1).
+    @ivar ttft: mean time to first token of the streams since the previous
+        sample, seconds; L{None} when there were none.
+    """
+
+    at: float
+    rate: float
+    error_rate: float
+    ttft: float | None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """
+    An engine that failed, as its agent reported it.
+
+    @ivar at: POSIX seconds.
+    @ivar output_tail: the engine's last output lines (at most 50).
+    """
+
+    at: float
+    node: str
+    shard: str
+    error: str
+    output_tail: tuple[str, ...]
+
+
+class LinkListener(Protocol):
+    """
+    What the agent hub tells (L{llmgw.control.agents.LinkListener}).
+    """
+
+    def node_registered(self, node_id: str, register: pb.Register) -> None: ...
+
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None: ...
+
+
+class FailureTap:
+    """
+    Stands between the agent hub and the control plane: keeps each failed
+    shard's output tail (the plane keeps three lines of it in the shard's
+    error), then passes every message on unchanged.
+
+    @param inner: the control plane.
+    @param wall_clock: POSIX seconds now.
+    @ivar changed: called after each shard status has reached the plane
+        (the server notes replica states then, not only every few seconds).
+    """
+
+    def __init__(self, inner: LinkListener, wall_clock: Callable[[], float]) -> None:
+        self._inner = inner
+        self._wall_clock = wall_clock
+        self.changed: Callable[[], None] = lambda: None
+        self.failures: deque[Failure] = deque(maxlen=FAILURES_KEPT)
+        self.tails: dict[str, tuple[str, ...]] = {}
+
+    def node_registered(self, node_id: str, register: pb.Register) -> None:
+        self._inner.node_registered(node_id, register)
+
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+        if status.state == pb.SHARD_STATE_FAILED:
+            tail = tuple(status.output_tail)
+            self.failures.appendleft(
+                Failure(
+                    self._wall_clock(), node_id, status.shard_id, status.error, tail
+                )
+            )
+            self.tails[status.shard_id] = tail
+            if len(self.tails) > 10 * FAILURES_KEPT:
+                self.tails.pop(next(iter(self.tails)))
+        self._inner.shard_status(node_id, status)
+        self.changed()
+
+
+def _any(labels: Any) -> bool:
+    return True
+
+
+def _sum(metric: Any, name: str, match: Callable[[Any], bool]) -> float:
+    """
+    @param metric: a prometheus_client metric (all its label values).
+    @return: the sum of its samples called C{name} whose labels C{match}.
+    """
+    total = 0.0
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name == name and match(sample.labels):
+                total += sample.value
+    return total
+
+
+class History(Service):
+    """
+    Samples every C{interval} seconds, while running.
+
+    @param metrics: the router's counters (C{llmgw_requests_total} by
+        status, C{llmgw_time_to_first_token_seconds}), read alone rather
+        than through the whole registry.
+    @param plane: the control plane, or L{None}.
+    @param keys: the API keys, or L{None}.
+    @param wall_clock: POSIX seconds now.
+    @param interval: seconds between samples.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: IReactorTime,
+        metrics: RouterMetrics,
+        plane: ControlPlane | None,
+        keys: KeyRing | None,
+        *,
+        wall_clock: Callable[[], float],
+        interval: float = 5.0,
+    ) -> None:
+        self._reactor = reactor
+        self._metrics = metrics
+        self._plane = plane
+        self._keys = keys
+        self._wall_clock = wall_clock
+        self.interval = interval
+        self.points: deque[Point] = deque(maxlen=SAMPLES)
+        self.states: dict[str, deque[tuple[float, str]]] = {}
+        self.key_tokens: dict[str, deque[int]] = {}
+        self._last: tuple[float, float, float, float, float] | None = None
+        self._call: IDelayedCall | None = None
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self.sample()
+
+    def stopService(self) -> None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+
+    def sample(self) -> None:
+        """
+        Take one sample now and schedule the next (while running).
+        """
+        try:
+            self._sample()
+        except Exception:
+            # A sampler that dies leaves flat lines and no word why.
+            self.log.failure("dashboard sample failed")
+        if self.running:
+            self._call = self._reactor.callLater(self.interval, self.sample)
+
+    def _sample(self) -> None:
+        now = self._wall_clock()
+        counted = self._metrics.requests
+        requests = _sum(counted, "llmgw_requests_total", _any)
+        errors = _sum(
+            counted,
+            "llmgw_requests_total",
+            lambda labels: str(labels.get("status", "")).startswith("5"),
+        )
+        ttft = self._metrics.time_to_first_token
+        ttft_sum = _sum(ttft, "llmgw_time_to_first_token_seconds_sum", _any)
+        ttft_count = _sum(ttft, "llmgw_time_to_first_token_seconds_count", _any)
+        figures = (now, requests, errors, ttft_sum, ttft_count)
+        if self._last is not None:
+            at, requests0, errors0, sum0, count0 = self._last
+            span = max(now - at, 1e-6)
+            done = max(requests - requests0, 0.0)
+            streams = ttft_count - count0
+            self.points.append(
+                Point(
+                    now,
+                    done / span,
+                    (errors - errors0) / done if done else 0.0,
+                    (ttft_sum - sum0) / streams if streams > 0 else None,
+                )
+            )
+        self._last = figures
+        self.record_states(now)
+        if self._keys is not None:
+            self.sample_keys(self._keys)
+
+    def record_states(self, now: float) -> None:
+        """
+        Note each replica whose state differs from the last one noted.
+        """
+        if self._plane is None:
+            return
+        replicas = self._plane.replicas
+        for replica_id, replica in replicas.items():
+            seen = self.states.get(replica_id)
+            state = str(replica.state)
+            if seen is None:
+                seen = self.states[replica_id] = deque(maxlen=STATES_KEPT)
+            if not seen or seen[-1][1] != state:
+                seen.append((now, state))
+        for gone in [r for r in self.states if r not in replicas]:
+            del self.states[gone]
+
+    def sample_keys(self, keys: KeyRing) -> None:
+        """
+        Note each key's tokens used so far.
+        """
+        names = set()
+        for key in keys.keys():
+            names.add(key.name)
+            self.key_tokens.setdefault(key.name, deque(maxlen=SAMPLES)).append(
+                key.tokens_used
+            )
+        for gone in [k for k in self.key_tokens if k not in names]:
+            del self.key_tokens[gone]
+
+
+def shard_gone(state: str) -> bool:
+    """
+    @return: whether a shard in C{state} ended (failed, stopped or lost).
+    """
+    try:
+        return ShardState(state).gone
+    except ValueError:
+        return False
+
+
+def sparkline(
+    values: Iterable[float | None], width: int = 240, height: int = 40
+) -> str:
+    """
+    An inline SVG polyline of C{values}, oldest first, scaled to their
+    maximum (a flat line at the bottom when all are zero or none).
+
+    @return: SVG markup (safe: numbers only).
+    """
+    points = [v if v is not None else 0.0 for v in values]
+    if len(points) < 2:
+        # One sample, or none: a line from zero to it.
+        points = [0.0, *points] if points else [0.0, 0.0]
+    top = max(points) or 1.0
+    step = width / (len(points) - 1)
+    coords = " ".join(
+        f"{i * step:.1f},{height - 2 - (v / top) * (height - 4):.1f}"
+        for i, v in enumerate(points)
+    )
+    return (
+        f'<svg class="spark" viewBox="0 0 {width} {height}" width="{width}"'
+        f' height="{height}" role="img"><polyline fill="none"'
+        f' stroke="currentColor" stroke-width="1.5" points="{coords}"/></svg>'
+    )

@@ -335,6 +335,45 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
         ]
         self.assertTrue(ops["admin"])
 
+    def test_browser_pages_of_other_sites_refused(self) -> None:
+        """
+        The admin listener needs no key from loopback, and a browser on
+        this machine (or one through an SSH tunnel) is such a peer: a page
+        of another site that POSTs a form to it (text/plain, no preflight)
+        is refused 403 and changes nothing, as is any request naming a
+        DNS name in Host (DNS rebinding).  The dashboard's own POSTs (same
+        origin), ctl and curl (neither header) pass.
+        """
+        made = json.dumps({"name": "evil", "admin": True}).encode()
+        for headers in (
+            {"Origin": "https://evil.example", "Content-Type": "text/plain"},
+            {"Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"},
+            {"Origin": "null", "Content-Type": "text/plain"},
+        ):
+            code, _, body = http("POST", self.admin_url + "/api/v1/keys", made, headers)
+            self.assertEqual(code, 403, (headers, body))
+        for method, path in (("GET", "/api/v1/keys"), ("POST", "/api/v1/keys")):
+            code, _, body = http(
+                method,
+                self.admin_url + path,
+                made if method == "POST" else None,
+                {"Host": "evil.example:9090"},
+            )
+            self.assertEqual(code, 403, (method, body))
+        self.assertEqual(self.ctl_json("keys", "list")["keys"], [])
+        host = self.admin_url.split("://", 1)[1]
+        code, _, body = http(
+            "POST",
+            self.admin_url + "/api/v1/keys",
+            made,
+            {"Origin": self.admin_url, "Host": host, "Sec-Fetch-Site": "same-origin"},
+        )
+        self.assertEqual(code, 201, body)
+        code, _, _ = http(
+            "GET", self.admin_url + "/api/v1/keys", None, {"Host": "localhost"}
+        )
+        self.assertEqual(code, 200)
+
 
 class BudgetTests(SynchronousTestCase, Processes, _Ctl):
     """

@@ -374,6 +374,26 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
         )
         self.assertEqual(code, 200)
 
+    def test_login_form_with_many_fields(self) -> None:
+        """
+        A login POST to the client listener's C{/admin/login} with more
+        form fields than are read (a hostile client, no key) is refused
+        like a wrong key (403), with no traceback in the log (it was a
+        500 and a traceback per request: parse_qs's field cap raised).
+        """
+        fields = "&".join(f"f{i}=x" for i in range(30)).encode()
+        for _ in range(2):
+            code, _, body = http(
+                "POST",
+                self.url + "/admin/login",
+                fields,
+                {"Content-Type": "application/x-www-form-urlencoded"},
+            )
+            self.assertEqual(code, 403, body[:300])
+        output = self.server.output()
+        self.assertNotIn("Traceback", output)
+        self.assertNotIn("Unhandled", output)
+
 
 class BudgetTests(SynchronousTestCase, Processes, _Ctl):
     """

@@ -112,11 +112,16 @@ class CookieCsrf:
 def form(request: IRequest) -> dict[str, str]:
     """
     @return: an urlencoded body's fields (the first value of each); the
-        client listener's site parses no forms itself.
+        client listener's site parses no forms itself.  A body of more
+        than 20 fields is no form of these pages: none (parse_qs raises
+        past its cap, and a client without a key could send one).
     """
     content = request.content
     raw = content.read(64 * 1024) if content is not None else b""
-    fields = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=20)
+    try:
+        fields = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=20)
+    except ValueError:
+        return {}
     return {name: values[0] for name, values in fields.items()}
 
 

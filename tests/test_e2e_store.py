@@ -394,6 +394,23 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
         self.assertNotIn("Traceback", output)
         self.assertNotIn("Unhandled", output)
 
+    def test_static_names_never_reach_the_file_system(self) -> None:
+        """
+        C{/admin/static/NAME} is open without a login: a name longer than
+        a file name may be (it was a 500 and a critical traceback per
+        request, from the stat of it), with a NUL or a dot path, is a 404,
+        on both listeners; the dashboard's own files are served.
+        """
+        for base in (self.url + "/admin", self.admin_url):
+            for name in ("a" * 5000 + ".css", "%00.css", "..%2fx.css", ".css"):
+                code, _, body = http("GET", f"{base}/static/{name}")
+                self.assertEqual(code, 404, (base, name[:20], body[:200]))
+            code, _, _ = http("GET", base + "/static/dash.css")
+            self.assertEqual(code, 200)
+        output = self.server.output()
+        self.assertNotIn("Traceback", output)
+        self.assertNotIn("critical", output)
+
 
 class BudgetTests(SynchronousTestCase, Processes, _Ctl):
     """

@@ -9,17 +9,66 @@ reconnects.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from twisted.application.service import IService
+from twisted.application.service import IService, Service
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmgw.config import ServerConfig
 from llmgw.router.auth import KeyRing
+from llmgw.router.limits import RedisLimits
 from llmgw.store.base import Store
 
 log = Logger()
+
+
+class LimitsService(Service):
+    """
+    Lets the shared limits' Redis connections and threads go on stop.
+    """
+
+    def __init__(self, limits: RedisLimits) -> None:
+        self._limits = limits
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._limits.start()
+
+    def stopService(self) -> None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        self._limits.stop()
+
+
+def key_ring(
+    store: Store, config: ServerConfig, reactor: IReactorFromThreads
+) -> tuple[KeyRing, list[IService]]:
+    """
+    The server's key ring on C{store}, with C{[limits]} and
+    C{[auth] require_api_key}.
+
+    @return: the ring (its keys not loaded yet), and the services to stop
+        before the store closes: the listener of key changes (PostgreSQL)
+        and the shared limits' connections (Redis).
+    """
+    limits = RedisLimits(config.limits_url, reactor) if config.limits_url else None
+    keys = KeyRing(
+        store,
+        clock=time.monotonic,
+        wall_clock=time.time,
+        required=config.require_api_key,
+        limits=limits,
+        share=config.limits_routers,
+    )
+    services: list[IService] = []
+    events = key_events(store, keys, reactor)
+    if events is not None:
+        services.append(events)
+    if limits is not None:
+        services.append(LimitsService(limits))
+    return keys, services
 
 
 def key_events(

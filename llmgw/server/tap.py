@@ -36,7 +36,6 @@ from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import FleetCollector
 from llmgw.control.plane import ControlPlane
 from llmgw.router.app import LogUsageSink, Router, UsageSinks
-from llmgw.router.auth import KeyRing
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
@@ -46,7 +45,7 @@ from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.server.admin import Admin, AdminGuard, is_loopback
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.fdlimit import raise_open_file_limit
-from llmgw.server.keysync import key_events
+from llmgw.server.keysync import key_ring
 from llmgw.server.lifecycle import (
     AGENT_LINKS,
     DRAIN,
@@ -355,12 +354,7 @@ def makeService(options: Options) -> IService:
         raise SystemExit(2) from None
     config_names = frozenset(m.name for m in models)
     models = tuple(models) + _runtime_models(stored_models, models)
-    keys = KeyRing(
-        store,
-        clock=time.monotonic,
-        wall_clock=time.time,
-        required=config.require_api_key,
-    )
+    keys, key_services = key_ring(store, config, reactor)  # type: ignore[arg-type]
     keys.load(key_rows)
     usage_writer = UsageWriter(
         store,
@@ -551,9 +545,7 @@ def makeService(options: Options) -> IService:
     top.add(USAGE, usage_writer)
     top.add(LOCAL_ENGINES, *local_engines)
     top.add(POOLS, PoolService(pool))
-    events = key_events(store, keys, reactor)  # type: ignore[arg-type]
-    # Before the store closes: it stops listening within KeyEvents.POLL.
-    top.add(POOLS, *([events] if events is not None else []))
+    top.add(POOLS, *key_services)
     top.add(STORE, StoreService(store))
     if agent_port is not None:
         agent_address = agent_port.getHost()

@@ -164,6 +164,19 @@ class RedisLimitsTests(TestCase):
             self.assertEqual(len(ring.keys()[0].requests), 20)
 
 
+    def test_unlimited_key_never_asks(self) -> None:
+        """
+        A key without rpm, tpm or budget is admitted here, without a
+        round trip (Redis away or not).
+        """
+        url = f"redis://127.0.0.1:{closed_port()}/0"
+        (ring,) = self.rings(url, 1)
+        (key,) = ring.keys()
+        self.assertIsNone(ring.admit(key, ["m"], 10))
+        ring.used(key, 5, 10)
+        self.assertFalse(ring._redis_failing)
+
+
 class SharedWithoutRedisTests(SynchronousTestCase):
     def rings(self, count: int, **limits: Any) -> list[KeyRing]:
         rings = []

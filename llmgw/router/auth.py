@@ -90,6 +90,18 @@ class ApiKey:
     reserved: int = 0
     used_at_start: int = 0
 
+    @property
+    def limited(self) -> bool:
+        """
+        Whether any of rpm, tpm and the budget is set (else there is
+        nothing to count with other routers).
+        """
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.budget_tokens is not None
+        )
+
     def allows(
         self, model: str, resolve: Callable[[str], str | None] = lambda m: None
     ) -> bool:
@@ -343,7 +355,7 @@ class KeyRing:
         """
         api_key = self._by_id[key.id]
         self._check_models(api_key, names)
-        if self.limits is None:
+        if self.limits is None or not api_key.limited:
             self._admit(api_key, reserve)
             return None
         return Deferred.fromCoroutine(self._admit_shared(api_key, reserve))
@@ -428,7 +440,7 @@ class KeyRing:
         release what L{admit} held for it.
         """
         api_key = self._by_id[key.id]
-        if self.limits is not None:
+        if self.limits is not None and api_key.limited:
             self._used_shared(api_key, tokens, reserved)
         self._used(api_key, tokens, reserved)
 

@@ -16,6 +16,7 @@ from twisted.trial.unittest import TestCase
 
 from llmgw.store.base import MIGRATIONS, Store, StoreError, UsageRow
 from llmgw.store.db import SQLiteStore, open_store
+from tests import test_store
 from tests.pg_support import fresh_database
 
 
@@ -252,3 +253,20 @@ class PostgresStoreTests(_Behaviour, TestCase):
         self.assertIn("cannot connect to postgresql://u:***@127.0.0.1:", message)
         self.assertNotIn("secret", message)
         self.assertNotIn("\n", message)
+
+
+class PostgresKeyRingTests(test_store.KeyRingTests):
+    """
+    The key ring's tests (windows, aliases, header forms and revocation)
+    with its keys kept in PostgreSQL.
+    """
+
+    def setUp(self) -> None:
+        from llmgw.router.auth import KeyRing
+        from llmgw.store.pg import PostgresStore
+
+        self.now = 1000.0
+        store = PostgresStore(fresh_database(self))
+        self.addCleanup(store.close)
+        store.prepare()
+        self.ring = KeyRing(store, clock=lambda: self.now, wall_clock=lambda: 1e9)

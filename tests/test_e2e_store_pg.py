@@ -1,5 +1,5 @@
 """
-The store on PostgreSQL end to end: two C{twistd -n llmgw-server}
+The store on PostgreSQL end to end: three C{twistd -n llmgw-server}
 processes with C{[store] url} naming one real PostgreSQL database
 (L{tests.pg_support}), the sim engine as their replica, driven by
 C{llmgw ctl} and the official C{openai} client.  A key made on one works
@@ -19,7 +19,7 @@ from tests.support import Processes
 from tests.test_e2e_store import CHAT, _Ctl
 
 
-class TwoServersOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
+class ServersOnOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
     timeout = 120
 
     def setUp(self) -> None:
@@ -28,7 +28,7 @@ class TwoServersOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
         config = f'[store]\nurl = "{self.db}"\nflush_interval = "1h"\n'
         self.endpoint = endpoint = f"sim-0={sim_url}=sim-model"
         self.servers = [
-            self.start_server("--endpoint", endpoint, config=config) for _ in range(2)
+            self.start_server("--endpoint", endpoint, config=config) for _ in range(3)
         ]
         for server, _, _ in self.servers:
             server.wait_for("store: listening for key changes")
@@ -42,43 +42,47 @@ class TwoServersOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
     def test_key_shared_then_revoked_within_a_second(self) -> None:
         """
         A key made with C{llmgw ctl} on the first server is taken by the
-        second within 1 s; revoked on the first, the second refuses it
+        other two within 1 s; revoked on the first, all three refuse it
         within 1 s.
         """
         key = self.ctl_json("keys", "create", "--name", "app")["key"]
-        other = self.client(1, key)
-        # Made on the first server: the second knows it (the key ring
-        # learns it on the notification), without a restart.
+        clients = [self.client(index, key) for index in range(3)]
+        # Made on the first server: the others know it (their key rings
+        # learn it on the notification), without a restart.
         deadline = time.monotonic() + 1.0
-        while True:
-            try:
-                other.models.list()
-                break
-            except openai.AuthenticationError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        for client in clients:
+            while True:
+                try:
+                    client.models.list()
+                    break
+                except openai.AuthenticationError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
         self.ctl("keys", "revoke", "app")
         revoked = time.monotonic()
-        while True:
-            try:
-                other.models.list()
-            except openai.AuthenticationError:
-                break
+        waiting = list(clients)
+        while waiting:
+            for client in list(waiting):
+                try:
+                    client.models.list()
+                except openai.AuthenticationError:
+                    waiting.remove(client)
             self.assertLess(time.monotonic() - revoked, 1.0)
             time.sleep(0.01)
-        self.assertIn("keys: key 1 revoked elsewhere", self.servers[1][0].output())
+        for server, _, _ in self.servers[1:]:
+            self.assertIn("keys: key 1 revoked elsewhere", server.output())
 
-    def test_usage_of_both_in_one_database(self) -> None:
+    def test_usage_of_all_in_one_database(self) -> None:
         """
-        Ten requests through each server: after both stop (SIGTERM writes
+        Ten requests through each server: after all stop (SIGTERM writes
         what is buffered), the first, started again on the same database,
-        reports 20 requests and the engine's token counts exactly.
+        reports 30 requests and the engine's token counts exactly.
         """
         key = self.ctl_json("keys", "create", "--name", "meter")["key"]
-        time.sleep(0.5)  # the second server learns the key
+        time.sleep(0.5)  # the other servers learn the key
         prompt = completion = 0
-        for index in (0, 1):
+        for index in range(3):
             client = self.client(index, key)
             for _ in range(10):
                 answer = client.chat.completions.create(
@@ -87,7 +91,7 @@ class TwoServersOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
                 assert answer.usage is not None
                 prompt += answer.usage.prompt_tokens
                 completion += answer.usage.completion_tokens
-        self.assertEqual(completion, 20 * 7)
+        self.assertEqual(completion, 30 * 7)
         for server, _, _ in self.servers:
             server.stop()
             self.assertIn("usage: 10 records written", server.output())
@@ -102,7 +106,7 @@ class TwoServersOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
                 row["prompt_tokens"],
                 row["completion_tokens"],
             ),
-            ("meter", 20, prompt, completion),
+            ("meter", 30, prompt, completion),
         )
         (listed,) = self.ctl_json("keys", "list")["keys"]
         self.assertEqual(listed["tokens_used"], prompt + completion)

@@ -14,6 +14,7 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmgw.router import limits as limits_module
 from llmgw.router.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.router.limits import RedisLimits
@@ -151,6 +152,26 @@ class RedisLimitsTests(TestCase):
                 await refusal
             self.assertEqual(raised.exception.code, "insufficient_quota")
 
+    async def test_held_tokens_of_a_dead_router_let_go(self) -> None:
+        """
+        A router that admitted a request holding the whole tpm and died
+        (never said it finished): the others are refused until the
+        reservation's time is up, then admitted.
+        """
+        self.patch(limits_module, "RESERVATION_TTL", 0.5)
+        dead, alive = self.rings(start_redis(self), 2, window=0.5, tpm=100)
+        held = dead.admit(dead.keys()[0], ["m"], 100)
+        assert held is not None
+        await held
+        refused = alive.admit(alive.keys()[0], ["m"], 10)
+        assert refused is not None
+        with self.assertRaises(APIError):
+            await refused
+        await deferLater(reactor, 1.2, lambda: None)  # type: ignore[arg-type]
+        admitted = alive.admit(alive.keys()[0], ["m"], 10)
+        assert admitted is not None
+        await admitted
+
     async def test_redis_away_each_its_share(self) -> None:
         """
         Redis cannot be reached: each of three routers admits its share,
@@ -162,7 +183,6 @@ class RedisLimitsTests(TestCase):
         self.assertEqual(admitted, 60)
         for ring in rings:
             self.assertEqual(len(ring.keys()[0].requests), 20)
-
 
     def test_unlimited_key_never_asks(self) -> None:
         """

@@ -19,10 +19,11 @@ Per key (C{{ID}} a Redis Cluster hash tag, all its keys in one slot):
     requests (member C{ROUTER:N:TOKENS}, scored by time) and their sum
     over the window, kept by subtracting what leaves it.
   - C{llmgw:{ID}:res}: tokens held by requests in flight (member
-    C{ROUTER:N:TOKENS}); a router killed with requests in flight leaves
-    them, so they are dropped after L{RESERVATION_TTL} seconds.
+    C{ROUTER:N:TOKENS}), their sum in C{held} below; a router killed with
+    requests in flight leaves them, so they are dropped after
+    L{RESERVATION_TTL} seconds.
   - C{llmgw:{ID}:state}: C{used}, the key's tokens in all (seeded from the
-    store by the first router to ask), for the budget.
+    store by the first router to ask), for the budget; C{held}.
 
 Redis calls run on a thread pool of their own (redis-py is blocking),
 results delivered on the reactor thread.
@@ -62,11 +63,17 @@ local expire = math.ceil(tonumber(ARGV[8]))
 redis.call('HSETNX', KEYS[5], 'used', ARGV[7])
 local start = now - window
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', start)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[8]))
-local reserved = 0
-for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-  reserved = reserved + tonumber(string.match(m, ':(%d+)$'))
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('HSET', KEYS[5], 'held', 0)
 end
+local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[8]))
+if #stale > 0 then
+  local gone = 0
+  for _, m in ipairs(stale) do gone = gone + tonumber(string.match(m, ':(%d+)$')) end
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - tonumber(ARGV[8]))
+  redis.call('HINCRBY', KEYS[5], 'held', -gone)
+end
+local reserved = tonumber(redis.call('HGET', KEYS[5], 'held') or '0')
 local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', start)
 if #old > 0 then
   local gone = 0
@@ -100,14 +107,15 @@ redis.call('ZADD', KEYS[1], now, member)
 redis.call('EXPIRE', KEYS[1], expire)
 if reserve > 0 then
   redis.call('ZADD', KEYS[3], now, member .. ':' .. reserve)
+  redis.call('HINCRBY', KEYS[5], 'held', reserve)
   redis.call('EXPIRE', KEYS[3], expire)
 end
 return {0, '0'}
 """
 
 _USED = """
-if ARGV[1] ~= '' then
-  redis.call('ZREM', KEYS[3], ARGV[1])
+if ARGV[1] ~= '' and redis.call('ZREM', KEYS[3], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[5], 'held', -tonumber(string.match(ARGV[1], ':(%d+)$')))
 end
 local tokens = tonumber(ARGV[2])
 if tokens > 0 then

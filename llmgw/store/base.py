@@ -10,6 +10,7 @@ A leaf, as the whole store: it imports nothing from the rest of llmgw.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -230,8 +231,6 @@ def key_row(names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
     @return: a key's dict as L{Store.prepare} gives it, from a row of
         C{SELECT * FROM api_keys}.
     """
-    import json
-
     row = dict(zip(names, values, strict=True))
     row["models"] = json.loads(row["models"]) if row["models"] else None
     row["admin"] = bool(row["admin"])

@@ -13,6 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from llmgw.checks import (
     ConfigError,
@@ -103,6 +104,12 @@ class ServerConfig:
     usage_flush_interval: float = 1.0
     # [store] record_usage: false keeps only the log line per request.
     record_usage: bool = True
+    # [limits] url: Redis counting requests, tokens and budgets for every
+    # router together; empty to count in each router.
+    limits_url: str = ""
+    # [limits] routers: routers sharing the keys' limits; without Redis
+    # (or while it is away) each admits ceil(limit / routers).
+    limits_routers: int = 1
     # [auth] require_api_key: keys needed even before any exists.
     require_api_key: bool = False
     endpoints: tuple[Endpoint, ...] = ()
@@ -348,6 +355,34 @@ def _control(table: object) -> ControlConfig:
 LOG_FORMATS = ("text", "json")
 
 
+def _limits(config: ServerConfig, table: object) -> ServerConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"limits: expected a table, got {table!r}")
+    check_keys("limits", table, {"url", "routers"})
+    if "url" in table:
+        url = check_string("limits.url", table["url"])
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (parses the port)
+        except ValueError:
+            raise ConfigError(f"limits.url: bad URL {url!r}") from None
+        if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+            raise ConfigError(
+                f"limits.url: bad URL {url!r}: expected redis://host:port/db"
+                " or rediss://host:port/db"
+            )
+        config = replace(config, limits_url=url)
+    if "routers" in table:
+        routers = table["routers"]
+        if isinstance(routers, bool) or not isinstance(routers, int) or routers < 1:
+            raise ConfigError(
+                "limits.routers: expected a whole number of at least 1,"
+                f" got {routers!r}"
+            )
+        config = replace(config, limits_routers=routers)
+    return config
+
+
 def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     """
     Validate a parsed TOML document.
@@ -371,6 +406,7 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             "models",
             "state_dir",
             "store",
+            "limits",
             "auth",
             "cors",
         },
@@ -395,6 +431,8 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             if interval <= 0:
                 raise ConfigError("store.flush_interval: must be positive")
             config = replace(config, usage_flush_interval=interval)
+    if "limits" in data:
+        config = _limits(config, data["limits"])
     if "auth" in data:
         table = data["auth"]
         if not isinstance(table, dict):

@@ -105,6 +105,11 @@ class ConfigTests(SynchronousTestCase):
                 "log_format: expected one of text, json, got 'xml'",
             ),
             ({"metrics_listen": ""}, "metrics_listen: expected a non-empty string"),
+            ({"limits": {"url": "http://r:6379"}}, "limits.url: bad URL"),
+            ({"limits": {"url": "redis://:x"}}, "limits.url: bad URL"),
+            ({"limits": {"routers": 0}}, "limits.routers: expected a whole number"),
+            ({"limits": {"routers": True}}, "limits.routers: expected a whole number"),
+            ({"limits": {"size": 1}}, "limits"),
         ]
         for data, message in cases:
             with self.assertRaises(ConfigError) as raised:
@@ -294,3 +299,16 @@ class CorsConfigTests(SynchronousTestCase):
         with self.assertRaises(ConfigError) as raised:
             parse_config({"cors": {"origins": "*"}})
         self.assertIn("cors.origins: unknown key", str(raised.exception))
+
+
+class LimitsConfigTests(SynchronousTestCase):
+    def test_limits(self) -> None:
+        """
+        [limits] url (Redis) and routers; by default neither.
+        """
+        default = parse_config({})
+        self.assertEqual((default.limits_url, default.limits_routers), ("", 1))
+        config = parse_config({"limits": {"url": "redis://r:6379/2", "routers": 3}})
+        self.assertEqual(
+            (config.limits_url, config.limits_routers), ("redis://r:6379/2", 3)
+        )

@@ -262,9 +262,11 @@ class Router:
             )
             if key is not None:
                 assert self.auth is not None
-                self.auth.admit(
+                admitted = self.auth.admit(
                     key, (prepared.requested_model, prepared.model), prepared.reserve
                 )
+                if admitted is not None:
+                    await admitted
                 reserved = prepared.reserve
             result = await exchange.run()
             status = exchange.status

@@ -17,8 +17,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Key
+from llmgw.router.limits import OVER_BUDGET, OVER_RPM, OVER_TPM, RedisLimits
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$")
 WINDOW = 60.0
@@ -84,6 +88,19 @@ class ApiKey:
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     tokens_in_window: int = 0
     reserved: int = 0
+    used_at_start: int = 0
+
+    @property
+    def limited(self) -> bool:
+        """
+        Whether any of rpm, tpm and the budget is set (else there is
+        nothing to count with other routers).
+        """
+        return (
+            self.rpm is not None
+            or self.tpm is not None
+            or self.budget_tokens is not None
+        )
 
     def allows(
         self, model: str, resolve: Callable[[str], str | None] = lambda m: None
@@ -129,7 +146,15 @@ class KeyRing:
         key (made, last used, revoked).
     @param required: C{[auth] require_api_key}: a key is needed even
         while none exists.
+    @param limits: requests and tokens per minute and budgets counted
+        with every other router, in Redis; L{None} to count here.
+    @param share: routers sharing the keys' limits without Redis (or
+        while it cannot be reached): this one admits its equal share,
+        C{ceil(limit / share)} per window, and of each budget what was
+        left at start divided likewise.
     """
+
+    log = Logger()
 
     def __init__(
         self,
@@ -138,8 +163,16 @@ class KeyRing:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         required: bool = False,
+        limits: RedisLimits | None = None,
+        share: int = 1,
     ) -> None:
         self.store = store
+        self.limits = limits
+        self._share = max(1, share)
+        # Per key id, the Redis members of its requests in flight and the
+        # tokens each holds.
+        self._members: dict[int, list[tuple[str, int]]] = {}
+        self._redis_failing = False
         self._required = required
         self._clock = clock
         self._wall_clock = wall_clock
@@ -154,6 +187,34 @@ class KeyRing:
         """
         for row in rows:
             self._add(row)
+
+    def learn(self, row: dict[str, Any]) -> None:
+        """
+        A key as the shared store has it now (made or revoked by another
+        process on the same database): a new one is added, a known one
+        takes the revocation if it has one.
+
+        @param row: as L{load} takes them.
+        """
+        key = self._by_id.get(row["id"])
+        if key is None:
+            self._add(row)
+        elif row.get("revoked") is not None:
+            self.revoked_elsewhere(key.id, row["revoked"])
+
+    def revoked_elsewhere(self, key_id: int, when: float) -> bool:
+        """
+        Another process revoked a key: refuse it from now on.
+
+        @param when: POSIX seconds, as that process stored it.
+        @return: whether this changed anything (the key was known here
+            and not yet revoked).
+        """
+        key = self._by_id.get(key_id)
+        if key is None or key.revoked is not None:
+            return False
+        key.revoked = when
+        return True
 
     def _add(self, row: dict[str, Any]) -> ApiKey:
         key = ApiKey(
@@ -171,6 +232,7 @@ class KeyRing:
             tokens_used=row.get("tokens_used") or 0,
             revoked=row.get("revoked"),
         )
+        key.used_at_start = key.tokens_used
         self._by_hash[key.hash] = key
         self._by_id[key.id] = key
         return key
@@ -270,7 +332,9 @@ class KeyRing:
             raise _unauthorized("Incorrect API key provided.")
         return key
 
-    def admit(self, key: Key, names: Sequence[str], reserve: int = 0) -> None:
+    def admit(
+        self, key: Key, names: Sequence[str], reserve: int = 0
+    ) -> Deferred[None] | None:
         """
         Count a request of C{key} for a model known by C{names} (as sent,
         and its catalog name), and hold C{reserve} tokens for it until
@@ -278,13 +342,60 @@ class KeyRing:
         tokens per minute, so concurrent ones cannot overshoot them by
         more than one request's own use.
 
+        With L{limits}, the windows and the budget are Redis's, counted
+        with every other router's requests; while Redis cannot be reached,
+        this router's share (see C{share}) is counted here.
+
+        @return: L{None} when decided here, or (with L{limits}) a
+            Deferred that fires once admitted or fails with the same
+            errors.
         @raise APIError: 403 the key may not use the model; 429 over its
             budget (C{insufficient_quota}) or its requests or tokens per
             minute (with C{Retry-After}).
         """
-        self._admit(self._by_id[key.id], names, reserve)
+        api_key = self._by_id[key.id]
+        self._check_models(api_key, names)
+        if self.limits is None or not api_key.limited:
+            self._admit(api_key, reserve)
+            return None
+        return Deferred.fromCoroutine(self._admit_shared(api_key, reserve))
 
-    def _admit(self, key: ApiKey, names: Sequence[str], reserve: int) -> None:
+    async def _admit_shared(self, key: ApiKey, reserve: int) -> None:
+        assert self.limits is not None
+        member = self.limits.member()
+        try:
+            verdict, wait = await self.limits.admit(
+                key.id,
+                key.rpm,
+                key.tpm,
+                key.budget_tokens,
+                key.tokens_used,
+                reserve,
+                member,
+            )
+        except self.limits.errors as e:
+            if not self._redis_failing:
+                self._redis_failing = True
+                self.log.warn(
+                    "limits: Redis cannot be reached ({error}); each router"
+                    " counts its share of the limits until it can",
+                    error=str(e),
+                )
+            self._admit(key, reserve)
+            return
+        if self._redis_failing:
+            self._redis_failing = False
+            self.log.info("limits: Redis reached again; limits shared again")
+        if verdict == OVER_BUDGET:
+            raise _over_budget()
+        if verdict == OVER_RPM:
+            raise _rate_limited(f"{key.rpm} requests per minute", wait)
+        if verdict == OVER_TPM:
+            raise _rate_limited(f"{key.tpm} tokens per minute", wait)
+        key.last_used = self._wall_clock()
+        self._members.setdefault(key.id, []).append((member, reserve))
+
+    def _check_models(self, key: ApiKey, names: Sequence[str]) -> None:
         if not any(key.allows(n, self.resolve) for n in names):
             raise APIError(
                 403,
@@ -293,23 +404,25 @@ class KeyRing:
                 "model_not_allowed",
                 "model",
             )
-        if (
-            key.budget_tokens is not None
-            and key.tokens_used + key.reserved >= key.budget_tokens
-        ):
-            raise APIError(
-                429,
-                "You exceeded your token budget; ask for a larger one.",
-                "insufficient_quota",
-                "insufficient_quota",
-            )
+
+    def _admit(self, key: ApiKey, reserve: int) -> None:
+        share = self._share
+        if key.budget_tokens is not None:
+            # This router's part of what was left at start, and what it
+            # spent since.
+            left = max(0, key.budget_tokens - key.used_at_start)
+            mine = key.tokens_used - key.used_at_start + key.reserved
+            if mine >= math.ceil(left / share):
+                raise _over_budget()
+        rpm = math.ceil(key.rpm / share) if key.rpm is not None else None
+        tpm = math.ceil(key.tpm / share) if key.tpm is not None else None
         now = self._clock()
         self._expire(key, now)
-        if key.rpm is not None and len(key.requests) >= key.rpm:
+        if rpm is not None and len(key.requests) >= rpm:
             wait = key.requests[0] + WINDOW - now
             raise _rate_limited(f"{key.rpm} requests per minute", wait)
-        if key.tpm is not None and key.tokens_in_window + key.reserved >= key.tpm:
-            over = key.tokens_in_window + key.reserved - key.tpm
+        if tpm is not None and key.tokens_in_window + key.reserved >= tpm:
+            over = key.tokens_in_window + key.reserved - tpm
             wait = WINDOW
             for when, count in key.tokens:
                 over -= count
@@ -326,7 +439,37 @@ class KeyRing:
         Count the tokens a request of C{key} used, once it is over, and
         release what L{admit} held for it.
         """
-        self._used(self._by_id[key.id], tokens, reserved)
+        api_key = self._by_id[key.id]
+        if self.limits is not None and api_key.limited:
+            self._used_shared(api_key, tokens, reserved)
+        self._used(api_key, tokens, reserved)
+
+    def _used_shared(self, key: ApiKey, tokens: int, reserved: int) -> None:
+        assert self.limits is not None
+        members = self._members.get(key.id, [])
+        member = None
+        for index, (name, held) in enumerate(members):
+            if held == reserved:
+                member = name
+                del members[index]
+                break
+        if not members:
+            self._members.pop(key.id, None)
+        if member is None:
+            if tokens <= 0:
+                return
+            # Admitted while Redis was away, or holding nothing: its
+            # tokens count all the same.
+            member, reserved = self.limits.member(), 0
+        d = self.limits.used(key.id, member, reserved, tokens, key.tpm is not None)
+        d.addErrback(
+            lambda f: self.log.warn(
+                "limits: cannot count {tokens} tokens of key {key} in Redis: {error}",
+                tokens=tokens,
+                key=key.name,
+                error=f.getErrorMessage(),
+            )
+        )
 
     def _used(self, key: ApiKey, tokens: int, reserved: int) -> None:
         key.reserved = max(0, key.reserved - reserved)
@@ -345,6 +488,15 @@ class KeyRing:
         tokens = key.tokens
         while tokens and tokens[0][0] <= start:
             key.tokens_in_window -= tokens.popleft()[1]
+
+
+def _over_budget() -> APIError:
+    return APIError(
+        429,
+        "You exceeded your token budget; ask for a larger one.",
+        "insufficient_quota",
+        "insufficient_quota",
+    )
 
 
 def _rate_limited(limit: str, wait: float) -> APIError:

@@ -9,7 +9,7 @@ the configuration and the server wiring may all import it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -119,11 +119,15 @@ class Auth(Protocol):
         @raise llmgw.router.errors.APIError: 401.
         """
 
-    def admit(self, key: Key, names: Sequence[str], reserve: int) -> None:
+    def admit(
+        self, key: Key, names: Sequence[str], reserve: int
+    ) -> Awaitable[None] | None:
         """
         Count a request of C{key} for a model known by C{names}.
 
         @param reserve: tokens to hold until L{used}.
+        @return: L{None} when decided here and now, or an awaitable when
+            the limits are shared (it fails the same way).
         @raise llmgw.router.errors.APIError: 403 or 429.
         """
 

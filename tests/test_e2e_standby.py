@@ -1,0 +1,128 @@
+"""
+A standby control plane, for real: two C{twistd llmgw-server} processes on
+one throwaway PostgreSQL, one C{twistd llmgw-agent} given both addresses,
+the C{llmgw sim} engine; the leader is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+
+import openai
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.server.engine_keys import SECRET_FILE
+from tests.standby_pg import ThrowawayPostgres
+from tests.support import Process, free_port, spawn_agent
+from tests.test_e2e_control import AGENT_CONFIG, MODELS, _Fleet
+
+
+class Pair(_Fleet):
+    """
+    Two servers on one PostgreSQL, each with its own agent port and state
+    directory (the engine secret copied to both, as the README says), and
+    agents that know both.
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.postgres = ThrowawayPostgres()
+        self.addCleanup(self.postgres.stop)
+        self.url = self.postgres.start()
+        self.agent_ports = (self.agent_port, free_port())
+        secret = secrets.token_hex(32)
+        for name in ("state-a", "state-b"):
+            folder = os.path.join(self._directory(), name)
+            os.makedirs(folder, mode=0o700)
+            path = os.path.join(folder, SECRET_FILE)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(secret + "\n")
+
+    def standby_config(self, startup_grace: str = "4s") -> str:
+        return self.config(
+            MODELS.format(min_replicas=1, idle="0s"), startup_grace=startup_grace
+        ) + (f'[standby]\nurl = "{self.url}"\n')
+
+    def start_one(self, which: int, config: str) -> tuple[Process, str, str]:
+        process, api, admin = self.start_server(
+            "--agent-listen",
+            f"tcp:{self.agent_ports[which]}:interface=127.0.0.1",
+            config=config,
+            state="state-" + "ab"[which],
+        )
+        return process, api, admin
+
+    def use(self, process: Process, api: str, admin: str) -> None:
+        self.server, self.api_url, self.admin_url = process, api, admin
+        self.client = openai.OpenAI(
+            base_url=api + "/v1", api_key="unused", max_retries=0, timeout=10
+        )
+
+    def start_pair_agent(self) -> Process:
+        """
+        gpu-01, dialing the standby first: it must be redirected.
+        """
+        process = spawn_agent(
+            self.dir,
+            AGENT_CONFIG.replace("{address}", "127.0.0.1"),
+            self.agent_ports[1],
+            "gpu-01",
+            os.path.join(self.ca, "agents", "gpu-01"),
+            "--server",
+            f"127.0.0.1:{self.agent_ports[0]}",
+        )
+        self.addCleanup(process.stop)
+        self.agents["gpu-01"] = process
+        return process
+
+
+class StandbyTests(Pair, SynchronousTestCase):
+    def test_leader_killed_standby_adopts(self) -> None:
+        """
+        One server leads, the other stands by and redirects the agent to
+        it; the leader is killed (SIGKILL): the standby leads within
+        C{lost_after} (6 s here), the agent follows it, its engine is
+        adopted with the same pid (nothing placed, nothing started twice),
+        and requests through the standby's client API succeed again.
+        """
+        config = self.standby_config()
+        first = self.start_one(0, config)
+        first[0].wait_for("leading: holds the leader lock")
+        second = self.start_one(1, config)
+        second[0].wait_for("standby: leader chosen")
+        agent = self.start_pair_agent()
+        self.use(*first)
+        (before,) = self.ready(1)
+        self.assertTrue(self.chat())
+        agent.wait_for("the server is a standby; the leader is 127.0.0.1:")
+        self.assertIn("redirected to the leader", second[0].output())
+        self.assertNotIn("leading:", second[0].output())
+        pid = before["shards"][0]["pid"]
+
+        first[0].popen.send_signal(signal.SIGKILL)
+        first[0].popen.wait(10)
+        killed = time.monotonic()
+        self.use(*second)
+        while True:
+            try:
+                self.assertTrue(self.chat())
+                break
+            except openai.OpenAIError:
+                if time.monotonic() - killed > 6:
+                    raise
+                time.sleep(0.1)
+        failover = time.monotonic() - killed
+        self.assertLess(failover, 6)
+        second[0].wait_for("leading: holds the leader lock")
+        # Past the new leader's startup grace: still the one replica.
+        time.sleep(max(0.0, 5.5 - (time.monotonic() - killed)))
+        (after,) = self.ready(1)
+        self.assertEqual(after["shards"][0]["pid"], pid)
+        self.assertEqual(after["id"], before["id"])
+        self.assertTrue(after["adopted"])
+        self.assertNotIn("placed replica", second[0].output())
+        self.assertTrue(self.chat())
+        print(f"\nfailover: served again {failover:.2f}s after the SIGKILL")

@@ -41,9 +41,10 @@ class Pair(_Fleet):
             with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
                 f.write(secret + "\n")
 
-    def standby_config(self, startup_grace: str = "4s") -> str:
+    def standby_config(self, replicas: int = 1, startup_grace: str = "6s") -> str:
         return self.config(
-            MODELS.format(min_replicas=1, idle="0s"), startup_grace=startup_grace
+            MODELS.format(min_replicas=replicas, idle="0s"),
+            startup_grace=startup_grace,
         ) + (f'[standby]\nurl = "{self.url}"\n')
 
     def start_one(self, which: int, config: str) -> tuple[Process, str, str]:
@@ -61,52 +62,62 @@ class Pair(_Fleet):
             base_url=api + "/v1", api_key="unused", max_retries=0, timeout=10
         )
 
-    def start_pair_agent(self) -> Process:
+    def start_pair_agent(self, node: str = "gpu-01") -> Process:
         """
-        gpu-01, dialing the standby first: it must be redirected.
+        An agent dialing the standby first: it must be redirected.
         """
         process = spawn_agent(
             self.dir,
-            AGENT_CONFIG.replace("{address}", "127.0.0.1"),
+            AGENT_CONFIG.replace(
+                "{address}", "127.0.0.1" if node == "gpu-01" else "127.0.0.2"
+            ),
             self.agent_ports[1],
-            "gpu-01",
-            os.path.join(self.ca, "agents", "gpu-01"),
+            node,
+            os.path.join(self.ca, "agents", node),
             "--server",
             f"127.0.0.1:{self.agent_ports[0]}",
         )
         self.addCleanup(process.stop)
-        self.agents["gpu-01"] = process
+        self.agents[node] = process
         return process
 
 
 class StandbyTests(Pair, SynchronousTestCase):
     def test_leader_killed_standby_adopts(self) -> None:
         """
-        One server leads, the other stands by and redirects the agent to
+        One server leads, the other stands by and redirects the agents to
         it; the leader is killed (SIGKILL): the standby leads within
-        C{lost_after} (6 s here), the agent follows it, its engine is
-        adopted with the same pid (nothing placed, nothing started twice),
-        and requests through the standby's client API succeed again.
+        C{lost_after} (6 s here), the agents follow it, their engines are
+        adopted with the same pids (nothing placed, nothing started twice,
+        gpu-02's though it comes back 2 s late: the standby's startup grace
+        starts when it takes the lock), and requests through the standby's
+        client API succeed again.
         """
-        config = self.standby_config()
+        config = self.standby_config(replicas=2)
         first = self.start_one(0, config)
         first[0].wait_for("leading: holds the leader lock")
         second = self.start_one(1, config)
         second[0].wait_for("standby: leader chosen")
-        agent = self.start_pair_agent()
+        agent = self.start_pair_agent("gpu-01")
+        late = self.start_pair_agent("gpu-02")
         self.use(*first)
-        (before,) = self.ready(1)
+        before = self.ready(2)
         self.assertTrue(self.chat())
         agent.wait_for("the server is a standby; the leader is 127.0.0.1:")
         self.assertIn("redirected to the leader", second[0].output())
         self.assertNotIn("leading:", second[0].output())
-        pid = before["shards"][0]["pid"]
+        pids = sorted(r["shards"][0]["pid"] for r in before)
 
+        late.popen.send_signal(signal.SIGSTOP)
         first[0].popen.send_signal(signal.SIGKILL)
         first[0].popen.wait(10)
         killed = time.monotonic()
         self.use(*second)
+        resumed = False
         while True:
+            if not resumed and time.monotonic() - killed > 2:
+                late.popen.send_signal(signal.SIGCONT)
+                resumed = True
             try:
                 self.assertTrue(self.chat())
                 break
@@ -116,13 +127,16 @@ class StandbyTests(Pair, SynchronousTestCase):
                 time.sleep(0.1)
         failover = time.monotonic() - killed
         self.assertLess(failover, 6)
+        if not resumed:
+            time.sleep(max(0.0, 2 - failover))
+            late.popen.send_signal(signal.SIGCONT)
         second[0].wait_for("leading: holds the leader lock")
-        # Past the new leader's startup grace: still the one replica.
-        time.sleep(max(0.0, 5.5 - (time.monotonic() - killed)))
-        (after,) = self.ready(1)
-        self.assertEqual(after["shards"][0]["pid"], pid)
-        self.assertEqual(after["id"], before["id"])
-        self.assertTrue(after["adopted"])
+        # Past the new leader's startup grace: still the same two.
+        time.sleep(max(0.0, 7.5 - (time.monotonic() - killed)))
+        after = self.ready(2)
+        self.assertEqual(sorted(r["shards"][0]["pid"] for r in after), pids)
+        self.assertEqual({r["id"] for r in after}, {r["id"] for r in before})
+        self.assertTrue(all(r["adopted"] for r in after))
         self.assertNotIn("placed replica", second[0].output())
         self.assertTrue(self.chat())
         print(f"\nfailover: served again {failover:.2f}s after the SIGKILL")

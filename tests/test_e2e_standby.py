@@ -140,3 +140,18 @@ class StandbyTests(Pair, SynchronousTestCase):
         self.assertNotIn("placed replica", second[0].output())
         self.assertTrue(self.chat())
         print(f"\nfailover: served again {failover:.2f}s after the SIGKILL")
+
+    def test_database_lost_leader_stops(self) -> None:
+        """
+        The leader's database goes away: the leader stops leading within
+        C{lease} (5 s) and its process ends with status 75, for systemd to
+        start it again as a standby.
+        """
+        first = self.start_one(0, self.standby_config())
+        first[0].wait_for("leading: holds the leader lock")
+        self.postgres.stop()
+        stopped = time.monotonic()
+        status = first[0].popen.wait(15)
+        self.assertEqual(status, 75, first[0].output()[-3000:])
+        self.assertLess(time.monotonic() - stopped, 8)
+        self.assertIn("lost leadership", first[0].output())

@@ -170,6 +170,11 @@ class LeadershipTests(SynchronousTestCase):
         self.clock.advance(1.0)
         self.assertFalse(first.leading)
         self.assertIn("not shown alive for 5s", self.events[-1])
+        # The hung check answers at last: nothing changes.
+        pending[0].callback((True, "a:1"))
+        self.assertFalse(first.leading)
+        self.assertTrue(self.events[-1].startswith("a:1 lost"))
+        self.assertEqual(len(self.events), 2)
 
     def test_standby_retries_while_the_database_is_down(self) -> None:
         """

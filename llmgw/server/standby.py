@@ -114,6 +114,8 @@ class Leadership(Service):
     @ivar loop: a service run only while leading (the reconciler): stopped
         when leadership is lost and when this service stops.
     @ivar leading: whether this server leads now.
+    @ivar lost: whether it led and lost the lead: then it never leads
+        again (its process ends).
     @ivar leader: the leader's agent address as last read (this server's
         when it leads; empty when unknown).
     """
@@ -144,6 +146,7 @@ class Leadership(Service):
         self._warned = False
         self.loop: IService | None = None
         self.leading = False
+        self.lost = False
         self.leader = ""
 
     def startService(self) -> None:
@@ -210,9 +213,10 @@ class Leadership(Service):
     def _stepped(self, result: tuple[bool, str]) -> None:
         self._busy = False
         self._warned = False
-        held, self.leader = result
-        if not self.running:
+        if not self.running or self.lost:
+            # A check that ended after the lease ran out changes nothing.
             return
+        held, self.leader = result
         self._last_alive = self._clock.seconds()
         if held and not self.leading:
             self.leading = True
@@ -229,7 +233,7 @@ class Leadership(Service):
         connection, self._connection = self._connection, None
         if connection is not None:
             self._in_thread(connection.close).addErrback(lambda _: None)
-        if not self.running:
+        if not self.running or self.lost:
             return
         if self.leading:
             self._lose(reason.getErrorMessage())
@@ -242,6 +246,7 @@ class Leadership(Service):
             )
 
     def _lose(self, why: str) -> None:
+        self.lost = True
         self.leading = False
         self.leader = ""
         log.error("lost leadership: {why}", why=why)

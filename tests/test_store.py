@@ -18,12 +18,12 @@ from twisted.web.test.requesthelper import DummyRequest
 from llmgw.router.auth import KeyRing, hash_key
 from llmgw.router.errors import APIError
 from llmgw.server.admin import AdminGuard
-from llmgw.store.db import MIGRATIONS, Store, StoreError, sqlite_path
+from llmgw.store.db import MIGRATIONS, SQLiteStore, StoreError, sqlite_path
 
 
-def _store(test: Any) -> Store:
+def _store(test: Any) -> SQLiteStore:
     folder = tempfile.mkdtemp(prefix="llmgw-store-")
-    store = Store(os.path.join(folder, "sub", "llmgw.db"))
+    store = SQLiteStore(os.path.join(folder, "sub", "llmgw.db"))
     test.addCleanup(store.close)
     return store
 

@@ -26,6 +26,8 @@ class _Store:
     Records each C{add_usage} call; its Deferred fires when the test says.
     """
 
+    database_errors = (sqlite3.Error,)
+
     def __init__(self) -> None:
         self.calls: list[
             tuple[list[tuple[float, UsageRow]], dict[int, tuple[int, float]]]

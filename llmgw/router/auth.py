@@ -155,6 +155,34 @@ class KeyRing:
         for row in rows:
             self._add(row)
 
+    def learn(self, row: dict[str, Any]) -> None:
+        """
+        A key as the shared store has it now (made or revoked by another
+        process on the same database): a new one is added, a known one
+        takes the revocation if it has one.
+
+        @param row: as L{load} takes them.
+        """
+        key = self._by_id.get(row["id"])
+        if key is None:
+            self._add(row)
+        elif row.get("revoked") is not None:
+            self.revoked_elsewhere(key.id, row["revoked"])
+
+    def revoked_elsewhere(self, key_id: int, when: float) -> bool:
+        """
+        Another process revoked a key: refuse it from now on.
+
+        @param when: POSIX seconds, as that process stored it.
+        @return: whether this changed anything (the key was known here
+            and not yet revoked).
+        """
+        key = self._by_id.get(key_id)
+        if key is None or key.revoked is not None:
+            return False
+        key.revoked = when
+        return True
+
     def _add(self, row: dict[str, Any]) -> ApiKey:
         key = ApiKey(
             id=row["id"],

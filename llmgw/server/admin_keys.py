@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import math
 import re
-import sqlite3
 from collections.abc import Callable
 from typing import Any
 
@@ -137,6 +136,7 @@ class KeyRoutes:
         admin = body.get("admin", False)
         if not isinstance(admin, bool):
             raise AdminError(400, "admin: expected true or false", "bad_request")
+        integrity_errors = self.store.integrity_errors if self.store else ()
         try:
             key, secret = await keys.create(
                 name,
@@ -150,7 +150,7 @@ class KeyRoutes:
             raise AdminError(
                 409 if "exists" in str(e) else 400, str(e), "bad_key"
             ) from None
-        except sqlite3.IntegrityError:
+        except integrity_errors:
             raise AdminError(409, f"a key named {name!r} exists", "conflict") from None
         return json_answer(request, {**key.to_json(), "key": secret}, 201)
 
@@ -224,7 +224,7 @@ class KeyRoutes:
             groups = await self.store.usage(
                 by, since, until if until is not None else now + 1
             )
-        except sqlite3.OperationalError as e:
+        except self.store.database_errors as e:
             raise AdminError(
                 503, f"the store cannot be read now ({e}); try again", "store_busy"
             ) from None

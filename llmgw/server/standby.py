@@ -40,10 +40,12 @@ from llmgw.control.plane import ControlPlane
 
 log = Logger(namespace="llmgw.server")
 
-LOCK_KEY = 0x6C6C6D67  # "llmg": the advisory lock's key, one per database.
+LOCK_KEY = 0x6C6C6D676C656164  # "llmglead"
 """
 The advisory lock's 64-bit key: one per database, so one leader per
-database.
+database.  Not the store's migration lock (C{llmgw.store.pg}, "llmg"): a
+transaction lock waits on a session lock of the same key, so a server
+starting beside a leader would wait forever to migrate.
 """
 
 CREATE = (

@@ -46,6 +46,7 @@ from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.server.admin import Admin, AdminGuard, is_loopback
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.fdlimit import raise_open_file_limit
+from llmgw.server.keysync import key_events
 from llmgw.server.lifecycle import (
     AGENT_LINKS,
     DRAIN,
@@ -74,7 +75,7 @@ from llmgw.server.logs import json_observer
 from llmgw.server.metrics_site import metrics_site
 from llmgw.server.standby import leading_services
 from llmgw.server.usage import StoreUsageSink
-from llmgw.store.db import Store, StoreError, sqlite_path
+from llmgw.store.db import SQLiteStore, StoreError, open_store
 from llmgw.store.usage import UsageWriter
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History
@@ -337,14 +338,16 @@ def makeService(options: Options) -> IService:
         control = replace(control, startup_grace=0.0)
     try:
         _lock(os.path.expanduser(config.state_dir), "server.lock")
-        database = sqlite_path(config.store_url, config.state_dir)
-        # Keys, budgets and limits live in each server's memory: one
-        # server per database, wherever its state directory is.
-        _lock(
-            os.path.dirname(os.path.abspath(database)),
-            os.path.basename(database) + ".lock",
-        )
-        store = Store(database)
+        store = open_store(config.store_url, config.state_dir)
+        if isinstance(store, SQLiteStore):
+            # Keys, budgets and limits live in each server's memory: one
+            # server per SQLite file, wherever its state directory is.
+            # (On PostgreSQL several processes share the database.)
+            database = store.path
+            _lock(
+                os.path.dirname(os.path.abspath(database)),
+                os.path.basename(database) + ".lock",
+            )
         key_rows, stored_models = store.prepare()
         engine_keys = EngineKeys(config.state_dir)
     except (ConfigError, StoreError, OSError, ValueError) as e:
@@ -549,6 +552,9 @@ def makeService(options: Options) -> IService:
     top.add(USAGE, usage_writer)
     top.add(LOCAL_ENGINES, *local_engines)
     top.add(POOLS, PoolService(pool))
+    events = key_events(store, keys, reactor)  # type: ignore[arg-type]
+    # Before the store closes: it stops listening within KeyEvents.POLL.
+    top.add(POOLS, *([events] if events is not None else []))
     top.add(STORE, StoreService(store))
     if agent_port is not None:
         agent_address = agent_port.getHost()

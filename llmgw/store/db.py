@@ -16,98 +16,37 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred
 
-
-class StoreError(Exception):
-    """
-    The database cannot be used: not a SQLite URL, a folder or file that
-    cannot be made or opened, not a database, or a schema newer than this
-    code.  C{str(error)} is one line naming the path or URL.
-    """
-
-
-@dataclass(frozen=True)
-class UsageRow:
-    """
-    One request's row of the C{usage} table.
-
-    @ivar key_id: the API key's id, L{None} without a key.
-    @ivar replica: the replica that answered, L{None} when none did.
-    @ivar status: the HTTP status the client got.
-    @ivar latency: seconds from receipt to the last byte.
-    @ivar time_to_first_token: seconds from receipt to the first byte of
-        the replica's answer; L{None} when none came.
-    @ivar estimated: the token counts are an estimate (the engine's never
-        came).
-    """
-
-    request_id: str
-    key_id: int | None
-    key_name: str | None
-    model: str
-    replica: str | None
-    status: int
-    stream: bool
-    prompt_tokens: int
-    completion_tokens: int
-    latency: float
-    time_to_first_token: float | None
-    estimated: bool = False
-
-
-# Each migration runs once, in order, in one transaction with the bump of
-# user_version; a database newer than this code is refused.
-MIGRATIONS: tuple[str, ...] = (
-    """
-    CREATE TABLE api_keys (
-        id INTEGER PRIMARY KEY,
-        name TEXT NOT NULL UNIQUE,
-        prefix TEXT NOT NULL,
-        hash TEXT NOT NULL UNIQUE,
-        models TEXT,
-        rpm INTEGER,
-        tpm INTEGER,
-        budget_tokens INTEGER,
-        admin INTEGER NOT NULL DEFAULT 0,
-        created REAL NOT NULL,
-        last_used REAL,
-        tokens_used INTEGER NOT NULL DEFAULT 0,
-        revoked REAL
-    );
-    CREATE TABLE usage (
-        id INTEGER PRIMARY KEY,
-        time REAL NOT NULL,
-        request_id TEXT NOT NULL,
-        key_id INTEGER,
-        key_name TEXT,
-        model TEXT NOT NULL,
-        replica TEXT,
-        status INTEGER NOT NULL,
-        stream INTEGER NOT NULL,
-        prompt_tokens INTEGER NOT NULL,
-        completion_tokens INTEGER NOT NULL,
-        latency REAL NOT NULL,
-        time_to_first_token REAL
-    );
-    CREATE INDEX usage_time ON usage (time);
-    CREATE TABLE models (
-        name TEXT PRIMARY KEY,
-        spec TEXT NOT NULL,
-        added REAL NOT NULL
-    );
-    """,
-    # 2: token counts the router estimated (the engine's never came).
-    """
-    ALTER TABLE usage ADD COLUMN estimated INTEGER NOT NULL DEFAULT 0;
-    """,
+from llmgw.store.base import (
+    MIGRATIONS,
+    USAGE_COLUMNS,
+    Store,
+    StoreError,
+    UsageRow,
+    key_row,
+    newer_than_code,
+    shape_usage,
+    statements,
+    usage_query,
+    usage_values,
 )
+
+__all__ = [
+    "MIGRATIONS",
+    "READ_BUSY_TIMEOUT_MS",
+    "SQLiteStore",
+    "Store",
+    "StoreError",
+    "UsageRow",
+    "open_store",
+    "sqlite_path",
+]
 
 
 def sqlite_path(url: str, state_dir: str) -> str:
@@ -123,8 +62,8 @@ def sqlite_path(url: str, state_dir: str) -> str:
     parts = urlsplit(url)
     if parts.scheme != "sqlite" or parts.netloc or not parts.path:
         raise StoreError(
-            f"store.url: {url!r}: expected sqlite:///absolute/path.db or"
-            " sqlite:relative/path.db (only SQLite in this version)"
+            f"store.url: {url!r}: expected sqlite:///absolute/path.db,"
+            " sqlite:relative/path.db or postgresql://user@host:port/db"
         )
     return os.path.expanduser(parts.path)
 
@@ -137,14 +76,33 @@ this bounds the rare ones (another process recovering the WAL index).
 """
 
 
-class Store:
+def open_store(url: str, state_dir: str) -> Store:
     """
-    The database.  Every method returns a Deferred fired from the pool's
-    thread's result, on the reactor thread.
+    The store C{[store] url} names, not yet prepared.
+
+    @param url: empty (C{STATE_DIR/llmgw.db}), C{sqlite:...} or
+        C{postgresql://...} (also C{postgres://}).
+    @raise StoreError: a URL of neither engine, or a folder that cannot
+        be made.
+    """
+    if urlsplit(url).scheme in ("postgresql", "postgres"):
+        from llmgw.store.pg import PostgresStore
+
+        return PostgresStore(url)
+    return SQLiteStore(sqlite_path(url, state_dir))
+
+
+class SQLiteStore(Store):
+    """
+    The database in one SQLite file.  Every method returns a Deferred
+    fired from the pool's thread's result, on the reactor thread.
 
     @param path: the SQLite file, made (with its folder) if missing.
     @raise StoreError: the folder cannot be made.
     """
+
+    database_errors = (sqlite3.Error,)
+    integrity_errors = (sqlite3.IntegrityError,)
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -213,7 +171,7 @@ class Store:
                 "SELECT name, spec FROM models ORDER BY added"
             ).fetchall()
             return keys, [(name, spec) for name, spec in models]
-        except (sqlite3.Error, RuntimeError) as e:
+        except (sqlite3.Error, StoreError) as e:
             raise StoreError(f"store: {self.path!r}: {e}") from None
         finally:
             connection.close()
@@ -222,14 +180,10 @@ class Store:
     def _migrate(cursor: sqlite3.Cursor) -> int:
         version = int(cursor.execute("PRAGMA user_version").fetchone()[0])
         if version > len(MIGRATIONS):
-            raise RuntimeError(
-                f"the database is at schema version {version}; this llmgw knows"
-                f" up to {len(MIGRATIONS)}"
-            )
+            raise StoreError(newer_than_code(version))
         for number in range(version, len(MIGRATIONS)):
-            for statement in MIGRATIONS[number].split(";"):
-                if statement.strip():
-                    cursor.execute(statement)
+            for statement in statements(MIGRATIONS[number]):
+                cursor.execute(statement)
             cursor.execute(f"PRAGMA user_version = {number + 1}")
         return len(MIGRATIONS)
 
@@ -243,13 +197,7 @@ class Store:
     def _keys(cursor: sqlite3.Cursor) -> list[dict[str, Any]]:
         cursor.execute("SELECT * FROM api_keys ORDER BY id")
         names = [d[0] for d in cursor.description]
-        rows = []
-        for values in cursor.fetchall():
-            row = dict(zip(names, values, strict=True))
-            row["models"] = json.loads(row["models"]) if row["models"] else None
-            row["admin"] = bool(row["admin"])
-            rows.append(row)
-        return rows
+        return [key_row(names, values) for values in cursor.fetchall()]
 
     def add_key(self, row: dict[str, Any]) -> Deferred[int]:
         """
@@ -258,6 +206,7 @@ class Store:
         @return: fires with the new key's id; fails with
             L{sqlite3.IntegrityError} for a name already used.
         """
+        # Shared with PostgresStore: its docstring is Store.add_key's.
 
         def add(cursor: sqlite3.Cursor) -> int:
             cursor.execute(
@@ -291,43 +240,35 @@ class Store:
         rows: Sequence[tuple[float, UsageRow]],
         key_use: dict[int, tuple[int, float]],
     ) -> Deferred[None]:
-        """
-        Write usage records and add to the keys' token counts, in one
-        transaction.
-
-        @param rows: C{(POSIX seconds, row)} per request.
-        @param key_use: per key id, C{(tokens, last used)}.
-        """
-
         def add(cursor: sqlite3.Cursor) -> None:
-            cursor.executemany(
-                "INSERT INTO usage (time, request_id, key_id, key_name, model,"
-                " replica, status, stream, prompt_tokens, completion_tokens,"
-                " latency, time_to_first_token, estimated)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [
-                    (
-                        when,
-                        r.request_id,
-                        r.key_id,
-                        r.key_name,
-                        r.model,
-                        r.replica,
-                        r.status,
-                        int(r.stream),
-                        r.prompt_tokens,
-                        r.completion_tokens,
-                        r.latency,
-                        r.time_to_first_token,
-                        int(r.estimated),
+            ids = [r.request_id for _, r in rows]
+            seen: set[str] = set()
+            for start in range(0, len(ids), 500):
+                chunk = ids[start : start + 500]
+                cursor.execute(
+                    "SELECT request_id FROM usage WHERE request_id IN"
+                    f" ({','.join('?' * len(chunk))})",
+                    chunk,
+                )
+                seen.update(r[0] for r in cursor.fetchall())
+            use = dict(key_use)
+            for _, r in rows:
+                if r.request_id in seen and r.key_id in use:
+                    tokens, last = use[r.key_id]
+                    use[r.key_id] = (
+                        max(0, tokens - r.prompt_tokens - r.completion_tokens),
+                        last,
                     )
-                    for when, r in rows
-                ],
+            cursor.executemany(
+                f"INSERT INTO usage ({USAGE_COLUMNS})"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                " ON CONFLICT (request_id) DO NOTHING",
+                [usage_values(when, r) for when, r in rows],
             )
             cursor.executemany(
                 "UPDATE api_keys SET tokens_used = tokens_used + ?,"
                 " last_used = MAX(COALESCE(last_used, 0), ?) WHERE id = ?",
-                [(tokens, last, key_id) for key_id, (tokens, last) in key_use.items()],
+                [(tokens, last, key_id) for key_id, (tokens, last) in use.items()],
             )
 
         return self.pool.runInteraction(add)  # type: ignore[no-any-return]
@@ -347,38 +288,10 @@ class Store:
             with L{sqlite3.OperationalError} when the file stays locked
             past L{READ_BUSY_TIMEOUT_MS}.
         """
-        column = {"key": "COALESCE(key_name, '')", "model": "model"}[by]
-        query = (
-            f"SELECT {column} AS name, COUNT(*), SUM(status >= 400),"
-            " SUM(prompt_tokens), SUM(completion_tokens), AVG(latency),"
-            " AVG(time_to_first_token), SUM(estimated)"
-            " FROM usage WHERE time >= ? AND time < ?"
-            f" GROUP BY {column} ORDER BY {column}"
-        )
+        query = usage_query(by, "?")
 
-        def shape(rows: Iterable[tuple[Any, ...]]) -> list[dict[str, Any]]:
-            return [
-                {
-                    by: name if name != "" else None,
-                    "requests": count,
-                    "errors": errors or 0,
-                    "prompt_tokens": prompt or 0,
-                    "completion_tokens": completion or 0,
-                    "mean_latency": latency,
-                    "mean_time_to_first_token": ttft,
-                    "estimated_requests": estimated or 0,
-                }
-                for (
-                    name,
-                    count,
-                    errors,
-                    prompt,
-                    completion,
-                    latency,
-                    ttft,
-                    estimated,
-                ) in rows
-            ]
+        def shape(rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+            return shape_usage(by, rows)
 
         d = self.reader.runQuery(query, (since, until))
         return d.addCallback(shape)  # type: ignore[no-any-return]

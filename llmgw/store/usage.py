@@ -7,7 +7,6 @@ server's wiring (L{llmgw.server.usage}).
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Callable
 
@@ -169,7 +168,7 @@ class UsageWriter(Service):
         the records kept).  Anything else is not expected: logged with its
         traceback every time.
         """
-        if not reason.check(sqlite3.Error):
+        if not reason.check(*self._store.database_errors):
             self.log.failure(
                 "usage: cannot write {count} records; keeping them",
                 reason,

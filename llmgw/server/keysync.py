@@ -1,0 +1,63 @@
+"""
+Keys shared by every process on one PostgreSQL database: a key made or
+revoked by any of them reaches the others' key rings through the store's
+C{LISTEN}/C{NOTIFY} channel (L{llmgw.store.pg.KeyEvents}), within the
+time a notification takes (milliseconds on one network), and what was
+missed while the listener was disconnected is read again when it
+reconnects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.application.service import IService
+from twisted.internet.interfaces import IReactorFromThreads
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from llmgw.router.auth import KeyRing
+from llmgw.store.base import Store
+
+log = Logger()
+
+
+def key_events(
+    store: Store, keys: KeyRing, reactor: IReactorFromThreads
+) -> IService | None:
+    """
+    @return: the service that keeps C{keys} current with the shared
+        store, or L{None} for a store of one process (SQLite).
+    """
+    from llmgw.store.pg import KeyEvents, PostgresStore
+
+    if not isinstance(store, PostgresStore):
+        return None
+    pg = store
+
+    def failed(reason: Failure, what: str) -> None:
+        log.failure("keys: cannot read {what} from the store", reason, what=what)
+
+    def on_event(event: dict[str, Any]) -> None:
+        if "revoked" in event:
+            if keys.revoked_elsewhere(int(event["revoked"]), float(event["when"])):
+                log.info("keys: key {id} revoked elsewhere", id=event["revoked"])
+        elif "added" in event:
+            d = pg.key(int(event["added"]))
+            d.addCallback(learn_one)
+            d.addErrback(failed, f"key {event['added']}")
+
+    def learn_all(rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            keys.learn(row)
+
+    def learn_one(row: dict[str, Any] | None) -> None:
+        if row is not None:
+            keys.learn(row)
+
+    def on_listening() -> None:
+        d = pg.keys()
+        d.addCallback(learn_all)
+        d.addErrback(failed, "the keys")
+
+    return KeyEvents(pg.url, reactor, on_event, on_listening)

@@ -1,0 +1,254 @@
+"""
+The store's behaviour, the same on both engines: each test runs on a
+SQLite file and on a real PostgreSQL (L{tests.pg_support}): migrations,
+a newer database refused, keys, usage written once per request id, the
+usage report and runtime models.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+from twisted.trial.unittest import TestCase
+
+from llmgw.store.base import MIGRATIONS, Store, StoreError, UsageRow
+from llmgw.store.db import SQLiteStore, open_store
+from tests.pg_support import fresh_database
+
+
+def _row(
+    rid: str, key_id: int | None, prompt: int, completion: int, **kw: Any
+) -> UsageRow:
+    values: dict[str, Any] = {
+        "request_id": rid,
+        "key_id": key_id,
+        "key_name": "k" if key_id is not None else None,
+        "model": "m",
+        "replica": "r1",
+        "status": 200,
+        "stream": False,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "latency": 0.5,
+        "time_to_first_token": 0.25,
+    }
+    values.update(kw)
+    return UsageRow(**values)
+
+
+def _key(name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "prefix": "sk-" + name[:8],
+        "hash": "h-" + name,
+        "models": ["m"],
+        "rpm": 10,
+        "tpm": None,
+        "budget_tokens": 1000,
+        "admin": False,
+        "created": 1e9,
+    }
+
+
+if TYPE_CHECKING:
+    _Base = TestCase
+else:
+    _Base = object
+
+
+class _Behaviour(_Base):
+    """
+    The tests; a subclass gives the engine.
+    """
+
+    def make_store(self) -> Store:
+        raise NotImplementedError
+
+    def raw(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        """
+        Run one statement on a connection of the test's own, committed.
+        """
+        raise NotImplementedError
+
+    def schema_version(self) -> int:
+        raise NotImplementedError
+
+    def set_schema_version(self, version: int) -> None:
+        raise NotImplementedError
+
+    def store(self) -> Store:
+        store = self.make_store()
+        self.addCleanup(store.close)
+        return store
+
+    def test_fresh_then_again(self) -> None:
+        """
+        A new database gets every migration; opening it again changes
+        nothing and reads what was written.
+        """
+        store = self.store()
+        self.assertEqual(store.prepare(), ([], []))
+        self.assertEqual(self.schema_version(), len(MIGRATIONS))
+        self.raw("INSERT INTO models (name, spec, added) VALUES ('m', '{}', 1)")
+        again = self.store()
+        self.assertEqual(again.prepare(), ([], [("m", "{}")]))
+
+    def test_newer_refused(self) -> None:
+        """
+        A database from a newer llmgw is refused with one line, not
+        altered.
+        """
+        self.store().prepare()
+        self.set_schema_version(len(MIGRATIONS) + 1)
+        with self.assertRaises(StoreError) as raised:
+            self.store().prepare()
+        message = str(raised.exception)
+        self.assertIn(f"schema version {len(MIGRATIONS) + 1}", message)
+        self.assertNotIn("\n", message)
+        self.assertEqual(self.schema_version(), len(MIGRATIONS) + 1)
+
+    async def test_keys(self) -> None:
+        """
+        Keys get ids; a name used twice is one of the store's integrity
+        errors; a revocation is kept.
+        """
+        store = self.store()
+        store.prepare()
+        first = await store.add_key(_key("a"))
+        second = await store.add_key(_key("b"))
+        self.assertNotEqual(first, second)
+        with self.assertRaises(store.integrity_errors):
+            await store.add_key({**_key("a"), "hash": "other"})
+        await store.revoke_key(first, 2e9)
+        keys, _ = self.store().prepare()
+        self.assertEqual(
+            [(k["id"], k["name"], k["models"], k["admin"], k["revoked"]) for k in keys],
+            [(first, "a", ["m"], False, 2e9), (second, "b", ["m"], False, None)],
+        )
+
+    async def test_usage_once_per_request(self) -> None:
+        """
+        A batch written again (its commit's answer lost, say) adds no row
+        and no tokens: one record per request id, the key's count exact.
+        """
+        store = self.store()
+        store.prepare()
+        key_id = await store.add_key(_key("a"))
+        one = [(100.0, _row("r1", key_id, 10, 5)), (101.0, _row("r2", key_id, 3, 4))]
+        await store.add_usage(one, {key_id: (22, 101.0)})
+        await store.add_usage(one, {key_id: (22, 101.0)})
+        two = [(102.0, _row("r2", key_id, 3, 4)), (103.0, _row("r3", key_id, 1, 1))]
+        await store.add_usage(two, {key_id: (9, 103.0)})
+        await store.add_usage([(104.0, _row("r4", None, 7, 0, status=502))], {})
+        count = self.raw("SELECT COUNT(*), COUNT(DISTINCT request_id) FROM usage")
+        self.assertEqual([tuple(int(v) for v in count[0])], [(4, 4)])
+        keys, _ = self.store().prepare()
+        self.assertEqual((keys[0]["tokens_used"], keys[0]["last_used"]), (24, 103.0))
+        by_key = await store.usage("key", 100.0, 105.0)
+        self.assertEqual(
+            by_key,
+            [
+                {
+                    "key": None,
+                    "requests": 1,
+                    "errors": 1,
+                    "prompt_tokens": 7,
+                    "completion_tokens": 0,
+                    "mean_latency": 0.5,
+                    "mean_time_to_first_token": 0.25,
+                    "estimated_requests": 0,
+                },
+                {
+                    "key": "k",
+                    "requests": 3,
+                    "errors": 0,
+                    "prompt_tokens": 14,
+                    "completion_tokens": 10,
+                    "mean_latency": 0.5,
+                    "mean_time_to_first_token": 0.25,
+                    "estimated_requests": 0,
+                },
+            ],
+        )
+        by_model = await store.usage("model", 101.0, 103.0)
+        self.assertEqual([(g["model"], g["requests"]) for g in by_model], [("m", 1)])
+
+    async def test_models(self) -> None:
+        """
+        Runtime models: added, replaced by name, deleted.
+        """
+        store = self.store()
+        store.prepare()
+        await store.put_model("a", '{"x": 1}', 1.0)
+        await store.put_model("b", "{}", 2.0)
+        await store.put_model("a", '{"x": 2}', 3.0)
+        self.assertEqual(await store.models(), [("a", '{"x": 2}'), ("b", "{}")])
+        await store.delete_model("a")
+        self.assertEqual(await store.models(), [("b", "{}")])
+
+
+class SQLiteStoreTests(_Behaviour, TestCase):
+    def setUp(self) -> None:
+        self.path = os.path.join(tempfile.mkdtemp(prefix="llmgw-store-"), "llmgw.db")
+
+    def make_store(self) -> Store:
+        store = open_store(f"sqlite://{self.path}", "/nonexistent")
+        self.assertIsInstance(store, SQLiteStore)
+        return store
+
+    def raw(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with sqlite3.connect(self.path) as connection:
+            rows = connection.execute(sql, params).fetchall()
+        connection.close()
+        return rows
+
+    def schema_version(self) -> int:
+        return int(self.raw("PRAGMA user_version")[0][0])
+
+    def set_schema_version(self, version: int) -> None:
+        self.raw(f"PRAGMA user_version = {version}")
+
+
+class PostgresStoreTests(_Behaviour, TestCase):
+    def setUp(self) -> None:
+        self.url = fresh_database(self)
+
+    def make_store(self) -> Store:
+        from llmgw.store.pg import PostgresStore
+
+        store = open_store(self.url, "/nonexistent")
+        self.assertIsInstance(store, PostgresStore)
+        return store
+
+    def raw(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        import psycopg
+
+        with psycopg.connect(self.url, autocommit=True) as connection:
+            cursor = connection.execute(sql.replace("?", "%s").encode(), params)
+            return cursor.fetchall() if cursor.description else []
+
+    def schema_version(self) -> int:
+        return int(self.raw("SELECT version FROM llmgw_schema")[0][0])
+
+    def set_schema_version(self, version: int) -> None:
+        self.raw("UPDATE llmgw_schema SET version = ?", (version,))
+
+    def test_unreachable(self) -> None:
+        """
+        No server at the URL: one line naming it, password hidden.
+        """
+        from tests.support import closed_port
+
+        store = open_store(
+            f"postgresql://u:secret@127.0.0.1:{closed_port()}/x", "/nonexistent"
+        )
+        self.addCleanup(store.close)
+        with self.assertRaises(StoreError) as raised:
+            store.prepare()
+        message = str(raised.exception)
+        self.assertIn("cannot connect to postgresql://u:***@127.0.0.1:", message)
+        self.assertNotIn("secret", message)
+        self.assertNotIn("\n", message)

@@ -1,6 +1,7 @@
 """
 Failover time of a standby control plane: two C{twistd -n llmgw-server}
-processes on one throwaway PostgreSQL (L{tests.standby_pg}), one
+processes on one throwaway PostgreSQL (L{tests.pg_support}, their
+C{[store] url}), one
 C{twistd -n llmgw-agent} given both addresses, one C{llmgw sim} replica
 ready.  Each round kills the leader with SIGKILL and measures, from the
 kill:
@@ -37,7 +38,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmgw.server.engine_keys import SECRET_FILE
-from tests.standby_pg import ThrowawayPostgres
+from tests.pg_support import PostgresServer, require_postgres
 from tests.support import (
     TWISTD,
     Process,
@@ -58,7 +59,7 @@ lost_after = "6s"
 startup_grace = "4s"
 interval = "250ms"
 port_range = [{first}, {last}]
-[standby]
+[store]
 url = "{url}"
 [[models]]
 name = "chat"
@@ -145,10 +146,11 @@ class Server:
 
 def run(kills: int) -> list[tuple[float, float]]:
     folder = tempfile.mkdtemp(prefix="llmgw-failover-")
-    postgres = ThrowawayPostgres()
-    url = postgres.start()
+    postgres = PostgresServer(require_postgres())
     processes: list[Process] = []
     try:
+        postgres.start()
+        url = postgres.create_database("llmgw")
         ca = make_certs(folder, "127.0.0.1", ["gpu-01"])
         first = 21000 + os.getpid() % 9000
         config = os.path.join(folder, "server.toml")

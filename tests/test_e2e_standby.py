@@ -1,7 +1,8 @@
 """
 A standby control plane, for real: two C{twistd llmgw-server} processes on
-one throwaway PostgreSQL, one C{twistd llmgw-agent} given both addresses,
-the C{llmgw sim} engine; the leader is killed with SIGKILL.
+one throwaway PostgreSQL (their C{[store] url}: the store and the leader
+lock), C{twistd llmgw-agent} processes given both addresses, the C{llmgw
+sim} engine; the leader is killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.server.engine_keys import SECRET_FILE
-from tests.standby_pg import ThrowawayPostgres
+from tests.pg_support import PostgresServer, require_postgres
 from tests.support import Process, free_port, spawn_agent
 from tests.test_e2e_control import AGENT_CONFIG, MODELS, _Fleet
 
@@ -29,9 +30,10 @@ class Pair(_Fleet):
 
     def setUp(self) -> None:
         super().setUp()
-        self.postgres = ThrowawayPostgres()
+        self.postgres = PostgresServer(require_postgres())
         self.addCleanup(self.postgres.stop)
-        self.url = self.postgres.start()
+        self.postgres.start()
+        self.url = self.postgres.create_database("llmgw")
         self.agent_ports = (self.agent_port, free_port())
         secret = secrets.token_hex(32)
         for name in ("state-a", "state-b"):
@@ -45,7 +47,7 @@ class Pair(_Fleet):
         return self.config(
             MODELS.format(min_replicas=replicas, idle="0s"),
             startup_grace=startup_grace,
-        ) + (f'[standby]\nurl = "{self.url}"\n')
+        ) + (f'[store]\nurl = "{self.url}"\n')
 
     def start_one(self, which: int, config: str) -> tuple[Process, str, str]:
         process, api, admin = self.start_server(

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from twisted.application.service import IService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.error import ReactorNotRunning
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
@@ -316,7 +317,10 @@ def leading_services(
             link.close()
         log.error("this server stops: it no longer leads (exit status 75)")
         atexit.register(os._exit, 75)
-        reactor.stop()
+        try:
+            reactor.stop()
+        except ReactorNotRunning:
+            pass  # Stopping already: the exit status is set all the same.
 
     leadership = Leadership(
         reactor,

@@ -7,6 +7,7 @@ sim} engine; the leader is killed with SIGKILL.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -17,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.server.engine_keys import SECRET_FILE
 from tests.pg_support import PostgresServer, require_postgres
-from tests.support import Process, free_port, spawn_agent
+from tests.support import Process, free_port, http, spawn_agent
 from tests.test_e2e_control import AGENT_CONFIG, MODELS, _Fleet
 
 
@@ -109,6 +110,15 @@ class StandbyTests(Pair, SynchronousTestCase):
         self.assertIn("redirected to the leader", second[0].output())
         self.assertNotIn("leading:", second[0].output())
         pids = sorted(r["shards"][0]["pid"] for r in before)
+        leader = f"127.0.0.1:{self.agent_ports[0]}"
+        self.assertEqual(
+            self.admin("/api/v1/status")["standby"],
+            {"leading": True, "leader": leader},
+        )
+        status, _, body = http("GET", second[2] + "/api/v1/status")
+        self.assertEqual(
+            json.loads(body)["standby"], {"leading": False, "leader": leader}
+        )
 
         late.popen.send_signal(signal.SIGSTOP)
         first[0].popen.send_signal(signal.SIGKILL)

@@ -38,6 +38,7 @@ from twisted.python.failure import Failure
 from llmgw.config import ServerConfig
 from llmgw.control.agents import AgentHub
 from llmgw.control.plane import ControlPlane
+from llmgw.server.admin import Admin
 
 log = Logger(namespace="llmgw.server")
 
@@ -288,6 +289,7 @@ def leading_services(
     hub: AgentHub,
     plane: ControlPlane,
     agent_port: Any,
+    admin: Admin,
 ) -> list[IService]:
     """
     What runs in the server's reconciler step: the reconciler itself when
@@ -297,7 +299,8 @@ def leading_services(
     A standby refuses each agent's Register with a Redirect naming the
     leader.  On taking the lock the startup grace starts afresh, so that
     the agents' Registers adopt their running engines before anything is
-    placed (L{llmgw.control.adoption}).  On losing it the server stops
+    placed (L{llmgw.control.adoption}).  The admin API's status tells
+    whether this server leads, and the leader.  On losing it the server stops
     leading at once (its agent links closed, Registers refused) and its
     process ends with status 75, for systemd to start it again as a
     standby (C{Restart=on-failure}).
@@ -333,6 +336,10 @@ def leading_services(
         lease=settings.lease,
     )
     leadership.loop = plane.loop
+    admin.standby = lambda: {
+        "leading": leadership.leading,
+        "leader": leadership.leader,
+    }
     hub.redirect = lambda: leadership.leader
     log.info(
         "standby: leader chosen by an advisory lock on {url}",

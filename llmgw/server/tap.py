@@ -541,7 +541,7 @@ def makeService(options: Options) -> IService:
             port=getattr(metrics_address, "port", ""),
         )
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    leading = leading_services(reactor, config, hub, plane, agent_port)
+    leading = leading_services(reactor, config, hub, plane, agent_port, admin)
     top.add(RECONCILER, *leading, load, history)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.

@@ -78,6 +78,68 @@ class AgentTLSConfig:
 
 
 @dataclass(frozen=True)
+class StandbyConfig:
+    """
+    The C{[standby]} table: leadership among servers on one PostgreSQL
+    (L{llmgw.server.standby}).
+
+    @ivar url: the PostgreSQL whose advisory lock chooses the leader;
+        empty for C{[store] url} when that is PostgreSQL (else no standby:
+        this server leads alone).
+    @ivar advertise: C{HOST:PORT} agents dial to reach this server's agent
+        listener, recorded for the standbys to name; empty for the bound
+        address (the host name in place of a wildcard).
+    @ivar retry: seconds between a standby's tries of the lock, and the
+        leader's checks of its connection.
+    @ivar lease: a leader that cannot show its connection alive this long
+        stops leading (and its process ends).
+    """
+
+    url: str = ""
+    advertise: str = ""
+    retry: float = 1.0
+    lease: float = 5.0
+
+
+def _standby(table: object) -> StandbyConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"standby: expected a table, got {table!r}")
+    check_keys("standby", table, {"url", "advertise", "retry", "lease"})
+    standby = StandbyConfig()
+    if "url" in table:
+        url = check_string("standby.url", table["url"])
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError(
+                f"standby.url: {url!r}: expected postgresql://user@host:port/db"
+            )
+        standby = replace(standby, url=url)
+    if "advertise" in table:
+        address = check_string("standby.advertise", table["advertise"])
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"standby.advertise: bad value {address!r}: expected HOST:PORT"
+            )
+        standby = replace(standby, advertise=address)
+    if "retry" in table:
+        standby = replace(
+            standby, retry=parse_duration("standby.retry", table["retry"])
+        )
+    if "lease" in table:
+        standby = replace(
+            standby, lease=parse_duration("standby.lease", table["lease"])
+        )
+    if not 0.1 <= standby.retry <= 60:
+        raise ConfigError(f"standby.retry: {standby.retry:g}s is not 100ms to 60s")
+    if standby.lease < 2 * standby.retry:
+        raise ConfigError(
+            f"standby.lease: {standby.lease:g}s is under twice retry"
+            f" ({standby.retry:g}s)"
+        )
+    return standby
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """
     The whole C{llmgw-server} configuration.
@@ -115,7 +177,20 @@ class ServerConfig:
     endpoints: tuple[Endpoint, ...] = ()
     router: RouterConfig = field(default_factory=RouterConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    standby: StandbyConfig = field(default_factory=StandbyConfig)
     models: tuple[Model, ...] = ()
+
+    @property
+    def leader_lock_url(self) -> str:
+        """
+        The PostgreSQL that chooses the leader (C{[standby] url}, else a
+        PostgreSQL C{[store] url}); empty: this server leads alone.
+        """
+        if self.standby.url:
+            return self.standby.url
+        if self.store_url.startswith(("postgresql://", "postgres://")):
+            return self.store_url
+        return ""
 
     @property
     def accepts_agents(self) -> bool:
@@ -409,9 +484,12 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             "limits",
             "auth",
             "cors",
+            "standby",
         },
     )
     config = ServerConfig()
+    if "standby" in data:
+        config = replace(config, standby=_standby(data["standby"]))
     if "state_dir" in data:
         config = replace(config, state_dir=check_string("state_dir", data["state_dir"]))
     if "control" in data:
@@ -540,6 +618,10 @@ def finish_config(config: ServerConfig) -> ServerConfig:
         if endpoint.id in seen:
             raise ConfigError(f"endpoints: duplicate id {endpoint.id!r}")
         seen.add(endpoint.id)
+    if config.local and config.leader_lock_url:
+        raise ConfigError(
+            "standby: a server with --local leads alone; remove [standby] url"
+        )
     if not config.endpoints and not config.accepts_agents and not config.local:
         raise ConfigError(
             "nothing to serve: add --endpoint id=URL=model[,model], or"

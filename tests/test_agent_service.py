@@ -73,7 +73,7 @@ class UplinkTests(SynchronousTestCase):
             tempfile.mkdtemp(),
         )
         self.service = AgentService(
-            self.factory, self.endpoint, "127.0.0.1:1", self.clock
+            self.factory, lambda _: self.endpoint, ["127.0.0.1:1"], self.clock
         )
 
     def next_delay(self) -> float:

@@ -87,6 +87,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         if kind == "welcome":
             if not self.registered.called:
                 self.welcomed = True
+                # Back to this server first when the link is lost.
+                self.factory.server_hint = self.factory.dialing
                 self.registered.callback(None)
             interval = message.welcome.heartbeat_interval_seconds or 5
             self.limit_sent(message.welcome.max_frame_size)
@@ -105,6 +107,19 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 self._weights = LoopingCall(self.send_weights)
                 self._weights.clock = self._clock  # type: ignore[assignment]
                 self._weights.start(WEIGHTS_REPORT_INTERVAL, now=True)
+            return
+        if kind == "redirect":
+            # A standby: dial the leader it names next (or, when it names
+            # none, the next server of the list).
+            leader = message.redirect.leader
+            self.factory.server_hint = leader or None
+            self.factory.redirected = True
+            self.log.info(
+                "the server is a standby; the leader is {leader}",
+                leader=leader or "not chosen yet",
+            )
+            if self.transport is not None:
+                self.transport.loseConnection()
             return
         if kind is None:
             return
@@ -223,6 +238,12 @@ class AgentFactory(Factory):
         self._heartbeat = heartbeat
         self._clock = clock
         self.current: AgentProtocol | None = None
+        # The server being dialed, and the one to dial next (the server
+        # last registered with, or the leader a standby named), HOST:PORT.
+        self.dialing = ""
+        self.server_hint: str | None = None
+        # A standby just redirected this agent: dial again at once.
+        self.redirected = False
         self._truncated_total: int | None = None
         self.supervisor = Supervisor(
             clock, self.send_status, state_dir, engine_host=engine_host

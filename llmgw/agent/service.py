@@ -14,10 +14,11 @@ first delay.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from twisted.application.internet import ClientService, backoffPolicy
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IProtocol, IStreamClientEndpoint
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.threads import deferToThreadPool
@@ -92,31 +93,78 @@ class _GateFactory(Factory):
 @implementer(IStreamClientEndpoint)
 class _Uplink:
     """
-    The endpoint the uplink dials through: puts the L{_Gate} in, and says
-    why a connection to the server failed, naming it (L{ClientService}'s
-    own line names only the endpoint object).
+    The endpoint the uplink dials through: picks the server (the one last
+    registered with or named by a standby first, else the next of the
+    list, in turn), puts the L{_Gate} in, and says why a connection to the
+    server failed, naming it (L{ClientService}'s own line names only the
+    endpoint object).
+
+    @param dial: the endpoint of a C{HOST:PORT} (TLS wrapped around it, or
+        not).
+    @param servers: C{HOST:PORT} of each server, at least one.
     """
 
-    def __init__(self, endpoint: Any, server: str, agents: AgentFactory) -> None:
-        self._endpoint = endpoint
-        self._server = server
+    def __init__(
+        self, dial: Callable[[str], Any], servers: Sequence[str], agents: AgentFactory
+    ) -> None:
+        self._dial = dial
+        self._servers = list(servers)
+        self._next = 0
         self._agents = agents
 
     def connect(self, factory: Any) -> Deferred[Any]:
+        server = self._agents.server_hint
+        self._agents.server_hint = None
+        self._agents.redirected = False
+        if server in self._servers:
+            # Should it fail, the turn goes on from the server after it.
+            self._next = self._servers.index(server) + 1
+        elif server is None:
+            server = self._servers[self._next % len(self._servers)]
+            self._next += 1
+        self._agents.dialing = server
+
         def failed(reason: Failure) -> Failure:
             log.warn(
                 "cannot connect to the server at {server}: {reason}",
-                server=self._server,
+                server=server,
                 reason=reason.getErrorMessage(),
             )
             return reason
 
-        d: Deferred[Any] = self._endpoint.connect(_GateFactory(factory, self._agents))
+        try:
+            endpoint = self._dial(server)
+        except Exception as e:
+            # A standby named an address this agent cannot dial.
+            return fail(e).addErrback(failed)
+        d: Deferred[Any] = endpoint.connect(_GateFactory(factory, self._agents))
         # ClientService is given back the protocol its factory built.
         return d.addCallbacks(lambda gate: gate.outer, failed)
 
     def __repr__(self) -> str:
-        return f"<llmgw server at {self._server}>"
+        return f"<llmgw servers at {', '.join(self._servers)}>"
+
+
+def retry_policy(servers: int, agents: AgentFactory) -> Callable[[int], float]:
+    """
+    The uplink's waits between attempts: from 0.5 s (1 s with one server)
+    to 30 s, doubling per round of the C{servers} servers, plus up to 1 s
+    of jitter so that a fleet does not dial back in lockstep; 0.1 s after
+    a standby's Redirect.
+
+    @return: seconds before the next attempt, given the failed attempts
+        in a row (from 1).
+    """
+    backoff = backoffPolicy(initialDelay=0.5, maxDelay=30.0, factor=2.0)
+
+    def policy(attempt: int) -> float:
+        if agents.redirected:
+            return 0.1
+        if servers <= 1:
+            return backoff(attempt)
+        return backoff((attempt - 1) // servers)
+
+    return policy
 
 
 def _registered(protocol: Any) -> Deferred[None]:
@@ -143,20 +191,23 @@ class AgentService(ClientService):
 
     @param factory: the agent's factory; its C{current} protocol is the one
         aborted.
-    @param endpoint: the server's endpoint (TLS wrapped around it, or not).
-    @param server: C{HOST:PORT}, for the log.
+    @param dial: the endpoint of a server's C{HOST:PORT} (TLS wrapped
+        around it, or not).
+    @param servers: C{HOST:PORT} of each server (see L{_Uplink}).
     @param clock: the reactor (its clock times the retries).
     """
 
     def __init__(
-        self, factory: AgentFactory, endpoint: Any, server: str, clock: Any
+        self,
+        factory: AgentFactory,
+        dial: Callable[[str], Any],
+        servers: Sequence[str],
+        clock: Any,
     ) -> None:
         super().__init__(
-            _Uplink(endpoint, server, factory),
+            _Uplink(dial, servers, factory),
             factory,
-            # From 0.5 s to 30 s, doubling, plus up to 1 s of jitter so that
-            # a fleet does not dial back in lockstep.
-            retryPolicy=backoffPolicy(initialDelay=0.5, maxDelay=30.0, factor=2.0),
+            retryPolicy=retry_policy(len(servers), factory),
             clock=clock,
             prepareConnection=_registered,
         )
@@ -170,12 +221,12 @@ class AgentService(ClientService):
 
 
 def build_agent(
-    reactor: Any, config: AgentConfig, endpoint: Any
+    reactor: Any, config: AgentConfig, dial: Callable[[str], Any]
 ) -> tuple[AgentService, AgentFactory]:
     """
-    The agent's uplink over C{endpoint} (TLS already wrapped around it, or
-    not), reconnecting forever with exponential backoff from 0.5 s to 30 s
-    (doubling, with Twisted's jitter); engines recorded in the state
+    The agent's uplink to the servers of C{config} through C{dial} (a
+    server's C{HOST:PORT} to its endpoint, TLS already wrapped around it,
+    or not), reconnecting forever (L{retry_policy}); engines recorded in the state
     directory that still run are adopted first.  Blocking (NVML's start):
     call it before the reactor runs.
 
@@ -215,7 +266,8 @@ def build_agent(
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()
-    service = AgentService(factory, endpoint, config.server, reactor)
+    servers = config.all_servers()
+    service = AgentService(factory, dial, servers, reactor)
     log.info(
         "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"
         " adopted; dialing {server}",
@@ -223,6 +275,6 @@ def build_agent(
         node=config.node_id,
         gpus=len(gpus),
         simulated=sum(1 for g in gpus if g.simulated),
-        server=config.server,
+        server=", ".join(servers),
     )
     return service, factory

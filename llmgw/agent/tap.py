@@ -30,12 +30,15 @@ class AgentConfig:
     The agent's configuration: file keys and flags of the same names.
 
     @ivar server: C{HOST:PORT} of the server's agent listener.
+    @ivar servers: more servers' C{HOST:PORT} (standbys on one PostgreSQL):
+        the agent dials them in turn and stays with the one that leads.
     @ivar tls_dir: a folder as C{llmgw certs agent} writes it (C{ca.pem},
         C{agent.pem}, C{agent-key.pem}).
     @ivar simulated_gpus: C{(name, memory_gb)} per simulated GPU.
     """
 
     server: str = ""
+    servers: tuple[str, ...] = ()
     node_id: str = ""
     tls_dir: str = ""
     state_dir: str = ""
@@ -46,10 +49,18 @@ class AgentConfig:
     simulated_gpus: tuple[tuple[str, float], ...] = ()
     weights_dirs: tuple[str, ...] = ()
 
+    def all_servers(self) -> tuple[str, ...]:
+        """
+        @return: C{server} then C{servers}, each once, in order.
+        """
+        listed = ((self.server,) if self.server else ()) + self.servers
+        return tuple(dict.fromkeys(listed))
+
 
 def _parse(data: dict[str, Any]) -> AgentConfig:
     known = {
         "server",
+        "servers",
         "node_id",
         "tls_dir",
         "state_dir",
@@ -73,6 +84,10 @@ def _parse(data: dict[str, Any]) -> AgentConfig:
                 f"insecure: expected true or false, got {data['insecure']!r}"
             )
         values["insecure"] = data["insecure"]
+    servers = data.get("servers", [])
+    if not isinstance(servers, list) or not all(isinstance(v, str) for v in servers):
+        raise ConfigError(f"servers: expected a list of HOST:PORT, got {servers!r}")
+    values["servers"] = tuple(servers)
     labels = data.get("labels", {})
     if not isinstance(labels, dict) or not all(
         isinstance(v, str) for v in labels.values()
@@ -134,12 +149,22 @@ class Options(usage.Options):
 
     optParameters = [
         ["config", "c", None, "TOML configuration file."],
-        ["server", None, None, "HOST:PORT of the server's agent listener."],
         ["node-id", None, None, "This node's id; the CN of its certificate."],
         ["tls-dir", None, None, "Folder from `llmgw certs agent` (ca, agent, key)."],
         ["state-dir", None, None, "Folder for the agent's state."],
     ]
     optFlags = [["insecure", None, "Plaintext link (no TLS): trusted networks only."]]
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self["server"] = []
+
+    def opt_server(self, value: str) -> None:
+        """
+        HOST:PORT of a server's agent listener; repeatable (standbys):
+        replaces the file's server and servers.
+        """
+        self["server"].append(value)
 
     def postOptions(self) -> None:
         try:
@@ -161,8 +186,11 @@ class Options(usage.Options):
                 ) from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"--config: not valid TOML: {e}") from None
+        if self["server"]:
+            config = replace(
+                config, server=self["server"][0], servers=tuple(self["server"][1:])
+            )
         for flag, key in (
-            ("server", "server"),
             ("node-id", "node_id"),
             ("tls-dir", "tls_dir"),
             ("state-dir", "state_dir"),
@@ -171,9 +199,10 @@ class Options(usage.Options):
                 config = replace(config, **{key: self[flag]})
         if self["insecure"]:
             config = replace(config, insecure=True)
-        if not config.server:
+        if not config.all_servers():
             raise ConfigError("server: missing: give --server HOST:PORT")
-        _server_address(config.server)
+        for server in config.all_servers():
+            _server_address(server)
         if not config.node_id:
             raise ConfigError("node_id: missing: give --node-id ID")
         if not config.insecure:
@@ -188,7 +217,7 @@ class Options(usage.Options):
                         f"tls_dir: {config.tls_dir!r} has no {name}"
                         " (make it with llmgw certs agent)"
                     )
-            host, _ = _server_address(config.server)
+            host, _ = _server_address(config.all_servers()[0])
             try:
                 _tls_options(config, host)
             except Exception as e:
@@ -222,11 +251,16 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
 
     config: AgentConfig = options.config
-    host, port = _server_address(config.server)
-    endpoint: Any = HostnameEndpoint(reactor, host, port, timeout=10)
-    if not config.insecure:
-        endpoint = wrapClientTLS(_tls_options(config, host), endpoint)
-    service, _ = build_agent(reactor, config, endpoint)
+
+    def dial(server: str) -> Any:
+        # At each attempt: a standby may name a leader not in the list.
+        host, port = _server_address(server)
+        endpoint: Any = HostnameEndpoint(reactor, host, port, timeout=10)
+        if not config.insecure:
+            endpoint = wrapClientTLS(_tls_options(config, host), endpoint)
+        return endpoint
+
+    service, _ = build_agent(reactor, config, dial)
     log.info(
         "link security: {security}",
         security="PLAINTEXT" if config.insecure else "mutual TLS",

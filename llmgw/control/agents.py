@@ -169,6 +169,17 @@ class AgentLink(TimeoutMixin, CommandingStream):
                     claim=claim,
                 )
                 return
+        leader = self._hub.redirect()
+        if leader is not None:
+            # A standby: the agent is told where the leader is, and goes.
+            self.log.info(
+                "standby: agent {node} redirected to the leader at {leader}",
+                node=claim,
+                leader=leader or "(none yet)",
+            )
+            self.send(pb.ControlMessage(redirect=pb.Redirect(leader=leader)))
+            self.close()
+            return
         if self._register_timer is not None and self._register_timer.active():
             self._register_timer.cancel()
         self._register_timer = None
@@ -231,6 +242,9 @@ class AgentHub(Factory):
     @param register_timeout: seconds a connection has to send Register.
     @param wall_clock: POSIX seconds now, for the inventory's
         C{last_seen} and C{weights_at}.
+    @ivar redirect: asked at each Register: C{None} to accept it (this
+        server leads), else the leader's C{HOST:PORT} (empty: unknown),
+        sent in a Redirect before the link closes.
     """
 
     log = Logger()
@@ -256,6 +270,10 @@ class AgentHub(Factory):
         self.wall_clock = wall_clock
         # Registers from nodes known before (agents that came back).
         self.reconnects = 0
+        # None while this server leads (or stands alone); on a standby, the
+        # leader's agent address to send a registering agent to ("" when
+        # none leads yet).
+        self.redirect: Callable[[], str | None] = lambda: None
 
     def registered(self, register: pb.Register) -> Node:
         """

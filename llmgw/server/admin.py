@@ -85,6 +85,9 @@ class Admin(KeyRoutes):
         self.config_models = config_models
         self.wall_clock = wall_clock
         self.started = wall_clock()
+        # With standbys (llmgw.server.standby): whether this server leads,
+        # and the leader's agent address; None for a server alone.
+        self.standby: Callable[[], dict[str, Any]] | None = None
 
     @app.handle_errors(AdminError)
     def _admin_error(self, request: IRequest, failure: Any) -> bytes:
@@ -130,7 +133,8 @@ class Admin(KeyRoutes):
     def status(self, request: IRequest) -> bytes:
         """
         Version, uptime (seconds), node and replica counts by state,
-        catalog size, key count and whether clients need a key.
+        catalog size, key count, whether clients need a key, and with
+        standbys C{{"leading": bool, "leader": "HOST:PORT"}} (else null).
         """
         plane = self.plane
         nodes = count_states(n.state for n in self.inventory.nodes())
@@ -153,6 +157,7 @@ class Admin(KeyRoutes):
                 if plane is not None
                 else 0,
                 "auth_required": bool(self.keys is not None and self.keys.required),
+                "standby": self.standby() if self.standby is not None else None,
             },
         )
 

@@ -165,4 +165,4 @@ def local_agent(
         ),
         TCP4ClientEndpoint(reactor, "127.0.0.1", port, timeout=10),
     )
-    return build_agent(reactor, config, endpoint)
+    return build_agent(reactor, config, lambda _: endpoint)

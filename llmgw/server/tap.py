@@ -72,6 +72,7 @@ from llmgw.server.local import (
 )
 from llmgw.server.logs import json_observer
 from llmgw.server.metrics_site import metrics_site
+from llmgw.server.standby import leading_services
 from llmgw.server.usage import StoreUsageSink
 from llmgw.store.db import SQLiteStore, StoreError, open_store
 from llmgw.store.usage import UsageWriter
@@ -367,8 +368,7 @@ def makeService(options: Options) -> IService:
     agent, pool = make_upstream_client(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
-    # Engine load: its own connections, one per engine, so that polls never
-    # wait behind traffic.
+    # Engine load: its own connections, so that polls never wait on traffic.
     interval = settings.load_poll_interval
     scraper = make_scraper(reactor, settings.connect_timeout, interval)
     load = LoadBoard(reactor, scraper, interval)
@@ -535,9 +535,10 @@ def makeService(options: Options) -> IService:
             port=getattr(metrics_address, "port", ""),
         )
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    top.add(RECONCILER, plane.loop, load, history)
-    # The local uplink first, so that its agent does not report the ends of
-    # its engines (next steps) as failures to the control plane.
+    leading = leading_services(reactor, config, hub, plane, agent_port, admin)
+    top.add(RECONCILER, *leading, load, history)
+    # The local uplink first: its agent must not report its engines' ends
+    # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *local_uplink)
     if local_port is not None:
         top.add(AGENT_LINKS, ListeningService(local_port))

@@ -133,6 +133,11 @@ class FieldCheckTests(SynchronousTestCase):
             (b'"max_tokens": true', "max_tokens", "Invalid value for 'max_tokens'"),
             (b'"max_tokens": "5"', "max_tokens", "Invalid value for 'max_tokens'"),
             (b'"max_completion_tokens": -3', "max_completion_tokens", "Invalid"),
+            # Past a signed 32-bit integer (a new user's 10**23 froze the
+            # default engine for minutes).
+            (b'"max_tokens": 100000000000000000000000', "max_tokens", "Invalid value"),
+            (b'"max_tokens": 2147483648', "max_tokens", "Invalid value"),
+            (b'"n": 4294967296', "n", "Invalid value for 'n'"),
         ]
         for members, param, message in table:
             body = b'{"model": "m", ' + members + b"}"
@@ -156,6 +161,7 @@ class FieldCheckTests(SynchronousTestCase):
             b'"messages": [{"role": "user", "content": 5, "x": "NaN"}]',
             b'"messages": null, "prompt": null, "n": null, "max_tokens": null',
             b'"prompt": "hi", "n": 0, "max_tokens": 0, "max_completion_tokens": 9',
+            b'"prompt": "hi", "max_tokens": 2147483647',
             b'"prompt": ["a", [1, 2]], "stream": null, "stream_options": null',
             b'"temperature": 1e308, "vendor_field": {"nested": [true, null]}',
         ]:

@@ -99,6 +99,13 @@ def _finite_float(text: str) -> float:
 
 
 _COUNTS = ("n", "max_tokens", "max_completion_tokens")
+MAX_COUNT = 2**31 - 1
+"""
+The most a count field may hold: a signed 32-bit integer, as engines'
+servers keep them (llama.cpp's C{n_predict} is an C{int32_t});
+llama-cpp-python hangs its only worker for minutes on C{max_tokens} of
+10**23, so no larger value reaches an engine.
+"""
 
 
 def _type_name(value: object) -> str:
@@ -127,7 +134,7 @@ def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
       - C{prompt}: a string or an array;
       - C{stream}: a boolean; C{stream_options}: an object;
       - C{n}, C{max_tokens}, C{max_completion_tokens}: non-negative
-        integers (a boolean is not one).
+        integers up to L{MAX_COUNT} (a boolean is not one).
 
     @param payload: the parsed body, a JSON object.
     @return: the message and the C{param} of the first fault, or L{None}.
@@ -172,10 +179,14 @@ def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
         value = payload.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 0 <= value <= MAX_COUNT
+        ):
             return (
-                f"Invalid value for '{name}': expected a non-negative integer,"
-                f" but got {json.dumps(value)[:100]}.",
+                f"Invalid value for '{name}': expected an integer from 0 to"
+                f" {MAX_COUNT}, but got {json.dumps(value)[:100]}.",
                 name,
             )
     return None

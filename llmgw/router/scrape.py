@@ -18,9 +18,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import HostnameEndpoint, connectProtocol, wrapClientTLS
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.error import ConnectionDone
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.python.failure import Failure
 
@@ -84,6 +84,23 @@ def dechunk(buffer: bytes | bytearray) -> tuple[bytes, int] | None:
             return None
         out.append(bytes(buffer[at : at + size]))
         at += size + 2
+
+
+class _QuietFactory(Factory):
+    """
+    Hands out one protocol, without twisted's "Starting factory" and
+    "Stopping factory" log lines for every connection
+    (L{twisted.internet.endpoints.connectProtocol} logs both, each time a
+    poll connects).
+    """
+
+    noisy = False
+
+    def __init__(self, protocol: PageProtocol) -> None:
+        self._protocol = protocol
+
+    def buildProtocol(self, addr: object) -> PageProtocol:
+        return self._protocol
 
 
 class PageProtocol(Protocol):
@@ -297,9 +314,8 @@ class Scraper:
         )
         if scheme == "https":
             endpoint = wrapClientTLS(optionsForClientTLS(host), endpoint)
-        protocol: PageProtocol = await connectProtocol(
-            endpoint, PageProtocol(self.max_size)
-        )
+        factory = _QuietFactory(PageProtocol(self.max_size))
+        protocol: PageProtocol = await endpoint.connect(factory)
         return protocol
 
     def forget(self, key: str) -> None:

@@ -235,3 +235,26 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
         self.assertIn("stopped: store closed", server.output())
         for pid in (replacement, pids[2]):
             self.assertFalse(_alive(pid), f"worker {pid} outlived the server")
+
+    def test_orphaned_workers_exit(self) -> None:
+        """
+        A server killed with SIGKILL (no stop of its own) leaves no worker
+        behind: each sees it gone within about a second and stops.
+        """
+        _, sim = self.start_sim()
+        server, _, _ = self.start_server(
+            "--router-workers", "2", "--endpoint", f"e1={sim}=sim-model"
+        )
+        server.wait_for(r"router worker 2 started")
+        pids = [
+            int(p)
+            for p in re.findall(r"router worker \d started: pid (\d+)", server.output())
+        ]
+        for pid in pids:
+            server.wait_for(rf"client API listening on [\d.]+:\d+ \(pid {pid}\)")
+        server.popen.kill()
+        server.popen.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertEqual([p for p in pids if _alive(p)], [])

@@ -89,6 +89,7 @@ class Options(usage.Options):
             None,
             None,
             "Exit when this process is no longer the parent (a server's worker).",
+            int,
         ],
     ]
     optFlags = [
@@ -261,7 +262,7 @@ def makeService(options: Options) -> IService:
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
     top.add(RECONCILER, follower, activator, load)
     if options["parent-pid"]:
-        top.add(RECONCILER, _Orphan(reactor, int(options["parent-pid"])))
+        top.add(RECONCILER, _Orphan(reactor, options["parent-pid"]))
     top.add(USAGE, usage_writer)
     top.add(POOLS, PoolService(pool))
     top.add(STORE, StoreService(store))

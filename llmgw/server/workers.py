@@ -79,7 +79,9 @@ class Worker:
         self.process = s.reactor.spawnProcess(
             self.child,
             s.argv[0],
-            list(s.argv),
+            # Its server's pid now (after twistd's daemonizing fork): it
+            # exits when orphaned, whatever killed the server.
+            [*s.argv, "--parent-pid", str(os.getpid())],
             env=env,
             # Its log lines go where the server's go.
             childFDs={0: "w", 1: 1, 2: 2},

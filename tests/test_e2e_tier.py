@@ -176,7 +176,10 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
 
     timeout = 120
 
-    def chat(self, url: str) -> int:
+    def chat(self, url: str, key: str = "") -> int:
+        headers = {"content-type": "application/json"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
         status, _, _ = http(
             "POST",
             url + "/v1/chat/completions",
@@ -187,7 +190,7 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
                     "max_tokens": 2,
                 }
             ).encode(),
-            {"content-type": "application/json"},
+            headers,
         )
         return status
 
@@ -258,3 +261,34 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.assertEqual([p for p in pids if _alive(p)], [])
+
+    def test_keys_follow(self) -> None:
+        """
+        A key made on the server works through every worker within 1 s
+        (and the API then needs one); revoked, every worker refuses it
+        within 1 s.
+        """
+        _, sim = self.start_sim()
+        server, url, admin = self.start_server(
+            "--router-workers", "2", "--endpoint", f"e1={sim}=sim-model"
+        )
+        server.wait_for(r"(?s)following the control plane.*following the control")
+        self.assertEqual(self.chat(url), 200)
+        status, _, body = http("POST", admin + "/api/v1/keys", b'{"name": "k1"}')
+        self.assertEqual(status, 201, body)
+        secret = json.loads(body)["key"]
+        started = time.monotonic()
+        while self.chat(url) != 401 or self.chat(url, secret) != 200:
+            self.assertLess(time.monotonic() - started, 1.0, "key not followed")
+            time.sleep(0.02)
+        # Both workers (connections spread over them) agree.
+        self.assertEqual({self.chat(url) for _ in range(10)}, {401})
+        self.assertEqual({self.chat(url, secret) for _ in range(10)}, {200})
+
+        status, _, body = http("POST", admin + "/api/v1/keys/k1/revoke", b"")
+        self.assertEqual(status, 200, body)
+        started = time.monotonic()
+        while self.chat(url, secret) != 401:
+            self.assertLess(time.monotonic() - started, 1.0, "revocation not followed")
+            time.sleep(0.02)
+        self.assertEqual({self.chat(url, secret) for _ in range(10)}, {401})

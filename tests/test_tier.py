@@ -84,7 +84,7 @@ class FollowerTests(SynchronousTestCase):
         the first state fires C{first}.
         """
         applied: list[tuple[list[Endpoint], dict[str, str]]] = []
-        follower = Follower(Clock(), None, lambda e, n: applied.append((e, n)))  # type: ignore[arg-type]
+        follower = Follower(Clock(), None, lambda e, n, k: applied.append((e, n)))  # type: ignore[arg-type]
         follower._line(b"")
         follower._line(b"{not json")
         self.assertFalse(follower.first.called)

@@ -54,6 +54,7 @@ from llmgw.store.usage import UsageWriter
 from llmgw.tier.activate import RemoteActivator
 from llmgw.tier.control import Control
 from llmgw.tier.follow import Follower
+from llmgw.tier.keys import KeyFollower
 
 log = Logger(namespace="llmgw.router")
 
@@ -215,10 +216,13 @@ def makeService(options: Options) -> IService:
         reactor, control, balancer.serves, settings.activation_timeout or 60.0
     )
 
-    def apply(endpoints: list[Endpoint], names: dict[str, str]) -> None:
+    key_follower = KeyFollower(keys, store)
+
+    def apply(endpoints: list[Endpoint], names: dict[str, str], counter: int) -> None:
         balancer.set_endpoints(endpoints)
         load.set_endpoints(endpoints)
         activator.set_names(names)
+        key_follower.saw(counter)
 
     follower = Follower(reactor, control, apply)
     keys.resolve = activator.resolve

@@ -4,7 +4,9 @@ engines' secrets, and the catalog's names, as one versioned state pushed
 to every watcher of C{GET /api/v1/watch} on the admin API.
 
 The stream is newline-delimited JSON: one line per state, the whole state
-each time (C{{"version": int, "endpoints": [...], "names": {name: model}}}),
+each time (C{{"version": int, "endpoints": [...], "names": {name: model},
+"keys": int}}, C{keys} counting the changes of API keys: a router reads
+the keys from the shared store again when it moves),
 so that a watcher that reconnects starts from the full state, and an empty
 line every L{KEEPALIVE} seconds, so that a watcher can tell a silent link
 from a dead one.  Engine secrets travel only on this stream, which the
@@ -81,6 +83,7 @@ class Watch(Service):
         self.version = 1
         self.endpoints: tuple[Endpoint, ...] = ()
         self.names: dict[str, str] = {}
+        self.keys = 0
         self._watchers: list[IRequest] = []
         self._tick = LoopingCall(self._keepalive)
         self._tick.clock = clock
@@ -117,6 +120,13 @@ class Watch(Service):
             self.names = names
             self._push()
 
+    def keys_changed(self) -> None:
+        """
+        An API key was made or revoked (and the store has it): push.
+        """
+        self.keys += 1
+        self._push()
+
     def serves(self, model: str) -> bool:
         """
         @return: whether a published endpoint serves C{model}.
@@ -131,6 +141,7 @@ class Watch(Service):
             "version": self.version,
             "endpoints": [endpoint_json(e) for e in self.endpoints],
             "names": self.names,
+            "keys": self.keys,
         }
         return json.dumps(value, separators=(",", ":")).encode("utf-8") + b"\n"
 

@@ -57,8 +57,8 @@ class _Lines(Protocol):
 
 class Follower(Service):
     """
-    @param apply: called with each state's endpoints and names
-        (C{{name or alias: model}}).
+    @param apply: called with each state's endpoints, names (C{{name or
+        alias: model}}) and keys counter (L{llmgw.server.watch}).
     @ivar version: the last state's version, 0 before the first.
     @ivar first: fires once the first state is applied.
     """
@@ -69,7 +69,7 @@ class Follower(Service):
         self,
         clock: IReactorTime,
         control: Control,
-        apply: Callable[[list[Endpoint], dict[str, str]], None],
+        apply: Callable[[list[Endpoint], dict[str, str], int], None],
     ) -> None:
         self.clock = clock
         self.control = control
@@ -165,12 +165,13 @@ class Follower(Service):
             endpoints = [endpoint_from_json(e) for e in value["endpoints"]]
             names = {str(k): str(v) for k, v in value["names"].items()}
             version = int(value["version"])
+            keys = int(value.get("keys", 0))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             self.log.warn("a bad line in the control plane's watch: {error}", error=e)
             return
         self._backoff = 0.2
         self.version = version
-        self.apply(endpoints, names)
+        self.apply(endpoints, names, keys)
         if not self.first.called:
             self.first.callback(None)
         self.log.info(

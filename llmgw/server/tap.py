@@ -480,9 +480,8 @@ def makeService(options: Options) -> IService:
         # A UNIX socket is reached through the file system's permissions.
         admin_guarded = guard.enabled = not is_loopback(admin_host, True)
         if config.router_workers:
-            workers = make_workers(
-                reactor, options["config"], config, guard, admin_port
-            )
+            ports = (router_port, admin_port)
+            workers = make_workers(reactor, options["config"], config, ports, guard)
         if config.accepts_agents:
             agent_port = _listen(
                 reactor,

@@ -278,17 +278,24 @@ class Workers(Service):
 
 
 def make_workers(
-    reactor: Any, config_path: str | None, config: ServerConfig, guard: Any, admin: Any
+    reactor: Any,
+    config_path: str | None,
+    config: ServerConfig,
+    ports: tuple[Any, Any],
+    guard: Any,
 ) -> Workers:
     """
-    The router workers of C{--router-workers}, on the port L{reserve_port}
-    reserved, following the admin listener C{admin}, whose C{guard} lets
-    them in with a token made here.
+    The router workers of C{--router-workers}.
+
+    @param ports: the client port L{reserve_port} reserved, and the admin
+        listener the workers follow, whose C{guard} lets them in with a
+        token made here.
 
     @raise ConfigError: the admin listener is not on TCP.
     """
     token = secrets.token_urlsafe(32)
     guard.internal = token.encode("ascii")
-    argv = worker_argv(config_path, config, _held[-1], admin)
+    reserved, admin = ports
+    argv = worker_argv(config_path, config, reserved, admin)
     grace = config.router.drain_timeout + 5
     return Workers(reactor, config.router_workers, argv, token, grace)

@@ -41,6 +41,7 @@ class Control:
         trailing slash.
     @ivar key: the admin key (or the server's token for its own workers),
         sent as C{Authorization: Bearer}; C{""} for none (loopback).
+    @ivar agent: the HTTP client (a Twisted C{Agent} with its own pool).
     """
 
     url: str

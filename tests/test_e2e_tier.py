@@ -19,7 +19,7 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import TWISTD, Process, Processes, http, spawn
+from tests.support import TWISTD, Process, Processes, http, make_certs, spawn
 from tests.test_e2e_control import MODELS, _alive, _Fleet
 
 EXTRA = {
@@ -292,3 +292,49 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
             self.assertLess(time.monotonic() - started, 1.0, "revocation not followed")
             time.sleep(0.02)
         self.assertEqual({self.chat(url, secret) for _ in range(10)}, {401})
+
+    def test_control_over_tls(self) -> None:
+        """
+        A router follows an admin listener on TLS with --control-ca, and
+        refuses one whose certificate it cannot verify.
+        """
+        directory = self._directory()
+        ca = make_certs(directory, "127.0.0.1", [])
+        _, sim = self.start_sim()
+        _, _, admin = self.start_server(
+            "--admin-listen",
+            f"ssl:0:interface=127.0.0.1:privateKey={ca}/server-key.pem"
+            f":certKey={ca}/server.pem",
+            "--endpoint",
+            f"e1={sim}=sim-model",
+        )
+        control = admin.replace("http://", "https://")
+
+        def router(*extra: str) -> tuple[Process, str]:
+            process = spawn(
+                [
+                    TWISTD,
+                    "-n",
+                    "--pidfile=",
+                    "llmgw-router",
+                    "--listen",
+                    "tcp:0:interface=127.0.0.1",
+                    "--control",
+                    control,
+                    "--state-dir",
+                    os.path.join(directory, "router-state"),
+                    *extra,
+                ],
+                directory,
+                f"router-{time.monotonic_ns()}",
+            )
+            self.addCleanup(process.stop)
+            match = process.wait_for(r"client API listening on [\d.]+:(\d+)")
+            return process, f"http://127.0.0.1:{match.group(1)}"
+
+        trusted, url = router("--control-ca", f"{ca}/ca.pem")
+        trusted.wait_for(FOLLOWING.pattern)
+        self.assertEqual(self.chat(url), 200)
+        untrusted, _ = router()
+        untrusted.wait_for(r"cannot watch the control plane at https://")
+        self.assertNotRegex(untrusted.output(), FOLLOWING.pattern)

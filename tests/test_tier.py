@@ -121,3 +121,67 @@ class RouterWorkersConfigTests(SynchronousTestCase):
         )
         for bad in ("ssl:8443:privateKey=k", "unix:/tmp/s", "tcp:http"):
             self.assertRaises(ConfigError, tcp_address, bad)
+
+
+class _Process:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.signals: list[object] = []
+
+    def signalProcess(self, signal: object) -> None:
+        self.signals.append(signal)
+
+
+class _Reactor(Clock):
+    """
+    A clock that spawns fake processes; the first C{failures} spawns
+    raise L{OSError} (no fork).
+    """
+
+    def __init__(self, failures: int = 0) -> None:
+        super().__init__()
+        self.failures = failures
+        self.spawned: list[tuple[Any, _Process, list[str]]] = []
+
+    def spawnProcess(
+        self, protocol: Any, executable: str, args: list[str], **kw: Any
+    ) -> _Process:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("no fork")
+        process = _Process(1000 + len(self.spawned))
+        self.spawned.append((protocol, process, args))
+        return process
+
+
+class WorkersTests(SynchronousTestCase):
+    def test_restart_backoff_and_stop(self) -> None:
+        """
+        A spawn that fails and a worker that ends are tried again after
+        0.5 s, then 1 s (doubling); each gets --parent-pid; the stop
+        sends SIGTERM and fires once the worker ended.
+        """
+        from twisted.python.failure import Failure
+
+        from llmgw.server.workers import Workers
+
+        reactor = _Reactor(failures=1)
+        workers = Workers(reactor, 1, ["twistd", "llmgw-router"], "token", 5.0)
+        workers.startService()
+        self.assertEqual(reactor.spawned, [])
+        reactor.advance(0.5)
+        ((protocol, process, args),) = reactor.spawned
+        self.assertIn("--parent-pid", args)
+        protocol.processEnded(Failure(OSError("killed")))
+        reactor.advance(0.9)
+        self.assertEqual(len(reactor.spawned), 1)
+        reactor.advance(0.1)
+        self.assertEqual(len(reactor.spawned), 2)
+        protocol, process, _ = reactor.spawned[1]
+        stopped = workers.stopService()
+        self.assertEqual(process.signals, ["TERM"])
+        self.assertNoResult(stopped)
+        protocol.processEnded(Failure(OSError("terminated")))
+        self.successResultOf(stopped)
+        reactor.advance(60)
+        self.assertEqual(len(reactor.spawned), 2)

@@ -76,16 +76,22 @@ class Worker:
         env = dict(os.environ)
         env["LLMGW_CONTROL_KEY"] = s.token
         self.started = time.monotonic()
-        self.process = s.reactor.spawnProcess(
-            self.child,
-            s.argv[0],
-            # Its server's pid now (after twistd's daemonizing fork): it
-            # exits when orphaned, whatever killed the server.
-            [*s.argv, "--parent-pid", str(os.getpid())],
-            env=env,
-            # Its log lines go where the server's go.
-            childFDs={0: "w", 1: 1, 2: 2},
-        )
+        try:
+            self.process = s.reactor.spawnProcess(
+                self.child,
+                s.argv[0],
+                # Its server's pid now (after twistd's daemonizing fork): it
+                # exits when orphaned, whatever killed the server.
+                [*s.argv, "--parent-pid", str(os.getpid())],
+                env=env,
+                # Its log lines go where the server's go.
+                childFDs={0: "w", 1: 1, 2: 2},
+            )
+        except OSError as e:
+            # No fork (out of processes or memory): try again later.
+            self.child = None
+            self.ended(Failure(e))
+            return
         self.pid = self.process.pid
         log.info(
             "router worker {number} started: pid {pid}",

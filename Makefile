@@ -53,6 +53,7 @@ proto: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/control_bench.py
 	$(BIN)/python bench/router_bench.py
+	$(BIN)/python bench/router_workers_bench.py
 	$(BIN)/python bench/dashboard_bench.py
 
 clean:

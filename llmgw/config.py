@@ -154,6 +154,9 @@ class ServerConfig:
     metrics_listen: str = ""
     # Server log lines: "text" (twistd's) or "json" (one object a line).
     log_format: str = "text"
+    # --router-workers: llmgw-router children on the client API's port
+    # (SO_REUSEPORT); 0 serves clients in the server's own process.
+    router_workers: int = 0
     agent_listen: str = "tcp:7443"
     agent_tls: AgentTLSConfig | None = None
     insecure_agents: bool = False
@@ -198,6 +201,28 @@ class ServerConfig:
         Whether an agent listener runs.
         """
         return self.agent_tls is not None or self.insecure_agents
+
+
+MAX_ROUTER_WORKERS = 64
+
+
+def check_router_workers(value: object) -> int:
+    """
+    @return: C{router_workers}, a whole number from 0 to L{MAX_ROUTER_WORKERS}.
+    @raise ConfigError: it is not.
+    """
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if (
+        not isinstance(value, int)
+        or isinstance(value, bool)
+        or not 0 <= value <= MAX_ROUTER_WORKERS
+    ):
+        raise ConfigError(
+            f"router_workers: expected a whole number from 0 to {MAX_ROUTER_WORKERS},"
+            f" got {value!r}"
+        )
+    return value
 
 
 def _endpoint(where: str, table: object) -> Endpoint:
@@ -472,6 +497,7 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
             "admin_listen",
             "metrics_listen",
             "log_format",
+            "router_workers",
             "agent_listen",
             "agent_tls",
             "insecure_agents",
@@ -490,6 +516,10 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     config = ServerConfig()
     if "standby" in data:
         config = replace(config, standby=_standby(data["standby"]))
+    if "router_workers" in data:
+        config = replace(
+            config, router_workers=check_router_workers(data["router_workers"])
+        )
     if "state_dir" in data:
         config = replace(config, state_dir=check_string("state_dir", data["state_dir"]))
     if "control" in data:

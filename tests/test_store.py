@@ -201,3 +201,8 @@ class AdminGuardTests(TestCase):
         # Percent-encoded, the path routes to the same place: guarded too.
         for path in (b"/%61pi/v1/keys", b"/api%2Fv1%2Fkeys", b"/API/v1/keys", b"/"):
             self.assertEqual(call(path, "10.0.0.9", None)[0], 401, path)
+        # The server's own router workers (--router-workers): its token.
+        self.assertEqual(call(b"/api/v1/watch", "10.0.0.9", "t0ken")[0], 401)
+        guard.internal = b"t0ken"
+        self.assertEqual(call(b"/api/v1/watch", "10.0.0.9", "t0ken"), (200, b"inner"))
+        self.assertEqual(call(b"/api/v1/watch", "10.0.0.9", "t0ke")[0], 401)

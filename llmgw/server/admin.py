@@ -9,6 +9,7 @@ body or parameter), 401 (admin key needed), 404, 409 (conflict).
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 from collections.abc import Callable
@@ -37,13 +38,15 @@ from llmgw.router.errors import APIError
 from llmgw.server.admin_http import AdminError, json_answer, not_found, read_body
 from llmgw.server.admin_http import app as admin_app
 from llmgw.server.admin_keys import KeyRoutes
+from llmgw.server.admin_watch import WatchRoutes
+from llmgw.server.watch import Watch
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
 
 __all__ = ["Admin", "AdminError", "AdminGuard", "is_loopback"]
 
 
-class Admin(KeyRoutes):
+class Admin(KeyRoutes, WatchRoutes):
     """
     The admin API.
 
@@ -55,6 +58,8 @@ class Admin(KeyRoutes):
     @param config_models: names of the config file's models (not
         removable at run time).
     @param wall_clock: POSIX seconds now (C{time.time}).
+    @param watch: what a router tier follows, when there is a control
+        plane.
 
     The keys and usage routes are in L{KeyRoutes}.  The API reads the
     control plane's views (L{llmgw.control.views}) and calls its
@@ -75,7 +80,9 @@ class Admin(KeyRoutes):
         config_models: frozenset[str] = frozenset(),
         *,
         wall_clock: Callable[[], float],
+        watch: Watch | None = None,
     ) -> None:
+        self.watch = watch
         self.registry = registry
         self.inventory = inventory
         self.plane = plane
@@ -267,6 +274,8 @@ class Admin(KeyRoutes):
         except Exception:
             plane.catalog.remove(model.name)
             raise
+        if self.watch is not None:
+            self.watch.changed()
         return json_answer(request, self._model_json(model.name), 201)
 
     def _model_json(self, name: str) -> dict[str, Any]:
@@ -299,6 +308,8 @@ class Admin(KeyRoutes):
         except KeyError:
             # Removed meanwhile by another request.
             raise not_found(f"model {name[:200]!r}") from None
+        if self.watch is not None:
+            self.watch.changed()
         return json_answer(request, {"removed": name})
 
     @app.route("/api/v1/models/<path:name>/scale", methods=["POST"])
@@ -554,6 +565,9 @@ class AdminGuard(Resource):
         self._inner = inner
         self._keys = keys
         self.enabled = True
+        # The bearer token of the server's own router workers
+        # (--router-workers), which hold no admin key.
+        self.internal: bytes | None = None
 
     def render(self, request: IRequest) -> Any:
         peer = getattr(request.getClientAddress(), "host", "")
@@ -561,7 +575,16 @@ class AdminGuard(Resource):
         # is /api/), and closed unless plainly open.
         segments = getattr(request, "postpath", None) or []
         open_path = segments in ([b"metrics"], [b"healthz"])
-        if self.enabled and not open_path and not is_loopback(peer, False):
+        header = request.getHeader(b"authorization") or b""
+        internal = self.internal is not None and hmac.compare_digest(
+            header, b"Bearer " + self.internal
+        )
+        if (
+            self.enabled
+            and not open_path
+            and not internal
+            and not is_loopback(peer, False)
+        ):
             try:
                 key = self._keys.authenticate(
                     request.getHeader(b"authorization") or b""

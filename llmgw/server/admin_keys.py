@@ -152,6 +152,9 @@ class KeyRoutes:
             ) from None
         except integrity_errors:
             raise AdminError(409, f"a key named {name!r} exists", "conflict") from None
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.keys_changed()
         return json_answer(request, {**key.to_json(), "key": secret}, 201)
 
     @app.route("/api/v1/keys/<name>", methods=["DELETE"])
@@ -179,6 +182,9 @@ class KeyRoutes:
             raise KeyError(name)
         if key.revoked is None:
             await keys.revoke(key)
+            watch = getattr(self, "watch", None)
+            if watch is not None:
+                watch.keys_changed()
         return key
 
     @app.route("/api/v1/usage", methods=["GET"])

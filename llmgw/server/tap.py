@@ -14,18 +14,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from twisted.application.service import IService, Service
-from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
-from twisted.python.failure import Failure
 from twisted.web.server import Site
 
 from llmgw.checks import ConfigError, check_choice
 from llmgw.config import (
     LOG_FORMATS,
     ServerConfig,
+    check_router_workers,
     finish_config,
     load_config,
     parse_endpoint_flag,
@@ -62,6 +60,7 @@ from llmgw.server.lifecycle import (
     PoolService,
     StoreService,
 )
+from llmgw.server.listen import listen as _listen
 from llmgw.server.local import (
     LocalEngines,
     default_catalog,
@@ -74,6 +73,8 @@ from llmgw.server.logs import json_observer
 from llmgw.server.metrics_site import metrics_site
 from llmgw.server.standby import leading_services
 from llmgw.server.usage import StoreUsageSink
+from llmgw.server.watch import Watch
+from llmgw.server.workers import Workers, make_workers, reserve_port
 from llmgw.store.db import SQLiteStore, StoreError, open_store
 from llmgw.store.usage import UsageWriter
 from llmgw.web.fleet import Fleet
@@ -132,6 +133,13 @@ class Options(usage.Options):
             "text (default) or json: one JSON object per log line.",
         ],
         [
+            "router-workers",
+            None,
+            None,
+            "N llmgw-router children serve the client API on its tcp port"
+            " (SO_REUSEPORT), restarted when they exit (default 0: this process).",
+        ],
+        [
             "state-dir",
             None,
             None,
@@ -185,6 +193,9 @@ class Options(usage.Options):
             config = replace(config, log_format=log_format)
         if self["state-dir"] is not None:
             config = replace(config, state_dir=self["state-dir"])
+        if self["router-workers"] is not None:
+            workers = check_router_workers(self["router-workers"])
+            config = replace(config, router_workers=workers)
         if self["local"]:
             config = replace(config, local=True)
             if self["listen"] is None and config.listen == ServerConfig().listen:
@@ -278,37 +289,6 @@ def _agent_factory(config: ServerConfig, hub: AgentHub) -> Any:
     return TLSMemoryBIOFactory(options, False, hub)
 
 
-def _listen(reactor: Any, key: str, description: str, factory: Any) -> IListeningPort:
-    """
-    Listen now, so that a port in use or a bad endpoint string ends the
-    process with one line at start instead of a logged failure in a
-    process that serves nothing.
-    """
-    kind = description.split(":", 1)[0]
-    if kind in ("tcp", "ssl", "tcp6", "unix") and "backlog=" not in description:
-        # Twisted's default backlog of 50 drops connections in a burst of a
-        # few hundred clients opening at once (seen with 200 concurrent
-        # openai clients); the kernel caps it at net.core.somaxconn anyway.
-        description += ":backlog=1024"
-    try:
-        endpoint = serverFromString(reactor, description)
-    except Exception as e:
-        raise ConfigError(f"{key}: bad endpoint {description!r}: {e}") from None
-    results: list[Any] = []
-    endpoint.listen(factory).addBoth(results.append)
-    if not results:
-        raise ConfigError(
-            f"{key}: endpoint {description!r} does not listen at once;"
-            " use tcp:, ssl: or unix:"
-        )
-    result = results[0]
-    if isinstance(result, Failure):
-        raise ConfigError(
-            f"{key}: cannot listen on {description!r}: {result.getErrorMessage()}"
-        )
-    return result  # type: ignore[no-any-return]
-
-
 def makeService(options: Options) -> IService:
     """
     Build the server's service tree; its stop is the sequence of
@@ -377,6 +357,12 @@ def makeService(options: Options) -> IService:
     def publish(endpoints: list[Endpoint]) -> None:
         balancer.set_endpoints(endpoints)
         load.set_endpoints(endpoints)
+        watch.set_endpoints(endpoints)
+
+    watch = Watch(
+        reactor,
+        lambda: {n: plane.catalog.resolve(n) or n for n in plane.catalog.names()},
+    )
 
     static = list(config.endpoints)
     publish(static)
@@ -430,6 +416,7 @@ def makeService(options: Options) -> IService:
         usage=usage_writer,
         config_models=config_names,
         wall_clock=time.time,
+        watch=watch,
     )
     history = History(reactor, router.metrics, plane, keys, wall_clock=time.time)
     failures.changed = lambda: history.record_states(time.time())
@@ -471,8 +458,12 @@ def makeService(options: Options) -> IService:
     agent_port = local_port = None
     local_uplink: list[Service] = []
     local_engines: list[Service] = []
+    workers: Workers | None = None
     try:
-        router_port = _listen(reactor, "listen", config.listen, router_site)
+        if config.router_workers:
+            router_port = reserve_port(config.listen)
+        else:
+            router_port = _listen(reactor, "listen", config.listen, router_site)
         guard = AdminGuard(admin_resource, keys)
         admin_site = Site(guard)
         admin_site.log = lambda request: None  # type: ignore[method-assign]
@@ -485,6 +476,9 @@ def makeService(options: Options) -> IService:
         admin_host = getattr(admin_port.getHost(), "host", "127.0.0.1")
         # A UNIX socket is reached through the file system's permissions.
         admin_guarded = guard.enabled = not is_loopback(admin_host, True)
+        if config.router_workers:
+            ports = (router_port, admin_port)
+            workers = make_workers(reactor, options["config"], config, ports, guard)
         if config.accepts_agents:
             agent_port = _listen(
                 reactor,
@@ -522,7 +516,10 @@ def makeService(options: Options) -> IService:
         except OSError as e:
             sys.stderr.write(f"llmgw-server: cannot open the log file: {e}\n")
             raise SystemExit(1) from None
-    top.add(LISTENERS, ListeningService(router_port))
+    if workers is not None:
+        top.add(LISTENERS, workers)
+    else:
+        top.add(LISTENERS, ListeningService(router_port))
     if agent_port is not None:
         top.add(LISTENERS, ListeningService(agent_port))
     top.add(LISTENERS, ListeningService(admin_port))
@@ -536,7 +533,7 @@ def makeService(options: Options) -> IService:
         )
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
     leading = leading_services(reactor, config, hub, plane, agent_port, admin)
-    top.add(RECONCILER, *leading, load, history)
+    top.add(RECONCILER, *leading, load, history, watch)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *local_uplink)

@@ -270,6 +270,13 @@ class Store:
     def close(self) -> None:
         raise NotImplementedError
 
+    def keys(self) -> Deferred[list[dict[str, Any]]]:
+        """
+        @return: every key, as L{prepare} gives them, read again (a router
+            whose watch says keys changed; a listener that reconnected).
+        """
+        raise NotImplementedError
+
     def add_key(self, row: dict[str, Any]) -> Deferred[int]:
         """
         @param row: name, prefix, hash, models (list or None), rpm, tpm,

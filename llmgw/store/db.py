@@ -199,6 +199,9 @@ class SQLiteStore(Store):
         names = [d[0] for d in cursor.description]
         return [key_row(names, values) for values in cursor.fetchall()]
 
+    def keys(self) -> Deferred[list[dict[str, Any]]]:
+        return self.reader.runInteraction(self._keys)  # type: ignore[no-any-return]
+
     def add_key(self, row: dict[str, Any]) -> Deferred[int]:
         """
         @param row: name, prefix, hash, models (list or None), rpm, tpm,

@@ -1,5 +1,6 @@
 """
-twistd plugins: C{twistd llmgw-server} and C{twistd llmgw-agent}.
+twistd plugins: C{twistd llmgw-server}, C{twistd llmgw-router} and
+C{twistd llmgw-agent}.
 """
 
 from twisted.application.service import ServiceMaker
@@ -16,4 +17,11 @@ llmgw_agent = ServiceMaker(
     "llmgw.agent.tap",
     "llmgw node agent: dials the server, reports this node, runs engines",
     "llmgw-agent",
+)
+
+llmgw_router = ServiceMaker(
+    "llmgw router",
+    "llmgw.server.router_tap",
+    "llmgw router tier: the client API, following an llmgw-server's admin API",
+    "llmgw-router",
 )

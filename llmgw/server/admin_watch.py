@@ -1,0 +1,94 @@
+"""
+The admin API's routes for a router tier (issue 12 item 2): the watch a
+router follows, activations it forwards, and the use it reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.defer import Deferred, TimeoutError
+from twisted.web.iweb import IRequest
+
+from llmgw.control.plane import ControlPlane
+from llmgw.server.admin_http import AdminError, app, json_answer, not_found, read_body
+from llmgw.server.watch import Watch
+
+MAX_ACTIVATION_WAIT = 600.0
+"""
+Seconds an activation request may ask to wait, at most.
+"""
+
+
+class WatchRoutes:
+    """
+    Mixed into L{llmgw.server.admin.Admin}; needs its C{plane} and C{watch}.
+    """
+
+    plane: ControlPlane | None
+    watch: Watch | None
+
+    def _watched(self) -> tuple[ControlPlane, Watch]:
+        if self.plane is None or self.watch is None:
+            raise AdminError(404, "no control plane in this server", "not_found")
+        return self.plane, self.watch
+
+    @app.route("/api/v1/watch", methods=["GET"])
+    def watch_state(self, request: IRequest) -> Deferred[None]:
+        """
+        The endpoints (with their secrets) and the catalog's names as
+        newline-delimited JSON, pushed on each change
+        (L{llmgw.server.watch}); the answer never ends while the server
+        runs.
+        """
+        _, watch = self._watched()
+        return watch.watch(request)
+
+    @app.route("/api/v1/models/<path:name>/activate", methods=["POST"])
+    async def activate(self, request: IRequest, name: str) -> bytes:
+        """
+        A router's request for C{name} found no replica: ask for one and
+        answer when one is published (C{{"ready": model}}), or 504 with
+        why not after the body's C{timeout} seconds (default 60, at most
+        L{MAX_ACTIVATION_WAIT}).
+        """
+        plane, watch = self._watched()
+        model = plane.catalog.resolve(name)
+        if model is None:
+            raise not_found(f"model {name[:200]!r}")
+        body = read_body(request)
+        timeout = body.get("timeout", 60.0)
+        if (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not 0 < timeout <= MAX_ACTIVATION_WAIT
+        ):
+            raise AdminError(
+                400,
+                f"timeout must be a number of seconds in (0, {MAX_ACTIVATION_WAIT:g}]",
+                "bad_request",
+            )
+        if not watch.serves(model):
+            ready = plane.catalog.activate(model)
+            ready.addTimeout(float(timeout), watch.clock)
+            try:
+                await ready
+            except TimeoutError:
+                # addTimeout's; a router that goes cancels with CancelledError.
+                why = plane.catalog.why_not(model) or "no replica is ready yet"
+                raise AdminError(504, why, "activation_timeout") from None
+        return json_answer(request, {"ready": model})
+
+    @app.route("/api/v1/touch", methods=["POST"])
+    def touch(self, request: IRequest) -> bytes:
+        """
+        Requests for the body's C{names} came through a router: the models
+        are not idle.
+        """
+        plane, _ = self._watched()
+        names: Any = read_body(request).get("names", [])
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise AdminError(400, "names must be a list of strings", "bad_request")
+        for name in names[:10000]:
+            plane.catalog.touch(name)
+        return json_answer(request, {"touched": len(names)})

@@ -1,0 +1,149 @@
+"""
+Scale from zero through the control plane
+(L{llmgw.router.interfaces.Activator}): the catalog's names as the watch
+last gave them; an activation is the admin API's
+C{POST /api/v1/models/NAME/activate}, repeated until the router's own
+activation timeout cancels the wait; use is reported in batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from urllib.parse import quote
+
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+
+from llmgw.tier.control import Control
+
+TOUCH_INTERVAL = 2.0
+"""
+Seconds between reports of the models requests used (the control plane's
+idle timeouts count from the last one).
+"""
+
+RETRY_AFTER = 1.0
+"""
+Seconds between activation requests for one wait.
+"""
+
+
+class RemoteActivator(Service):
+    """
+    @param serves: whether this router's balancer has an endpoint for a
+        model (the watch brought it).
+    @param wait: seconds each activation request asks the control plane
+        to wait.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        control: Control,
+        serves: Callable[[str], bool],
+        wait: float,
+    ) -> None:
+        self.clock = clock
+        self.control = control
+        self.serves = serves
+        self.wait = max(1.0, min(wait, 600.0))
+        self._names: dict[str, str] = {}
+        self._why: dict[str, str] = {}
+        self._touched: set[str] = set()
+        self._ready_waiters: dict[str, list[Deferred[None]]] = {}
+        self._flush = LoopingCall(self._report)
+        self._flush.clock = clock
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._flush.start(TOUCH_INTERVAL, now=False)
+
+    def stopService(self) -> None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        if self._flush.running:
+            self._flush.stop()
+
+    def set_names(self, names: dict[str, str]) -> None:
+        """
+        The catalog's names from the watch; also a moment the endpoint
+        list changed, when waits for a served model end.
+        """
+        self._names = dict(names)
+        for model in [m for m in self._ready_waiters if self.serves(m)]:
+            for waiter in self._ready_waiters.pop(model):
+                waiter.callback(None)
+
+    def resolve(self, name: str) -> str | None:
+        return self._names.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._names)
+
+    def touch(self, name: str) -> None:
+        self._touched.add(name)
+
+    def why_not(self, name: str) -> str:
+        model = self._names.get(name)
+        return self._why.get(model, "") if model is not None else ""
+
+    def activate(self, name: str) -> Deferred[None]:
+        """
+        @return: fires once the control plane answered that a replica is
+            ready and the watch brought its endpoint here; cancel it to
+            stop waiting.
+        """
+        model = self._names.get(name, name)
+        self._touched.add(model)
+        return ensureDeferred(self._activate(model))
+
+    async def _activate(self, model: str) -> None:
+        while True:
+            try:
+                code, value = await self.control.post(
+                    f"/api/v1/models/{quote(model, safe='')}/activate",
+                    {"timeout": self.wait},
+                )
+            except CancelledError:
+                raise
+            except Exception as e:
+                code, value = 0, None
+                self._why[model] = "the control plane is not reachable"
+                self.log.warn(
+                    "cannot forward the activation of {model}: {error}",
+                    model=model,
+                    error=e,
+                )
+            if code == 200:
+                break
+            if isinstance(value, dict) and isinstance(value.get("error"), dict):
+                self._why[model] = str(value["error"].get("message", ""))[:200]
+            await deferLater(self.clock, RETRY_AFTER)
+        self._why.pop(model, None)
+        if not self.serves(model):
+            waiter: Deferred[None] = Deferred(
+                lambda d: (
+                    self._ready_waiters.get(model, []).remove(d)
+                    if d in self._ready_waiters.get(model, [])
+                    else None
+                )
+            )
+            self._ready_waiters.setdefault(model, []).append(waiter)
+            await waiter
+
+    def _report(self) -> Deferred[None] | None:
+        touched, self._touched = self._touched, set()
+        if not touched:
+            return None
+        result = ensureDeferred(
+            self.control.post("/api/v1/touch", {"names": sorted(touched)})
+        )
+
+        def failed(failure: object) -> None:
+            self.log.debug("cannot report use: {failure}", failure=failure)
+
+        return result.addCallbacks(lambda _: None, failed)

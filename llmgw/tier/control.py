@@ -1,0 +1,107 @@
+"""
+The control plane's admin API as a router of the tier reaches it: its
+base URL, the admin key or token sent with each request, and an HTTP
+client trusting the given CA for C{https}.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from twisted.internet.defer import Deferred
+from twisted.internet.ssl import Certificate, optionsForClientTLS
+from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IPolicyForHTTPS, IResponse
+from zope.interface import implementer
+
+from llmgw.checks import ConfigError
+
+
+@implementer(IPolicyForHTTPS)
+class _TrustCA:
+    """
+    TLS to the control plane, trusting only one CA's certificates.
+    """
+
+    def __init__(self, ca: Certificate) -> None:
+        self._ca = ca
+
+    def creatorForNetloc(self, hostname: bytes, port: int) -> Any:
+        return optionsForClientTLS(hostname.decode("ascii"), trustRoot=self._ca)
+
+
+@dataclass
+class Control:
+    """
+    @ivar url: the admin API's base URL, C{http(s)://host:port}, no
+        trailing slash.
+    @ivar key: the admin key (or the server's token for its own workers),
+        sent as C{Authorization: Bearer}; C{""} for none (loopback).
+    @ivar agent: the HTTP client (a Twisted C{Agent} with its own pool).
+    """
+
+    url: str
+    key: str = field(default="", repr=False)
+    agent: Any = None
+
+    @classmethod
+    def make(
+        cls, reactor: Any, url: str, key: str = "", ca: str | None = None
+    ) -> Control:
+        """
+        @param ca: a PEM file of the CA that signed the admin listener's
+            certificate, for C{https}; the system's trust otherwise.
+        @raise ConfigError: a bad URL or an unreadable CA file.
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"--control: not an http(s) URL: {url!r}")
+        pool = HTTPConnectionPool(reactor, persistent=True)
+        if ca is not None:
+            try:
+                with open(ca, "rb") as f:
+                    trust = Certificate.loadPEM(f.read())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"--control-ca: cannot read {ca!r}: {e}") from None
+            agent = Agent(reactor, contextFactory=_TrustCA(trust), pool=pool)
+        else:
+            agent = Agent(reactor, pool=pool)
+        return cls(url.rstrip("/"), key, agent)
+
+    def request(
+        self, method: bytes, path: str, body: object = None
+    ) -> Deferred[IResponse]:
+        """
+        One request to the admin API; C{body} is sent as JSON.
+        """
+        headers = Headers({b"accept": [b"application/json"]})
+        if self.key:
+            headers.addRawHeader(b"authorization", b"Bearer " + self.key.encode())
+        producer = None
+        if body is not None:
+            from io import BytesIO
+
+            from twisted.web.client import FileBodyProducer
+
+            headers.addRawHeader(b"content-type", b"application/json")
+            producer = FileBodyProducer(BytesIO(json.dumps(body).encode("utf-8")))
+        result: Deferred[IResponse] = self.agent.request(
+            method, (self.url + path).encode("utf-8"), headers, producer
+        )
+        return result
+
+    async def post(self, path: str, body: object) -> tuple[int, Any]:
+        """
+        @return: the answer's status and JSON body (L{None} if not JSON).
+        """
+        response = await self.request(b"POST", path, body)
+        raw = await readBody(response)
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        return response.code, value

@@ -1,0 +1,183 @@
+"""
+Following the control plane: the admin API's watch (L{llmgw.server.watch})
+read as a stream, each state handed on at once; a dropped or silent
+stream is opened again after a short back-off, and its first line is the
+full state again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IResponse
+
+from llmgw.router.interfaces import Endpoint
+from llmgw.server.watch import KEEPALIVE, endpoint_from_json
+from llmgw.tier.control import Control
+
+SILENT_AFTER = 10 * KEEPALIVE
+"""
+Seconds without a byte (the server sends an empty line every KEEPALIVE)
+after which the stream counts as dead and is opened again.
+"""
+
+MAX_LINE = 64 * 1024 * 1024
+"""
+Bytes of one state line at most (about 100,000 endpoints).
+"""
+
+
+class _Lines(Protocol):
+    def __init__(self, line: Callable[[bytes], None], ended: Deferred[None]) -> None:
+        self._line = line
+        self._ended = ended
+        self._buffer = b""
+
+    def dataReceived(self, data: bytes) -> None:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        if len(self._buffer) > MAX_LINE:
+            assert self.transport is not None
+            self.transport.loseConnection()
+            return
+        for line in lines:
+            self._line(line)
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        self._ended.callback(None)
+
+
+class Follower(Service):
+    """
+    @param apply: called with each state's endpoints, names (C{{name or
+        alias: model}}) and keys counter (L{llmgw.server.watch}).
+    @ivar version: the last state's version, 0 before the first.
+    @ivar first: fires once the first state is applied.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        control: Control,
+        apply: Callable[[list[Endpoint], dict[str, str], int], None],
+    ) -> None:
+        self.clock = clock
+        self.control = control
+        self.apply = apply
+        self.version = 0
+        self.first: Deferred[None] = Deferred()
+        self._backoff = 0.2
+        self._pending: Deferred[Any] | None = None
+        self._retry: IDelayedCall | None = None
+        self._watchdog: IDelayedCall | None = None
+        self._transport: Any = None
+
+    def startService(self) -> None:
+        super().startService()  # type: ignore[no-untyped-call]
+        self._open()
+
+    def stopService(self) -> None:
+        super().stopService()  # type: ignore[no-untyped-call]
+        if self._retry is not None and self._retry.active():
+            self._retry.cancel()
+        if self._pending is not None:
+            self._pending.cancel()
+        if self._transport is not None:
+            self._transport.stopProducing()
+        self._stop_watchdog()
+
+    def _open(self) -> None:
+        self._retry = None
+        if not self.running:
+            return
+        pending = self._pending = self.control.request(b"GET", "/api/v1/watch")
+        pending.addCallbacks(self._answered, self._failed)
+
+    def _answered(self, response: IResponse) -> Deferred[None] | None:
+        self._pending = None
+        if response.code != 200:
+            self.log.warn(
+                "the control plane refused the watch: HTTP {code}", code=response.code
+            )
+            response.deliverBody(_Lines(lambda line: None, Deferred()))
+            self._again()
+            return None
+        ended: Deferred[None] = Deferred()
+        ended.addCallback(self._ended)
+        protocol = _Lines(self._line, ended)
+        response.deliverBody(protocol)
+        self._transport = protocol.transport
+        self._feed()
+        return None
+
+    def _failed(self, failure: Failure) -> None:
+        self._pending = None
+        if self.running:
+            self.log.warn(
+                "cannot watch the control plane at {url}: {error}",
+                url=self.control.url,
+                error=failure.getErrorMessage(),
+            )
+            self._again()
+
+    def _ended(self, _: object) -> None:
+        self._transport = None
+        self._stop_watchdog()
+        if self.running:
+            self.log.warn("the control plane's watch ended; opening it again")
+            self._again()
+
+    def _again(self) -> None:
+        self._retry = self.clock.callLater(self._backoff, self._open)
+        self._backoff = min(self._backoff * 2, 5.0)
+
+    def _feed(self) -> None:
+        self._stop_watchdog()
+        self._watchdog = self.clock.callLater(SILENT_AFTER, self._silent)
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None and self._watchdog.active():
+            self._watchdog.cancel()
+        self._watchdog = None
+
+    def _silent(self) -> None:
+        self._watchdog = None
+        self.log.warn("the control plane's watch is silent; opening it again")
+        if self._transport is not None:
+            self._transport.stopProducing()
+
+    def _line(self, line: bytes) -> None:
+        self._feed()
+        if not line.strip():
+            return
+        try:
+            value = json.loads(line)
+            endpoints = [endpoint_from_json(e) for e in value["endpoints"]]
+            names = {str(k): str(v) for k, v in value["names"].items()}
+            version = int(value["version"])
+            keys = int(value.get("keys", 0))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            self.log.warn("a bad line in the control plane's watch: {error}", error=e)
+            return
+        self._backoff = 0.2
+        self.version = version
+        self.apply(endpoints, names, keys)
+        if not self.first.called:
+            self.first.callback(None)
+        self.log.info(
+            "following the control plane: version {version}, {count} endpoints,"
+            " {names} model names",
+            version=version,
+            count=len(endpoints),
+            names=len(names),
+        )

@@ -1,0 +1,215 @@
+"""
+The router tier's parts without processes: the watch's pushes and
+keep-alives, the follower's reading of them, and C{router_workers}'s
+check.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.test.requesthelper import DummyRequest
+
+from llmgw.checks import ConfigError
+from llmgw.config import ServerConfig, check_router_workers, load_config
+from llmgw.router.interfaces import Endpoint
+from llmgw.server.watch import KEEPALIVE, Watch, endpoint_from_json, endpoint_json
+from llmgw.server.workers import tcp_address
+from llmgw.tier.follow import SILENT_AFTER, Follower
+
+E1 = Endpoint("r1", "http://10.0.0.1:8000", ("m", "m-alias"), 2.0, api_key="s3cret")
+
+
+def lines(request: DummyRequest) -> list[Any]:
+    data = b"".join(request.written)
+    return [json.loads(line) if line else None for line in data.split(b"\n")[:-1]]
+
+
+class WatchTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.names = {"m": "m"}
+        self.watch = Watch(self.clock, lambda: self.names)
+        self.watch.startService()
+        self.addCleanup(self.watch.stopService)
+
+    def test_pushes_whole_state(self) -> None:
+        """
+        A watcher gets the state at once and again after each change of
+        endpoints or names, versions rising; an unchanged list pushes
+        nothing.
+        """
+        request = DummyRequest([b""])
+        self.watch.watch(request)
+        self.watch.set_endpoints([E1])
+        self.watch.set_endpoints([E1])
+        self.names = {"m": "m", "m-alias": "m"}
+        self.watch.changed()
+        first, second, third = lines(request)
+        self.assertEqual((first["endpoints"], first["names"]), ([], {"m": "m"}))
+        self.assertEqual(second["endpoints"], [endpoint_json(E1)])
+        self.assertEqual(second["endpoints"][0]["api_key"], "s3cret")
+        self.assertEqual(third["names"], {"m": "m", "m-alias": "m"})
+        self.assertLess(first["version"], second["version"])
+        self.assertLess(second["version"], third["version"])
+        self.assertEqual(endpoint_from_json(second["endpoints"][0]), E1)
+
+    def test_keepalive_and_unannounced_change(self) -> None:
+        """
+        An empty line every KEEPALIVE seconds; a catalog change nobody
+        announced is pushed at the next one.  A watcher that goes gets
+        nothing more.
+        """
+        request = DummyRequest([b""])
+        waiting = self.watch.watch(request)
+        self.clock.advance(KEEPALIVE)
+        self.assertEqual(lines(request)[1:], [None])
+        self.names = {}
+        self.clock.advance(KEEPALIVE)
+        self.assertEqual(lines(request)[2]["names"], {})
+        waiting.addErrback(lambda _: None)
+        waiting.cancel()
+        count = len(request.written)
+        self.clock.advance(KEEPALIVE * 3)
+        self.assertEqual(len(request.written), count)
+
+
+class FollowerTests(SynchronousTestCase):
+    def test_lines(self) -> None:
+        """
+        Each state line is applied; empty lines and bad lines are not;
+        the first state fires C{first}.
+        """
+        applied: list[tuple[list[Endpoint], dict[str, str]]] = []
+        follower = Follower(Clock(), None, lambda e, n, k: applied.append((e, n)))  # type: ignore[arg-type]
+        follower._line(b"")
+        follower._line(b"{not json")
+        self.assertFalse(follower.first.called)
+        state = {"version": 3, "endpoints": [endpoint_json(E1)], "names": {"m": "m"}}
+        follower._line(json.dumps(state).encode())
+        self.assertEqual(applied, [([E1], {"m": "m"})])
+        self.assertEqual(follower.version, 3)
+        self.assertTrue(follower.first.called)
+        self.assertGreater(SILENT_AFTER, KEEPALIVE)
+
+
+class RouterWorkersConfigTests(SynchronousTestCase):
+    def test_check(self) -> None:
+        self.assertEqual(check_router_workers(2), 2)
+        self.assertEqual(check_router_workers("3"), 3)
+        for bad in (-1, 65, True, 1.5, "two"):
+            with self.assertRaises(ConfigError) as raised:
+                check_router_workers(bad)
+            self.assertIn("router_workers", str(raised.exception))
+
+    def test_file_key(self) -> None:
+        path = self.mktemp()
+        with open(path, "w") as f:
+            f.write(
+                "router_workers = 2\n[[endpoints]]\n"
+                'id = "a"\nurl = "http://h:1"\nmodels = ["m"]\n'
+            )
+        self.assertEqual(load_config(path).router_workers, 2)
+
+    def test_workers_share_limits(self) -> None:
+        """
+        Without C{[limits] url}, each of N workers admits 1/N of every
+        key's limits: the server passes C{--routers N}, and the router
+        takes the larger of that and C{[limits] routers}.
+        """
+        from types import SimpleNamespace
+
+        from llmgw.server.router_tap import Options
+        from llmgw.server.workers import worker_argv
+
+        config = replace(ServerConfig(), router_workers=3)
+        address = SimpleNamespace(host="127.0.0.1", port=9090)
+        bound = SimpleNamespace(host="127.0.0.1", port=8080)
+        argv = worker_argv(
+            None,
+            config,
+            SimpleNamespace(getHost=lambda: bound),
+            SimpleNamespace(getHost=lambda: address),
+        )
+        self.assertEqual(argv[argv.index("--routers") + 1], "3")
+        options = Options()
+        options.parseOptions(["--control", "http://127.0.0.1:9090", *argv[-2:]])
+        self.assertEqual(options.config.limits_routers, 3)
+        with self.assertRaises(SystemExit):
+            Options().parseOptions(["--control", "http://h:1", "--routers", "0"])
+
+    def test_tcp_address(self) -> None:
+        self.assertEqual(tcp_address("tcp:8080"), ("0.0.0.0", 8080))
+        self.assertEqual(
+            tcp_address("tcp:0:interface=127.0.0.1:backlog=10"), ("127.0.0.1", 0)
+        )
+        for bad in ("ssl:8443:privateKey=k", "unix:/tmp/s", "tcp:http"):
+            self.assertRaises(ConfigError, tcp_address, bad)
+
+
+class _Process:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.signals: list[object] = []
+
+    def signalProcess(self, signal: object) -> None:
+        self.signals.append(signal)
+
+
+class _Reactor(Clock):
+    """
+    A clock that spawns fake processes; the first C{failures} spawns
+    raise L{OSError} (no fork).
+    """
+
+    def __init__(self, failures: int = 0) -> None:
+        super().__init__()
+        self.failures = failures
+        self.spawned: list[tuple[Any, _Process, list[str]]] = []
+
+    def spawnProcess(
+        self, protocol: Any, executable: str, args: list[str], **kw: Any
+    ) -> _Process:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("no fork")
+        process = _Process(1000 + len(self.spawned))
+        self.spawned.append((protocol, process, args))
+        return process
+
+
+class WorkersTests(SynchronousTestCase):
+    def test_restart_backoff_and_stop(self) -> None:
+        """
+        A spawn that fails and a worker that ends are tried again after
+        0.5 s, then 1 s (doubling); each gets --parent-pid; the stop
+        sends SIGTERM and fires once the worker ended.
+        """
+        from twisted.python.failure import Failure
+
+        from llmgw.server.workers import Workers
+
+        reactor = _Reactor(failures=1)
+        workers = Workers(reactor, 1, ["twistd", "llmgw-router"], "token", 5.0)
+        workers.startService()
+        self.assertEqual(reactor.spawned, [])
+        reactor.advance(0.5)
+        ((protocol, process, args),) = reactor.spawned
+        self.assertIn("--parent-pid", args)
+        protocol.processEnded(Failure(OSError("killed")))
+        reactor.advance(0.9)
+        self.assertEqual(len(reactor.spawned), 1)
+        reactor.advance(0.1)
+        self.assertEqual(len(reactor.spawned), 2)
+        protocol, process, _ = reactor.spawned[1]
+        stopped = workers.stopService()
+        self.assertEqual(process.signals, ["TERM"])
+        self.assertNoResult(stopped)
+        protocol.processEnded(Failure(OSError("terminated")))
+        self.successResultOf(stopped)
+        reactor.advance(60)
+        self.assertEqual(len(reactor.spawned), 2)

@@ -100,7 +100,8 @@ def leading_content(payload: dict[str, Any], limit: int) -> bytes:
             size += len(text) + 8
     else:
         prompt = payload.get("prompt")
-        if isinstance(prompt, list) and prompt:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            # A batch: its first prompt.
             prompt = prompt[0]
         if isinstance(prompt, str):
             parts.append(prompt[:limit])

@@ -13,7 +13,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from llmgw.router.errors import APIError
@@ -75,19 +75,19 @@ class Overload:
         """
         return len(self._queues.get(model, ()))
 
-    def admit(self, model: str) -> Deferred[None]:
+    def admit(self, model: str) -> Deferred[None] | None:
         """
         Let a request for C{model} go on, or make it wait.
 
-        @return: a Deferred that fires when it may go on (at once when the
-            model is not overloaded; cancel it when the client leaves), or
-            fails with a 429 L{APIError} after C{wait} seconds.
+        @return: L{None} to go on now (no Deferred on the hot path), or a
+            Deferred that fires when it may go on (cancel it when the client
+            leaves), or fails with a 429 L{APIError} after C{wait} seconds.
         @raise APIError: a 429 at once: C{wait} is 0 or the queue is full.
         """
         queue = self._queues.get(model)
         # Behind those already waiting, even if the readings just cleared.
         if not queue and not self._overloaded(model):
-            return succeed(None)
+            return None
         if self.wait <= 0:
             raise overloaded_error(
                 model, self.retry_after, "its engines' queues are full"

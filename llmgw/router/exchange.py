@@ -77,6 +77,7 @@ class Services:
     @ivar activating: requests waiting for activation, per model (shared,
         mutable).
     @ivar log: where failures of replicas are logged.
+    @ivar overload: the waiting room for overloaded models, or L{None}.
     """
 
     clock: IReactorTime

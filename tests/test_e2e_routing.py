@@ -75,7 +75,7 @@ class RoutingTests(SynchronousTestCase, Processes):
             + endpoint("a", a, "m")
             + endpoint("b", b, "m")
         )
-        server, api, _ = self.start_server(config=config)
+        server, api, admin = self.start_server(config=config)
         client = self.client(api)
         http("POST", a + "/sim/fault", b'{"status": 500}')
         failures = 0
@@ -95,6 +95,8 @@ class RoutingTests(SynchronousTestCase, Processes):
             self.ask(client, "m")
         server.wait_for("replica a is back in service")
         self.assertEqual(sim_stats(a)["requests_by_path"][CHAT], 3 + 2)
+        scrape = http("GET", admin + "/metrics")[2].decode()
+        self.assertIn('llmgw_replica_ejections_total{replica="a"} 1.0', scrape)
 
     def overloaded(
         self, wait: str
@@ -104,7 +106,8 @@ class RoutingTests(SynchronousTestCase, Processes):
         C{overload_queue_depth = 2}, and five slow requests sent: it queues
         four, and the router has read that.
 
-        @return: the engine's URL, a client, the slow requests' threads.
+        @return: the engine's URL, a client, the slow requests' threads,
+            the admin URL.
         """
         sim, url = self.start_sim("--max-concurrency", "1", "--itl", "0.1", model="m")
         config = (
@@ -113,7 +116,7 @@ class RoutingTests(SynchronousTestCase, Processes):
             "overload_queue_depth = 2\n"
             f'overload_wait = "{wait}"\n\n' + endpoint("a", url, "m")
         )
-        server, api, _ = self.start_server(config=config)
+        server, api, admin = self.start_server(config=config)
         client = self.client(api)
         self.ask(client, "m")
         errors: list[BaseException] = []
@@ -135,7 +138,7 @@ class RoutingTests(SynchronousTestCase, Processes):
             time.sleep(0.05)
         # Two polls: the router's reading shows the queue.
         time.sleep(0.5)
-        return url, client, threads
+        return url, client, threads, admin
 
     def test_overload_429_then_served(self) -> None:
         """
@@ -143,13 +146,15 @@ class RoutingTests(SynchronousTestCase, Processes):
         new request gets 429 with C{Retry-After} without reaching the
         engine; once the queue falls, requests are served again.
         """
-        url, client, threads = self.overloaded("0s")
+        url, client, threads, admin = self.overloaded("0s")
         before = sim_stats(url)["requests_total"]
         with self.assertRaises(openai.RateLimitError) as caught:
             self.ask(client, "m")
         self.assertEqual(caught.exception.response.headers.get("retry-after"), "1")
         self.assertEqual(caught.exception.code, "model_overloaded")
         self.assertEqual(sim_stats(url)["requests_total"], before)
+        scrape = http("GET", admin + "/metrics")[2].decode()
+        self.assertIn('llmgw_overload_total{model="m",outcome="refused"} 1.0', scrape)
         for thread in threads:
             thread.join(30)
         # The engine's queue is empty; after a poll, served again.
@@ -163,7 +168,7 @@ class RoutingTests(SynchronousTestCase, Processes):
         the engine, while the queue is over the depth, and is served when
         it falls.
         """
-        url, client, threads = self.overloaded("20s")
+        url, client, threads, admin = self.overloaded("20s")
         before = sim_stats(url)["requests_total"]
         answers: list[Any] = []
         waiter = threading.Thread(target=lambda: answers.append(self.ask(client, "m")))
@@ -174,3 +179,5 @@ class RoutingTests(SynchronousTestCase, Processes):
         waiter.join(30)
         self.assertEqual(len(answers), 1)
         self.assertEqual(sim_stats(url)["requests_total"], before + 1)
+        scrape = http("GET", admin + "/metrics")[2].decode()
+        self.assertIn('llmgw_overload_total{model="m",outcome="waited"} 1.0', scrape)

@@ -61,6 +61,46 @@ class RoutingTests(SynchronousTestCase, Processes):
         }
         self.assertEqual(counts, {"a": 20, "b": 20, "c": 20, "d": 20})
 
+    def test_shared_prompt_sticks(self) -> None:
+        """
+        Sequential requests sharing a long system prompt all go to one of
+        two idle replicas (its owner, within the bound), as do those of one
+        session (C{X-Session-ID}); short prompts alternate.
+        """
+        a = self.start_sim(model="m")[1]
+        b = self.start_sim(model="m")[1]
+        server, api, _ = self.start_server(
+            config=endpoint("a", a, "m") + endpoint("b", b, "m")
+        )
+        client = self.client(api)
+        system = "You answer in verse, briefly and kindly. " * 40
+
+        def counts() -> list[int]:
+            return [sim_stats(u)["requests_by_path"].get(CHAT, 0) for u in (a, b)]
+
+        for i in range(8):
+            client.chat.completions.create(
+                model="m",
+                messages=[
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"question {i}"},
+                ],
+                max_tokens=2,
+            )
+        self.assertEqual(sorted(counts()), [0, 8])
+        for _ in range(8):
+            client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                extra_headers={"X-Session-ID": "s-42"},
+            )
+        self.assertIn(sorted(counts()), ([0, 16], [8, 8]))
+        self.ask(client, "m")
+        self.ask(client, "m")
+        self.assertEqual(sum(counts()), 18)
+        self.assertIn(1, [c % 8 for c in counts()])
+
     def test_ejected_replica_probed_back(self) -> None:
         """
         A replica answering 500 is ejected after C{eject_after} failed

@@ -339,11 +339,28 @@ class ControlPlane(Draining):
                 self.log.failure("scaling model {model}", model=state.model.name)
                 snapshot = None
         for replica in list(self.replicas.values()):
-            if replica.model not in self.catalog and replica.draining_since is None:
-                self._drain(replica, "its model left the catalog")
+            if replica.draining_since is None:
+                why = self._drain_due(replica)
+                if why is not None:
+                    self._drain(replica, why)
             if replica.draining_since is not None:
                 self._finish_drain(replica, now)
         self._publish_ready()
+
+    def _drain_due(self, replica: ReplicaRecord) -> str | None:
+        """
+        @return: why C{replica}, not draining, must drain (its model left
+            the catalog, or it has a shard on a draining node: adopted
+            after the drain began, when the node's link came back), or
+            L{None}.
+        """
+        if replica.model not in self.catalog:
+            return "its model left the catalog"
+        for shard in replica.shards:
+            node = self.inventory.get(shard.node)
+            if node is not None and node.draining:
+                return f"node {shard.node} is draining"
+        return None
 
     def _update_nodes(self, now: float) -> None:
         settings = self.settings

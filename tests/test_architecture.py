@@ -257,3 +257,58 @@ class ImportRuleTests(SynchronousTestCase):
                 " an interface module is a leaf"
             ],
         )
+
+
+MAX_LINES = 600
+"""
+The most lines a module may have (README "Code layout"): past it, a module
+has more than one job and is split by job.
+"""
+
+GENERATED = ("agent_pb2.py", "agent_pb2.pyi")
+
+
+def long_modules(folders: tuple[str, ...]) -> list[tuple[str, int]]:
+    """
+    @return: C{(path, lines)} of each Python module under C{folders} (from
+        the project's root) longer than L{MAX_LINES}, generated code aside.
+    """
+    top = os.path.dirname(ROOT)
+    found = []
+    for folder in folders:
+        for where, _, files in os.walk(os.path.join(top, folder)):
+            for name in sorted(files):
+                if not name.endswith(".py") or name in GENERATED:
+                    continue
+                path = os.path.join(where, name)
+                with open(path, encoding="utf-8") as f:
+                    count = sum(1 for _ in f)
+                if count > MAX_LINES:
+                    found.append((os.path.relpath(path, top), count))
+    return found
+
+
+class ModuleSizeTests(SynchronousTestCase):
+    """
+    No module of llmgw, its tests or its benchmarks passes L{MAX_LINES}.
+    """
+
+    def test_no_long_module(self) -> None:
+        self.assertEqual(long_modules(("llmgw", "tests", "bench")), [])
+
+    def test_finds_a_long_module(self) -> None:
+        """
+        The count reads real files: one of L{MAX_LINES} + 1 lines is found.
+        """
+        top = os.path.dirname(ROOT)
+        folder = self.mktemp()
+        os.makedirs(folder)
+        with open(os.path.join(folder, "long.py"), "w") as f:
+            f.write("x = 1\n" * (MAX_LINES + 1))
+        with open(os.path.join(folder, "short.py"), "w") as f:
+            f.write("x = 1\n" * MAX_LINES)
+        relative = os.path.relpath(os.path.abspath(folder), top)
+        self.assertEqual(
+            long_modules((relative,)),
+            [(os.path.join(relative, "long.py"), MAX_LINES + 1)],
+        )

@@ -17,7 +17,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from llmgw.router.auth import KeyRing, hash_key
 from llmgw.router.errors import APIError
-from llmgw.server.admin import AdminGuard
+from llmgw.server.admin_guard import AdminGuard
 from llmgw.store.db import MIGRATIONS, SQLiteStore, StoreError, sqlite_path
 
 

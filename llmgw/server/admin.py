@@ -9,8 +9,6 @@ body or parameter), 401 (admin key needed), 404, 409 (conflict).
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import json
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +16,6 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
-from twisted.web.resource import Resource
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw import __version__
@@ -34,7 +31,6 @@ from llmgw.control.views import (
     replicas_json,
 )
 from llmgw.router.auth import KeyRing
-from llmgw.router.errors import APIError
 from llmgw.server.admin_http import AdminError, json_answer, not_found, read_body
 from llmgw.server.admin_http import app as admin_app
 from llmgw.server.admin_keys import KeyRoutes
@@ -43,7 +39,7 @@ from llmgw.server.watch import Watch
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
 
-__all__ = ["Admin", "AdminError", "AdminGuard", "is_loopback"]
+__all__ = ["Admin", "AdminError"]
 
 
 class Admin(KeyRoutes, WatchRoutes):
@@ -465,151 +461,3 @@ class Admin(KeyRoutes, WatchRoutes):
     def healthz(self, request: IRequest) -> bytes:
         request.setHeader(b"content-type", b"application/json")
         return b'{"status":"ok"}'
-
-
-def is_loopback(host: str, otherwise: bool) -> bool:
-    """
-    @param host: an address as Twisted gives it.
-    @param otherwise: the answer when C{host} is not an IP address (a UNIX
-        socket's path, or nothing).
-    @return: whether C{host} is a loopback address.
-    """
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return otherwise
-
-
-_SAFE_METHODS = (b"GET", b"HEAD", b"OPTIONS")
-
-
-def _local_host(host: bytes | None) -> bool:
-    """
-    @param host: a request's C{Host}, or L{None}.
-    @return: whether it names this machine without DNS: an IP address,
-        C{localhost} or a C{.localhost} name (RFC 6761), or none at all.
-    """
-    if host is None:
-        return True
-    text = host.decode("latin-1").strip().lower()
-    if text.startswith("["):
-        name = text[1 : text.find("]")] if "]" in text else text
-    elif text.count(":") == 1:
-        name = text.split(":", 1)[0]
-    else:
-        name = text
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
-def browser_refusal(request: IRequest) -> str | None:
-    """
-    Why a request that needs no key (a loopback peer) is refused, if it is
-    a browser's on behalf of another site.  Any page a local browser
-    opens (or one through an SSH tunnel to this port) can send it a form
-    POST, which needs no preflight: without this, such a page could
-    create an admin key, revoke keys, add a model with engine arguments of
-    its choosing or drain nodes.
-
-      - C{Host} must name this machine without DNS: a name of the
-        attacker's that resolves to 127.0.0.1 (DNS rebinding) makes its
-        page same-origin with this listener, free to read the answers;
-      - a POST or DELETE from a page of another origin (C{Origin} not this
-        C{Host}, or C{Sec-Fetch-Site} other than C{same-origin} or
-        C{none}) is refused.  C{llmgw ctl} and curl send neither header.
-
-    @return: the message of a 403, or L{None} to let it through.
-    """
-    host = request.getHeader(b"host")
-    if not _local_host(host):
-        return (
-            "requests without an admin key must name this machine in Host"
-            " (127.0.0.1, [::1] or localhost)"
-        )
-    if request.method in _SAFE_METHODS:
-        return None
-    site = request.getHeader(b"sec-fetch-site")
-    origin = request.getHeader(b"origin")
-    if (site is not None and site.lower() not in (b"same-origin", b"none")) or (
-        origin is not None
-        and origin.partition(b"://")[2].lower() != (host or b"").lower()
-    ):
-        return "a page of another site may not change anything here"
-    return None
-
-
-class AdminGuard(Resource):
-    """
-    The admin API behind an admin key, while C{enabled}: for an admin
-    listener that is not on loopback.  Requests from this machine (a
-    loopback peer) need none, so the first admin key can be made there;
-    C{/metrics} and C{/healthz} stay open.  A request let through without
-    a key is refused (403) when a browser sends it for another site
-    (L{browser_refusal}).
-
-    @param inner: the admin app's resource.
-    @param keys: where admin keys are found.
-    @ivar enabled: set once the listener's address is known (on by
-        default: closed until then).
-    """
-
-    isLeaf = True
-
-    def __init__(self, inner: Resource, keys: KeyRing) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._inner = inner
-        self._keys = keys
-        self.enabled = True
-        # The bearer token of the server's own router workers
-        # (--router-workers), which hold no admin key.
-        self.internal: bytes | None = None
-
-    def render(self, request: IRequest) -> Any:
-        peer = getattr(request.getClientAddress(), "host", "")
-        # Decided on the segments routing uses (percent-decoded: /%61pi/
-        # is /api/), and closed unless plainly open.
-        segments = getattr(request, "postpath", None) or []
-        open_path = segments in ([b"metrics"], [b"healthz"])
-        header = request.getHeader(b"authorization") or b""
-        internal = self.internal is not None and hmac.compare_digest(
-            header, b"Bearer " + self.internal
-        )
-        if (
-            self.enabled
-            and not open_path
-            and not internal
-            and not is_loopback(peer, False)
-        ):
-            try:
-                key = self._keys.authenticate(
-                    request.getHeader(b"authorization") or b""
-                )
-            except APIError as error:
-                return json_answer(
-                    request,
-                    {"error": {"message": error.message, "code": "unauthorized"}},
-                    401,
-                )
-            if key is None or not key.admin:
-                return json_answer(
-                    request,
-                    {
-                        "error": {
-                            "message": "an admin key is needed",
-                            "code": "unauthorized",
-                        }
-                    },
-                    401,
-                )
-        elif not open_path:
-            refusal = browser_refusal(request)
-            if refusal is not None:
-                return json_answer(
-                    request, {"error": {"message": refusal, "code": "forbidden"}}, 403
-                )
-        return self._inner.render(request)

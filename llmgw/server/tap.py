@@ -40,7 +40,8 @@ from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
-from llmgw.server.admin import Admin, AdminGuard, is_loopback
+from llmgw.server.admin import Admin
+from llmgw.server.admin_guard import AdminGuard, is_loopback
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.fdlimit import raise_open_file_limit
 from llmgw.server.keysync import key_ring

@@ -15,6 +15,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.config import ControlConfig
+from llmgw.control.changes import Changes
 from llmgw.control.commands import STOP_GRACE, ShardCommands
 from llmgw.control.inventory import Inventory
 from llmgw.control.loop import Loop
@@ -37,8 +38,12 @@ class Draining:
     _commands: ShardCommands
     _outstanding: Callable[[str], int]
     _cut: Callable[[str, str], object]
+    _changes: Changes
 
     def _publish_ready(self) -> None:
+        raise NotImplementedError()
+
+    def _republish(self, replica_id: str) -> None:
         raise NotImplementedError()
 
     def drain_node(self, node_id: str) -> list[str]:
@@ -53,6 +58,7 @@ class Draining:
         if node is None:
             raise KeyError(node_id)
         node.draining = True
+        self._changes.nodes.add(node_id)
         drained = []
         for replica in list(self.replicas.values()):
             if any(s.node == node_id for s in replica.shards):
@@ -73,6 +79,7 @@ class Draining:
             raise KeyError(node_id)
         node.draining = False
         node.version += 1
+        self._changes.nodes.add(node_id)
         self.loop.kick()
 
     def drain_replica(self, replica_id: str) -> bool:
@@ -102,6 +109,8 @@ class Draining:
         replica.draining_since = self.clock.seconds()
         replica.drain_reason = why
         replica.drain_patience = patience
+        self._changes.model(replica.model)
+        self._republish(replica.id)
         self.log.info(
             "draining replica {replica} of {model}: {why}",
             replica=replica.id,

@@ -83,6 +83,24 @@ class SettledTests(PlaneCase):
         self.assertEqual(len(self.agents.starts()), 2)
         self.assertNotEqual(self.agents.starts()[1][0], first)
 
+    def test_new_node_placed_at_once(self) -> None:
+        """
+        A model that found no place tries again as soon as a node
+        registers (not after its backoff), though the registration does
+        not name it.
+        """
+        two = replace(
+            make_model("a"),
+            profiles=(Profile(name="x2", engine="sim", source="s", gpus=2),),
+        )
+        self.make(two, nodes=("n1",), touched=True)
+        self.plane.reconcile()
+        self.plane.reconcile()
+        self.assertEqual(self.agents.starts(), [])
+        self.register("n2", gpus=2)
+        self.plane.reconcile()
+        self.assertEqual([n for n, _ in self.agents.starts()], ["n2"])
+
 
 class HeardOrderTests(SynchronousTestCase):
     def test_heard_by(self) -> None:
@@ -228,6 +246,28 @@ class SameAsEverythingTests(SynchronousTestCase):
                 elif event == 9 and pick < 0.05:
                     node = nodes[int(pick * 20 * len(nodes))]
                     twin.register(node, gpus=2)
+                elif event == 9 and pick < 0.1:
+                    # Its agent registers again, listing what it runs.
+                    node = nodes[int((pick - 0.05) * 20 * len(nodes))]
+                    running = tuple(
+                        pb.RunningShard(
+                            shard_id=shard.id,
+                            replica_id=replica.id,
+                            model=replica.model,
+                            profile=replica.profile.name,
+                            state=pb.SHARD_STATE_READY,
+                            port=shard.port,
+                            gpu_indices=shard.gpus,
+                            rank=shard.rank,
+                            world_size=replica.profile.nodes,
+                            pid=4242,
+                            engine=replica.profile.engine,
+                            source=replica.profile.source,
+                        )
+                        for replica, shard in plane._shards.values()
+                        if shard.node == node and not shard.state.gone
+                    )
+                    twin.register(node, gpus=2, shards=running)
                 elif event == 9 and pick > 0.9:
                     # Starts refused for a while: a port or GPUs taken.
                     node = nodes[int((pick - 0.9) * 10 * len(nodes))]

@@ -14,8 +14,9 @@ flight, nobody waiting, no traffic-driven count above C{min_replicas}.
 Such a model is looked at again only when an event names it (a shard
 status, a drain, a scale, requests in flight to one of its replicas, a
 node of one of its shards lost); every other model is looked at every
-pass, as before.  Catalog changes, registrations and the end of the
-start-up grace make the next pass look at everything.
+pass, as before.  Catalog changes and the end of the start-up grace make
+the next pass look at everything; a registration names its node and the
+models of its shards.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Changes:
     The reconciler's dirty sets.
 
     @ivar everything: the next pass looks at every model and node (the
-        first pass; after a catalog change or a registration).
+        first pass; after a catalog change).
     @ivar models: models an event named since the last pass.
     @ivar unsettled: models the last pass left unsettled: looked at again
         by the next one.

@@ -24,8 +24,8 @@ model), those not yet settled (placing, starting, draining, scaled by
 traffic), the nodes that may have gone silent (by when they were last
 heard) or were heard or changed; its placement snapshot is kept from pass
 to pass and refreshed for the nodes that changed
-(L{snapshot.LiveSnapshot}).  Catalog changes, registrations and the end of
-the start-up grace make one pass over everything.
+(L{snapshot.LiveSnapshot}).  Catalog changes and the end of the start-up
+grace make one pass over everything.
 
 Shard statuses and registrations arrive from the agent links between
 passes (L{ControlPlane.shard_status}, L{ControlPlane.node_registered}) and

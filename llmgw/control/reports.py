@@ -7,6 +7,8 @@ L{llmgw.control.plane.ControlPlane}, kept apart by job.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -40,6 +42,9 @@ class AgentReports:
     _commands: ShardCommands
 
     def _record(self, replica: ReplicaRecord, shard: ShardRecord | None) -> None:
+        raise NotImplementedError()
+
+    def _shards_on(self, node_id: str) -> Iterable[tuple[ReplicaRecord, ShardRecord]]:
         raise NotImplementedError()
 
     def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
@@ -98,14 +103,21 @@ class AgentReports:
         this node that it no longer lists are gone.
         """
         listed = {s.shard_id for s in register.shards}
-        self._changes.all()
+        # Its description (address, GPUs) and its shards change: the models
+        # of those (publishing, replacing) and its view (placement).
+        self._changes.nodes.add(node_id)
         self._strays.listed(node_id, listed)
-        for _, shard in list(self._shards.values()):
-            if shard.node == node_id and shard.id not in listed:
+        for replica, shard in list(self._shards_on(node_id)):
+            self._changes.model(replica.model)
+            if shard.id not in listed:
                 if not shard.state.gone:
                     shard.state = ShardState.FAILED
                     shard.error = f"not running on {node_id} after its agent registered"
-        models = {s.model.name: s.model for s in self.catalog.states()}
+        models = (
+            {s.model.name: s.model for s in self.catalog.states()}
+            if register.shards
+            else {}
+        )
         for running in register.shards:
             found = self._shards.get(running.shard_id)
             if found is not None and found[1].node == node_id:
@@ -126,9 +138,11 @@ class AgentReports:
                 self._strays.add(node_id, running.shard_id, (), running.port, now)
                 continue
             self._adopt(node_id, running)
-        for waiting in self.catalog.states():
-            # New capacity: models waiting for a place try again now.
-            if waiting.no_fit is not None:
+        # New capacity: models waiting for a place (never settled, see
+        # L{llmgw.control.changes}) try again now.
+        for name in self._changes.unsettled:
+            waiting = self.catalog.get(name)
+            if waiting is not None and waiting.no_fit is not None:
                 waiting.retry_at = 0.0
         self.loop.kick()
 

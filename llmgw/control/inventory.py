@@ -151,8 +151,8 @@ class Inventory:
         self._nodes: dict[str, Node] = {}
         self._versions = itertools.count(1)
         self.touched: set[str] = set()
-        # Node ids, the least recently heard first, while heard instants
-        # come in order (the reactor's clock); else L{None}.
+        # Node ids, the least recently heard first; L{None} when a heard
+        # instant came out of order, until heard_by sorts them again.
         self._by_heard: OrderedDict[str, None] | None = OrderedDict()
 
     def register(self, message: pb.Register, now: float, heard: float = 0.0) -> Node:
@@ -260,7 +260,8 @@ class Inventory:
             order[node.id] = None
             order.move_to_end(node.id, last=False)
         else:
-            # Out of order: every node is looked at from now on.
+            # Out of order (the wall clock stepped back): sorted again by
+            # the next heard_by.
             self._by_heard = None
 
     def heard_by(self, instant: float) -> list[Node]:
@@ -271,7 +272,11 @@ class Inventory:
             otherwise is not seen here).
         """
         if self._by_heard is None:
-            return [n for n in self.nodes() if n.heard <= instant]
+            # Put in order again (a clock stepped back): once.
+            self._by_heard = OrderedDict(
+                (n.id, None)
+                for n in sorted(self._nodes.values(), key=lambda n: n.heard)
+            )
         found = []
         for node_id in self._by_heard:
             node = self._nodes[node_id]

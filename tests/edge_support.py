@@ -213,7 +213,9 @@ class EdgeServer(Processes):
         """
         output = self.server.output()
         for bad in ("Traceback", "Unhandled", "CRITICAL"):
-            assert bad not in output, output[-3000:]
+            at = output.find(bad)
+            # The log around the first one, where the cause is.
+            assert at < 0, output[max(0, at - 1500) : at + 3000]
 
     def note(self, what: str, client: NormalClient | None = None) -> None:
         """

@@ -229,3 +229,75 @@ class HTTP2Tests(SynchronousTestCase, EdgeServer):
         self.assertTrue(head.startswith(b"HTTP/1.1 414 "), data[:200])
         self.assertEqual(json.loads(body)["error"]["code"], "uri_too_long")
         self.normal.request()
+
+
+class HTTP2BodyRateTests(SynchronousTestCase, EdgeServer):
+    """
+    The minimum body rate holds over HTTP/2 as over HTTP/1.1.
+    """
+
+    timeout = 120
+    client_tls = HTTP2Tests.client_tls
+    h2_connect = HTTP2Tests.h2_connect
+    request_headers = HTTP2Tests.request_headers
+
+    def setUp(self) -> None:
+        directory = tempfile.mkdtemp()
+        self.ca = init_ca(directory)
+        cert = issue_server(directory, ["127.0.0.1"])
+        key = os.path.join(directory, "server-key.pem")
+        self.start_edge(
+            'min_body_rate = 1024\nbody_rate_window = "1s"\n',
+            "--listen",
+            f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
+        )
+
+    def test_slow_body(self) -> None:
+        """
+        A stream whose body comes at a byte every 0.3 s (the connection's
+        idle timeout pushed back by each) is reset within a few windows of
+        1 s; it held on for ever (10 s and counting) before.  A request on
+        the same connection at a normal rate is served.
+        """
+        tls, connection = self.h2_connect()
+        connection.send_headers(1, self.request_headers())
+        tls.sendall(connection.data_to_send())
+        tls.settimeout(0.1)
+        start = time.monotonic()
+        reset_after = None
+        while reset_after is None and time.monotonic() - start < 8:
+            connection.send_data(1, b" ")
+            tls.sendall(connection.data_to_send())
+            time.sleep(0.3)
+            try:
+                data = tls.recv(65536)
+            except (TimeoutError, ssl.SSLError):
+                continue
+            self.assertTrue(data, "connection closed")
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.StreamReset):
+                    self.assertEqual(event.stream_id, 1)
+                    reset_after = time.monotonic() - start
+            tls.sendall(connection.data_to_send())
+        print(f"HTTP/2 slow body: stream reset after {reset_after}s")
+        self.assertIsNotNone(reset_after)
+        assert reset_after is not None
+        self.assertLess(reset_after, 4.0)
+        tls.settimeout(10)
+        connection.send_headers(3, self.request_headers())
+        connection.send_data(3, CHAT, end_stream=True)
+        tls.sendall(connection.data_to_send())
+        body = b""
+        ended = False
+        while not ended:
+            data = tls.recv(65536)
+            self.assertTrue(data, "connection closed")
+            for event in connection.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended = True
+            tls.sendall(connection.data_to_send())
+        self.assertTrue(json.loads(body)["choices"])
+        self.normal.run(20, 5.0)
+        self.assertLess(self.normal.p99(), P99_BOUND)

@@ -136,3 +136,18 @@ class AdoptionTests(PlaneCase):
         self.plane.reconcile()
         self.assertEqual(self.agents.stops(), ["m-bbbb-0"])
         self.assertEqual(self.agents.starts(), [])
+
+    def test_adopted_on_draining_node_drained(self) -> None:
+        """
+        A draining node whose link comes back listing a shard (its replica
+        was forgotten when the node went lost): the adopted replica is
+        drained and stopped, never published.
+        """
+        self.make(make_model(low=1), nodes=())
+        self.register("n1")
+        self.plane.drain_node("n1")
+        self.register("n1", shards=(self._running("m-aaaa-0"),))
+        self.plane.reconcile()
+        self.assertEqual(self.endpoints(), [])
+        self.assertEqual(self.agents.stops(), ["m-aaaa-0"])
+        self.assertEqual(self.agents.starts(), [])

@@ -108,6 +108,8 @@ class FieldCheckTests(SynchronousTestCase):
             (b'"temperature": NaN', None, "The request body is not valid JSON"),
             (b'"temperature": Infinity', None, "The request body is not valid"),
             (b'"x": [-Infinity]', None, "The request body is not valid JSON"),
+            (b'"temperature": 1e999', None, "The request body is not valid JSON"),
+            (b'"x": [-2.5E400]', None, "The request body is not valid JSON"),
             (b'"messages": "hello"', "messages", "Invalid type for 'messages'"),
             (b'"messages": {"role": "user"}', "messages", "Invalid type for"),
             (b'"messages": ["hi"]', "messages.[0]", "Invalid type for 'messages[0]'"),

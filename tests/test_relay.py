@@ -187,6 +187,13 @@ class CompletionEndTests(SynchronousTestCase):
                 CHUNK + FINISH + b": bye\n\n" + DONE,
             ),
             (CHUNK + DONE, False, CHUNK + DONE),
+            # A comment after [DONE], in the same piece or not: still one.
+            (
+                CHUNK + FINISH + DONE + b": bye\n\n",
+                False,
+                CHUNK + FINISH + DONE + b": bye\n\n",
+            ),
+            (CHUNK + DONE + b": bye\n\n", False, CHUNK + DONE + b": bye\n\n"),
             (CHUNK + FINISH + b'data: {"cho', False, (cut_mid, b"")),
             (CHUNK + b"data: [DON", False, (cut_mid, b"")),
             (CHUNK + CHUNK, False, (unfinished, b"")),

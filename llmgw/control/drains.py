@@ -20,6 +20,7 @@ from llmgw.control.commands import STOP_GRACE, ShardCommands
 from llmgw.control.inventory import Inventory
 from llmgw.control.loop import Loop
 from llmgw.control.records import ReplicaRecord
+from llmgw.control.runtime import ModelCatalog
 from llmgw.wire.states import ShardState
 
 
@@ -39,12 +40,28 @@ class Draining:
     _outstanding: Callable[[str], int]
     _cut: Callable[[str, str], object]
     _changes: Changes
+    catalog: ModelCatalog
 
     def _publish_ready(self) -> None:
         raise NotImplementedError()
 
     def _republish(self, replica_id: str) -> None:
         raise NotImplementedError()
+
+    def _drain_due(self, replica: ReplicaRecord) -> str | None:
+        """
+        @return: why C{replica}, not draining, must drain (its model left
+            the catalog, or it has a shard on a draining node: adopted
+            after the drain began, when the node's link came back), or
+            L{None}.
+        """
+        if replica.model not in self.catalog:
+            return "its model left the catalog"
+        for shard in replica.shards:
+            node = self.inventory.get(shard.node)
+            if node is not None and node.draining:
+                return f"node {shard.node} is draining"
+        return None
 
     def drain_node(self, node_id: str) -> list[str]:
         """

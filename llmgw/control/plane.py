@@ -287,8 +287,10 @@ class ControlPlane(AgentReports, Publishing, Draining):
         for replica in replicas:
             if self.replicas.get(replica.id) is not replica:
                 continue
-            if replica.model not in self.catalog and replica.draining_since is None:
-                self._drain(replica, "its model left the catalog")
+            if replica.draining_since is None:
+                why = self._drain_due(replica)
+                if why is not None:
+                    self._drain(replica, why)
             if replica.draining_since is not None:
                 self._finish_drain(replica, now)
         self._publish_ready()

@@ -19,7 +19,9 @@ hostile-client suite (C{tests.test_e2e_edge_h2}) checks both, and found two
 faults mended here: the connection stayed open after its GOAWAY until the
 idle timeout (L{EdgeProtocol.dataReceived}), and answers to streams reset
 in the same read logged a traceback each (L{EdgeH2Connection}).
-C{keepalive_timeout} is an HTTP/2 connection's idle timeout.
+C{keepalive_timeout} is an HTTP/2 connection's idle timeout; a request
+body must keep up C{min_body_rate} over each C{body_rate_window}, as over
+HTTP/1.1, or its stream is reset (L{EdgeH2Connection}).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class EdgeProtocol(_GenericHTTPChannelProtocol):
         producer.unregisterProducer()
         old.setTimeout(None)
         transport = old.transport
-        channel: Any = EdgeH2Connection(self._edge.reactor)  # type: ignore[no-untyped-call]
+        channel: Any = EdgeH2Connection(self._edge.reactor, self._edge.settings)
         channel.requestFactory = me._requestFactory
         channel.site = me._site
         channel.factory = me._factory
@@ -150,6 +152,73 @@ class EdgeH2Connection(H2Connection):
     HTTP/1.1 connection; Twisted cleans the stream up when it handles the
     reset.
     """
+
+    def __init__(self, reactor: Any, settings: RouterConfig | None = None) -> None:
+        super().__init__(reactor)  # type: ignore[no-untyped-call]
+        self._settings = settings
+        # Streams whose body is arriving: bytes in this window, its timer.
+        self._bodies: dict[int, tuple[int, IDelayedCall]] = {}
+
+    # A request body's minimum rate, as EdgeChannel keeps it for HTTP/1.1:
+    # without it, one byte per stream every few seconds held a stream (and
+    # the connection, whose idle timeout each byte pushed back) for ever.
+
+    def _requestReceived(self, event: Any) -> None:
+        super()._requestReceived(event)  # type: ignore[no-untyped-call]
+        settings = self._settings
+        if (
+            settings is not None
+            and settings.min_body_rate > 0
+            and getattr(event, "stream_ended", None) is None
+        ):
+            self._body_window(event.stream_id, 0)
+
+    def _body_window(self, stream_id: int, received: int) -> None:
+        assert self._settings is not None
+        timer = self._reactor.callLater(
+            self._settings.body_rate_window, self._body_window_ended, stream_id
+        )
+        self._bodies[stream_id] = (received, timer)
+
+    def _requestDataReceived(self, event: Any) -> None:
+        body = self._bodies.get(event.stream_id)
+        if body is not None:
+            self._bodies[event.stream_id] = (body[0] + len(event.data), body[1])
+        super()._requestDataReceived(event)  # type: ignore[no-untyped-call]
+
+    def _requestEnded(self, event: Any) -> None:
+        self._body_done(event.stream_id)
+        super()._requestEnded(event)  # type: ignore[no-untyped-call]
+
+    def _requestAborted(self, event: Any) -> None:
+        self._body_done(event.stream_id)
+        super()._requestAborted(event)  # type: ignore[no-untyped-call]
+
+    def connectionLost(  # type: ignore[override]
+        self, reason: Any, _cancelTimeouts: bool = True
+    ) -> None:
+        for stream_id in list(self._bodies):
+            self._body_done(stream_id)
+        super().connectionLost(reason, _cancelTimeouts)  # type: ignore[no-untyped-call]
+
+    def _body_done(self, stream_id: int) -> None:
+        body = self._bodies.pop(stream_id, None)
+        if body is not None and body[1].active():
+            body[1].cancel()
+
+    def _body_window_ended(self, stream_id: int) -> None:
+        assert self._settings is not None
+        received, _ = self._bodies.pop(stream_id, (None, None))
+        if received is None:
+            return
+        rate, window = self._settings.min_body_rate, self._settings.body_rate_window
+        if received >= rate * window:
+            self._body_window(stream_id, 0)
+            return
+        # Too slow: the stream is reset (RST_STREAM), its request never
+        # reaches the router; the connection's other streams go on.
+        if stream_id in self.streams and not self._gone(stream_id):
+            self.abortRequest(stream_id)  # type: ignore[no-untyped-call]
 
     def _gone(self, stream_id: int) -> bool:
         if self.conn.state_machine.state is ConnectionState.CLOSED:

@@ -6,6 +6,7 @@ what is sent to the engine.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,16 @@ def _refuse_constant(name: str) -> float:
     # json.loads takes NaN, Infinity and -Infinity by default; RFC 8259
     # (section 6) has no such numbers, and engines parse them differently.
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    # A literal past a double's range (1e999) is JSON, but parses to
+    # infinity: engines would take it as Infinity, and a body written
+    # again would say Infinity, which is not JSON.
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:50]} is not a finite number")
+    return value
 
 
 _COUNTS = ("n", "max_tokens", "max_completion_tokens")
@@ -190,7 +201,9 @@ def prepare(
     @raise Refused: a 400 for a malformed body, a 404 for an unknown model.
     """
     try:
-        payload = json.loads(body, parse_constant=_refuse_constant)
+        payload = json.loads(
+            body, parse_constant=_refuse_constant, parse_float=_finite_float
+        )
     except ValueError as e:
         raise Refused(
             bad_request(f"The request body is not valid JSON: {e}.")
@@ -247,7 +260,7 @@ def prepare(
     if rewrite:
         # ASCII escapes: any string JSON can hold encodes, lone surrogates
         # included.
-        body = json.dumps(payload).encode("ascii")
+        body = json.dumps(payload, allow_nan=False).encode("ascii")
     return Prepared(
         body=body,
         model=target,

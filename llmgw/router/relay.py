@@ -105,7 +105,9 @@ class UsageFilter:
         if (
             not pending
             and USAGE_OBJECT.search(data) is None
-            and not (completion and data.endswith(b"[DONE]\n\n"))
+            # A [DONE] anywhere in the piece (a comment may follow it in
+            # the same read) is looked at as an event: see _watch.
+            and not (completion and b"[DONE]" in data)
             and parser.skip_whole(data)
         ):
             # Whole events and no usage among them: nothing to read or

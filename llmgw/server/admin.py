@@ -464,12 +464,77 @@ def is_loopback(host: str, otherwise: bool) -> bool:
         return otherwise
 
 
+_SAFE_METHODS = (b"GET", b"HEAD", b"OPTIONS")
+
+
+def _local_host(host: bytes | None) -> bool:
+    """
+    @param host: a request's C{Host}, or L{None}.
+    @return: whether it names this machine without DNS: an IP address,
+        C{localhost} or a C{.localhost} name (RFC 6761), or none at all.
+    """
+    if host is None:
+        return True
+    text = host.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        name = text[1 : text.find("]")] if "]" in text else text
+    elif text.count(":") == 1:
+        name = text.split(":", 1)[0]
+    else:
+        name = text
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def browser_refusal(request: IRequest) -> str | None:
+    """
+    Why a request that needs no key (a loopback peer) is refused, if it is
+    a browser's on behalf of another site.  Any page a local browser
+    opens (or one through an SSH tunnel to this port) can send it a form
+    POST, which needs no preflight: without this, such a page could
+    create an admin key, revoke keys, add a model with engine arguments of
+    its choosing or drain nodes.
+
+      - C{Host} must name this machine without DNS: a name of the
+        attacker's that resolves to 127.0.0.1 (DNS rebinding) makes its
+        page same-origin with this listener, free to read the answers;
+      - a POST or DELETE from a page of another origin (C{Origin} not this
+        C{Host}, or C{Sec-Fetch-Site} other than C{same-origin} or
+        C{none}) is refused.  C{llmgw ctl} and curl send neither header.
+
+    @return: the message of a 403, or L{None} to let it through.
+    """
+    host = request.getHeader(b"host")
+    if not _local_host(host):
+        return (
+            "requests without an admin key must name this machine in Host"
+            " (127.0.0.1, [::1] or localhost)"
+        )
+    if request.method in _SAFE_METHODS:
+        return None
+    site = request.getHeader(b"sec-fetch-site")
+    origin = request.getHeader(b"origin")
+    if (site is not None and site.lower() not in (b"same-origin", b"none")) or (
+        origin is not None
+        and origin.partition(b"://")[2].lower() != (host or b"").lower()
+    ):
+        return "a page of another site may not change anything here"
+    return None
+
+
 class AdminGuard(Resource):
     """
     The admin API behind an admin key, while C{enabled}: for an admin
     listener that is not on loopback.  Requests from this machine (a
     loopback peer) need none, so the first admin key can be made there;
-    C{/metrics} and C{/healthz} stay open.
+    C{/metrics} and C{/healthz} stay open.  A request let through without
+    a key is refused (403) when a browser sends it for another site
+    (L{browser_refusal}).
 
     @param inner: the admin app's resource.
     @param keys: where admin keys are found.
@@ -512,5 +577,11 @@ class AdminGuard(Resource):
                         }
                     },
                     401,
+                )
+        elif not open_path:
+            refusal = browser_refusal(request)
+            if refusal is not None:
+                return json_answer(
+                    request, {"error": {"message": refusal, "code": "forbidden"}}, 403
                 )
         return self._inner.render(request)

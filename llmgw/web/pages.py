@@ -32,6 +32,15 @@ from llmgw.web.fleet import Fleet
 CSRF_COOKIE = b"llmgw_csrf"
 
 STATIC_TYPES = {".css": b"text/css; charset=utf-8", ".js": b"text/javascript"}
+STATIC_NAMES = frozenset(
+    entry.name
+    for entry in files("llmgw.web").joinpath("static").iterdir()
+    if entry.is_file()
+)
+"""
+The files C{/static/NAME} serves: a name from a client is looked up here,
+never on the file system (a name too long for it raised there).
+"""
 
 TEMPLATES = Environment(
     loader=PackageLoader("llmgw.web", "templates"),
@@ -112,11 +121,16 @@ class CookieCsrf:
 def form(request: IRequest) -> dict[str, str]:
     """
     @return: an urlencoded body's fields (the first value of each); the
-        client listener's site parses no forms itself.
+        client listener's site parses no forms itself.  A body of more
+        than 20 fields is no form of these pages: none (parse_qs raises
+        past its cap, and a client without a key could send one).
     """
     content = request.content
     raw = content.read(64 * 1024) if content is not None else b""
-    fields = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=20)
+    try:
+        fields = parse_qs(raw.decode("utf-8", "replace"), max_num_fields=20)
+    except ValueError:
+        return {}
     return {name: values[0] for name, values in fields.items()}
 
 
@@ -242,12 +256,11 @@ class Dashboard:
     @app.route("/static/<name>", methods=["GET"])
     def static(self, request: IRequest, name: str) -> bytes:
         kind = STATIC_TYPES.get(os.path.splitext(name)[1])
-        resource = files("llmgw.web").joinpath("static", name)
-        if kind is None or "/" in name or not resource.is_file():
+        if kind is None or name not in STATIC_NAMES:
             raise NotFound()
         request.setHeader(b"content-type", kind)
         request.setHeader(b"cache-control", b"max-age=300")
-        return resource.read_bytes()
+        return files("llmgw.web").joinpath("static", name).read_bytes()
 
     # Actions
 

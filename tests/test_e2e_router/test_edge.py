@@ -132,12 +132,15 @@ class RequestCheckTests(_FakeEngine, SynchronousTestCase):
 
     def test_nan_refused(self) -> None:
         """
-        Case 3: C{NaN} and C{Infinity} are not JSON: 400, nothing sent.
+        Case 3: C{NaN} and C{Infinity} are not JSON: 400, nothing sent;
+        nor a number past a double's range, which parses to infinity (the
+        body written again for a stream said C{Infinity}).
         """
-        for number in (b"NaN", b"Infinity", b"-Infinity"):
+        for number in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1E400"):
             status, headers, body = post_raw(
                 self.url + "/v1/chat/completions",
-                b'{"model": "m", "messages": [], "temperature": ' + number + b"}",
+                b'{"model": "m", "messages": [], "stream": true,'
+                b' "stream_options": {}, "temperature": ' + number + b"}",
             )
             self.assertEqual(status, 400, body)
             self.assertEqual(headers["content-type"], "application/json")

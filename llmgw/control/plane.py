@@ -417,6 +417,7 @@ class ControlPlane(AgentReports, Publishing, Draining):
             del models[replica.id]
             if not models:
                 del self._by_model[replica.model]
+            self._seq.pop(replica.id, None)
         self._changes.model(replica.model)
         self._republish(replica.id)
         for shard in replica.shards:

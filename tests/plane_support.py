@@ -111,6 +111,7 @@ class PlaneCase(SynchronousTestCase):
         *models: Model,
         nodes: tuple[str, ...] = ("n1", "n2"),
         settings: ControlConfig = SETTINGS,
+        touched: bool = False,
     ) -> None:
         self.clock = Clock()
         self.clock.advance(1000)
@@ -128,6 +129,7 @@ class PlaneCase(SynchronousTestCase):
             self.published.append,
             outstanding=lambda rid: self.in_flight.get(rid, 0),
             cut=lambda rid, why: self.cuts.append((rid, why)),
+            touched=touched,
         )
         for node in nodes:
             self.register(node)

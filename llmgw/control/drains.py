@@ -15,10 +15,12 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.config import ControlConfig
+from llmgw.control.changes import Changes
 from llmgw.control.commands import STOP_GRACE, ShardCommands
 from llmgw.control.inventory import Inventory
 from llmgw.control.loop import Loop
 from llmgw.control.records import ReplicaRecord
+from llmgw.control.runtime import ModelCatalog
 from llmgw.wire.states import ShardState
 
 
@@ -37,9 +39,29 @@ class Draining:
     _commands: ShardCommands
     _outstanding: Callable[[str], int]
     _cut: Callable[[str, str], object]
+    _changes: Changes
+    catalog: ModelCatalog
 
     def _publish_ready(self) -> None:
         raise NotImplementedError()
+
+    def _republish(self, replica_id: str) -> None:
+        raise NotImplementedError()
+
+    def _drain_due(self, replica: ReplicaRecord) -> str | None:
+        """
+        @return: why C{replica}, not draining, must drain (its model left
+            the catalog, or it has a shard on a draining node: adopted
+            after the drain began, when the node's link came back), or
+            L{None}.
+        """
+        if replica.model not in self.catalog:
+            return "its model left the catalog"
+        for shard in replica.shards:
+            node = self.inventory.get(shard.node)
+            if node is not None and node.draining:
+                return f"node {shard.node} is draining"
+        return None
 
     def drain_node(self, node_id: str) -> list[str]:
         """
@@ -53,6 +75,7 @@ class Draining:
         if node is None:
             raise KeyError(node_id)
         node.draining = True
+        self._changes.nodes.add(node_id)
         drained = []
         for replica in list(self.replicas.values()):
             if any(s.node == node_id for s in replica.shards):
@@ -73,6 +96,7 @@ class Draining:
             raise KeyError(node_id)
         node.draining = False
         node.version += 1
+        self._changes.nodes.add(node_id)
         self.loop.kick()
 
     def drain_replica(self, replica_id: str) -> bool:
@@ -102,6 +126,8 @@ class Draining:
         replica.draining_since = self.clock.seconds()
         replica.drain_reason = why
         replica.drain_patience = patience
+        self._changes.model(replica.model)
+        self._republish(replica.id)
         self.log.info(
             "draining replica {replica} of {model}: {why}",
             replica=replica.id,

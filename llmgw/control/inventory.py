@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -140,11 +141,19 @@ Problems kept per GPU; more are dropped.
 class Inventory:
     """
     Nodes by id, updated from Register and Heartbeat.
+
+    @ivar touched: ids of the nodes whose description changed (what
+        placement reads, their link) or that were heard while not ready;
+        the control plane empties it each pass.
     """
 
     def __init__(self) -> None:
         self._nodes: dict[str, Node] = {}
         self._versions = itertools.count(1)
+        self.touched: set[str] = set()
+        # Node ids, the least recently heard first; L{None} when a heard
+        # instant came out of order, until heard_by sorts them again.
+        self._by_heard: OrderedDict[str, None] | None = OrderedDict()
 
     def register(self, message: pb.Register, now: float, heard: float = 0.0) -> Node:
         """
@@ -195,6 +204,8 @@ class Inventory:
             ],
         )
         self._nodes[node.id] = node
+        self.touched.add(node.id)
+        self._order(node)
         return node
 
     def heartbeat(self, node_id: str, message: pb.Heartbeat, now: float) -> None:
@@ -213,6 +224,7 @@ class Inventory:
             if gpu.memory_used_mib != usage.memory_used_mib:
                 gpu.memory_used_mib = usage.memory_used_mib
                 node.version = next(self._versions)
+                self.touched.add(node_id)
             # Bounded: an agent's report must not grow the server's memory
             # or its time per heartbeat without limit.
             known = set(gpu.problems)
@@ -224,6 +236,7 @@ class Inventory:
                     known.add(problem)
                     gpu.problems.append(problem)
                     node.version = next(self._versions)
+                    self.touched.add(node_id)
 
     def heard(self, node_id: str, heard: float) -> None:
         """
@@ -232,6 +245,45 @@ class Inventory:
         node = self._nodes.get(node_id)
         if node is not None:
             node.heard = heard
+            self._order(node)
+            if node.state != NodeState.READY:
+                self.touched.add(node_id)
+
+    def _order(self, node: Node) -> None:
+        order = self._by_heard
+        if order is None:
+            return
+        order.pop(node.id, None)
+        if not order or node.heard >= self._nodes[next(reversed(order))].heard:
+            order[node.id] = None
+        elif node.heard <= self._nodes[next(iter(order))].heard:
+            order[node.id] = None
+            order.move_to_end(node.id, last=False)
+        else:
+            # Out of order (the wall clock stepped back): sorted again by
+            # the next heard_by.
+            self._by_heard = None
+
+    def heard_by(self, instant: float) -> list[Node]:
+        """
+        @param instant: reactor seconds.
+        @return: the nodes last heard at or before C{instant} (L{heard}
+            and L{register} keep them in order; a node's C{heard} set
+            otherwise is not seen here).
+        """
+        if self._by_heard is None:
+            # Put in order again (a clock stepped back): once.
+            self._by_heard = OrderedDict(
+                (n.id, None)
+                for n in sorted(self._nodes.values(), key=lambda n: n.heard)
+            )
+        found = []
+        for node_id in self._by_heard:
+            node = self._nodes[node_id]
+            if node.heard > instant:
+                break
+            found.append(node)
+        return found
 
     def weights(self, node_id: str, report: pb.WeightsReport, now: float) -> None:
         """
@@ -269,6 +321,7 @@ class Inventory:
         node = self._nodes.get(node_id)
         if node is not None:
             node.connected = False
+            self.touched.add(node_id)
 
     def nodes(self) -> list[Node]:
         """

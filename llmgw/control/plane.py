@@ -18,6 +18,15 @@ requests), and its shards are told C{StopShard} once the router counts
 no request in flight to it, or after C{[control] drain_timeout}; only
 the server knows what is in flight.
 
+A pass looks at what changed, not at everything (L{changes}): the models
+events named (a shard status, a drain, a scale, a request touching the
+model), those not yet settled (placing, starting, draining, scaled by
+traffic), the nodes that may have gone silent (by when they were last
+heard) or were heard or changed; its placement snapshot is kept from pass
+to pass and refreshed for the nodes that changed
+(L{snapshot.LiveSnapshot}).  Catalog changes and the end of the start-up
+grace make one pass over everything.
+
 Shard statuses and registrations arrive from the agent links between
 passes (L{ControlPlane.shard_status}, L{ControlPlane.node_registered}) and
 kick a pass.  Nothing here blocks: commands to agents are sent and their
@@ -26,6 +35,7 @@ results handled when they come.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -34,31 +44,34 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.config import ControlConfig
-from llmgw.control import adoption, scaling
+from llmgw.control import scaling
 from llmgw.control.catalog import Model
+from llmgw.control.changes import Changes
 from llmgw.control.commands import Commands, ShardCommands
 from llmgw.control.drains import Draining
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
 from llmgw.control.placement import NodeView, NoFit, Plan, place
+from llmgw.control.publishing import Publishing, host
 from llmgw.control.records import (
     PlaneCounts,
     ReplicaRecord,
     ReplicaState,
     ShardRecord,
-    output_summary,
 )
+from llmgw.control.reports import AgentReports
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
-from llmgw.control.snapshot import Snapshot, Strays, SuspectPorts, warn_ephemeral
+from llmgw.control.snapshot import (
+    LiveSnapshot,
+    Snapshot,
+    Strays,
+    SuspectPorts,
+    warn_ephemeral,
+)
 from llmgw.control.weights import WeightsCollector
 from llmgw.router.interfaces import Endpoint
-from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
-
-
-def _host(address: str) -> str:
-    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 def _gone_why(replica: ReplicaRecord) -> str:
@@ -74,7 +87,7 @@ def _gone_why(replica: ReplicaRecord) -> str:
     return "it stopped"
 
 
-class ControlPlane(Draining):
+class ControlPlane(AgentReports, Publishing, Draining):
     """
     Keeps each catalog model's replicas running.
 
@@ -93,6 +106,11 @@ class ControlPlane(Draining):
         with a reason (L{llmgw.router.balancer.Balancer.cut}): called when
         the replica is gone (its node lost, its engine exited) or its drain
         ran out of time.
+    @param touched: whether the router touches a model
+        (L{ModelCatalog.touch}) at each request's arrival and completion,
+        as L{llmgw.router} does: then a pass reads requests in flight only
+        for the models touched or unsettled (L{llmgw.control.changes});
+        else it asks every replica's C{outstanding} each pass.
     @ivar catalog: the catalog at run time, and the router's side.
     @ivar replicas: the records, by replica id; read-only outside.
     @ivar failed: each model's last failed replica, with its error and
@@ -115,6 +133,7 @@ class ControlPlane(Draining):
         outstanding: Callable[[str], int] = lambda replica_id: 0,
         keys: Callable[[str], str] = lambda shard_id: "",
         cut: Callable[[str, str], object] = lambda replica_id, why: 0,
+        touched: bool = False,
     ) -> None:
         self.clock = clock
         self.inventory = inventory
@@ -124,8 +143,20 @@ class ControlPlane(Draining):
         self._outstanding = outstanding
         self._cut = cut
         self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
-        self.catalog = ModelCatalog(clock, inventory, models, static, self.loop.kick)
+        self._changes = Changes()
+        self.catalog = ModelCatalog(
+            clock, inventory, models, static, self._catalog_changed
+        )
+        self._touched = touched
+        self.catalog.touched = self._changes.model
         self.replicas: dict[str, ReplicaRecord] = {}
+        # Indexes of the records: by model, by node, and the order they
+        # were made in.
+        self._by_model: dict[str, dict[str, ReplicaRecord]] = {}
+        self._on_node: dict[str, dict[str, tuple[ReplicaRecord, ShardRecord]]] = {}
+        self._seq: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._live: LiveSnapshot | None = None
         self.failed: dict[str, ReplicaRecord] = {}
         self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
         self._published: tuple[Endpoint, ...] | None = None
@@ -142,137 +173,28 @@ class ControlPlane(Draining):
         self.grace_over = settings.startup_grace <= 0
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
         self.counts = PlaneCounts()
+        self._init_publishing()
 
-    # What the agents say.
-
-    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
-        """
-        Record a shard's transition; unknown shards are ignored here (a
-        Register lists them all).
-        """
-        found = self._shards.get(status.shard_id)
-        if found is None or found[1].node != node_id:
-            if (ShardState.from_pb(status.state) or ShardState.PENDING).gone:
-                self._strays.gone(node_id, status.shard_id)
-            self._late_output(node_id, status)
-            return
-        replica, shard = found
-        state = ShardState.from_pb(status.state) or shard.state
-        if shard.state.gone:
-            return
-        shard.state = state
-        if status.pid:
-            shard.pid = status.pid
-        if status.output_tail:
-            shard.output = tuple(status.output_tail)
-        if state == ShardState.FAILED:
-            shard.error = status.error + output_summary(shard.output)
+    def _catalog_changed(self) -> None:
+        self._changes.all()
         self.loop.kick()
 
-    def _late_output(self, node_id: str, status: pb.ShardStatus) -> None:
+    def _record(self, replica: ReplicaRecord, shard: ShardRecord | None) -> None:
         """
-        The output of a shard of a failed replica, sent when its engine
-        stopped (one the server gave up waiting for): kept with the
-        replica, and its summary added to the model's last error.
+        Index C{replica} (and C{shard}, one of its shards) as recorded.
         """
-        if not status.output_tail:
-            return
-        for replica in self.failed.values():
-            for shard in replica.shards:
-                if shard.id == status.shard_id and shard.node == node_id:
-                    if shard.output:
-                        return
-                    shard.output = tuple(status.output_tail)
-                    state = self.catalog.get(replica.model)
-                    if state is not None and state.last_error.startswith(
-                        f"replica {replica.id}: "
-                    ):
-                        state.last_error += output_summary(shard.output)
-                    return
+        self.replicas[replica.id] = replica
+        self._by_model.setdefault(replica.model, {})[replica.id] = replica
+        if replica.id not in self._seq:
+            self._seq[replica.id] = next(self._counter)
+        self._changes.model(replica.model)
+        if shard is not None:
+            self._shards[shard.id] = (replica, shard)
+            self._on_node.setdefault(shard.node, {})[shard.id] = (replica, shard)
+            self._changes.nodes.add(shard.node)
 
-    def node_registered(self, node_id: str, register: pb.Register) -> None:
-        """
-        Adoption (see L{adoption}): shards the catalog still claims become
-        (or stay) replicas, the others are stopped; shards recorded on
-        this node that it no longer lists are gone.
-        """
-        listed = {s.shard_id for s in register.shards}
-        self._strays.listed(node_id, listed)
-        for _, shard in list(self._shards.values()):
-            if shard.node == node_id and shard.id not in listed:
-                if not shard.state.gone:
-                    shard.state = ShardState.FAILED
-                    shard.error = f"not running on {node_id} after its agent registered"
-        models = {s.model.name: s.model for s in self.catalog.states()}
-        for running in register.shards:
-            found = self._shards.get(running.shard_id)
-            if found is not None and found[1].node == node_id:
-                self._relisted(found[0], found[1], running)
-                continue
-            reason = adoption.claim(
-                running, models, self._shard_node, self.replicas, self.grace_over
-            )
-            if reason:
-                self.log.info(
-                    "stopping shard {shard} on {node}: {reason}",
-                    shard=running.shard_id,
-                    node=node_id,
-                    reason=reason,
-                )
-                self._commands.stop(node_id, running.shard_id)
-                now = self.clock.seconds()
-                self._strays.add(node_id, running.shard_id, (), running.port, now)
-                continue
-            self._adopt(node_id, running)
-        for waiting in self.catalog.states():
-            # New capacity: models waiting for a place try again now.
-            if waiting.no_fit is not None:
-                waiting.retry_at = 0.0
-        self.loop.kick()
-
-    def _relisted(
-        self, replica: ReplicaRecord, shard: ShardRecord, running: pb.RunningShard
-    ) -> None:
-        if adoption.reprobed(shard, running):
-            return
-        state = adoption.relisted(shard, running)
-        if state is not None:
-            shard.state = state
-            shard.pid = running.pid or shard.pid
-        if replica.stop_sent_at is not None and not adoption.listed_state(running).gone:
-            # The stop may have been lost with the old link.
-            self._commands.stop(shard.node, shard.id)
-
-    def _shard_node(self, shard_id: str) -> str | None:
-        found = self._shards.get(shard_id)
-        return found[1].node if found is not None else None
-
-    def _adopt(self, node_id: str, running: pb.RunningShard) -> None:
-        counts = self.catalog[running.model]
-        model = counts.model
-        profile = next(p for p in model.profiles if p.name == running.profile)
-        replica = self.replicas.get(running.replica_id)
-        if replica is None:
-            now = self.clock.seconds()
-            replica = adoption.replica_record(running, profile, now)
-            self.replicas[replica.id] = replica
-            live = sum(
-                1
-                for r in self.replicas.values()
-                if r.model == model.name and r.draining_since is None
-            )
-            counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
-            counts.last_used = counts.busy_at = now
-        shard = adoption.shard_record(node_id, running)
-        replica.shards.append(shard)
-        self._shards[shard.id] = (replica, shard)
-        self.log.info(
-            "adopted shard {shard} of model {model} on {node} (engine pid {pid})",
-            shard=shard.id,
-            model=model.name,
-            node=node_id,
-            pid=running.pid,
-        )
+    def _shards_on(self, node_id: str) -> Iterable[tuple[ReplicaRecord, ShardRecord]]:
+        return self._on_node.get(node_id, {}).values()
 
     # The catalog at run time.
 
@@ -298,6 +220,7 @@ class ControlPlane(Draining):
         # Idle time counts from the change.
         state.busy_at = max(state.busy_at, now)
         state.last_used = max(state.last_used, now)
+        self._changes.model(name)
         self.loop.kick()
         return state.model
 
@@ -312,13 +235,35 @@ class ControlPlane(Draining):
 
     def reconcile(self) -> None:
         """
-        One pass; see the module's docstring.
+        One pass; see the module's docstring.  It looks at the models and
+        nodes that changed, or that may change by themselves (see
+        L{llmgw.control.changes}).
         """
         now = self.clock.seconds()
+        changes = self._changes
         if not self.grace_over and now - self.started >= self.settings.startup_grace:
             self.grace_over = True
-        self._update_nodes(now)
-        for replica in list(self.replicas.values()):
+            changes.all()
+        everything, changes.everything = changes.everything, False
+        work, changes.models = changes.models | changes.unsettled, set()
+        if everything:
+            work.update(self._by_model)
+            work.update(s.model.name for s in self.catalog.states())
+            self._live = None
+            self._unpublished = None
+        for node_id in self._update_nodes(now, everything):
+            work.update(r.model for r, _ in self._shards_on(node_id))
+        if not self._touched:
+            work.update(
+                r.model for r in self.replicas.values() if self._outstanding(r.id)
+            )
+        replicas = sorted(
+            (r for m in work for r in self._by_model.get(m, {}).values()),
+            key=lambda r: self._seq[r.id],
+        )
+        for replica in replicas:
+            changes.nodes.update(s.node for s in replica.shards)
+            self._republish(replica.id)
             try:
                 self._check(replica, now)
             except Exception:
@@ -326,19 +271,22 @@ class ControlPlane(Draining):
                 self.log.failure("checking replica {replica}", replica=replica.id)
         for name in [m for m in self.failed if m not in self.catalog]:
             del self.failed[name]
-        by_model: dict[str, list[ReplicaRecord]] = {}
-        for replica in self.replicas.values():
-            by_model.setdefault(replica.model, []).append(replica)
         snapshot: Snapshot | None = None
-        for state in self.catalog.states():
+        for name in sorted(
+            (m for m in work if m in self.catalog), key=self.catalog.position
+        ):
+            state = self.catalog[name]
             try:
                 snapshot = self._scale(
-                    state, now, snapshot, by_model.get(state.model.name, [])
+                    state, now, snapshot, list(self._by_model.get(name, {}).values())
                 )
             except Exception:
                 self.log.failure("scaling model {model}", model=state.model.name)
                 snapshot = None
-        for replica in list(self.replicas.values()):
+                self._live = None
+        for replica in replicas:
+            if self.replicas.get(replica.id) is not replica:
+                continue
             if replica.draining_since is None:
                 why = self._drain_due(replica)
                 if why is not None:
@@ -346,28 +294,62 @@ class ControlPlane(Draining):
             if replica.draining_since is not None:
                 self._finish_drain(replica, now)
         self._publish_ready()
+        changes.unsettled = {m for m in work if not self._settled(m)}
 
-    def _drain_due(self, replica: ReplicaRecord) -> str | None:
+    def _settled(self, name: str) -> bool:
         """
-        @return: why C{replica}, not draining, must drain (its model left
-            the catalog, or it has a shard on a draining node: adopted
-            after the drain began, when the node's link came back), or
-            L{None}.
+        @return: whether a pass would leave model C{name} as it is while
+            nothing happens to it (L{llmgw.control.changes}).
         """
-        if replica.model not in self.catalog:
-            return "its model left the catalog"
-        for shard in replica.shards:
-            node = self.inventory.get(shard.node)
-            if node is not None and node.draining:
-                return f"node {shard.node} is draining"
-        return None
+        state = self.catalog.get(name)
+        replicas = self._by_model.get(name)
+        if state is None:
+            return not replicas
+        model = state.model
+        if (
+            not self.grace_over
+            or state.waiters
+            or state.no_fit is not None
+            or state.wanted > model.min_replicas
+        ):
+            return False
+        replicas = replicas or {}
+        return len(replicas) == scaling.bounded(model, state.wanted) and all(
+            r.draining_since is None
+            and r.state == ReplicaState.READY
+            and not self._outstanding(r.id)
+            for r in replicas.values()
+        )
 
-    def _update_nodes(self, now: float) -> None:
+    def _update_nodes(self, now: float, everything: bool) -> list[str]:
+        """
+        Node states from their agents' silence: every node's, or those
+        that may have gone silent, were heard or changed.
+
+        @return: the ids of the nodes whose state changed.
+        """
         settings = self.settings
-        for node in self.inventory.nodes():
-            silent = now - max(node.heard, self.started)
+        touched, self.inventory.touched = self.inventory.touched, set()
+        self._changes.nodes.update(touched)
+        if everything:
+            nodes = self.inventory.nodes()
+        else:
+            # Silent for unreachable_after or more: heard at or before
+            # now - unreachable_after (silence counts from start at most).
+            silent = self.inventory.heard_by(now - settings.unreachable_after)
+            if now - self.started < settings.unreachable_after:
+                silent = []
+            found = {n.id: n for n in silent}
+            for node_id in touched:
+                node = self.inventory.get(node_id)
+                if node is not None:
+                    found[node_id] = node
+            nodes = [found[k] for k in sorted(found)]
+        changed = []
+        for node in nodes:
+            silent_for = now - max(node.heard, self.started)
             state = NodeState.of_silence(
-                silent, settings.unreachable_after, settings.lost_after
+                silent_for, settings.unreachable_after, settings.lost_after
             )
             if state != node.state:
                 log = self.log.warn if state != NodeState.READY else self.log.info
@@ -375,9 +357,12 @@ class ControlPlane(Draining):
                     "node {node} is {state} (silent {seconds:.0f}s)",
                     node=node.id,
                     state=state,
-                    seconds=silent,
+                    seconds=silent_for,
                 )
                 node.state = state
+                changed.append(node.id)
+                self._changes.nodes.add(node.id)
+        return changed
 
     def _check(self, replica: ReplicaRecord, now: float) -> None:
         for shard in replica.shards:
@@ -427,9 +412,19 @@ class ControlPlane(Draining):
             # now, not at the router's idle deadline.
             self._cut(replica.id, why)
         self.replicas.pop(replica.id, None)
+        models = self._by_model.get(replica.model, {})
+        if models.get(replica.id) is replica:
+            del models[replica.id]
+            if not models:
+                del self._by_model[replica.model]
+            self._seq.pop(replica.id, None)
+        self._changes.model(replica.model)
+        self._republish(replica.id)
         for shard in replica.shards:
+            self._changes.nodes.add(shard.node)
             if self._shards.get(shard.id, (None, None))[1] is shard:
                 del self._shards[shard.id]
+                self._on_node.get(shard.node, {}).pop(shard.id, None)
 
     def desired(
         self,
@@ -502,6 +497,30 @@ class ControlPlane(Draining):
             self._strays.held(self.clock.seconds()),
         )
 
+    def _live_snapshot(self) -> Snapshot:
+        """
+        @return: the snapshot kept from pass to pass, its nodes that
+            changed worked out again (L{LiveSnapshot}).
+        """
+        now = self.clock.seconds()
+        changed, self._changes.nodes = self._changes.nodes, set()
+        # Before they expire: a node whose mark expires changes too.
+        changed |= self._suspect.nodes() | self._strays.nodes()
+        suspect = self._suspect.current(now)
+        strays = self._strays.held(now)
+        live = self._live
+        if live is None or not live.refresh(
+            self.inventory, changed, self._shards_on, suspect, strays, self._views
+        ):
+            live = self._live = LiveSnapshot(
+                self.inventory.nodes(),
+                self.replicas.values(),
+                suspect,
+                self._views,
+                strays,
+            )
+        return live
+
     def _scale(
         self,
         state: ModelState,
@@ -529,7 +548,7 @@ class ControlPlane(Draining):
         if now < state.retry_at:
             return snapshot
         if snapshot is None:
-            snapshot = self.snapshot()
+            snapshot = self._live_snapshot()
         spread = {s.node for r in live for s in r.shards}
         for _ in range(want - len(live)):
             result = place(
@@ -561,39 +580,9 @@ class ControlPlane(Draining):
         leader = plan.shards[0]
         node = self.inventory.get(leader.node)
         port = plan.rendezvous_port or leader.port
-        address = f"{_host(node.address)}:{port}" if node is not None else ""
+        address = f"{host(node.address)}:{port}" if node is not None else ""
         replica = self._commands.start(model.name, plan, now, address)
         self.counts.started(model.name)
-        self.replicas[replica.id] = replica
+        self._record(replica, None)
         for shard in replica.shards:
-            self._shards[shard.id] = (replica, shard)
-
-    def _publish_ready(self) -> None:
-        endpoints = list(self.catalog.static_endpoints())
-        ready_models: set[str] = set()
-        for replica in self.replicas.values():
-            if replica.state != ReplicaState.READY:
-                continue
-            leader = replica.leader
-            node = self.inventory.get(leader.node) if leader is not None else None
-            state = self.catalog.get(replica.model)
-            if leader is None or node is None or state is None:
-                continue
-            endpoints.append(
-                Endpoint(
-                    replica.id,
-                    f"http://{_host(node.address)}:{leader.port}",
-                    state.model.names,
-                    api_key=self._commands.engine_key(leader.id),
-                )
-            )
-            ready_models.add(replica.model)
-        published = tuple(endpoints)
-        if published != self._published:
-            self._published = published
-            self._publish(endpoints)
-        for name in ready_models:
-            state = self.catalog[name]
-            waiters, state.waiters = state.waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
+            self._record(replica, shard)

@@ -8,6 +8,7 @@ runs); the reconciler (L{llmgw.control.plane}) places what they want.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from twisted.internet.defer import Deferred
@@ -47,6 +48,13 @@ class ModelCatalog:
         self._names: dict[str, str] = {name: m.name for m in models for name in m.names}
         self._static = tuple(static)
         self._changed = changed
+        # Catalog order, for a pass that looks at some models only.
+        self._order = itertools.count()
+        self._position = {m.name: next(self._order) for m in models}
+        # Models a request waits for (some may no longer have waiters).
+        self.waiting: set[str] = set()
+        # Told each model touched (the control plane's dirty set).
+        self.touched: Callable[[str], None] = lambda model: None
         # Requests that waited for an activation, and their seconds waited
         # (the fleet metrics' summary).
         self.activation_waits = 0
@@ -93,6 +101,13 @@ class ModelCatalog:
         """
         return self._models[self._names[name]]
 
+    def position(self, model: str) -> int:
+        """
+        @return: where the model named C{model} is in catalog order.
+        @raise KeyError: no such model.
+        """
+        return self._position[model]
+
     def __contains__(self, model: str) -> bool:
         return model in self._models
 
@@ -129,6 +144,7 @@ class ModelCatalog:
 
         waiter.addBoth(waited)
         state.waiters.append(waiter)
+        self.waiting.add(state.model.name)
         self._changed()
         return waiter
 
@@ -139,6 +155,7 @@ class ModelCatalog:
         model = self._names.get(name)
         if model is not None:
             self._models[model].last_used = self.clock.seconds()
+            self.touched(model)
 
     def why_not(self, name: str) -> str:
         """
@@ -172,6 +189,7 @@ class ModelCatalog:
             if name in static:
                 raise ValueError(f"name {name!r} is served by a static endpoint")
         self._models[model.name] = ModelState(model)
+        self._position[model.name] = next(self._order)
         for name in model.names:
             self._names[name] = model.name
         self._changed()
@@ -184,6 +202,7 @@ class ModelCatalog:
         @raise KeyError: no model named C{model}.
         """
         state = self._models.pop(model)
+        del self._position[model]
         for alias in state.model.names:
             self._names.pop(alias, None)
         waiters, state.waiters = state.waiters, []

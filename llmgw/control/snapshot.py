@@ -5,15 +5,15 @@ ports placement leaves alone for a while.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
 from twisted.logger import Logger
 
-from llmgw.control.inventory import Node, NodeState
+from llmgw.control.inventory import Inventory, Node, NodeState
 from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
-from llmgw.control.records import ReplicaRecord
+from llmgw.control.records import ReplicaRecord, ShardRecord
 
 SUSPECT_PORT_SECONDS = 600.0
 """
@@ -81,6 +81,12 @@ class SuspectPorts:
         """
         self._since[node, port] = now
 
+    def nodes(self) -> set[str]:
+        """
+        @return: the nodes with a port marked, expired or not.
+        """
+        return {node for node, _ in self._since}
+
     def current(self, now: float) -> dict[str, set[int]]:
         """
         @return: per node, the ports marked less than
@@ -140,6 +146,12 @@ class Strays:
         """
         self._held.get(node, {}).pop(shard_id, None)
 
+    def nodes(self) -> set[str]:
+        """
+        @return: the nodes where a stray is held, expired or not.
+        """
+        return {node for node, held in self._held.items() if held}
+
     def held(self, now: float) -> dict[str, list[tuple[tuple[int, ...], int]]]:
         """
         @return: per node, the GPU indices and port each stray holds;
@@ -153,6 +165,50 @@ class Strays:
                 else:
                     result.setdefault(node, []).append((gpus, port))
         return result
+
+
+def _node_view(
+    node: Node,
+    used: frozenset[int],
+    busy: frozenset[int],
+    cache: dict[str, tuple[Any, NodeView]],
+) -> NodeView:
+    """
+    @param used: GPU indices taken on the node.
+    @param busy: ports taken on its address.
+    @param cache: views of earlier passes by node id, reused when nothing
+        placement reads has changed; updated.
+    @return: C{node} as placement sees it.
+    """
+    state: str = node.state
+    if state == NodeState.READY and not node.connected:
+        state = "disconnected"
+    if state == NodeState.READY and node.draining:
+        state = "draining"
+    version = (node.version, state, used, busy, node.address)
+    hit = cache.get(node.id)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    view = NodeView(
+        id=node.id,
+        state=state,
+        fabrics=frozenset(node.fabrics),
+        gpus=tuple(
+            GpuView(
+                index=g.index,
+                name=g.name,
+                memory_total_mib=g.memory_total_mib,
+                memory_used_mib=g.memory_used_mib,
+                problems=tuple(g.problems),
+                allocated=g.index in used,
+            )
+            for g in node.gpus
+        ),
+        ports_in_use=busy,
+        address=node.address,
+    )
+    cache[node.id] = (version, view)
+    return view
 
 
 class Snapshot:
@@ -201,40 +257,15 @@ class Snapshot:
                     ports[key].add(replica.rendezvous_port)
         if cache is None:
             cache = {}
-        views = []
-        for node in nodes:
-            state: str = node.state
-            if state == NodeState.READY and not node.connected:
-                state = "disconnected"
-            if state == NodeState.READY and node.draining:
-                state = "draining"
-            used = frozenset(taken.get(node.id, ()))
-            busy = frozenset(ports.get(node.address, ()))
-            version = (node.version, state, used, busy, node.address)
-            hit = cache.get(node.id)
-            if hit is not None and hit[0] == version:
-                views.append(hit[1])
-                continue
-            view = NodeView(
-                id=node.id,
-                state=state,
-                fabrics=frozenset(node.fabrics),
-                gpus=tuple(
-                    GpuView(
-                        index=g.index,
-                        name=g.name,
-                        memory_total_mib=g.memory_total_mib,
-                        memory_used_mib=g.memory_used_mib,
-                        problems=tuple(g.problems),
-                        allocated=g.index in used,
-                    )
-                    for g in node.gpus
-                ),
-                ports_in_use=busy,
-                address=node.address,
+        views = [
+            _node_view(
+                node,
+                frozenset(taken.get(node.id, ())),
+                frozenset(ports.get(node.address, ())),
+                cache,
             )
-            cache[node.id] = (version, view)
-            views.append(view)
+            for node in nodes
+        ]
         self.fleet = Fleet(views)
         by_address: dict[str, list[str]] = {}
         for node in nodes:
@@ -268,3 +299,80 @@ class Snapshot:
             for other in self._same_address.get(shard.node, ()):
                 view = self.fleet.get(other)
                 self.fleet.replace(replace(view, ports_in_use=view.ports_in_use | held))
+
+
+class LiveSnapshot(Snapshot):
+    """
+    A L{Snapshot} kept from pass to pass: built once, then refreshed only
+    for the nodes that changed (and those at their addresses), so that a
+    pass that places a replica costs what changed, not the fleet.
+    """
+
+    def __init__(
+        self,
+        nodes: Iterable[Node],
+        replicas: Iterable[ReplicaRecord],
+        suspect_ports: dict[str, set[int]],
+        cache: dict[str, tuple[Any, NodeView]],
+        strays: dict[str, list[tuple[tuple[int, ...], int]]],
+    ) -> None:
+        nodes = list(nodes)
+        super().__init__(nodes, replicas, suspect_ports, cache, strays)
+        self._address = {node.id: node.address for node in nodes}
+        self._peers: dict[str, list[str]] = {}
+        for node in nodes:
+            self._peers.setdefault(node.address, []).append(node.id)
+
+    def refresh(
+        self,
+        inventory: Inventory,
+        changed: Iterable[str],
+        shards_on: Callable[[str], Iterable[tuple[ReplicaRecord, ShardRecord]]],
+        suspect_ports: dict[str, set[int]],
+        strays: dict[str, list[tuple[tuple[int, ...], int]]],
+        cache: dict[str, tuple[Any, NodeView]],
+    ) -> bool:
+        """
+        Work the views of the nodes C{changed} out again, with every node
+        at their addresses, as L{Snapshot} would.
+
+        @param shards_on: a node id's shard records, with their replicas.
+        @param suspect_ports: L{SuspectPorts.current}.
+        @param strays: L{Strays.held}.
+        @return: C{False} when a node is new or moved (then only a new
+            snapshot is right).
+        """
+        addresses = set()
+        for node_id in changed:
+            node = inventory.get(node_id)
+            if node is None:
+                continue
+            if self._address.get(node_id) != node.address:
+                return False
+            addresses.add(node.address)
+        for address in addresses:
+            peers = [inventory.get(node_id) for node_id in self._peers[address]]
+            busy: set[int] = set()
+            used: dict[str, set[int]] = {}
+            for peer in peers:
+                assert peer is not None
+                taken = used.setdefault(peer.id, set())
+                busy.update(suspect_ports.get(peer.id, ()))
+                for gpus, port in strays.get(peer.id, ()):
+                    taken.update(gpus)
+                    if port:
+                        busy.add(port)
+                for replica, shard in shards_on(peer.id):
+                    if shard.state.gone:
+                        continue
+                    taken.update(shard.gpus)
+                    busy.add(shard.port)
+                    if shard.rank == 0 and replica.rendezvous_port:
+                        busy.add(replica.rendezvous_port)
+            ports = frozenset(busy)
+            for peer in peers:
+                assert peer is not None
+                view = _node_view(peer, frozenset(used[peer.id]), ports, cache)
+                if view is not self.fleet.get(peer.id):
+                    self.fleet.replace(view)
+        return True

@@ -390,6 +390,8 @@ def makeService(options: Options) -> IService:
         outstanding=balancer.outstanding,
         keys=engine_keys.for_shard,
         cut=balancer.cut,
+        # The router touches each model at a request's arrival and end.
+        touched=True,
     )
     failures = FailureTap(plane, time.time)
     hub.listener = failures

@@ -1,0 +1,117 @@
+"""
+Publishing (DESIGN.md section 3): the router's endpoint list, the
+configured endpoints then each ready replica's leader, kept by replica and
+worked out again only for the replicas a pass or an event named; requests
+waiting for a model are let go once it has a published replica.  Part of
+L{llmgw.control.plane.ControlPlane}, kept apart by job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmgw.control.commands import ShardCommands
+from llmgw.control.inventory import Inventory
+from llmgw.control.records import ReplicaRecord, ReplicaState
+from llmgw.control.runtime import ModelCatalog
+from llmgw.router.interfaces import Endpoint
+
+
+def host(address: str) -> str:
+    """
+    @return: C{address} as the host part of a URL (an IPv6 one bracketed).
+    """
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+class Publishing:
+    """
+    The publishing half of L{llmgw.control.plane.ControlPlane}, which
+    provides the attributes declared here and calls L{_init_publishing}.
+    """
+
+    inventory: Inventory
+    catalog: ModelCatalog
+    replicas: dict[str, ReplicaRecord]
+    _commands: ShardCommands
+    _publish: Callable[[list[Endpoint]], None]
+    _published: tuple[Endpoint, ...] | None
+    # The order replicas were recorded in: the list's order.
+    _seq: dict[str, int]
+
+    def _init_publishing(self) -> None:
+        # Published replicas' endpoints and models, by replica id.
+        self._endpoints: dict[str, tuple[Endpoint, str]] = {}
+        self._ready_count: dict[str, int] = {}
+        # Replicas whose endpoint is to be worked out again; all of them
+        # when None.
+        self._unpublished: set[str] | None = None
+
+    def _republish(self, replica_id: str) -> None:
+        """
+        The replica C{replica_id} changed (or went): the next publishing
+        looks at it.
+        """
+        if self._unpublished is not None:
+            self._unpublished.add(replica_id)
+
+    def _endpoint(self, replica: ReplicaRecord | None) -> tuple[Endpoint, str] | None:
+        if replica is None or replica.state != ReplicaState.READY:
+            return None
+        leader = replica.leader
+        node = self.inventory.get(leader.node) if leader is not None else None
+        state = self.catalog.get(replica.model)
+        if leader is None or node is None or state is None:
+            return None
+        endpoint = Endpoint(
+            replica.id,
+            f"http://{host(node.address)}:{leader.port}",
+            state.model.names,
+            api_key=self._commands.engine_key(leader.id),
+        )
+        return endpoint, replica.model
+
+    def _publish_ready(self) -> None:
+        changed = self._published is None or self._unpublished is None
+        if self._unpublished is None:
+            self._endpoints = {}
+            self._ready_count = {}
+            look = set(self.replicas)
+        else:
+            look = self._unpublished
+        self._unpublished = set()
+        for replica_id in look:
+            new = self._endpoint(self.replicas.get(replica_id))
+            old = self._endpoints.get(replica_id)
+            if new == old:
+                continue
+            changed = True
+            if old is not None:
+                self._ready_count[old[1]] -= 1
+            if new is None:
+                del self._endpoints[replica_id]
+            else:
+                self._endpoints[replica_id] = new
+                self._ready_count[new[1]] = self._ready_count.get(new[1], 0) + 1
+        if changed:
+            ordered = sorted(self._endpoints, key=self._seq.__getitem__)
+            published = (
+                *self.catalog.static_endpoints(),
+                *(self._endpoints[r][0] for r in ordered),
+            )
+            if published != self._published:
+                self._published = published
+                self._publish(list(published))
+        for name in list(self.catalog.waiting):
+            state = self.catalog.get(name)
+            if state is None or not state.waiters:
+                self.catalog.waiting.discard(name)
+                continue
+            if not self._ready_count.get(name):
+                continue
+            self.catalog.waiting.discard(name)
+            # Their requests go on now: the next pass reads their load.
+            self.catalog.touched(name)
+            waiters, state.waiters = state.waiters, []
+            for waiter in waiters:
+                waiter.callback(None)

@@ -1,0 +1,191 @@
+"""
+What the agents say (DESIGN.md section 3): shard statuses and
+registrations, as they arrive between passes, change the records (a
+Register's shards are adopted, see L{adoption}) and kick a pass.  Part of
+L{llmgw.control.plane.ControlPlane}, kept apart by job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from llmgw.control import adoption, scaling
+from llmgw.control.changes import Changes
+from llmgw.control.commands import ShardCommands
+from llmgw.control.loop import Loop
+from llmgw.control.records import ReplicaRecord, ShardRecord, output_summary
+from llmgw.control.runtime import ModelCatalog
+from llmgw.control.snapshot import Strays
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.states import ShardState
+
+
+class AgentReports:
+    """
+    The agents' half of L{llmgw.control.plane.ControlPlane}, which
+    provides the attributes declared here.
+    """
+
+    log: Logger
+    clock: IReactorTime
+    catalog: ModelCatalog
+    loop: Loop
+    replicas: dict[str, ReplicaRecord]
+    failed: dict[str, ReplicaRecord]
+    grace_over: bool
+    _shards: dict[str, tuple[ReplicaRecord, ShardRecord]]
+    _strays: Strays
+    _changes: Changes
+    _commands: ShardCommands
+
+    def _record(self, replica: ReplicaRecord, shard: ShardRecord | None) -> None:
+        raise NotImplementedError()
+
+    def _shards_on(self, node_id: str) -> Iterable[tuple[ReplicaRecord, ShardRecord]]:
+        raise NotImplementedError()
+
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+        """
+        Record a shard's transition; unknown shards are ignored here (a
+        Register lists them all).
+        """
+        found = self._shards.get(status.shard_id)
+        if found is None or found[1].node != node_id:
+            if (ShardState.from_pb(status.state) or ShardState.PENDING).gone:
+                self._strays.gone(node_id, status.shard_id)
+                self._changes.nodes.add(node_id)
+            self._late_output(node_id, status)
+            return
+        replica, shard = found
+        state = ShardState.from_pb(status.state) or shard.state
+        if shard.state.gone:
+            return
+        shard.state = state
+        if status.pid:
+            shard.pid = status.pid
+        if status.output_tail:
+            shard.output = tuple(status.output_tail)
+        if state == ShardState.FAILED:
+            shard.error = status.error + output_summary(shard.output)
+        self._changes.model(replica.model)
+        self._changes.nodes.add(node_id)
+        self.loop.kick()
+
+    def _late_output(self, node_id: str, status: pb.ShardStatus) -> None:
+        """
+        The output of a shard of a failed replica, sent when its engine
+        stopped (one the server gave up waiting for): kept with the
+        replica, and its summary added to the model's last error.
+        """
+        if not status.output_tail:
+            return
+        for replica in self.failed.values():
+            for shard in replica.shards:
+                if shard.id == status.shard_id and shard.node == node_id:
+                    if shard.output:
+                        return
+                    shard.output = tuple(status.output_tail)
+                    state = self.catalog.get(replica.model)
+                    if state is not None and state.last_error.startswith(
+                        f"replica {replica.id}: "
+                    ):
+                        state.last_error += output_summary(shard.output)
+                    self._changes.model(replica.model)
+                    return
+
+    def node_registered(self, node_id: str, register: pb.Register) -> None:
+        """
+        Adoption (see L{adoption}): shards the catalog still claims become
+        (or stay) replicas, the others are stopped; shards recorded on
+        this node that it no longer lists are gone.
+        """
+        listed = {s.shard_id for s in register.shards}
+        # Its description (address, GPUs) and its shards change: the models
+        # of those (publishing, replacing) and its view (placement).
+        self._changes.nodes.add(node_id)
+        self._strays.listed(node_id, listed)
+        for replica, shard in list(self._shards_on(node_id)):
+            self._changes.model(replica.model)
+            if shard.id not in listed:
+                if not shard.state.gone:
+                    shard.state = ShardState.FAILED
+                    shard.error = f"not running on {node_id} after its agent registered"
+        models = (
+            {s.model.name: s.model for s in self.catalog.states()}
+            if register.shards
+            else {}
+        )
+        for running in register.shards:
+            found = self._shards.get(running.shard_id)
+            if found is not None and found[1].node == node_id:
+                self._relisted(found[0], found[1], running)
+                continue
+            reason = adoption.claim(
+                running, models, self._shard_node, self.replicas, self.grace_over
+            )
+            if reason:
+                self.log.info(
+                    "stopping shard {shard} on {node}: {reason}",
+                    shard=running.shard_id,
+                    node=node_id,
+                    reason=reason,
+                )
+                self._commands.stop(node_id, running.shard_id)
+                now = self.clock.seconds()
+                self._strays.add(node_id, running.shard_id, (), running.port, now)
+                continue
+            self._adopt(node_id, running)
+        # New capacity: models waiting for a place (never settled, see
+        # L{llmgw.control.changes}) try again now.
+        for name in self._changes.unsettled:
+            waiting = self.catalog.get(name)
+            if waiting is not None and waiting.no_fit is not None:
+                waiting.retry_at = 0.0
+        self.loop.kick()
+
+    def _relisted(
+        self, replica: ReplicaRecord, shard: ShardRecord, running: pb.RunningShard
+    ) -> None:
+        if adoption.reprobed(shard, running):
+            return
+        state = adoption.relisted(shard, running)
+        if state is not None:
+            shard.state = state
+            shard.pid = running.pid or shard.pid
+        if replica.stop_sent_at is not None and not adoption.listed_state(running).gone:
+            # The stop may have been lost with the old link.
+            self._commands.stop(shard.node, shard.id)
+
+    def _shard_node(self, shard_id: str) -> str | None:
+        found = self._shards.get(shard_id)
+        return found[1].node if found is not None else None
+
+    def _adopt(self, node_id: str, running: pb.RunningShard) -> None:
+        counts = self.catalog[running.model]
+        model = counts.model
+        profile = next(p for p in model.profiles if p.name == running.profile)
+        replica = self.replicas.get(running.replica_id)
+        if replica is None:
+            now = self.clock.seconds()
+            replica = adoption.replica_record(running, profile, now)
+            self._record(replica, None)
+            live = sum(
+                1
+                for r in self.replicas.values()
+                if r.model == model.name and r.draining_since is None
+            )
+            counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
+            counts.last_used = counts.busy_at = now
+        shard = adoption.shard_record(node_id, running)
+        replica.shards.append(shard)
+        self._record(replica, shard)
+        self.log.info(
+            "adopted shard {shard} of model {model} on {node} (engine pid {pid})",
+            shard=shard.id,
+            model=model.name,
+            node=node_id,
+            pid=running.pid,
+        )

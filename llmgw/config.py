@@ -26,7 +26,7 @@ from llmgw.checks import (
 )
 from llmgw.control.catalog import Model, parse_models
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.settings import RouterConfig
+from llmgw.router.settings import BALANCE, RouterConfig
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,8 @@ def _router(table: object) -> RouterConfig:
         "body_rate_window",
         "keepalive_timeout",
         "load_poll_interval",
+        "eject_base_cooldown",
+        "overload_wait",
     }
     counts = {
         "max_retries",
@@ -198,6 +200,10 @@ def _router(table: object) -> RouterConfig:
         "activation_queue",
         "max_connections",
         "max_connections_per_client",
+        "prefix_min_tokens",
+        "eject_after",
+        "overload_queue_depth",
+        "overload_queue_size",
     }
     sizes = {
         "max_body_size",
@@ -206,11 +212,15 @@ def _router(table: object) -> RouterConfig:
         "min_body_rate",
         "max_request_line",
         "max_header_size",
+        "prefix_bytes",
     }
-    check_keys("router", table, durations | counts | sizes)
+    others = {"balance", "prefix_affinity", "affinity_epsilon", "session_header"}
+    check_keys("router", table, durations | counts | sizes | others)
     values: dict[str, Any] = {}
     for key, value in table.items():
-        if key in durations:
+        if key in others:
+            values[key] = _routing_value(key, value)
+        elif key in durations:
             values[key] = parse_duration(f"router.{key}", value)
         elif key in counts:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -223,6 +233,8 @@ def _router(table: object) -> RouterConfig:
         else:
             values[key] = parse_size(f"router.{key}", value)
     router = replace(defaults, **values)
+    if router.overload_queue_size < 1:
+        raise ConfigError("router.overload_queue_size: must be at least 1")
     if router.activation_queue < 1:
         raise ConfigError("router.activation_queue: must be at least 1")
     if 0 < router.activation_keepalive < 0.1:
@@ -235,6 +247,36 @@ def _router(table: object) -> RouterConfig:
             "router.load_poll_interval: under the least, 100ms (0s turns it off)"
         )
     return router
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]*$")
+
+
+def _routing_value(key: str, value: object) -> object:
+    """
+    @return: the value of one of C{[router]}'s routing keys that is not a
+        duration, count or size, checked.
+    @raise ConfigError: it is not valid.
+    """
+    where = f"router.{key}"
+    if key == "balance":
+        return check_choice(where, value, BALANCE)
+    if key == "prefix_affinity":
+        return check_bool(where, value)
+    if key == "affinity_epsilon":
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 <= value <= 100
+        ):
+            raise ConfigError(
+                f"{where}: expected a number from 0 to 100, got {value!r}"
+            )
+        return float(value)
+    # session_header: a header name (RFC 9110 token), or "" for none.
+    if not isinstance(value, str) or not _HEADER_NAME.match(value):
+        raise ConfigError(f'{where}: expected a header name or "", got {value!r}')
+    return value
 
 
 _ORIGIN = re.compile(r"^https?://[^/?#@\s]+$")

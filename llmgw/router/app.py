@@ -18,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
+from llmgw.router.affinity import AffinityRule
 from llmgw.router.balancer import Balancer
 from llmgw.router.cors import Cors
 from llmgw.router.errors import APIError, body_too_large, model_not_found
@@ -28,6 +29,7 @@ from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
 from llmgw.router.interfaces import RequestRecord as RequestRecord
 from llmgw.router.load import LoadBoard
 from llmgw.router.metrics import OTHER_MODEL, RouterMetrics
+from llmgw.router.overload import Overload
 from llmgw.router.prepare import (
     USAGE_STREAM_PATHS,
     Prepared,
@@ -167,6 +169,24 @@ class Router:
             settings.cors_allow_origins,
             lambda path: sorted(set(routes.allowed_methods(path)) - {"HEAD"}),
         )
+        self.affinity = (
+            AffinityRule(
+                settings.prefix_bytes,
+                settings.prefix_min_tokens,
+                settings.session_header.lower().encode("ascii"),
+            )
+            if balancer.affinity
+            else None
+        )
+        overload = Overload(
+            clock,
+            lambda model: balancer.overloaded(model, settings.overload_queue_depth),
+            balancer.count,
+            settings.overload_wait,
+            settings.overload_queue_size,
+            recheck=settings.load_poll_interval / 4,
+            retry_after=settings.load_poll_interval,
+        )
         self.services = Services(
             clock=clock,
             settings=settings,
@@ -176,6 +196,7 @@ class Router:
             activator=activator,
             activating={},
             log=self.log,
+            overload=overload,
         )
 
     def knows(self, model: str) -> bool:
@@ -252,7 +273,17 @@ class Router:
             assert content is not None
             content.seek(0)
             try:
-                prepared = prepare(content.read(), path, self.knows, self._resolve)
+                rule = self.affinity
+                prepared = prepare(
+                    content.read(),
+                    path,
+                    self.knows,
+                    self._resolve,
+                    rule,
+                    request.getHeader(rule.session_header)
+                    if rule is not None and rule.session_header
+                    else None,
+                )
             except Refused as refused:
                 model, stream = refused.model, refused.stream
                 raise refused.error from None

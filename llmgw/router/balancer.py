@@ -1,6 +1,21 @@
 """
-Replica choice: least outstanding requests, weighted, random tie-break, with
-passive health (a replica that refuses connections sits out a cooldown).
+Replica choice.  Under C{balance = "load"} (the default) a replica's load is
+the router's own count of its requests in flight plus the requests its
+engine reports waiting (L{llmgw.router.load}; a stale reading counts for
+nothing), plus one when its KV cache is at least L{KV_FULL} used; the
+least loaded per unit of weight wins, ties rotating per model, between two
+replicas drawn at random when a model has more than L{TWO_CHOICES_ABOVE}
+(Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing",
+IEEE TPDS 12(10), 2001).  A request with an affinity key goes to the
+key's owner while that stays within the bound (L{llmgw.router.affinity}).
+
+The engine's running count is left out: the router's in-flight count
+already holds its own requests, and holds them without the poll's lag (a
+reading a second old would send the next of two sequential requests away
+from the replica that just finished one).
+
+Passive health: a replica that refuses connections sits out a cooldown;
+one whose answers fail is ejected (L{llmgw.router.ejection}).
 """
 
 from __future__ import annotations
@@ -8,10 +23,37 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 
+from llmgw.router.affinity import owner, within_bound
+from llmgw.router.ejection import Health, cooldown, verdict
 from llmgw.router.interfaces import Endpoint
+from llmgw.router.load import EngineLoad
+from llmgw.router.settings import RouterConfig
+
+KV_FULL = 0.9
+"""
+KV cache use (a fraction) from which a replica counts one request more:
+new sequences there wait for blocks or preempt others (vLLM's scheduler).
+"""
+TWO_CHOICES_ABOVE = 4
+"""
+Models with more candidate replicas than this choose between two drawn at
+random instead of scanning all.
+"""
+
+
+class LoadReadings(Protocol):
+    """
+    Engine load per replica (L{llmgw.router.load.LoadBoard}).
+    """
+
+    def reading(self, replica_id: str) -> EngineLoad | None: ...
+
+    def stale(self, replica_id: str, now: float) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -25,12 +67,14 @@ class Replica:
         passed over; 0 when healthy.
     @ivar exchanges: how to end each exchange in flight to it at once (see
         L{Balancer.cut}), called with the reason.
+    @ivar health: its record of failed answers.
     """
 
     endpoint: Endpoint
     outstanding: int = 0
     ejected_until: float = 0.0
     exchanges: set[Callable[[str], None]] = field(default_factory=set)
+    health: Health = field(default_factory=Health)
 
     @property
     def id(self) -> str:
@@ -55,17 +99,31 @@ class Balancer:
     @param reactor: the clock for ejection cooldowns.
     @param eject_cooldown: seconds a replica that refused a connection is
         passed over.
+    @param settings: the policy, affinity and ejection settings.
+    @ivar load: the engines' load readings, when the server polls them.
     """
+
+    log = Logger()
 
     def __init__(
         self,
         reactor: IReactorTime,
         eject_cooldown: float,
         rng: random.Random | None = None,
+        settings: RouterConfig | None = None,
     ) -> None:
         self._clock = reactor
         self._cooldown = eject_cooldown
         self._random = rng if rng is not None else random.Random()
+        settings = settings if settings is not None else RouterConfig()
+        self._balance = settings.balance
+        self.affinity = settings.prefix_affinity and settings.balance == "load"
+        self._epsilon = settings.affinity_epsilon
+        self._eject_after = settings.eject_after
+        self._eject_base = settings.eject_base_cooldown
+        self.load: LoadReadings | None = None
+        # Per model: the turn for ties (and for round robin).
+        self._turn: dict[str, int] = {}
         self._replicas: dict[str, Replica] = {}
         self._retired: dict[str, Replica] = {}
         self._by_model: dict[str, list[Replica]] = {}
@@ -105,6 +163,12 @@ class Balancer:
         """
         return sorted(self._by_model)
 
+    def count(self, model: str) -> int:
+        """
+        @return: how many replicas serve C{model}.
+        """
+        return len(self._by_model.get(model, ()))
+
     def serves(self, model: str) -> bool:
         """
         @return: whether any endpoint, healthy or not, serves C{model}.
@@ -124,44 +188,186 @@ class Balancer:
         now = self._clock.seconds()
         return any(r.ejected_until <= now for r in self._by_model.get(model, ()))
 
-    def pick(self, model: str, exclude: frozenset[str] | set[str]) -> Replica | None:
+    def pick(
+        self,
+        model: str,
+        exclude: frozenset[str] | set[str],
+        key: bytes | None = None,
+    ) -> Replica | None:
         """
-        Choose the replica with the fewest outstanding requests per unit of
-        weight, at random among equals, skipping ejected replicas unless all
-        are ejected (then the ones in cooldown are tried all the same:
-        refusing every request would be worse than trying).
+        Choose a replica by the policy (see the module docstring), skipping
+        ejected replicas unless all are ejected (then the ones in cooldown
+        are tried all the same: refusing every request would be worse than
+        trying).  A replica whose ejection for its answers is over gets
+        this request as its half-open probe.
 
         @param model: a model name.
         @param exclude: ids of replicas already tried for this request.
+        @param key: the request's affinity key (L{llmgw.router.affinity}),
+            or L{None}.
         @return: a replica, or L{None} when none is left to try.
         """
         candidates = self._by_model.get(model)
         if not candidates:
             return None
         now = self._clock.seconds()
-        best: list[Replica] = []
-        best_score = 0.0
+        ready: list[Replica] = []
         fallback: list[Replica] = []
         for replica in candidates:
             if replica.endpoint.id in exclude:
                 continue
-            if replica.ejected_until > now:
+            health = replica.health
+            if replica.ejected_until > now or health.probing:
                 fallback.append(replica)
                 continue
-            score = (replica.outstanding + 1) / replica.endpoint.weight
+            if health.ejections:
+                health.probing = True
+                return replica
+            ready.append(replica)
+        if not ready:
+            if not fallback:
+                return None
+            # The one whose cooldown ends first is the likeliest to be back.
+            return min(fallback, key=lambda r: r.ejected_until)
+        if len(ready) == 1:
+            return ready[0]
+        balance = self._balance
+        if balance == "round_robin":
+            turn = self._turn.get(model, 0)
+            self._turn[model] = turn + 1
+            return ready[turn % len(ready)]
+        if balance == "least_in_flight":
+            return self._least(model, ready, [r.outstanding for r in ready], True)
+        if key is not None and self.affinity:
+            loads = [self.load_of(r, now) for r in ready]
+            i = owner(key, [(r.endpoint.id, r.endpoint.weight) for r in ready])
+            chosen = ready[i]
+            if within_bound(
+                loads[i],
+                chosen.endpoint.weight,
+                sum(loads),
+                sum(r.endpoint.weight for r in ready),
+                self._epsilon,
+            ):
+                return chosen
+            return self._least(model, ready, loads)
+        if len(ready) > TWO_CHOICES_ABOVE:
+            a, b = self._random.sample(ready, 2)
+            la, lb = self.load_of(a, now), self.load_of(b, now)
+            return self._least(model, [a, b], [la, lb])
+        return self._least(model, ready, [self.load_of(r, now) for r in ready])
+
+    def _least(
+        self,
+        model: str,
+        replicas: Sequence[Replica],
+        loads: Sequence[float],
+        random_ties: bool = False,
+    ) -> Replica:
+        """
+        @return: the replica of least C{(load + 1) / weight}, ties taking
+            turns per model (or at random: the least_in_flight policy,
+            the router's choice before engine load was read).
+        """
+        best: list[Replica] = []
+        best_score = 0.0
+        for replica, load in zip(replicas, loads, strict=True):
+            score = (load + 1) / replica.endpoint.weight
             if not best or score < best_score:
                 best = [replica]
                 best_score = score
             elif score == best_score:
                 best.append(replica)
-        if not best:
-            if not fallback:
-                return None
-            # The one whose cooldown ends first is the likeliest to be back.
-            return min(fallback, key=lambda r: r.ejected_until)
         if len(best) == 1:
             return best[0]
-        return self._random.choice(best)
+        if random_ties:
+            return self._random.choice(best)
+        turn = self._turn.get(model, 0)
+        self._turn[model] = turn + 1
+        return best[turn % len(best)]
+
+    def load_of(self, replica: Replica, now: float) -> float:
+        """
+        @param now: reactor time, seconds.
+        @return: the replica's load, requests: in flight from this router,
+            plus its engine's waiting requests and one for a nearly full KV
+            cache when the reading is fresh (and the policy is C{load}).
+        """
+        load: float = replica.outstanding
+        board = self.load
+        if board is None or self._balance != "load":
+            return load
+        reading = board.reading(replica.endpoint.id)
+        if reading is None or board.stale(replica.endpoint.id, now):
+            return load
+        load += reading.waiting
+        usage = reading.kv_cache_usage
+        if usage is not None and usage >= KV_FULL:
+            load += 1
+        return load
+
+    def overloaded(self, model: str, depth: int) -> bool:
+        """
+        @param depth: waiting requests per engine; 0 or less: never.
+        @return: whether every replica of C{model} in service has a fresh
+            reading with more than C{depth} requests waiting.
+        """
+        board = self.load
+        if board is None or depth <= 0:
+            return False
+        now = self._clock.seconds()
+        seen = False
+        for replica in self._by_model.get(model, ()):
+            if replica.ejected_until > now:
+                continue
+            rid = replica.endpoint.id
+            reading = board.reading(rid)
+            if reading is None or reading.waiting <= depth or board.stale(rid, now):
+                return False
+            seen = True
+        return seen
+
+    def report(self, replica: Replica, failed: bool | None) -> None:
+        """
+        Record the outcome of an attempt on C{replica}: it may be ejected
+        (L{llmgw.router.ejection.verdict}) or come back.
+
+        @param failed: L{True} for a 5xx answer or a deadline, L{False} for
+            an answer, L{None} when the outcome says nothing of the replica.
+        """
+        health = replica.health
+        if failed is None and not health.probing:
+            return
+        if not failed and not health.ejections and not health.failures:
+            return
+        now = self._clock.seconds()
+        others_left = bool(failed) and all(
+            any(
+                o is not replica and o.ejected_until <= now and not o.health.ejections
+                for o in self._by_model.get(model, ())
+            )
+            for model in replica.endpoint.models
+        )
+        n = verdict(health, failed, self._eject_after, others_left)
+        if n > 0:
+            seconds = cooldown(self._eject_base, n)
+            replica.ejected_until = now + seconds
+            self.log.warn(
+                "replica {replica} ejected for {seconds:g}s: failed answers"
+                " (ejection {count} in a row)",
+                replica=replica.id,
+                seconds=seconds,
+                count=n,
+            )
+        elif n < 0:
+            replica.ejected_until = 0.0
+            self.log.info("replica {replica} is back in service", replica=replica.id)
+        elif failed and not others_left and health.failures == self._eject_after > 0:
+            self.log.warn(
+                "replica {replica} keeps failing but is the last of a model"
+                " in service: not ejected",
+                replica=replica.id,
+            )
 
     def outstanding(self, replica_id: str) -> int:
         """

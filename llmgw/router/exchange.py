@@ -22,6 +22,7 @@ from twisted.web.iweb import IRequest, IResponse
 from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
+from llmgw.router.ejection import outcome
 from llmgw.router.errors import (
     APIError,
     activation_queue_full,
@@ -36,6 +37,7 @@ from llmgw.router.errors import (
 )
 from llmgw.router.interfaces import Activator
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.overload import Overload
 from llmgw.router.prepare import USAGE_STREAM_PATHS, Prepared
 from llmgw.router.relay import StreamCut, UsageFilter
 from llmgw.router.settings import RouterConfig
@@ -85,6 +87,7 @@ class Services:
     activator: Activator | None
     activating: dict[str, int]
     log: Logger
+    overload: Overload | None = None
 
 
 class AnswerTooLarge(Exception):
@@ -183,11 +186,13 @@ class Exchange:
             activator.touch(self.model)
             if not balancer.serves(self.model) and activator.resolve(self.model):
                 await self._activate(activator)
+        if services.overload is not None:
+            await services.overload.admit(self.model)
         for attempt in range(services.settings.max_retries + 1):
             if self.deadlines.expired:
                 # The total deadline passed between two attempts.
                 raise self.deadlines.error()
-            replica = balancer.pick(self.model, tried)
+            replica = balancer.pick(self.model, tried, self.prepared.affinity)
             if replica is None:
                 break
             if attempt:
@@ -196,6 +201,7 @@ class Exchange:
             self.replica = replica
             replica.outstanding += 1
             replica.exchanges.add(self.cut)
+            self.answer_status = None
             try:
                 return await self._attempt(replica)
             except _Retry as retry:
@@ -203,6 +209,8 @@ class Exchange:
             finally:
                 replica.outstanding -= 1
                 replica.exchanges.discard(self.cut)
+                gone, expired = client_gone(self.request), bool(self.deadlines.expired)
+                balancer.report(replica, outcome(self.answer_status, expired, gone))
         raise last_error if last_error is not None else no_ready_replica(self.model)
 
     async def _activate(self, activator: Activator) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw.router.affinity import AffinityRule
 from llmgw.router.errors import APIError, bad_request, model_not_found
 
 USAGE_STREAM_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
@@ -47,6 +48,8 @@ class Prepared:
         usage-only chunk of the stream is to be left out.
     @ivar max_tokens: the completion tokens the request may use, in
         C{0..1,000,000}; L{DEFAULT_RESERVED_COMPLETION} when it sets none.
+    @ivar affinity: the affinity key (L{llmgw.router.affinity}), or
+        L{None}.
     """
 
     body: bytes
@@ -55,6 +58,7 @@ class Prepared:
     stream: bool
     strip_usage: bool
     max_tokens: int
+    affinity: bytes | None = None
 
     @property
     def reserve(self) -> int:
@@ -175,6 +179,8 @@ def prepare(
     path: bytes,
     knows: Callable[[str], bool],
     resolve: Callable[[str], str | None],
+    affinity: AffinityRule | None = None,
+    session: bytes | None = None,
 ) -> Prepared:
     """
     Parse and check a request body, and rewrite it for the engine: an alias
@@ -187,6 +193,8 @@ def prepare(
     @param path: the request path, such as C{b"/v1/chat/completions"}.
     @param knows: whether a model name is served or in the catalog.
     @param resolve: a name's catalog model, or L{None}.
+    @param affinity: how to read the affinity key, or L{None} for none.
+    @param session: the request's session header, or L{None}.
     @raise Refused: a 400 for a malformed body, a 404 for an unknown model.
     """
     try:
@@ -248,6 +256,7 @@ def prepare(
         # ASCII escapes: any string JSON can hold encodes, lone surrogates
         # included.
         body = json.dumps(payload).encode("ascii")
+    key = affinity.key(payload, len(body), session) if affinity is not None else None
     return Prepared(
         body=body,
         model=target,
@@ -255,4 +264,5 @@ def prepare(
         stream=stream,
         strip_usage=strip_usage,
         max_tokens=min(max(limit, 0), 1_000_000),
+        affinity=key,
     )

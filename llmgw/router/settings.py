@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+BALANCE = ("load", "least_in_flight", "round_robin")
+"""
+The C{[router] balance} policies (L{llmgw.router.balancer}).
+"""
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -60,3 +65,27 @@ class RouterConfig:
     # Seconds between reads of each replica's /metrics (engine load); 0
     # turns the poller off.
     load_poll_interval: float = 1.0
+    # Replica choice (L{llmgw.router.balancer}): "load" (in flight plus the
+    # engine's queue), "least_in_flight" (the router's own count, random
+    # ties) or "round_robin".
+    balance: str = "load"
+    # Affinity (L{llmgw.router.affinity}): sessions and long shared prompt
+    # prefixes stay on one replica while its load is within (1 + epsilon)
+    # times the model's average.
+    prefix_affinity: bool = True
+    prefix_bytes: int = 1024
+    prefix_min_tokens: int = 256
+    affinity_epsilon: float = 0.25
+    session_header: str = "X-Session-ID"
+    # Outlier ejection (L{llmgw.router.ejection}): failed answers (5xx,
+    # deadlines) in a row that eject a replica (0: never), and the first
+    # cooldown, doubled on each ejection in a row.
+    eject_after: int = 5
+    eject_base_cooldown: float = 10.0
+    # Overload (L{llmgw.router.overload}): when every replica of a model
+    # reports more than this many waiting requests (0: off), new requests
+    # wait up to overload_wait (0: a 429 at once) in a queue of at most
+    # overload_queue_size per model.
+    overload_queue_depth: int = 64
+    overload_wait: float = 30.0
+    overload_queue_size: int = 256

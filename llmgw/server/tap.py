@@ -366,7 +366,7 @@ def makeService(options: Options) -> IService:
         record_rows=config.record_usage,
     )
     registry = CollectorRegistry()
-    balancer = Balancer(reactor, settings.eject_cooldown)
+    balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
     agent, pool = make_upstream_client(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
@@ -423,6 +423,8 @@ def makeService(options: Options) -> IService:
         auth=keys,
     )
     router.load = load
+    if interval > 0:
+        balancer.load = load
     raise_open_file_limit(settings.max_connections)
     admin = Admin(
         registry,

@@ -118,10 +118,21 @@ POLICIES: dict[str, tuple[str, dict[str, object]]] = {
     ),
     "llmgw-load": ("llmgw", {"balance": "load", "prefix_affinity": False}),
     "llmgw-load+prefix": ("llmgw", {"balance": "load", "prefix_affinity": True}),
+    "llmgw-load+prefix+weights": (
+        "llmgw",
+        {"balance": "load", "prefix_affinity": True, "weights": True},
+    ),
     "vllm-round-robin": ("vllm-router", {"policy": "round_robin"}),
     "vllm-power-of-two": ("vllm-router", {"policy": "power_of_two"}),
     "vllm-cache-aware": ("vllm-router", {"policy": "cache_aware"}),
 }
+"""
+Policy name: the router and its settings.  C{weights}: each endpoint's
+C{weight} is its replica's speed (what an operator who knows the hardware
+declares); otherwise every weight is 1 and the routers know only what they
+observe.
+"""
+DEFAULT_POLICIES = [p for p in POLICIES if p != "llmgw-load+prefix+weights"]
 
 
 def capacity(shape: Shape, mean_prompt: float) -> float:
@@ -180,13 +191,14 @@ def start_llmgw(
     C{twistd llmgw-server} over the replicas with C{keys} in C{[router]}.
     """
     state = tempfile.mkdtemp(prefix=f"{tag}-", dir=children.directory)
+    router = {k: v for k, v in keys.items() if k != "weights"}
     lines = [
         'listen = "tcp:0:interface=127.0.0.1"',
         'admin_listen = "tcp:0:interface=127.0.0.1"',
         "[store]",
         "record_usage = false",
         "[router]",
-        *(f"{k} = {_toml(v)}" for k, v in keys.items()),
+        *(f"{k} = {_toml(v)}" for k, v in router.items()),
     ]
     for r, port in zip(REPLICAS, ports, strict=True):
         lines += [
@@ -194,6 +206,7 @@ def start_llmgw(
             f'id = "{r.name}"',
             f'url = "http://127.0.0.1:{port}"',
             f'models = ["{MODEL}"]',
+            f"weight = {r.speed if keys.get('weights') else 1.0!r}",
         ]
     config = os.path.join(state, "llmgw.toml")
     with open(config, "w") as f:
@@ -363,9 +376,18 @@ def run_policy(
         async def all_stats() -> list[dict[str, object]]:
             return [await get_json("127.0.0.1", p, "/sim/stats") for p in ports]
 
-        stats = asyncio.run(all_stats())
+        try:
+            stats = asyncio.run(all_stats())
+        except OSError as e:
+            dead = [
+                f"{c.name} exited {c.popen.returncode}: {c.output()[-300:]!r}"
+                for c in children.all()
+                if c.popen.poll() is not None
+            ]
+            raise BenchError(f"replica counters unreadable ({e}); {dead}") from None
         return summarize(policy, outcomes, stats, sampler, shape.max_tokens)
     except BenchError as e:
+        sys.stderr.write(f"routing_bench: {policy}: {e}\n")
         return _missing(policy, str(e).splitlines()[0][:200])
     finally:
         children.stop_all()
@@ -381,6 +403,7 @@ def checks(rows: dict[str, Row]) -> list[tuple[str, bool | None]]:
     The issue's Done-when checks; None where a row is missing.
     """
     best = rows.get("llmgw-load+prefix")
+    rows = {n: r for n, r in rows.items() if n != "llmgw-load+prefix+weights"}
     out: list[tuple[str, bool | None]] = []
 
     def have(*names: str) -> bool:
@@ -466,8 +489,13 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--load", type=float, default=0.7, help="offered load over capacity")
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    p.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"comma-separated, of {', '.join(POLICIES)}",
+    )
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    p.add_argument("--keep", action="store_true", help="keep the child logs")
     args = p.parse_args()
     policies = [x for x in args.policies.split(",") if x]
     unknown = [x for x in policies if x not in POLICIES]
@@ -504,7 +532,10 @@ def main() -> int:
                 flush=True,
             )
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        if args.keep:
+            print(f"child logs kept in {directory}")
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
     print()
     print_table(list(rows.values()))
     print(

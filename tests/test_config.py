@@ -294,3 +294,67 @@ class CorsConfigTests(SynchronousTestCase):
         with self.assertRaises(ConfigError) as raised:
             parse_config({"cors": {"origins": "*"}})
         self.assertIn("cors.origins: unknown key", str(raised.exception))
+
+
+class RoutingConfigTests(SynchronousTestCase):
+    def test_routing_keys(self) -> None:
+        """
+        The routing keys of C{[router]} parse into the settings.
+        """
+        router = parse_config(
+            {
+                "router": {
+                    "balance": "round_robin",
+                    "prefix_affinity": False,
+                    "prefix_bytes": "2KiB",
+                    "prefix_min_tokens": 100,
+                    "affinity_epsilon": 0.5,
+                    "session_header": "X-Conversation",
+                    "eject_after": 3,
+                    "eject_base_cooldown": "2s",
+                    "overload_queue_depth": 8,
+                    "overload_wait": "0s",
+                    "overload_queue_size": 10,
+                }
+            }
+        ).router
+        self.assertEqual(
+            (router.balance, router.prefix_affinity, router.prefix_bytes),
+            ("round_robin", False, 2048),
+        )
+        self.assertEqual(
+            (router.prefix_min_tokens, router.affinity_epsilon), (100, 0.5)
+        )
+        self.assertEqual(router.session_header, "X-Conversation")
+        self.assertEqual((router.eject_after, router.eject_base_cooldown), (3, 2.0))
+        self.assertEqual(
+            (
+                router.overload_queue_depth,
+                router.overload_wait,
+                router.overload_queue_size,
+            ),
+            (8, 0.0, 10),
+        )
+
+    def test_routing_errors(self) -> None:
+        """
+        Bad routing values name the key and the value.
+        """
+        cases = [
+            ({"balance": "random"}, "router.balance: expected one of"),
+            ({"prefix_affinity": "yes"}, "router.prefix_affinity: expected true"),
+            ({"affinity_epsilon": -1}, "router.affinity_epsilon: expected a number"),
+            (
+                {"session_header": "X Session"},
+                "router.session_header: expected a header",
+            ),
+            (
+                {"overload_queue_size": 0},
+                "router.overload_queue_size: must be at least 1",
+            ),
+            ({"eject_after": -2}, "router.eject_after: expected a non-negative"),
+        ]
+        for table, message in cases:
+            with self.assertRaises(ConfigError) as raised:
+                parse_config({"router": table})
+            self.assertIn(message, str(raised.exception))

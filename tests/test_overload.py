@@ -18,7 +18,17 @@ class OverloadTests(SynchronousTestCase):
         self.busy = {"m": True}
 
     def gate(self, wait: float, size: int = 3) -> Overload:
-        return Overload(self.clock, self.busy.get, lambda m: 2, wait, size, 0.25, 1.0)
+        self.counted: list[tuple[str, str]] = []
+        return Overload(
+            self.clock,
+            self.busy.get,
+            lambda m: 2,
+            wait,
+            size,
+            0.25,
+            1.0,
+            lambda model, outcome: self.counted.append((model, outcome)),
+        )
 
     def assert429(self, d: Deferred[None]) -> APIError:
         error = self.failureResultOf(d, APIError).value
@@ -31,7 +41,7 @@ class OverloadTests(SynchronousTestCase):
         A model whose engines keep up goes on at once.
         """
         self.busy["m"] = False
-        self.assertIsNone(self.successResultOf(self.gate(5).admit("m")))
+        self.assertIsNone(self.gate(5).admit("m"))
 
     def test_zero_wait_refuses(self) -> None:
         """
@@ -65,7 +75,8 @@ class OverloadTests(SynchronousTestCase):
         self.successResultOf(waiting[2])
         self.successResultOf(late)
         self.assertEqual(self.clock.getDelayedCalls(), [])
-        self.successResultOf(gate.admit("m"))
+        self.assertIsNone(gate.admit("m"))
+        self.assertEqual(self.counted, [("m", "waited")] * 4)
 
     def test_queue_bounded(self) -> None:
         """
@@ -89,5 +100,6 @@ class OverloadTests(SynchronousTestCase):
         d = gate.admit("m")
         self.clock.advance(5)
         self.assert429(d)
+        self.assertEqual(self.counted, [("m", "refused")])
         self.assertEqual(gate.waiting("m"), 0)
         self.assertEqual(self.clock.getDelayedCalls(), [])

@@ -10,6 +10,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
+from prometheus_client import CollectorRegistry
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -17,6 +18,7 @@ from llmgw.router.affinity import AffinityRule, leading_content, owner
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import STALE_POLLS, EngineLoad
+from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
 
 A = Endpoint("a", "http://a", ("m",))
@@ -123,15 +125,18 @@ class ScoreTests(SynchronousTestCase):
 
     def test_two_choices(self) -> None:
         """
-        Over four replicas, two drawn at random are compared: the most
-        loaded replica is never chosen, and the rest share the requests.
+        Over four replicas, the less loaded of two drawn at random: the
+        least loaded wins only when drawn (a third of the time with six),
+        the most loaded never.
         """
         many = [Endpoint(f"r{i}", f"http://r{i}", ("m",)) for i in range(6)]
         b, _, _, replicas = balancer(*many)
-        replicas["r0"].outstanding = 100
+        for i in range(6):
+            replicas[f"r{i}"].outstanding = i
         counts = Counter(pick(b).id for _ in range(600))
-        self.assertNotIn("r0", counts)
-        self.assertEqual(len(counts), 5)
+        self.assertNotIn("r5", counts)
+        self.assertTrue(150 < counts["r0"] < 250, counts)
+        self.assertGreater(counts["r3"], 0)
 
 
 SYSTEM = "You are a careful assistant. " * 60
@@ -178,6 +183,25 @@ class AffinityTests(SynchronousTestCase):
         self.assertEqual(pick(b, key=key).id, other.id)
         replicas[first.id].outstanding = 0
         self.assertEqual(pick(b, key=key).id, first.id)
+
+    def test_outcomes_counted(self) -> None:
+        """
+        C{llmgw_router_affinity_total} counts requests kept on their owner
+        and those spilled to the least loaded.
+        """
+        b, _, _, replicas = balancer(A, B)
+        registry = CollectorRegistry()
+        b.metrics = RouterMetrics(registry)
+        first = pick(b, key=b"k")
+        replicas[first.id].outstanding = 5
+        pick(b, key=b"k")
+
+        def count(outcome: str) -> float | None:
+            return registry.get_sample_value(
+                "llmgw_router_affinity_total", {"model": "m", "outcome": outcome}
+            )
+
+        self.assertEqual((count("owner"), count("spilled")), (1.0, 1.0))
 
     def test_engine_queue_in_bound(self) -> None:
         """

@@ -186,7 +186,9 @@ class Router:
             settings.overload_queue_size,
             recheck=settings.load_poll_interval / 4,
             retry_after=settings.load_poll_interval,
+            count=lambda model, outcome: metrics.overload.labels(model, outcome).inc(),
         )
+        balancer.metrics = metrics
         self.services = Services(
             clock=clock,
             settings=settings,

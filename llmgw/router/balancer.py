@@ -32,6 +32,7 @@ from llmgw.router.affinity import owner, within_bound
 from llmgw.router.ejection import Health, cooldown, verdict
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import EngineLoad
+from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
 
 KV_FULL = 0.9
@@ -101,6 +102,8 @@ class Balancer:
         passed over.
     @param settings: the policy, affinity and ejection settings.
     @ivar load: the engines' load readings, when the server polls them.
+    @ivar metrics: where affinity outcomes and ejections are counted (set by
+        the router), or L{None}.
     """
 
     log = Logger()
@@ -122,6 +125,7 @@ class Balancer:
         self._eject_after = settings.eject_after
         self._eject_base = settings.eject_base_cooldown
         self.load: LoadReadings | None = None
+        self.metrics: RouterMetrics | None = None
         # Per model: the turn for ties (and for round robin).
         self._turn: dict[str, int] = {}
         self._replicas: dict[str, Replica] = {}
@@ -242,15 +246,18 @@ class Balancer:
             loads = [self.load_of(r, now) for r in ready]
             i = owner(key, [(r.endpoint.id, r.endpoint.weight) for r in ready])
             chosen = ready[i]
-            if within_bound(
+            held = within_bound(
                 loads[i],
                 chosen.endpoint.weight,
                 sum(loads),
                 sum(r.endpoint.weight for r in ready),
                 self._epsilon,
-            ):
-                return chosen
-            return self._least(model, ready, loads)
+            )
+            if self.metrics is not None:
+                self.metrics.affinity.labels(
+                    model, "owner" if held else "spilled"
+                ).inc()
+            return chosen if held else self._least(model, ready, loads)
         if len(ready) > TWO_CHOICES_ABOVE:
             a, b = self._random.sample(ready, 2)
             la, lb = self.load_of(a, now), self.load_of(b, now)
@@ -352,6 +359,8 @@ class Balancer:
         if n > 0:
             seconds = cooldown(self._eject_base, n)
             replica.ejected_until = now + seconds
+            if self.metrics is not None:
+                self.metrics.ejections.labels(replica.id).inc()
             self.log.warn(
                 "replica {replica} ejected for {seconds:g}s: failed answers"
                 " (ejection {count} in a row)",

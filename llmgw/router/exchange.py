@@ -77,6 +77,7 @@ class Services:
     @ivar activating: requests waiting for activation, per model (shared,
         mutable).
     @ivar log: where failures of replicas are logged.
+    @ivar overload: the waiting room for overloaded models, or L{None}.
     """
 
     clock: IReactorTime
@@ -186,8 +187,10 @@ class Exchange:
             activator.touch(self.model)
             if not balancer.serves(self.model) and activator.resolve(self.model):
                 await self._activate(activator)
-        if services.overload is not None:
-            await services.overload.admit(self.model)
+        overload = services.overload
+        waiting = overload.admit(self.model) if overload is not None else None
+        if waiting is not None:
+            await waiting
         for attempt in range(services.settings.max_retries + 1):
             if self.deadlines.expired:
                 # The total deadline passed between two attempts.

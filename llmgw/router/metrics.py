@@ -70,3 +70,26 @@ class RouterMetrics:
             ["model"],
             registry=registry,
         )
+        # Routing (issue 11): the choices made, for reading a policy's effect.
+        self.affinity = Counter(
+            "llmgw_router_affinity",
+            "Requests with an affinity key (session or long prompt prefix), by"
+            " model and outcome: owner (the replica its key hashes to, within"
+            " the load bound) or spilled (the least loaded instead).",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.ejections = Counter(
+            "llmgw_replica_ejections",
+            "Replicas ejected for failed answers (5xx, deadlines) in a row.",
+            ["replica"],
+            registry=registry,
+        )
+        self.overload = Counter(
+            "llmgw_overload",
+            "Requests held back because every replica of their model queued"
+            " past overload_queue_depth, by outcome: waited (then went on) or"
+            " refused (429).",
+            ["model", "outcome"],
+            registry=registry,
+        )

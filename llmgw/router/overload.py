@@ -13,7 +13,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from llmgw.router.errors import APIError
@@ -47,6 +47,8 @@ class Overload:
     @param recheck: seconds between checks of the readings while requests
         wait (a fraction of the load poll interval).
     @param retry_after: seconds for the 429's C{Retry-After}.
+    @param count: called with the model and C{"waited"} or C{"refused"}
+        for each request held back.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class Overload:
         size: int,
         recheck: float,
         retry_after: float,
+        count: Callable[[str, str], None] | None = None,
     ) -> None:
         self.clock = clock
         self._overloaded = overloaded
@@ -68,6 +71,7 @@ class Overload:
         self.retry_after = max(1, math.ceil(retry_after))
         self._queues: dict[str, deque[Deferred[None]]] = {}
         self._checks: dict[str, IDelayedCall] = {}
+        self._count = count or (lambda model, outcome: None)
 
     def waiting(self, model: str) -> int:
         """
@@ -75,26 +79,28 @@ class Overload:
         """
         return len(self._queues.get(model, ()))
 
-    def admit(self, model: str) -> Deferred[None]:
+    def admit(self, model: str) -> Deferred[None] | None:
         """
         Let a request for C{model} go on, or make it wait.
 
-        @return: a Deferred that fires when it may go on (at once when the
-            model is not overloaded; cancel it when the client leaves), or
-            fails with a 429 L{APIError} after C{wait} seconds.
+        @return: L{None} to go on now (no Deferred on the hot path), or a
+            Deferred that fires when it may go on (cancel it when the client
+            leaves), or fails with a 429 L{APIError} after C{wait} seconds.
         @raise APIError: a 429 at once: C{wait} is 0 or the queue is full.
         """
         queue = self._queues.get(model)
         # Behind those already waiting, even if the readings just cleared.
         if not queue and not self._overloaded(model):
-            return succeed(None)
+            return None
         if self.wait <= 0:
+            self._count(model, "refused")
             raise overloaded_error(
                 model, self.retry_after, "its engines' queues are full"
             )
         if queue is None:
             queue = self._queues[model] = deque()
         if len(queue) >= self.size:
+            self._count(model, "refused")
             raise overloaded_error(model, self.retry_after, "too many requests wait")
         timer: IDelayedCall | None = None
 
@@ -106,6 +112,7 @@ class Overload:
             self._tidy(model)
 
         def time_out() -> None:
+            self._count(model, "refused")
             queue.remove(ready)
             self._tidy(model)
             ready.errback(
@@ -137,6 +144,7 @@ class Overload:
             for _ in range(max(self._replicas(model), 1)):
                 if not queue:
                     break
+                self._count(model, "waited")
                 queue.popleft().callback(None)
         if queue:
             self._checks[model] = self.clock.callLater(self.recheck, self._check, model)

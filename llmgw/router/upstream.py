@@ -112,14 +112,28 @@ class _ClassifyingEndpoint:
         return self._wrapped.connect(factory).addErrback(classify)
 
 
+# Endpoints kept per (scheme, host, port): more replicas than this in a
+# router's life start the cache again.
+MAX_CACHED_ENDPOINTS = 4096
+
+
 @implementer(IAgentEndpointFactory)
 class _EndpointFactory:
     def __init__(self, reactor: Any, connect_timeout: float) -> None:
         self._reactor = reactor
         self._timeout = connect_timeout or 30.0
         self._tls = BrowserLikePolicyForHTTPS()
+        self._endpoints: dict[tuple[bytes, bytes, int], _ClassifyingEndpoint] = {}
 
     def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        # The Agent asks on every request, pooled connection or not; an
+        # endpoint holds no per-connection state, and building one (host
+        # name checks, IDNA) was 5% of the router's time per request
+        # (pyinstrument, bench/router_bench.py's load).
+        key = (uri.scheme, uri.host, uri.port)
+        cached = self._endpoints.get(key)
+        if cached is not None:
+            return cached
         endpoint: IStreamClientEndpoint = HostnameEndpoint(
             self._reactor, uri.host, uri.port, timeout=self._timeout
         )
@@ -127,7 +141,10 @@ class _EndpointFactory:
             endpoint = wrapClientTLS(
                 self._tls.creatorForNetloc(uri.host, uri.port), endpoint
             )
-        return _ClassifyingEndpoint(endpoint)
+        if len(self._endpoints) >= MAX_CACHED_ENDPOINTS:
+            self._endpoints.clear()
+        classifying = self._endpoints[key] = _ClassifyingEndpoint(endpoint)
+        return classifying
 
 
 @implementer(IBodyProducer)

@@ -51,10 +51,12 @@ proto: $(STAMP)
 	scripts/gen-proto
 
 bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]' --config-settings editable_mode=compat
 	$(BIN)/python bench/control_bench.py
 	$(BIN)/python bench/router_bench.py
 	$(BIN)/python bench/router_workers_bench.py
 	$(BIN)/python bench/dashboard_bench.py
+	$(BIN)/python bench/routing_bench.py
 
 clean:
 	rm -rf $(VENV) _trial_temp* *.egg-info

@@ -142,6 +142,12 @@ class Children:
                 return child
         raise KeyError(name)
 
+    def all(self) -> list[Child]:
+        """
+        The children started so far, in order.
+        """
+        return list(self._children)
+
     def stop_all(self) -> None:
         for child in reversed(self._children):
             try:

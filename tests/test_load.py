@@ -112,8 +112,13 @@ class ParseTests(SynchronousTestCase):
         class Load:
             running = 2
             waiting = 1
+            kv_usage = 0.5
 
-        page = SimMetrics("m", 4, Load()).render().decode()
+        class Cache:
+            queries = 0
+            hits = 0
+
+        page = SimMetrics("m", Load(), Cache()).render().decode()
         load = parse_load(page, 0.0)
         self.assertEqual((load.running, load.waiting), (2.0, 1.0))
         self.assertIsNotNone(load.kv_cache_usage)

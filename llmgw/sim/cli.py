@@ -46,6 +46,16 @@ def _count(minimum: int) -> type[int]:
     return parse  # type: ignore[return-value]
 
 
+def _factor(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return value
+
+
 def _fault(text: str) -> tuple[str, object]:
     try:
         return parse_fault_option(text)
@@ -113,6 +123,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="waiting requests beyond which requests get 503 (default 1024)",
     )
     p.add_argument(
+        "--speed",
+        type=_factor,
+        default=1.0,
+        metavar="FACTOR",
+        help="this replica's speed: --ttft, --itl and --prefill-per-token are "
+        "divided by it (0.5: twice as slow; default 1)",
+    )
+    p.add_argument(
+        "--prefill-per-token",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="prefill seconds per prompt token not in the prefix cache, added "
+        "to --ttft (default 0)",
+    )
+    p.add_argument(
+        "--kv-capacity",
+        type=_count(0),
+        default=0,
+        metavar="TOKENS",
+        help="tokens (prompt + completion) running sequences may hold together; "
+        "more requests wait, shown in vllm:num_requests_waiting (default 0: "
+        "no limit)",
+    )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=_count(0),
+        default=None,
+        metavar="TOKENS",
+        help="tokens of 16-token blocks the LRU prefix cache keeps (default: "
+        "--kv-capacity; 0: none)",
+    )
+    p.add_argument(
         "--embedding-dim",
         type=_count(1),
         metavar="N",
@@ -140,6 +183,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    """
+    The simulator's settings from parsed arguments.
+
+    @param args: what L{build_parser}'s parser returned.
+    """
+    return SimConfig(
+        models=tuple(args.model),
+        ttft=args.ttft,
+        itl=args.itl,
+        max_tokens=args.max_tokens,
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        embedding_dim=args.embedding_dim,
+        verbose=args.verbose,
+        api_key=args.api_key,
+        speed=args.speed,
+        prefill_per_token=args.prefill_per_token,
+        kv_capacity=args.kv_capacity,
+        prefix_cache_tokens=args.kv_capacity
+        if args.prefix_cache_tokens is None
+        else args.prefix_cache_tokens,
+    )
+
+
 def main(argv: list[str]) -> int:
     """
     Run the simulator until SIGINT or SIGTERM.
@@ -155,17 +223,7 @@ def main(argv: list[str]) -> int:
     from twisted.internet import reactor
     from twisted.internet.error import CannotListenError
 
-    config = SimConfig(
-        models=tuple(args.model),
-        ttft=args.ttft,
-        itl=args.itl,
-        max_tokens=args.max_tokens,
-        max_concurrency=args.max_concurrency,
-        max_queue=args.max_queue,
-        embedding_dim=args.embedding_dim,
-        verbose=args.verbose,
-        api_key=args.api_key,
-    )
+    config = sim_config(args)
     level = LogLevel.info if args.verbose else LogLevel.warn
     globalLogBeginner.beginLoggingTo(
         [

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from llmgw.sim.kvcache import BLOCK_TOKENS, PrefixCache, SequenceBlocks
 from llmgw.sim.metrics import SimMetrics
 
 VOCAB: tuple[str, ...] = (
@@ -271,21 +272,30 @@ class QueueFull(Exception):
 
 class Scheduler:
     """
-    At most C{max_running} sequences at once; the rest wait in FIFO order.
+    At most C{max_running} sequences at once, and with a KV capacity, at
+    most that many tokens held by running sequences; the rest wait in FIFO
+    order (a request that does not fit blocks those behind it, as vLLM's
+    first-come-first-served scheduler does).
 
     @ivar running: sequences holding a slot now.
+    @ivar kv_used: tokens the running sequences hold.
     """
 
-    def __init__(self, max_running: int, max_queue: int) -> None:
+    def __init__(self, max_running: int, max_queue: int, kv_capacity: int = 0) -> None:
         """
         @param max_running: concurrent sequences (slots), at least 1.
         @param max_queue: waiting requests beyond which L{acquire} raises
             L{QueueFull}.
+        @param kv_capacity: tokens the KV cache holds for running sequences;
+            0 for no limit.  A request larger than the whole capacity runs
+            alone rather than never.
         """
         self.max_running = max_running
         self.max_queue = max_queue
+        self.kv_capacity = kv_capacity
         self.running = 0
-        self._waiters: deque[Deferred[None]] = deque()
+        self.kv_used = 0
+        self._waiters: deque[tuple[Deferred[None], int]] = deque()
         self._releasing = False
 
     @property
@@ -295,38 +305,69 @@ class Scheduler:
         """
         return len(self._waiters)
 
-    def acquire(self) -> Deferred[None] | None:
+    @property
+    def kv_usage(self) -> float:
         """
-        Take a slot, or a place in the queue.
+        The KV cache's use, 0..1: tokens held over the capacity, or without
+        one, running sequences over C{max_running}.
+        """
+        if self.kv_capacity:
+            return min(1.0, self.kv_used / self.kv_capacity)
+        return self.running / self.max_running
 
+    def _fits(self, tokens: int) -> bool:
+        if self.running >= self.max_running:
+            return False
+        capacity = self.kv_capacity
+        return not capacity or not self.running or self.kv_used + tokens <= capacity
+
+    def acquire(self, tokens: int = 0) -> Deferred[None] | None:
+        """
+        Take a slot and C{tokens} of KV space, or a place in the queue.
+
+        @param tokens: KV tokens the sequence holds while it runs (prompt
+            and completion).
         @return: None when a slot was taken at once; otherwise a Deferred
             that fires with None when this request holds a slot.  Cancel it
             to leave the queue (it then fails with C{CancelledError}).
         @raise QueueFull: no slot is free and the queue is full.
         """
-        if self.running < self.max_running and not self._waiters:
+        if not self._waiters and self._fits(tokens):
             self.running += 1
+            self.kv_used += tokens
             return None
         if len(self._waiters) >= self.max_queue:
             raise QueueFull()
-        waiter: Deferred[None] = Deferred(self._waiters.remove)
-        self._waiters.append(waiter)
+
+        def leave(waiter: Deferred[None]) -> None:
+            self._waiters.remove((waiter, tokens))
+            # The head may have been what blocked those behind it.
+            self._admit()
+
+        waiter: Deferred[None] = Deferred(leave)
+        self._waiters.append((waiter, tokens))
         return waiter
 
-    def release(self) -> None:
+    def release(self, tokens: int = 0) -> None:
         """
-        Give back one slot; the oldest waiters take the free slots.
+        Give back one slot and its C{tokens}; the oldest waiters take what
+        is free.
         """
         self.running -= 1
+        self.kv_used -= tokens
+        self._admit()
+
+    def _admit(self) -> None:
         if self._releasing:
             # A waiter admitted below finished synchronously; the loop that
             # admitted it hands on this slot, without recursing.
             return
         self._releasing = True
         try:
-            while self._waiters and self.running < self.max_running:
-                waiter = self._waiters.popleft()
+            while self._waiters and self._fits(self._waiters[0][1]):
+                waiter, tokens = self._waiters.popleft()
                 self.running += 1
+                self.kv_used += tokens
                 waiter.callback(None)
         finally:
             self._releasing = False
@@ -351,6 +392,14 @@ class SimConfig:
         Bearer API_KEY} get 401, as vLLM's C{--api-key} does (its
         middleware checks only C{/v1} paths: C{/health} and C{/metrics}
         stay open, as they are for SGLang and llama-server too).
+    @ivar speed: this replica's speed; every duration (C{ttft}, C{itl},
+        C{prefill_per_token}) is divided by it: 0.5 is twice as slow.
+    @ivar prefill_per_token: seconds of prefill per prompt token not found
+        in the prefix cache, added to C{ttft} at admission.
+    @ivar kv_capacity: tokens (prompt and completion) the running sequences
+        may hold together; beyond it requests wait.  0: no limit.
+    @ivar prefix_cache_tokens: tokens of freed or computed blocks the
+        prefix cache keeps (rounded down to whole blocks); 0: no cache.
     """
 
     models: tuple[str, ...]
@@ -362,6 +411,10 @@ class SimConfig:
     embedding_dim: int = 16
     verbose: bool = False
     api_key: str = field(default="", repr=False)
+    speed: float = 1.0
+    prefill_per_token: float = 0.0
+    kv_capacity: int = 0
+    prefix_cache_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -424,15 +477,36 @@ class Simulator:
         """
         self.config = config
         self.clock = reactor
-        self.scheduler = Scheduler(config.max_concurrency, config.max_queue)
+        self.scheduler = Scheduler(
+            config.max_concurrency, config.max_queue, config.kv_capacity
+        )
+        self.cache = PrefixCache(config.prefix_cache_tokens // BLOCK_TOKENS)
         self.stats = SimStats()
         self.faults: dict[str, object] = {}
         self.models = frozenset(config.models)
         self.created = int(reactor.seconds())
-        self.metrics = SimMetrics(
-            config.models[0], config.max_concurrency, self.scheduler
-        )
+        self.metrics = SimMetrics(config.models[0], self.scheduler, self.cache)
         self._next_id = 0
+
+    @property
+    def tracks_blocks(self) -> bool:
+        """
+        Whether requests need their blocks named: a prefix cache or a prefill
+        cost is configured.
+        """
+        c = self.config
+        return c.prefix_cache_tokens >= BLOCK_TOKENS or c.prefill_per_token > 0
+
+    def prefill_delay(self, blocks: SequenceBlocks) -> float:
+        """
+        Look a prompt up in the prefix cache, at admission.
+
+        @return: seconds of prefill for its uncached tokens, at this
+            replica's speed.
+        """
+        hit = self.cache.lookup(blocks)
+        c = self.config
+        return (blocks.prompt_tokens - hit) * c.prefill_per_token / c.speed
 
     def new_id(self, prefix: str) -> str:
         """
@@ -475,6 +549,10 @@ class Simulator:
             "requests_by_path": dict(s.requests_by_path),
             "running": self.scheduler.running,
             "waiting": self.scheduler.waiting,
+            "kv_used": self.scheduler.kv_used,
+            "prefix_cache_blocks": len(self.cache),
+            "prefix_cache_queries": self.cache.queries,
+            "prefix_cache_hits": self.cache.hits,
             "streams_started": s.streams_started,
             "streams_completed": s.streams_completed,
             "streams_cancelled": s.streams_cancelled,

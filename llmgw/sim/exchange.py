@@ -16,6 +16,7 @@ from twisted.web.server import Request
 
 from llmgw.sim.api import ApiError, error_body, error_type_for
 from llmgw.sim.engine import FOREVER, Faults, QueueFull, Simulator
+from llmgw.sim.kvcache import SequenceBlocks
 
 BYTE_GAP = 0.002
 """
@@ -59,6 +60,9 @@ class Exchange:
         "_first_delay",
         "_itl",
         "_prompt_tokens",
+        "_blocks",
+        "_kv_tokens",
+        "_prefill",
         "_arrival",
         "_admitted_at",
         "_last_token",
@@ -89,6 +93,8 @@ class Exchange:
         first_delay: float,
         itl: float,
         prompt_tokens: int,
+        blocks: SequenceBlocks | None = None,
+        kv_tokens: int = 0,
     ) -> None:
         """
         @param events: the response body, in events.
@@ -100,6 +106,11 @@ class Exchange:
         @param first_delay: seconds from admission to event 0.
         @param itl: seconds between token events.
         @param prompt_tokens: for the metrics.
+        @param blocks: the request's KV blocks, looked up in the prefix cache
+            at admission (their uncached part adds prefill time to event 0)
+            and cached after event 0 (the prompt) and at the end (prompt
+            and completion); None: no cache, no prefill cost.
+        @param kv_tokens: KV tokens the sequence holds while it runs.
         """
         self._sim = sim
         self._request = request
@@ -112,6 +123,9 @@ class Exchange:
         self._first_delay = first_delay
         self._itl = itl
         self._prompt_tokens = prompt_tokens
+        self._blocks = blocks
+        self._kv_tokens = kv_tokens
+        self._prefill = 0.0
         self._arrival = sim.clock.seconds()
         self._admitted_at = self._arrival
         self._last_token = self._arrival
@@ -171,7 +185,7 @@ class Exchange:
         waiter = None
         if self._uses_slot:
             try:
-                waiter = self._sim.scheduler.acquire()
+                waiter = self._sim.scheduler.acquire(self._kv_tokens)
             except QueueFull:
                 self._fail(
                     503,
@@ -185,6 +199,7 @@ class Exchange:
                 return
             if waiter is None:
                 self._holding = True
+                self._prefill_at_admission()
         headers = request.responseHeaders
         if self._stream:
             headers.setRawHeaders(b"content-type", _SSE)
@@ -214,7 +229,14 @@ class Exchange:
         self._waiter = None
         self._holding = True
         self._admitted_at = self._sim.clock.seconds()
+        self._prefill_at_admission()
         self._step()
+
+    def _prefill_at_admission(self) -> None:
+        # vLLM looks the prompt up when it schedules it, not when it comes.
+        if self._blocks is not None:
+            self._prefill = self._sim.prefill_delay(self._blocks)
+            self._first_delay += self._prefill
 
     def _not_admitted(self, failure: Failure) -> None:
         failure.trap(CancelledError)
@@ -264,6 +286,9 @@ class Exchange:
                     self._later(delay, self._step)
                     return
             self._observe(i)
+            if i == 0 and self._blocks is not None and self._holding:
+                # Prefill done: the prompt's blocks are computed.
+                self._sim.cache.insert(self._blocks.prompt)
             if self._faults.byte_writes:
                 self._bytes = events[i]
                 self._pos = 0
@@ -300,18 +325,22 @@ class Exchange:
             if not self._stream:
                 # The first token of an answer sent whole: admission + ttft.
                 metrics.time_to_first_token.observe(
-                    self._admitted_at + sim.config.ttft - self._arrival
+                    self._admitted_at
+                    + (sim.config.ttft / sim.config.speed + self._prefill)
+                    - self._arrival
                 )
             metrics.e2e_request_latency.observe(now - self._arrival)
             metrics.prompt_tokens.inc(self._prompt_tokens)
             metrics.generation_tokens.inc(self._count)
             metrics.success_length.inc()
+            if self._blocks is not None:
+                sim.cache.insert(self._blocks.whole)
         self._release()
 
     def _release(self) -> None:
         if self._holding:
             self._holding = False
-            self._sim.scheduler.release()
+            self._sim.scheduler.release(self._kv_tokens)
 
     def _cancel_pending(self) -> None:
         if self._call is not None:

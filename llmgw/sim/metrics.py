@@ -6,7 +6,9 @@ documented in U{https://docs.vllm.ai/en/stable/usage/metrics/} and
 C{docs/design/metrics.md} in U{https://github.com/vllm-project/vllm}:
 C{vllm:num_requests_running}, C{vllm:num_requests_waiting} and
 C{vllm:kv_cache_usage_perc} (gauges; the last a fraction 0..1, which
-replaced V0's C{vllm:gpu_cache_usage_perc}), C{vllm:prompt_tokens_total},
+replaced V0's C{vllm:gpu_cache_usage_perc}), C{vllm:prefix_cache_queries}
+and C{vllm:prefix_cache_hits} (V1 counters, in tokens, which replaced V0's
+C{vllm:gpu_prefix_cache_hit_rate}), C{vllm:prompt_tokens_total},
 C{vllm:generation_tokens_total} and C{vllm:request_success_total} (counters;
 the last labelled C{finished_reason}), and the histograms
 C{vllm:time_to_first_token_seconds}, C{vllm:inter_token_latency_seconds}
@@ -31,7 +33,7 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -105,6 +107,17 @@ class _Load(Protocol):
     @property
     def waiting(self) -> int: ...
 
+    @property
+    def kv_usage(self) -> float: ...
+
+
+class _Cache(Protocol):
+    @property
+    def queries(self) -> int: ...
+
+    @property
+    def hits(self) -> int: ...
+
 
 class FastHistogram(Collector):
     """
@@ -175,18 +188,66 @@ class FastHistogram(Collector):
         ]
 
 
+class _CacheCounters(Collector):
+    """
+    C{vllm:prefix_cache_queries} and C{vllm:prefix_cache_hits}, counters in
+    tokens (vLLM V1: "Prefix cache queries, in terms of number of queried
+    tokens" and "... hits, in terms of number of cached tokens",
+    C{vllm/v1/metrics/loggers.py}), read from the cache at scrape time.
+    """
+
+    def __init__(
+        self, model_name: str, cache: _Cache, registry: CollectorRegistry
+    ) -> None:
+        self._model_name = model_name
+        self._cache = cache
+        registry.register(self)
+
+    def _families(self, with_samples: bool) -> list[Metric]:
+        out: list[Metric] = []
+        for name, doc, value in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                self._cache.queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                self._cache.hits,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            if with_samples:
+                family.add_metric([self._model_name], value)
+            out.append(family)
+        return out
+
+    def collect(self) -> Iterable[Metric]:
+        """
+        The two counters (called at scrape time).
+        """
+        return self._families(True)
+
+    def describe(self) -> Iterable[Metric]:
+        """
+        The families without samples, for the registry's name check.
+        """
+        return self._families(False)
+
+
 class SimMetrics:
     """
     The metrics of one simulator, labelled with one C{model_name}.
     """
 
-    def __init__(self, model_name: str, max_concurrency: int, load: _Load) -> None:
+    def __init__(self, model_name: str, load: _Load, cache: _Cache) -> None:
         """
         @param model_name: the C{model_name} label (vLLM uses its first
             served model name).
-        @param max_concurrency: slots; C{kv_cache_usage_perc} is
-            C{running / max_concurrency}.
-        @param load: read at scrape time for the running and waiting gauges.
+        @param load: read at scrape time for the running, waiting and KV
+            usage gauges.
+        @param cache: read at scrape time for the prefix cache counters.
         """
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -203,9 +264,10 @@ class SimMetrics:
         ).labels(model_name).set_function(lambda: load.waiting)
         gauge(
             "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage (simulated: running "
-            "sequences over maximum concurrency).",
-        ).labels(model_name).set_function(lambda: load.running / max_concurrency)
+            "KV-cache usage. 1 means 100 percent usage (simulated: tokens held "
+            "over --kv-capacity, else running sequences over maximum concurrency).",
+        ).labels(model_name).set_function(lambda: load.kv_usage)
+        _CacheCounters(model_name, cache, r)
 
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens",

@@ -44,9 +44,11 @@ from llmgw.sim.engine import (
     FaultError,
     Faults,
     Simulator,
+    completion_tokens,
     embedding_vector,
 )
 from llmgw.sim.exchange import JSON, Exchange
+from llmgw.sim.kvcache import SequenceBlocks
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
 
 CHAT_PATH = b"/v1/chat/completions"
@@ -190,13 +192,18 @@ class SimResource(Resource):
         sim = self._sim
         config = sim.config
         response_id = sim.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        ttft = config.ttft / config.speed
+        itl = config.itl / config.speed
         if req.stream:
             events, first = stream_events(req, response_id, created, count)
-            first_delay = config.ttft
+            first_delay = ttft
         else:
             events = [full_response(req, response_id, created, count)]
             first = 0
-            first_delay = config.ttft + max(0, count - 1) * config.itl
+            first_delay = ttft + max(0, count - 1) * itl
+        blocks = None
+        if sim.tracks_blocks:
+            blocks = SequenceBlocks.of(req.prompt, completion_tokens(req.prompt, count))
         return Exchange(
             sim,
             request,
@@ -207,8 +214,10 @@ class SimResource(Resource):
             first=first,
             count=count,
             first_delay=first_delay,
-            itl=config.itl,
+            itl=itl,
             prompt_tokens=req.prompt_tokens,
+            blocks=blocks,
+            kv_tokens=req.prompt_tokens + count if config.kv_capacity else 0,
         )
 
     def _embeddings(self, request: Request) -> bytes | int:

@@ -10,8 +10,12 @@ import json
 from dataclasses import replace
 from typing import Any
 
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import ResponseDone
 from twisted.web.test.requesthelper import DummyRequest
 
 from llmgw.checks import ConfigError
@@ -19,7 +23,8 @@ from llmgw.config import ServerConfig, check_router_workers, load_config
 from llmgw.router.interfaces import Endpoint
 from llmgw.server.watch import KEEPALIVE, Watch, endpoint_from_json, endpoint_json
 from llmgw.server.workers import tcp_address
-from llmgw.tier.follow import SILENT_AFTER, Follower
+from llmgw.tier.control import Control
+from llmgw.tier.follow import NEXT_URL_AFTER, SILENT_AFTER, Follower
 
 E1 = Endpoint("r1", "http://10.0.0.1:8000", ("m", "m-alias"), 2.0, api_key="s3cret")
 
@@ -95,6 +100,64 @@ class FollowerTests(SynchronousTestCase):
         self.assertEqual(follower.version, 3)
         self.assertTrue(follower.first.called)
         self.assertGreater(SILENT_AFTER, KEEPALIVE)
+
+
+class _Response:
+    def __init__(self, code: int, body: bytes) -> None:
+        self.code = code
+        self.phrase = b"Service Unavailable"
+        self._body = body
+
+    def deliverBody(self, protocol: Any) -> None:
+        protocol.dataReceived(self._body)
+        protocol.connectionLost(Failure(ResponseDone()))
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, Deferred[Any]]] = []
+
+    def request(self, method: bytes, url: bytes, *args: object) -> Deferred[Any]:
+        waiting: Deferred[Any] = Deferred()
+        self.asked.append((url.decode(), waiting))
+        return waiting
+
+
+class FollowerFailoverTests(SynchronousTestCase):
+    def test_standby_refuses_next_url(self) -> None:
+        """
+        A standby's 503 naming the leader sends the follower to the URL on
+        the leader's host at once (skipping another standby); failures go
+        on to the next URL in turn, and only a whole round of failures
+        backs off; nothing is applied meanwhile (the router keeps its
+        endpoints).  Requests then go to the URL that answered.
+        """
+        clock, agent = Clock(), _Agent()
+        urls = ["http://10.0.0.1:9090", "http://10.0.0.2:9090", "http://10.0.0.3:9090"]
+        control = Control(urls, agent=agent)
+        applied: list[object] = []
+        follower = Follower(clock, control, lambda e, n, k: applied.append(e))
+        follower.startService()
+        self.addCleanup(follower.stopService)
+        refusal = {"error": {"message": "standby", "code": "standby"}}
+        refusal["error"]["leader"] = "10.0.0.3:8443"
+        agent.asked[-1][1].callback(_Response(503, json.dumps(refusal).encode()))
+        clock.advance(NEXT_URL_AFTER)
+        self.assertEqual(agent.asked[-1][0], urls[2] + "/api/v1/watch")
+        agent.asked[-1][1].errback(ConnectionRefusedError())
+        clock.advance(NEXT_URL_AFTER)
+        self.assertEqual(agent.asked[-1][0], urls[0] + "/api/v1/watch")
+        agent.asked[-1][1].errback(ConnectionRefusedError())
+        clock.advance(NEXT_URL_AFTER)
+        self.assertEqual(len(agent.asked), 3)  # A whole round: the back-off.
+        clock.advance(0.2)
+        self.assertEqual(agent.asked[-1][0], urls[1] + "/api/v1/watch")
+        self.assertEqual(applied, [])
+        self.assertEqual(control.url, urls[1])
+        state = {"version": 1, "endpoints": [endpoint_json(E1)], "names": {}}
+        follower._line(json.dumps(state).encode())
+        self.assertEqual(applied, [[E1]])
+        self.assertEqual(control.advance(), urls[2])
 
 
 class RouterWorkersConfigTests(SynchronousTestCase):

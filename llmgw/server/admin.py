@@ -95,11 +95,11 @@ class Admin(KeyRoutes, WatchRoutes):
     @app.handle_errors(AdminError)
     def _admin_error(self, request: IRequest, failure: Any) -> bytes:
         error: AdminError = failure.value
-        return json_answer(
-            request,
-            {"error": {"message": error.message, "code": error.code}},
-            error.status,
-        )
+        body: dict[str, str] = {"message": error.message, "code": error.code}
+        leader = getattr(error, "leader", None)  # A standby's (admin_watch).
+        if leader is not None:
+            body["leader"] = leader
+        return json_answer(request, {"error": body}, error.status)
 
     @app.handle_errors(NotFound)
     def _no_path(self, request: IRequest, failure: Any) -> bytes:

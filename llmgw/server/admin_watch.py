@@ -5,6 +5,7 @@ router follows, activations it forwards, and the use it reports.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred, TimeoutError
@@ -20,6 +21,22 @@ Seconds an activation request may ask to wait, at most.
 """
 
 
+class StandbyError(AdminError):
+    """
+    503 from a standby control plane: C{{"error": {"message", "code":
+    "standby", "leader": "HOST:PORT"}}}, the leader's agent address
+    (L{llmgw.server.standby}; C{""} while none is known).
+    """
+
+    def __init__(self, leader: str) -> None:
+        super().__init__(
+            503,
+            f"this server is a standby; the leader is {leader or 'not known yet'}",
+            "standby",
+        )
+        self.leader = leader
+
+
 class WatchRoutes:
     """
     Mixed into L{llmgw.server.admin.Admin}; needs its C{plane} and C{watch}.
@@ -27,10 +44,30 @@ class WatchRoutes:
 
     plane: ControlPlane | None
     watch: Watch | None
+    standby: Callable[[], dict[str, Any]] | None
 
     def _watched(self) -> tuple[ControlPlane, Watch]:
+        """
+        @raise AdminError: 404 without a control plane; 503 from a standby
+            (C{"code": "standby"}, with the C{"leader"}'s agent address),
+            and from a leader that took over and is still in its startup
+            grace, adopting the agents' engines (its state is not whole
+            yet: a router keeps what it had and asks again).
+        """
         if self.plane is None or self.watch is None:
             raise AdminError(404, "no control plane in this server", "not_found")
+        if self.standby is not None:
+            state = self.standby()
+            if not state.get("leading"):
+                leader = str(state.get("leader") or "")
+                raise StandbyError(leader)
+            if not self.plane.grace_over:
+                raise AdminError(
+                    503,
+                    "this server has just taken over and is adopting the"
+                    " agents' engines; ask again in a few seconds",
+                    "adopting",
+                )
         return self.plane, self.watch
 
     @app.route("/api/v1/watch", methods=["GET"])

@@ -70,18 +70,25 @@ class Options(usage.Options):
     Command line of C{twistd llmgw-router}.
     """
 
-    synopsis = "--control URL [--config FILE.toml] [--listen ENDPOINT]"
+    synopsis = (
+        "--control URL [--control URL...] [--config FILE.toml] [--listen ENDPOINT]"
+    )
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self["control"] = []
+
+    def opt_control(self, value: str) -> None:
+        """
+        A control plane's admin API, http(s)://host:port; repeat it (or
+        give a comma list) for a leader and its standbys.  Its admin key
+        comes from $LLMGW_CONTROL_KEY (none needed on loopback).
+        """
+        self["control"].extend(u.strip() for u in value.split(",") if u.strip())
 
     optParameters = [
         ["config", "c", None, "TOML configuration file ([router], [store], [auth])."],
         ["listen", None, None, "Client API listener (default: the config's listen)."],
-        [
-            "control",
-            None,
-            None,
-            "The control plane's admin API, http(s)://host:port; its admin key"
-            f" comes from ${CONTROL_KEY_ENV} (none needed on loopback).",
-        ],
         ["control-ca", None, None, "PEM CA file for an https --control."],
         ["log-format", None, None, "text (default) or json."],
         ["state-dir", None, None, "Folder of the SQLite store (as llmgw-server)."],
@@ -287,6 +294,6 @@ def makeService(options: Options) -> IService:
         host=getattr(address, "host", address),
         port=getattr(address, "port", ""),
         pid=os.getpid(),
-        control=control.url,
+        control=", ".join(control.urls),
     )
     return top

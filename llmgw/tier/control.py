@@ -1,7 +1,9 @@
 """
 The control plane's admin API as a router of the tier reaches it: its
-base URL, the admin key or token sent with each request, and an HTTP
-client trusting the given CA for C{https}.
+base URLs (a leader and its standbys), the admin key or token sent with
+each request, and an HTTP client trusting the given CA for C{https}.
+Requests go to the URL the follower (L{llmgw.tier.follow}) last found
+leading.
 """
 
 from __future__ import annotations
@@ -37,29 +39,63 @@ class _TrustCA:
 @dataclass
 class Control:
     """
-    @ivar url: the admin API's base URL, C{http(s)://host:port}, no
-        trailing slash.
+    @ivar urls: the admin APIs' base URLs, C{http(s)://host:port}, no
+        trailing slash: one per control plane (the leader and its
+        standbys), at least one.
+    @ivar current: the index in C{urls} requests go to.
     @ivar key: the admin key (or the server's token for its own workers),
         sent as C{Authorization: Bearer}; C{""} for none (loopback).
     @ivar agent: the HTTP client (a Twisted C{Agent} with its own pool).
     """
 
-    url: str
+    urls: list[str]
     key: str = field(default="", repr=False)
     agent: Any = None
+    current: int = 0
+
+    @property
+    def url(self) -> str:
+        """
+        The base URL requests go to now.
+        """
+        return self.urls[self.current]
+
+    def advance(self, leader: str = "") -> str:
+        """
+        Go on to the next URL in turn, or to the first whose host is
+        C{leader}'s (C{"HOST:PORT"}, as a standby names the leader's agent
+        address) if another URL has that host and this one has not.
+
+        @return: the URL requests go to now.
+        """
+        host = urlsplit("//" + leader).hostname if leader else None
+        count = len(self.urls)
+        order = [(self.current + step) % count for step in range(1, count + 1)]
+        if host is not None and urlsplit(self.url).hostname != host:
+            for index in order:
+                if urlsplit(self.urls[index]).hostname == host:
+                    self.current = index
+                    return self.url
+        self.current = order[0]
+        return self.url
 
     @classmethod
     def make(
-        cls, reactor: Any, url: str, key: str = "", ca: str | None = None
+        cls, reactor: Any, urls: list[str], key: str = "", ca: str | None = None
     ) -> Control:
         """
-        @param ca: a PEM file of the CA that signed the admin listener's
-            certificate, for C{https}; the system's trust otherwise.
-        @raise ConfigError: a bad URL or an unreadable CA file.
+        @param urls: the admin APIs' base URLs (C{--control}, repeatable or
+            comma-separated), at least one.
+        @param ca: a PEM file of the CA that signed the admin listeners'
+            certificates, for C{https}; the system's trust otherwise.
+        @raise ConfigError: no URL, a bad one, or an unreadable CA file.
         """
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"--control: not an http(s) URL: {url!r}")
+        if not urls:
+            raise ConfigError("--control URL is required")
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"--control: not an http(s) URL: {url!r}")
         pool = HTTPConnectionPool(reactor, persistent=True)
         if ca is not None:
             try:
@@ -70,7 +106,7 @@ class Control:
             agent = Agent(reactor, contextFactory=_TrustCA(trust), pool=pool)
         else:
             agent = Agent(reactor, pool=pool)
-        return cls(url.rstrip("/"), key, agent)
+        return cls([url.rstrip("/") for url in urls], key, agent)
 
     def request(
         self, method: bytes, path: str, body: object = None

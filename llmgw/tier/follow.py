@@ -3,6 +3,12 @@ Following the control plane: the admin API's watch (L{llmgw.server.watch})
 read as a stream, each state handed on at once; a dropped or silent
 stream is opened again after a short back-off, and its first line is the
 full state again.
+
+With several control planes (a leader and its standbys), a standby
+answers the watch with 503 naming the leader: the follower goes on to
+the next URL at once (the leader's host first), and backs off only once
+every URL has failed in a row.  Meanwhile the router keeps the endpoints
+it last heard of; the leader's first line replaces them whole.
 """
 
 from __future__ import annotations
@@ -17,11 +23,18 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.client import readBody
 from twisted.web.iweb import IResponse
 
 from llmgw.router.interfaces import Endpoint
 from llmgw.server.watch import KEEPALIVE, endpoint_from_json
 from llmgw.tier.control import Control
+
+NEXT_URL_AFTER = 0.05
+"""
+Seconds before the next control plane is tried after one refused or
+failed, while some in the round are untried.
+"""
 
 SILENT_AFTER = 10 * KEEPALIVE
 """
@@ -77,6 +90,7 @@ class Follower(Service):
         self.version = 0
         self.first: Deferred[None] = Deferred()
         self._backoff = 0.2
+        self._failures = 0
         self._pending: Deferred[Any] | None = None
         self._retry: IDelayedCall | None = None
         self._watchdog: IDelayedCall | None = None
@@ -106,12 +120,7 @@ class Follower(Service):
     def _answered(self, response: IResponse) -> Deferred[None] | None:
         self._pending = None
         if response.code != 200:
-            self.log.warn(
-                "the control plane refused the watch: HTTP {code}", code=response.code
-            )
-            response.deliverBody(_Lines(lambda line: None, Deferred()))
-            self._again()
-            return None
+            return readBody(response).addBoth(self._refused, response.code)
         ended: Deferred[None] = Deferred()
         ended.addCallback(self._ended)
         protocol = _Lines(self._line, ended)
@@ -119,6 +128,25 @@ class Follower(Service):
         self._transport = protocol.transport
         self._feed()
         return None
+
+    def _refused(self, body: object, code: int) -> None:
+        """
+        The watch answered C{code}, not 200: a standby's 503 names the
+        leader (C{{"error": {"message", "code": "standby", "leader"}}}).
+        """
+        leader = ""
+        if isinstance(body, bytes):
+            try:
+                leader = str(json.loads(body)["error"].get("leader", ""))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                pass
+        self.log.warn(
+            "the control plane at {url} refused the watch: HTTP {code}{leader}",
+            url=self.control.url,
+            code=code,
+            leader=f" (a standby; the leader is {leader})" if leader else "",
+        )
+        self._again(leader)
 
     def _failed(self, failure: Failure) -> None:
         self._pending = None
@@ -137,7 +165,20 @@ class Follower(Service):
             self.log.warn("the control plane's watch ended; opening it again")
             self._again()
 
-    def _again(self) -> None:
+    def _again(self, leader: str = "") -> None:
+        """
+        Open the watch again: on the next control plane soon while some
+        are untried in this round of failures, else after the back-off
+        (0.2 s doubling to 5 s), on the next one too.
+        """
+        if not self.running:
+            return
+        self._failures += 1
+        if len(self.control.urls) > 1:
+            self.control.advance(leader)
+        if self._failures % len(self.control.urls):
+            self._retry = self.clock.callLater(NEXT_URL_AFTER, self._open)
+            return
         self._retry = self.clock.callLater(self._backoff, self._open)
         self._backoff = min(self._backoff * 2, 5.0)
 
@@ -170,6 +211,7 @@ class Follower(Service):
             self.log.warn("a bad line in the control plane's watch: {error}", error=e)
             return
         self._backoff = 0.2
+        self._failures = 0
         self.version = version
         self.apply(endpoints, names, keys)
         if not self.first.called:

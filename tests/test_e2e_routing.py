@@ -1,7 +1,8 @@
 """
 End to end, routing through a real C{twistd -n llmgw-server} with
 C{llmgw sim} engines and the C{openai} client (issue 11): sequential
-requests alternate exactly over idle replicas, and overload answers 429
+requests alternate exactly over idle replicas, a replica's speed is
+learnt from its answers, and overload answers 429
 with C{Retry-After} at the configured depth, then serves again.
 """
 
@@ -100,6 +101,42 @@ class RoutingTests(SynchronousTestCase, Processes):
         self.ask(client, "m")
         self.assertEqual(sum(counts()), 18)
         self.assertIn(1, [c % 8 for c in counts()])
+
+    def test_slow_replica_learnt(self) -> None:
+        """
+        Two idle replicas, one four times slower (C{llmgw sim --speed
+        0.25}), no weights configured: sequential streamed requests first
+        alternate; once each replica has answered a few, the router knows
+        their speeds from the answers and the next ten all go to the fast
+        one (its score per unit of learnt weight is lower).
+        """
+        fast = self.start_sim("--itl", "0.01", model="m")[1]
+        slow = self.start_sim("--itl", "0.01", "--speed", "0.25", model="m")[1]
+        server, api, _ = self.start_server(
+            config=endpoint("fast", fast, "m") + endpoint("slow", slow, "m")
+        )
+        client = self.client(api)
+
+        def counts() -> list[int]:
+            return [sim_stats(u)["requests_by_path"].get(CHAT, 0) for u in (fast, slow)]
+
+        def stream() -> None:
+            for _ in client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=20,
+                stream=True,
+            ):
+                pass
+
+        for _ in range(12):
+            stream()
+        learnt = counts()
+        # Alternating until the slow replica's samples count (four).
+        self.assertGreaterEqual(learnt[1], 4)
+        for _ in range(10):
+            stream()
+        self.assertEqual(counts(), [learnt[0] + 10, learnt[1]])
 
     def test_ejected_replica_probed_back(self) -> None:
         """

@@ -335,6 +335,7 @@ class Router:
             )
             self._note_usage(status, exchange)
             self._count(record)
+            self.balancer.observe(record)
             self.usage.record(record)
             if key is not None and self.auth is not None:
                 self.auth.used(

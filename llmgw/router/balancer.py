@@ -8,6 +8,9 @@ replicas drawn at random when a model has more than L{TWO_CHOICES_ABOVE}
 (Mitzenmacher, "The Power of Two Choices in Randomized Load Balancing",
 IEEE TPDS 12(10), 2001).  A request with an affinity key goes to the
 key's owner while that stays within the bound (L{llmgw.router.affinity}).
+Under C{"load"} each replica's weight is its configured C{weight} times
+the speed factor learnt from its answers (L{llmgw.router.speed}): in the
+score, in the bound and in the rendezvous weights.
 
 The engine's running count is left out: the router's in-flight count
 already holds its own requests, and holds them without the poll's lag (a
@@ -30,10 +33,11 @@ from twisted.logger import Logger
 
 from llmgw.router.affinity import owner, within_bound
 from llmgw.router.ejection import Health, cooldown, verdict
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, RequestRecord
 from llmgw.router.load import EngineLoad
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
+from llmgw.router.speed import MIN_DECODE, Speeds
 
 KV_FULL = 0.9
 """
@@ -126,6 +130,7 @@ class Balancer:
         self._eject_base = settings.eject_base_cooldown
         self.load: LoadReadings | None = None
         self.metrics: RouterMetrics | None = None
+        self.speeds = Speeds(reactor)
         # Per model: the turn for ties (and for round robin).
         self._turn: dict[str, int] = {}
         self._replicas: dict[str, Replica] = {}
@@ -160,6 +165,34 @@ class Balancer:
         self._retired = retired
         self._replicas = replicas
         self._by_model = by_model
+        self.speeds.forget(set(replicas))
+
+    def observe(self, record: RequestRecord) -> None:
+        """
+        Learn from a finished request: a streamed answer's decode rate
+        feeds its replica's speed factor (L{llmgw.router.speed}).  A few
+        microseconds a request.
+        """
+        if (
+            record.status != 200
+            or not record.stream
+            or record.replica is None
+            or record.time_to_first_token is None
+            or record.completion_tokens < 2
+            or self._balance != "load"
+        ):
+            return
+        seconds = record.latency - record.time_to_first_token
+        peers = self._by_model.get(record.model)
+        if seconds < MIN_DECODE or not peers or len(peers) < 2:
+            return
+        self.speeds.observe(
+            record.model,
+            record.replica,
+            [r.endpoint.id for r in peers],
+            record.completion_tokens - 1,
+            seconds,
+        )
 
     def models(self) -> list[str]:
         """
@@ -241,45 +274,62 @@ class Balancer:
             self._turn[model] = turn + 1
             return ready[turn % len(ready)]
         if balance == "least_in_flight":
-            return self._least(model, ready, [r.outstanding for r in ready], True)
+            return self._least(
+                model,
+                ready,
+                [r.outstanding for r in ready],
+                [r.endpoint.weight for r in ready],
+                True,
+            )
+        factors = self.speeds.factors(model)
+        if factors is None:
+            weights = [r.endpoint.weight for r in ready]
+        else:
+            weights = [
+                r.endpoint.weight * factors.get(r.endpoint.id, 1.0) for r in ready
+            ]
         if key is not None and self.affinity:
             loads = [self.load_of(r, now) for r in ready]
-            i = owner(key, [(r.endpoint.id, r.endpoint.weight) for r in ready])
+            i = owner(
+                key,
+                [(r.endpoint.id, w) for r, w in zip(ready, weights, strict=True)],
+            )
             chosen = ready[i]
             held = within_bound(
-                loads[i],
-                chosen.endpoint.weight,
-                sum(loads),
-                sum(r.endpoint.weight for r in ready),
-                self._epsilon,
+                loads[i], weights[i], sum(loads), sum(weights), self._epsilon
             )
             if self.metrics is not None:
                 self.metrics.affinity.labels(
                     model, "owner" if held else "spilled"
                 ).inc()
-            return chosen if held else self._least(model, ready, loads)
+            return chosen if held else self._least(model, ready, loads, weights)
         if len(ready) > TWO_CHOICES_ABOVE:
-            a, b = self._random.sample(ready, 2)
-            la, lb = self.load_of(a, now), self.load_of(b, now)
-            return self._least(model, [a, b], [la, lb])
-        return self._least(model, ready, [self.load_of(r, now) for r in ready])
+            a, b = self._random.sample(range(len(ready)), 2)
+            la, lb = self.load_of(ready[a], now), self.load_of(ready[b], now)
+            return self._least(
+                model, [ready[a], ready[b]], [la, lb], [weights[a], weights[b]]
+            )
+        return self._least(model, ready, [self.load_of(r, now) for r in ready], weights)
 
     def _least(
         self,
         model: str,
         replicas: Sequence[Replica],
         loads: Sequence[float],
+        weights: Sequence[float],
         random_ties: bool = False,
     ) -> Replica:
         """
+        @param weights: each replica's weight (configured, times its speed
+            factor under the C{load} policy).
         @return: the replica of least C{(load + 1) / weight}, ties taking
             turns per model (or at random: the least_in_flight policy,
             the router's choice before engine load was read).
         """
         best: list[Replica] = []
         best_score = 0.0
-        for replica, load in zip(replicas, loads, strict=True):
-            score = (load + 1) / replica.endpoint.weight
+        for replica, load, weight in zip(replicas, loads, weights, strict=True):
+            score = (load + 1) / weight
             if not best or score < best_score:
                 best = [replica]
                 best_score = score

@@ -148,6 +148,8 @@ def run(kills: int) -> list[tuple[float, float]]:
     folder = tempfile.mkdtemp(prefix="llmgw-failover-")
     postgres = PostgresServer(require_postgres())
     processes: list[Process] = []
+    # The engine's pid, once known.
+    engines: list[int] = []
     try:
         postgres.start()
         url = postgres.create_database("llmgw")
@@ -189,6 +191,7 @@ def run(kills: int) -> list[tuple[float, float]]:
             time.sleep(0.2)
         (replica,) = replicas(servers[0].admin)
         pid = replica["shards"][0]["pid"]  # type: ignore[index]
+        engines.append(pid)
         results = []
         for round_ in range(kills):
             leader = next(s for s in servers if s.leads())
@@ -228,6 +231,13 @@ def run(kills: int) -> list[tuple[float, float]]:
     finally:
         for process in reversed(processes):
             process.stop()
+        # An agent leaves its engines running when it stops (a restarted
+        # agent adopts them): the bench's own engine goes with the bench.
+        for engine in engines:
+            try:
+                os.kill(engine, signal.SIGTERM)
+            except OSError:
+                pass
         postgres.stop()
 
 

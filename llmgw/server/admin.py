@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
@@ -194,29 +195,54 @@ class Admin(KeyRoutes, WatchRoutes):
         return json_answer(request, explain(plane, model))
 
     @app.route("/api/v1/nodes/<node_id>/drain", methods=["POST"])
-    def drain_node(self, request: IRequest, node_id: str) -> bytes:
+    async def drain_node(self, request: IRequest, node_id: str) -> bytes:
         """
         Drain a node: no new placements on it; its replicas stop taking
         requests, finish those in flight (up to C{[control]
-        drain_timeout}), then stop, and are placed elsewhere.
+        drain_timeout}), then stop, and are placed elsewhere.  Kept in
+        the store, when there is one: drained again after a restart.
+        503 C{store_busy} when the store refused the write (the node is
+        draining, until this server restarts).
         """
         try:
             drained = self._plane().drain_node(node_id)
         except KeyError:
             raise not_found(f"node {node_id[:200]!r}") from None
+        if self.store is not None:
+            await self._store_drain(self.store.set_drain(node_id, self.wall_clock()))
         return json_answer(request, {"node": node_id, "draining_replicas": drained})
 
     @app.route("/api/v1/nodes/<node_id>/undrain", methods=["POST"])
-    def undrain_node(self, request: IRequest, node_id: str) -> bytes:
+    async def undrain_node(self, request: IRequest, node_id: str) -> bytes:
         """
         Take a node back: placements may use it again (replicas already
-        moved stay where they are).
+        moved stay where they are); forgotten by the store.  503
+        C{store_busy} as for a drain.
         """
         try:
             self._plane().undrain_node(node_id)
         except KeyError:
             raise not_found(f"node {node_id[:200]!r}") from None
+        if self.store is not None:
+            await self._store_drain(self.store.clear_drain(node_id))
         return json_answer(request, {"node": node_id, "draining": False})
+
+    async def _store_drain(self, write: Deferred[None]) -> None:
+        """
+        Wait for a drain's write to the store.
+
+        @raise AdminError: 503 C{store_busy} when the store refused it.
+        """
+        assert self.store is not None
+        try:
+            await write
+        except self.store.database_errors as e:
+            raise AdminError(
+                503,
+                f"done in this server, but the store cannot keep it now ({e});"
+                " try again",
+                "store_busy",
+            ) from None
 
     @app.route("/api/v1/replicas/<replica_id>/drain", methods=["POST"])
     def drain_replica(self, request: IRequest, replica_id: str) -> bytes:

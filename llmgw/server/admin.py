@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
@@ -208,8 +207,7 @@ class Admin(KeyRoutes, WatchRoutes):
             drained = self._plane().drain_node(node_id)
         except KeyError:
             raise not_found(f"node {node_id[:200]!r}") from None
-        if self.store is not None:
-            await self._store_drain(self.store.set_drain(node_id, self.wall_clock()))
+        await self._kept(await self.keep_drain(node_id, True))
         return json_answer(request, {"node": node_id, "draining_replicas": drained})
 
     @app.route("/api/v1/nodes/<node_id>/undrain", methods=["POST"])
@@ -223,26 +221,42 @@ class Admin(KeyRoutes, WatchRoutes):
             self._plane().undrain_node(node_id)
         except KeyError:
             raise not_found(f"node {node_id[:200]!r}") from None
-        if self.store is not None:
-            await self._store_drain(self.store.clear_drain(node_id))
+        await self._kept(await self.keep_drain(node_id, False))
         return json_answer(request, {"node": node_id, "draining": False})
 
-    async def _store_drain(self, write: Deferred[None]) -> None:
+    async def keep_drain(self, node_id: str, draining: bool) -> bool:
         """
-        Wait for a drain's write to the store.
+        Write a node's drain (or its end) to the store, when there is one:
+        a restarted server drains it again.
 
-        @raise AdminError: 503 C{store_busy} when the store refused it.
+        @return: whether the store kept it (L{False}: it refused, logged).
         """
-        assert self.store is not None
+        if self.store is None:
+            return True
         try:
-            await write
+            if draining:
+                await self.store.set_drain(node_id, self.wall_clock())
+            else:
+                await self.store.clear_drain(node_id)
         except self.store.database_errors as e:
+            self.log.warn(
+                "node {node}: the store cannot keep its drain now: {error}",
+                node=node_id,
+                error=e,
+            )
+            return False
+        return True
+
+    async def _kept(self, kept: bool) -> None:
+        """
+        @raise AdminError: 503 C{store_busy} when the store refused.
+        """
+        if not kept:
             raise AdminError(
                 503,
-                f"done in this server, but the store cannot keep it now ({e});"
-                " try again",
+                "done in this server, but the store cannot keep it now; try again",
                 "store_busy",
-            ) from None
+            )
 
     @app.route("/api/v1/replicas/<replica_id>/drain", methods=["POST"])
     def drain_replica(self, request: IRequest, replica_id: str) -> bytes:

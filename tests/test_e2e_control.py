@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import tempfile
 import threading
@@ -450,3 +451,67 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         (back,) = [n for n in self.admin("/api/v1/nodes")["nodes"] if n["id"] == node]
         self.assertFalse(back["draining"])
+
+
+class DrainRestartTests(_Fleet, SynchronousTestCase):
+    def test_drain_survives_restart(self) -> None:
+        """
+        A node drained through the admin API is draining again after the
+        server restarts, as soon as its agent registers, and nothing is
+        placed on it; undrained, a restart leaves it undrained.
+        """
+        config = self.config(
+            MODELS.format(min_replicas=2, idle="0s"), startup_grace="6s"
+        )
+        self.start_fleet_server(config)
+        self.start_agent("gpu-01")
+        self.start_agent("gpu-02")
+        self.ready(2)
+        self.admin("/api/v1/nodes/gpu-01/drain", "POST")
+
+        def moved() -> bool:
+            ready = [r for r in self.replicas() if r["state"] == "ready"]
+            return len(ready) == 2 and all(
+                r["shards"][0]["node"] == "gpu-02" for r in ready
+            )
+
+        self.until(moved, 30, "both replicas on gpu-02")
+
+        def restart() -> dict[str, Any]:
+            self.server.stop()
+            self.start_fleet_server(config)
+
+            def registered() -> dict[str, Any] | None:
+                nodes = {n["id"]: n for n in self.admin("/api/v1/nodes")["nodes"]}
+                return nodes.get("gpu-01") if "gpu-02" in nodes else None
+
+            node: dict[str, Any] = self.until(registered, 15, "gpu-01 registered")
+            return node
+
+        self.assertTrue(restart()["draining"])
+        # Past the grace, the fleet settled: nothing on the drained node.
+        time.sleep(7)
+        ready = self.ready(2)
+        self.assertEqual({r["shards"][0]["node"] for r in ready}, {"gpu-02"})
+        self.assertEqual(
+            [r for r in self.replicas() if r["shards"][0]["node"] == "gpu-01"], []
+        )
+
+        # The store's write lock held elsewhere: 503 JSON, no traceback.
+        database = os.path.join(self._directory(), "server-state", "llmgw.db")
+        holder = sqlite3.connect(database, isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            status, headers, body = http(
+                "POST", self.admin_url + "/api/v1/nodes/gpu-01/undrain", b""
+            )
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        self.assertEqual(status, 503, body)
+        self.assertEqual(headers.get("content-type"), "application/json")
+        self.assertEqual(json.loads(body)["error"]["code"], "store_busy")
+        self.assertNotIn("Traceback", self.server.output())
+
+        self.admin("/api/v1/nodes/gpu-01/undrain", "POST")
+        self.assertFalse(restart()["draining"])

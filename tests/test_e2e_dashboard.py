@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import sys
 import tempfile
 import urllib.parse
@@ -198,6 +199,12 @@ class AdminListenerTests(_Browser, SynchronousTestCase):
         page.click("button:has-text('Drain')")
         self.expect(page.locator("#node-state")).to_have_text("draining")
         self.assertTrue(self.node_draining(node))
+        # Kept in the store, as through the admin API.
+        database = os.path.join(self._directory(), "server-state", "llmgw.db")
+        with sqlite3.connect(database) as db:
+            rows = db.execute("SELECT node_id FROM node_drains").fetchall()
+        db.close()
+        self.assertEqual(rows, [(node,)])
         self.shot("node-draining.png")
 
         # Undrained through the API: the page shows it by its refresh.

@@ -167,3 +167,44 @@ class StandbyTests(Pair, SynchronousTestCase):
         self.assertEqual(status, 75, first[0].output()[-3000:])
         self.assertLess(time.monotonic() - stopped, 8)
         self.assertIn("lost leadership", first[0].output())
+
+    def test_drain_kept_on_takeover(self) -> None:
+        """
+        A node drained through the leader after the standby started: the
+        standby, on taking the lead, reads the drains again, so the node
+        registers with it draining, and nothing is placed on it.
+        """
+        config = self.standby_config(replicas=1)
+        first = self.start_one(0, config)
+        first[0].wait_for("leading: holds the leader lock")
+        second = self.start_one(1, config)
+        second[0].wait_for("standby: leader chosen")
+        self.start_pair_agent("gpu-01")
+        self.start_pair_agent("gpu-02")
+        self.use(*first)
+        self.ready(1)
+        self.admin("/api/v1/nodes/gpu-01/drain", "POST")
+
+        def on_gpu_02() -> bool:
+            ready = [r for r in self.replicas() if r["state"] == "ready"]
+            return len(ready) == 1 and ready[0]["shards"][0]["node"] == "gpu-02"
+
+        self.until(on_gpu_02, 30, "the replica on gpu-02")
+        first[0].popen.send_signal(signal.SIGKILL)
+        first[0].popen.wait(10)
+        killed = time.monotonic()
+        self.use(*second)
+        second[0].wait_for("leading: holds the leader lock")
+
+        def gpu_01() -> dict[str, object] | None:
+            nodes = {n["id"]: n for n in self.admin("/api/v1/nodes")["nodes"]}
+            return nodes.get("gpu-01")
+
+        node = self.until(gpu_01, 15, "gpu-01 registered with the new leader")
+        self.assertTrue(node["draining"])
+        # Past the new leader's startup grace: nothing on gpu-01.
+        time.sleep(max(0.0, 7.5 - (time.monotonic() - killed)))
+        self.until(on_gpu_02, 15, "the replica still on gpu-02 alone")
+        self.assertEqual(
+            [r for r in self.replicas() if r["shards"][0]["node"] == "gpu-01"], []
+        )

@@ -24,7 +24,7 @@ from llmgw.checks import ConfigError
 from llmgw.config import StandbyConfig, parse_config
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
-from llmgw.server.standby import LOCK_KEY, Leadership, advertised
+from llmgw.server.standby import LOCK_KEY, Leadership, advertised, relearn_drains
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
 
@@ -363,3 +363,41 @@ class StandbyHubTests(SynchronousTestCase):
         (answer,) = FrameDecoder().feed(transport.value())
         self.assertTrue(pb.ControlMessage.FromString(answer).HasField("welcome"))
         self.assertEqual(len(hub.inventory.nodes()), 1)
+
+
+class _DrainStore:
+    def __init__(self, answer: Deferred[dict[str, float]]) -> None:
+        self.answer = answer
+
+    def drains(self) -> Deferred[dict[str, float]]:
+        return self.answer
+
+
+class RelearnDrainsTests(SynchronousTestCase):
+    def test_drains_read_again(self) -> None:
+        """
+        On taking the lead the store's drained nodes replace those read at
+        start: one drained since is added, one undrained since removed.
+        """
+        inventory = Inventory(drained=["old"])
+        store: Any = _DrainStore(Deferred())
+        done = relearn_drains(store, inventory)
+        self.assertNoResult(done)
+        store.answer.callback({"new": 1.0})
+        self.successResultOf(done)
+        self.assertEqual(inventory.drained, {"new"})
+
+    def test_store_down(self) -> None:
+        """
+        A store that cannot be read keeps what start read, with a warning.
+        """
+        inventory = Inventory(drained=["old"])
+        store: Any = _DrainStore(Deferred())
+        with capturedLogs() as events:
+            done = relearn_drains(store, inventory)
+            store.answer.errback(OSError("down"))
+        self.successResultOf(done)
+        self.assertEqual(inventory.drained, {"old"})
+        self.assertTrue(
+            any("cannot be read" in str(e.get("log_format")) for e in events)
+        )

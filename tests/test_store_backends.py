@@ -2,7 +2,7 @@
 The store's behaviour, the same on both engines: each test runs on a
 SQLite file and on a real PostgreSQL (L{tests.pg_support}): migrations,
 a newer database refused, keys, usage written once per request id, the
-usage report and runtime models.
+usage report, runtime models and drained nodes.
 """
 
 from __future__ import annotations
@@ -189,6 +189,26 @@ class _Behaviour(_Base):
         self.assertEqual(await store.models(), [("a", '{"x": 2}'), ("b", "{}")])
         await store.delete_model("a")
         self.assertEqual(await store.models(), [("b", "{}")])
+
+    async def test_drains(self) -> None:
+        """
+        Drained nodes: set (a second set keeps the first time), read back
+        by L{Store.drains} and by the next start's L{Store.prepare},
+        cleared (clearing an unknown node does nothing).
+        """
+        store = self.store()
+        store.prepare()
+        self.assertEqual(store.drained, {})
+        await store.set_drain("gpu-01", 1.5)
+        await store.set_drain("gpu-02", 2.0)
+        await store.set_drain("gpu-01", 3.0)
+        self.assertEqual(await store.drains(), {"gpu-01": 1.5, "gpu-02": 2.0})
+        await store.clear_drain("gpu-02")
+        await store.clear_drain("nowhere")
+        self.assertEqual(await store.drains(), {"gpu-01": 1.5})
+        again = self.store()
+        again.prepare()
+        self.assertEqual(again.drained, {"gpu-01": 1.5})
 
 
 class SQLiteStoreTests(_Behaviour, TestCase):

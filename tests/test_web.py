@@ -229,12 +229,18 @@ class FailureTapTests(SynchronousTestCase):
 class _Actions:
     def __init__(self) -> None:
         self.scaled: list[tuple[str, int, int]] = []
+        self.drains: list[tuple[str, bool]] = []
+        self.kept = True
 
     async def set_scale(self, name: str, low: int, high: int) -> Any:
         self.scaled.append((name, low, high))
 
     async def revoke(self, name: str) -> Any:
         raise KeyError(name)
+
+    async def keep_drain(self, node_id: str, draining: bool) -> bool:
+        self.drains.append((node_id, draining))
+        return self.kept
 
 
 class DashboardTests(PlaneCase):
@@ -286,8 +292,9 @@ class DashboardTests(PlaneCase):
         """
         A drain without the token, or with one that is not the cookie's,
         is refused with 403 and changes nothing; with both it drains and
-        answers 303 back to the node's page.  Scale goes to the admin's
-        function.
+        answers 303 back to the node's page, the drain kept through the
+        admin's function (503 when the store refuses).  Scale goes to the
+        admin's function.
         """
         _, response, _ = self.call("GET", "/")
         (cookie,) = response.headers.getRawHeaders("set-cookie")
@@ -317,6 +324,20 @@ class DashboardTests(PlaneCase):
         self.assertEqual(code, 303)
         self.assertEqual(response.headers.getRawHeaders("location"), ["/nodes/n1"])
         self.assertTrue(node.draining)
+        self.assertEqual(self.actions.drains, [("n1", True)])
+        # The store refuses: 503, the node undrained in this server only.
+        self.actions.kept = False
+        code, _, body = self.call(
+            "POST",
+            "/nodes/n1/undrain",
+            data=f"csrf={csrf}".encode(),
+            headers=form,
+            allow_redirects=False,
+        )
+        self.assertEqual(code, 503)
+        self.assertIn(b"Store busy", body)
+        self.assertFalse(node.draining)
+        self.assertEqual(self.actions.drains, [("n1", True), ("n1", False)])
         code, _, _ = self.call(
             "POST",
             "/models/m/scale",

@@ -75,6 +75,7 @@ class Draining:
         if node is None:
             raise KeyError(node_id)
         node.draining = True
+        self.inventory.drained.add(node_id)
         self._changes.nodes.add(node_id)
         drained = []
         for replica in list(self.replicas.values()):
@@ -95,6 +96,7 @@ class Draining:
         if node is None:
             raise KeyError(node_id)
         node.draining = False
+        self.inventory.drained.discard(node_id)
         node.version += 1
         self._changes.nodes.add(node_id)
         self.loop.kick()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -145,10 +146,17 @@ class Inventory:
     @ivar touched: ids of the nodes whose description changed (what
         placement reads, their link) or that were heard while not ready;
         the control plane empties it each pass.
+    @ivar drained: ids of the nodes an operator drained, known or not
+        yet (read from the store at start): one registering is draining
+        at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, drained: Iterable[str] = ()) -> None:
+        """
+        @param drained: the nodes drained before this start (the store's).
+        """
         self._nodes: dict[str, Node] = {}
+        self.drained: set[str] = set(drained)
         self._versions = itertools.count(1)
         self.touched: set[str] = set()
         # Node ids, the least recently heard first; L{None} when a heard
@@ -186,7 +194,9 @@ class Inventory:
             ],
             last_seen=now,
             heard=heard,
-            draining=old.draining if old is not None else False,
+            draining=old.draining
+            if old is not None
+            else message.node_id in self.drained,
             weights=old.weights if old is not None else [],
             weights_at=old.weights_at if old is not None else None,
             weights_total=old.weights_total if old is not None else 0,

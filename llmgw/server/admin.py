@@ -194,29 +194,69 @@ class Admin(KeyRoutes, WatchRoutes):
         return json_answer(request, explain(plane, model))
 
     @app.route("/api/v1/nodes/<node_id>/drain", methods=["POST"])
-    def drain_node(self, request: IRequest, node_id: str) -> bytes:
+    async def drain_node(self, request: IRequest, node_id: str) -> bytes:
         """
         Drain a node: no new placements on it; its replicas stop taking
         requests, finish those in flight (up to C{[control]
-        drain_timeout}), then stop, and are placed elsewhere.
+        drain_timeout}), then stop, and are placed elsewhere.  Kept in
+        the store, when there is one: drained again after a restart.
+        503 C{store_busy} when the store refused the write (the node is
+        draining, until this server restarts).
         """
         try:
             drained = self._plane().drain_node(node_id)
         except KeyError:
             raise not_found(f"node {node_id[:200]!r}") from None
+        await self._kept(await self.keep_drain(node_id, True))
         return json_answer(request, {"node": node_id, "draining_replicas": drained})
 
     @app.route("/api/v1/nodes/<node_id>/undrain", methods=["POST"])
-    def undrain_node(self, request: IRequest, node_id: str) -> bytes:
+    async def undrain_node(self, request: IRequest, node_id: str) -> bytes:
         """
         Take a node back: placements may use it again (replicas already
-        moved stay where they are).
+        moved stay where they are); forgotten by the store.  503
+        C{store_busy} as for a drain.
         """
         try:
             self._plane().undrain_node(node_id)
         except KeyError:
             raise not_found(f"node {node_id[:200]!r}") from None
+        await self._kept(await self.keep_drain(node_id, False))
         return json_answer(request, {"node": node_id, "draining": False})
+
+    async def keep_drain(self, node_id: str, draining: bool) -> bool:
+        """
+        Write a node's drain (or its end) to the store, when there is one:
+        a restarted server drains it again.
+
+        @return: whether the store kept it (L{False}: it refused, logged).
+        """
+        if self.store is None:
+            return True
+        try:
+            if draining:
+                await self.store.set_drain(node_id, self.wall_clock())
+            else:
+                await self.store.clear_drain(node_id)
+        except self.store.database_errors as e:
+            self.log.warn(
+                "node {node}: the store cannot keep its drain now: {error}",
+                node=node_id,
+                error=e,
+            )
+            return False
+        return True
+
+    async def _kept(self, kept: bool) -> None:
+        """
+        @raise AdminError: 503 C{store_busy} when the store refused.
+        """
+        if not kept:
+            raise AdminError(
+                503,
+                "done in this server, but the store cannot keep it now; try again",
+                "store_busy",
+            )
 
     @app.route("/api/v1/replicas/<replica_id>/drain", methods=["POST"])
     def drain_replica(self, request: IRequest, replica_id: str) -> bytes:

@@ -37,8 +37,10 @@ from twisted.python.failure import Failure
 
 from llmgw.config import ServerConfig
 from llmgw.control.agents import AgentHub
+from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
 from llmgw.server.admin import Admin
+from llmgw.store.base import Store
 
 log = Logger(namespace="llmgw.server")
 
@@ -312,7 +314,12 @@ def leading_services(
     def lead() -> None:
         plane.started = reactor.seconds()
         plane.grace_over = plane.settings.startup_grace <= 0
-        hub.redirect = lambda: None
+
+        def accept(_: object) -> None:
+            hub.redirect = lambda: None
+
+        # Registers once the drains the old leader kept are known.
+        relearn_drains(admin.store, plane.inventory).addBoth(accept)
 
     def lost(why: str) -> None:
         hub.redirect = lambda: ""
@@ -346,6 +353,31 @@ def leading_services(
         url=_without_password(url),
     )
     return [leadership]
+
+
+def relearn_drains(store: Store | None, inventory: Inventory) -> Deferred[None]:
+    """
+    On taking the lead: the drained nodes read again from the store (the
+    old leader drained or undrained nodes since this server started), in
+    place of what C{prepare} read.  A store that cannot be read now
+    leaves those, with a warning.
+
+    @return: fires with L{None} once known (never fails).
+    """
+    if store is None:
+        return succeed(None)
+
+    def learnt(drained: dict[str, float]) -> None:
+        inventory.drained = set(drained)
+
+    def failed(failure: Failure) -> None:
+        log.warn(
+            "the drained nodes cannot be read now ({error}); those read at"
+            " start are kept",
+            error=failure.getErrorMessage(),
+        )
+
+    return store.drains().addCallbacks(learnt, failed)
 
 
 def _without_password(url: str) -> str:

@@ -367,7 +367,7 @@ def makeService(options: Options) -> IService:
 
     static = list(config.endpoints)
     publish(static)
-    inventory = Inventory()
+    inventory = Inventory(drained=store.drained)
     hub = AgentHub(
         reactor,
         inventory,

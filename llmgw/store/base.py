@@ -114,6 +114,13 @@ MIGRATIONS: tuple[str, ...] = (
         (SELECT MIN(id) FROM usage GROUP BY request_id);
     CREATE UNIQUE INDEX usage_request_id ON usage (request_id);
     """,
+    # 4: nodes an operator drained, kept across restarts (issue 12).
+    """
+    CREATE TABLE node_drains (
+        node_id TEXT PRIMARY KEY,
+        since REAL NOT NULL
+    );
+    """,
 )
 
 
@@ -253,6 +260,8 @@ class Store:
     database_errors: tuple[type[Exception], ...] = ()
     integrity_errors: tuple[type[Exception], ...] = ()
     path: str = ""
+    #: The drained nodes L{prepare} read: node id to POSIX seconds.
+    drained: dict[str, float]
 
     def prepare(self) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
         """
@@ -261,7 +270,8 @@ class Store:
 
         @return: every key, revoked ones included, as dicts of the
             C{api_keys} columns (C{models} decoded: a list or L{None});
-            and the runtime models, as L{models} gives them.
+            and the runtime models, as L{models} gives them.  The drained
+            nodes go to L{drained}.
         @raise StoreError: the database cannot be opened or migrated (not
             a database, or newer than this code).
         """
@@ -328,6 +338,25 @@ class Store:
         raise NotImplementedError
 
     def put_model(self, name: str, spec: str, when: float) -> Deferred[None]:
+        raise NotImplementedError
+
+    def drains(self) -> Deferred[dict[str, float]]:
+        """
+        @return: the drained nodes, node id to when (POSIX seconds); at
+            start L{prepare} reads them into L{drained}.
+        """
+        raise NotImplementedError
+
+    def set_drain(self, node_id: str, since: float) -> Deferred[None]:
+        """
+        Keep C{node_id} drained (its first C{since} kept when already).
+        """
+        raise NotImplementedError
+
+    def clear_drain(self, node_id: str) -> Deferred[None]:
+        """
+        Forget C{node_id}'s drain (none: nothing to do).
+        """
         raise NotImplementedError
 
     def delete_model(self, name: str) -> Deferred[None]:

@@ -153,7 +153,8 @@ class SQLiteStore(Store):
 
         @return: every key, revoked ones included, as dicts of the
             C{api_keys} columns (C{models} decoded: a list or L{None});
-            and the runtime models, as L{models} gives them.
+            and the runtime models, as L{models} gives them.  The drained
+            nodes go to L{drained}.
         @raise StoreError: the database cannot be opened or migrated (not
             a database, or newer than this code).
         """
@@ -170,6 +171,9 @@ class SQLiteStore(Store):
             models = cursor.execute(
                 "SELECT name, spec FROM models ORDER BY added"
             ).fetchall()
+            self.drained = dict(
+                cursor.execute("SELECT node_id, since FROM node_drains").fetchall()
+            )
             return keys, [(name, spec) for name, spec in models]
         except (sqlite3.Error, StoreError) as e:
             raise StoreError(f"store: {self.path!r}: {e}") from None
@@ -319,4 +323,22 @@ class SQLiteStore(Store):
     def delete_model(self, name: str) -> Deferred[None]:
         return self.pool.runOperation(  # type: ignore[no-any-return]
             "DELETE FROM models WHERE name = ?", (name,)
+        )
+
+    # Drained nodes
+
+    def drains(self) -> Deferred[dict[str, float]]:
+        d = self.reader.runQuery("SELECT node_id, since FROM node_drains")
+        return d.addCallback(dict)  # type: ignore[no-any-return]
+
+    def set_drain(self, node_id: str, since: float) -> Deferred[None]:
+        return self.pool.runOperation(  # type: ignore[no-any-return]
+            "INSERT INTO node_drains (node_id, since) VALUES (?,?)"
+            " ON CONFLICT (node_id) DO NOTHING",
+            (node_id, since),
+        )
+
+    def clear_drain(self, node_id: str) -> Deferred[None]:
+        return self.pool.runOperation(  # type: ignore[no-any-return]
+            "DELETE FROM node_drains WHERE node_id = ?", (node_id,)
         )

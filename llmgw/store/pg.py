@@ -151,6 +151,8 @@ class PostgresStore(Store):
                     keys = self._keys(cursor)
                     cursor.execute("SELECT name, spec FROM models ORDER BY added")
                     models = [(name, spec) for name, spec in cursor.fetchall()]
+                    cursor.execute("SELECT node_id, since FROM node_drains")
+                    self.drained = dict(cursor.fetchall())
             return keys, models
         except (psycopg.Error, PoolTimeout, StoreError) as e:
             raise StoreError(f"store: {self.path}: {_one_line(e)}") from None
@@ -319,6 +321,31 @@ class PostgresStore(Store):
     def delete_model(self, name: str) -> Deferred[None]:
         def delete(cursor: psycopg.Cursor[Any]) -> None:
             cursor.execute("DELETE FROM models WHERE name = %s", (name,))
+
+        return self._run(delete)
+
+    # Drained nodes
+
+    def drains(self) -> Deferred[dict[str, float]]:
+        def read(cursor: psycopg.Cursor[Any]) -> dict[str, float]:
+            cursor.execute("SELECT node_id, since FROM node_drains")
+            return dict(cursor.fetchall())
+
+        return self._run(read)
+
+    def set_drain(self, node_id: str, since: float) -> Deferred[None]:
+        def put(cursor: psycopg.Cursor[Any]) -> None:
+            cursor.execute(
+                "INSERT INTO node_drains (node_id, since) VALUES (%s,%s)"
+                " ON CONFLICT (node_id) DO NOTHING",
+                (node_id, since),
+            )
+
+        return self._run(put)
+
+    def clear_drain(self, node_id: str) -> Deferred[None]:
+        def delete(cursor: psycopg.Cursor[Any]) -> None:
+            cursor.execute("DELETE FROM node_drains WHERE node_id = %s", (node_id,))
 
         return self._run(delete)
 

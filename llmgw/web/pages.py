@@ -72,6 +72,14 @@ class Actions(Protocol):
         @raise KeyError: no such key.
         """
 
+    async def keep_drain(self, node_id: str, draining: bool) -> bool:
+        """
+        Keep a node's drain (or its end) in the store, as the admin API's
+        drain and undrain do.
+
+        @return: whether the store kept it.
+        """
+
 
 class Csrf(Protocol):
     """
@@ -202,6 +210,15 @@ class Dashboard:
             return None
         return fields
 
+    def _unkept(self, request: IRequest) -> bytes:
+        return self._page(
+            request,
+            "missing.html",
+            "Store busy",
+            503,
+            what="the store to keep this (done in this server only): try again",
+        )
+
     def _forbidden(self, request: IRequest) -> bytes:
         return self._page(
             request,
@@ -265,23 +282,27 @@ class Dashboard:
     # Actions
 
     @app.route("/nodes/<node_id>/drain", methods=["POST"])
-    def drain_node(self, request: IRequest, node_id: str) -> bytes:
+    async def drain_node(self, request: IRequest, node_id: str) -> bytes:
         if self._checked(request) is None:
             return self._forbidden(request)
         try:
             self._plane().drain_node(node_id)
         except KeyError:
             return self._missing(request, f"node {node_id[:200]}")
+        if not await self.actions.keep_drain(node_id, True):
+            return self._unkept(request)
         return self._back(request, "/nodes/" + quote(node_id, safe=""))
 
     @app.route("/nodes/<node_id>/undrain", methods=["POST"])
-    def undrain_node(self, request: IRequest, node_id: str) -> bytes:
+    async def undrain_node(self, request: IRequest, node_id: str) -> bytes:
         if self._checked(request) is None:
             return self._forbidden(request)
         try:
             self._plane().undrain_node(node_id)
         except KeyError:
             return self._missing(request, f"node {node_id[:200]}")
+        if not await self.actions.keep_drain(node_id, False):
+            return self._unkept(request)
         return self._back(request, "/nodes/" + quote(node_id, safe=""))
 
     @app.route("/replicas/<replica_id>/drain", methods=["POST"])

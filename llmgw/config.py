@@ -508,6 +508,24 @@ def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     return config
 
 
+def shared_flags(config: ServerConfig, flags: Mapping[str, Any]) -> ServerConfig:
+    """
+    The command-line flags both C{llmgw-server} and C{llmgw-router} take,
+    over the file's values: C{--listen}, C{--log-format}, C{--state-dir}
+    (L{None}: not given).
+
+    @raise ConfigError: an unknown log format.
+    """
+    if flags["listen"] is not None:
+        config = replace(config, listen=flags["listen"])
+    if flags["log-format"] is not None:
+        log_format = check_choice("--log-format", flags["log-format"], LOG_FORMATS)
+        config = replace(config, log_format=log_format)
+    if flags["state-dir"] is not None:
+        config = replace(config, state_dir=flags["state-dir"])
+    return config
+
+
 def load_config(path: str | None) -> ServerConfig:
     """
     Read and validate the configuration file, or the defaults when C{path}

@@ -21,8 +21,8 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
-from llmgw.checks import ConfigError, check_choice
-from llmgw.config import LOG_FORMATS, ServerConfig, load_config
+from llmgw.checks import ConfigError
+from llmgw.config import ServerConfig, load_config, shared_flags
 from llmgw.router.app import LogUsageSink, Router, UsageSinks
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
@@ -127,14 +127,7 @@ class Options(usage.Options):
             raise SystemExit(2) from None
 
     def _config(self) -> ServerConfig:
-        config = load_config(self["config"])
-        if self["listen"] is not None:
-            config = replace(config, listen=self["listen"])
-        if self["log-format"] is not None:
-            log_format = check_choice("--log-format", self["log-format"], LOG_FORMATS)
-            config = replace(config, log_format=log_format)
-        if self["state-dir"] is not None:
-            config = replace(config, state_dir=self["state-dir"])
+        config = shared_flags(load_config(self["config"]), self)
         if self["routers"] is not None:
             if self["routers"] < 1:
                 raise ConfigError("--routers: expected a whole number, at least 1")

@@ -19,14 +19,14 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from twisted.web.server import Site
 
-from llmgw.checks import ConfigError, check_choice
+from llmgw.checks import ConfigError
 from llmgw.config import (
-    LOG_FORMATS,
     ServerConfig,
     check_router_workers,
     finish_config,
     load_config,
     parse_endpoint_flag,
+    shared_flags,
 )
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
 from llmgw.control.catalog import Model, parse_models
@@ -180,20 +180,13 @@ class Options(usage.Options):
             raise SystemExit(2) from None
 
     def _config(self) -> ServerConfig:
-        config = load_config(self["config"])
-        if self["listen"] is not None:
-            config = replace(config, listen=self["listen"])
+        config = shared_flags(load_config(self["config"]), self)
         if self["admin-listen"] is not None:
             config = replace(config, admin_listen=self["admin-listen"])
         if self["agent-listen"] is not None:
             config = replace(config, agent_listen=self["agent-listen"])
         if self["metrics-listen"] is not None:
             config = replace(config, metrics_listen=self["metrics-listen"])
-        if self["log-format"] is not None:
-            log_format = check_choice("--log-format", self["log-format"], LOG_FORMATS)
-            config = replace(config, log_format=log_format)
-        if self["state-dir"] is not None:
-            config = replace(config, state_dir=self["state-dir"])
         if self["router-workers"] is not None:
             workers = check_router_workers(self["router-workers"])
             config = replace(config, router_workers=workers)

@@ -86,7 +86,7 @@ class RouterTests(SynchronousTestCase):
             wall_clock=lambda: 1234.5,
             auth=self.auth,
         )
-        self.stub = StubTreq(self.router.app.resource())
+        self.stub = StubTreq(self.router.resource())
 
     def post(self, body: bytes, key: bytes = b"sk-good") -> object:
         d = self.stub.post(

@@ -95,7 +95,7 @@ class _Gateway(SynchronousTestCase):
             activator=self.plane.catalog,
         )
         self.router.log = Logger(observer=self.events.append)
-        self.stub = StubTreq(self.router.app.resource())
+        self.stub = StubTreq(self.router.resource())
 
     def post(self, body: bytes = STREAM) -> Any:
         d = self.stub.post("http://gw/v1/chat/completions", data=body)

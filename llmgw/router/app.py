@@ -16,6 +16,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw.router.affinity import AffinityRule
@@ -23,6 +24,7 @@ from llmgw.router.balancer import Balancer
 from llmgw.router.cors import Cors
 from llmgw.router.errors import APIError, body_too_large, model_not_found
 from llmgw.router.exchange import Exchange, Services, client_gone
+from llmgw.router.fastpath import ForwardingRoutes
 from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
 
 # Named here too for the modules that import them from the routes.
@@ -40,6 +42,25 @@ from llmgw.router.prepare import (
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON, request_id, upstream_request_id
 from llmgw.router.upstream import Upstream
+
+FORWARDED_PATHS = {
+    path: path
+    for path in (
+        b"/v1/chat/completions",
+        b"/v1/completions",
+        b"/v1/embeddings",
+        b"/v1/rerank",
+        b"/v1/score",
+        b"/v1/responses",
+        b"/tokenize",
+        b"/detokenize",
+    )
+}
+"""
+The paths whose POSTs go to a replica, each to the same path there.  Each
+has a Klein route too, for the requests L{ForwardingRoutes} passes on (a
+percent-encoded spelling of the path).
+"""
 
 
 def _loggable(text: str, limit: int = 200) -> str:
@@ -69,48 +90,6 @@ def _began(exchange: Exchange) -> bool:
     """
     status = exchange.answer_status
     return status is not None and 200 <= status < 300
-
-
-class UsageSinks:
-    """
-    Hands each record to several sinks.
-    """
-
-    def __init__(self, *sinks: UsageSink) -> None:
-        self.sinks = sinks
-
-    def record(self, record: RequestRecord) -> None:
-        for sink in self.sinks:
-            sink.record(record)
-
-
-class LogUsageSink:
-    """
-    A L{UsageSink} that writes one log line per request.
-    """
-
-    log = Logger()
-
-    def record(self, record: RequestRecord) -> None:
-        self.log.info(
-            "request {request_id} upstream_id={upstream_request_id} model={model}"
-            " replica={replica} key={key} status={status}"
-            " prompt_tokens={prompt_tokens} completion_tokens={completion_tokens}"
-            " latency={latency:.3f}s",
-            request_id=record.request_id,
-            upstream_request_id=record.upstream_request_id,
-            model=record.model,
-            replica=record.replica,
-            key=record.key_name,
-            status=record.status,
-            prompt_tokens=record.prompt_tokens,
-            completion_tokens=record.completion_tokens,
-            latency=record.latency,
-            # Not in the text line; fields of the JSON line (--log-format).
-            time_to_first_token=record.time_to_first_token,
-            stream=record.stream,
-            usage_estimated=record.usage_estimated,
-        )
 
 
 class Router:
@@ -200,6 +179,13 @@ class Router:
             log=self.log,
             overload=overload,
         )
+
+    def resource(self) -> IResource:
+        """
+        @return: the client API as a resource: the forwarding routes
+            (L{FORWARDED_PATHS}) served directly, the rest by Klein.
+        """
+        return ForwardingRoutes(self._forward, FORWARDED_PATHS, self.app.resource())
 
     def knows(self, model: str) -> bool:
         """

@@ -23,13 +23,14 @@ from twisted.python import usage
 
 from llmgw.checks import ConfigError
 from llmgw.config import ServerConfig, load_config, shared_flags
-from llmgw.router.app import LogUsageSink, Router, UsageSinks
+from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
+from llmgw.router.usage_log import LogUsageSink, UsageSinks
 from llmgw.server.fdlimit import raise_open_file_limit
 from llmgw.server.keysync import key_ring
 from llmgw.server.lifecycle import (
@@ -249,7 +250,7 @@ def makeService(options: Options) -> IService:
     )
     router.load = load
     raise_open_file_limit(settings.max_connections)
-    site = make_site(router.app.resource(), settings, reactor, router.cors)
+    site = make_site(router.resource(), settings, reactor, router.cors)
     try:
         if options["reuse-port"]:
             port = _listen_reuse_port(reactor, config.listen, site)

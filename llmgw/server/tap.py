@@ -33,13 +33,14 @@ from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import FleetCollector
 from llmgw.control.plane import ControlPlane
-from llmgw.router.app import LogUsageSink, Router, UsageSinks
+from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
 from llmgw.router.upstream import Upstream, make_upstream_client
+from llmgw.router.usage_log import LogUsageSink, UsageSinks
 from llmgw.server.admin import Admin
 from llmgw.server.admin_guard import AdminGuard, is_loopback
 from llmgw.server.engine_keys import EngineKeys
@@ -433,7 +434,7 @@ def makeService(options: Options) -> IService:
     client_dashboard = Dashboard(fleet, admin, sessions, "/admin", logout=True)
     router_site = make_site(
         Mount(
-            router.app.resource(),
+            router.resource(),
             b"admin",
             LoginGate(client_dashboard.app.resource(), sessions, "/admin"),
         ),

@@ -1,14 +1,10 @@
 """
-The HTTP connection pool the router (to replicas) and the agent (to its
-engines' health URLs) both use.
+The HTTP connection pool the agent uses for its engines' health URLs.
 
-A leaf: it imports nothing from the rest of llmgw, so the agent uses it
-without importing the router.
+A leaf: it imports nothing from the rest of llmgw.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from twisted.web.client import HTTPConnectionPool, _HTTP11ClientFactory
 
@@ -21,20 +17,7 @@ class _QuietFactory(_HTTP11ClientFactory):
 
 class QuietConnectionPool(HTTPConnectionPool):
     """
-    An L{HTTPConnectionPool} that does not log each connection, and says
-    whether the connection it handed out last was reused.
-
-    @ivar last_reused: whether the last L{getConnection} gave an idle
-        connection from the pool (it may have been closed by the engine
-        meanwhile) rather than a new one.
+    An L{HTTPConnectionPool} that does not log each connection.
     """
 
     _factory = _QuietFactory
-    last_reused = False
-
-    def getConnection(self, key: Any, endpoint: Any) -> Any:
-        result = super().getConnection(key, endpoint)
-        # A pooled connection comes in a Deferred that has fired already; a
-        # new one waits for its TCP handshake.
-        self.last_reused = bool(result.called)
-        return result

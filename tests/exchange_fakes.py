@@ -1,10 +1,12 @@
 """
-Fakes for in-process router tests: an L{IAgent} whose answers a test gives,
-a response whose body a test writes, and a client request.
+Fakes for in-process router tests: an engine client (the router's
+L{llmgw.router.upstream.Upstream}) whose answers a test gives, a response
+whose body a test writes, and a client request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +17,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IBodyProducer, IResponse
+from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 from zope.interface import implementer
 
 
@@ -93,39 +95,32 @@ class Sent:
     cancelled: bool = False
 
 
-@implementer(IAgent)
 class FakeAgent:
     """
-    Records each request; its answer waits for the test.
+    An L{llmgw.router.upstream.Upstream} that records each request; its
+    answer waits for the test (a L{FakeResponse}, or a failure such as
+    L{llmgw.router.upstream.NoAnswer}).
     """
 
     def __init__(self) -> None:
         self.sent: list[Sent] = []
 
-    def request(
+    def post(
         self,
-        method: bytes,
-        uri: bytes,
-        headers: Headers | None = None,
-        bodyProducer: IBodyProducer | None = None,
+        base: bytes,
+        path: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
     ) -> Deferred[IResponse]:
-        assert method == b"POST" and headers is not None
-        body = getattr(bodyProducer, "_data", b"")
-
         def cancel(d: Deferred[IResponse]) -> None:
             sent.cancelled = True
 
-        sent = Sent(uri, headers, body, Deferred(cancel))
+        table = Headers()
+        for name, value in headers:
+            table.addRawHeader(name, value)
+        sent = Sent(base + path, table, body, Deferred(cancel))
         self.sent.append(sent)
         return sent.answer
-
-
-class FakePool:
-    """
-    A connection pool as far as L{llmgw.router.upstream.Upstream} reads it.
-    """
-
-    last_reused = False
 
 
 @dataclass

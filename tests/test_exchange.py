@@ -13,9 +13,7 @@ from prometheus_client import CollectorRegistry
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.client import ResponseNeverReceived
 from twisted.web.iweb import IRequest
 
 from llmgw.router.balancer import Balancer
@@ -25,8 +23,8 @@ from llmgw.router.interfaces import Endpoint
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.prepare import prepare
 from llmgw.router.settings import RouterConfig
-from llmgw.router.upstream import Upstream, UpstreamConnectError
-from tests.exchange_fakes import FakeAgent, FakePool, FakeRequest, FakeResponse
+from llmgw.router.upstream import NoAnswer, UpstreamConnectError
+from tests.exchange_fakes import FakeAgent, FakeRequest, FakeResponse
 
 CHAT = b"/v1/chat/completions"
 SSE = b"text/event-stream"
@@ -51,7 +49,6 @@ class ExchangeTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.agent = FakeAgent()
-        self.pool = FakePool()
         # Ties go to the first replica listed, so that each test knows which
         # replica its first attempt reaches.
         self.balancer = Balancer(self.clock, 10.0, rng=_FirstChoice())
@@ -72,7 +69,7 @@ class ExchangeTests(SynchronousTestCase):
             clock=self.clock,
             settings=settings,
             balancer=self.balancer,
-            upstream=Upstream(self.agent, self.pool),  # type: ignore[arg-type]
+            upstream=self.agent,
             metrics=self.metrics,
             activator=None,
             activating={},
@@ -248,12 +245,11 @@ class ExchangeTests(SynchronousTestCase):
         A pooled connection closed before any answer byte: the request goes
         to another replica, once.
         """
-        self.pool.last_reused = True
         _, done = self.start()
-        self.agent.sent[0].answer.errback(ResponseNeverReceived([Failure(OSError())]))
+        self.agent.sent[0].answer.errback(NoAnswer("closed", reused=True))
         self.assertEqual(len(self.agent.sent), 2)
         self.assertNotEqual(self.agent.sent[1].uri, self.agent.sent[0].uri)
-        self.agent.sent[1].answer.errback(ResponseNeverReceived([Failure(OSError())]))
+        self.agent.sent[1].answer.errback(NoAnswer("closed", reused=True))
         self.assertEqual(self.error_of(done).status, 502)
         self.assertEqual(len(self.agent.sent), 2)
         self.assertEqual(self.retries(), 1)
@@ -264,7 +260,7 @@ class ExchangeTests(SynchronousTestCase):
         request; it is not sent again.
         """
         _, done = self.start()
-        self.agent.sent[0].answer.errback(ResponseNeverReceived([Failure(OSError())]))
+        self.agent.sent[0].answer.errback(NoAnswer("closed", reused=False))
         self.assertEqual(self.error_of(done).status, 502)
         self.assertEqual(len(self.agent.sent), 1)
 

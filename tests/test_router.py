@@ -20,7 +20,6 @@ from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint, Key, RequestRecord
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
-from llmgw.router.upstream import Upstream
 from tests.exchange_fakes import FakeAgent, FakeResponse
 
 
@@ -79,7 +78,7 @@ class RouterTests(SynchronousTestCase):
         self.router = Router(
             self.clock,
             balancer,
-            Upstream(self.agent),
+            self.agent,
             RouterConfig(),
             RouterMetrics(CollectorRegistry()),
             self.sink,

@@ -24,7 +24,6 @@ from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint, RequestRecord
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
-from llmgw.router.upstream import Upstream
 from llmgw.wire import agent_pb2 as pb
 from tests.exchange_fakes import FakeAgent, FakeResponse
 from tests.plane_support import SETTINGS, Agents, make_model, register_message
@@ -87,7 +86,7 @@ class _Gateway(SynchronousTestCase):
         self.router = Router(
             self.clock,
             self.balancer,
-            Upstream(self.agent),
+            self.agent,
             RouterConfig(idle_timeout=router_idle),
             RouterMetrics(CollectorRegistry()),
             self.sink,

@@ -323,7 +323,7 @@ class Exchange:
             replica.endpoint.api_key,
         )
         self.waiting = services.upstream.post(
-            replica.url_bytes + self.path, headers, self.prepared.body
+            replica.url_bytes, self.path, headers, self.prepared.body
         )
         try:
             response = await self.waiting

@@ -1,72 +1,81 @@
 """
-The HTTP client the router uses to reach engine replicas.
+What the router's exchanges need of an HTTP client to reach engine replicas:
+the L{Upstream} interface, the headers of a request, the failures it tells
+apart, and the reader of an answer's body.  L{llmgw.router.http1.EngineClient}
+is the client the servers use.
 
-An L{Agent} over a persistent pool, whose endpoints report connection failures
-as L{UpstreamConnectError}, so the router can tell "the request never left"
-(safe to send to another replica) from "the replica broke the exchange" (not
-safe).
-
-The Agent is used directly rather than through treq (as DESIGN.md first had
-it): treq re-encodes every URL through hyperlink and wraps every request in a
-cookie agent and a content-decoder agent, features the router does not use,
-and together they cost a tenth of the router's CPU per request
-(C{bench/router_bench.py}, py-spy).
+The failures tell "the request never left" (L{UpstreamConnectError}: safe to
+send to another replica) from "the replica broke the exchange" (not safe).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from twisted.internet import error
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError, succeed
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import (
-    IConsumer,
     IProtocol,
     IProtocolFactory,
     IPushProducer,
     IStreamClientEndpoint,
 )
-from twisted.internet.protocol import Protocol, connectionDone
+from twisted.internet.protocol import Protocol as TwistedProtocol
+from twisted.internet.protocol import connectionDone
 from twisted.python.failure import Failure
-from twisted.web.client import (
-    URI,
-    Agent,
-    BrowserLikePolicyForHTTPS,
-    RequestTransmissionFailed,
-    ResponseDone,
-    ResponseNeverReceived,
-)
+from twisted.web.client import BrowserLikePolicyForHTTPS, ResponseDone
 from twisted.web.http import PotentialDataLoss
-from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IResponse
+from twisted.web.iweb import IResponse
 from zope.interface import implementer
 
-from llmgw.httpclient import QuietConnectionPool
 
-
-def upstream_headers(accept: bytes | None, request_id: bytes, api_key: str) -> Headers:
+def upstream_headers(
+    accept: bytes | None, request_id: bytes, api_key: str
+) -> list[tuple[bytes, bytes]]:
     """
-    The headers of a request to a replica: built anew, so that nothing of
-    the client's (its C{Authorization} or C{api-key} above all) reaches an
-    engine.
+    The headers of a request to a replica, but C{Host} and
+    C{Content-Length}: built anew, so that nothing of the client's (its
+    C{Authorization} or C{api-key} above all) reaches an engine.
 
     @param accept: the client's C{Accept}, if any.
     @param request_id: the upstream request id, C{X-Request-ID}.
     @param api_key: the replica's own secret (L{Endpoint.api_key}), sent as
         C{Authorization: Bearer}; C{""} sends none.
+    @return: (name, value) pairs, in order.
     """
-    headers = Headers(
-        {
-            b"content-type": [b"application/json"],
-            b"accept": [accept or b"*/*"],
-            b"x-request-id": [request_id],
-        }
-    )
+    headers = [
+        (b"Content-Type", b"application/json"),
+        (b"Accept", accept or b"*/*"),
+        (b"X-Request-ID", request_id),
+    ]
     if api_key:
-        headers.setRawHeaders(b"authorization", [b"Bearer " + api_key.encode("utf-8")])
+        headers.append((b"Authorization", b"Bearer " + api_key.encode("utf-8")))
     return headers
+
+
+class Upstream(Protocol):
+    """
+    Sends requests to replicas (L{llmgw.router.http1.EngineClient}).
+    """
+
+    def post(
+        self,
+        base: bytes,
+        path: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> Deferred[IResponse]:
+        """
+        POST C{body} to C{path} of the replica whose base URL is C{base}.
+
+        @return: fires with the response once its head came; cancellable.
+            Fails with L{UpstreamConnectError} when no connection could be
+            made (the request was not sent), with L{NoAnswer} when the
+            connection closed before any answer byte, or with another
+            exception when the exchange broke otherwise.
+        """
 
 
 class UpstreamConnectError(Exception):
@@ -112,137 +121,28 @@ class _ClassifyingEndpoint:
         return self._wrapped.connect(factory).addErrback(classify)
 
 
-# Endpoints kept per (scheme, host, port): more replicas than this in a
-# router's life start the cache again.
-MAX_CACHED_ENDPOINTS = 4096
-
-
-@implementer(IAgentEndpointFactory)
-class _EndpointFactory:
-    def __init__(self, reactor: Any, connect_timeout: float) -> None:
-        self._reactor = reactor
-        self._timeout = connect_timeout or 30.0
-        self._tls = BrowserLikePolicyForHTTPS()
-        self._endpoints: dict[tuple[bytes, bytes, int], _ClassifyingEndpoint] = {}
-
-    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
-        # The Agent asks on every request, pooled connection or not; an
-        # endpoint holds no per-connection state, and building one (host
-        # name checks, IDNA) was 5% of the router's time per request
-        # (pyinstrument, bench/router_bench.py's load).
-        key = (uri.scheme, uri.host, uri.port)
-        cached = self._endpoints.get(key)
-        if cached is not None:
-            return cached
-        endpoint: IStreamClientEndpoint = HostnameEndpoint(
-            self._reactor, uri.host, uri.port, timeout=self._timeout
-        )
-        if uri.scheme == b"https":
-            endpoint = wrapClientTLS(
-                self._tls.creatorForNetloc(uri.host, uri.port), endpoint
-            )
-        if len(self._endpoints) >= MAX_CACHED_ENDPOINTS:
-            self._endpoints.clear()
-        classifying = self._endpoints[key] = _ClassifyingEndpoint(endpoint)
-        return classifying
-
-
-@implementer(IBodyProducer)
-class BytesProducer:
+def endpoint_for(
+    reactor: Any, scheme: bytes, host: bytes, port: int, connect_timeout: float
+) -> IStreamClientEndpoint:
     """
-    A request body already in memory, written in one call (Twisted's
-    L{FileBodyProducer} writes from a cooperator task, one reactor turn
-    later).
+    @return: the endpoint connecting to a replica: TCP, or TLS over TCP
+        for C{https} (certificates checked as a browser would); its
+        failures to connect are L{UpstreamConnectError}s.
+    @raise ValueError: for a scheme other than C{http} and C{https}.
     """
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-        self.length = len(data)
-
-    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self._data)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
-
-
-def make_upstream_client(
-    reactor: Any,
-    connect_timeout: float,
-    max_idle_connections: int,
-    idle_connection_timeout: float = 4.0,
-) -> tuple[IAgent, QuietConnectionPool]:
-    """
-    Build the HTTP client for engine traffic: no redirects, no cookies, no
-    content decoding; bodies pass through as the engine sent them.
-
-    @param reactor: the reactor (TCP, time and name resolution).
-    @param connect_timeout: seconds to establish a TCP connection.
-    @param max_idle_connections: idle keep-alive connections kept per
-        replica; Twisted's default of 2 would make most requests under load
-        pay for a new connection.
-    @param idle_connection_timeout: seconds an idle connection is kept.
-        Below uvicorn's default keep-alive of 5 s (vLLM, SGLang and
-        C{llama_cpp.server} run on uvicorn), so the router does not pick a
-        connection the engine is closing: a POST on such a connection fails
-        and is not safely retried.
-    @return: the agent and its pool (close the pool on shutdown).
-    """
-    pool = QuietConnectionPool(reactor, persistent=True)  # type: ignore[no-untyped-call]
-    pool.maxPersistentPerHost = max_idle_connections
-    pool.cachedConnectionTimeout = idle_connection_timeout  # type: ignore[assignment]
-    pool.retryAutomatically = False
-    agent = Agent.usingEndpointFactory(
-        reactor, _EndpointFactory(reactor, connect_timeout), pool=pool
+    if scheme not in (b"http", b"https"):
+        raise ValueError(f"not an HTTP URL scheme: {scheme!r}")
+    endpoint: IStreamClientEndpoint = HostnameEndpoint(
+        reactor, host, port, timeout=connect_timeout
     )
-    return agent, pool
+    if scheme == b"https":
+        endpoint = wrapClientTLS(
+            BrowserLikePolicyForHTTPS().creatorForNetloc(host, port), endpoint
+        )
+    return _ClassifyingEndpoint(endpoint)
 
 
-class Upstream:
-    """
-    Sends requests to replicas: an L{IAgent} and, when it has one, its
-    L{QuietConnectionPool}, whose reuse signal it turns into L{NoAnswer}'s
-    C{reused}.
-
-    @param agent: the HTTP client (see L{make_upstream_client}).
-    @param pool: the agent's pool, or L{None} when reuse cannot be told
-        (every connection counts as new).
-    """
-
-    def __init__(self, agent: IAgent, pool: QuietConnectionPool | None = None):
-        self._agent = agent
-        self._pool = pool
-
-    def post(self, url: bytes, headers: Headers, body: bytes) -> Deferred[IResponse]:
-        """
-        POST C{body} to C{url}.
-
-        @return: fires with the response once its headers came;
-            cancellable.  Fails with L{UpstreamConnectError} when no
-            connection could be made (the request was not sent), with
-            L{NoAnswer} when the connection closed before any answer byte,
-            or with another exception when the exchange broke otherwise.
-        """
-        d = self._agent.request(b"POST", url, headers, BytesProducer(body))
-        # Agent.request takes its connection from the pool synchronously.
-        reused = self._pool is not None and self._pool.last_reused
-
-        def classify(failure: Failure) -> Failure:
-            if failure.check(ResponseNeverReceived, RequestTransmissionFailed):
-                raise NoAnswer(failure.getErrorMessage(), reused)
-            return failure
-
-        return d.addErrback(classify)
-
-
-class BodyReader(Protocol):
+class BodyReader(TwistedProtocol):
     """
     Receives a replica's response body chunk by chunk.  C{done} fires when
     the body ends, fails when the exchange breaks or C{on_data} raises, and

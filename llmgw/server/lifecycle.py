@@ -22,7 +22,6 @@ from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.logger import ILogObserver, Logger
 from twisted.python.components import Componentized
-from twisted.web.client import HTTPConnectionPool
 
 log = Logger(namespace="llmgw.server")
 
@@ -174,17 +173,23 @@ class StoreService(Service):
         self._store.close()
 
 
+class _Pool(Protocol):
+    def closeCachedConnections(self) -> Deferred[None]: ...
+
+
 class PoolService(Service):
     """
-    Closes an HTTP connection pool's idle connections on stop.
+    Closes an HTTP connection pool's idle connections on stop (a
+    L{twisted.web.client.HTTPConnectionPool} or the router's
+    L{llmgw.router.http1.EngineClient}).
     """
 
-    def __init__(self, pool: HTTPConnectionPool) -> None:
+    def __init__(self, pool: _Pool) -> None:
         self._pool = pool
 
     def stopService(self) -> Deferred[None]:
         super().stopService()  # type: ignore[no-untyped-call]
-        return self._pool.closeCachedConnections()  # type: ignore[no-any-return]
+        return self._pool.closeCachedConnections()
 
 
 class _HasLinks(Protocol):

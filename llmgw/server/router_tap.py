@@ -25,11 +25,11 @@ from llmgw.checks import ConfigError
 from llmgw.config import ServerConfig, load_config, shared_flags
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
+from llmgw.router.http1 import EngineClient
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
-from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.router.usage_log import LogUsageSink, UsageSinks
 from llmgw.server.fdlimit import raise_open_file_limit
 from llmgw.server.keysync import key_ring
@@ -215,7 +215,7 @@ def makeService(options: Options) -> IService:
     )
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown)
-    agent, pool = make_upstream_client(
+    pool = EngineClient(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
     interval = settings.load_poll_interval
@@ -240,7 +240,7 @@ def makeService(options: Options) -> IService:
     router = Router(
         reactor,
         balancer,
-        Upstream(agent, pool),
+        pool,
         settings,
         RouterMetrics(registry),
         UsageSinks(LogUsageSink(), StoreUsageSink(usage_writer)),

@@ -35,11 +35,11 @@ from llmgw.control.metrics import FleetCollector
 from llmgw.control.plane import ControlPlane
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
+from llmgw.router.http1 import EngineClient
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
-from llmgw.router.upstream import Upstream, make_upstream_client
 from llmgw.router.usage_log import LogUsageSink, UsageSinks
 from llmgw.server.admin import Admin
 from llmgw.server.admin_guard import AdminGuard, is_loopback
@@ -340,7 +340,7 @@ def makeService(options: Options) -> IService:
     )
     registry = CollectorRegistry()
     balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
-    agent, pool = make_upstream_client(
+    pool = EngineClient(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
     # Engine load: its own connections, so that polls never wait on traffic.
@@ -394,7 +394,7 @@ def makeService(options: Options) -> IService:
     router = Router(
         reactor,
         balancer,
-        Upstream(agent, pool),
+        pool,
         settings,
         RouterMetrics(registry),
         UsageSinks(LogUsageSink(), StoreUsageSink(usage_writer)),

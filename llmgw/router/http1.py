@@ -285,10 +285,6 @@ class _Connection(Protocol):
         self._remaining = 0
         self._chunk_state = _SIZE
         self._paused = False
-        self.connected_deferred: Deferred[_Connection] = Deferred()
-
-    def connectionMade(self) -> None:
-        self.connected_deferred.callback(self)
 
     def send(
         self, head: bytes, body: bytes, answer: Deferred[IResponse], reused: bool
@@ -408,34 +404,41 @@ class _Connection(Protocol):
             self._chunked_data(body, data)
 
     def _chunked_data(self, body: Response, data: bytes) -> None:
+        # The chunks decoded from one read go on as one piece: an engine
+        # that sends faster than the router reads (events queued while
+        # the router was busy) costs one relay step and one write to the
+        # client, not one per event.
         buffer = self._buffer + data if self._buffer else data
         self._buffer = b""
-        while buffer and self.state == _BODY:
+        out: list[bytes] = []
+        error: BadAnswer | None = None
+        rest: bytes | None = None  # the bytes after the body, once it ended
+        while buffer:
             state = self._chunk_state
             if state == _DATA:
                 remaining = self._remaining
                 if len(buffer) < remaining:
                     self._remaining = remaining - len(buffer)
-                    body._data(buffer)
-                    return
-                piece, buffer = buffer[:remaining], buffer[remaining:]
+                    out.append(buffer)
+                    break
+                out.append(buffer[:remaining])
+                buffer = buffer[remaining:]
                 self._remaining = 0
                 self._chunk_state = _DATA_END
-                body._data(piece)
                 continue
             line_end = buffer.find(b"\n")
             if line_end == -1:
                 if len(buffer) > MAX_CHUNK_LINE:
-                    self._body_failed(BadAnswer("chunk line too long"))
-                    return
-                self._buffer = buffer
-                return
+                    error = BadAnswer("chunk line too long")
+                else:
+                    self._buffer = buffer
+                break
             line, buffer = buffer[:line_end].rstrip(b"\r"), buffer[line_end + 1 :]
             if state == _SIZE:
                 size_text = line.split(b";", 1)[0].strip(b" \t")
                 if not size_text or size_text.strip(_HEX) or len(size_text) > 15:
-                    self._body_failed(BadAnswer(f"not a chunk size: {line[:40]!r}"))
-                    return
+                    error = BadAnswer(f"not a chunk size: {line[:40]!r}")
+                    break
                 size = int(size_text, 16)
                 if size == 0:
                     self._chunk_state = _TRAILER
@@ -444,12 +447,20 @@ class _Connection(Protocol):
                     self._chunk_state = _DATA
             elif state == _DATA_END:
                 if line:
-                    self._body_failed(BadAnswer("chunk data longer than its size"))
-                    return
+                    error = BadAnswer("chunk data longer than its size")
+                    break
                 self._chunk_state = _SIZE
             elif not line:  # _TRAILER: a blank line ends the body
-                self._body_done(buffer)
-                return
+                rest = buffer
+                break
+        if out:
+            body._data(out[0] if len(out) == 1 else b"".join(out))
+            if self.state != _BODY or self.body is not body:
+                return  # the body's reader stopped it
+        if error is not None:
+            self._body_failed(error)
+        elif rest is not None:
+            self._body_done(rest)
 
     def _body_done(self, extra: bytes) -> None:
         body = self.body
@@ -638,11 +649,15 @@ class EngineClient:
     ) -> Deferred[IResponse]:
         connecting = target.endpoint.connect(_ConnectionFactory(self, base))
         sent: list[_Connection] = []
+        cancelled: list[bool] = []
 
         def cancel(d: Deferred[IResponse]) -> None:
             if sent:
                 sent[0].abort()
             else:
+                # The answer fails with CancelledError, not the endpoint's
+                # own error for a cancelled connect.
+                cancelled.append(True)
                 connecting.cancel()
 
         answer: Deferred[IResponse] = Deferred(cancel)
@@ -656,7 +671,7 @@ class EngineClient:
             protocol.send(head, body, answer, reused=False)
 
         def failed(reason: Failure) -> None:
-            if not answer.called:
+            if not answer.called and not cancelled:
                 answer.errback(reason)
 
         connecting.addCallbacks(connected, failed)

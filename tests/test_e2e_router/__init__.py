@@ -3,8 +3,9 @@ End to end: C{twistd -n llmgw-server} and C{llmgw sim} as child processes,
 talked to over loopback sockets with the official C{openai} client.  The
 modules of this package: the API in front of one engine
 (L{tests.test_e2e_router.test_api}), several and misbehaving replicas
-(L{tests.test_e2e_router.test_replicas}), and the server's start, TLS and
-stop (L{tests.test_e2e_router.test_server}).
+(L{tests.test_e2e_router.test_replicas}), the server's start, TLS and
+stop (L{tests.test_e2e_router.test_server}), and the forwarding fast path
+and the request log line (L{tests.test_e2e_router.test_fastpath}).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ C{notifyFinish} Deferreds of a real request.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from treq.testing import StubTreq
@@ -247,8 +248,8 @@ class ForwardingRoutesTests(SynchronousTestCase):
     def test_handler_failure_logged_and_500(self) -> None:
         """
         A handler that raises, at once or after waiting, has its failure
-        logged with the path and the client gets twisted.web's 500; nothing
-        escapes C{render}.
+        logged once, with the path, and the client gets a 500 OpenAI error
+        object; nothing escapes C{render}.
         """
 
         async def fails(request: IRequest, path: bytes) -> bytes | None:
@@ -270,15 +271,17 @@ class ForwardingRoutesTests(SynchronousTestCase):
                 stub.flush()
             response = self.successResultOf(d)
             self.assertEqual(response.code, 500)
-            self.assertIn(
-                b"Processing Failed", self.successResultOf(response.content())
+            self.assertEqual(
+                response.headers.getRawHeaders(b"content-type"), [b"application/json"]
             )
+            body = json.loads(self.successResultOf(response.content()))
+            self.assertEqual(body["error"]["type"], "api_error")
         self.assertEqual(len(self.events), 2)
         for event in self.events:
             self.assertEqual(event["path"], b"/v1/chat/completions")
             self.assertIsInstance(event["log_failure"].value, ValueError)
-        # twisted.web's processingFailed logs it too.
-        self.assertEqual(len(self.flushLoggedErrors(ValueError)), 2)
+        # Logged once each, not again by twisted.web.
+        self.assertEqual(self.flushLoggedErrors(ValueError), [])
 
     def test_failure_after_client_gone_only_logged(self) -> None:
         """

@@ -7,8 +7,9 @@ Klein binds a werkzeug URL map, matches the path through it and wraps the
 handler in three Deferreds for every request: on C{bench/router_bench.py}'s
 load that was a tenth of the router's CPU per request (cProfile), for paths
 a dictionary lookup finds.  What Klein does that matters here is kept: the
-handler's result is written and the request finished, and the handler is
-cancelled when the client goes away.
+handler's result is written and the request finished, the handler is
+cancelled when the client goes away, and a failure that escapes it is logged
+and answered with a 500 error object.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET
+
+from llmgw.router.errors import APIError
+from llmgw.router.site import JSON
 
 Handler = Callable[[IRequest, bytes], Coroutine[Any, Any, bytes | None]]
 """
@@ -80,7 +84,13 @@ class ForwardingRoutes(Resource):
                 return
             self.log.failure("unhandled error in {path}", reason, path=path)
             if not finished:
-                request.processingFailed(reason)  # type: ignore[attr-defined]
+                # An OpenAI error object, as the handler's own failures
+                # are (twisted.web's processingFailed answers in HTML).
+                error = APIError(500, "Internal error in the gateway.", "api_error")
+                request.setResponseCode(500)
+                request.setHeader(b"content-type", JSON)
+                request.write(error.body())
+                request.finish()
 
         answer.addCallbacks(write, failed)
         return NOT_DONE_YET

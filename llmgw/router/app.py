@@ -30,7 +30,7 @@ from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
 # Named here too for the modules that import them from the routes.
 from llmgw.router.interfaces import RequestRecord as RequestRecord
 from llmgw.router.load import LoadBoard
-from llmgw.router.metrics import OTHER_MODEL, RouterMetrics
+from llmgw.router.metrics import RouterMetrics
 from llmgw.router.overload import Overload
 from llmgw.router.prepare import (
     USAGE_STREAM_PATHS,
@@ -423,23 +423,14 @@ class Router:
     def _count(self, record: RequestRecord) -> None:
         # Only configured names become labels: a client must not be able
         # to grow the metrics without bound by inventing model names.
-        metrics = self.metrics
-        status = str(record.status)
-        known = self.knows(record.model)
-        metrics.requests.labels(record.model if known else OTHER_MODEL, status).inc()
-        if not known:
-            return
-        metrics.request_duration.labels(record.model).observe(record.latency)
-        if record.time_to_first_token is not None and record.stream:
-            metrics.time_to_first_token.labels(record.model).observe(
-                record.time_to_first_token
-            )
-        if record.prompt_tokens:
-            metrics.tokens.labels(record.model, "prompt").inc(record.prompt_tokens)
-        if record.completion_tokens:
-            metrics.tokens.labels(record.model, "completion").inc(
-                record.completion_tokens
-            )
+        self.metrics.finished(
+            record.model if self.knows(record.model) else None,
+            record.status,
+            record.latency,
+            record.time_to_first_token if record.stream else None,
+            record.prompt_tokens,
+            record.completion_tokens,
+        )
 
     @app.route("/v1/chat/completions", methods=["POST"])
     async def chat_completions(self, request: IRequest) -> bytes | None:

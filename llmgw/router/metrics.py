@@ -5,6 +5,8 @@ C{_seconds} histograms).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (
@@ -93,3 +95,51 @@ class RouterMetrics:
             ["model", "outcome"],
             registry=registry,
         )
+
+        self._finished: dict[tuple[str, int], Any] = {}
+        # Per configured model: duration, time to first token, tokens.
+        self._per_model: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+    def finished(
+        self,
+        model: str | None,
+        status: int,
+        latency: float,
+        time_to_first_token: float | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """
+        Count one finished request.  The labelled children are kept once
+        made: C{labels()} checks and joins its values on every call, a few
+        microseconds each, four or five times per request.
+
+        @param model: a configured name, or L{None} for any other (then
+            only the request is counted, under L{OTHER_MODEL}).
+        @param latency: seconds from arrival to the last byte.
+        @param time_to_first_token: seconds to the replica's first byte of a
+            stream, or L{None} (not observed).
+        """
+        key = (OTHER_MODEL if model is None else model, status)
+        requests = self._finished.get(key)
+        if requests is None:
+            requests = self._finished[key] = self.requests.labels(key[0], str(status))
+        requests.inc()
+        if model is None:
+            return
+        children = self._per_model.get(model)
+        if children is None:
+            children = self._per_model[model] = (
+                self.request_duration.labels(model),
+                self.time_to_first_token.labels(model),
+                self.tokens.labels(model, "prompt"),
+                self.tokens.labels(model, "completion"),
+            )
+        duration, first_token, prompt, completion = children
+        duration.observe(latency)
+        if time_to_first_token is not None:
+            first_token.observe(time_to_first_token)
+        if prompt_tokens:
+            prompt.inc(prompt_tokens)
+        if completion_tokens:
+            completion.inc(completion_tokens)

@@ -679,6 +679,9 @@ class EngineClient:
         """
         Keep an idle connection for the next request to its replica.
         """
+        if self.max_idle_connections <= 0:
+            connection.abort()
+            return
         idle = self._idle.setdefault(connection.key, [])
         if len(idle) >= self.max_idle_connections:
             idle.pop(0).abort()

@@ -331,11 +331,13 @@ class _Connection(Protocol):
                 end, skip = lf, 2
             else:
                 skip = 3
+            # The limit holds whether or not the head's end came in the
+            # same read as the bytes past it.
+            if (end == -1 and len(buffer) > MAX_HEAD) or end > MAX_HEAD:
+                self._fail_head(BadAnswer(f"head longer than {MAX_HEAD} bytes"))
+                return
             if end == -1:
-                if len(buffer) > MAX_HEAD:
-                    self._fail_head(BadAnswer(f"head longer than {MAX_HEAD} bytes"))
-                else:
-                    self._buffer = buffer
+                self._buffer = buffer
                 return
             try:
                 code, phrase, headers, http11 = _parse_head(buffer[:end])
@@ -424,10 +426,12 @@ class _Connection(Protocol):
                 body._data(piece)
                 continue
             line_end = buffer.find(b"\n")
+            if (line_end == -1 and len(buffer) > MAX_CHUNK_LINE) or (
+                line_end > MAX_CHUNK_LINE
+            ):
+                self._body_failed(BadAnswer("chunk line too long"))
+                return
             if line_end == -1:
-                if len(buffer) > MAX_CHUNK_LINE:
-                    self._body_failed(BadAnswer("chunk line too long"))
-                    return
                 self._buffer = buffer
                 return
             line, buffer = buffer[:line_end].rstrip(b"\r"), buffer[line_end + 1 :]

@@ -404,6 +404,10 @@ class FailureTests(EngineClientTestCase):
         await self.assert_bad_head(b"HTTP/1.1 2OO OK\r\n\r\n")
 
     async def test_not_http(self) -> None:
+        """
+        A status line of another protocol, however well formed, is refused.
+        """
+        await self.assert_bad_head(b"ICY 200 OK\r\nContent-Length: 0\r\n\r\n")
         await self.assert_bad_head(b"SSH-2.0-OpenSSH\r\n\r\n")
 
     async def test_bad_content_length(self) -> None:

@@ -512,6 +512,36 @@ class CancelTests(EngineClientTestCase):
         await self.exchange(base)
         self.assertEqual(len(self.server.connections), 3)
 
+    async def test_cancel_while_connecting(self) -> None:
+        """
+        Cancelling before the connection is made fails the post with
+        L{CancelledError}, not as a replica that cannot be reached, and
+        leaves no connection open.
+        """
+        base = self.start(OK)
+        d = self.client.post(base, b"/v1/x", [], b"{}")
+        d.cancel()
+        await self.failure_of(d, CancelledError)
+        await sleep(0.1)
+        self.assertEqual(self.server.open_connections(), [])
+        self.assertEqual(self.server.requests, [])
+        self.assertEqual((await self.exchange(base)).body, b"ok")
+
+    async def test_old_body_transport_inert(self) -> None:
+        """
+        Once its body ended, an answer's transport no longer pauses nor
+        closes the connection, which serves the next request.
+        """
+        base = self.start(OK, [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\no", b"k"])
+        first = await self.exchange(base)
+        second = await self.post(base)
+        assert first.transport is not None
+        first.transport.pauseProducing()  # type: ignore[attr-defined]
+        first.transport.stopProducing()  # type: ignore[attr-defined]
+        self.assertEqual((await read_body(second)).body, b"ok")
+        self.assertEqual(len(self.server.connections), 1)
+        self.assertFalse(self.server.connections[0].closed)
+
     async def test_abort_mid_body(self) -> None:
         base = self.start(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nsome")
         response = await self.post(base)

@@ -642,11 +642,18 @@ class EngineClient:
     ) -> Deferred[IResponse]:
         connecting = target.endpoint.connect(_ConnectionFactory(self, base))
         sent: list[_Connection] = []
+        cancelled = False
 
         def cancel(d: Deferred[IResponse]) -> None:
+            nonlocal cancelled
             if sent:
                 sent[0].abort()
             else:
+                # HostnameEndpoint fails a cancelled connect with what it
+                # was doing (DNSLookupError while resolving, even an IP
+                # address): that is not the replica's failure.  Deferred
+                # fails the answer with CancelledError once this returns.
+                cancelled = True
                 connecting.cancel()
 
         answer: Deferred[IResponse] = Deferred(cancel)
@@ -660,7 +667,7 @@ class EngineClient:
             protocol.send(head, body, answer, reused=False)
 
         def failed(reason: Failure) -> None:
-            if not answer.called:
+            if not answer.called and not cancelled:
                 answer.errback(reason)
 
         connecting.addCallbacks(connected, failed)

@@ -1,7 +1,7 @@
 """
 A scripted raw-TCP server on loopback for L{llmgw.router.http1}'s tests: it
 records the requests it reads and answers each with exact bytes, in as many
-writes as the test asks for.
+writes as the test asks for; and the test case that posts to it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Factory, Protocol, connectionDone
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
 from twisted.web.iweb import IResponse
 from zope.interface import directlyProvides, providedBy
 
+from llmgw.router.http1 import EngineClient
 from llmgw.router.upstream import BodyReader
 
 Answer = bytes | Sequence[bytes] | Callable[["ServerConnection"], None] | None
@@ -218,3 +220,54 @@ class ShiftedClock:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(reactor, name)
+
+
+class EngineClientTestCase(TestCase):
+    """
+    A scripted server and an L{EngineClient} posting to it, on the real
+    reactor; every wait bounded.
+    """
+
+    timeout = 20
+
+    def start(
+        self, *answers: Answer, idle: int = 4, idle_timeout: float = 4.0
+    ) -> bytes:
+        """
+        Start a scripted server and a client; both stop with the test.
+
+        @return: the server's base URL.
+        """
+        self.server = ScriptedServer(answers)
+        base = self.server.listen()
+        self.client = self.new_client(idle, idle_timeout)
+        self.addCleanup(self.server.stop)
+        return base
+
+    def new_client(
+        self, idle: int, idle_timeout: float, clock: Any = reactor
+    ) -> EngineClient:
+        client = EngineClient(clock, 5.0, idle, idle_timeout)
+        self.addCleanup(client.closeCachedConnections)
+        return client
+
+    async def post(
+        self, base: bytes, body: bytes = b"{}", client: EngineClient | None = None
+    ) -> IResponse:
+        d = (client or self.client).post(base, b"/v1/x", [(b"X-A", b"1")], body)
+        response: IResponse = await bounded(d)
+        return response
+
+    async def exchange(self, base: bytes) -> Reader:
+        return await read_body(await self.post(base))
+
+    async def failure_of(self, d: Any, *errors: type[BaseException]) -> BaseException:
+        try:
+            await bounded(d)
+        except errors as e:
+            return e
+        raise AssertionError(f"{d} did not fail with {errors}")
+
+    async def closed_by_client(self, connection: ServerConnection) -> None:
+        await until(lambda: connection.closed)
+        self.assertEqual(self.client.idle_connections(), 0)

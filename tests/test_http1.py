@@ -7,19 +7,17 @@ connections it keeps, how it fails, cancels and applies backpressure.
 from __future__ import annotations
 
 import socket
-from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import CancelledError
-from twisted.trial.unittest import TestCase
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
-from twisted.web.iweb import IResponse
 
-from llmgw.router.http1 import AnswerBroken, BadAnswer, EngineClient
+from llmgw.router.http1 import AnswerBroken, BadAnswer
 from llmgw.router.upstream import NoAnswer, UpstreamConnectError
 from tests.http1_support import (
     Answer,
+    EngineClientTestCase,
     Reader,
     ScriptedServer,
     ServerConnection,
@@ -40,52 +38,6 @@ CHUNKED = (
 
 def _bytes(data: bytes) -> list[bytes]:
     return [data[i : i + 1] for i in range(len(data))]
-
-
-class EngineClientTestCase(TestCase):
-    timeout = 20
-
-    def start(
-        self, *answers: Answer, idle: int = 4, idle_timeout: float = 4.0
-    ) -> bytes:
-        """
-        Start a scripted server and a client; both stop with the test.
-
-        @return: the server's base URL.
-        """
-        self.server = ScriptedServer(answers)
-        base = self.server.listen()
-        self.client = self.new_client(idle, idle_timeout)
-        self.addCleanup(self.server.stop)
-        return base
-
-    def new_client(
-        self, idle: int, idle_timeout: float, clock: Any = reactor
-    ) -> EngineClient:
-        client = EngineClient(clock, 5.0, idle, idle_timeout)
-        self.addCleanup(client.closeCachedConnections)
-        return client
-
-    async def post(
-        self, base: bytes, body: bytes = b"{}", client: EngineClient | None = None
-    ) -> IResponse:
-        d = (client or self.client).post(base, b"/v1/x", [(b"X-A", b"1")], body)
-        response: IResponse = await bounded(d)
-        return response
-
-    async def exchange(self, base: bytes) -> Reader:
-        return await read_body(await self.post(base))
-
-    async def failure_of(self, d: Any, *errors: type[BaseException]) -> BaseException:
-        try:
-            await bounded(d)
-        except errors as e:
-            return e
-        raise AssertionError(f"{d} did not fail with {errors}")
-
-    async def closed_by_client(self, connection: ServerConnection) -> None:
-        await until(lambda: connection.closed)
-        self.assertEqual(self.client.idle_connections(), 0)
 
 
 class RequestTests(EngineClientTestCase):

@@ -327,11 +327,13 @@ class _Connection(Protocol):
                 end, skip = lf, 2
             else:
                 skip = 3
+            # The limit holds whether or not the head's end came in the
+            # same read as the bytes past it.
+            if (end == -1 and len(buffer) > MAX_HEAD) or end > MAX_HEAD:
+                self._fail_head(BadAnswer(f"head longer than {MAX_HEAD} bytes"))
+                return
             if end == -1:
-                if len(buffer) > MAX_HEAD:
-                    self._fail_head(BadAnswer(f"head longer than {MAX_HEAD} bytes"))
-                else:
-                    self._buffer = buffer
+                self._buffer = buffer
                 return
             try:
                 code, phrase, headers, http11 = _parse_head(buffer[:end])
@@ -427,11 +429,13 @@ class _Connection(Protocol):
                 self._chunk_state = _DATA_END
                 continue
             line_end = buffer.find(b"\n")
+            if (line_end == -1 and len(buffer) > MAX_CHUNK_LINE) or (
+                line_end > MAX_CHUNK_LINE
+            ):
+                error = BadAnswer("chunk line too long")
+                break
             if line_end == -1:
-                if len(buffer) > MAX_CHUNK_LINE:
-                    error = BadAnswer("chunk line too long")
-                else:
-                    self._buffer = buffer
+                self._buffer = buffer
                 break
             line, buffer = buffer[:line_end].rstrip(b"\r"), buffer[line_end + 1 :]
             if state == _SIZE:
@@ -649,15 +653,18 @@ class EngineClient:
     ) -> Deferred[IResponse]:
         connecting = target.endpoint.connect(_ConnectionFactory(self, base))
         sent: list[_Connection] = []
-        cancelled: list[bool] = []
+        cancelled = False
 
         def cancel(d: Deferred[IResponse]) -> None:
+            nonlocal cancelled
             if sent:
                 sent[0].abort()
             else:
-                # The answer fails with CancelledError, not the endpoint's
-                # own error for a cancelled connect.
-                cancelled.append(True)
+                # HostnameEndpoint fails a cancelled connect with what it
+                # was doing (DNSLookupError while resolving, even an IP
+                # address): that is not the replica's failure.  Deferred
+                # fails the answer with CancelledError once this returns.
+                cancelled = True
                 connecting.cancel()
 
         answer: Deferred[IResponse] = Deferred(cancel)
@@ -694,6 +701,9 @@ class EngineClient:
         """
         Keep an idle connection for the next request to its replica.
         """
+        if self.max_idle_connections <= 0:
+            connection.abort()
+            return
         idle = self._idle.setdefault(connection.key, [])
         if len(idle) >= self.max_idle_connections:
             idle.pop(0).abort()

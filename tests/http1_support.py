@@ -20,7 +20,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.iweb import IResponse
 from zope.interface import directlyProvides, providedBy
 
-from llmgw.router.http1 import EngineClient
+from llmgw.router.engine_client import EngineClient
 from llmgw.router.upstream import BodyReader
 
 Answer = bytes | Sequence[bytes] | Callable[["ServerConnection"], None] | None

@@ -25,7 +25,7 @@ from llmgw.checks import ConfigError
 from llmgw.config import ServerConfig, load_config, shared_flags
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
-from llmgw.router.http1 import EngineClient
+from llmgw.router.engine_client import EngineClient
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics

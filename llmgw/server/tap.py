@@ -35,7 +35,7 @@ from llmgw.control.metrics import FleetCollector
 from llmgw.control.plane import ControlPlane
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
-from llmgw.router.http1 import EngineClient
+from llmgw.router.engine_client import EngineClient
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics

@@ -13,8 +13,10 @@ upstream pool closes under no stream.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterable, Sequence
+from types import FrameType
 from typing import Any, Protocol
 
 from twisted.application.service import IService, MultiService, Service
@@ -67,6 +69,7 @@ class Lifecycle(MultiService):
     """
 
     log_observer: ILogObserver | None = None
+    _signal_reactor: Any = None
 
     def __init__(self, clock: IReactorTime | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -96,8 +99,19 @@ class Lifecycle(MultiService):
         """
         return [(step, list(self._steps[step])) for step in STOP_STEPS]
 
+    def stop_once_on_signals(self, reactor: Any) -> None:
+        """
+        Once C{reactor} runs, make a repeated SIGTERM or SIGINT during the
+        stop harmless (see L{stop_once_on_signals}).
+        """
+        self._signal_reactor = reactor
+
     def startService(self) -> None:
         Service.startService(self)
+        if self._signal_reactor is not None:
+            reactor = self._signal_reactor
+            # After startup: the reactor installs its own handlers first.
+            reactor.callWhenRunning(stop_once_on_signals, reactor)
         for step in reversed(STOP_STEPS):
             for service in self._steps[step]:
                 service.startService()
@@ -243,3 +257,48 @@ def _sleep(clock: IReactorTime, seconds: float) -> Deferred[None]:
     d: Deferred[None] = Deferred()
     clock.callLater(seconds, d.callback, None)
     return d
+
+
+def stop_once_on_signals(reactor: Any) -> None:
+    """
+    Wrap the reactor's SIGTERM and SIGINT handlers so that a signal once the
+    stop began is logged, not acted on.
+
+    Twisted's handlers call C{reactor.stop()} for every signal; a second
+    one while the server drains raised L{ReactorNotRunning}, logged as
+    critical with a traceback.  Two come whenever a process group is
+    stopped as a whole (C{kill -TERM -PGID}, a supervisor): one to twistd
+    itself and one forwarded by C{scripts/run-local}.  The first signal
+    still goes to Twisted's handler (its log line, and the exit status
+    twistd gives by re-raising it).  Only the reactor's own handlers are
+    wrapped (none under trial, nor one another component set).
+
+    @param reactor: a running reactor with its signal handlers installed.
+    """
+    stopping = False
+
+    def began() -> None:
+        nonlocal stopping
+        stopping = True
+
+    reactor.addSystemEventTrigger("before", "shutdown", began)
+
+    def wrap(twisted_handler: Callable[[int, FrameType | None], None]) -> Any:
+        def handler(number: int, frame: FrameType | None) -> None:
+            nonlocal stopping
+            if stopping:
+                reactor.callFromThread(
+                    log.info,
+                    "{signal} while stopping: already stopping",
+                    signal=signal.Signals(number).name,
+                )
+                return
+            stopping = True
+            twisted_handler(number, frame)
+
+        return handler
+
+    for number, name in ((signal.SIGTERM, "sigTerm"), (signal.SIGINT, "sigInt")):
+        twisted_handler = getattr(reactor, name, None)
+        if twisted_handler is not None and signal.getsignal(number) == twisted_handler:
+            signal.signal(number, wrap(twisted_handler))

@@ -267,6 +267,7 @@ def makeService(options: Options) -> IService:
     reading.stopReading()
     follower.first.addCallback(lambda _: reading.startReading())
     top = Lifecycle()
+    top.stop_once_on_signals(reactor)
     if config.log_format == "json":
         try:
             top.log_observer = json_observer(getattr(options, "parent", None))

@@ -509,6 +509,7 @@ def makeService(options: Options) -> IService:
         raise SystemExit(1) from None
 
     top = Lifecycle()
+    top.stop_once_on_signals(reactor)
     if config.log_format == "json":
         try:
             top.log_observer = json_observer(getattr(options, "parent", None))

@@ -231,3 +231,28 @@ class ShutdownTests(SynchronousTestCase, Processes):
         # killed by it would (systemd counts that as a clean stop).
         self.assertEqual(server.popen.wait(10), -signal.SIGTERM)
         self.assertNotIn("Traceback", server.output())
+
+    def test_second_sigterm_while_draining(self) -> None:
+        """
+        A second SIGTERM while the server drains (a process group stopped
+        as a whole: twistd gets one and C{scripts/run-local} forwards
+        another) is logged and ignored: the stream in flight still ends,
+        the exit is the first signal's, and nothing is logged as critical.
+        """
+        _, sim_url = self.start_sim("--itl", "0.05")
+        server, url, _ = self.start_server("--endpoint", f"s={sim_url}=sim-model")
+        stream = client(url).chat.completions.create(
+            model="sim-model", messages=MESSAGES, max_tokens=40, stream=True
+        )
+        chunks = [next(iter(stream))]
+        server.popen.send_signal(signal.SIGTERM)
+        server.wait_for("draining: waiting up to")
+        server.popen.send_signal(signal.SIGTERM)
+        server.wait_for("SIGTERM while stopping: already stopping")
+        chunks.extend(stream)
+        self.assertEqual(
+            len([c for c in chunks if c.choices and c.choices[0].delta.content]), 40
+        )
+        self.assertEqual(server.popen.wait(10), -signal.SIGTERM)
+        self.assertNotIn("Traceback", server.output())
+        self.assertNotIn("critical", server.output())

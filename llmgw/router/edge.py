@@ -37,7 +37,7 @@ from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.server import Request
 
-from llmgw.router.errors import APIError
+from llmgw.router.errors import APIError, reason_phrase
 from llmgw.router.settings import RouterConfig
 
 LINGER = 2.0
@@ -69,7 +69,7 @@ def error_response(error: APIError) -> bytes:
         connection.
     """
     body = error.body()
-    reason = http.RESPONSES.get(error.status, b"Error")
+    reason = reason_phrase(error.status)
     return (
         b"HTTP/1.1 %d %s\r\n"
         b"Content-Type: application/json\r\n"

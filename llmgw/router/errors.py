@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from twisted.web.http import RESPONSES
 from twisted.web.http_headers import Headers
 
 
@@ -244,3 +245,23 @@ def replica_unavailable(retry_after: int | None) -> APIError:
         "replica_unavailable",
         retry_after=retry_after or 1,
     )
+
+
+_MORE_REASONS = {
+    429: b"Too Many Requests",
+    431: b"Request Header Fields Too Large",
+    499: b"Client Closed Request",
+}
+"""
+Reason phrases twisted.web's table lacks (RFC 6585 sections 4 and 5;
+499 is nginx's).
+"""
+
+
+def reason_phrase(status: int) -> bytes:
+    """
+    @return: the reason phrase of an HTTP/1.1 status line for C{status}:
+        twisted.web's, else RFC 6585's, else C{Error} (twisted.web's own
+        fallback is C{Unknown Status}).
+    """
+    return RESPONSES.get(status) or _MORE_REASONS.get(status, b"Error")

@@ -17,7 +17,7 @@ from twisted.web.server import Request, Site
 
 from llmgw.router.connections import EdgeSite
 from llmgw.router.cors import Cors
-from llmgw.router.errors import bad_request
+from llmgw.router.errors import bad_request, reason_phrase
 from llmgw.router.settings import RouterConfig
 
 JSON = b"application/json"
@@ -89,6 +89,12 @@ class LimitedRequest(Request):
         self.setResponseCode(204)
         self.finish()  # type: ignore[no-untyped-call]
         return True
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        # twisted.web would send "429 Unknown Status".
+        super().setResponseCode(
+            code, reason_phrase(code) if message is None else message
+        )
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self.max_body_size:

@@ -315,3 +315,37 @@ class BrowserAndKeyTests(_FakeEngine, SynchronousTestCase, _Ctl):
         self.assertEqual(len(engine_headers), 3)
         for names in engine_headers:
             self.assertFalse(names & {"api-key", "authorization"}, names)
+
+    def test_rate_limited(self) -> None:
+        """
+        A key past its requests per minute gets a 429 whose status line says
+        C{Too Many Requests} (twisted.web's table has no 429: it sent
+        C{Unknown Status}), with C{Retry-After} and the CORS headers.
+        """
+        key = self.ctl_json("keys", "create", "--name", "tight", "--rpm", "1")["key"]
+        chat = b'{"model": "m", "mode": "ok", "messages": []}'
+        parts = urlsplit(self.url)
+        answers = []
+        for _ in range(2):
+            connection = HTTPConnection(parts.netloc, timeout=30)
+            try:
+                connection.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    chat,
+                    {
+                        "Content-Type": "application/json",
+                        "Authorization": f"Bearer {key}",
+                        "Origin": self.origin,
+                    },
+                )
+                response = connection.getresponse()
+                response.read()
+                answers.append(response)
+            finally:
+                connection.close()
+        self.assertEqual(answers[0].status, 200)
+        limited = answers[1]
+        self.assertEqual((limited.status, limited.reason), (429, "Too Many Requests"))
+        self.assertTrue(limited.getheader("retry-after", "").isdigit())
+        self.assertEqual(limited.getheader("access-control-allow-origin"), self.origin)

@@ -41,7 +41,7 @@ from llmgw.router.overload import Overload
 from llmgw.router.prepare import USAGE_STREAM_PATHS, Prepared
 from llmgw.router.relay import StreamCut, UsageFilter
 from llmgw.router.settings import RouterConfig
-from llmgw.router.site import JSON
+from llmgw.router.site import JSON, client_gone
 from llmgw.router.sse import EventTooLarge
 from llmgw.router.upstream import (
     BodyReader,
@@ -56,16 +56,6 @@ SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-
-
-def client_gone(request: IRequest) -> bool:
-    """
-    @return: whether the client's connection is gone.  Read from the
-        request, which sets it before notifying anyone (Klein cancels the
-        handler from such a notification, so a flag set by another would
-        come too late).
-    """
-    return bool(getattr(request, "_disconnected", False))
 
 
 @dataclass(frozen=True)
@@ -100,11 +90,13 @@ class AnswerTooLarge(Exception):
 class _Retry(Exception):
     """
     This attempt failed before anything reached the client, and another
-    replica may be tried.
+    replica may be tried (this one too when C{stale}: its kept connection
+    was found closed, which says nothing of the replica).
     """
 
-    def __init__(self, error: APIError) -> None:
+    def __init__(self, error: APIError, stale: bool = False) -> None:
         self.error = error
+        self.stale = stale
 
 
 class Exchange:
@@ -191,13 +183,18 @@ class Exchange:
         waiting = overload.admit(self.model) if overload is not None else None
         if waiting is not None:
             await waiting
+        stale: Replica | None = None
         for attempt in range(services.settings.max_retries + 1):
             if self.deadlines.expired:
                 # The total deadline passed between two attempts.
                 raise self.deadlines.error()
             replica = balancer.pick(self.model, tried, self.prepared.affinity)
             if replica is None:
-                break
+                # None other left: the one whose kept connection was found
+                # closed gets the request again (on a new connection).
+                replica, stale = stale, None
+                if replica is None:
+                    break
             if attempt:
                 services.metrics.retries.labels(self.model).inc()
             tried.add(replica.id)
@@ -209,6 +206,7 @@ class Exchange:
                 return await self._attempt(replica)
             except _Retry as retry:
                 last_error = retry.error
+                stale = replica if retry.stale else stale
             finally:
                 replica.outstanding -= 1
                 replica.exchanges.discard(self.cut)
@@ -322,8 +320,10 @@ class Exchange:
             self.upstream_id,
             replica.endpoint.api_key,
         )
+        # Once a kept connection was found closed, the others may be too.
+        fresh = self.stale_retried
         self.waiting = services.upstream.post(
-            replica.url_bytes, self.path, headers, self.prepared.body
+            replica.url_bytes, self.path, headers, self.prepared.body, fresh=fresh
         )
         try:
             response = await self.waiting
@@ -367,18 +367,19 @@ class Exchange:
                     # No byte of an answer on a connection taken from the
                     # pool: most likely one the engine closed (or died on)
                     # while it sat idle.  Another replica gets the request,
-                    # once.  On a new connection the engine had the request
+                    # once (this one, on a new connection, if no other is
+                    # left).  On a new connection the engine had the request
                     # and broke: that is not retried (a prompt that crashes
                     # engines must not crash them all), and the replica
                     # sits out.
                     self.stale_retried = True
                     services.log.warn(
                         "request {request_id}: replica {replica} closed a pooled"
-                        " connection before answering; trying another",
+                        " connection before answering; trying again",
                         request_id=self.request_id.decode("ascii"),
                         replica=replica.id,
                     )
-                    raise _Retry(error) from None
+                    raise _Retry(error, stale=True) from None
                 services.balancer.eject(replica)
             raise error from None
         finally:

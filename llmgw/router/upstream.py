@@ -66,9 +66,12 @@ class Upstream(Protocol):
         path: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes,
+        fresh: bool = False,
     ) -> Deferred[IResponse]:
         """
         POST C{body} to C{path} of the replica whose base URL is C{base}.
+
+        @param fresh: send it on a new connection, not on a kept one.
 
         @return: fires with the response once its head came; cancellable.
             Fails with L{UpstreamConnectError} when no connection could be

@@ -287,3 +287,35 @@ class KeptConnectionClosedTests(EngineClientTestCase):
         self.engine.close_kept = False
         self.assertEqual(self.ask("after").choices[0].message.content, "whole")
         self.assert_no_traceback(self.server)
+
+
+def answer_late_end(conn: socket.socket, request: dict[str, Any]) -> bool:
+    """
+    A stream whose last chunk, the empty one that ends the body, comes
+    50 ms after C{[DONE]}: uvicorn writes it apart from the last event.
+    """
+    answer = chunked_stream()
+    conn.sendall(answer[: -len(b"0\r\n\r\n")])
+    time.sleep(0.05)
+    conn.sendall(b"0\r\n\r\n")
+    return True
+
+
+class LeftAfterDoneTests(EngineClientTestCase):
+    """
+    The official client closes its connection once it reads C{[DONE]}
+    (C{openai._streaming.Stream}), often before the engine's body ended.
+    """
+
+    answer = staticmethod(answer_late_end)
+
+    def test_record_says_200(self) -> None:
+        """
+        The client had the whole stream: its record says 200, not 499
+        (client closed request), and the usage counted is the stream's.
+        """
+        for i in range(3):
+            self.assertEqual(self.ask_stream(f"done-{i}"), "okokok")
+        for i in range(3):
+            self.assertEqual(self.record(f"done-{i}"), "200")
+        self.assert_no_traceback(self.server)

@@ -300,7 +300,9 @@ class Router:
             return self._error(request, error)
         except Exception:
             if client_gone(request):
-                status = 499  # the client went away (nginx's convention)
+                # The client went away (nginx's 499), unless it had the
+                # whole stream: the official client closes at [DONE].
+                status = 200 if exchange is not None and exchange.done else 499
                 return None
             self.log.failure(
                 "request {request_id} failed", request_id=rid.decode("ascii")

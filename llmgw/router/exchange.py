@@ -112,6 +112,7 @@ class Exchange:
         headers came, or L{None}.
     @ivar events_relayed: C{data:} fields written to the client.
     @ivar headers_sent: whether the client got any byte of the answer.
+    @ivar done: whether the stream's last event relayed was C{[DONE]}.
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class Exchange:
         self.answer_status: int | None = None
         self.events_relayed = 0
         self.headers_sent = False
+        self.done = False
         self.stale_retried = False
         self.waiting: Deferred[Any] | None = None
         self.reader: BodyReader | None = None
@@ -189,9 +191,7 @@ class Exchange:
                 # The total deadline passed between two attempts.
                 raise self.deadlines.error()
             replica = balancer.pick(self.model, tried, self.prepared.affinity)
-            if replica is None:
-                # None other left: the one whose kept connection was found
-                # closed gets the request again (on a new connection).
+            if replica is None:  # None other left: see _Retry
                 replica, stale = stale, None
                 if replica is None:
                     break
@@ -579,7 +579,7 @@ class Exchange:
             return
         finally:
             # Counted however the stream ended (a client that left too).
-            self.usage = relay.usage
+            self.usage, self.done = relay.usage, relay.done
         try:
             rest = relay.end()
         except StreamCut as e:

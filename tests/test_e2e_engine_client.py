@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import Process, Processes
@@ -318,4 +319,65 @@ class LeftAfterDoneTests(EngineClientTestCase):
             self.assertEqual(self.ask_stream(f"done-{i}"), "okokok")
         for i in range(3):
             self.assertEqual(self.record(f"done-{i}"), "200")
+        self.assert_no_traceback(self.server)
+
+
+def answer_invalid(conn: socket.socket, request: dict[str, Any]) -> bool:
+    """
+    Asked for C{"invalid": "head"}, a head of 70 KiB (over the router's
+    64 KiB); for C{"invalid": "chunk"}, a stream with a chunk size that is
+    not hex; else a good answer.
+    """
+    invalid = request.get("invalid")
+    if invalid == "head":
+        conn.sendall(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Big: "
+            + b"a" * 70 * 1024
+            + b"\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        return True
+    if invalid == "chunk":
+        answer = chunked_stream()
+        end = answer.index(b"\r\n\r\n") + 4
+        conn.sendall(answer[:end] + b"%x\r\n%s\r\nzz\r\n" % (len(CHUNK), CHUNK))
+        return True
+    return answer_ok(conn, request)
+
+
+class InvalidAnswerTests(EngineClientTestCase):
+    """
+    Answers the router refuses as not HTTP/1.1: the client is told so,
+    not that the replica closed the connection (the router did), and the
+    operator finds why in the log.
+    """
+
+    answer = staticmethod(answer_invalid)
+
+    def test_head_too_long(self) -> None:
+        """
+        A head over 64 KiB: a 502 saying the answer was not valid HTTP, a
+        warning naming the replica and the reason; the next request is
+        served.
+        """
+        with self.assertRaises(openai.APIStatusError) as raised:
+            self.ask("big", invalid="head")
+        self.assertEqual(raised.exception.status_code, 502)
+        self.assertIn("not valid HTTP", raised.exception.message)
+        self.assertEqual(self.record("big"), "502")
+        self.server.wait_for(r"replica .*127\.0\.0\.1.*head longer than 65536 bytes")
+        self.assertEqual(self.ask("next").choices[0].message.content, "whole")
+        self.assert_no_traceback(self.server)
+
+    def test_bad_chunk(self) -> None:
+        """
+        A chunk size that is not hex in a stream already relayed: the
+        stream ends with an error event saying the answer was not valid
+        HTTP, and the reason is in the log.
+        """
+        with self.assertRaises(openai.APIError) as raised:
+            self.ask_stream("chunk", invalid="chunk")
+        self.assertIn("not valid HTTP", raised.exception.message)
+        self.assertEqual(self.record("chunk"), "502")
+        self.server.wait_for(r"replica .*127\.0\.0\.1.*not a chunk size")
+        self.assertEqual(self.ask_stream("next"), "okokok")
         self.assert_no_traceback(self.server)

@@ -48,6 +48,7 @@ from llmgw.router.upstream import (
     NoAnswer,
     Upstream,
     UpstreamConnectError,
+    broken_message,
     upstream_headers,
 )
 
@@ -360,7 +361,7 @@ class Exchange:
                 raise _Retry(gone) from None
             metrics.upstream_errors.labels("broken").inc()
             error = upstream_failed(
-                "The replica closed the connection before answering."
+                broken_message(e, "The replica closed the connection before answering.")
             )
             if isinstance(e, NoAnswer):
                 if e.reused and not self.stale_retried:
@@ -467,7 +468,7 @@ class Exchange:
         except (AnswerTooLarge, EventTooLarge) as e:
             metrics.upstream_errors.labels("broken").inc()
             raise upstream_failed(f"The replica's answer was refused: {e}.") from None
-        except Exception:
+        except Exception as e:
             if client_gone(request):
                 raise
             if self.deadlines.expired:
@@ -477,7 +478,7 @@ class Exchange:
             if gone is not None:
                 raise gone from None
             metrics.upstream_errors.labels("broken").inc()
-            raise upstream_failed(broken) from None
+            raise upstream_failed(broken_message(e, broken)) from None
         finally:
             self.waiting = None
             self.reader = None

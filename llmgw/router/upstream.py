@@ -109,6 +109,25 @@ class NoAnswer(Exception):
         self.reused = reused
 
 
+class BadAnswer(Exception):
+    """
+    The replica's answer is not valid HTTP/1.1 (its head, its length or a
+    chunk); the connection is closed.
+    """
+
+
+def broken_message(error: BaseException, default: str) -> str:
+    """
+    @param error: what broke an exchange with a replica.
+    @param default: the client's message for a replica that broke it.
+    @return: the client's message: for a L{BadAnswer}, that the answer was
+        not valid HTTP (its details, the engine's bytes, go to the log).
+    """
+    if isinstance(error, BadAnswer):
+        return "The replica's answer was not valid HTTP."
+    return default
+
+
 @implementer(IStreamClientEndpoint)
 class _ClassifyingEndpoint:
     def __init__(self, wrapped: IStreamClientEndpoint) -> None:

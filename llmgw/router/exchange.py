@@ -91,8 +91,7 @@ class AnswerTooLarge(Exception):
 class _Retry(Exception):
     """
     This attempt failed before anything reached the client, and another
-    replica may be tried (this one too when C{stale}: its kept connection
-    was found closed, which says nothing of the replica).
+    replica may be tried (this one too if C{stale}: a kept connection closed).
     """
 
     def __init__(self, error: APIError, stale: bool = False) -> None:
@@ -192,10 +191,11 @@ class Exchange:
                 # The total deadline passed between two attempts.
                 raise self.deadlines.error()
             replica = balancer.pick(self.model, tried, self.prepared.affinity)
-            if replica is None:  # None other left: see _Retry
-                replica, stale = stale, None
-                if replica is None:
-                    break
+            if replica is None and stale is not None:  # none other left
+                tried.discard(stale.id)
+                replica = balancer.pick(self.model, tried, self.prepared.affinity)
+            if replica is None:
+                break
             if attempt:
                 services.metrics.retries.labels(self.model).inc()
             tried.add(replica.id)
@@ -207,7 +207,7 @@ class Exchange:
                 return await self._attempt(replica)
             except _Retry as retry:
                 last_error = retry.error
-                stale = replica if retry.stale else stale
+                stale = replica if retry.stale else None
             finally:
                 replica.outstanding -= 1
                 replica.exchanges.discard(self.cut)

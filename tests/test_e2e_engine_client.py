@@ -2,7 +2,12 @@
 End to end: the router's engine client (L{llmgw.router.engine_client},
 L{llmgw.router.http1}) as C{twistd -n llmgw-server} wires it, in front of
 L{RawEngine}, an engine written on raw sockets that answers exact bytes,
-talked to with the official C{openai} client.
+talked to with the official C{openai} client.  What held when tried this
+way (chunks split at every byte or many per read, chunk extensions and
+trailers, a head split across reads, Content-Length with chunked,
+Connection: close, HTTP/1.0, 1xx before the answer, junk after an answer,
+a 200 head then nothing, resets mid-stream, a slow reader, 48 streams at
+once with some cut) has no test here; what broke has one.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ class Sent:
     body: bytes
     answer: Deferred[IResponse]
     cancelled: bool = False
+    fresh: bool = False
 
 
 class FakeAgent:
@@ -111,6 +112,7 @@ class FakeAgent:
         path: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes,
+        fresh: bool = False,
     ) -> Deferred[IResponse]:
         def cancel(d: Deferred[IResponse]) -> None:
             sent.cancelled = True
@@ -118,7 +120,7 @@ class FakeAgent:
         table = Headers()
         for name, value in headers:
             table.addRawHeader(name, value)
-        sent = Sent(base + path, table, body, Deferred(cancel))
+        sent = Sent(base + path, table, body, Deferred(cancel), fresh=fresh)
         self.sent.append(sent)
         return sent.answer
 

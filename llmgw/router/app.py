@@ -23,7 +23,7 @@ from llmgw.router.affinity import AffinityRule
 from llmgw.router.balancer import Balancer
 from llmgw.router.cors import Cors
 from llmgw.router.errors import APIError, body_too_large, model_not_found
-from llmgw.router.exchange import Exchange, Services, client_gone
+from llmgw.router.exchange import Exchange, Services
 from llmgw.router.fastpath import ForwardingRoutes
 from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
 
@@ -40,7 +40,7 @@ from llmgw.router.prepare import (
     prepare,
 )
 from llmgw.router.settings import RouterConfig
-from llmgw.router.site import JSON, request_id, upstream_request_id
+from llmgw.router.site import JSON, client_gone, request_id, upstream_request_id
 from llmgw.router.upstream import Upstream
 
 FORWARDED_PATHS = {
@@ -300,7 +300,9 @@ class Router:
             return self._error(request, error)
         except Exception:
             if client_gone(request):
-                status = 499  # the client went away (nginx's convention)
+                # The client went away (nginx's 499), unless it had the
+                # whole stream: the official client closes at [DONE].
+                status = 200 if exchange is not None and exchange.done else 499
                 return None
             self.log.failure(
                 "request {request_id} failed", request_id=rid.decode("ascii")

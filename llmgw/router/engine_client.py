@@ -108,6 +108,7 @@ class EngineClient:
         path: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes,
+        fresh: bool = False,
     ) -> Deferred[IResponse]:
         """
         POST C{body} to C{path} of the replica at C{base}.
@@ -116,6 +117,9 @@ class EngineClient:
             a path prefix), ASCII.
         @param headers: the request's headers but C{Host} and
             C{Content-Length}, which are added.
+        @param fresh: send it on a new connection, not on a kept one (a
+            retry after a kept one was found closed: the others kept for
+            the replica may be closed too).
         @return: fires with the L{Response} once its head came;
             cancellable (the connection is closed).  Fails with
             L{llmgw.router.upstream.UpstreamConnectError} when no
@@ -142,7 +146,7 @@ class EngineClient:
             lines += (name, b": ", _clean(value), b"\r\n")
         lines.append(b"\r\n")
         head = b"".join(lines)
-        connection = self._take(base)
+        connection = None if fresh else self._take(base)
         if connection is not None:
             answer: Deferred[IResponse] = Deferred(lambda d: connection.abort())
             connection.send(head, body, answer, reused=True)

@@ -41,13 +41,14 @@ from llmgw.router.overload import Overload
 from llmgw.router.prepare import USAGE_STREAM_PATHS, Prepared
 from llmgw.router.relay import StreamCut, UsageFilter
 from llmgw.router.settings import RouterConfig
-from llmgw.router.site import JSON
+from llmgw.router.site import JSON, client_gone
 from llmgw.router.sse import EventTooLarge
 from llmgw.router.upstream import (
     BodyReader,
     NoAnswer,
     Upstream,
     UpstreamConnectError,
+    broken_message,
     upstream_headers,
 )
 
@@ -56,16 +57,6 @@ SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-
-
-def client_gone(request: IRequest) -> bool:
-    """
-    @return: whether the client's connection is gone.  Read from the
-        request, which sets it before notifying anyone (Klein cancels the
-        handler from such a notification, so a flag set by another would
-        come too late).
-    """
-    return bool(getattr(request, "_disconnected", False))
 
 
 @dataclass(frozen=True)
@@ -100,11 +91,12 @@ class AnswerTooLarge(Exception):
 class _Retry(Exception):
     """
     This attempt failed before anything reached the client, and another
-    replica may be tried.
+    replica may be tried (this one too if C{stale}: a kept connection closed).
     """
 
-    def __init__(self, error: APIError) -> None:
+    def __init__(self, error: APIError, stale: bool = False) -> None:
         self.error = error
+        self.stale = stale
 
 
 class Exchange:
@@ -120,6 +112,7 @@ class Exchange:
         headers came, or L{None}.
     @ivar events_relayed: C{data:} fields written to the client.
     @ivar headers_sent: whether the client got any byte of the answer.
+    @ivar done: whether the stream's last event relayed was C{[DONE]}.
     """
 
     def __init__(
@@ -154,6 +147,7 @@ class Exchange:
         self.answer_status: int | None = None
         self.events_relayed = 0
         self.headers_sent = False
+        self.done = False
         self.stale_retried = False
         self.waiting: Deferred[Any] | None = None
         self.reader: BodyReader | None = None
@@ -191,11 +185,15 @@ class Exchange:
         waiting = overload.admit(self.model) if overload is not None else None
         if waiting is not None:
             await waiting
+        stale: Replica | None = None
         for attempt in range(services.settings.max_retries + 1):
             if self.deadlines.expired:
                 # The total deadline passed between two attempts.
                 raise self.deadlines.error()
             replica = balancer.pick(self.model, tried, self.prepared.affinity)
+            if replica is None and stale is not None:  # none other left
+                tried.discard(stale.id)
+                replica = balancer.pick(self.model, tried, self.prepared.affinity)
             if replica is None:
                 break
             if attempt:
@@ -209,6 +207,7 @@ class Exchange:
                 return await self._attempt(replica)
             except _Retry as retry:
                 last_error = retry.error
+                stale = replica if retry.stale else None
             finally:
                 replica.outstanding -= 1
                 replica.exchanges.discard(self.cut)
@@ -322,8 +321,10 @@ class Exchange:
             self.upstream_id,
             replica.endpoint.api_key,
         )
+        # Once a kept connection was found closed, the others may be too.
+        fresh = self.stale_retried
         self.waiting = services.upstream.post(
-            replica.url_bytes, self.path, headers, self.prepared.body
+            replica.url_bytes, self.path, headers, self.prepared.body, fresh=fresh
         )
         try:
             response = await self.waiting
@@ -360,25 +361,26 @@ class Exchange:
                 raise _Retry(gone) from None
             metrics.upstream_errors.labels("broken").inc()
             error = upstream_failed(
-                "The replica closed the connection before answering."
+                broken_message(e, "The replica closed the connection before answering.")
             )
             if isinstance(e, NoAnswer):
                 if e.reused and not self.stale_retried:
                     # No byte of an answer on a connection taken from the
                     # pool: most likely one the engine closed (or died on)
                     # while it sat idle.  Another replica gets the request,
-                    # once.  On a new connection the engine had the request
+                    # once (this one, on a new connection, if no other is
+                    # left).  On a new connection the engine had the request
                     # and broke: that is not retried (a prompt that crashes
                     # engines must not crash them all), and the replica
                     # sits out.
                     self.stale_retried = True
                     services.log.warn(
                         "request {request_id}: replica {replica} closed a pooled"
-                        " connection before answering; trying another",
+                        " connection before answering; trying again",
                         request_id=self.request_id.decode("ascii"),
                         replica=replica.id,
                     )
-                    raise _Retry(error) from None
+                    raise _Retry(error, stale=True) from None
                 services.balancer.eject(replica)
             raise error from None
         finally:
@@ -466,7 +468,7 @@ class Exchange:
         except (AnswerTooLarge, EventTooLarge) as e:
             metrics.upstream_errors.labels("broken").inc()
             raise upstream_failed(f"The replica's answer was refused: {e}.") from None
-        except Exception:
+        except Exception as e:
             if client_gone(request):
                 raise
             if self.deadlines.expired:
@@ -476,7 +478,7 @@ class Exchange:
             if gone is not None:
                 raise gone from None
             metrics.upstream_errors.labels("broken").inc()
-            raise upstream_failed(broken) from None
+            raise upstream_failed(broken_message(e, broken)) from None
         finally:
             self.waiting = None
             self.reader = None
@@ -578,7 +580,7 @@ class Exchange:
             return
         finally:
             # Counted however the stream ended (a client that left too).
-            self.usage = relay.usage
+            self.usage, self.done = relay.usage, relay.done
         try:
             rest = relay.end()
         except StreamCut as e:

@@ -30,13 +30,14 @@ from twisted.internet.interfaces import (
     IPushProducer,
 )
 from twisted.internet.protocol import Protocol, connectionDone
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 from zope.interface import implementer
 
-from llmgw.router.upstream import NoAnswer
+from llmgw.router.upstream import BadAnswer, NoAnswer
 
 MAX_HEAD = 64 * 1024
 """
@@ -47,13 +48,6 @@ MAX_CHUNK_LINE = 4096
 """
 Bytes a chunk-size line (with its extensions) or a trailer line may take.
 """
-
-
-class BadAnswer(Exception):
-    """
-    The replica's answer is not valid HTTP/1.1 (its head, its length or a
-    chunk); the connection is closed.
-    """
 
 
 class AnswerBroken(Exception):
@@ -278,6 +272,8 @@ class EngineConnection(Protocol):
     an answer ends and the connection may be kept, it goes back to C{pool}.
     """
 
+    log = Logger()
+
     def __init__(self, pool: ConnectionPool, key: bytes) -> None:
         self._pool = pool
         self.key = key
@@ -385,7 +381,17 @@ class EngineConnection(Protocol):
         elif rest:
             self._body_data(rest)
 
-    def _fail_head(self, error: Exception) -> None:
+    def _refused(self, error: BadAnswer) -> None:
+        # The client is only told that the answer was not valid HTTP.
+        self.log.warn(
+            "replica {replica}: its answer is not valid HTTP/1.1 ({reason});"
+            " connection closed",
+            replica=self.key.decode("ascii", "replace"),
+            reason=str(error),
+        )
+
+    def _fail_head(self, error: BadAnswer) -> None:
+        self._refused(error)
         answer, self.answer = self.answer, None
         self.state = _CLOSED
         self._pool.forget(self)
@@ -491,7 +497,8 @@ class EngineConnection(Protocol):
             self.transport.loseConnection()
         body._end(Failure(ResponseDone("Response body fully received")))
 
-    def _body_failed(self, error: Exception) -> None:
+    def _body_failed(self, error: BadAnswer) -> None:
+        self._refused(error)
         body, self.body = self.body, None
         self.abort()
         if body is not None:

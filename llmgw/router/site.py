@@ -150,6 +150,16 @@ def make_site(
     return site
 
 
+def client_gone(request: IRequest) -> bool:
+    """
+    @return: whether the client's connection is gone.  Read from the
+        request, which sets it before notifying anyone (Klein cancels the
+        handler from such a notification, so a flag set by another would
+        come too late).
+    """
+    return bool(getattr(request, "_disconnected", False))
+
+
 def request_id(request: IRequest) -> bytes:
     """
     @return: the id of C{request}: its own X-Request-ID when that is at

@@ -66,9 +66,12 @@ class Upstream(Protocol):
         path: bytes,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes,
+        fresh: bool = False,
     ) -> Deferred[IResponse]:
         """
         POST C{body} to C{path} of the replica whose base URL is C{base}.
+
+        @param fresh: send it on a new connection, not on a kept one.
 
         @return: fires with the response once its head came; cancellable.
             Fails with L{UpstreamConnectError} when no connection could be
@@ -104,6 +107,25 @@ class NoAnswer(Exception):
     def __init__(self, reason: str, reused: bool) -> None:
         super().__init__(reason)
         self.reused = reused
+
+
+class BadAnswer(Exception):
+    """
+    The replica's answer is not valid HTTP/1.1 (its head, its length or a
+    chunk); the connection is closed.
+    """
+
+
+def broken_message(error: BaseException, default: str) -> str:
+    """
+    @param error: what broke an exchange with a replica.
+    @param default: the client's message for a replica that broke it.
+    @return: the client's message: for a L{BadAnswer}, that the answer was
+        not valid HTTP (its details, the engine's bytes, go to the log).
+    """
+    if isinstance(error, BadAnswer):
+        return "The replica's answer was not valid HTTP."
+    return default
 
 
 @implementer(IStreamClientEndpoint)

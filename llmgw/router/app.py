@@ -98,8 +98,8 @@ class Router:
 
     @param clock: the reactor's clock, for deadlines.
     @param balancer: the replicas and the choice among them.
-    @param upstream: the HTTP client for engine traffic (see
-        L{llmgw.router.upstream.make_upstream_client}).
+    @param upstream: the HTTP client for engine traffic (the servers give
+        an L{llmgw.router.engine_client.EngineClient}).
     @param settings: deadlines, retries and limits.
     @param metrics: where traffic is counted.
     @param usage: receives a record per finished request.

@@ -1,7 +1,7 @@
 """
 Server configuration: the TOML file, the command-line overrides, validation.
 
-A configuration error is raised as L{llmgw.checks.ConfigError} carrying one
+A configuration error is raised as L{llmgw.config_checks.ConfigError} carrying one
 line that names the key and the offending value, so that C{twistd} can print
 it and exit without a traceback.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmgw.checks import (
+from llmgw.config_checks import (
     ConfigError,
     check_bool,
     check_choice,

@@ -13,7 +13,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from llmgw.checks import (
+from llmgw.config_checks import (
     ConfigError,
     check_bool,
     check_choice,

@@ -9,7 +9,7 @@ import tomllib
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.checks import ConfigError
+from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import parse_models
 
 GOOD = """

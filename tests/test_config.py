@@ -9,13 +9,13 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.checks import ConfigError, check_keys, parse_duration, parse_size
 from llmgw.config import (
     ServerConfig,
     finish_config,
     parse_config,
     parse_endpoint_flag,
 )
+from llmgw.config_checks import ConfigError, check_keys, parse_duration, parse_size
 
 
 class ConfigTests(SynchronousTestCase):

@@ -18,7 +18,7 @@ import urllib.request
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.server.lifecycle import STOP_STEPS
+from llmgw.daemon.lifecycle import STOP_STEPS
 from tests.support import Processes, free_port, http, spawn
 
 MODEL = "gemma-3-270m"

@@ -2,7 +2,7 @@
 The connection edge (L{llmgw.router.edge}) on a L{Clock}: which deadline
 runs in which phase of a connection, what is answered when one passes, and
 the connection caps' counting and log line; and the open-file limit
-raised at start (L{llmgw.server.fdlimit}).  The same behaviours through a
+raised at start (L{llmgw.daemon.fdlimit}).  The same behaviours through a
 real server: L{tests.test_e2e_edge_http1}.
 """
 
@@ -206,7 +206,7 @@ class OpenFileLimitTests(SynchronousTestCase):
     """
 
     def limits(self, soft: int, hard: int, refuse: bool = False) -> list[Any]:
-        from llmgw.server import fdlimit
+        from llmgw.daemon import fdlimit
 
         calls: list[Any] = []
         state = [soft, hard]
@@ -230,7 +230,7 @@ class OpenFileLimitTests(SynchronousTestCase):
         """
         The soft limit is raised to the hard one and the line says both.
         """
-        from llmgw.server.fdlimit import raise_open_file_limit
+        from llmgw.daemon.fdlimit import raise_open_file_limit
 
         calls, events = self.limits(1024, 65536)
         self.assertEqual(raise_open_file_limit(16384), 65536)
@@ -243,7 +243,7 @@ class OpenFileLimitTests(SynchronousTestCase):
         A refused raise is a warning, and a cap that cannot fit under the
         limit is another, naming both numbers.
         """
-        from llmgw.server.fdlimit import raise_open_file_limit
+        from llmgw.daemon.fdlimit import raise_open_file_limit
 
         calls, events = self.limits(1024, 4096, refuse=True)
         self.assertEqual(raise_open_file_limit(16384), 1024)

@@ -21,7 +21,7 @@ from twisted.logger import LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.server.lifecycle import STOP_STEPS, Lifecycle
+from llmgw.daemon.lifecycle import STOP_STEPS, Lifecycle
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import encode_frame
 

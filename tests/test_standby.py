@@ -20,8 +20,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.service import _Uplink, retry_policy
 from llmgw.agent.tap import AgentConfig, _parse
-from llmgw.checks import ConfigError
 from llmgw.config import StandbyConfig, parse_config
+from llmgw.config_checks import ConfigError
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
 from llmgw.server.standby import LOCK_KEY, Leadership, advertised, relearn_drains

@@ -15,9 +15,9 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
+from llmgw.admin.guard import AdminGuard
 from llmgw.router.auth import KeyRing, hash_key
 from llmgw.router.errors import APIError
-from llmgw.server.admin_guard import AdminGuard
 from llmgw.store.db import MIGRATIONS, SQLiteStore, StoreError, sqlite_path
 
 

@@ -18,13 +18,13 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone
 from twisted.web.test.requesthelper import DummyRequest
 
-from llmgw.checks import ConfigError
 from llmgw.config import ServerConfig, check_router_workers, load_config
+from llmgw.config_checks import ConfigError
 from llmgw.router.interfaces import Endpoint
-from llmgw.server.watch import KEEPALIVE, Watch, endpoint_from_json, endpoint_json
-from llmgw.server.workers import tcp_address
-from llmgw.tier.control import Control
+from llmgw.tier.admin_client import AdminClient
 from llmgw.tier.follow import NEXT_URL_AFTER, SILENT_AFTER, Follower
+from llmgw.tier.watch import KEEPALIVE, Watch, endpoint_from_json, endpoint_json
+from llmgw.tier.workers import tcp_address
 
 E1 = Endpoint("r1", "http://10.0.0.1:8000", ("m", "m-alias"), 2.0, api_key="s3cret")
 
@@ -134,7 +134,7 @@ class FollowerFailoverTests(SynchronousTestCase):
         """
         clock, agent = Clock(), _Agent()
         urls = ["http://10.0.0.1:9090", "http://10.0.0.2:9090", "http://10.0.0.3:9090"]
-        control = Control(urls, agent=agent)
+        control = AdminClient(urls, agent=agent)
         applied: list[object] = []
         follower = Follower(clock, control, lambda e, n, k: applied.append(e))
         follower.startService()
@@ -186,8 +186,8 @@ class RouterWorkersConfigTests(SynchronousTestCase):
         """
         from types import SimpleNamespace
 
-        from llmgw.server.router_tap import Options
-        from llmgw.server.workers import worker_argv
+        from llmgw.tier.tap import Options
+        from llmgw.tier.workers import worker_argv
 
         config = replace(ServerConfig(), router_workers=3)
         address = SimpleNamespace(host="127.0.0.1", port=9090)
@@ -254,7 +254,7 @@ class WorkersTests(SynchronousTestCase):
         """
         from twisted.python.failure import Failure
 
-        from llmgw.server.workers import Workers
+        from llmgw.tier.workers import Workers
 
         reactor = _Reactor(failures=1)
         workers = Workers(reactor, 1, ["twistd", "llmgw-router"], "token", 5.0)

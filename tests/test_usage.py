@@ -15,8 +15,8 @@ from twisted.internet.task import Clock
 from twisted.logger import Logger, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.accounts.usage import StoreUsageSink, usage_row
 from llmgw.router.interfaces import RequestRecord
-from llmgw.server.usage import StoreUsageSink, usage_row
 from llmgw.store.db import UsageRow
 from llmgw.store.usage import UsageWriter
 

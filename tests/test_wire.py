@@ -247,7 +247,7 @@ class EngineFactsTests(SynchronousTestCase):
         one list in L{llmgw.wire.engines}.
         """
         from llmgw.agent.engines import ProfileError, build
-        from llmgw.checks import ConfigError
+        from llmgw.config_checks import ConfigError
         from llmgw.control.catalog import parse_models
         from llmgw.wire.engines import ENGINES
 

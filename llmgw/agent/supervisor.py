@@ -26,7 +26,7 @@ from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
-from llmgw.httpclient import QuietConnectionPool
+from llmgw.agent.quiet_pool import QuietConnectionPool
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50

@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from llmgw.agent.service import agent_state_dir, build_agent
-from llmgw.checks import ConfigError, check_keys
+from llmgw.config_checks import ConfigError, check_keys
 from llmgw.wire.tls import client_options
 
 log = Logger(namespace="llmgw.agent")

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.checks import ConfigError, check_keys, parse_duration
+from llmgw.config_checks import ConfigError, check_keys, parse_duration
 from llmgw.control.placement import Profile
 from llmgw.wire.engines import ENGINES
 

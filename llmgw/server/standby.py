@@ -35,11 +35,11 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from llmgw.admin.api import Admin
 from llmgw.config import ServerConfig
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
-from llmgw.server.admin import Admin
 from llmgw.store.base import Store
 
 log = Logger(namespace="llmgw.server")

@@ -19,7 +19,11 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
 from twisted.web.server import Site
 
-from llmgw.checks import ConfigError
+from llmgw.accounts.keysync import key_ring
+from llmgw.accounts.usage import StoreUsageSink
+from llmgw.admin.api import Admin
+from llmgw.admin.guard import AdminGuard, is_loopback
+from llmgw.admin.metrics_site import metrics_site
 from llmgw.config import (
     ServerConfig,
     check_router_workers,
@@ -28,25 +32,14 @@ from llmgw.config import (
     parse_endpoint_flag,
     shared_flags,
 )
+from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
 from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import FleetCollector
 from llmgw.control.plane import ControlPlane
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
-from llmgw.router.engine_client import EngineClient
-from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
-from llmgw.router.metrics import RouterMetrics
-from llmgw.router.site import make_site
-from llmgw.router.usage_log import LogUsageSink, UsageSinks
-from llmgw.server.admin import Admin
-from llmgw.server.admin_guard import AdminGuard, is_loopback
-from llmgw.server.engine_keys import EngineKeys
-from llmgw.server.fdlimit import raise_open_file_limit
-from llmgw.server.keysync import key_ring
-from llmgw.server.lifecycle import (
+from llmgw.daemon.fdlimit import raise_open_file_limit
+from llmgw.daemon.lifecycle import (
     AGENT_LINKS,
     DRAIN,
     LISTENERS,
@@ -62,7 +55,17 @@ from llmgw.server.lifecycle import (
     PoolService,
     StoreService,
 )
-from llmgw.server.listen import listen as _listen
+from llmgw.daemon.listen import listen as _listen
+from llmgw.daemon.logs import json_observer
+from llmgw.router.app import Router
+from llmgw.router.balancer import Balancer
+from llmgw.router.engine_client import EngineClient
+from llmgw.router.interfaces import Endpoint
+from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.site import make_site
+from llmgw.router.usage_log import LogUsageSink, UsageSinks
+from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.local import (
     LocalEngines,
     default_catalog,
@@ -71,14 +74,11 @@ from llmgw.server.local import (
     local_listener_factory,
     local_node_id,
 )
-from llmgw.server.logs import json_observer
-from llmgw.server.metrics_site import metrics_site
 from llmgw.server.standby import leading_services
-from llmgw.server.usage import StoreUsageSink
-from llmgw.server.watch import Watch
-from llmgw.server.workers import Workers, make_workers, reserve_port
 from llmgw.store.db import SQLiteStore, StoreError, open_store
 from llmgw.store.usage import UsageWriter
+from llmgw.tier.watch import Watch
+from llmgw.tier.workers import Workers, make_workers, reserve_port
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History
 from llmgw.web.login import LoginGate, Mount, Sessions, Split
@@ -287,7 +287,7 @@ def _agent_factory(config: ServerConfig, hub: AgentHub) -> Any:
 def makeService(options: Options) -> IService:
     """
     Build the server's service tree; its stop is the sequence of
-    L{llmgw.server.lifecycle.STOP_STEPS}: the listeners (client API, admin,
+    L{llmgw.daemon.lifecycle.STOP_STEPS}: the listeners (client API, admin,
     agents) stop accepting, the router drains its requests in flight, the
     reconciler stops, the agent links close (with C{--local}, the local
     agent's uplink and listener first), usage is flushed, the local engines

@@ -2,7 +2,7 @@
 Usage accounting: one row per request, buffered and written to the store
 in batches, with each key's token count; on stop, everything buffered is
 written before the process ends.  The router's records become rows in the
-server's wiring (L{llmgw.server.usage}).
+server's wiring (L{llmgw.accounts.usage}).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
-from llmgw.tier.control import Control
+from llmgw.tier.admin_client import AdminClient
 
 TOUCH_INTERVAL = 2.0
 """
@@ -44,7 +44,7 @@ class RemoteActivator(Service):
     def __init__(
         self,
         clock: IReactorTime,
-        control: Control,
+        control: AdminClient,
         serves: Callable[[str], bool],
         wait: float,
     ) -> None:

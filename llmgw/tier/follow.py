@@ -1,5 +1,5 @@
 """
-Following the control plane: the admin API's watch (L{llmgw.server.watch})
+Following the control plane: the admin API's watch (L{llmgw.tier.watch})
 read as a stream, each state handed on at once; a dropped or silent
 stream is opened again after a short back-off, and its first line is the
 full state again.
@@ -27,8 +27,8 @@ from twisted.web.client import readBody
 from twisted.web.iweb import IResponse
 
 from llmgw.router.interfaces import Endpoint
-from llmgw.server.watch import KEEPALIVE, endpoint_from_json
-from llmgw.tier.control import Control
+from llmgw.tier.admin_client import AdminClient
+from llmgw.tier.watch import KEEPALIVE, endpoint_from_json
 
 NEXT_URL_AFTER = 0.05
 """
@@ -71,7 +71,7 @@ class _Lines(Protocol):
 class Follower(Service):
     """
     @param apply: called with each state's endpoints, names (C{{name or
-        alias: model}}) and keys counter (L{llmgw.server.watch}).
+        alias: model}}) and keys counter (L{llmgw.tier.watch}).
     @ivar version: the last state's version, 0 before the first.
     @ivar first: fires once the first state is applied.
     """
@@ -81,7 +81,7 @@ class Follower(Service):
     def __init__(
         self,
         clock: IReactorTime,
-        control: Control,
+        control: AdminClient,
         apply: Callable[[list[Endpoint], dict[str, str], int], None],
     ) -> None:
         self.clock = clock

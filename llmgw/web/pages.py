@@ -54,7 +54,7 @@ TEMPLATES.filters["q"] = lambda value: quote(str(value), safe="")
 class Actions(Protocol):
     """
     The admin API's changes that the dashboard offers
-    (L{llmgw.server.admin.Admin} provides them).
+    (L{llmgw.admin.api.Admin} provides them).
     """
 
     async def set_scale(self, name: str, low: int, high: int) -> Any:

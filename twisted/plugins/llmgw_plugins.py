@@ -21,7 +21,7 @@ llmgw_agent = ServiceMaker(
 
 llmgw_router = ServiceMaker(
     "llmgw router",
-    "llmgw.server.router_tap",
+    "llmgw.tier.tap",
     "llmgw router tier: the client API, following an llmgw-server's admin API",
     "llmgw-router",
 )

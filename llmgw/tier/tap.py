@@ -21,19 +21,12 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
 
-from llmgw.checks import ConfigError
+from llmgw.accounts.keysync import key_ring
+from llmgw.accounts.usage import StoreUsageSink
 from llmgw.config import ServerConfig, load_config, shared_flags
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
-from llmgw.router.engine_client import EngineClient
-from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
-from llmgw.router.metrics import RouterMetrics
-from llmgw.router.site import make_site
-from llmgw.router.usage_log import LogUsageSink, UsageSinks
-from llmgw.server.fdlimit import raise_open_file_limit
-from llmgw.server.keysync import key_ring
-from llmgw.server.lifecycle import (
+from llmgw.config_checks import ConfigError
+from llmgw.daemon.fdlimit import raise_open_file_limit
+from llmgw.daemon.lifecycle import (
     DRAIN,
     LISTENERS,
     POOLS,
@@ -46,16 +39,23 @@ from llmgw.server.lifecycle import (
     PoolService,
     StoreService,
 )
-from llmgw.server.listen import listen as _listen
-from llmgw.server.logs import json_observer
-from llmgw.server.usage import StoreUsageSink
-from llmgw.server.workers import reuse_port_socket, tcp_address
+from llmgw.daemon.listen import listen as _listen
+from llmgw.daemon.logs import json_observer
+from llmgw.router.app import Router
+from llmgw.router.balancer import Balancer
+from llmgw.router.engine_client import EngineClient
+from llmgw.router.interfaces import Endpoint
+from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.site import make_site
+from llmgw.router.usage_log import LogUsageSink, UsageSinks
 from llmgw.store.db import StoreError, open_store
 from llmgw.store.usage import UsageWriter
 from llmgw.tier.activate import RemoteActivator
-from llmgw.tier.control import Control
+from llmgw.tier.admin_client import AdminClient
 from llmgw.tier.follow import Follower
 from llmgw.tier.keys import KeyFollower
+from llmgw.tier.workers import reuse_port_socket, tcp_address
 
 log = Logger(namespace="llmgw.router")
 
@@ -186,7 +186,7 @@ class _Orphan(Service):
 def makeService(options: Options) -> IService:
     """
     Build the router's service tree; its stop follows the server's steps
-    (L{llmgw.server.lifecycle.STOP_STEPS}) that apply: the listener, the
+    (L{llmgw.daemon.lifecycle.STOP_STEPS}) that apply: the listener, the
     drain, the watch, usage, the pools, the store.
     """
     from twisted.internet import reactor
@@ -194,7 +194,7 @@ def makeService(options: Options) -> IService:
     config: ServerConfig = options.config
     settings = config.router
     try:
-        control = Control.make(
+        control = AdminClient.make(
             reactor,
             options["control"],
             os.environ.get(CONTROL_KEY_ENV, ""),

@@ -13,8 +13,8 @@ from twisted.web.iweb import IRequest
 
 app = Klein()
 """
-The admin API's routes, from L{llmgw.server.admin} and
-L{llmgw.server.admin_keys}; bound to an L{llmgw.server.admin.Admin}.
+The admin API's routes, from L{llmgw.admin.api} and
+L{llmgw.admin.keys}; bound to an L{llmgw.admin.api.Admin}.
 """
 
 

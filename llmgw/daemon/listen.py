@@ -11,7 +11,7 @@ from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort
 from twisted.python.failure import Failure
 
-from llmgw.checks import ConfigError
+from llmgw.config_checks import ConfigError
 
 
 def listen(reactor: Any, key: str, description: str, factory: Any) -> IListeningPort:

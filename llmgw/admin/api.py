@@ -19,7 +19,11 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw import __version__
-from llmgw.checks import ConfigError
+from llmgw.admin.http import AdminError, json_answer, not_found, read_body
+from llmgw.admin.http import app as admin_app
+from llmgw.admin.keys import KeyRoutes
+from llmgw.admin.watch import WatchRoutes
+from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
@@ -31,13 +35,9 @@ from llmgw.control.views import (
     replicas_json,
 )
 from llmgw.router.auth import KeyRing
-from llmgw.server.admin_http import AdminError, json_answer, not_found, read_body
-from llmgw.server.admin_http import app as admin_app
-from llmgw.server.admin_keys import KeyRoutes
-from llmgw.server.admin_watch import WatchRoutes
-from llmgw.server.watch import Watch
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
+from llmgw.tier.watch import Watch
 
 __all__ = ["Admin", "AdminError"]
 

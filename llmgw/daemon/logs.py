@@ -8,7 +8,7 @@ C{latency}, C{time_to_first_token} and the token counts; see
 L{llmgw.router.usage_log.LogUsageSink}) plus C{text}, the line as the text
 format would print it.  twistd takes the observer from the application's
 L{ILogObserver} component (C{twisted.application.app.AppLogger.start}),
-which L{llmgw.server.lifecycle.Lifecycle} sets.
+which L{llmgw.daemon.lifecycle.Lifecycle} sets.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """
 The admin API's keys and usage routes (C{/api/v1/keys},
-C{/api/v1/usage}), mixed into L{llmgw.server.admin.Admin}.
+C{/api/v1/usage}), mixed into L{llmgw.admin.api.Admin}.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 from twisted.web.iweb import IRequest
 
-from llmgw.checks import ConfigError, parse_duration
+from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
+from llmgw.config_checks import ConfigError, parse_duration
 from llmgw.router.auth import ApiKey, KeyRing
-from llmgw.server.admin_http import AdminError, app, json_answer, not_found, read_body
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
 

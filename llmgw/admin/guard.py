@@ -14,9 +14,9 @@ from typing import Any
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
+from llmgw.admin.http import json_answer
 from llmgw.router.auth import KeyRing
 from llmgw.router.errors import APIError
-from llmgw.server.admin_http import json_answer
 
 
 def is_loopback(host: str, otherwise: bool) -> bool:

@@ -25,10 +25,10 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.checks import ConfigError
 from llmgw.config import ServerConfig
+from llmgw.config_checks import ConfigError
 
-log = Logger(namespace="llmgw.server.workers")
+log = Logger(namespace="llmgw.tier.workers")
 
 MAX_BACKOFF = 10.0
 """

@@ -11,9 +11,9 @@ from typing import Any
 from twisted.internet.defer import Deferred, TimeoutError
 from twisted.web.iweb import IRequest
 
+from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
 from llmgw.control.plane import ControlPlane
-from llmgw.server.admin_http import AdminError, app, json_answer, not_found, read_body
-from llmgw.server.watch import Watch
+from llmgw.tier.watch import Watch
 
 MAX_ACTIVATION_WAIT = 600.0
 """
@@ -39,7 +39,7 @@ class StandbyError(AdminError):
 
 class WatchRoutes:
     """
-    Mixed into L{llmgw.server.admin.Admin}; needs its C{plane} and C{watch}.
+    Mixed into L{llmgw.admin.api.Admin}; needs its C{plane} and C{watch}.
     """
 
     plane: ControlPlane | None
@@ -75,7 +75,7 @@ class WatchRoutes:
         """
         The endpoints (with their secrets) and the catalog's names as
         newline-delimited JSON, pushed on each change
-        (L{llmgw.server.watch}); the answer never ends while the server
+        (L{llmgw.tier.watch}); the answer never ends while the server
         runs.
         """
         _, watch = self._watched()

@@ -20,7 +20,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IPolicyForHTTPS, IResponse
 from zope.interface import implementer
 
-from llmgw.checks import ConfigError
+from llmgw.config_checks import ConfigError
 
 
 @implementer(IPolicyForHTTPS)
@@ -37,7 +37,7 @@ class _TrustCA:
 
 
 @dataclass
-class Control:
+class AdminClient:
     """
     @ivar urls: the admin APIs' base URLs, C{http(s)://host:port}, no
         trailing slash: one per control plane (the leader and its
@@ -82,7 +82,7 @@ class Control:
     @classmethod
     def make(
         cls, reactor: Any, urls: list[str], key: str = "", ca: str | None = None
-    ) -> Control:
+    ) -> AdminClient:
         """
         @param urls: the admin APIs' base URLs (C{--control}, repeatable or
             comma-separated), at least one.

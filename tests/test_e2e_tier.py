@@ -277,21 +277,22 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
         status, _, body = http("POST", admin + "/api/v1/keys", b'{"name": "k1"}')
         self.assertEqual(status, 201, body)
         secret = json.loads(body)["key"]
+        # Each round asks ten times on new connections, which the kernel
+        # spreads over both workers: the key is followed when every worker
+        # agrees, not when the first one does.
         started = time.monotonic()
-        while self.chat(url) != 401 or self.chat(url, secret) != 200:
+        while {self.chat(url) for _ in range(10)} != {401} or {
+            self.chat(url, secret) for _ in range(10)
+        } != {200}:
             self.assertLess(time.monotonic() - started, 1.0, "key not followed")
             time.sleep(0.02)
-        # Both workers (connections spread over them) agree.
-        self.assertEqual({self.chat(url) for _ in range(10)}, {401})
-        self.assertEqual({self.chat(url, secret) for _ in range(10)}, {200})
 
         status, _, body = http("POST", admin + "/api/v1/keys/k1/revoke", b"")
         self.assertEqual(status, 200, body)
         started = time.monotonic()
-        while self.chat(url, secret) != 401:
+        while {self.chat(url, secret) for _ in range(10)} != {401}:
             self.assertLess(time.monotonic() - started, 1.0, "revocation not followed")
             time.sleep(0.02)
-        self.assertEqual({self.chat(url, secret) for _ in range(10)}, {401})
 
     def test_control_over_tls(self) -> None:
         """

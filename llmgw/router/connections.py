@@ -11,10 +11,11 @@ connection.
 
 HTTP/2 (TLS with ALPN C{h2}) is Twisted's C{H2Connection}: the C{h2}
 library advertises C{SETTINGS_MAX_CONCURRENT_STREAMS} 100 and ends the
-connection of a client that opens more, and Twisted 26.10 (the version
-installed here; setup.cfg allows older) closes a connection with GOAWAY
-C{ENHANCE_YOUR_CALM} once its peer resets streams faster than a token
-bucket allows (1000 at once, then 33/s), the CVE-2023-44487 defence.  The
+connection of a client that opens more, and Twisted closes a connection
+with GOAWAY C{ENHANCE_YOUR_CALM} once its peer resets streams faster than
+a token bucket allows (1000 at once, then 33/s), the CVE-2023-44487
+defence, new in Twisted 26.10 (26.4 has none): hence setup.cfg's floor,
+and the check in L{llmgw.twisted_private}.  The
 hostile-client suite (C{tests.test_e2e_edge_h2}) checks both, and found two
 faults mended here: the connection stayed open after its GOAWAY until the
 idle timeout (L{EdgeProtocol.dataReceived}), and answers to streams reset
@@ -32,13 +33,12 @@ from h2.connection import ConnectionState
 from twisted.internet.interfaces import IAddress, IDelayedCall, ISSLTransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web._http2 import H2Connection
-from twisted.web.http import _GenericHTTPChannelProtocol
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
 from llmgw.router.edge import LINGER, EdgeChannel, edge_error, error_response
 from llmgw.router.settings import RouterConfig
+from llmgw.twisted_private import GenericHTTPChannelProtocol, H2Connection
 
 CAP_LOG_INTERVAL = 10.0
 """
@@ -46,7 +46,7 @@ Seconds between two log lines about refused connections.
 """
 
 
-class EdgeProtocol(_GenericHTTPChannelProtocol):
+class EdgeProtocol(GenericHTTPChannelProtocol):
     """
     Twisted's switch between HTTP/1.1 and HTTP/2 (by ALPN), counting its
     connection against the caps of its L{EdgeSite}; the count lives here
@@ -103,7 +103,9 @@ class EdgeProtocol(_GenericHTTPChannelProtocol):
 
     def _switch_to_h2(self) -> None:
         # Twisted's own switch (_GenericHTTPChannelProtocol.dataReceived,
-        # Twisted 26.10), with EdgeH2Connection in place of H2Connection.
+        # Twisted 26.4 and 26.10), with EdgeH2Connection in place of
+        # H2Connection; the private names it uses are listed, and checked
+        # against Twisted, in llmgw.twisted_private.
         me: Any = self  # Twisted's private attributes, untyped
         old = me._channel
         producer = old._networkProducer

@@ -38,6 +38,11 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("router", "store", "the router defines Auth and UsageSink; others implement them"),
     ("router", "server", "server/ wires the router, not the other way"),
     ("router", "config", "the router's settings are its own (router.settings)"),
+    (
+        "control",
+        "config",
+        "the control plane's settings are its own (control.settings)",
+    ),
     ("sim", "*", "the simulator stands alone like a real engine"),
     ("daemon", "router", "every daemon's plumbing knows no part of llmgw"),
     ("daemon", "control", "every daemon's plumbing knows no part of llmgw"),
@@ -80,6 +85,18 @@ ONLY: dict[tuple[str, str], tuple[str, ...]] = {
 # Modules that define the router's interfaces import nothing else from
 # llmgw, so that implementing one never drags the router in.
 LEAF_MODULES = ("llmgw.router.interfaces",)
+
+# Settings read by more than their own process's wiring import only the
+# configuration checks: reading the server's file (which llmgw-router does
+# too) then pulls in none of the server's, control plane's or router's
+# machinery.
+SETTINGS_MODULES = (
+    "llmgw.router.settings",
+    "llmgw.control.settings",
+    "llmgw.server.settings",
+    "llmgw.accounts.settings",
+    "llmgw.tier.settings",
+)
 
 
 def modules() -> Iterator[tuple[str, str]]:
@@ -246,6 +263,19 @@ class ImportRuleTests(SynchronousTestCase):
             "llmgw.agent.link": {"llmgw.wire.protocol", "llmgw"},
         }
         self.assertEqual(violations(edges), [])
+
+    def test_settings_import_only_the_checks(self) -> None:
+        """
+        Each of L{SETTINGS_MODULES} imports nothing of llmgw but
+        L{llmgw.config_checks}.
+        """
+        paths = dict(modules())
+        for module in SETTINGS_MODULES:
+            self.assertEqual(
+                imports_of(module, paths[module]) - {"llmgw.config_checks"},
+                set(),
+                module,
+            )
 
     def test_control_uses_only_router_interfaces(self) -> None:
         """

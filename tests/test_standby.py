@@ -20,10 +20,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.service import _Uplink, retry_policy
 from llmgw.agent.settings import AgentConfig, parse_agent_config
-from llmgw.config import StandbyConfig, parse_config
+from llmgw.config import parse_config
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
+from llmgw.server.settings import StandbyConfig
 from llmgw.server.standby import LOCK_KEY, Leadership, advertised, relearn_drains
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame

@@ -104,7 +104,8 @@ class ServerConfig:
         "",
         "Twisted server endpoint",
         "A listener serving GET /metrics only, safe to open to a Prometheus"
-        " server on another machine (--metrics-listen); empty for none.",
+        " server on another machine (--metrics-listen); by default none.",
+        shown="none",
     )
     log_format: str = setting(
         "text",
@@ -172,8 +173,8 @@ class ServerConfig:
 
 SERVER_TABLE = Table(
     "",
-    "The top level of the server's file (--config FILE.toml), before any"
-    " table; each key has a flag of the same name with dashes, which wins.",
+    "The top level of the server's file, before any table.  A flag named"
+    " in a key's meaning (such as --listen) wins over the file.",
     settings_keys(ServerConfig),
 )
 

@@ -121,7 +121,7 @@ class Table:
         return frozenset(key.name for key in self.keys if key.kind == kind)
 
 
-def setting(default: _T, kind: str, doc: str) -> _T:
+def setting(default: _T, kind: str, doc: str, shown: str = "") -> _T:
     """
     A field of a settings dataclass that is a key of its TOML table, of the
     same name: L{settings_keys} reads it back.
@@ -129,8 +129,10 @@ def setting(default: _T, kind: str, doc: str) -> _T:
     @param default: the key's default (mutable ones are copied per instance).
     @param kind: see L{Key.kind}.
     @param doc: see L{Key.doc}.
+    @param shown: see L{Key.shown}; such as C{"none"} for an empty string
+        that means none but cannot be written (the key takes no C{""}).
     """
-    metadata = {"llmgw.key": (kind, doc)}
+    metadata = {"llmgw.key": (kind, doc, shown)}
     if isinstance(default, (dict, list)):
         copy = default.copy
         return field(default_factory=copy, metadata=metadata)  # type: ignore[return-value]
@@ -147,12 +149,12 @@ def settings_keys(settings: type[Any]) -> tuple[Key, ...]:
     for item in fields(settings):
         if "llmgw.key" not in item.metadata:
             continue
-        kind, doc = item.metadata["llmgw.key"]
+        kind, doc, shown = item.metadata["llmgw.key"]
         if item.default_factory is not MISSING:
             default: object = item.default_factory()
         else:
             default = item.default
-        keys.append(Key(item.name, kind, doc, default))
+        keys.append(Key(item.name, kind, doc, default, shown))
     return tuple(keys)
 
 

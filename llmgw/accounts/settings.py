@@ -35,8 +35,9 @@ class StoreConfig:
     url: str = setting(
         "",
         "sqlite:/// or postgresql:// URL",
-        "Where keys, usage and the leader are kept; empty: STATE_DIR/llmgw.db"
-        " (SQLite).",
+        "Where keys, usage and the leader are kept; by default"
+        " STATE_DIR/llmgw.db (SQLite).",
+        shown="none",
     )
     flush_interval: float = setting(
         1.0, DURATION, "Between usage batch writes (more than 0s)."
@@ -88,7 +89,8 @@ class LimitsConfig:
         "",
         "redis:// or rediss:// URL",
         "Redis counting requests, tokens and budgets for every router"
-        " together; empty to count in each router.",
+        " together; by default each router counts its own.",
+        shown="none",
     )
     routers: int = setting(
         1,

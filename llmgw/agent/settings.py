@@ -42,7 +42,9 @@ class AgentConfig:
     server: str = setting(
         "",
         "HOST:PORT",
-        "The server's agent listener (--server; a flag replaces server and servers).",
+        "The server's agent listener (--server; a flag replaces server and"
+        " servers); this or servers is required.",
+        shown="none",
     )
     servers: tuple[str, ...] = setting(
         (),
@@ -55,18 +57,20 @@ class AgentConfig:
         "",
         "string",
         "This node's id, the CN of its certificate (--node-id); required.",
+        shown="none",
     )
     tls_dir: str = setting(
         "",
         "path",
         "A folder as llmgw certs agent writes it: ca.pem, agent.pem,"
         " agent-key.pem (--tls-dir); required unless insecure.",
+        shown="none",
     )
     state_dir: str = setting(
         "",
         "path",
-        f"The agent's state, its engines' records and output in shards/"
-        f" (--state-dir); empty: {DEFAULT_STATE_DIR}.",
+        "The agent's state, its engines' records and output in shards/ (--state-dir).",
+        shown=f'"{DEFAULT_STATE_DIR}"',
     )
     insecure: bool = setting(
         False,
@@ -76,8 +80,9 @@ class AgentConfig:
     address: str = setting(
         "",
         "host or IP address",
-        "How engines on this node are reached, and where they listen; empty:"
-        " 127.0.0.1 (set the node's address for a fleet).",
+        "How engines on this node are reached, and where they listen (set"
+        " the node's address for a fleet).",
+        shown='"127.0.0.1"',
     )
     labels: dict[str, str] = setting(
         {}, "table of strings", "The node's labels, reported to the server."
@@ -110,9 +115,8 @@ class AgentConfig:
 
 AGENT_TABLE = Table(
     "",
-    "The top level of the agent's file (--config agent.toml); each key but"
-    " the lists and tables has a flag of the same name with dashes, which"
-    " wins.",
+    "The top level of the agent's file.  A flag named in a key's meaning"
+    " (such as --node-id) wins over the file.",
     settings_keys(AgentConfig),
 )
 
@@ -292,3 +296,9 @@ def check_agent_config(config: AgentConfig) -> AgentConfig:
             f"state_dir: cannot use {agent_state_dir(config)!r}: {e.strerror}"
         ) from None
     return config
+
+
+AGENT_TABLES: tuple[Table, ...] = (AGENT_TABLE, SIMULATED_GPUS_TABLE)
+"""
+Every table the agent's file takes, in the reference's order.
+"""

@@ -85,15 +85,17 @@ class StandbyConfig:
     url: str = setting(
         "",
         "postgresql:// URL",
-        "The PostgreSQL whose advisory lock chooses the leader; empty: [store]"
-        " url when it is PostgreSQL, else this server leads alone.",
+        "The PostgreSQL whose advisory lock chooses the leader; by default"
+        " [store] url when it is PostgreSQL, else this server leads alone.",
+        shown="none",
     )
     advertise: str = setting(
         "",
         "HOST:PORT",
         "What agents dial to reach this server's agent listener, recorded for"
-        " the standbys to name; empty: the listener's address, the host's"
+        " the standbys to name; by default the listener's address, the host's"
         " name for 0.0.0.0.",
+        shown="none",
     )
     retry: float = setting(
         1.0,

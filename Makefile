@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Two cores: two trial workers.
 JOBS ?= 2
 
-.PHONY: run test lint typecheck unit e2e bench proto clean
+.PHONY: run test lint typecheck unit e2e bench proto config-docs clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ e2e: $(STAMP)
 # (tests/test_wire.py fails while the checked-in code is stale).
 proto: $(STAMP)
 	scripts/gen-proto
+
+# Regenerate docs/configuration.md after adding or changing a setting
+# (tests/test_config_docs.py fails while the checked-in reference is stale).
+config-docs: $(STAMP)
+	$(BIN)/python -m llmgw.config_docs
 
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[bench]' --config-settings editable_mode=compat

@@ -46,11 +46,11 @@ from typing import Any
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 
-from llmgw.config import ControlConfig
 from llmgw.control.catalog import Model
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile, place
 from llmgw.control.plane import ControlPlane
+from llmgw.control.settings import ControlConfig
 from llmgw.control.snapshot import Snapshot
 from llmgw.wire import agent_pb2 as pb
 

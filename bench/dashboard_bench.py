@@ -30,11 +30,11 @@ from twisted.internet.task import Clock
 from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 
-from llmgw.config import ControlConfig
 from llmgw.control.catalog import Model
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
+from llmgw.control.settings import ControlConfig
 from llmgw.router.auth import KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet

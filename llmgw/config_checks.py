@@ -2,7 +2,10 @@
 Checks every configuration parser uses: the error they raise, durations,
 sizes, URLs, booleans, strings, and the one unknown-key check for every
 TOML table (the server's file, the catalog's C{[[models]]}, the agent's
-file).
+file); and how a table says which keys it has: a L{Table} of L{Key}s,
+each with its kind, default and meaning, which the table's parser checks
+keys against and L{llmgw.config_docs} prints as the configuration
+reference.
 
 A leaf: it imports nothing from the rest of llmgw, so any process may
 import it.  A configuration error is raised as L{ConfigError} carrying one
@@ -15,8 +18,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
+
+_T = TypeVar("_T")
 
 
 class ConfigError(Exception):
@@ -39,6 +45,117 @@ _SIZE_UNITS = {
     "GB": 1000**3,
     "GiB": 1024**3,
 }
+
+
+DURATION = "duration"
+"""
+The kind of a key read by L{parse_duration}.
+"""
+
+SIZE = "size"
+"""
+The kind of a key read by L{parse_size}.
+"""
+
+COUNT = "integer >= 0"
+"""
+The kind of a key that is a whole number, 0 or more.
+"""
+
+REQUIRED = object()
+"""
+The default of a key that has none: the table must give it.
+"""
+
+
+@dataclass(frozen=True)
+class Key:
+    """
+    One key of a TOML table, as the configuration reference shows it.
+
+    @ivar name: the key, as written in the file.
+    @ivar kind: what value it takes, in words (L{DURATION}, L{SIZE},
+        L{COUNT}, C{"boolean"}, C{"one of: a, b"}...).
+    @ivar doc: what it means: one or more sentences, never empty.
+    @ivar default: its value when the table leaves it out (as the settings
+        hold it: seconds for a duration, bytes for a size), L{REQUIRED}, or
+        L{None} for none.
+    @ivar shown: the default as the reference prints it, when it is not the
+        value itself (such as C{"max(min_replicas, 1)"}); empty to print
+        C{default}.
+    """
+
+    name: str
+    kind: str
+    doc: str
+    default: object = REQUIRED
+    shown: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    """
+    One TOML table (or array of tables) and its keys.
+
+    @ivar name: as a file writes its header, C{"[router]"},
+        C{"[[models]]"}; empty for the top level of a file.
+    @ivar doc: what the table is for, one or more sentences.
+    @ivar keys: its keys, in the order the reference lists them.
+    """
+
+    name: str
+    doc: str
+    keys: tuple[Key, ...]
+
+    @property
+    def names(self) -> frozenset[str]:
+        """
+        The keys the table accepts.
+        """
+        return frozenset(key.name for key in self.keys)
+
+    def of_kind(self, kind: str) -> frozenset[str]:
+        """
+        @return: the keys of the given kind, such as L{DURATION}.
+        """
+        return frozenset(key.name for key in self.keys if key.kind == kind)
+
+
+def setting(default: _T, kind: str, doc: str, shown: str = "") -> _T:
+    """
+    A field of a settings dataclass that is a key of its TOML table, of the
+    same name: L{settings_keys} reads it back.
+
+    @param default: the key's default (mutable ones are copied per instance).
+    @param kind: see L{Key.kind}.
+    @param doc: see L{Key.doc}.
+    @param shown: see L{Key.shown}; such as C{"none"} for an empty string
+        that means none but cannot be written (the key takes no C{""}).
+    """
+    metadata = {"llmgw.key": (kind, doc, shown)}
+    if isinstance(default, (dict, list)):
+        copy = default.copy
+        return field(default_factory=copy, metadata=metadata)  # type: ignore[return-value]
+    return field(default=default, metadata=metadata)
+
+
+def settings_keys(settings: type[Any]) -> tuple[Key, ...]:
+    """
+    @param settings: a dataclass whose table keys are made with L{setting}.
+    @return: a L{Key} per such field, in the class's order; the other fields
+        (filled from elsewhere, such as a flag) are no keys.
+    """
+    keys = []
+    for item in fields(settings):
+        if "llmgw.key" not in item.metadata:
+            continue
+        kind, doc, shown = item.metadata["llmgw.key"]
+        if item.default_factory is not MISSING:
+            default: object = item.default_factory()
+        else:
+            default = item.default
+        keys.append(Key(item.name, kind, doc, default, shown))
+    return tuple(keys)
 
 
 def check_keys(where: str, table: Mapping[str, Any], known: Iterable[str]) -> None:

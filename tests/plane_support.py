@@ -12,11 +12,11 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.config import ControlConfig
 from llmgw.control.catalog import Model
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
+from llmgw.control.settings import ControlConfig
 from llmgw.router.interfaces import Endpoint
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import CommandFailed

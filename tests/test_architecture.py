@@ -38,6 +38,11 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("router", "store", "the router defines Auth and UsageSink; others implement them"),
     ("router", "server", "server/ wires the router, not the other way"),
     ("router", "config", "the router's settings are its own (router.settings)"),
+    (
+        "control",
+        "config",
+        "the control plane's settings are its own (control.settings)",
+    ),
     ("sim", "*", "the simulator stands alone like a real engine"),
     ("daemon", "router", "every daemon's plumbing knows no part of llmgw"),
     ("daemon", "control", "every daemon's plumbing knows no part of llmgw"),
@@ -87,6 +92,18 @@ LEAF_MODULES = ("llmgw.router.interfaces", "llmgw.twisted_private")
 LEAF_WHY = {
     "llmgw.twisted_private": "Twisted's private names are a leaf every process uses",
 }
+
+# Settings read by more than their own process's wiring import only the
+# configuration checks: reading the server's file (which llmgw-router does
+# too) then pulls in none of the server's, control plane's or router's
+# machinery.
+SETTINGS_MODULES = (
+    "llmgw.router.settings",
+    "llmgw.control.settings",
+    "llmgw.server.settings",
+    "llmgw.accounts.settings",
+    "llmgw.tier.settings",
+)
 
 
 def modules() -> Iterator[tuple[str, str]]:
@@ -252,6 +269,19 @@ class ImportRuleTests(SynchronousTestCase):
             "llmgw.agent.link": {"llmgw.wire.protocol", "llmgw"},
         }
         self.assertEqual(violations(edges), [])
+
+    def test_settings_import_only_the_checks(self) -> None:
+        """
+        Each of L{SETTINGS_MODULES} imports nothing of llmgw but
+        L{llmgw.config_checks}.
+        """
+        paths = dict(modules())
+        for module in SETTINGS_MODULES:
+            self.assertEqual(
+                imports_of(module, paths[module]) - {"llmgw.config_checks"},
+                set(),
+                module,
+            )
 
     def test_control_uses_only_router_interfaces(self) -> None:
         """

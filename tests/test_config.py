@@ -218,7 +218,7 @@ class UnknownKeyTests(SynchronousTestCase):
         profiles and the agent's file all name an unknown key the same
         way: where it is, then the keys known there.
         """
-        from llmgw.agent.tap import _parse as parse_agent
+        from llmgw.agent.settings import parse_agent_config as parse_agent
         from llmgw.control.catalog import parse_models
 
         profile = {"name": "p", "engine": "sim", "source": "s"}

@@ -19,11 +19,12 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.service import _Uplink, retry_policy
-from llmgw.agent.tap import AgentConfig, _parse
-from llmgw.config import StandbyConfig, parse_config
+from llmgw.agent.settings import AgentConfig, parse_agent_config
+from llmgw.config import parse_config
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
+from llmgw.server.settings import StandbyConfig
 from llmgw.server.standby import LOCK_KEY, Leadership, advertised, relearn_drains
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
@@ -306,11 +307,11 @@ class ConfigTests(SynchronousTestCase):
         """
         An agent's C{server} and C{servers}, each once, in order.
         """
-        config = _parse({"server": "a:1", "servers": ["b:2", "a:1"]})
+        config = parse_agent_config({"server": "a:1", "servers": ["b:2", "a:1"]})
         self.assertEqual(config.all_servers(), ("a:1", "b:2"))
         self.assertEqual(AgentConfig(servers=("b:2",)).all_servers(), ("b:2",))
         with self.assertRaises(ConfigError):
-            _parse({"servers": "a:1"})
+            parse_agent_config({"servers": "a:1"})
 
     def test_advertised(self) -> None:
         """

@@ -18,11 +18,12 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone
 from twisted.web.test.requesthelper import DummyRequest
 
-from llmgw.config import ServerConfig, check_router_workers, load_config
+from llmgw.config import ServerConfig, load_config
 from llmgw.config_checks import ConfigError
 from llmgw.router.interfaces import Endpoint
 from llmgw.tier.admin_client import AdminClient
 from llmgw.tier.follow import NEXT_URL_AFTER, SILENT_AFTER, Follower
+from llmgw.tier.settings import check_router_workers
 from llmgw.tier.watch import KEEPALIVE, Watch, endpoint_from_json, endpoint_json
 from llmgw.tier.workers import tcp_address
 

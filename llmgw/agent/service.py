@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet.defer import Deferred, fail
@@ -29,21 +29,10 @@ from zope.interface import implementer
 from llmgw import __version__
 from llmgw.agent.gpus import GpuMonitor, discover
 from llmgw.agent.link import AgentFactory, AgentProtocol
+from llmgw.agent.settings import AgentConfig, agent_state_dir
 from llmgw.wire import agent_pb2 as pb
 
-if TYPE_CHECKING:
-    from llmgw.agent.tap import AgentConfig
-
 log = Logger(namespace="llmgw.agent")
-
-DEFAULT_STATE_DIR = "~/.local/state/llmgw/agent"
-
-
-def agent_state_dir(config: AgentConfig) -> str:
-    """
-    @return: the agent's state directory, C{~} expanded.
-    """
-    return os.path.expanduser(config.state_dir or DEFAULT_STATE_DIR)
 
 
 class _Gate(Protocol):

@@ -10,30 +10,104 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmgw.config_checks import ConfigError, check_keys, parse_duration
+from llmgw.config_checks import (
+    COUNT,
+    DURATION,
+    ConfigError,
+    Key,
+    Table,
+    check_keys,
+    parse_duration,
+)
 from llmgw.control.placement import Profile
 from llmgw.wire.engines import ENGINES
 
-_MODEL_KEYS = {
-    "name",
-    "aliases",
-    "min_replicas",
-    "max_replicas",
-    "idle_timeout",
-    "profiles",
-}
-_PROFILE_KEYS = {
-    "name",
-    "engine",
-    "source",
-    "args",
-    "env",
-    "gpus",
-    "gpu_memory_gb",
-    "nodes",
-    "fabric",
-    "priority",
-}
+MODELS_TABLE = Table(
+    "[[models]]",
+    "The catalog: each model clients may ask for, kept running by the control"
+    " plane on the nodes whose agents are connected.",
+    (
+        Key(
+            "name",
+            "string",
+            'What clients send as "model"; the engine\'s served name.',
+        ),
+        Key("aliases", "list of strings", "Other names clients may send.", []),
+        Key(
+            "min_replicas",
+            COUNT,
+            "Replicas always running (0: started by the first request).",
+            0,
+        ),
+        Key(
+            "max_replicas",
+            "integer >= 1",
+            "Replicas at most, more while busy (see [control] scale_up_in_flight).",
+            shown="max(min_replicas, 1)",
+        ),
+        Key(
+            "idle_timeout",
+            DURATION,
+            'Above min_replicas, idle this long: back to min_replicas; "0s" never.',
+            600.0,
+        ),
+        Key(
+            "profiles",
+            "[[models.profiles]] tables",
+            "Ways to run it, at least one.",
+        ),
+    ),
+)
+
+PROFILES_TABLE = Table(
+    "[[models.profiles]]",
+    "Ways to run a model, tried by priority (highest first), then in order:"
+    " placement picks the first that fits.",
+    (
+        Key("name", "string", "The profile's name, unique within its model."),
+        Key("engine", "one of: " + ", ".join(ENGINES), "The engine that runs it."),
+        Key(
+            "source",
+            "string",
+            "Hub id or local path the engine understands.",
+        ),
+        Key("args", "list of strings", "More arguments for the engine.", []),
+        Key(
+            "env",
+            "table of strings",
+            "More environment variables for the engine.",
+            {},
+        ),
+        Key("gpus", COUNT, "GPUs per node (0: the CPU).", 0),
+        Key(
+            "gpu_memory_gb",
+            "number of GB >= 0",
+            "Free memory needed on each of those GPUs (GB of 1024 MiB); only"
+            " with gpus.",
+            0,
+        ),
+        Key(
+            "nodes",
+            "integer >= 1",
+            "Nodes per replica: more than 1 is a gang; rank, world size and"
+            " leader address go to the engine.",
+            1,
+        ),
+        Key(
+            "fabric",
+            "string",
+            "The interconnect a gang's nodes must share (an agent's fabrics);"
+            " needed with nodes > 1.",
+            None,
+        ),
+        Key(
+            "priority",
+            "integer",
+            "Higher is tried first.",
+            0,
+        ),
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -62,7 +136,7 @@ class Model:
 
 
 def _named_table(
-    where: str, table: object, keys: set[str]
+    where: str, table: object, keys: frozenset[str]
 ) -> tuple[Mapping[str, Any], str, str]:
     """
     Check a model or profile table: a table, with a name, and only C{keys}.
@@ -106,7 +180,7 @@ def _name(where: str, value: object) -> str:
 
 
 def _profile(where: str, table: object) -> Profile:
-    table, name, where = _named_table(where, table, _PROFILE_KEYS)
+    table, name, where = _named_table(where, table, PROFILES_TABLE.names)
     for required in ("engine", "source"):
         if required not in table:
             raise ConfigError(f"{where}.{required}: missing")
@@ -167,7 +241,7 @@ def _profile(where: str, table: object) -> Profile:
 
 
 def _model(where: str, table: object) -> Model:
-    table, name, where = _named_table(where, table, _MODEL_KEYS)
+    table, name, where = _named_table(where, table, MODELS_TABLE.names)
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list):
         raise ConfigError(f"{where}.aliases: expected a list of names, got {aliases!r}")

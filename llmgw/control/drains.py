@@ -14,13 +14,13 @@ from collections.abc import Callable
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from llmgw.config import ControlConfig
 from llmgw.control.changes import Changes
 from llmgw.control.commands import STOP_GRACE, ShardCommands
 from llmgw.control.inventory import Inventory
 from llmgw.control.loop import Loop
 from llmgw.control.records import ReplicaRecord
 from llmgw.control.runtime import ModelCatalog
+from llmgw.control.settings import ControlConfig
 from llmgw.wire.states import ShardState
 
 

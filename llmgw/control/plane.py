@@ -43,7 +43,6 @@ from typing import Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from llmgw.config import ControlConfig
 from llmgw.control import scaling
 from llmgw.control.catalog import Model
 from llmgw.control.changes import Changes
@@ -62,6 +61,7 @@ from llmgw.control.records import (
 from llmgw.control.reports import AgentReports
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
+from llmgw.control.settings import ControlConfig
 from llmgw.control.snapshot import (
     LiveSnapshot,
     Snapshot,

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from twisted.internet.defer import Deferred
 
-from llmgw.config import ControlConfig
 from llmgw.control.catalog import Model
 from llmgw.control.placement import NoFit
 from llmgw.control.records import ReplicaRecord, ReplicaState
+from llmgw.control.settings import ControlConfig
 
 
 @dataclass

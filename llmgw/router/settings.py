@@ -1,13 +1,17 @@
 """
 The router's settings, the C{[router]} table of the server's configuration
-(parsed and checked by L{llmgw.config}).  Here, in the router, so that the
+(read by L{llmgw.router.settings_toml}).  Here, in the router, so that the
 router needs nothing of the configuration module, which also knows the
-control plane's catalog.
+control plane's catalog.  Each key's kind, default and meaning is given
+with its field (L{llmgw.config_checks.setting}), for the parser and the
+configuration reference alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from llmgw.config_checks import COUNT, DURATION, SIZE, setting
 
 BALANCE = ("load", "least_in_flight", "round_robin")
 """
@@ -20,72 +24,193 @@ class RouterConfig:
     """
     Router settings, the C{[router]} table.  Durations in seconds, sizes in
     bytes; a duration of 0 disables that deadline.
+
+    @ivar cors_allow_origins: the C{[cors] allow_origins}: C{("*",)}, the
+        origins allowed, or C{()} for no CORS.
     """
 
-    connect_timeout: float = 5.0
-    # Long prefill is normal on big prompts: minutes, not seconds.
-    first_byte_timeout: float = 300.0
-    idle_timeout: float = 60.0
-    # A client that holds a stream back (llmgw stopped reading the replica
-    # for it) and reads nothing for this long is cut.
-    client_stall_timeout: float = 60.0
-    total_timeout: float = 1800.0
-    max_body_size: int = 32 * 1024 * 1024
-    # Bounds on what a replica may send: a whole (non-streamed) answer, and
-    # one event of a stream.
-    max_response_size: int = 256 * 1024 * 1024
-    max_event_size: int = 16 * 1024 * 1024
-    max_retries: int = 2
-    eject_cooldown: float = 10.0
-    max_idle_connections: int = 256
-    # On stop, requests in flight get this long to finish.
-    drain_timeout: float = 30.0
-    # Scale from zero: how long a request for a catalog model with no ready
-    # replica waits for one, how many may wait per model, and how often a
-    # waiting stream gets an SSE comment line (a keep-alive for proxies).
-    activation_timeout: float = 300.0
-    activation_queue: int = 256
-    activation_keepalive: float = 15.0
-    # [cors] allow_origins: ("*",), the origins allowed, or () for no CORS.
+    connect_timeout: float = setting(5.0, DURATION, "TCP connect to a replica.")
+    first_byte_timeout: float = setting(
+        300.0,
+        DURATION,
+        "From the request sent to the first byte of the answer (prefill of a"
+        " long prompt takes minutes, not seconds).",
+    )
+    idle_timeout: float = setting(
+        60.0,
+        DURATION,
+        "Between two chunks of an answer; not counted while a slow client"
+        " holds the stream back (llmgw then stops reading the replica).",
+    )
+    client_stall_timeout: float = setting(
+        60.0,
+        DURATION,
+        "A client that holds a stream back and reads nothing this long is cut.",
+    )
+    total_timeout: float = setting(
+        1800.0, DURATION, 'The whole request; "0s" disables any of these deadlines.'
+    )
+    max_body_size: int = setting(
+        32 * 1024 * 1024, SIZE, "Larger request bodies get 413."
+    )
+    max_response_size: int = setting(
+        256 * 1024 * 1024,
+        SIZE,
+        "A larger whole (non-streamed) answer from a replica is a 502.",
+    )
+    max_event_size: int = setting(
+        16 * 1024 * 1024,
+        SIZE,
+        "One server-sent event larger than this ends the stream with an error.",
+    )
+    max_retries: int = setting(
+        2,
+        COUNT,
+        "Other replicas tried on connect failure or 503 (and, once, when a"
+        " pooled connection closes with no answer byte), before the first"
+        " byte only.",
+    )
+    eject_cooldown: float = setting(
+        10.0, DURATION, "A replica that refuses connections is passed over this long."
+    )
+    max_idle_connections: int = setting(
+        256, COUNT, "Idle keep-alive connections kept per replica."
+    )
+    drain_timeout: float = setting(
+        30.0, DURATION, "On stop (SIGTERM), requests in flight get this long to finish."
+    )
+    activation_timeout: float = setting(
+        300.0,
+        DURATION,
+        "Scale from zero: a request for a catalog model with no ready replica"
+        " waits this long for one, then gets 503.",
+    )
+    activation_queue: int = setting(
+        256,
+        COUNT,
+        "Requests that may wait per model for a replica (at least 1); more get"
+        " 503 at once.",
+    )
+    activation_keepalive: float = setting(
+        15.0,
+        DURATION,
+        "A waiting stream gets an SSE comment line (a keep-alive for proxies)"
+        ' this often; at least 100ms, "0s" turns it off.',
+    )
     cors_allow_origins: tuple[str, ...] = ()
-    # The connection edge (L{llmgw.router.edge}): the request line and
-    # headers within header_timeout of the request's first byte; the body at
-    # min_body_rate bytes/s over each body_rate_window; keepalive_timeout
-    # idle between requests; caps on the request line and headers (414,
-    # 431) and on open connections, in all and per client address (0: no
-    # cap).
-    header_timeout: float = 10.0
-    min_body_rate: int = 1024
-    body_rate_window: float = 10.0
-    keepalive_timeout: float = 60.0
-    max_request_line: int = 16 * 1024
-    max_header_size: int = 32 * 1024
-    max_connections: int = 16384
-    max_connections_per_client: int = 1024
-    # Seconds between reads of each replica's /metrics (engine load); 0
-    # turns the poller off.
-    load_poll_interval: float = 1.0
-    # Replica choice (L{llmgw.router.balancer}): "load" (in flight plus the
-    # engine's queue), "least_in_flight" (the router's own count, random
-    # ties) or "round_robin".
-    balance: str = "load"
-    # Affinity (L{llmgw.router.affinity}): sessions and long shared prompt
-    # prefixes stay on one replica while its load is within (1 + epsilon)
-    # times the model's average.
-    prefix_affinity: bool = True
-    prefix_bytes: int = 1024
-    prefix_min_tokens: int = 256
-    affinity_epsilon: float = 0.25
-    session_header: str = "X-Session-ID"
-    # Outlier ejection (L{llmgw.router.ejection}): failed answers (5xx,
-    # deadlines) in a row that eject a replica (0: never), and the first
-    # cooldown, doubled on each ejection in a row.
-    eject_after: int = 5
-    eject_base_cooldown: float = 10.0
-    # Overload (L{llmgw.router.overload}): when every replica of a model
-    # reports more than this many waiting requests (0: off), new requests
-    # wait up to overload_wait (0: a 429 at once) in a queue of at most
-    # overload_queue_size per model.
-    overload_queue_depth: int = 64
-    overload_wait: float = 30.0
-    overload_queue_size: int = 256
+    header_timeout: float = setting(
+        10.0,
+        DURATION,
+        "The request line and headers, from the request's first byte: else"
+        " 408 and the connection closed.",
+    )
+    min_body_rate: int = setting(
+        1024,
+        SIZE,
+        "Bytes a second a request body must keep up over each"
+        " body_rate_window: else 408 (HTTP/2: the stream reset); 0 turns the"
+        " check off.",
+    )
+    body_rate_window: float = setting(
+        10.0,
+        DURATION,
+        "The window min_body_rate is measured over; at least 100ms while"
+        " min_body_rate is set.",
+    )
+    keepalive_timeout: float = setting(
+        60.0,
+        DURATION,
+        "A connection idle between requests (or before its first) is closed.",
+    )
+    max_request_line: int = setting(
+        16 * 1024, SIZE, "Longer request lines get 414 (at least 1KiB)."
+    )
+    max_header_size: int = setting(
+        32 * 1024, SIZE, "Larger headers, or over 500 lines, get 431 (at least 1KiB)."
+    )
+    max_connections: int = setting(
+        16384,
+        COUNT,
+        "Open client connections (0: no cap); more are closed at once, with a"
+        " 503 on plain TCP, and one log line per 10 s while refusing.",
+    )
+    max_connections_per_client: int = setting(
+        1024,
+        COUNT,
+        "The same per client IP address (0: no cap); behind a proxy, raise it."
+        " At start the open-file soft limit is raised to the hard limit.",
+    )
+    load_poll_interval: float = setting(
+        1.0,
+        DURATION,
+        "Each replica's /metrics (engine load) is read this often; at least"
+        ' 100ms, "0s" turns the poller off.',
+    )
+    balance: str = setting(
+        "load",
+        "one of: " + ", ".join(BALANCE),
+        'Replica choice: "load" (in flight plus the engine\'s waiting'
+        " requests, weighted by each replica's weight and learnt speed),"
+        ' "least_in_flight" (the router\'s own count, random ties) or'
+        ' "round_robin".',
+    )
+    prefix_affinity: bool = setting(
+        True,
+        "boolean",
+        'With balance = "load": sessions and long shared prompts stay on one'
+        " replica while its load is within (1 + affinity_epsilon) times the"
+        " model's average; false: no affinity of any kind.",
+    )
+    prefix_bytes: int = setting(
+        1024,
+        SIZE,
+        "Leading prompt content hashed for prefix affinity (the messages'"
+        " roles and text, or the prompt).",
+    )
+    prefix_min_tokens: int = setting(
+        256,
+        COUNT,
+        "Shorter prompts (estimated, 4 bytes of body a token) get no prefix affinity.",
+    )
+    affinity_epsilon: float = setting(
+        0.25,
+        "number, 0 to 100",
+        "The affinity bound's slack (HAProxy's hash-balance-factor 125 is 0.25).",
+    )
+    session_header: str = setting(
+        "X-Session-ID",
+        "header name",
+        'A request with this header, else with the OpenAI "user" field, keeps'
+        ' its replica (within the same bound); "" for none.',
+    )
+    eject_after: int = setting(
+        5,
+        COUNT,
+        "Failed answers (5xx, deadlines) in a row that eject a replica (0:"
+        " never); never the last replica of a model in service.",
+    )
+    eject_base_cooldown: float = setting(
+        10.0,
+        DURATION,
+        "The first ejection's length, doubled on each one in a row (up to"
+        " 64 times); then one request probes the replica.",
+    )
+    overload_queue_depth: int = setting(
+        64,
+        COUNT,
+        "When every replica of a model reports more waiting requests than"
+        " this (fresh readings; 0 turns it off), new requests wait in the"
+        " router.",
+    )
+    overload_wait: float = setting(
+        30.0,
+        DURATION,
+        'How long an overloaded model\'s request waits at most, then 429; "0s":'
+        " 429 at once (Retry-After: the poll interval, at least 1 s).",
+    )
+    overload_queue_size: int = setting(
+        256,
+        COUNT,
+        "Requests that may wait per overloaded model (at least 1); more get"
+        " 429 at once.",
+    )

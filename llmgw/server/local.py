@@ -21,7 +21,7 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.service import build_agent
-from llmgw.agent.tap import AgentConfig
+from llmgw.agent.settings import AgentConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile

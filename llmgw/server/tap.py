@@ -26,7 +26,6 @@ from llmgw.admin.guard import AdminGuard, is_loopback
 from llmgw.admin.metrics_site import metrics_site
 from llmgw.config import (
     ServerConfig,
-    check_router_workers,
     finish_config,
     load_config,
     parse_endpoint_flag,
@@ -77,6 +76,7 @@ from llmgw.server.local import (
 from llmgw.server.standby import leading_services
 from llmgw.store.db import SQLiteStore, StoreError, open_store
 from llmgw.store.usage import UsageWriter
+from llmgw.tier.settings import check_router_workers
 from llmgw.tier.watch import Watch
 from llmgw.tier.workers import Workers, make_workers, reserve_port
 from llmgw.web.fleet import Fleet

@@ -1,0 +1,191 @@
+"""
+The configuration reference, C{docs/configuration.md}, printed from the
+settings themselves: every table the server's file (L{SERVER_TABLES}) and
+the agent's file (L{AGENT_TABLES}) take, each key with its kind, default
+and meaning as its table declares it (L{llmgw.config_checks.Table}).
+
+    python -m llmgw.config_docs            # write docs/configuration.md
+    python -m llmgw.config_docs --check    # exit 1 when it is stale
+
+(C{make config-docs} runs the first; C{tests/test_config_docs.py} fails
+while the checked-in file differs from what this prints.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+from llmgw.agent.settings import AGENT_TABLES
+from llmgw.config import SERVER_TABLES
+from llmgw.config_checks import DURATION, REQUIRED, SIZE, Key, Table
+
+PATH = os.path.join("docs", "configuration.md")
+"""
+Where the reference is kept, from the project's root.
+"""
+
+_HEADER = """\
+# Configuration reference
+
+Every key of the two configuration files, with its type, default and
+meaning.  Generated from the settings themselves (`make config-docs`, that
+is `python -m llmgw.config_docs`): do not edit by hand;
+`tests/test_config_docs.py` fails while this file differs from what the
+code prints.
+
+An unknown key, a missing one or a bad value stops the daemon with one
+line naming the key and the value.  Types:
+
+- duration: a number of seconds, or a string with a unit, `ms`, `s`, `m`,
+  `h` or `d`: `"250ms"`, `"5s"`, `"2m"`.
+- size: a number of bytes, or a string with a unit, `B`, `KB`, `KiB`,
+  `MB`, `MiB`, `GB` or `GiB`: `"32MiB"`.
+- Twisted server endpoint: a string such as `"tcp:8080"` or
+  `"ssl:8443:privateKey=key.pem:certKey=cert.pem"`.
+
+A default of "required" means the table must give the key; "none", that
+the setting is off (or taken from elsewhere, as its meaning says) unless
+the key is given.
+"""
+
+_DURATION_UNITS = (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0))
+_SIZE_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+
+
+def render_default(key: Key) -> str:
+    """
+    @return: C{key}'s default as the reference shows it: a TOML value a
+        file could give (C{"5s"}, C{"32MiB"}, C{true}, C{[20000, 20999]}),
+        C{key.shown}, C{required} or C{none}.
+    """
+    if key.shown:
+        return key.shown
+    value = key.default
+    if value is REQUIRED:
+        return "required"
+    if value is None:
+        return "none"
+    if key.kind == DURATION and isinstance(value, (int, float)):
+        return f'"{_duration(float(value))}"'
+    if key.kind == SIZE and isinstance(value, int):
+        return _size(value)
+    return _toml(value)
+
+
+def _duration(seconds: float) -> str:
+    if seconds == 0:
+        return "0s"
+    for unit, length in _DURATION_UNITS:
+        count = seconds / length
+        if count >= 1 and math.isclose(count, round(count)):
+            return f"{round(count)}{unit}"
+    return f"{round(seconds * 1000)}ms"
+
+
+def _size(size: int) -> str:
+    for unit, length in _SIZE_UNITS:
+        if size >= length and size % length == 0:
+            return f'"{size // length}{unit}"'
+    return str(size)
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, float):
+        return f"{value:g}" if value != int(value) else f"{value:.1f}"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    raise ValueError(f"no TOML for the default {value!r}")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(table: Table, top: str) -> list[str]:
+    """
+    @param top: the heading of the file's top level.
+    @raise ValueError: a key without a meaning or a kind.
+    """
+    lines = [f"### {f'`{table.name}`' if table.name else top}", "", table.doc, ""]
+    lines += ["| Key | Type | Default | Meaning |", "|---|---|---|---|"]
+    for key in table.keys:
+        where = f"{table.name or top}: {key.name}"
+        if not key.doc.strip():
+            raise ValueError(f"{where}: a key without a meaning")
+        if not key.kind.strip():
+            raise ValueError(f"{where}: a key without a type")
+        default = render_default(key)
+        if default not in ("required", "none"):
+            default = f"`{default}`"
+        lines.append(
+            f"| `{key.name}` | {_cell(key.kind)} | {_cell(default)}"
+            f" | {_cell(key.doc)} |"
+        )
+    return [*lines, ""]
+
+
+def reference(
+    server: Sequence[Table] = SERVER_TABLES, agent: Sequence[Table] = AGENT_TABLES
+) -> str:
+    """
+    @return: the whole reference, Markdown.
+    @raise ValueError: a key without a meaning or a type.
+    """
+    lines = [_HEADER]
+    lines += [
+        "## The server's file",
+        "",
+        "`twistd llmgw-server --config FILE.toml`; `twistd llmgw-router"
+        " --config` reads the same file (its `[store]`, `[limits]`, `[auth]`,"
+        " `[router]`, `[cors]` and top-level keys).",
+        "",
+    ]
+    for table in server:
+        lines += _table(table, "Top level")
+    lines += ["## The agent's file", "", "`twistd llmgw-agent --config FILE.toml`.", ""]
+    for table in agent:
+        lines += _table(table, "Top level")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: Sequence[str]) -> int:
+    """
+    Write the reference to L{PATH} under the current folder, or with
+    C{--check} compare it.
+
+    @return: the exit status: 1 when C{--check} finds it stale.
+    """
+    text = reference()
+    if list(argv) == ["--check"]:
+        try:
+            with open(PATH, encoding="utf-8") as f:
+                current = f.read()
+        except OSError:
+            current = ""
+        if current != text:
+            sys.stderr.write(f"{PATH} is stale: run make config-docs\n")
+            return 1
+        return 0
+    if argv:
+        sys.stderr.write("usage: python -m llmgw.config_docs [--check]\n")
+        return 2
+    os.makedirs(os.path.dirname(PATH), exist_ok=True)
+    with open(PATH, "w", encoding="utf-8") as f:
+        f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,169 @@
+"""
+The control plane's settings, the C{[control]} table of the server's
+configuration: the reconciler's timers and limits, each key's kind,
+default and meaning given with its field.  Here, beside the control plane
+that reads them, so that the control plane needs nothing of
+L{llmgw.config}, which composes the server's file out of every table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from llmgw.config_checks import (
+    DURATION,
+    ConfigError,
+    Table,
+    check_keys,
+    parse_duration,
+    setting,
+    settings_keys,
+)
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """
+    The C{[control]} table: the reconciler's timers and limits.  Durations
+    in seconds.
+
+    @ivar unreachable_after: a node silent this long gets no new placements.
+    @ivar lost_after: a node silent this long has its replicas placed
+        elsewhere.
+    @ivar base_backoff: the wait after a model's first failed replica;
+        doubled per failure in a row up to C{max_backoff}.
+    @ivar port_range: ports engines may listen on, C{(first, last)}.
+    @ivar start_timeout: a shard not ready this long after it was placed is
+        stopped and counted as failed.
+    @ivar startup_grace: after the server starts, no placements and no
+        scale-down for this long, while agents reconnect and their shards
+        are adopted (so a restart makes no duplicates).
+    @ivar drain_timeout: a draining replica's requests in flight get this
+        long before its engines are stopped.
+    @ivar interval: seconds between reconciler passes when nothing kicks.
+    @ivar scale_up_in_flight: requests in flight per ready replica above
+        which a model gets one more replica (up to C{max_replicas}).
+    """
+
+    unreachable_after: float = setting(
+        15.0, DURATION, "A node silent this long gets no new placements."
+    )
+    lost_after: float = setting(
+        60.0,
+        DURATION,
+        "A node silent this long has its replicas placed elsewhere (at least"
+        " unreachable_after).",
+    )
+    base_backoff: float = setting(
+        5.0,
+        DURATION,
+        "A failed replica's model waits this long before the next one,"
+        " doubling per failure in a row up to max_backoff.",
+    )
+    max_backoff: float = setting(
+        300.0, DURATION, "The longest wait after failures (at least base_backoff)."
+    )
+    port_range: tuple[int, int] = setting(
+        (20000, 20999),
+        "[first, last] ports",
+        "Ports engines listen on, 1024 to 65535; keep them outside the"
+        " kernel's ephemeral ports (warned at start).",
+    )
+    start_timeout: float = setting(
+        900.0,
+        DURATION,
+        "A shard not ready this long after it was placed is stopped and"
+        " counted as a failure.",
+    )
+    startup_grace: float = setting(
+        10.0,
+        DURATION,
+        "After the server starts (or a standby takes the lead), no placements"
+        " and no scale-down for this long, while agents reconnect and their"
+        " engines are adopted.",
+    )
+    drain_timeout: float = setting(
+        60.0,
+        DURATION,
+        "A draining replica's requests in flight get this long before its"
+        " engines are stopped.",
+    )
+    interval: float = setting(
+        1.0,
+        DURATION,
+        "Between reconciler passes when nothing kicks one (at least 10ms).",
+    )
+    scale_up_in_flight: float = setting(
+        8.0,
+        "number, 1 to 100000",
+        "Requests in flight per ready replica above which a model gets one"
+        " more replica (up to its max_replicas).",
+    )
+
+
+CONTROL_TABLE = Table(
+    "[control]",
+    "The control plane's reconciler: when a node counts as gone, backoff"
+    " after failures, engine ports, start and drain deadlines, scaling up.",
+    settings_keys(ControlConfig),
+)
+
+
+def parse_control(table: object) -> ControlConfig:
+    """
+    @return: the C{[control]} table's settings.
+    @raise ConfigError: an unknown key, a bad value, or two that disagree
+        (such as C{lost_after} shorter than C{unreachable_after}).
+    """
+    if not isinstance(table, dict):
+        raise ConfigError(f"control: expected a table, got {table!r}")
+    durations = CONTROL_TABLE.of_kind(DURATION)
+    check_keys("control", table, CONTROL_TABLE.names)
+    values: dict[str, Any] = {}
+    if "scale_up_in_flight" in table:
+        level = table["scale_up_in_flight"]
+        if (
+            isinstance(level, bool)
+            or not isinstance(level, (int, float))
+            or not 1 <= level <= 100_000
+        ):
+            raise ConfigError(
+                f"control.scale_up_in_flight: expected a number from 1, got {level!r}"
+            )
+        values["scale_up_in_flight"] = float(level)
+    for key, value in table.items():
+        if key in durations:
+            values[key] = parse_duration(f"control.{key}", value)
+    if "port_range" in table:
+        ports = table["port_range"]
+        if (
+            not isinstance(ports, list)
+            or len(ports) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+            or not 1024 <= ports[0] <= ports[1] < 65536
+        ):
+            raise ConfigError(
+                f"control.port_range: expected [first, last], ports 1024 to 65535,"
+                f" got {ports!r}"
+            )
+        values["port_range"] = (ports[0], ports[1])
+    control = replace(ControlConfig(), **values)
+    if control.interval < 0.01:
+        raise ConfigError(
+            f"control.interval: {control.interval:g}s is under the least, 10ms"
+        )
+    for key in ("unreachable_after", "start_timeout", "base_backoff"):
+        if getattr(control, key) <= 0:
+            raise ConfigError(f"control.{key}: must be more than 0s")
+    if control.lost_after < control.unreachable_after:
+        raise ConfigError(
+            f"control.lost_after: {control.lost_after:g}s is shorter than"
+            f" unreachable_after = {control.unreachable_after:g}s"
+        )
+    if control.max_backoff < control.base_backoff:
+        raise ConfigError(
+            f"control.max_backoff: {control.max_backoff:g}s is shorter than"
+            f" base_backoff = {control.base_backoff:g}s"
+        )
+    return control

@@ -32,8 +32,8 @@ from llmgw.router.settings import RouterConfig
 @dataclass(frozen=True)
 class ControlConfig:
     """
-    The C{[control]} table: the reconciler's timers and limits (DESIGN.md
-    section 3).  Durations in seconds.
+    The C{[control]} table: the reconciler's timers and limits (their use:
+    L{llmgw.control.plane}).  Durations in seconds.
 
     @ivar unreachable_after: a node silent this long gets no new placements.
     @ivar lost_after: a node silent this long has its replicas placed

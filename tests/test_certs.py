@@ -131,8 +131,8 @@ class _Peer(Protocol):
 
 class MutualTLSTests(TestCase):
     """
-    The certificates do what they are for, on Twisted's TLS as DESIGN.md
-    section 4 describes it, over loopback.
+    The certificates do what they are for, on Twisted's TLS as
+    docs/architecture.md ("Wire protocol") describes it, over loopback.
     """
 
     timeout = 30

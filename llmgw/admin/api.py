@@ -1,5 +1,5 @@
 """
-The admin listener (DESIGN.md section 6): metrics, liveness and the admin
+The admin listener (docs/catalog.md, docs/keys.md): metrics, liveness and the admin
 API under C{/api/v1}, loopback-only by default; bound elsewhere, the API
 wants an admin key.
 

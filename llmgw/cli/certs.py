@@ -1,6 +1,6 @@
 """
 C{llmgw certs}: the fleet CA and the certificates of the server and agents,
-for the mutually authenticated agent link (DESIGN.md section 4).  The
+for the mutually authenticated agent link (L{llmgw.wire.tls}).  The
 command line only; L{llmgw.wire.certs} makes the certificates.
 
     llmgw certs init   --dir D                      D/ca.pem, D/ca-key.pem

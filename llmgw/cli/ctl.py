@@ -1,5 +1,5 @@
 """
-C{llmgw ctl}: the admin API from the command line (DESIGN.md section 6).
+C{llmgw ctl}: the admin API from the command line (docs/keys.md).
 Tables by default, C{--json} for scripts; a failure is one line on stderr
 and a non-zero exit status.
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from twisted.trial.unittest import SynchronousTestCase
 
 import llmgw
+from tests.test_architecture import all_edges, package_of
 
 PACKAGE = os.path.dirname(os.path.abspath(llmgw.__file__))
 ROOT = os.path.dirname(PACKAGE)
@@ -124,6 +125,43 @@ def unnamed_modules(text: str) -> list[str]:
     return missing
 
 
+def documented_imports(text: str) -> dict[str, set[str]]:
+    """
+    @return: each package (C{"router"}) or top-level module (C{"config"}) of
+        the package table in C{text} -> the packages and top-level modules
+        of llmgw its last cell says it imports (names in parentheses are
+        modules of the name before them; C{"anything"} is left out).
+    """
+    said: dict[str, set[str]] = {}
+    table = text.split("\n## Packages\n", 1)[-1].split("\n## ", 1)[0]
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `") or len(cells) < 3:
+            continue
+        names = [n.strip("`/ ") for n in cells[0].split(", ")]
+        imports = cells[-1].split("; ") if len(names) > 1 else [cells[-1]]
+        for name, cell in zip(names, imports, strict=True):
+            if cell == "anything":
+                continue
+            cell = re.sub(r"\([^)]*\)", "", cell)
+            said[name] = {n.split(".")[0] for n in re.findall(r"`([^`]+)`", cell)}
+    return said
+
+
+def actual_imports() -> dict[str, set[str]]:
+    """
+    @return: each package or top-level module of llmgw -> the others whose
+        modules it imports.
+    """
+    found: dict[str, set[str]] = {}
+    for module, imported in all_edges().items():
+        source = package_of(module)
+        if source:
+            targets = {package_of(t) for t in imported} - {source, ""}
+            found.setdefault(source, set()).update(targets)
+    return found
+
+
 class LinkTests(SynchronousTestCase):
     """
     Every relative link of the README and C{docs/} resolves to a file.
@@ -179,6 +217,36 @@ class ArchitectureTests(SynchronousTestCase):
         """
         with open(os.path.join(DOCS, "architecture.md"), encoding="utf-8") as f:
             self.assertEqual(unnamed_modules(f.read()), [])
+
+    def test_imports_as_the_code_does(self) -> None:
+        """
+        Each row's last cell names the packages and top-level modules its
+        package imports, no more and no fewer.
+        """
+        with open(os.path.join(DOCS, "architecture.md"), encoding="utf-8") as f:
+            said = documented_imports(f.read())
+        actual = actual_imports()
+        self.assertEqual(
+            {name: actual.get(name, set()) for name in said},
+            said,
+        )
+        self.assertIn("router", said)
+        self.assertIn("config", said)
+
+    def test_detects_an_import_left_out(self) -> None:
+        """
+        A package whose row leaves out an import is told apart from the
+        code.
+        """
+        with open(os.path.join(DOCS, "architecture.md"), encoding="utf-8") as f:
+            text = f.read()
+        said = documented_imports(
+            text.replace("| `wire`, `config_checks` |", "| `wire` |")
+        )
+        self.assertEqual(said["agent"], {"wire"})
+        self.assertNotEqual(said["agent"], actual_imports()["agent"])
+        # server/ imports anything: its row is not read.
+        self.assertNotIn("server", documented_imports(text))
 
     def test_detects_an_unnamed_module(self) -> None:
         """

@@ -64,7 +64,7 @@ class FakeResponse:
 
     def deliverBody(self, protocol: Protocol) -> None:
         self.protocol = protocol
-        protocol.makeConnection(self.transport)  # type: ignore[arg-type]
+        protocol.makeConnection(self.transport)
 
     def write(self, data: bytes) -> None:
         assert self.protocol is not None

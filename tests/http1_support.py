@@ -13,7 +13,7 @@ from typing import Any
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IListeningPort
-from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.internet.protocol import Protocol, ServerFactory, connectionDone
 from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
@@ -22,6 +22,7 @@ from zope.interface import directlyProvides, providedBy
 
 from llmgw.router.engine_client import EngineClient
 from llmgw.router.upstream import BodyReader
+from tests.typing_support import tcp_port
 
 Answer = bytes | Sequence[bytes] | Callable[["ServerConnection"], None] | None
 """
@@ -37,7 +38,7 @@ reads them apart.
 
 
 async def sleep(seconds: float) -> None:
-    await deferLater(reactor, seconds, lambda: None)  # type: ignore[arg-type]
+    await deferLater(reactor, seconds, lambda: None)
 
 
 async def until(check: Callable[[], bool], timeout: float = 3.0) -> None:
@@ -56,7 +57,7 @@ async def bounded(d: Deferred[Any], timeout: float = 3.0) -> Any:
     @return: what C{d} fires with, or fail with C{TimeoutError} after
         C{timeout} seconds (C{d} is cancelled).
     """
-    return await d.addTimeout(timeout, reactor)  # type: ignore[arg-type]
+    return await d.addTimeout(timeout, reactor)
 
 
 class Reader(BodyReader):
@@ -150,7 +151,7 @@ class ServerConnection(Protocol):
     def write_pieces(self, pieces: list[bytes], gap: float = GAP) -> None:
         if pieces and not self.closed:
             self.write(pieces[0])
-            reactor.callLater(gap, self.write_pieces, pieces[1:], gap)  # type: ignore[attr-defined]
+            reactor.callLater(gap, self.write_pieces, pieces[1:], gap)
 
     def close(self) -> None:
         assert self.transport is not None
@@ -160,7 +161,7 @@ class ServerConnection(Protocol):
         self.closed = True
 
 
-class ScriptedServer(Factory):
+class ScriptedServer(ServerFactory):
     """
     Listens on loopback; answers the requests, in the order they come, with
     C{answers}.
@@ -184,9 +185,9 @@ class ScriptedServer(Factory):
         """
         @return: the base URL to post to.
         """
-        self.port = reactor.listenTCP(0, self, interface=interface)  # type: ignore[attr-defined]
+        self.port = reactor.listenTCP(0, self, interface=interface)
         host = f"[{interface}]" if ":" in interface else interface
-        return f"http://{host}:{self.port.getHost().port}".encode()
+        return f"http://{host}:{tcp_port(self.port)}".encode()
 
     def open_connections(self) -> list[ServerConnection]:
         return [c for c in self.connections if not c.closed]
@@ -196,7 +197,9 @@ class ScriptedServer(Factory):
         Stop listening, close every connection and wait until they closed.
         """
         if self.port is not None:
-            await self.port.stopListening()
+            stopped = self.port.stopListening()
+            if stopped is not None:
+                await stopped
         for connection in self.open_connections():
             assert connection.transport is not None
             connection.transport.abortConnection()  # type: ignore[attr-defined]
@@ -216,7 +219,7 @@ class ShiftedClock:
         directlyProvides(self, providedBy(reactor))
 
     def seconds(self) -> float:
-        return reactor.seconds() + self.shift  # type: ignore[attr-defined]
+        return reactor.seconds() + self.shift
 
     def __getattr__(self, name: str) -> Any:
         return getattr(reactor, name)

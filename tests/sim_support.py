@@ -18,7 +18,7 @@ def dechunk(data: bytes) -> tuple[bytes, bool]:
     """
     The body of a chunked response so far, and whether it is complete.
     """
-    out = []
+    out: list[bytes] = []
     while data:
         size_line, sep, rest = data.partition(b"\r\n")
         if not sep:

@@ -16,7 +16,17 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from twisted.trial.unittest import SynchronousTestCase
+
+    # The base of a mixin that calls the test case's own methods
+    # (addCleanup, the assertions): what mypy checks those calls against.
+    # At run time the test case it is mixed into provides them.
+    CaseMixin = SynchronousTestCase
+else:
+    CaseMixin = object
 
 BIN = os.path.dirname(sys.executable)
 TWISTD = os.path.join(BIN, "twistd")

@@ -15,7 +15,7 @@ from typing import Any
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint
-from twisted.internet.protocol import Factory
+from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThread
 from twisted.python.failure import Failure
@@ -24,6 +24,7 @@ from twisted.trial.unittest import TestCase
 from llmgw.agent.link import AgentFactory, AgentProtocol
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import MessageStream
+from tests.typing_support import tcp_port
 
 FILES = 100_000
 
@@ -67,7 +68,7 @@ class _Server(MessageStream[pb.AgentMessage]):
         elif kind == "weights_report":
             self.reports.append(message.weights_report)
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.lost.callback(None)
 
 
@@ -90,7 +91,9 @@ class HeartbeatDuringScanTests(TestCase):
             servers.append(_Server())
             return servers[-1]
 
-        port = reactor.listenTCP(0, Factory.forProtocol(build), interface="127.0.0.1")
+        servers_factory = Factory.forProtocol(build)
+        # Twisted annotates listenTCP for a ServerFactory; any factory serves.
+        port = reactor.listenTCP(0, servers_factory, interface="127.0.0.1")  # type: ignore[arg-type]
         self.addCleanup(port.stopListening)
         factory = AgentFactory(
             lambda: pb.Register(node_id="n1"),
@@ -100,7 +103,7 @@ class HeartbeatDuringScanTests(TestCase):
             weights_dirs=(weights,),
             in_thread=deferToThread,
         )
-        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", tcp_port(port))
         agent: AgentProtocol = yield endpoint.connect(factory)
         yield agent.registered
 

@@ -35,6 +35,8 @@ WELCOME = encode_frame(
 
 
 class _Transport(StringTransport):
+    protocol: Any
+
     def abortConnection(self) -> None:
         self.loseConnection()
         self.protocol.connectionLost(Failure(ConnectionDone()))

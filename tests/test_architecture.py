@@ -1,5 +1,5 @@
 """
-The module layout's rules (DESIGN.md section 8, README "Architecture"):
+The module layout's rules (docs/architecture.md, "Packages"):
 which package of llmgw may import which.  Processes are the boundaries:
 the control plane and the agent meet only through C{wire}; the router
 defines the interfaces others implement and imports none of them; C{store},
@@ -334,7 +334,7 @@ class ImportRuleTests(SynchronousTestCase):
 
 MAX_LINES = 600
 """
-The most lines a module may have (README "Code layout"): past it, a module
+The most lines a module may have (docs/architecture.md, "Packages"): past it, a module
 has more than one job and is split by job.
 """
 

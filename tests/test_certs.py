@@ -9,6 +9,8 @@ import os
 import stat
 import subprocess
 import tempfile
+from collections.abc import Generator
+from typing import Any
 
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -131,8 +133,8 @@ class _Peer(Protocol):
 
 class MutualTLSTests(TestCase):
     """
-    The certificates do what they are for, on Twisted's TLS as DESIGN.md
-    section 4 describes it, over loopback.
+    The certificates do what they are for, on Twisted's TLS as
+    docs/architecture.md ("Wire protocol") describes it, over loopback.
     """
 
     timeout = 30
@@ -166,7 +168,9 @@ class MutualTLSTests(TestCase):
         )
 
     @defer.inlineCallbacks
-    def _connect(self, d: str, agent_dir: str) -> object:
+    def _connect(
+        self, d: str, agent_dir: str
+    ) -> Generator[defer.Deferred[Any], Any, list[Any]]:
         server_options, ca = self._options(d)
         seen: defer.Deferred[str | None] = defer.Deferred()
         factory = Factory.forProtocol(lambda: _Peer(seen))
@@ -179,19 +183,21 @@ class MutualTLSTests(TestCase):
             reactor,
             "127.0.0.1",
             port.getHost().port,
-            self._client(agent_dir, ca),  # type: ignore[arg-type]
+            self._client(agent_dir, ca),
         )
         protocol = yield endpoint.connect(
             Factory.forProtocol(lambda: _Peer(client_seen))
         )
         self.addCleanup(protocol.transport.abortConnection)
-        result = yield defer.DeferredList(
+        result: list[Any] = yield defer.DeferredList(
             [seen, client_seen], consumeErrors=True, fireOnOneErrback=False
         )
         return result
 
     @defer.inlineCallbacks
-    def test_agent_accepted_and_named(self) -> None:
+    def test_agent_accepted_and_named(
+        self,
+    ) -> Generator[defer.Deferred[Any], Any, None]:
         """
         An agent certificate from the fleet CA is accepted, and the server
         reads its node id from the CN after the handshake.
@@ -205,7 +211,7 @@ class MutualTLSTests(TestCase):
         self.assertEqual(client_cn, "localhost")
 
     @defer.inlineCallbacks
-    def test_foreign_ca_refused(self) -> None:
+    def test_foreign_ca_refused(self) -> Generator[defer.Deferred[Any], Any, None]:
         """
         An agent certificate from another CA does not complete the handshake.
         """

@@ -72,7 +72,7 @@ class ConfigTests(SynchronousTestCase):
         """
         Each kind of mistake names where it is and what was given.
         """
-        cases = [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({"lissen": "x"}, "lissen: unknown key"),
             ({"router": {"retries": 1}}, "router.retries: unknown key"),
             (

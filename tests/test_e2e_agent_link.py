@@ -21,6 +21,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import (
     BIN,
+    CaseMixin,
     Process,
     Processes,
     free_port,
@@ -43,7 +44,7 @@ memory_gb = 141
 """
 
 
-class _Fleet(Processes):
+class _Fleet(Processes, CaseMixin):
     """
     A CA, a server certificate and gpu-01's, and twistd llmgw-server
     listening for agents over mutual TLS; agents started on demand.

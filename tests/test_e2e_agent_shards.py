@@ -19,6 +19,7 @@ from typing import Any
 from twisted.internet import defer, threads
 from twisted.internet.task import deferLater
 from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from llmgw.control.agents import AgentHub
@@ -33,6 +34,7 @@ from tests.support import (
     llmgw_certs,
     spawn,
 )
+from tests.typing_support import tcp_port
 
 
 class _Heard:
@@ -59,8 +61,10 @@ class _LinkedAgent(TestCase):
 
     timeout = 120
 
+    # trial waits for the Deferred a setUp returns; unittest's own setUp
+    # returns nothing.
     @defer.inlineCallbacks
-    def setUp(self) -> Generator[Any, Any, None]:
+    def setUp(self) -> Generator[Any, Any, None]:  # type: ignore[override]
         from twisted.internet import reactor
 
         self.dir = tempfile.mkdtemp(prefix="llmgw-shards-")
@@ -80,7 +84,8 @@ class _LinkedAgent(TestCase):
             False,
             self.hub,
         )
-        port = reactor.listenTCP(0, factory, interface="127.0.0.1")
+        # Twisted annotates listenTCP for a ServerFactory; a wrapping one serves.
+        port = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[arg-type]
         self.addCleanup(port.stopListening)
         self.agent_argv = [
             TWISTD,
@@ -88,7 +93,7 @@ class _LinkedAgent(TestCase):
             "--pidfile=",
             "llmgw-agent",
             "--server",
-            f"127.0.0.1:{port.getHost().port}",
+            f"127.0.0.1:{tcp_port(port)}",
             "--node-id",
             "gpu-01",
             "--tls-dir",
@@ -322,10 +327,16 @@ class DrainAndStopTests(_LinkedAgent):
         those in flight, then sends StopShard); a StopShard for a shard the
         agent does not run is refused with its id, and the link stays up.
         """
+
+        def refused(failure: Failure) -> pb.CommandResult:
+            refusal = failure.value
+            assert isinstance(refusal, CommandFailed), failure
+            return refusal.result
+
         result = (
             yield self.hub.links["gpu-01"]
             .send_command(pb.ControlMessage(stop_shard=pb.StopShard(shard_id="s5")))
-            .addErrback(lambda f: f.value.result)
+            .addErrback(refused)
         )
         self.assertIn("no shard 's5'", result.error)
 

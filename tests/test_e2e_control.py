@@ -27,6 +27,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import (
     BIN,
+    CaseMixin,
     Process,
     Processes,
     free_port,
@@ -74,7 +75,7 @@ gpu_memory_gb = 100
 """
 
 
-class _Fleet(Processes):
+class _Fleet(Processes, CaseMixin):
     """
     A CA and certificates for the server, gpu-01 and gpu-02; the server and
     agents started per test; every engine left behind killed at the end.

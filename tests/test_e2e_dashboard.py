@@ -54,7 +54,8 @@ def _browser_or_skip() -> Any:
         from playwright import sync_api
     except ImportError:
         why = why or "the playwright Python package (test extras) is not installed"
-        sync_api = None
+        # Absent: the tests that need it skip.
+        sync_api = None  # type: ignore[assignment]
     if why is not None:
         if os.environ.get("CI") == "true":
             raise AssertionError(f"CI runs the browser tests: {why}")

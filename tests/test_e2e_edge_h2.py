@@ -15,6 +15,8 @@ import socket
 import ssl
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import h2.config
 import h2.connection
@@ -44,6 +46,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class _Client(Protocol):
+    """
+    What the HTTP/2 client methods below read of the test case they run
+    on: L{HTTP2BodyRateTests} borrows them from L{HTTP2Tests}.
+    """
+
+    ca: str
+    port: int
+
+    def addCleanup(self, f: Callable[..., object], *args: object) -> None: ...
+
+    def assertEqual(
+        self, first: object, second: object, msg: object = None
+    ) -> None: ...
+
+
 class HTTP2Tests(SynchronousTestCase, EdgeServer):
     """
     HTTP/2 clients that abuse streams cost bounded CPU and lose their
@@ -64,10 +82,12 @@ class HTTP2Tests(SynchronousTestCase, EdgeServer):
         )
         self.url = self.url.replace("http:", "https:")
 
-    def client_tls(self) -> ssl.SSLContext:
+    def client_tls(self: _Client) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=self.ca)
 
-    def h2_connect(self) -> tuple[ssl.SSLSocket, h2.connection.H2Connection]:
+    def h2_connect(
+        self: _Client,
+    ) -> tuple[ssl.SSLSocket, h2.connection.H2Connection]:
         context = ssl.create_default_context(cafile=self.ca)
         context.set_alpn_protocols(["h2"])
         raw = socket.create_connection(("127.0.0.1", self.port), timeout=10)
@@ -81,7 +101,7 @@ class HTTP2Tests(SynchronousTestCase, EdgeServer):
         tls.sendall(connection.data_to_send())
         return tls, connection
 
-    def request_headers(self) -> list[tuple[str, str]]:
+    def request_headers(self: object) -> list[tuple[str, str]]:
         return [
             (":method", "POST"),
             (":path", "/v1/chat/completions"),

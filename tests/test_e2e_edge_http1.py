@@ -175,7 +175,7 @@ class OversizeTests(SynchronousTestCase, EdgeServer):
         status, _, body = parse_response(data)
         self.assertEqual(status, 431)
         self.assertEqual(
-            body["error"]["code"],  # type: ignore[index]
+            body["error"]["code"],
             "request_header_fields_too_large",
         )
         many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(400))

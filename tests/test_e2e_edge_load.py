@@ -55,7 +55,7 @@ class HeldConnectionTests(SynchronousTestCase, EdgeServer):
         """
         limit = raise_fd_limit(10_500)
         if limit is not None:
-            raise self.skipTest(f"open-file limit {limit}, under 10,500")  # type: ignore[misc]
+            raise self.skipTest(f"open-file limit {limit}, under 10,500")
         self.start_edge()
         self.server.wait_for("open-file limit")
         idle: list[socket.socket] = []
@@ -87,7 +87,7 @@ class HeldConnectionTests(SynchronousTestCase, EdgeServer):
         """
         limit = raise_fd_limit(1_000)
         if limit is not None:
-            raise self.skipTest(f"open-file limit {limit}, under 1,000")  # type: ignore[misc]
+            raise self.skipTest(f"open-file limit {limit}, under 1,000")
         self.start_edge('header_timeout = "8s"')
         slow: list[socket.socket] = []
 

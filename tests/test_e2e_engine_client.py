@@ -195,7 +195,7 @@ class EngineClientTestCase(SynchronousTestCase, Processes):
     """
 
     timeout = 60
-    answer: Answer = staticmethod(answer_ok)  # type: ignore[assignment]
+    answer: Answer = staticmethod(answer_ok)
 
     def setUp(self) -> None:
         self.engine = RawEngine(self.answer)

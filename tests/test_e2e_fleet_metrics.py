@@ -97,7 +97,13 @@ class FleetMetricsTests(_Fleet, SynchronousTestCase):
         ]
         for thread in threads:
             thread.start()
-        self.addCleanup(lambda: [stop.set(), *(t.join(30) for t in threads)])
+
+        def stop_clients() -> None:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+
+        self.addCleanup(stop_clients)
 
         def load_seen() -> list[Sample] | None:
             found = samples(self.admin_url)
@@ -257,7 +263,9 @@ class SeriesBoundedTests(Processes, SynchronousTestCase):
             return response.status
 
         address = urllib.parse.urlsplit(url)
-        warm = HTTPConnection(address.hostname, address.port, timeout=30)
+        assert address.hostname is not None
+        hostname = address.hostname
+        warm = HTTPConnection(hostname, address.port, timeout=30)
         # Each kind once, so that every series exists before counting.
         self.assertEqual(post(warm, "m"), 200)
         self.assertEqual(post(warm, "unknown-" + _word()), 404)
@@ -265,7 +273,7 @@ class SeriesBoundedTests(Processes, SynchronousTestCase):
         before = len(samples(admin_url))
 
         def client(count: int, statuses: list[int]) -> None:
-            connection = HTTPConnection(address.hostname, address.port, timeout=30)
+            connection = HTTPConnection(hostname, address.port, timeout=30)
             for i in range(count):
                 model = "m" if i % 2 else _word()
                 statuses.append(post(connection, model))

@@ -29,6 +29,7 @@ from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import encode_frame
 from llmgw.wire.tls import server_options
 from tests.support import make_certs
+from tests.typing_support import tcp_port
 
 
 class _Heard:
@@ -53,7 +54,7 @@ def _register() -> bytes:
 
 def _ready(shard_id: str) -> bytes:
     status = pb.ShardStatus(shard_id=shard_id)
-    status.state = pb.SHARD_STATE_READY  # type: ignore[assignment]
+    status.state = pb.SHARD_STATE_READY
     return _frame(shard_status=status)
 
 
@@ -78,9 +79,10 @@ class LinkCurrentTests(TestCase):
             False,
             self.hub,
         )
-        listening = reactor.listenTCP(0, factory, interface="127.0.0.1")
+        # Twisted annotates listenTCP for a ServerFactory; a wrapping one serves.
+        listening = reactor.listenTCP(0, factory, interface="127.0.0.1")  # type: ignore[arg-type]
         self.addCleanup(listening.stopListening)
-        self.port = listening.getHost().port
+        self.port = tcp_port(listening)
 
     def agent(self) -> defer.Deferred[ssl.SSLSocket]:
         """

@@ -16,6 +16,7 @@ import time
 import urllib.request
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.daemon.lifecycle import STOP_STEPS
@@ -78,13 +79,16 @@ class LlamaCppTests(SynchronousTestCase, Processes):
         A non-streamed and a streamed chat completion come back from the real
         model through llmgw, with text and with usage counted by the engine.
         """
-        messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "user", "content": "Write one sentence about the sea."}
+        ]
         completion = self.client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=24, temperature=0
         )
         text = completion.choices[0].message.content
         assert completion.usage is not None
         self.assertTrue(text and text.strip(), completion)
+        assert text is not None
         self.assertGreater(completion.usage.completion_tokens, 0)
 
         chunks = list(

@@ -177,7 +177,7 @@ class RoutingTests(SynchronousTestCase, Processes):
 
     def overloaded(
         self, wait: str
-    ) -> tuple[str, openai.OpenAI, list[threading.Thread]]:
+    ) -> tuple[str, openai.OpenAI, list[threading.Thread], str]:
         """
         One engine running one request at a time behind a router with
         C{overload_queue_depth = 2}, and five slow requests sent: it queues
@@ -207,7 +207,12 @@ class RoutingTests(SynchronousTestCase, Processes):
         threads = [threading.Thread(target=slow) for _ in range(5)]
         for thread in threads:
             thread.start()
-        self.addCleanup(lambda: [t.join(30) for t in threads])
+
+        def join() -> None:
+            for thread in threads:
+                thread.join(30)
+
+        self.addCleanup(join)
         self.addCleanup(lambda: self.assertEqual(errors, []))
         deadline = time.monotonic() + 10
         while sim_stats(url)["waiting"] < 4:

@@ -25,7 +25,7 @@ from tests.test_e2e_control import AGENT_CONFIG, MODELS, _Fleet
 class Pair(_Fleet):
     """
     Two servers on one PostgreSQL, each with its own agent port and state
-    directory (the engine secret copied to both, as the README says), and
+    directory (the engine secret copied to both, as docs/standby.md says), and
     agents that know both.
     """
 

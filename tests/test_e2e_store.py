@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from tests.support import BIN, Processes, hermetic_env, http
 from tests.test_e2e_control import MODELS, _Fleet
 
-CHAT = [{"role": "user", "content": "count the tokens"}]
+CHAT: list[Any] = [{"role": "user", "content": "count the tokens"}]
 
 
 class _Ctl:
@@ -176,7 +176,7 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
                     model="sim-model",
                     messages=CHAT,
                     stream=True,
-                    **({"stream_options": {"include_usage": True}} if i % 2 else {}),
+                    stream_options={"include_usage": True} if i % 2 else openai.omit,
                 )
             )
             usage = [c.usage for c in chunks if c.usage is not None]
@@ -186,6 +186,7 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
             else:
                 self.assertEqual(usage, [])
                 # Same prompt and max tokens as the odd ones: the same counts.
+                assert answer.usage is not None
                 prompt += answer.usage.prompt_tokens
                 completion += answer.usage.completion_tokens
         self.assertEqual(completion, 20 * 7)

@@ -140,6 +140,7 @@ class TierLimitsTests(SynchronousTestCase, Processes, _Ctl):
 
         group = self.settled(recorded) or self.usage().get("app")
         self.assertIsNotNone(group)
+        assert group is not None
         self.assertEqual(
             (group["prompt_tokens"], group["completion_tokens"]), (prompt, generated)
         )

@@ -9,6 +9,7 @@ real server: L{tests.test_e2e_edge_http1}.
 from __future__ import annotations
 
 import json
+import resource
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from twisted.web.static import Data
 from llmgw.router.connections import EdgeSite
 from llmgw.router.edge import LINGER
 from llmgw.router.settings import RouterConfig
+from tests.typing_support import collect
 
 
 class HalfCloseable(StringTransport):
@@ -179,7 +181,7 @@ class EdgeTests(SynchronousTestCase):
         )
         events: list[dict[str, Any]] = []
         self.connect()
-        self.site.logger = Logger(observer=events.append)
+        self.site.logger = Logger(observer=collect(events))
         first, _, site = self.connect()
         refused = [self.connect()[1] for _ in range(3)]
         self.assertEqual(site.open_connections, 2)
@@ -220,10 +222,11 @@ class OpenFileLimitTests(SynchronousTestCase):
             calls.append(value)
             state[0] = value[0]
 
-        self.patch(fdlimit.resource, "getrlimit", getrlimit)
-        self.patch(fdlimit.resource, "setrlimit", setrlimit)
+        # The resource module fdlimit calls.
+        self.patch(resource, "getrlimit", getrlimit)
+        self.patch(resource, "setrlimit", setrlimit)
         events: list[dict[str, Any]] = []
-        self.patch(fdlimit, "log", Logger(observer=events.append))
+        self.patch(fdlimit, "log", Logger(observer=collect(events)))
         return [calls, events]
 
     def test_raised_to_hard(self) -> None:

@@ -9,11 +9,11 @@ The whole path through real processes is L{tests.test_e2e_engine_keys}.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.agent import engines
 from llmgw.agent.engines import build
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.upstream import upstream_headers
@@ -30,7 +30,7 @@ class BuildTests(SynchronousTestCase):
         not in the launch's repr.  Without, neither.
         """
         self.patch(
-            engines.shutil,
+            shutil,
             "which",
             lambda name: None,
         )
@@ -59,7 +59,7 @@ class BuildTests(SynchronousTestCase):
         llama-server, when installed, takes C{--api-key}.
         """
         self.patch(
-            engines.shutil,
+            shutil,
             "which",
             lambda name: "/usr/bin/llama-server",
         )

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry
 from twisted.internet.defer import CancelledError, Deferred
@@ -25,6 +24,7 @@ from llmgw.router.prepare import prepare
 from llmgw.router.settings import RouterConfig
 from llmgw.router.upstream import NoAnswer, UpstreamConnectError
 from tests.exchange_fakes import FakeAgent, FakeRequest, FakeResponse
+from tests.typing_support import collect
 
 CHAT = b"/v1/chat/completions"
 SSE = b"text/event-stream"
@@ -39,9 +39,14 @@ SETTINGS = RouterConfig(
     max_retries=2,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsLenAndGetItem
+
+T = TypeVar("T")
+
 
 class _FirstChoice(random.Random):
-    def choice(self, seq: Sequence[Any]) -> Any:
+    def choice(self, seq: SupportsLenAndGetItem[T]) -> T:
         return seq[0]
 
 
@@ -73,7 +78,7 @@ class ExchangeTests(SynchronousTestCase):
             metrics=self.metrics,
             activator=None,
             activating={},
-            log=Logger(observer=self.logged.append),
+            log=Logger(observer=collect(self.logged)),
         )
         body = json.dumps({"model": "m", "stream": stream}).encode()
         prepared = prepare(body, CHAT, lambda m: m == "m", lambda m: None)
@@ -91,7 +96,9 @@ class ExchangeTests(SynchronousTestCase):
         return exchange, done
 
     def error_of(self, done: Deferred[Any]) -> APIError:
-        return self.failureResultOf(done, APIError).value  # type: ignore[return-value]
+        error = self.failureResultOf(done, APIError).value
+        assert isinstance(error, APIError)
+        return error
 
     def answer(
         self, index: int, code: int = 200, content_type: bytes = b"application/json"
@@ -298,7 +305,7 @@ class ExchangeTests(SynchronousTestCase):
         self.assertEqual(last["error"]["code"], "upstream_error")
 
         self.request = FakeRequest()
-        self.logged: list[dict[str, Any]] = []
+        self.logged = []
         _, done = self.start()
         response = self.answer(1)
         response.write(b'{"partial"')
@@ -361,7 +368,7 @@ class ExchangeTests(SynchronousTestCase):
         self.assertTrue(response.transport.stopped)
 
         self.request = FakeRequest()
-        self.logged: list[dict[str, Any]] = []
+        self.logged = []
         _, done = self.start()
         self.request._disconnected = True
         done.cancel()

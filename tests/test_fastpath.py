@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from treq.testing import StubTreq
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionDone
 from twisted.logger import LogEvent, Logger
@@ -29,6 +28,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from llmgw.router.app import FORWARDED_PATHS, Router
 from llmgw.router.fastpath import ForwardingRoutes
+from tests.typing_support import as_request, collect, stub_treq
 
 PATHS = {
     b"/v1/chat/completions": b"/v1/chat/completions",
@@ -46,7 +46,7 @@ class _Fallback(Resource):
     isLeaf = True
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.seen: list[tuple[bytes, bytes]] = []
 
     def render(self, request: IRequest) -> bytes:
@@ -80,8 +80,8 @@ class ForwardingRoutesTests(SynchronousTestCase):
         self.fallback = _Fallback()
         self.events: list[LogEvent] = []
         self.routes = ForwardingRoutes(self.handler, PATHS, self.fallback)
-        self.routes.log = Logger(observer=self.events.append)
-        self.stub = StubTreq(self.routes)
+        self.routes.log = Logger(observer=collect(self.events))
+        self.stub = stub_treq(self.routes)
 
     async def handler(self, request: IRequest, path: bytes) -> bytes | None:
         """
@@ -169,7 +169,7 @@ class ForwardingRoutesTests(SynchronousTestCase):
         written once and the request finished once.
         """
         request = _Request(b"/v1/chat/completions")
-        self.assertIs(self.routes.render(request), NOT_DONE_YET)
+        self.assertIs(self.routes.render(as_request(request)), NOT_DONE_YET)
         self.assertEqual((request.written, request.finished), ([], 0))
         self.pending[-1].callback(b'{"id": 1}')
         self.assertEqual(request.written, [b'{"id": 1}'])
@@ -186,7 +186,7 @@ class ForwardingRoutesTests(SynchronousTestCase):
 
         routes = ForwardingRoutes(at_once, PATHS, self.fallback)
         request = _Request(b"/v1/chat/completions")
-        self.assertIs(routes.render(request), NOT_DONE_YET)
+        self.assertIs(routes.render(as_request(request)), NOT_DONE_YET)
         self.assertEqual((request.written, request.finished), ([b"now"], 1))
 
     def test_none_finishes_without_a_body(self) -> None:
@@ -195,7 +195,7 @@ class ForwardingRoutesTests(SynchronousTestCase):
         is finished, and nothing more is written.
         """
         request = _Request(b"/tokenize")
-        self.routes.render(request)
+        self.routes.render(as_request(request))
         request.write(b"data: streamed\n\n")
         self.pending[-1].callback(None)
         self.assertEqual(request.written, [b"data: streamed\n\n"])
@@ -209,7 +209,7 @@ class ForwardingRoutesTests(SynchronousTestCase):
         error.
         """
         request = _Request(b"/v1/chat/completions")
-        self.routes.render(request)
+        self.routes.render(as_request(request))
         pending = self.pending[-1]
         request.processingFailed(Failure(ConnectionDone()))
         self.assertTrue(pending.called)
@@ -235,9 +235,9 @@ class ForwardingRoutesTests(SynchronousTestCase):
                 return b"too late"
 
         routes = ForwardingRoutes(answers_anyway, PATHS, self.fallback)
-        routes.log = Logger(observer=self.events.append)
+        routes.log = Logger(observer=collect(self.events))
         request = _Request(b"/v1/chat/completions")
-        routes.render(request)
+        routes.render(as_request(request))
         request.processingFailed(Failure(ConnectionDone()))
         self.assertEqual(self.cancelled, [b"/v1/chat/completions"])
         self.assertEqual((request.written, request.finished), ([], 0))
@@ -260,8 +260,8 @@ class ForwardingRoutesTests(SynchronousTestCase):
             raise ValueError("boom")
 
         routes = ForwardingRoutes(fails, PATHS, self.fallback)
-        routes.log = Logger(observer=self.events.append)
-        stub = StubTreq(routes)
+        routes.log = Logger(observer=collect(self.events))
+        stub = stub_treq(routes)
         for headers in ({}, {"x-wait": "1"}):
             d = stub.post("http://gw/v1/chat/completions", data=b"{}", headers=headers)
             stub.flush()
@@ -299,9 +299,9 @@ class ForwardingRoutesTests(SynchronousTestCase):
             return b"unreachable"
 
         routes = ForwardingRoutes(fails_late, PATHS, self.fallback)
-        routes.log = Logger(observer=self.events.append)
+        routes.log = Logger(observer=collect(self.events))
         request = _Request(b"/v1/chat/completions")
-        routes.render(request)
+        routes.render(as_request(request))
         request.processingFailed(Failure(ConnectionDone()))
         # The connection's only.
         self.assertEqual(len(request.failed), 1)

@@ -7,6 +7,7 @@ fail under C{CI=true}.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 from unittest import SkipTest
@@ -75,8 +76,9 @@ class RedisHarnessTests(SynchronousTestCase):
         self.assertFalse(os.path.exists(server.directory))
 
     def test_absent(self) -> None:
-        self.patch(redis_support.shutil, "which", lambda name: None)
-        self.patch(redis_support.os.path, "exists", lambda path: False)
+        # The modules redis_support calls.
+        self.patch(shutil, "which", lambda name: None)
+        self.patch(os.path, "exists", lambda path: False)
         self.patch(os, "environ", {**os.environ, "CI": "false"})
         with self.assertRaises(SkipTest) as skipped:
             redis_support.require_redis()

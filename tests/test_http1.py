@@ -13,8 +13,8 @@ from twisted.internet.defer import CancelledError
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
-from llmgw.router.http1 import AnswerBroken, BadAnswer
-from llmgw.router.upstream import NoAnswer, UpstreamConnectError
+from llmgw.router.http1 import AnswerBroken
+from llmgw.router.upstream import BadAnswer, NoAnswer, UpstreamConnectError
 from tests.http1_support import (
     Answer,
     EngineClientTestCase,
@@ -163,8 +163,8 @@ class BodyTests(EngineClientTestCase):
 
         def answer(connection: ServerConnection) -> None:
             connection.write(b"HTTP/1.1 200 OK\r\n\r\nuntil ")
-            reactor.callLater(0.02, connection.write, b"closed")  # type: ignore[attr-defined]
-            reactor.callLater(0.04, connection.close)  # type: ignore[attr-defined]
+            reactor.callLater(0.02, connection.write, b"closed")
+            reactor.callLater(0.04, connection.close)
 
         base = self.start(answer, OK)
         reader = await self.exchange(base)
@@ -342,7 +342,7 @@ class FailureTests(EngineClientTestCase):
     async def test_partial_head_then_close(self) -> None:
         def answer(connection: ServerConnection) -> None:
             connection.write(b"HTTP/1.1 200 OK\r\nContent-Len")
-            reactor.callLater(0.02, connection.close)  # type: ignore[attr-defined]
+            reactor.callLater(0.02, connection.close)
 
         base = self.start(answer)
         await self.failure_of(self.client.post(base, b"/v1/x", [], b"{}"), AnswerBroken)
@@ -419,14 +419,14 @@ class FailureTests(EngineClientTestCase):
     async def test_content_length_cut_short(self) -> None:
         def answer(connection: ServerConnection) -> None:
             connection.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort")
-            reactor.callLater(0.02, connection.close)  # type: ignore[attr-defined]
+            reactor.callLater(0.02, connection.close)
 
         await self.assert_bad_body(answer, AnswerBroken)
 
     async def test_chunked_cut_short(self) -> None:
         def answer(connection: ServerConnection) -> None:
             connection.write(CHUNKED[:-10])
-            reactor.callLater(0.02, connection.close)  # type: ignore[attr-defined]
+            reactor.callLater(0.02, connection.close)
 
         await self.assert_bad_body(answer, AnswerBroken)
 
@@ -511,10 +511,12 @@ class FlowTests(EngineClientTestCase):
         delivers it.
         """
         sent: list[ServerConnection] = []
-        base = self.start(
-            lambda c: (sent.append(c), c.write(CHUNKED[:61])),  # type: ignore[func-returns-value]
-            OK,
-        )
+
+        def answer(connection: ServerConnection) -> None:
+            sent.append(connection)
+            connection.write(CHUNKED[:61])
+
+        base = self.start(answer, OK)
         response = await self.post(base)
         reader = Reader(lambda r, data: r.transport.pauseProducing())  # type: ignore[union-attr]
         response.deliverBody(reader)
@@ -559,7 +561,7 @@ class JunkTests(EngineClientTestCase):
     async def test_junk_after_the_answer(self) -> None:
         def answer(connection: ServerConnection) -> None:
             connection.write(OK)
-            reactor.callLater(0.05, connection.write, b"JUNK")  # type: ignore[attr-defined]
+            reactor.callLater(0.05, connection.write, b"JUNK")
 
         base = self.start(answer)
         self.assertEqual((await self.exchange(base)).body, b"ok")

@@ -34,7 +34,7 @@ async def _until(
     while not check():
         if time.monotonic() - began > timeout:
             raise AssertionError(f"not within {timeout} s")
-        await deferLater(reactor, step, lambda: None)  # type: ignore[arg-type]
+        await deferLater(reactor, step, lambda: None)
     return time.monotonic() - began
 
 

@@ -15,7 +15,7 @@ from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
-from twisted.internet.protocol import Protocol
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.task import Clock, deferLater
 from twisted.logger import LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
@@ -24,6 +24,7 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from llmgw.daemon.lifecycle import STOP_STEPS, Lifecycle
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import encode_frame
+from tests.typing_support import collect
 
 ORDER = [
     "listeners stop accepting",
@@ -47,11 +48,11 @@ class _Recorder(Service):
         self._wait = wait
 
     def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
+        super().startService()
         self._record.append(f"start {self.name}")
 
     def stopService(self) -> Deferred[None] | None:
-        super().stopService()  # type: ignore[no-untyped-call]
+        super().stopService()
         self._record.append(f"stop {self.name}")
         if self.name == "broken":
             raise RuntimeError("cannot stop")
@@ -95,8 +96,9 @@ class LifecycleTests(SynchronousTestCase):
         )
         del record[:]
         events: list[LogEvent] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        observer = collect(events)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         stopped = top.stopService()
         self.assertEqual(record, ["stop listener", "stop drain"])
         self.assertNoResult(stopped)
@@ -146,7 +148,7 @@ class _FakeAgent(Protocol):
         if not self.welcomed.called:
             self.welcomed.callback(None)
 
-    def connectionLost(self, reason: Failure) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.lost.callback(None)
 
 
@@ -191,8 +193,9 @@ class MakeServiceStopTests(TestCase):
             ]
         )
         events: list[Any] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        observer = collect(events)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         top = makeService(options)
         assert isinstance(top, Lifecycle)
         self.assertEqual(

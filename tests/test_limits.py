@@ -82,7 +82,7 @@ class RedisLimitsTests(TestCase):
 
         @return: how many were admitted, and the refusals.
         """
-        calls = []
+        calls: list[Deferred[Any]] = []
         for _ in range(each):
             for ring in rings:
                 (key,) = ring.keys()
@@ -115,7 +115,7 @@ class RedisLimitsTests(TestCase):
         """
         rings = self.rings(start_redis(self), 2, window=1.0, rpm=5)
         self.assertEqual((await self.admit_all(rings, 4))[0], 5)
-        await deferLater(reactor, 1.1, lambda: None)  # type: ignore[arg-type]
+        await deferLater(reactor, 1.1, lambda: None)
         self.assertEqual((await self.admit_all(rings, 4))[0], 5)
 
     async def test_tokens_and_budget_shared(self) -> None:
@@ -138,12 +138,12 @@ class RedisLimitsTests(TestCase):
                 ring.used(key, 20, 30)
                 finished += 1
         self.assertEqual(finished, 4)
-        await deferLater(reactor, 0.2, lambda: None)  # type: ignore[arg-type]
-        admitted = two.admit(k2, ["m"], 0)
-        assert admitted is not None
-        await admitted
+        await deferLater(reactor, 0.2, lambda: None)
+        last = two.admit(k2, ["m"], 0)
+        assert last is not None
+        await last
         two.used(k2, 70, 0)
-        await deferLater(reactor, 0.2, lambda: None)  # type: ignore[arg-type]
+        await deferLater(reactor, 0.2, lambda: None)
         # 150 used in all (80 + 70): the budget is spent, whichever asks.
         for ring, key in ((one, k1), (two, k2)):
             refusal = ring.admit(key, ["m"], 0)
@@ -167,7 +167,7 @@ class RedisLimitsTests(TestCase):
         assert refused is not None
         with self.assertRaises(APIError):
             await refused
-        await deferLater(reactor, 1.2, lambda: None)  # type: ignore[arg-type]
+        await deferLater(reactor, 1.2, lambda: None)
         admitted = alive.admit(alive.keys()[0], ["m"], 10)
         assert admitted is not None
         await admitted

@@ -21,7 +21,7 @@ class OverloadTests(SynchronousTestCase):
         self.counted: list[tuple[str, str]] = []
         return Overload(
             self.clock,
-            self.busy.get,
+            lambda model: self.busy.get(model, False),
             lambda m: 2,
             wait,
             size,
@@ -30,8 +30,17 @@ class OverloadTests(SynchronousTestCase):
             lambda model, outcome: self.counted.append((model, outcome)),
         )
 
+    def waits(self, gate: Overload) -> Deferred[None]:
+        """
+        @return: what C{gate} answers a request for C{m} that must wait.
+        """
+        waiting = gate.admit("m")
+        assert waiting is not None
+        return waiting
+
     def assert429(self, d: Deferred[None]) -> APIError:
         error = self.failureResultOf(d, APIError).value
+        assert isinstance(error, APIError)
         self.assertEqual(error.status, 429)
         self.assertEqual(error.retry_after, 1)
         return error
@@ -60,12 +69,12 @@ class OverloadTests(SynchronousTestCase):
         not; a newcomer queues behind those waiting.
         """
         gate = self.gate(5, size=4)
-        waiting = [gate.admit("m") for _ in range(3)]
+        waiting = [self.waits(gate) for _ in range(3)]
         self.clock.advance(0.25)
         for d in waiting:
             self.assertNoResult(d)
         self.busy["m"] = False
-        late = gate.admit("m")
+        late = self.waits(gate)
         self.assertNoResult(late)
         self.clock.advance(0.25)
         self.successResultOf(waiting[0])
@@ -83,7 +92,7 @@ class OverloadTests(SynchronousTestCase):
         Past C{overload_queue_size} waiting, a 429 at once.
         """
         gate = self.gate(5, size=2)
-        waiting = [gate.admit("m") for _ in range(2)]
+        waiting = [self.waits(gate) for _ in range(2)]
         with self.assertRaises(APIError):
             gate.admit("m")
         for d in waiting:
@@ -97,7 +106,7 @@ class OverloadTests(SynchronousTestCase):
         After C{overload_wait}, a 429.
         """
         gate = self.gate(5)
-        d = gate.admit("m")
+        d = self.waits(gate)
         self.clock.advance(5)
         self.assert429(d)
         self.assertEqual(self.counted, [("m", "refused")])

@@ -73,7 +73,15 @@ class PlacementTests(SynchronousTestCase):
             self.assertEqual(result.lines(), expected)
 
     def test_table(self) -> None:
-        cases: list[tuple[str, list[Profile], list[NodeView], list, str | None]] = [
+        cases: list[
+            tuple[
+                str,
+                list[Profile],
+                list[NodeView],
+                list[tuple[str, tuple[int, ...], int]],
+                str | None,
+            ]
+        ] = [
             (
                 "fit: one GPU on the only node",
                 [ONE],

@@ -22,7 +22,7 @@ OOM = [
 
 
 class FailedReplicaTests(PlaneCase):
-    def fail(self, shard: str, output: list[str], state: int) -> None:
+    def shard_ended(self, shard: str, output: list[str], state: int) -> None:
         node = next(n for n, s in self.agents.starts() if s.shard_id == shard)
         status = pb.ShardStatus(
             shard_id=shard, error="the engine exited with code 1", output_tail=output
@@ -41,7 +41,7 @@ class FailedReplicaTests(PlaneCase):
         self.make(make_model(low=1), nodes=("n1",))
         self.plane.reconcile()
         ((_, start),) = self.agents.starts()
-        self.fail(start.shard_id, OOM, pb.SHARD_STATE_FAILED)
+        self.shard_ended(start.shard_id, OOM, pb.SHARD_STATE_FAILED)
         self.plane.reconcile()
         (shown,) = replicas_json(self.plane)
         self.assertEqual(shown["state"], "failed")
@@ -69,7 +69,7 @@ class FailedReplicaTests(PlaneCase):
         self.heartbeat("n1")
         self.plane.reconcile()
         self.assertEqual(self.agents.stops(), [start.shard_id])
-        self.fail(
+        self.shard_ended(
             start.shard_id, ["still loading", "Error: no GPU"], pb.SHARD_STATE_STOPPED
         )
         (shown,) = [r for r in replicas_json(self.plane) if r["state"] == "failed"]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
-from treq.testing import StubTreq
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -21,6 +21,7 @@ from llmgw.router.interfaces import Endpoint, Key, RequestRecord
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
 from tests.exchange_fakes import FakeAgent, FakeResponse
+from tests.typing_support import Response, stub_treq
 
 
 @dataclass(frozen=True)
@@ -85,9 +86,9 @@ class RouterTests(SynchronousTestCase):
             wall_clock=lambda: 1234.5,
             auth=self.auth,
         )
-        self.stub = StubTreq(self.router.resource())
+        self.stub = stub_treq(self.router.resource())
 
-    def post(self, body: bytes, key: bytes = b"sk-good") -> object:
+    def post(self, body: bytes, key: bytes = b"sk-good") -> Deferred[Response]:
         d = self.stub.post(
             "http://gw/v1/chat/completions",
             data=body,
@@ -110,7 +111,7 @@ class RouterTests(SynchronousTestCase):
         response.write(b'{"usage": {"prompt_tokens": 5, "completion_tokens": 6}}')
         response.end()
         self.stub.flush()
-        self.assertEqual(self.successResultOf(d).code, 200)  # type: ignore[arg-type]
+        self.assertEqual(self.successResultOf(d).code, 200)
         reserve = len(body) // 4 + 10
         self.assertEqual(self.auth.admitted, [(("m", "m"), reserve)])
         self.assertEqual(self.auth.used_calls, [(11, reserve)])
@@ -154,12 +155,12 @@ class RouterTests(SynchronousTestCase):
         nothing against the key.
         """
         d = self.post(b'{"model": "m"}', key=b"sk-bad")
-        self.assertEqual(self.successResultOf(d).code, 401)  # type: ignore[attr-defined]
+        self.assertEqual(self.successResultOf(d).code, 401)
         d = self.post(b'{"model": "no\\nsuch", "stream": true}')
-        self.assertEqual(self.successResultOf(d).code, 404)  # type: ignore[attr-defined]
+        self.assertEqual(self.successResultOf(d).code, 404)
         self.auth.refuse = APIError(429, "slow down", "requests", "rate_limit_exceeded")
         d = self.post(b'{"model": "m"}')
-        self.assertEqual(self.successResultOf(d).code, 429)  # type: ignore[attr-defined]
+        self.assertEqual(self.successResultOf(d).code, 429)
         self.assertEqual(self.agent.sent, [])
         self.assertEqual(
             [(r.status, r.model, r.stream, r.key_id) for r in self.sink.records],

@@ -11,7 +11,6 @@ import json
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
@@ -27,6 +26,7 @@ from llmgw.router.settings import RouterConfig
 from llmgw.wire import agent_pb2 as pb
 from tests.exchange_fakes import FakeAgent, FakeResponse
 from tests.plane_support import SETTINGS, Agents, make_model, register_message
+from tests.typing_support import collect, stub_treq
 
 SSE = b"text/event-stream"
 CHUNK = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
@@ -93,8 +93,8 @@ class _Gateway(SynchronousTestCase):
             wall_clock=lambda: 0.0,
             activator=self.plane.catalog,
         )
-        self.router.log = Logger(observer=self.events.append)
-        self.stub = StubTreq(self.router.resource())
+        self.router.log = Logger(observer=collect(self.events))
+        self.stub = stub_treq(self.router.resource())
 
     def post(self, body: bytes = STREAM) -> Any:
         d = self.stub.post("http://gw/v1/chat/completions", data=body)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from dataclasses import replace
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from twisted.internet.task import Clock
@@ -46,7 +47,7 @@ class Board:
 
 
 def balancer(
-    *endpoints: Endpoint, **settings: object
+    *endpoints: Endpoint, **settings: Any
 ) -> tuple[Balancer, Clock, Board, dict[str, Replica]]:
     clock = Clock()
     b = Balancer(clock, 10.0, random.Random(7), replace(RouterConfig(), **settings))

@@ -5,6 +5,8 @@ the counts, and the expected decision (L{llmgw.control.scaling}).
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -54,7 +56,7 @@ class BoundsTests(SynchronousTestCase):
         idle_timeout; idle_timeout 0 never idles.
         """
         waiting = [Deferred[None]()]
-        for kwargs, now, busy, expected in [
+        cases: list[tuple[dict[str, Any], float, bool, bool]] = [
             ({"wanted": 1, "last_used": 0.0}, 60.0, False, True),
             ({"wanted": 1, "last_used": 0.0}, 59.9, False, False),
             ({"wanted": 1, "last_used": 0.0}, 60.0, True, False),
@@ -62,10 +64,11 @@ class BoundsTests(SynchronousTestCase):
             ({"wanted": 1, "waiters": waiting}, 600.0, False, False),
             ({"wanted": 1, "idle": 0}, 600.0, False, False),
             ({"wanted": 2, "low": 2}, 600.0, False, False),
-        ]:
+        ]
+        for kwargs, now, busy, expected in cases:
             low = kwargs.pop("low", 0)
             idle = kwargs.pop("idle", 60)
-            model_state = state(low=low, idle=idle, **kwargs)  # type: ignore[arg-type]
+            model_state = state(low=low, idle=idle, **kwargs)
             self.assertEqual(
                 scaling.gone_idle(model_state, now, busy), expected, (kwargs, now)
             )
@@ -79,7 +82,9 @@ class FollowLoadTests(SynchronousTestCase):
         the model is busy; light load for idle_timeout since the last
         busy moment (or the start) one fewer, not below min or 1.
         """
-        for name, kwargs, now, counts, expected in [
+        cases: list[
+            tuple[str, dict[str, Any], float, tuple[int, int, int], LoadStep]
+        ] = [
             ("over", {"wanted": 1}, 100.0, (1, 1, 9), LoadStep(2, 100.0, +1)),
             ("at threshold", {"wanted": 1}, 100.0, (1, 1, 8), LoadStep(1, 100.0, 0)),
             ("one starting", {"wanted": 2}, 100.0, (2, 1, 40), LoadStep(2, 100.0, 0)),
@@ -97,7 +102,8 @@ class FollowLoadTests(SynchronousTestCase):
             ("at min", {"wanted": 1}, 999.0, (1, 1, 0), LoadStep(1, 0.0, 0)),
             ("above max", {"wanted": 9}, 50.0, (4, 4, 0), LoadStep(4, 0.0, 0)),
             ("no replica", {"wanted": 1}, 100.0, (0, 0, 5), LoadStep(1, 0.0, 0)),
-        ]:
+        ]
+        for name, kwargs, now, counts, expected in cases:
             live, ready, in_flight = counts
             step = scaling.follow_load(
                 state(**kwargs),
@@ -106,7 +112,7 @@ class FollowLoadTests(SynchronousTestCase):
                 8.0,
                 live,
                 ready,
-                in_flight,  # type: ignore[arg-type]
+                in_flight,
             )
             self.assertEqual(step, expected, name)
 
@@ -139,7 +145,9 @@ class SurplusTests(SynchronousTestCase):
             chosen = scaling.surplus(live, want, lambda r: load[r])
             self.assertEqual([r.id for r in chosen], expected, (want, len(live)))
         load["a"] = 0
-        self.assertEqual([r.id for r in scaling.surplus([a, b], 1, load.get)], ["a"])
+        self.assertEqual(
+            [r.id for r in scaling.surplus([a, b], 1, lambda r: load[r])], ["a"]
+        )
 
 
 class FailureTests(SynchronousTestCase):

@@ -287,7 +287,11 @@ class SchedulerTests(SynchronousTestCase):
         waiters = [s.acquire() for _ in range(3)]
         for i, w in enumerate(waiters):
             assert w is not None
-            w.addCallback(lambda _, i=i: order.append(i))
+
+            def in_order(_: object, i: int = i) -> None:
+                order.append(i)
+
+            w.addCallback(in_order)
         self.assertEqual((s.running, s.waiting), (2, 3))
         s.release()
         self.assertEqual(order, [0])
@@ -329,7 +333,12 @@ class SchedulerTests(SynchronousTestCase):
         for i in range(5000):
             w = s.acquire()
             assert w is not None
-            w.addCallback(lambda _, i=i: (admitted.append(i), s.release()))
+
+            def admit(_: object, i: int = i) -> None:
+                admitted.append(i)
+                s.release()
+
+            w.addCallback(admit)
         s.release()
         self.assertEqual(len(admitted), 5000)
         self.assertEqual((s.running, s.waiting), (0, 0))

@@ -265,7 +265,9 @@ class SimRoutingTests(SynchronousTestCase):
         self.finish(clock, a)
         prompt = (SYSTEM + " " + user).encode()
         answer = "".join(completion_tokens(prompt, 33))
-        messages: list[object] = list(first["messages"])  # type: ignore[arg-type]
+        earlier = first["messages"]
+        assert isinstance(earlier, list)
+        messages: list[object] = list(earlier)
         messages += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": "more"},

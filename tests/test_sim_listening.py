@@ -387,6 +387,7 @@ class _Child(ProcessProtocol):
     def processEnded(self, reason: Failure) -> None:
         if not self.listening.called:
             self.listening.errback(reason)
+        assert reason.value is not None
         self.ended.callback(reason.value)
 
 

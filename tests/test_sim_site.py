@@ -6,7 +6,7 @@ L{StringTransport} under a L{Clock} (exact timing, disconnects, faults).
 from __future__ import annotations
 
 import json
-from typing import Any, cast
+from typing import Any
 
 from twisted.internet import reactor as _reactor
 from twisted.internet.address import IPv4Address
@@ -24,7 +24,7 @@ from llmgw.sim.engine import (
     Simulator,
 )
 from llmgw.sim.exchange import DROP_DELAY
-from llmgw.sim.web import SimChannel, SimSite
+from llmgw.sim.web import SimSite
 from tests.sim_support import chat_body, dechunk, event_json
 
 reactor: Any = _reactor
@@ -41,9 +41,7 @@ class _Conn:
 
     def __init__(self, site: SimSite) -> None:
         self.transport = StringTransport()
-        self.channel = cast(
-            SimChannel, site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 4000))
-        )
+        self.channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 4000))
         self.channel.makeConnection(self.transport)
 
     def send(self, path: str, body: object = None, method: str = "POST") -> None:

@@ -58,7 +58,7 @@ def _balancer(
         clock,
         5.0,
         random.Random(7),
-        RouterConfig(balance=balance, prefix_affinity=affinity),  # type: ignore[arg-type]
+        RouterConfig(balance=balance, prefix_affinity=affinity),
     )
     balancer.set_endpoints(Endpoint(i, f"http://{i}", ("m",)) for i in ids)
     return clock, balancer

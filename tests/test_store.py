@@ -19,6 +19,7 @@ from llmgw.admin.guard import AdminGuard
 from llmgw.router.auth import KeyRing, hash_key
 from llmgw.router.errors import APIError
 from llmgw.store.db import MIGRATIONS, SQLiteStore, StoreError, sqlite_path
+from tests.typing_support import as_request
 
 
 def _store(test: Any) -> SQLiteStore:
@@ -85,10 +86,9 @@ class MigrationTests(SynchronousTestCase):
 class KeyRingTests(TestCase):
     def setUp(self) -> None:
         self.now = 1000.0
-        self.ring = KeyRing(
-            _store(self), clock=lambda: self.now, wall_clock=lambda: 1e9
-        )
-        self.ring.store.prepare()
+        store = _store(self)
+        self.ring = KeyRing(store, clock=lambda: self.now, wall_clock=lambda: 1e9)
+        store.prepare()
 
     async def test_windows(self) -> None:
         """
@@ -141,6 +141,7 @@ class KeyRingTests(TestCase):
         Bearer in any case; anything else is 401 once a key exists.
         """
         key, secret = await self.ring.create("k")
+        header: bytes | None
         for header in (b"Bearer " + secret.encode(), b"bearer  " + secret.encode()):
             self.assertIs(self.ring.authenticate(header), key)
         for header in (
@@ -175,8 +176,9 @@ class AdminGuardTests(TestCase):
         Off loopback, /api/ needs an admin key; a plain key or none gets
         401; loopback peers and /metrics pass.
         """
-        ring = KeyRing(_store(self), clock=lambda: 0.0, wall_clock=lambda: 1e9)
-        ring.store.prepare()
+        store = _store(self)
+        ring = KeyRing(store, clock=lambda: 0.0, wall_clock=lambda: 1e9)
+        store.prepare()
         _, admin = await ring.create("ops", admin=True)
         _, plain = await ring.create("app")
         guard = AdminGuard(_Inner(), ring)
@@ -184,13 +186,14 @@ class AdminGuardTests(TestCase):
         def call(path: bytes, host: str, key: str | None) -> tuple[int, bytes]:
             # As twisted.web.server.Request.process splits and decodes it.
             request = DummyRequest([unquote_to_bytes(p) for p in path[1:].split(b"/")])
-            request.path = path
+            # DummyRequest has no path; twisted.web's Request sets one.
+            request.path = path  # type: ignore[attr-defined]
             request.client = type("A", (), {"host": host, "port": 1})()
             if key is not None:
                 request.requestHeaders.setRawHeaders(
                     b"authorization", [b"Bearer " + key.encode()]
                 )
-            body = guard.render(request)
+            body = guard.render(as_request(request))
             return request.responseCode or 200, body
 
         self.assertEqual(call(b"/api/v1/keys", "10.0.0.9", None)[0], 401)

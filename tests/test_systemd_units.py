@@ -1,7 +1,8 @@
 """
-The units in C{contrib/systemd/}: hardened as the README says, accepted by
-C{systemd-analyze verify} without a warning, and their command lines
-accepted by the C{twistd} plugins they name.
+The units in C{contrib/systemd/} (docs/fleet.md installs them): hardened
+as L{HARDENING} says, accepted by C{systemd-analyze verify} without a
+warning, and their command lines accepted by the C{twistd} plugins they
+name.
 """
 
 from __future__ import annotations

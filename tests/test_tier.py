@@ -26,6 +26,7 @@ from llmgw.tier.follow import NEXT_URL_AFTER, SILENT_AFTER, Follower
 from llmgw.tier.settings import check_router_workers
 from llmgw.tier.watch import KEEPALIVE, Watch, endpoint_from_json, endpoint_json
 from llmgw.tier.workers import tcp_address
+from tests.typing_support import as_request
 
 E1 = Endpoint("r1", "http://10.0.0.1:8000", ("m", "m-alias"), 2.0, api_key="s3cret")
 
@@ -50,7 +51,7 @@ class WatchTests(SynchronousTestCase):
         nothing.
         """
         request = DummyRequest([b""])
-        self.watch.watch(request)
+        self.watch.watch(as_request(request))
         self.watch.set_endpoints([E1])
         self.watch.set_endpoints([E1])
         self.names = {"m": "m", "m-alias": "m"}
@@ -71,7 +72,7 @@ class WatchTests(SynchronousTestCase):
         nothing more.
         """
         request = DummyRequest([b""])
-        waiting = self.watch.watch(request)
+        waiting = self.watch.watch(as_request(request))
         self.clock.advance(KEEPALIVE)
         self.assertEqual(lines(request)[1:], [None])
         self.names = {}

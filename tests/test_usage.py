@@ -19,6 +19,7 @@ from llmgw.accounts.usage import StoreUsageSink, usage_row
 from llmgw.router.interfaces import RequestRecord
 from llmgw.store.db import UsageRow
 from llmgw.store.usage import UsageWriter
+from tests.typing_support import collect
 
 
 class _Store:
@@ -165,7 +166,7 @@ class UsageWriterTests(SynchronousTestCase):
             wall_clock=lambda: self.now,
         )
         writer.startService()
-        writer.log = Logger(observer=events.append)
+        writer.log = Logger(observer=collect(events))
         writer.add(_row("a"))
         waited = writer.flush_within(0.5)
         self.assertEqual(writer.pending, 1)

@@ -10,6 +10,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.interfaces import RequestRecord
 from llmgw.router.usage_log import LogUsageSink, UsageSinks
+from tests.typing_support import collect
 
 
 def _record(**changes: object) -> RequestRecord:
@@ -36,7 +37,7 @@ class LogUsageSinkTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.events: list[LogEvent] = []
         self.sink = LogUsageSink()
-        self.sink.log = Logger(observer=self.events.append)
+        self.sink.log = Logger(observer=collect(self.events))
 
     def test_line(self) -> None:
         """

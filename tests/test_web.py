@@ -13,7 +13,6 @@ from typing import Any, cast
 from urllib.parse import urlencode
 
 from prometheus_client import CollectorRegistry
-from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
@@ -29,6 +28,7 @@ from llmgw.web.login import SESSION_COOKIE, LoginGate, Mount, Sessions, Split
 from llmgw.web.pages import CookieCsrf, Dashboard
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import PlaneCase
+from tests.typing_support import stub_treq
 
 ADMIN = "sk-admin-" + "a" * 30
 PLAIN = "sk-plain-" + "b" * 30
@@ -257,7 +257,7 @@ class DashboardTests(PlaneCase):
         )
         fleet = Fleet(self.inventory, self.plane, None, history, None)
         self.actions = _Actions()
-        self.treq = StubTreq(
+        self.treq = stub_treq(
             Dashboard(fleet, self.actions, CookieCsrf()).app.resource()
         )
 
@@ -353,7 +353,7 @@ class _Leaf(Resource):
     isLeaf = True
 
     def __init__(self, name: bytes) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.name = name
 
     def render(self, request: Any) -> bytes:
@@ -363,7 +363,7 @@ class _Leaf(Resource):
 
 class MountTests(SynchronousTestCase):
     def get(self, resource: Resource, path: str) -> bytes:
-        treq = StubTreq(resource)
+        treq = stub_treq(resource)
         response = self.successResultOf(treq.get("http://x" + path))
         body: bytes = self.successResultOf(response.content())
         return body
@@ -396,7 +396,7 @@ class LoginGateTests(SynchronousTestCase):
         self.clock = Clock()
         self.sessions = Sessions(_keys(), self.clock.seconds)
         gate = LoginGate(_Leaf(b"dash"), self.sessions, "/admin")
-        self.treq = StubTreq(Mount(_Leaf(b"api"), b"admin", gate))
+        self.treq = stub_treq(Mount(_Leaf(b"api"), b"admin", gate))
 
     def post_login(self, scheme: str, key: str) -> Any:
         response = self.successResultOf(

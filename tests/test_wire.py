@@ -196,7 +196,7 @@ class CommandTests(SynchronousTestCase):
         for no command is logged, not raised.
         """
         seen: list[pb.AgentMessage] = []
-        self.stream.agent_message_received = seen.append  # type: ignore[method-assign]
+        self.patch(self.stream, "agent_message_received", seen.append)
         heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat())
         self.stream.dataReceived(encode_frame(heartbeat.SerializeToString()))
         with capturedLogs() as events:

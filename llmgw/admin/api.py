@@ -1,5 +1,5 @@
 """
-The admin listener (DESIGN.md section 6): metrics, liveness and the admin
+The admin listener (docs/catalog.md, docs/keys.md): metrics, liveness and the admin
 API under C{/api/v1}, loopback-only by default; bound elsewhere, the API
 wants an admin key.
 
@@ -44,7 +44,9 @@ __all__ = ["Admin", "AdminError"]
 
 class Admin(KeyRoutes, WatchRoutes):
     """
-    The admin API.
+    The admin API.  The keys and usage routes are in L{KeyRoutes}.  The API
+    reads the control plane's views (L{llmgw.control.views}) and calls its
+    methods; it changes no record itself.
 
     @param registry: the metrics served on C{/metrics}.
     @param plane: the control plane, when there is one.
@@ -56,10 +58,6 @@ class Admin(KeyRoutes, WatchRoutes):
     @param wall_clock: POSIX seconds now (C{time.time}).
     @param watch: what a router tier follows, when there is a control
         plane.
-
-    The keys and usage routes are in L{KeyRoutes}.  The API reads the
-    control plane's views (L{llmgw.control.views}) and calls its
-    methods; it changes no record itself.
     """
 
     app = admin_app

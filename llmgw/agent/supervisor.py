@@ -316,7 +316,7 @@ class Supervisor:
     The engines of this node.
 
     @param reactor: spawns processes, keeps time, makes HTTP requests.
-    @param report: called with every L{pb.ShardStatus} transition.
+    @param report: called with every C{pb.ShardStatus} transition.
     @param state_dir: where running engines are recorded (and their output
         written), so that a restarted agent adopts them.
     @param health_interval: seconds between health probes while starting.

@@ -95,7 +95,7 @@ def _varint_size(value: int) -> int:
 def fit_report(files: Sequence[pb.WeightsFile], max_bytes: int) -> pb.WeightsReport:
     """
     The report of C{files} that fits in one frame: the first files, in
-    order, whose L{pb.AgentMessage} serializes to at most C{max_bytes}.
+    order, whose C{pb.AgentMessage} serializes to at most C{max_bytes}.
 
     @param max_bytes: the frame maximum in force, bytes.
     @return: a report with C{total} = C{len(files)}, and C{truncated} set

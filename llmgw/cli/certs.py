@@ -1,7 +1,8 @@
 """
 C{llmgw certs}: the fleet CA and the certificates of the server and agents,
-for the mutually authenticated agent link (DESIGN.md section 4).  The
-command line only; L{llmgw.wire.certs} makes the certificates.
+for the mutually authenticated agent link (L{llmgw.wire.tls}).  The
+command line only; L{llmgw.wire.certs} makes the certificates.  The commands
+and the files they write::
 
     llmgw certs init   --dir D                      D/ca.pem, D/ca-key.pem
     llmgw certs server --dir D --host NAME[,NAME]   D/server.pem, D/server-key.pem

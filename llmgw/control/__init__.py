@@ -1,5 +1,6 @@
 """
-The control plane (DESIGN.md section 3), in the server process.
+The control plane (docs/architecture.md, "The control loop"), in the server
+process.
 
 Policy, pure (no clock, no I/O): C{catalog} (the C{[[models]]} tables),
 C{placement} (where a replica fits), C{scaling} (how many replicas a

@@ -1,6 +1,6 @@
 """
 The catalog: the models operators declare, as C{[[models]]} tables with
-ordered C{[[models.profiles]]} (DESIGN.md section 3).  Validation errors
+ordered C{[[models.profiles]]} (docs/catalog.md).  Validation errors
 name the model, the profile, the field and the value.
 """
 

@@ -1,5 +1,5 @@
 """
-Drains (DESIGN.md section 3): a replica unpublished at once, and stopped
+Drains (L{llmgw.control.plane}): a replica unpublished at once, and stopped
 once the router counts no request in flight to it, or after C{[control]
 drain_timeout} (or its own, longer patience), when what is still in
 flight is cut.  The operator's actions (a node, a replica) and the

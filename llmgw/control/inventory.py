@@ -1,5 +1,7 @@
 """
-The inventory: what agents report of their nodes (DESIGN.md section 3).
+The inventory: what agents report of their nodes (their messages:
+C{proto/llmgw/v1/agent.proto}; the states: docs/architecture.md, "Wire
+protocol").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """
-The loop the reconciler runs in (DESIGN.md section 3): passes never
+The loop the reconciler runs in (L{llmgw.control.plane}): passes never
 overlap; a pass that fails is logged and the loop goes on; a kick during a
 pass becomes exactly one more pass; stopping waits for the pass in flight.
 """

@@ -1,5 +1,5 @@
 """
-Fleet metrics (DESIGN.md section 6): the control plane's state, read at
+Fleet metrics (docs/metrics.md): the control plane's state, read at
 scrape time by a custom collector, so that each series stands for
 something the plane holds now and label values are bounded by the fleet
 itself: node ids, GPU indexes, catalog model names, replica states, and

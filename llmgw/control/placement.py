@@ -1,6 +1,6 @@
 """
 Placement: where a replica of a model can run, as pure functions over a
-snapshot of the inventory (DESIGN.md section 3).  No I/O and no clock: the
+snapshot of the inventory (L{llmgw.control.snapshot}).  No I/O and no clock: the
 reconciler takes a snapshot, asks, and acts on the answer.
 
 Profiles are tried in priority order (highest first, then as listed).  A

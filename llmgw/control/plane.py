@@ -1,5 +1,6 @@
 """
-The control plane (DESIGN.md section 3): desired replicas per catalog
+The control plane (docs/architecture.md, "The control loop"): desired
+replicas per catalog
 model against what the agents run, kept in step by one reconciler loop.
 This module is the orchestration; the policy is in pure modules beside
 it: L{scaling} (how many replicas), L{adoption} (what a Register's shards

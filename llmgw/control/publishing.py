@@ -1,5 +1,5 @@
 """
-Publishing (DESIGN.md section 3): the router's endpoint list, the
+Publishing (L{llmgw.control.plane}): the router's endpoint list, the
 configured endpoints then each ready replica's leader, kept by replica and
 worked out again only for the replicas a pass or an event named; requests
 waiting for a model are let go once it has a published replica.  Part of

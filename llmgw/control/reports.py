@@ -1,5 +1,5 @@
 """
-What the agents say (DESIGN.md section 3): shard statuses and
+What the agents say (L{llmgw.control.plane}): shard statuses and
 registrations, as they arrive between passes, change the records (a
 Register's shards are adopted, see L{adoption}) and kick a pass.  Part of
 L{llmgw.control.plane.ControlPlane}, kept apart by job.

@@ -195,7 +195,7 @@ class PoolService(Service):
     """
     Closes an HTTP connection pool's idle connections on stop (a
     L{twisted.web.client.HTTPConnectionPool} or the router's
-    L{llmgw.router.http1.EngineClient}).
+    L{llmgw.router.engine_client.EngineClient}).
     """
 
     def __init__(self, pool: _Pool) -> None:
@@ -265,8 +265,9 @@ def stop_once_on_signals(reactor: Any) -> None:
     stop began is logged, not acted on.
 
     Twisted's handlers call C{reactor.stop()} for every signal; a second
-    one while the server drains raised L{ReactorNotRunning}, logged as
-    critical with a traceback.  Two come whenever a process group is
+    one while the server drains raised
+    L{twisted.internet.error.ReactorNotRunning}, logged as critical with a
+    traceback.  Two come whenever a process group is
     stopped as a whole (C{kill -TERM -PGID}, a supervisor): one to twistd
     itself and one forwarded by C{scripts/run-local}.  The first signal
     still goes to Twisted's handler (its log line, and the exit status

@@ -1,5 +1,6 @@
 """
-The data plane: the OpenAI API in front of engine replicas (DESIGN.md §2).
+The data plane: the OpenAI API in front of engine replicas (the path of one
+request: docs/architecture.md, "One request").
 The routes, API keys and usage accounting; each request's trip to the
 replicas is an L{llmgw.router.exchange.Exchange}.
 """
@@ -446,7 +447,7 @@ class Router:
     async def embeddings(self, request: IRequest) -> bytes | None:
         return await self._forward(request, b"/v1/embeddings")
 
-    # Engine endpoints passed through when the engine has them (DESIGN.md §2).
+    # Engine endpoints passed through when the engine has them (docs/server.md).
     @app.route("/v1/rerank", methods=["POST"])
     @app.route("/v1/score", methods=["POST"])
     @app.route("/v1/responses", methods=["POST"])

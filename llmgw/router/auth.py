@@ -1,5 +1,5 @@
 """
-API keys and their admission policy (DESIGN.md section 2): C{Authorization:
+API keys and their admission policy (docs/keys.md): C{Authorization:
 Bearer sk-...}, stored as SHA-256 hashes with a visible prefix, each with
 allowed models, requests and tokens per minute and a token budget.  All keys
 are held in memory, so checking one costs no database round trip; changes are

@@ -1,8 +1,8 @@
 """
 What the router's exchanges need of an HTTP client to reach engine replicas:
 the L{Upstream} interface, the headers of a request, the failures it tells
-apart, and the reader of an answer's body.  L{llmgw.router.http1.EngineClient}
-is the client the servers use.
+apart, and the reader of an answer's body.
+L{llmgw.router.engine_client.EngineClient} is the client the servers use.
 
 The failures tell "the request never left" (L{UpstreamConnectError}: safe to
 send to another replica) from "the replica broke the exchange" (not safe).
@@ -57,7 +57,7 @@ def upstream_headers(
 
 class Upstream(Protocol):
     """
-    Sends requests to replicas (L{llmgw.router.http1.EngineClient}).
+    Sends requests to replicas (L{llmgw.router.engine_client.EngineClient}).
     """
 
     def post(

@@ -1,7 +1,7 @@
 """
-C{--local} (DESIGN.md section 1): the server runs an agent for this machine
-in-process, linked to it over loopback through the same protocol and the
-same mutual TLS as any agent, with certificates it makes in its state
+C{--local} (docs/architecture.md, "Processes"): the server runs an agent for
+this machine in-process, linked to it over loopback through the same
+protocol and the same mutual TLS as any agent, with certificates it makes in its state
 directory on first start; and, without C{[[models]]}, a default catalog:
 the bundled Gemma 3 270M GGUF on llama.cpp, on the CPU, from zero replicas.
 """

@@ -16,8 +16,8 @@ and C{vllm:e2e_request_latency_seconds} (kept by L{FastHistogram}, as the
 simulator observes every token).  The bucket bounds are close to vLLM's, not
 copied.
 
-Each simulator has its own L{CollectorRegistry}, so several can run in one
-process (tests) without clashing in the global one.
+Each simulator has its own C{prometheus_client.CollectorRegistry}, so several
+can run in one process (tests) without clashing in the global one.
 """
 
 from __future__ import annotations

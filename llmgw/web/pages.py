@@ -1,5 +1,5 @@
 """
-The dashboard (DESIGN.md section 6): server-rendered pages on the admin
+The dashboard (docs/dashboard.md): server-rendered pages on the admin
 listener at C{/}, and the same pages on the client listener at
 C{/admin} behind L{llmgw.web.login}.
 

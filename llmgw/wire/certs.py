@@ -1,8 +1,9 @@
 """
-Certificate issuing for the mutually authenticated agent link (DESIGN.md
-section 4): the fleet CA, the server's certificate and each agent's.  Used
+Certificate issuing for the mutually authenticated agent link
+(L{llmgw.wire.tls}): the fleet CA, the server's certificate and each agent's.  Used
 by C{llmgw certs} (L{llmgw.cli.certs}) and by C{llmgw-server --local}
-(L{llmgw.server.local}), which makes its own on first start.
+(L{llmgw.server.local}), which makes its own on first start.  The functions
+and the files they write::
 
     init_ca(D)                 D/ca.pem, D/ca-key.pem
     issue_server(D, [NAME])    D/server.pem, D/server-key.pem

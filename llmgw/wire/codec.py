@@ -2,7 +2,8 @@
 Framing for the agent link, sans-IO: bytes in, frames out.
 
 A frame is a 4-byte unsigned big-endian length, then that many bytes of one
-serialized protobuf message (DESIGN.md section 4).  A length of zero or over
+serialized protobuf message (C{proto/llmgw/v1/agent.proto}; the whole
+protocol: docs/architecture.md, "Wire protocol").  A length of zero or over
 the maximum is a protocol violation: the connection must be closed.
 """
 

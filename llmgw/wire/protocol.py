@@ -65,7 +65,7 @@ class CommandFailed(Exception):
     """
     The agent answered a command with C{ok = false}.
 
-    @ivar result: the L{pb.CommandResult}, whose C{error} says why.
+    @ivar result: the C{pb.CommandResult}, whose C{error} says why.
     """
 
     def __init__(self, result: pb.CommandResult) -> None:
@@ -169,7 +169,7 @@ class MessageStream(Protocol, Generic[M]):
 class CommandTracker:
     """
     Outstanding commands by C{command_id}: each L{send} returns a Deferred
-    that the matching L{pb.CommandResult} fires, and all of them fail when
+    that the matching C{pb.CommandResult} fires, and all of them fail when
     the connection is lost (L{fail_all}).
     """
 
@@ -182,9 +182,9 @@ class CommandTracker:
         """
         Give the command in C{message} the next C{command_id}.
 
-        @param message: a L{pb.ControlMessage} holding a command (not a
+        @param message: a C{pb.ControlMessage} holding a command (not a
             welcome).
-        @return: fires with the L{pb.CommandResult} when the agent answers
+        @return: fires with the C{pb.CommandResult} when the agent answers
             C{ok}, fails with L{CommandFailed} when it answers not C{ok}, or
             with the reason the connection was lost.
         @raise ValueError: C{message} holds no command.
@@ -249,7 +249,7 @@ class CommandTracker:
 
 class CommandingStream(MessageStream[pb.AgentMessage]):
     """
-    The server's side of one agent link: receives L{pb.AgentMessage}, sends
+    The server's side of one agent link: receives C{pb.AgentMessage}, sends
     commands whose results come back as Deferreds.
     """
 

@@ -1,5 +1,6 @@
 """
-TLS options for the agent link, from PEM files (DESIGN.md section 4): the
+TLS options for the agent link, from PEM files (docs/architecture.md, "Wire
+protocol"): the
 server demands a client certificate from the fleet CA; the agent checks the
 server's certificate against the CA and the host name it dials.
 """

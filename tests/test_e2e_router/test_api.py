@@ -9,6 +9,7 @@ import json
 import time
 
 import openai
+from openai.types.chat import ChatCompletionStreamOptionsParam
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import Processes, http, sim_stats
@@ -271,7 +272,11 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
         self.assertNotEqual(
             expected.encode("utf-8").decode("ascii", "ignore"), expected
         )
-        for options in (None, {"include_usage": True}):
+        both: tuple[ChatCompletionStreamOptionsParam | None, ...] = (
+            None,
+            {"include_usage": True},
+        )
+        for options in both:
             text, chunks = stream_text(
                 self.gateway.chat.completions.create(
                     model="sim-model",
@@ -279,7 +284,7 @@ class RouterEndToEndTests(SynchronousTestCase, Processes):
                     max_tokens=8,
                     stream=True,
                     extra_body={"llmgw_sim": {"byte_writes": True}},
-                    **({"stream_options": options} if options else {}),
+                    stream_options=options if options else openai.omit,
                 )
             )
             self.assertEqual(text, expected)

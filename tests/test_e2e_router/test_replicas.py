@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionStreamOptionsParam
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import Processes, closed_port, http, sim_stats
@@ -186,13 +187,17 @@ class MisbehavingEngineTests(SynchronousTestCase, Processes):
         ends with an error event the client can read, after the whole
         events before it, with or without the usage chunk hidden.
         """
-        for options in ({}, {"stream_options": {"include_usage": True}}):
+        both: tuple[ChatCompletionStreamOptionsParam | openai.Omit, ...] = (
+            openai.omit,
+            {"include_usage": True},
+        )
+        for options in both:
             stream = self.gateway.chat.completions.create(
                 model="m",
                 messages=MESSAGES,
                 stream=True,
                 extra_body={"mode": "partial_then_drop"},
-                **options,
+                stream_options=options,
             )
             received = []
             with self.assertRaises(openai.APIError) as raised:
@@ -230,11 +235,11 @@ class MisbehavingEngineTests(SynchronousTestCase, Processes):
         """
         with self.assertRaises(openai.BadRequestError) as bad:
             self.create("e400_detail", False)
-        self.assertEqual(bad.exception.body["message"], "Field required: messages")  # type: ignore[index]
+        self.assertEqual(bad.exception.body["message"], "Field required: messages")
         with self.assertRaises(openai.BadRequestError) as vllm:
             self.create("e400_vllm", False)
-        self.assertEqual(vllm.exception.body["message"], "max_tokens is too large")  # type: ignore[index]
-        self.assertEqual(vllm.exception.body["type"], "BadRequestError")  # type: ignore[index]
+        self.assertEqual(vllm.exception.body["message"], "max_tokens is too large")
+        self.assertEqual(vllm.exception.body["type"], "BadRequestError")
         self.assertIsNone(vllm.exception.code)
         with self.assertRaises(openai.RateLimitError) as limited:
             self.create("e429", False)

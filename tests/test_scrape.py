@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given
-from hypothesis import strategies as st
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.scrape import PageProtocol, ScrapeError, build_request, dechunk
+from llmgw.router.scrape import PageProtocol, ScrapeError, build_request
 
 BODY = b"vllm:num_requests_running 1.0\n" * 10
 
@@ -101,21 +99,3 @@ class PageProtocolTests(SynchronousTestCase):
         request = build_request("10.0.0.1", 8000, "/metrics", "s3cret")
         self.assertIn(b"\r\nAuthorization: Bearer s3cret\r\n", request)
         self.assertIn(b"\r\nHost: 10.0.0.1:8000\r\n", request)
-
-
-class DechunkTests(SynchronousTestCase):
-    @given(st.binary(max_size=300), st.integers(1, 50), st.integers(0, 400))
-    def test_any_split(self, body: bytes, size: int, cut: int) -> None:
-        """
-        A chunked body cut anywhere is incomplete (L{None}) until its end.
-        """
-        data = chunked(body, size)
-        cut = min(cut, len(data))
-        found = dechunk(data[:cut])
-        if cut < len(data):
-            self.assertIsNone(found)
-        else:
-            self.assertEqual(found, (body, len(data)))
-
-    def test_bad_size(self) -> None:
-        self.assertRaises(ScrapeError, dechunk, b"zz\r\nab\r\n")

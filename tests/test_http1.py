@@ -209,7 +209,7 @@ class BodyTests(EngineClientTestCase):
         """
         A head whose lines end in a bare LF is read (RFC 9112 section 2.2
         lets a recipient); the connection is kept.  Chunk lines must end
-        in CRLF: L{FailureTests.test_bare_lf_chunk_lines}.
+        in CRLF: L{tests.test_http1_refusals}.
         """
         base = self.start(
             b"HTTP/1.1 200 OK\nContent-Length: 2\nX-B: 1\n\nok",
@@ -421,39 +421,6 @@ class FailureTests(EngineClientTestCase):
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"2;x=" + b"y" * 8000 + b"\r\nok\r\n0\r\n\r\n",
             BadAnswer,
-        )
-
-    async def test_chunk_data_not_followed_by_crlf(self) -> None:
-        """
-        The two bytes after chunk data must be CRLF: C{5\\r\\nhelloXY}
-        is refused, in one read and one byte at a time.
-        """
-        answer = (
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-            b"5\r\nhelloXY0\r\n\r\n"
-        )
-        await self.assert_bad_body(answer, BadAnswer)
-        await self.assert_bad_body(_bytes(answer), BadAnswer)
-
-    async def test_bare_lf_chunk_lines(self) -> None:
-        """
-        A bare LF after chunk data, or ending a chunk-size line, is refused
-        (RFC 9112 section 7.1 requires CRLF there).
-        """
-        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-        await self.assert_bad_body(head + b"2\r\nok\n0\r\n\r\n", BadAnswer)
-        await self.assert_bad_body(head + b"2\nok\r\n0\r\n\r\n", BadAnswer)
-
-    async def test_negative_content_length(self) -> None:
-        await self.assert_bad_head(b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n")
-
-    async def test_switching_protocols_refused(self) -> None:
-        """
-        A C{101}, which no request of the router asks for, is refused, not
-        skipped as an interim answer.
-        """
-        await self.assert_bad_head(
-            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n" + OK
         )
 
     async def test_content_length_cut_short(self) -> None:

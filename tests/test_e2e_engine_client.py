@@ -13,6 +13,7 @@ once with some cut) has no test here; what broke has one.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -331,7 +332,7 @@ def answer_invalid(conn: socket.socket, request: dict[str, Any]) -> bool:
     """
     Asked for C{"invalid": "head"}, a head of 70 KiB (over the router's
     64 KiB); for C{"invalid": "chunk"}, a stream with a chunk size that is
-    not hex; else a good answer.
+    not hex; for a name in L{HOLES}, those bytes; else a good answer.
     """
     invalid = request.get("invalid")
     if invalid == "head":
@@ -346,7 +347,36 @@ def answer_invalid(conn: socket.socket, request: dict[str, Any]) -> bool:
         end = answer.index(b"\r\n\r\n") + 4
         conn.sendall(answer[:end] + b"%x\r\n%s\r\nzz\r\n" % (len(CHUNK), CHUNK))
         return True
+    if invalid in HOLES:
+        conn.sendall(HOLES[invalid][0])
+        return True
     return answer_ok(conn, request)
+
+
+_CHUNKED_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+
+HOLES: dict[str, tuple[bytes, str]] = {
+    "xy": (_CHUNKED_HEAD + b"5\r\nhelloXY0\r\n\r\n", "not followed by CRLF"),
+    "length": (
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n" + WHOLE,
+        "not a Content-Length",
+    ),
+    "lf": (
+        _CHUNKED_HEAD + b"%x\r\n%s\n0\r\n\r\n" % (len(WHOLE), WHOLE),
+        "not followed by CRLF",
+    ),
+    "101": (
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\n" + whole_answer(),
+        "101 Switching Protocols",
+    ),
+}
+"""
+Answers that once passed one of the router's parsers, by name: the bytes
+and what the warning says.
+"""
 
 
 class InvalidAnswerTests(EngineClientTestCase):
@@ -385,4 +415,26 @@ class InvalidAnswerTests(EngineClientTestCase):
         self.assertEqual(self.record("chunk"), "502")
         self.server.wait_for(r"replica .*127\.0\.0\.1.*not a chunk size")
         self.assertEqual(self.ask_stream("next"), "okokok")
+        self.assert_no_traceback(self.server)
+
+    def test_framing_holes_refused(self) -> None:
+        """
+        Chunk data followed by C{XY}, C{Content-Length: -1}, a bare LF after
+        chunk data and a C{101}: each a 502 saying the answer was not valid
+        HTTP, its record 502, a warning naming the replica and why; the
+        next request is served.
+        """
+        for name, (_, reason) in HOLES.items():
+            rid = f"hole-{name}"
+            with self.assertRaises(openai.APIStatusError) as raised:
+                self.ask(rid, invalid=name)
+            self.assertEqual(raised.exception.status_code, 502, name)
+            self.assertIn("not valid HTTP", raised.exception.message)
+            self.assertEqual(self.record(rid), "502")
+            self.server.wait_for(
+                r"replica .*127\.0\.0\.1.*not valid HTTP/1\.1 \(.*" + re.escape(reason)
+            )
+            self.assertEqual(
+                self.ask(f"after-{name}").choices[0].message.content, "whole"
+            )
         self.assert_no_traceback(self.server)

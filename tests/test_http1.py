@@ -206,9 +206,16 @@ class BodyTests(EngineClientTestCase):
             self.assertEqual((await read_body(response)).body, b"ok")
 
     async def test_bare_lf_line_endings(self) -> None:
+        """
+        A head whose lines end in a bare LF is read (RFC 9112 section 2.2
+        lets a recipient); the connection is kept.  Chunk lines must end
+        in CRLF: L{tests.test_http1_refusals}.
+        """
         base = self.start(
             b"HTTP/1.1 200 OK\nContent-Length: 2\nX-B: 1\n\nok",
-            _bytes(b"HTTP/1.1 200 OK\nTransfer-Encoding: chunked\n\n2\nok\n0\n\n"),
+            _bytes(
+                b"HTTP/1.1 200 OK\nTransfer-Encoding: chunked\n\n2\r\nok\r\n0\r\n\n"
+            ),
             OK,
         )
         response = await self.post(base)

@@ -1,18 +1,23 @@
 """
 The C{/metrics} client (L{llmgw.router.scrape}): framing of answers fed in
-pieces, one byte at a time included, over a L{StringTransport}.
+pieces, one byte at a time included, over a L{StringTransport}; and the
+load poller over loopback sockets refusing answers that are not HTTP/1.1.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given
-from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+from twisted.internet import reactor
 from twisted.internet.testing import StringTransport
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.logger import globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.router.scrape import PageProtocol, ScrapeError, build_request, dechunk
+from llmgw.router.interfaces import Endpoint
+from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
+from llmgw.router.scrape import PageProtocol, ScrapeError, build_request
+from tests.http1_support import ScriptedServer, until
 
 BODY = b"vllm:num_requests_running 1.0\n" * 10
 
@@ -103,19 +108,86 @@ class PageProtocolTests(SynchronousTestCase):
         self.assertIn(b"\r\nHost: 10.0.0.1:8000\r\n", request)
 
 
-class DechunkTests(SynchronousTestCase):
-    @given(st.binary(max_size=300), st.integers(1, 50), st.integers(0, 400))
-    def test_any_split(self, body: bytes, size: int, cut: int) -> None:
-        """
-        A chunked body cut anywhere is incomplete (L{None}) until its end.
-        """
-        data = chunked(body, size)
-        cut = min(cut, len(data))
-        found = dechunk(data[:cut])
-        if cut < len(data):
-            self.assertIsNone(found)
-        else:
-            self.assertEqual(found, (body, len(data)))
+PAGE = b"vllm:num_requests_running 3.0\nvllm:num_requests_waiting 5.0\n"
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
-    def test_bad_size(self) -> None:
-        self.assertRaises(ScrapeError, dechunk, b"zz\r\nab\r\n")
+
+class PollerOverSocketsTests(TestCase):
+    """
+    The load poller as the servers wire it (L{make_scraper}, L{LoadBoard},
+    L{LoadCollector}) against a scripted engine on loopback: answers that
+    are not valid HTTP/1.1 leave the replica's load unreadable.
+    """
+
+    timeout = 20
+
+    async def poll(self, answer: bytes) -> tuple[LoadBoard, str]:
+        """
+        Poll one replica whose engine answers C{GET /metrics} with
+        C{answer}.
+
+        @return: the board after the poll, and the collector's exposition.
+        """
+        server = ScriptedServer([answer])
+        base = server.listen().decode()
+        self.addCleanup(server.stop)
+        board = LoadBoard(
+            reactor,  # type: ignore[arg-type]
+            make_scraper(reactor, 5.0, 1.0),
+            interval=1.0,
+        )
+        board.set_endpoints([Endpoint("r1", base, ("m",))])
+        self.addCleanup(board.scraper.close_all)
+        board.poll_all()
+        await until(lambda: board._targets["r1"].in_flight is None)
+        registry = CollectorRegistry()
+        registry.register(LoadCollector(board))  # type: ignore[arg-type]
+        return board, generate_latest(registry).decode()
+
+    async def test_valid_answer_read(self) -> None:
+        """
+        The control: a valid chunked page gives a reading.
+        """
+        board, exposed = await self.poll(
+            CHUNKED_HEAD + b"%x\r\n%s\r\n0\r\n\r\n" % (len(PAGE), PAGE)
+        )
+        reading = board.reading("r1")
+        assert reading is not None
+        self.assertEqual((reading.running, reading.waiting), (3.0, 5.0))
+        self.assertIn(
+            'llmgw_engine_metrics_available{model="m",replica="r1"} 1.0', exposed
+        )
+        self.assertIn('llmgw_engine_load_stale{model="m",replica="r1"} 0.0', exposed)
+
+    async def assert_unavailable(self, answer: bytes) -> None:
+        log: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(log.append)
+        self.addCleanup(globalLogPublisher.removeObserver, log.append)
+        board, exposed = await self.poll(answer)
+        self.assertIsNone(board.reading("r1"))
+        self.assertIn('llmgw_engine_load_stale{model="m",replica="r1"} 1.0', exposed)
+        self.assertNotIn("llmgw_engine_requests_running{", exposed)
+        warnings = [
+            e for e in log if "cannot read engine load" in e.get("log_format", "")
+        ]
+        self.assertEqual(len(warnings), 1)
+        self.assertEqual(warnings[0]["replica"], "r1")
+
+    async def test_chunk_data_not_followed_by_crlf(self) -> None:
+        await self.assert_unavailable(CHUNKED_HEAD + b"5\r\nhelloXY0\r\n\r\n")
+
+    async def test_negative_content_length(self) -> None:
+        await self.assert_unavailable(
+            b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n" + PAGE
+        )
+
+    async def test_bare_lf_chunk_end(self) -> None:
+        await self.assert_unavailable(
+            CHUNKED_HEAD + b"%x\r\n%s\n0\r\n\r\n" % (len(PAGE), PAGE)
+        )
+
+    async def test_switching_protocols(self) -> None:
+        await self.assert_unavailable(
+            b"HTTP/1.1 101 Switching Protocols\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(PAGE), PAGE)
+        )

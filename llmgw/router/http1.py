@@ -13,11 +13,10 @@ parses the URL, builds header objects and runs a line parser and several
 Deferreds per request: on C{bench/router_bench.py}'s load that was a fifth
 of the router's CPU per request (cProfile).
 
-The framing follows RFC 9112: section 6.3 for the body's length (a
-C{Transfer-Encoding} overrides a C{Content-Length}; no body after 1xx, 204
-and 304; otherwise the body ends with the connection), section 7.1 for
-chunks, section 9.3 for persistence (HTTP/1.1 keeps the connection unless
-C{Connection: close}).  Interim 1xx answers are skipped.
+The answer is read by L{llmgw.router.response_parser.ResponseParser}, which
+holds the rules of RFC 9112 (framing, chunks, persistence, limits); this
+module turns its events into a L{Response} and keeps the connection when
+the answer allows it and is HTTP/1.1.
 """
 
 from __future__ import annotations
@@ -37,17 +36,25 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 from zope.interface import implementer
 
+from llmgw.router.response_parser import (
+    MAX_CHUNK_LINE,
+    MAX_HEAD,
+    End,
+    Framing,
+    Head,
+    InvalidResponse,
+    ResponseParser,
+)
 from llmgw.router.upstream import BadAnswer, NoAnswer
 
-MAX_HEAD = 64 * 1024
-"""
-Bytes an answer's status line and headers may take.
-"""
-
-MAX_CHUNK_LINE = 4096
-"""
-Bytes a chunk-size line (with its extensions) or a trailer line may take.
-"""
+__all__ = [
+    "MAX_CHUNK_LINE",
+    "MAX_HEAD",
+    "AnswerBroken",
+    "BadAnswer",
+    "EngineConnection",
+    "Response",
+]
 
 
 class AnswerBroken(Exception):
@@ -169,90 +176,6 @@ _HEAD = 1  # request sent, reading the answer's head
 _BODY = 2  # reading the answer's body
 _CLOSED = 3
 
-# How the body is framed.
-_LENGTH = 0
-_CHUNKED = 1
-_UNTIL_CLOSE = 2
-
-# Where a chunked body is.
-_SIZE = 0
-_DATA = 1
-_DATA_END = 2
-_TRAILER = 3
-
-_NO_BODY_STATUSES = frozenset({204, 304})
-_HEX = b"0123456789abcdefABCDEF"
-
-
-def _parse_head(
-    head: bytes,
-) -> tuple[int, bytes, dict[bytes, list[bytes]], bool]:
-    """
-    @param head: the status line and header lines, without the blank line
-        that ends them; lines end in CRLF or a bare LF.
-    @return: status, reason phrase, headers (names lower-cased) and whether
-        the answer is HTTP/1.1 (HTTP/1.0 answers do not keep the
-        connection).
-    @raise BadAnswer: when it is not an HTTP/1.x head.
-    """
-    lines = head.split(b"\n")
-    status_line = lines[0].rstrip(b"\r")
-    parts = status_line.split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-        raise BadAnswer(f"not an HTTP/1.x status line: {status_line[:100]!r}")
-    code_bytes = parts[1]
-    if len(code_bytes) != 3 or not code_bytes.isdigit():
-        raise BadAnswer(f"not a status code: {code_bytes[:100]!r}")
-    headers: dict[bytes, list[bytes]] = {}
-    last: list[bytes] | None = None
-    for line in lines[1:]:
-        line = line.rstrip(b"\r")
-        if line[:1] in (b" ", b"\t"):
-            # An obsolete folded line continues the header before it.
-            if last is None:
-                raise BadAnswer("a folded line before any header")
-            last[-1] += b" " + line.strip()
-            continue
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip():
-            raise BadAnswer(f"not a header line: {line[:100]!r}")
-        last = headers.setdefault(name.lower(), [])
-        last.append(value.strip(b" \t"))
-    return (
-        int(code_bytes),
-        parts[2] if len(parts) > 2 else b"",
-        headers,
-        (parts[0] == b"HTTP/1.1"),
-    )
-
-
-def _framing(code: int, headers: dict[bytes, list[bytes]]) -> tuple[int, int, bool]:
-    """
-    @return: the body's framing (C{_LENGTH}, C{_CHUNKED}, C{_UNTIL_CLOSE}),
-        its length (for C{_LENGTH}) and whether the framing allows the
-        connection to be kept.
-    @raise BadAnswer: for an invalid or conflicting C{Content-Length}.
-    """
-    if code in _NO_BODY_STATUSES:
-        return _LENGTH, 0, True
-    encoding = headers.get(b"transfer-encoding")
-    if encoding is not None:
-        codings = b",".join(encoding).lower().split(b",")
-        chunked = codings[-1].strip() == b"chunked"
-        # Both headers at once: RFC 9112 section 6.3 says to close after.
-        keep = b"content-length" not in headers
-        return (_CHUNKED, 0, keep) if chunked else (_UNTIL_CLOSE, 0, False)
-    lengths = headers.get(b"content-length")
-    if lengths is None:
-        return _UNTIL_CLOSE, 0, False
-    values = {v.strip() for value in lengths for v in value.split(b",")}
-    if len(values) != 1:
-        raise BadAnswer(f"conflicting Content-Length values: {sorted(values)!r}")
-    (value,) = values
-    if not value.isdigit() or len(value) > 18:
-        raise BadAnswer(f"not a Content-Length: {value[:30]!r}")
-    return _LENGTH, int(value), True
-
 
 class ConnectionPool(TypingProtocol):
     """
@@ -283,12 +206,8 @@ class EngineConnection(Protocol):
         self.answer: Deferred[IResponse] | None = None
         self.body: Response | None = None
         self._reused = False
-        self._received_any = False
-        self._buffer = b""
+        self._parser = ResponseParser()
         self._keep = True
-        self._framing = _LENGTH
-        self._remaining = 0
-        self._chunk_state = _SIZE
         self._paused = False
 
     def send(
@@ -303,9 +222,7 @@ class EngineConnection(Protocol):
         self.answer = answer
         self.answer_count += 1
         self._reused = reused
-        self._received_any = False
-        self._buffer = b""
-        self._keep = True
+        self._parser.expect()
         assert self.transport is not None
         self.transport.writeSequence([head, body])
 
@@ -313,73 +230,53 @@ class EngineConnection(Protocol):
         state = self.state
         if state == _CLOSED:
             return
-        if state == _BODY:
-            self._body_data(data)
-        elif state == _HEAD:
-            self._received_any = True
-            self._head_data(data)
-        elif state == _IDLE:
+        if state == _IDLE:
             # Bytes no request asked for: the connection is out of step.
             self._pool.forget(self)
             self.abort()
+            return
+        try:
+            events = self._parser.feed(data)
+        except InvalidResponse as e:
+            self._events(e.events)
+            if self.state == _HEAD:
+                self._fail_head(BadAnswer(str(e)))
+            elif self.state == _BODY:
+                self._body_failed(BadAnswer(str(e)))
+            return
+        self._events(events)
 
-    def _head_data(self, data: bytes) -> None:
-        buffer = self._buffer + data if self._buffer else data
-        while True:
-            end = buffer.find(b"\n\r\n")
-            lf = buffer.find(b"\n\n")
-            if lf != -1 and (end == -1 or lf < end):
-                end, skip = lf, 2
+    def _events(self, events: list[bytes | Head | End]) -> None:
+        # The body data of one read comes as one piece: an engine that
+        # sends faster than the router reads (events queued while the
+        # router was busy) costs one relay step and one write to the
+        # client, not one per event.
+        for event in events:
+            body = self.body
+            if type(event) is bytes:
+                assert body is not None
+                body._data(event)
+            elif isinstance(event, Head):
+                self._head(event)
             else:
-                skip = 3
-            # The limit holds whether or not the head's end came in the
-            # same read as the bytes past it.
-            if (end == -1 and len(buffer) > MAX_HEAD) or end > MAX_HEAD:
-                self._fail_head(BadAnswer(f"head longer than {MAX_HEAD} bytes"))
-                return
-            if end == -1:
-                self._buffer = buffer
-                return
-            try:
-                code, phrase, headers, http11 = _parse_head(buffer[:end])
-                rest = buffer[end + skip :]
-                if 100 <= code < 200:
-                    # Interim (100 Continue, 103 Early Hints): the answer
-                    # follows.
-                    buffer = rest
-                    continue
-                framing, length, keep = _framing(code, headers)
-            except BadAnswer as e:
-                self._fail_head(e)
-                return
-            break
-        self._buffer = b""
-        connection = headers.get(b"connection")
-        if connection is not None:
-            tokens = b",".join(connection).lower().split(b",")
-            if b"close" in (t.strip() for t in tokens):
-                keep = False
-        self._keep = keep and http11
-        self._framing = framing
-        self._remaining = length
-        self._chunk_state = _SIZE
+                assert isinstance(event, End)
+                self._body_done(event.keep_alive)
+            if self.state == _CLOSED or (body is not None and self.body is not body):
+                return  # aborted meanwhile, or the answer ended
+
+    def _head(self, head: Head) -> None:
+        self._keep = head.keep_alive and head.http11
         response = self.body = Response(
-            code,
-            phrase,
-            ResponseHeaders(headers),
-            length if framing == _LENGTH else UNKNOWN_LENGTH,
+            head.status,
+            head.reason,
+            ResponseHeaders(head.headers),
+            head.length if head.framing is Framing.LENGTH else UNKNOWN_LENGTH,
             _BodyTransport(self, self.answer_count),
         )
         self.state = _BODY
         answer, self.answer = self.answer, None
         assert answer is not None
         answer.callback(response)
-        if self.state != _BODY or self.body is not response:
-            return  # aborted meanwhile
-        if framing == _LENGTH and length == 0:
-            self._body_done(rest)
-        elif rest:
-            self._body_data(rest)
 
     def _refused(self, error: BadAnswer) -> None:
         # The client is only told that the answer was not valid HTTP.
@@ -400,94 +297,13 @@ class EngineConnection(Protocol):
         if answer is not None:
             answer.errback(Failure(error))
 
-    def _body_data(self, data: bytes) -> None:
-        body = self.body
-        assert body is not None
-        framing = self._framing
-        if framing == _LENGTH:
-            remaining = self._remaining
-            if len(data) < remaining:
-                self._remaining = remaining - len(data)
-                body._data(data)
-                return
-            self._remaining = 0
-            if remaining:
-                body._data(data[:remaining])
-            if self.state == _BODY:
-                self._body_done(data[remaining:])
-        elif framing == _UNTIL_CLOSE:
-            body._data(data)
-        else:
-            self._chunked_data(body, data)
-
-    def _chunked_data(self, body: Response, data: bytes) -> None:
-        # The chunks decoded from one read go on as one piece: an engine
-        # that sends faster than the router reads (events queued while
-        # the router was busy) costs one relay step and one write to the
-        # client, not one per event.
-        buffer = self._buffer + data if self._buffer else data
-        self._buffer = b""
-        out: list[bytes] = []
-        error: BadAnswer | None = None
-        rest: bytes | None = None  # the bytes after the body, once it ended
-        while buffer:
-            state = self._chunk_state
-            if state == _DATA:
-                remaining = self._remaining
-                if len(buffer) < remaining:
-                    self._remaining = remaining - len(buffer)
-                    out.append(buffer)
-                    break
-                out.append(buffer[:remaining])
-                buffer = buffer[remaining:]
-                self._remaining = 0
-                self._chunk_state = _DATA_END
-                continue
-            line_end = buffer.find(b"\n")
-            if (line_end == -1 and len(buffer) > MAX_CHUNK_LINE) or (
-                line_end > MAX_CHUNK_LINE
-            ):
-                error = BadAnswer("chunk line too long")
-                break
-            if line_end == -1:
-                self._buffer = buffer
-                break
-            line, buffer = buffer[:line_end].rstrip(b"\r"), buffer[line_end + 1 :]
-            if state == _SIZE:
-                size_text = line.split(b";", 1)[0].strip(b" \t")
-                if not size_text or size_text.strip(_HEX) or len(size_text) > 15:
-                    error = BadAnswer(f"not a chunk size: {line[:40]!r}")
-                    break
-                size = int(size_text, 16)
-                if size == 0:
-                    self._chunk_state = _TRAILER
-                else:
-                    self._remaining = size
-                    self._chunk_state = _DATA
-            elif state == _DATA_END:
-                if line:
-                    error = BadAnswer("chunk data longer than its size")
-                    break
-                self._chunk_state = _SIZE
-            elif not line:  # _TRAILER: a blank line ends the body
-                rest = buffer
-                break
-        if out:
-            body._data(out[0] if len(out) == 1 else b"".join(out))
-            if self.state != _BODY or self.body is not body:
-                return  # the body's reader stopped it
-        if error is not None:
-            self._body_failed(error)
-        elif rest is not None:
-            self._body_done(rest)
-
-    def _body_done(self, extra: bytes) -> None:
+    def _body_done(self, keep: bool) -> None:
         body = self.body
         assert body is not None
         self.body = None
         if self._paused:
             self.resume()
-        if self._keep and not extra:
+        if self._keep and keep:
             self.state = _IDLE
             self._pool.put(self)
         else:
@@ -531,15 +347,14 @@ class EngineConnection(Protocol):
         answer, self.answer = self.answer, None
         if answer is not None and not answer.called:
             message = reason.getErrorMessage()
-            if self._received_any:
+            if self._parser.started:
                 answer.errback(Failure(AnswerBroken(f"in the head: {message}")))
             else:
                 answer.errback(Failure(NoAnswer(message, self._reused)))
         body, self.body = self.body, None
         if body is not None:
-            if self._framing == _UNTIL_CLOSE and reason.check(
-                type(connectionDone.value)
-            ):
+            ended = self._parser.close()
+            if ended is not None and reason.check(type(connectionDone.value)):
                 body._end(Failure(PotentialDataLoss()))
             else:
                 body._end(Failure(AnswerBroken(reason.getErrorMessage())))

@@ -11,13 +11,14 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from twisted.internet import reactor
 from twisted.internet.testing import StringTransport
-from twisted.logger import globalLogPublisher
+from twisted.logger import LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.scrape import PageProtocol, ScrapeError, build_request
 from tests.http1_support import ScriptedServer, until
+from tests.typing_support import collect
 
 BODY = b"vllm:num_requests_running 1.0\n" * 10
 
@@ -132,7 +133,7 @@ class PollerOverSocketsTests(TestCase):
         base = server.listen().decode()
         self.addCleanup(server.stop)
         board = LoadBoard(
-            reactor,  # type: ignore[arg-type]
+            reactor,
             make_scraper(reactor, 5.0, 1.0),
             interval=1.0,
         )
@@ -141,7 +142,7 @@ class PollerOverSocketsTests(TestCase):
         board.poll_all()
         await until(lambda: board._targets["r1"].in_flight is None)
         registry = CollectorRegistry()
-        registry.register(LoadCollector(board))  # type: ignore[arg-type]
+        registry.register(LoadCollector(board))
         return board, generate_latest(registry).decode()
 
     async def test_valid_answer_read(self) -> None:
@@ -160,9 +161,10 @@ class PollerOverSocketsTests(TestCase):
         self.assertIn('llmgw_engine_load_stale{model="m",replica="r1"} 0.0', exposed)
 
     async def assert_unavailable(self, answer: bytes) -> None:
-        log: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(log.append)
-        self.addCleanup(globalLogPublisher.removeObserver, log.append)
+        log: list[LogEvent] = []
+        observer = collect(log)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         board, exposed = await self.poll(answer)
         self.assertIsNone(board.reading("r1"))
         self.assertIn('llmgw_engine_load_stale{model="m",replica="r1"} 1.0', exposed)

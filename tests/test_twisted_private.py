@@ -104,7 +104,7 @@ def private_imports_outside_home() -> list[str]:
     @return: C{module line: name} for each private Twisted name used by a
         module of llmgw other than L{HOME}.
     """
-    found = []
+    found: list[str] = []
     for module, path in modules():
         if module == HOME:
             continue

@@ -53,6 +53,7 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("daemon", "sim", "every daemon's plumbing knows no part of llmgw"),
     ("daemon", "cli", "every daemon's plumbing knows no part of llmgw"),
     ("config_checks", "*", "configuration checks are a leaf every table uses"),
+    ("reactors", "*", "reactor interfaces are a leaf every package uses"),
     ("tier", "server", "server/ runs the tier's workers, not the other way"),
     ("admin", "server", "server/ wires the admin API, not the other way"),
     ("admin", "agent", "the admin API runs in the server, reading the plane"),

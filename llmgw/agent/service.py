@@ -29,6 +29,7 @@ from zope.interface import implementer
 from llmgw import __version__
 from llmgw.agent.gpus import GpuMonitor, discover
 from llmgw.agent.link import AgentFactory, AgentProtocol
+from llmgw.reactors import IAgentReactor
 from llmgw.wire import agent_pb2 as pb
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ class AgentService(ClientService):
 
 
 def build_agent(
-    reactor: Any, config: AgentConfig, dial: Callable[[str], Any]
+    reactor: IAgentReactor, config: AgentConfig, dial: Callable[[str], Any]
 ) -> tuple[AgentService, AgentFactory]:
     """
     The agent's uplink to the servers of C{config} through C{dial} (a

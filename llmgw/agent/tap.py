@@ -19,6 +19,7 @@ from twisted.python import usage
 
 from llmgw.agent.service import agent_state_dir, build_agent
 from llmgw.config_checks import ConfigError, check_keys
+from llmgw.reactors import global_reactor
 from llmgw.wire.tls import client_options
 
 log = Logger(namespace="llmgw.agent")
@@ -248,8 +249,7 @@ def makeService(options: Options) -> IService:
     Build the agent: one uplink to the server (see
     L{llmgw.agent.service.build_agent}).
     """
-    from twisted.internet import reactor
-
+    reactor = global_reactor()
     config: AgentConfig = options.config
 
     def dial(server: str) -> Any:

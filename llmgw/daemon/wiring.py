@@ -9,10 +9,9 @@ from __future__ import annotations
 import sys
 from typing import Any, NoReturn
 
-from twisted.internet.interfaces import IReactorCore
-
 from llmgw.daemon.lifecycle import Lifecycle
 from llmgw.daemon.logs import json_observer
+from llmgw.reactors import ISignalReactor
 
 
 def fail(program: str, message: str, status: int) -> NoReturn:
@@ -29,7 +28,7 @@ def fail(program: str, message: str, status: int) -> NoReturn:
 
 
 def top_service(
-    reactor: IReactorCore, program: str, log_format: str, twistd_options: Any
+    reactor: ISignalReactor, program: str, log_format: str, twistd_options: Any
 ) -> Lifecycle:
     """
     @param log_format: C{text} or C{json} (then one JSON object per line, to

@@ -24,6 +24,8 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.python.failure import Failure
 
+from llmgw.reactors import IConnectingReactor
+
 _DONE = Failure(ConnectionDone())
 
 
@@ -254,7 +256,7 @@ class Scraper:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IConnectingReactor,
         connect_timeout: float,
         path: str,
         max_size: int,

@@ -32,8 +32,8 @@ from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
 from llmgw.daemon.listen import listen
-from llmgw.daemon.reactor import IDaemonReactor
 from llmgw.daemon.wiring import fail
+from llmgw.reactors import IDaemonReactor
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint

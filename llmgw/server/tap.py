@@ -39,8 +39,8 @@ from llmgw.daemon.lifecycle import (
     PoolService,
     StoreService,
 )
-from llmgw.daemon.reactor import IDaemonReactor, global_reactor
 from llmgw.daemon.wiring import fail, host_and_port, top_service
+from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint

@@ -17,7 +17,7 @@ from twisted.application.service import IService
 from llmgw.accounts.keysync import key_ring
 from llmgw.accounts.usage import StoreUsageSink
 from llmgw.config import ServerConfig
-from llmgw.daemon.reactor import IDaemonReactor
+from llmgw.reactors import IDaemonReactor
 from llmgw.router.app import Router
 from llmgw.router.auth import KeyRing
 from llmgw.router.balancer import Balancer

@@ -41,8 +41,8 @@ from llmgw.daemon.lifecycle import (
     StoreService,
 )
 from llmgw.daemon.listen import listen as _listen
-from llmgw.daemon.reactor import IDaemonReactor, global_reactor
 from llmgw.daemon.wiring import fail, host_and_port, top_service
+from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.site import make_site

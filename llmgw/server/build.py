@@ -301,6 +301,11 @@ def pages(
     state: State,
     router: Router,
 ) -> Pages:
+    """
+    @return: the admin API, the dashboards' history, the client listener's
+        site (the router, the dashboard at C{/admin} behind a login) and
+        the admin listener's resource.
+    """
     keys = account.keys
     admin = Admin(
         registry,

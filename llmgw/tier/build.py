@@ -13,11 +13,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 from twisted.application.service import IService
+from twisted.internet.interfaces import IReactorTime
 
 from llmgw.accounts.keysync import key_ring
 from llmgw.accounts.usage import StoreUsageSink
 from llmgw.config import ServerConfig
-from llmgw.reactors import IDaemonReactor
+from llmgw.reactors import IConnectingReactor, IDaemonReactor
 from llmgw.router.app import Router
 from llmgw.router.auth import KeyRing
 from llmgw.router.balancer import Balancer
@@ -81,7 +82,12 @@ class Engines:
     load: LoadBoard
 
 
-def engines(reactor: IDaemonReactor, settings: RouterConfig) -> Engines:
+def engines(reactor: IConnectingReactor, settings: RouterConfig) -> Engines:
+    """
+    @return: the metrics registry, the engine client and the load board of
+        C{settings} (C{connect_timeout}, C{max_idle_connections},
+        C{load_poll_interval}).
+    """
     registry = CollectorRegistry()
     pool = EngineClient(
         reactor, settings.connect_timeout, settings.max_idle_connections
@@ -94,7 +100,7 @@ def engines(reactor: IDaemonReactor, settings: RouterConfig) -> Engines:
 
 
 def router(
-    reactor: IDaemonReactor,
+    clock: IReactorTime,
     settings: RouterConfig,
     balancer: Balancer,
     built: Engines,
@@ -106,7 +112,7 @@ def router(
         C{account}, its engine load from C{built}.
     """
     result = Router(
-        reactor,
+        clock,
         balancer,
         built.pool,
         settings,

@@ -24,6 +24,9 @@ JSON, the text for a person).  Raises L{CtlError} to fail with one line.
 
 
 def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{status}: each field of the status on a line, counts by state.
+    """
     result = client.call("GET", "/api/v1/status")
     lines = []
     for name, value in result.items():
@@ -36,6 +39,9 @@ def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any,
 
 
 def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{nodes}: a table of the nodes, their state, GPUs and last report.
+    """
     result = client.call("GET", "/api/v1/nodes")
     rows = [
         (
@@ -54,6 +60,9 @@ def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
 
 
 def replicas(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{replicas}: a table of the replicas, one row per shard.
+    """
     result = client.call("GET", "/api/v1/replicas")
     rows = [
         (
@@ -87,6 +96,9 @@ def replicas(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[An
 def models_list(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{models} (C{models list}): a table of the catalog.
+    """
     result = client.call("GET", "/api/v1/models")
     rows = [
         (
@@ -117,6 +129,9 @@ def models_list(
 def models_add(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{models add}: a model from the flags or a TOML file, kept across restarts.
+    """
     result = client.call("POST", "/api/v1/models", _model_from_flags(args))
     return result, f"added model {result['name']} (desired {result['desired']})\n"
 
@@ -124,6 +139,9 @@ def models_add(
 def models_remove(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{models remove}: a model added at run time; its replicas drain.
+    """
     result = client.call("DELETE", "/api/v1/models/" + quote(args.name))
     return result, f"removed model {args.name}: its replicas drain and stop\n"
 
@@ -131,6 +149,9 @@ def models_remove(
 def models_scale(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{models scale}: a model's min and max replicas.
+    """
     body = {}
     if args.min is not None:
         body["min_replicas"] = args.min
@@ -203,6 +224,9 @@ def _model_from_flags(args: argparse.Namespace) -> dict[str, Any]:
 def placement(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{placement}: where a model would go, or each node's reason why not.
+    """
     result = client.call("GET", "/api/v1/placement/" + quote(args.model))
     if result["fits"]:
         where = ", ".join(
@@ -216,6 +240,9 @@ def placement(
 
 
 def drain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{drain node|replica}: a node's replicas or one replica drained.
+    """
     if args.kind == "node":
         result = client.call("POST", f"/api/v1/nodes/{quote(args.id)}/drain")
         moving = cell(result["draining_replicas"])
@@ -225,6 +252,9 @@ def drain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
 
 
 def undrain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{undrain node}: a node takes placements again.
+    """
     result = client.call("POST", f"/api/v1/nodes/{quote(args.id)}/undrain")
     return result, f"node {args.id} takes placements again\n"
 
@@ -232,6 +262,9 @@ def undrain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any
 def keys_create(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{keys create}: a new key, printed once.
+    """
     fields: dict[str, Any] = {"name": args.name, "admin": args.admin}
     if args.models is not None:
         models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -251,6 +284,9 @@ def keys_create(
 def keys_revoke(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{keys revoke}: a key revoked, by name or prefix.
+    """
     result = client.call("POST", f"/api/v1/keys/{quote(args.name)}/revoke")
     return result, f"revoked key {result['name']} ({result['prefix']}...)\n"
 
@@ -258,6 +294,9 @@ def keys_revoke(
 def keys_list(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
+    """
+    C{keys} (C{keys list}): a table of the keys, their limits and use.
+    """
     result = client.call("GET", "/api/v1/keys")
     rows = [
         (
@@ -292,6 +331,9 @@ def keys_list(
 
 
 def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{usage}: a table of usage by key or model over a period.
+    """
     query = urllib.parse.urlencode(
         {
             "by": args.by,
@@ -325,6 +367,9 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
 
 
 def weights(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{weights}: the model files on the nodes; with C{--collect} or C{--remove}, deleted.
+    """
     if args.dry_run and not args.collect:
         raise CtlError("weights: --dry-run goes with --collect")
     if args.remove:

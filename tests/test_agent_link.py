@@ -12,6 +12,7 @@ import os
 import subprocess
 import tempfile
 import time
+from typing import cast
 
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -20,6 +21,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.agents import AgentHub, AgentLink
 from llmgw.control.inventory import Inventory
+from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
 from tests.support import (
@@ -227,7 +229,9 @@ class StateDirectoryTests(SynchronousTestCase):
             with open(os.path.join(shards, name), "w") as f:
                 f.write(data if isinstance(data, str) else json.dumps(data))
         os.makedirs(os.path.join(shards, "dir.json"))
-        supervisor = Supervisor(reactor, lambda status: None, state)
+        supervisor = Supervisor(
+            cast(IEngineReactor, reactor), lambda status: None, state
+        )
         with capturedLogs() as events:
             self.assertEqual(supervisor.adopt_running(), [])
         self.assertEqual(len(events), 5)

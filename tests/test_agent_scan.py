@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 from collections.abc import Generator
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
@@ -22,6 +22,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from llmgw.agent.link import AgentFactory, AgentProtocol
+from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import MessageStream
 from tests.typing_support import tcp_port
@@ -98,7 +99,7 @@ class HeartbeatDuringScanTests(TestCase):
         factory = AgentFactory(
             lambda: pb.Register(node_id="n1"),
             pb.Heartbeat,
-            reactor,
+            cast(IEngineReactor, reactor),
             tempfile.mkdtemp(),
             weights_dirs=(weights,),
             in_thread=deferToThread,

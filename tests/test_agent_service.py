@@ -11,7 +11,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.error import ConnectionDone
@@ -24,6 +24,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.agent.gpus import GpuMonitor, Nvml, discover
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.service import AgentService
+from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import encode_frame
 
@@ -71,7 +72,7 @@ class UplinkTests(SynchronousTestCase):
         self.factory = AgentFactory(
             lambda: pb.Register(node_id="n1"),
             pb.Heartbeat,
-            self.clock,
+            cast(IEngineReactor, self.clock),
             tempfile.mkdtemp(),
         )
         self.service = AgentService(

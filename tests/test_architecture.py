@@ -58,12 +58,14 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("daemon", "sim", "every daemon's plumbing knows no part of llmgw"),
     ("daemon", "cli", "every daemon's plumbing knows no part of llmgw"),
     ("config_checks", "*", "configuration checks are a leaf every table uses"),
+    ("reactors", "*", "reactor interfaces are a leaf every package uses"),
     ("tier", "server", "server/ runs the tier's workers, not the other way"),
     ("admin", "server", "server/ wires the admin API, not the other way"),
     ("admin", "agent", "the admin API runs in the server, reading the plane"),
     ("accounts", "server", "server/ and tier/ wire the accounts, not the other way"),
     ("accounts", "tier", "server/ and tier/ wire the accounts, not the other way"),
     ("accounts", "control", "keys and usage know no placement"),
+    ("accounts", "config", "accounts read their own tables (accounts.settings)"),
     ("control", "admin", "the admin API reads the plane, not the other way"),
     ("router", "admin", "server/ mounts the admin API beside the router"),
     ("router", "tier", "the tier wires the router, not the other way"),
@@ -80,6 +82,19 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
 # interfaces and fills in its endpoints; it never reaches into the router.
 ONLY: dict[tuple[str, str], tuple[str, ...]] = {
     ("control", "router"): ("llmgw.router.interfaces",),
+    # The server's file is composed of each table's parser, kept next to
+    # its consumer in a settings module that imports only config_checks:
+    # config reaches into those leaves and nothing else, so that a router
+    # of the tier reading the file does not import the server.
+    ("config", "accounts"): ("llmgw.accounts.settings",),
+    ("config", "control"): ("llmgw.control.settings", "llmgw.control.catalog"),
+    ("config", "router"): (
+        "llmgw.router.interfaces",
+        "llmgw.router.settings",
+        "llmgw.router.settings_toml",
+    ),
+    ("config", "server"): ("llmgw.server.settings",),
+    ("config", "tier"): ("llmgw.tier.settings",),
 }
 
 # Modules that define the router's interfaces import nothing else from

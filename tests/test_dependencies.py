@@ -106,6 +106,9 @@ def third_party_imports(folder: str) -> dict[str, set[str]]:
                     if top in sys.stdlib_module_names or top in (
                         "",
                         "__future__",
+                        # typeshed's stubs of the standard library, for
+                        # annotations only (mypy reads them; nothing runs).
+                        "_typeshed",
                         "llmgw",
                         "tests",
                     ):

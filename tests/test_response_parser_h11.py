@@ -62,6 +62,11 @@ STRICTER_THAN_H11: list[tuple[bytes, bytes, str]] = [
     (b" 200 ", b" 600 ", "status codes above 599 (RFC 9110 section 15)"),
     (b"HTTP/1.1 ", b"HTTP/2.0 ", "an HTTP/2 status line on an HTTP/1 connection"),
     (b"Reason phrase", b"Reason\x01phrase", "a control byte in the reason phrase"),
+    (
+        b"Reason phrase\r\n",
+        b"Reason phrase\r\nX-A: \x01\r\n",
+        "a control byte in a field value (RFC 9110 5.5)",
+    ),
     (b"HTTP/1.1 ", b"HTTP/1.0 ", "Transfer-Encoding in HTTP/1.0 (RFC 9112 6.1)"),
     (b"\r\n0\r\n", b"\r\n0 \r\n", "whitespace after a chunk size with no extension"),
     (b"\r\n0\r\n", b"\r\n0;\x01\r\n", "a chunk extension outside the grammar"),
@@ -162,13 +167,16 @@ class H11OracleTests(SynchronousTestCase):
 def _known_difference(data: bytes) -> bool:
     """
     @return: whether C{data} shows a difference the lists above name, as
-        found in random insertions (a CTL in the reason phrase; a bare CR
+        found in random insertions (a CTL in the reason phrase or in a field
+        value; a bare CR
         that h11 reads as part of a value at the end of a line; a digit
         that makes a status over 599, or HTTP/1.x with x other than 1).
     """
     head = data.split(b"\r\n\r\n", 1)[0].split(b"\n")
     for line in head[1:]:
         name, _, value = line.partition(b":")
+        if any(c < 0x20 and c != 0x09 for c in value.rstrip(b"\r")):
+            return True  # STRICTER_THAN_H11: a CTL in a field value
         if name.lower() == b"transfer-encoding" and value.strip().lower() != b"chunked":
             return True  # LOOSER_THAN_H11: other codings, read until close
     for line in data.split(b"\r\n"):

@@ -6,7 +6,7 @@ load poller over loopback sockets refusing answers that are not HTTP/1.1.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, generate_latest
 from twisted.internet import reactor
@@ -14,6 +14,7 @@ from twisted.internet.testing import StringTransport
 from twisted.logger import LogEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmgw.reactors import IConnectingReactor
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.scrape import PageProtocol, ScrapeError, build_request
@@ -134,7 +135,7 @@ class PollerOverSocketsTests(TestCase):
         self.addCleanup(server.stop)
         board = LoadBoard(
             reactor,
-            make_scraper(reactor, 5.0, 1.0),
+            make_scraper(cast(IConnectingReactor, reactor), 5.0, 1.0),
             interval=1.0,
         )
         board.set_endpoints([Endpoint("r1", base, ("m",))])

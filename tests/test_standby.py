@@ -8,7 +8,7 @@ L{tests.test_e2e_standby}.
 from __future__ import annotations
 
 import tempfile
-from typing import Any
+from typing import Any, cast
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -24,6 +24,7 @@ from llmgw.config import parse_config
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
+from llmgw.reactors import IEngineReactor
 from llmgw.server.settings import StandbyConfig
 from llmgw.server.standby import LOCK_KEY, Leadership, advertised, relearn_drains
 from llmgw.wire import agent_pb2 as pb
@@ -218,7 +219,7 @@ class AgentFollowsTests(SynchronousTestCase):
         self.factory = AgentFactory(
             lambda: pb.Register(node_id="n1"),
             pb.Heartbeat,
-            Clock(),
+            cast(IEngineReactor, Clock()),
             tempfile.mkdtemp(),
         )
         self.dialed: list[str] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionRefusedError
@@ -20,6 +20,7 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from llmgw.config import ServerConfig, load_config
 from llmgw.config_checks import ConfigError
+from llmgw.reactors import ISpawningReactor
 from llmgw.router.interfaces import Endpoint
 from llmgw.tier.admin_client import AdminClient
 from llmgw.tier.follow import NEXT_URL_AFTER, SILENT_AFTER, Follower
@@ -259,7 +260,9 @@ class WorkersTests(SynchronousTestCase):
         from llmgw.tier.workers import Workers
 
         reactor = _Reactor(failures=1)
-        workers = Workers(reactor, 1, ["twistd", "llmgw-router"], "token", 5.0)
+        workers = Workers(
+            cast(ISpawningReactor, reactor), 1, ["twistd", "llmgw-router"], "token", 5.0
+        )
         workers.startService()
         self.assertEqual(reactor.spawned, [])
         reactor.advance(0.5)

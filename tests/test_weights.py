@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
@@ -17,6 +17,7 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.link import AgentFactory
+from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
 
@@ -115,7 +116,7 @@ class RefusalAnswerTests(SynchronousTestCase):
         factory = AgentFactory(
             pb.Register,
             pb.Heartbeat,
-            Clock(),
+            cast(IEngineReactor, Clock()),
             os.path.join(root, "state"),
             weights_dirs=(self.weights,),
         )
@@ -184,7 +185,7 @@ class ReportOrderTests(SynchronousTestCase):
         factory = AgentFactory(
             lambda: pb.Register(node_id="n1"),
             pb.Heartbeat,
-            Clock(),
+            cast(IEngineReactor, Clock()),
             tempfile.mkdtemp(),
             weights_dirs=(root,),
             in_thread=in_thread,

@@ -8,7 +8,7 @@ L{StringTransport}.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import maybeDeferred
 from twisted.internet.task import Clock
@@ -21,6 +21,7 @@ from llmgw.agent.link import AgentFactory
 from llmgw.agent.weights import fit_report
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
+from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
 from llmgw.wire.protocol import CommandingStream, MessageStream, MessageTooLarge
@@ -120,7 +121,7 @@ class AgentKeepsToServerTests(SynchronousTestCase):
         factory = AgentFactory(
             pb.Register,
             pb.Heartbeat,
-            clock,
+            cast(IEngineReactor, clock),
             self.mktemp(),
             weights_dirs=("/w",),
         )

@@ -17,7 +17,7 @@ from twisted.internet.interfaces import IReactorFromThreads
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.config import ServerConfig
+from llmgw.accounts.settings import AuthConfig, LimitsConfig
 from llmgw.router.auth import KeyRing
 from llmgw.router.limits import RedisLimits
 from llmgw.store.base import Store
@@ -43,24 +43,28 @@ class LimitsService(Service):
 
 
 def key_ring(
-    store: Store, config: ServerConfig, reactor: IReactorFromThreads
+    store: Store,
+    limits_table: LimitsConfig,
+    auth: AuthConfig,
+    reactor: IReactorFromThreads,
 ) -> tuple[KeyRing, list[IService]]:
     """
-    The server's key ring on C{store}, with C{[limits]} and
-    C{[auth] require_api_key}.
+    The server's key ring on C{store}, with C{[limits]} (C{limits_table})
+    and C{[auth] require_api_key} (C{auth}).
 
     @return: the ring (its keys not loaded yet), and the services to stop
         before the store closes: the listener of key changes (PostgreSQL)
         and the shared limits' connections (Redis).
     """
-    limits = RedisLimits(config.limits_url, reactor) if config.limits_url else None
+    url = limits_table.url
+    limits = RedisLimits(url, reactor) if url else None
     keys = KeyRing(
         store,
         clock=time.monotonic,
         wall_clock=time.time,
-        required=config.require_api_key,
+        required=auth.require_api_key,
         limits=limits,
-        share=config.limits_routers,
+        share=limits_table.routers,
     )
     services: list[IService] = []
     events = key_events(store, keys, reactor)

@@ -17,6 +17,7 @@ from twisted.python.failure import Failure
 from llmgw.agent.engines import CommandRefused
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.weights import fit_report, remove, scan
+from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import MessageStream, MessageTooLarge
@@ -222,7 +223,7 @@ class AgentFactory(Factory):
         self,
         register: Callable[[], pb.Register],
         heartbeat: Callable[[], pb.Heartbeat],
-        clock: object,
+        clock: IEngineReactor,
         state_dir: str,
         engine_host: str = "127.0.0.1",
         weights_dirs: tuple[str, ...] = (),

@@ -30,6 +30,7 @@ from llmgw import __version__
 from llmgw.agent.gpus import GpuMonitor, discover
 from llmgw.agent.link import AgentFactory, AgentProtocol
 from llmgw.agent.settings import AgentConfig, agent_state_dir
+from llmgw.reactors import IAgentReactor
 from llmgw.wire import agent_pb2 as pb
 
 log = Logger(namespace="llmgw.agent")
@@ -210,7 +211,7 @@ class AgentService(ClientService):
 
 
 def build_agent(
-    reactor: Any, config: AgentConfig, dial: Callable[[str], Any]
+    reactor: IAgentReactor, config: AgentConfig, dial: Callable[[str], Any]
 ) -> tuple[AgentService, AgentFactory]:
     """
     The agent's uplink to the servers of C{config} through C{dial} (a

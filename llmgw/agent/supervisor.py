@@ -13,7 +13,6 @@ import re
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from twisted.internet import error
 from twisted.internet.defer import Deferred
@@ -27,6 +26,7 @@ from twisted.web.http_headers import Headers
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
 from llmgw.agent.quiet_pool import QuietConnectionPool
+from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 
 OUTPUT_LINES = 50
@@ -328,7 +328,7 @@ class Supervisor:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IEngineReactor,
         report: Callable[[pb.ShardStatus], None],
         state_dir: str,
         health_interval: float = 0.5,

@@ -24,6 +24,7 @@ from llmgw.agent.settings import (
     tls_options,
 )
 from llmgw.config_checks import ConfigError
+from llmgw.reactors import global_reactor
 
 log = Logger(namespace="llmgw.agent")
 
@@ -85,8 +86,7 @@ def makeService(options: Options) -> IService:
     Build the agent: one uplink to the server (see
     L{llmgw.agent.service.build_agent}).
     """
-    from twisted.internet import reactor
-
+    reactor = global_reactor()
     config: AgentConfig = options.config
 
     def dial(server: str) -> Any:

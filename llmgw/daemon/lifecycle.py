@@ -25,6 +25,8 @@ from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.logger import ILogObserver, Logger
 from twisted.python.components import Componentized
 
+from llmgw.reactors import ISignalReactor
+
 log = Logger(namespace="llmgw.server")
 
 LISTENERS = "listeners stop accepting"
@@ -69,7 +71,7 @@ class Lifecycle(MultiService):
     """
 
     log_observer: ILogObserver | None = None
-    _signal_reactor: Any = None
+    _signal_reactor: ISignalReactor | None = None
 
     def __init__(self, clock: IReactorTime | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -99,7 +101,7 @@ class Lifecycle(MultiService):
         """
         return [(step, list(self._steps[step])) for step in STOP_STEPS]
 
-    def stop_once_on_signals(self, reactor: Any) -> None:
+    def stop_once_on_signals(self, reactor: ISignalReactor) -> None:
         """
         Once C{reactor} runs, make a repeated SIGTERM or SIGINT during the
         stop harmless (see L{stop_once_on_signals}).
@@ -259,7 +261,7 @@ def _sleep(clock: IReactorTime, seconds: float) -> Deferred[None]:
     return d
 
 
-def stop_once_on_signals(reactor: Any) -> None:
+def stop_once_on_signals(reactor: ISignalReactor) -> None:
     """
     Wrap the reactor's SIGTERM and SIGINT handlers so that a signal once the
     stop began is logged, not acted on.

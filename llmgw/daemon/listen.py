@@ -8,13 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.interfaces import IListeningPort, IReactorTCP
 from twisted.python.failure import Failure
 
 from llmgw.config_checks import ConfigError
 
 
-def listen(reactor: Any, key: str, description: str, factory: Any) -> IListeningPort:
+def listen(
+    reactor: IReactorTCP, key: str, description: str, factory: Any
+) -> IListeningPort:
     """
     Listen now, so that a port in use or a bad endpoint string ends the
     process with one line at start instead of a logged failure in a

@@ -256,23 +256,8 @@ class Router:
         model, stream = "", False
         try:
             key = self._key_for(request)
-            if getattr(request, "body_too_large", False):
-                raise body_too_large(self.settings.max_body_size)
-            content = request.content
-            assert content is not None
-            content.seek(0)
             try:
-                rule = self.affinity
-                prepared = prepare(
-                    content.read(),
-                    path,
-                    self.knows,
-                    self._resolve,
-                    rule,
-                    request.getHeader(rule.session_header)
-                    if rule is not None and rule.session_header
-                    else None,
-                )
+                prepared = self._prepare(request, path)
             except Refused as refused:
                 model, stream = refused.model, refused.stream
                 raise refused.error from None
@@ -322,21 +307,59 @@ class Router:
             record = self._record(
                 rid, started, status, model, stream, key, reserved, exchange
             )
-            self._note_usage(status, exchange)
-            self._count(record)
-            self.balancer.observe(record)
-            self.usage.record(record)
-            if key is not None and self.auth is not None:
-                self.auth.used(
-                    key, record.prompt_tokens + record.completion_tokens, reserved
-                )
-            # Last: a drain released here goes straight on to the stop's
-            # next steps, "usage flushed" among them, which must find this
-            # request's record and its key's tokens.
-            if self.in_flight == 0 and self._idle_waiters:
-                waiters, self._idle_waiters = self._idle_waiters, []
-                for waiter in waiters:
-                    waiter.callback(None)
+            self._account(record, status, key, reserved, exchange)
+
+    def _prepare(self, request: IRequest, path: bytes) -> Prepared:
+        """
+        @return: the request's body parsed, checked and rewritten.
+        @raise APIError: a 413 for a body past C{max_body_size}.
+        @raise Refused: the body is malformed, or names no model served.
+        """
+        if getattr(request, "body_too_large", False):
+            raise body_too_large(self.settings.max_body_size)
+        content = request.content
+        assert content is not None
+        content.seek(0)
+        rule = self.affinity
+        return prepare(
+            content.read(),
+            path,
+            self.knows,
+            self._resolve,
+            rule,
+            request.getHeader(rule.session_header)
+            if rule is not None and rule.session_header
+            else None,
+        )
+
+    def _account(
+        self,
+        record: RequestRecord,
+        status: int,
+        key: Key | None,
+        reserved: int,
+        exchange: Exchange | None,
+    ) -> None:
+        """
+        A request's end, however it ended: its record counted, to the
+        balancer and the usage sinks, its tokens to its key, and a drain
+        waiting for the last request released.
+        """
+        self._note_usage(status, exchange)
+        self._count(record)
+        self.balancer.observe(record)
+        self.usage.record(record)
+        if key is not None and self.auth is not None:
+            self.auth.used(
+                key, record.prompt_tokens + record.completion_tokens, reserved
+            )
+        # Last: a drain released here goes straight on to the stop's
+        # next steps, "usage flushed" among them, which must find this
+        # request's record and its key's tokens.
+        if self.in_flight == 0 and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
 
     def _record(
         self,

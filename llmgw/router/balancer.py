@@ -281,6 +281,18 @@ class Balancer:
                 [r.endpoint.weight for r in ready],
                 True,
             )
+        return self._by_load(model, ready, key, now)
+
+    def _by_load(
+        self, model: str, ready: list[Replica], key: bytes | None, now: float
+    ) -> Replica:
+        """
+        The C{load} policy among two or more ready replicas: the affinity
+        key's owner unless past the load bound, else two random choices
+        (above L{TWO_CHOICES_ABOVE} replicas) or the least loaded.
+
+        @param now: the clock's seconds, for the load's age.
+        """
         factors = self.speeds.factors(model)
         if factors is None:
             weights = [r.endpoint.weight for r in ready]

@@ -30,7 +30,12 @@ from __future__ import annotations
 from typing import Any
 
 from h2.connection import ConnectionState
-from twisted.internet.interfaces import IAddress, IDelayedCall, ISSLTransport
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IReactorTime,
+    ISSLTransport,
+)
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.resource import IResource
@@ -155,7 +160,9 @@ class EdgeH2Connection(H2Connection):
     reset.
     """
 
-    def __init__(self, reactor: Any, settings: RouterConfig | None = None) -> None:
+    def __init__(
+        self, reactor: IReactorTime, settings: RouterConfig | None = None
+    ) -> None:
         super().__init__(reactor)  # type: ignore[no-untyped-call]
         self._settings = settings
         # Streams whose body is arriving: bytes in this window, its timer.
@@ -274,7 +281,7 @@ class EdgeSite(Site):
         self,
         resource: IResource,
         settings: RouterConfig,
-        reactor: Any,
+        reactor: IReactorTime,
         **kwargs: Any,
     ) -> None:
         super().__init__(  # type: ignore[no-untyped-call]

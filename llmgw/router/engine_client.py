@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 from twisted.web.client import URI
 from twisted.web.iweb import IResponse
 
+from llmgw.reactors import IConnectingReactor
 from llmgw.router.http1 import EngineConnection
 from llmgw.router.upstream import endpoint_for
 
@@ -46,7 +47,9 @@ class _Target:
     A replica's base URL, parsed once: where to connect and what to send.
     """
 
-    def __init__(self, base: bytes, reactor: Any, connect_timeout: float) -> None:
+    def __init__(
+        self, base: bytes, reactor: IConnectingReactor, connect_timeout: float
+    ) -> None:
         uri = URI.fromBytes(base)
         self.prefix = uri.path.rstrip(b"/")
         host = uri.host
@@ -88,7 +91,7 @@ class EngineClient:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IConnectingReactor,
         connect_timeout: float,
         max_idle_connections: int,
         idle_connection_timeout: float = 4.0,

@@ -11,21 +11,20 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IPushProducer, IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest, IResponse
 
+from llmgw.router.activation import ActivationWait
 from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
 from llmgw.router.ejection import outcome
 from llmgw.router.errors import (
     APIError,
-    activation_queue_full,
     activation_timeout,
     deadline_exceeded,
     engine_error,
@@ -226,54 +225,26 @@ class Exchange:
         """
         services = self.services
         settings = services.settings
-        activating = services.activating
         model = self.model
-        waiting = activating.get(model, 0)
-        if waiting >= settings.activation_queue:
-            raise activation_queue_full(model)
-        activating[model] = waiting + 1
-        timed_out = False
-
-        def time_out() -> None:
-            nonlocal timed_out
-            timed_out = True
-            ready.cancel()
-
-        ready = self.waiting = activator.activate(model)
-        clock = services.clock
-        timer = (
-            clock.callLater(settings.activation_timeout, time_out)
-            if settings.activation_timeout > 0
-            else None
+        wait = ActivationWait(
+            services.clock, settings, services.activating, activator, model
         )
-        keepalive: LoopingCall | None = None
-        if self.prepared.stream and settings.activation_keepalive > 0:
-            keepalive = LoopingCall(self._keepalive)
-            keepalive.clock = clock
-            keepalive.start(settings.activation_keepalive, now=False)
+        self.waiting = wait.start(self._keepalive if self.prepared.stream else None)
         try:
-            await ready
+            await self.waiting
         except CancelledError:
             if client_gone(self.request):
                 raise
             if self.deadlines.expired:
                 raise self.deadlines.error() from None
-            if timed_out:
+            if wait.timed_out:
                 raise activation_timeout(
                     model, settings.activation_timeout, activator.why_not(model)
                 ) from None
             raise
         finally:
             self.waiting = None
-            if timer is not None and timer.active():
-                timer.cancel()
-            if keepalive is not None and keepalive.running:
-                keepalive.stop()
-            left = activating.get(model, 1) - 1
-            if left:
-                activating[model] = left
-            else:
-                activating.pop(model, None)
+            wait.end()
 
     def cut(self, why: str) -> None:
         """
@@ -331,58 +302,11 @@ class Exchange:
         except UpstreamConnectError as e:
             if client_gone(self.request):
                 raise
-            if self.deadlines.expired:
-                raise self.deadlines.error() from None
-            services.balancer.eject(replica)
-            metrics.upstream_errors.labels("connect").inc()
-            services.log.warn(
-                "request {request_id}: cannot connect to replica {replica}: {reason}",
-                request_id=self.request_id.decode("ascii"),
-                replica=replica.id,
-                reason=str(e),
-            )
-            if e.timed_out:
-                raise _Retry(
-                    deadline_exceeded("connect", services.settings.connect_timeout)
-                ) from None
-            raise _Retry(
-                upstream_failed(
-                    f"Could not connect to a replica of model {self.model!r}."
-                )
-            ) from None
+            self._not_connected(replica, e)
         except Exception as e:
             if client_gone(self.request):
                 raise
-            if self.deadlines.expired:
-                metrics.upstream_errors.labels("timeout").inc()
-                raise self.deadlines.error() from None
-            gone = self._cut_error()
-            if gone is not None:
-                raise _Retry(gone) from None
-            metrics.upstream_errors.labels("broken").inc()
-            error = upstream_failed(
-                broken_message(e, "The replica closed the connection before answering.")
-            )
-            if isinstance(e, NoAnswer):
-                if e.reused and not self.stale_retried:
-                    # No byte of an answer on a connection taken from the
-                    # pool: most likely one the engine closed (or died on)
-                    # while it sat idle.  Another replica gets the request,
-                    # once (this one, on a new connection, if no other is
-                    # left).  On a new connection the engine had the request
-                    # and broke: that is not retried (a prompt that crashes
-                    # engines must not crash them all), and the replica
-                    # sits out.
-                    self.stale_retried = True
-                    services.log.warn(
-                        "request {request_id}: replica {replica} closed a pooled"
-                        " connection before answering; trying again",
-                        request_id=self.request_id.decode("ascii"),
-                        replica=replica.id,
-                    )
-                    raise _Retry(error, stale=True) from None
-                services.balancer.eject(replica)
-            raise error from None
+            self._broken(replica, e)
         finally:
             self.waiting = None
         status: int = response.code
@@ -402,6 +326,72 @@ class Exchange:
             self._log_engine_failure(status, body)
             raise _Retry(replica_unavailable(wait))
         return self._answer_whole(status, content_type, body, wait)
+
+    def _not_connected(self, replica: Replica, e: UpstreamConnectError) -> NoReturn:
+        """
+        @raise APIError: the request's deadline passed.
+        @raise _Retry: on another replica, C{replica} ejected.
+        """
+        services = self.services
+        if self.deadlines.expired:
+            raise self.deadlines.error() from None
+        services.balancer.eject(replica)
+        services.metrics.upstream_errors.labels("connect").inc()
+        services.log.warn(
+            "request {request_id}: cannot connect to replica {replica}: {reason}",
+            request_id=self.request_id.decode("ascii"),
+            replica=replica.id,
+            reason=str(e),
+        )
+        if e.timed_out:
+            raise _Retry(
+                deadline_exceeded("connect", services.settings.connect_timeout)
+            ) from None
+        raise _Retry(
+            upstream_failed(f"Could not connect to a replica of model {self.model!r}.")
+        ) from None
+
+    def _broken(self, replica: Replica, e: Exception) -> NoReturn:
+        """
+        The replica broke before its answer's head, or timed out.
+
+        @raise APIError: the deadline passed, or the replica broke (and sits
+            out unless the break was on a kept connection).
+        @raise _Retry: the request was cut for a reason worth a retry, or
+            a kept connection was found closed (once per request).
+        """
+        services = self.services
+        metrics = services.metrics
+        if self.deadlines.expired:
+            metrics.upstream_errors.labels("timeout").inc()
+            raise self.deadlines.error() from None
+        gone = self._cut_error()
+        if gone is not None:
+            raise _Retry(gone) from None
+        metrics.upstream_errors.labels("broken").inc()
+        error = upstream_failed(
+            broken_message(e, "The replica closed the connection before answering.")
+        )
+        if isinstance(e, NoAnswer):
+            if e.reused and not self.stale_retried:
+                # No byte of an answer on a connection taken from the
+                # pool: most likely one the engine closed (or died on)
+                # while it sat idle.  Another replica gets the request,
+                # once (this one, on a new connection, if no other is
+                # left).  On a new connection the engine had the request
+                # and broke: that is not retried (a prompt that crashes
+                # engines must not crash them all), and the replica
+                # sits out.
+                self.stale_retried = True
+                services.log.warn(
+                    "request {request_id}: replica {replica} closed a pooled"
+                    " connection before answering; trying again",
+                    request_id=self.request_id.decode("ascii"),
+                    replica=replica.id,
+                )
+                raise _Retry(error, stale=True) from None
+            services.balancer.eject(replica)
+        raise error from None
 
     async def _read_whole(self, response: IResponse) -> bytes:
         chunks: list[bytes] = []

@@ -40,6 +40,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from llmgw.reactors import IConnectingReactor
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.scrape import ScrapeError, Scraper
 
@@ -339,7 +340,9 @@ class LoadBoard(Service):
             )
 
 
-def make_scraper(reactor: Any, connect_timeout: float, interval: float) -> Scraper:
+def make_scraper(
+    reactor: IConnectingReactor, connect_timeout: float, interval: float
+) -> Scraper:
     """
     @param interval: the poll interval, seconds: connections are kept
         between polls when it is under 4 s (engines on uvicorn close idle

@@ -196,6 +196,67 @@ def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def _payload(body: bytes) -> dict[str, Any]:
+    """
+    @return: C{body} parsed, a JSON object.
+    @raise Refused: a 400: not JSON (a constant such as C{NaN} or an
+        infinite number included), nested too deeply, or not an object.
+    """
+    try:
+        payload = json.loads(
+            body, parse_constant=_refuse_constant, parse_float=_finite_float
+        )
+    except ValueError as e:
+        raise Refused(
+            bad_request(f"The request body is not valid JSON: {e}.")
+        ) from None
+    except RecursionError:
+        raise Refused(bad_request("The request body is nested too deeply.")) from None
+    if not isinstance(payload, dict):
+        raise Refused(bad_request("The request body must be a JSON object."))
+    return payload
+
+
+def _model(payload: dict[str, Any]) -> str:
+    """
+    @raise Refused: a 400: no model, or not a non-empty string.
+    """
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise Refused(
+            bad_request("You must provide a model parameter (a string).", param="model")
+        )
+    return model
+
+
+def _completion_limit(payload: dict[str, Any]) -> int:
+    """
+    @return: the first whole number of the completion limit's three names,
+        else L{DEFAULT_RESERVED_COMPLETION} (tokens).
+    """
+    return next(
+        (
+            payload[k]
+            for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+            if isinstance(payload.get(k), int) and not isinstance(payload.get(k), bool)
+        ),
+        DEFAULT_RESERVED_COMPLETION,
+    )
+
+
+def _stream(payload: dict[str, Any], model: str) -> bool:
+    """
+    @return: whether the answer streams (C{null} is no).
+    @raise Refused: a 400 for C{model}: C{stream} is not a boolean.
+    """
+    stream = payload.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise Refused(bad_request("'stream' must be a boolean.", param="stream"), model)
+    return stream
+
+
 def prepare(
     body: bytes,
     path: bytes,
@@ -219,36 +280,10 @@ def prepare(
     @param session: the request's session header, or L{None}.
     @raise Refused: a 400 for a malformed body, a 404 for an unknown model.
     """
-    try:
-        payload = json.loads(
-            body, parse_constant=_refuse_constant, parse_float=_finite_float
-        )
-    except ValueError as e:
-        raise Refused(
-            bad_request(f"The request body is not valid JSON: {e}.")
-        ) from None
-    except RecursionError:
-        raise Refused(bad_request("The request body is nested too deeply.")) from None
-    if not isinstance(payload, dict):
-        raise Refused(bad_request("The request body must be a JSON object."))
-    model = payload.get("model")
-    if not isinstance(model, str) or not model:
-        raise Refused(
-            bad_request("You must provide a model parameter (a string).", param="model")
-        )
-    limit = next(
-        (
-            payload[k]
-            for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-            if isinstance(payload.get(k), int) and not isinstance(payload.get(k), bool)
-        ),
-        DEFAULT_RESERVED_COMPLETION,
-    )
-    stream = payload.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise Refused(bad_request("'stream' must be a boolean.", param="stream"), model)
+    payload = _payload(body)
+    model = _model(payload)
+    limit = _completion_limit(payload)
+    stream = _stream(payload, model)
     if not knows(model):
         raise Refused(model_not_found(model), model, stream)
     canonical = resolve(model)

@@ -25,6 +25,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.python.failure import Failure
 
+from llmgw.reactors import IConnectingReactor
 from llmgw.router.response_parser import (
     End,
     Event,
@@ -190,7 +191,7 @@ class Scraper:
 
     def __init__(
         self,
-        reactor: Any,
+        reactor: IConnectingReactor,
         connect_timeout: float,
         path: str,
         max_size: int,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import io
 import os
 import uuid
-from typing import Any
 from urllib.parse import unquote_to_bytes
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
@@ -118,7 +118,7 @@ class LimitedRequest(Request):
 def make_site(
     resource: IResource,
     settings: RouterConfig,
-    reactor: Any,
+    reactor: IReactorTime,
     cors: Cors | None = None,
 ) -> Site:
     """

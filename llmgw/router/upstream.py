@@ -11,7 +11,7 @@ send to another replica) from "the replica broke the exchange" (not safe).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from twisted.internet import error
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
@@ -29,6 +29,8 @@ from twisted.web.client import BrowserLikePolicyForHTTPS, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IResponse
 from zope.interface import implementer
+
+from llmgw.reactors import IConnectingReactor
 
 
 def upstream_headers(
@@ -144,7 +146,11 @@ class _ClassifyingEndpoint:
 
 
 def endpoint_for(
-    reactor: Any, scheme: bytes, host: bytes, port: int, connect_timeout: float
+    reactor: IConnectingReactor,
+    scheme: bytes,
+    host: bytes,
+    port: int,
+    connect_timeout: float,
 ) -> IStreamClientEndpoint:
     """
     @return: the endpoint connecting to a replica: TCP, or TLS over TCP

@@ -25,6 +25,7 @@ from llmgw.agent.settings import AgentConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile
+from llmgw.reactors import IAgentReactor
 from llmgw.wire.certs import NODE_ID, init_ca, issue_agent, issue_server
 from llmgw.wire.tls import client_options, server_options
 
@@ -137,7 +138,7 @@ class LocalEngines(Service):
 
 
 def local_agent(
-    reactor: Any, state_dir: str, node_id: str, port: int, agent_folder: str
+    reactor: IAgentReactor, state_dir: str, node_id: str, port: int, agent_folder: str
 ) -> tuple[Service, AgentFactory]:
     """
     @param port: the loopback port of the local agent listener.

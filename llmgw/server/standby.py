@@ -40,6 +40,7 @@ from llmgw.config import ServerConfig
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
+from llmgw.reactors import ILeaderReactor
 from llmgw.store.base import Store
 
 log = Logger(namespace="llmgw.server")
@@ -286,7 +287,7 @@ def advertised(configured: str, port: Any) -> str:
 
 
 def leading_services(
-    reactor: Any,
+    reactor: ILeaderReactor,
     config: ServerConfig,
     hub: AgentHub,
     plane: ControlPlane,

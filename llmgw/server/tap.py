@@ -5,25 +5,13 @@ the server that touches the global reactor.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 from dataclasses import replace
-from typing import Any
 
-from prometheus_client import CollectorRegistry
-from twisted.application.service import IService, Service
+from twisted.application.service import IService
+from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
-from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python import usage
-from twisted.web.server import Site
 
-from llmgw.accounts.keysync import key_ring
-from llmgw.accounts.usage import StoreUsageSink
-from llmgw.admin.api import Admin
-from llmgw.admin.guard import AdminGuard, is_loopback
-from llmgw.admin.metrics_site import metrics_site
 from llmgw.config import (
     ServerConfig,
     finish_config,
@@ -32,11 +20,7 @@ from llmgw.config import (
     shared_flags,
 )
 from llmgw.config_checks import ConfigError
-from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
-from llmgw.control.catalog import Model, parse_models
-from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import FleetCollector
-from llmgw.control.plane import ControlPlane
 from llmgw.daemon.fdlimit import raise_open_file_limit
 from llmgw.daemon.lifecycle import (
     AGENT_LINKS,
@@ -54,37 +38,30 @@ from llmgw.daemon.lifecycle import (
     PoolService,
     StoreService,
 )
-from llmgw.daemon.listen import listen as _listen
-from llmgw.daemon.logs import json_observer
+from llmgw.daemon.wiring import fail, host_and_port, top_service
+from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
-from llmgw.router.engine_client import EngineClient
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
-from llmgw.router.metrics import RouterMetrics
-from llmgw.router.site import make_site
-from llmgw.router.usage_log import LogUsageSink, UsageSinks
-from llmgw.server.engine_keys import EngineKeys
-from llmgw.server.local import (
-    LocalEngines,
-    default_catalog,
-    local_agent,
-    local_certificates,
-    local_listener_factory,
-    local_node_id,
+from llmgw.server.build import (
+    PROGRAM,
+    Listeners,
+    LocalAgent,
+    Pages,
+    Plane,
+    control_plane,
+    control_settings,
+    listeners,
+    local,
+    open_state,
+    pages,
 )
+from llmgw.server.local import local_node_id
 from llmgw.server.standby import leading_services
-from llmgw.store.db import SQLiteStore, StoreError, open_store
-from llmgw.store.usage import UsageWriter
+from llmgw.store.base import Store
+from llmgw.tier.build import Accounts, Engines, accounts, engines
+from llmgw.tier.build import router as build_router
 from llmgw.tier.settings import check_router_workers
-from llmgw.tier.watch import Watch
-from llmgw.tier.workers import Workers, make_workers, reserve_port
-from llmgw.web.fleet import Fleet
-from llmgw.web.history import FailureTap, History
-from llmgw.web.login import LoginGate, Mount, Sessions, Split
-from llmgw.web.pages import CookieCsrf, Dashboard
-from llmgw.web.profiling import Profiling
-from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
 
@@ -176,9 +153,7 @@ class Options(usage.Options):
         except ConfigError as e:
             # One line and no usage text or traceback: the operator needs
             # the key and the value, nothing else.
-            sys.stderr.write(f"llmgw-server: config error: {e}\n")
-            sys.stderr.flush()
-            raise SystemExit(2) from None
+            fail(PROGRAM, f"config error: {e}", 2)
 
     def _config(self) -> ServerConfig:
         config = shared_flags(load_config(self["config"]), self)
@@ -204,353 +179,58 @@ class Options(usage.Options):
         return finish_config(config)
 
 
-_held_locks: list[Any] = []
-
-
-def _lock(folder: str, name: str) -> None:
+def _stop_sequence(
+    top: Lifecycle,
+    reactor: IDaemonReactor,
+    config: ServerConfig,
+    ports: Listeners,
+    agent: LocalAgent,
+    parts: Plane,
+    built: Engines,
+    account: Accounts,
+    served: Pages,
+    router: Router,
+    store: Store,
+) -> None:
     """
-    Hold C{folder/name} locked for the life of the process: two servers
-    on one state directory would share its certificates and (with --local)
-    adopt and stop each other's engines; two on one database would each
-    enforce keys and budgets from their own memory.
-
-    @raise ConfigError: another server holds it, or it cannot be made.
+    Put each service in its step of L{llmgw.daemon.lifecycle.STOP_STEPS}.
     """
-    import fcntl
-
-    path = os.path.join(folder, name)
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        handle = open(path, "a+")
-    except OSError as e:
-        raise ConfigError(f"state_dir: cannot use {folder!r}: {e.strerror}") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        raise ConfigError(
-            f"{path!r} is held by llmgw-server pid {holder}: one server per"
-            " state directory and per database (see --state-dir, [store] url)"
-        ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    _held_locks.append(handle)
-
-
-def _runtime_models(
-    stored: list[tuple[str, str]], config_models: tuple[Model, ...]
-) -> tuple[Model, ...]:
-    """
-    The models added at run time, from the store; one whose name the
-    config file now uses is skipped (the file wins), with a warning.
-    """
-    taken = {name for m in config_models for name in m.names}
-    added = []
-    for name, spec in stored:
-        try:
-            (model,) = parse_models([json.loads(spec)])
-        except (ConfigError, ValueError) as e:
-            log.warn("stored model {name} is not valid: {error}", name=name, error=e)
-            continue
-        if taken & set(model.names):
-            log.warn(
-                "stored model {name} is skipped: the config file uses its name",
-                name=name,
-            )
-            continue
-        taken.update(model.names)
-        added.append(model)
-    return tuple(added)
-
-
-def _agent_factory(config: ServerConfig, hub: AgentHub) -> Any:
-    """
-    The agent links' factory, inside TLS from C{[agent_tls]} unless agents
-    are insecure.
-
-    @raise ConfigError: a certificate file cannot be read.
-    """
-    if config.agent_tls is None:
-        return hub
-    tls = config.agent_tls
-    try:
-        options = server_options(tls.ca, tls.cert, tls.key)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"agent_tls: cannot load the certificates: {e}") from None
-    return TLSMemoryBIOFactory(options, False, hub)
-
-
-def makeService(options: Options) -> IService:
-    """
-    Build the server's service tree; its stop is the sequence of
-    L{llmgw.daemon.lifecycle.STOP_STEPS}: the listeners (client API, admin,
-    agents) stop accepting, the router drains its requests in flight, the
-    reconciler stops, the agent links close (with C{--local}, the local
-    agent's uplink and listener first), usage is flushed, the local engines
-    stop, the upstream connection pool closes, and the store last.
-    """
-    from twisted.internet import reactor
-
-    config: ServerConfig = options.config
-    settings = config.router
-    control = config.control
-    models = config.models
-    if config.local and not models:
-        try:
-            models = default_catalog()
-        except ConfigError as e:
-            sys.stderr.write(f"llmgw-server: config error: {e}\n")
-            sys.stderr.flush()
-            raise SystemExit(2) from None
-    if config.local and not config.accepts_agents:
-        # The in-process agent is the only one: its Register, with the
-        # engines it adopted, comes before any node exists to place on.
-        control = replace(control, startup_grace=0.0)
-    try:
-        _lock(os.path.expanduser(config.state_dir), "server.lock")
-        store = open_store(config.store_url, config.state_dir)
-        if isinstance(store, SQLiteStore):
-            # Keys, budgets and limits live in each server's memory: one
-            # server per SQLite file, wherever its state directory is.
-            # (On PostgreSQL several processes share the database.)
-            database = store.path
-            _lock(
-                os.path.dirname(os.path.abspath(database)),
-                os.path.basename(database) + ".lock",
-            )
-        key_rows, stored_models = store.prepare()
-        engine_keys = EngineKeys(config.state_dir)
-    except (ConfigError, StoreError, OSError, ValueError) as e:
-        sys.stderr.write(f"llmgw-server: config error: {e}\n")
-        sys.stderr.flush()
-        raise SystemExit(2) from None
-    config_names = frozenset(m.name for m in models)
-    models = tuple(models) + _runtime_models(stored_models, models)
-    keys, key_services = key_ring(store, config, reactor)  # type: ignore[arg-type]
-    keys.load(key_rows)
-    usage_writer = UsageWriter(
-        store,
-        reactor,
-        config.usage_flush_interval,
-        record_rows=config.record_usage,
-    )
-    registry = CollectorRegistry()
-    balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
-    pool = EngineClient(
-        reactor, settings.connect_timeout, settings.max_idle_connections
-    )
-    # Engine load: its own connections, so that polls never wait on traffic.
-    interval = settings.load_poll_interval
-    scraper = make_scraper(reactor, settings.connect_timeout, interval)
-    load = LoadBoard(reactor, scraper, interval)
-    registry.register(LoadCollector(load))
-
-    def publish(endpoints: list[Endpoint]) -> None:
-        balancer.set_endpoints(endpoints)
-        load.set_endpoints(endpoints)
-        watch.set_endpoints(endpoints)
-
-    watch = Watch(
-        reactor,
-        lambda: {n: plane.catalog.resolve(n) or n for n in plane.catalog.names()},
-    )
-
-    static = list(config.endpoints)
-    publish(static)
-    inventory = Inventory(drained=store.drained)
-    hub = AgentHub(
-        reactor,
-        inventory,
-        insecure=config.agent_tls is None,
-        # Several heartbeats within unreachable_after, so that a live node
-        # never looks silent.
-        heartbeat_interval=min(
-            HEARTBEAT_INTERVAL, max(1, int(control.unreachable_after / 3))
-        ),
-        wall_clock=time.time,
-    )
-    plane = ControlPlane(
-        reactor,
-        inventory,
-        hub,
-        models,
-        control,
-        publish,
-        static=static,
-        outstanding=balancer.outstanding,
-        keys=engine_keys.for_shard,
-        cut=balancer.cut,
-        # The router touches each model at a request's arrival and end.
-        touched=True,
-    )
-    failures = FailureTap(plane, time.time)
-    hub.listener = failures
-    registry.register(FleetCollector(plane, hub, usage_writer))
-    keys.resolve = plane.catalog.resolve
-    router = Router(
-        reactor,
-        balancer,
-        pool,
-        settings,
-        RouterMetrics(registry),
-        UsageSinks(LogUsageSink(), StoreUsageSink(usage_writer)),
-        wall_clock=time.time,
-        activator=plane.catalog,
-        auth=keys,
-    )
-    router.load = load
-    if interval > 0:
-        balancer.load = load
-    raise_open_file_limit(settings.max_connections)
-    admin = Admin(
-        registry,
-        inventory,
-        plane,
-        keys=keys,
-        store=store,
-        usage=usage_writer,
-        config_models=config_names,
-        wall_clock=time.time,
-        watch=watch,
-    )
-    history = History(reactor, router.metrics, plane, keys, wall_clock=time.time)
-    failures.changed = lambda: history.record_states(time.time())
-    fleet = Fleet(
-        inventory,
-        plane,
-        keys,
-        history,
-        failures,
-        router.load,
-        wall_clock=time.time,
-        load_clock=reactor.seconds,
-    )
-    # The dashboard at /admin on the client listener, behind a login.
-    sessions = Sessions(keys, time.monotonic)
-    client_dashboard = Dashboard(fleet, admin, sessions, "/admin", logout=True)
-    router_site = make_site(
-        Mount(
-            router.resource(),
-            b"admin",
-            LoginGate(client_dashboard.app.resource(), sessions, "/admin"),
-        ),
-        settings,
-        reactor,
-        router.cors,
-    )
-    # The admin listener: its API, metrics and profiling, the dashboard
-    # at every other path.
-    api: Any = admin.app.resource()
-    admin_resource = Split(
-        {
-            b"api": api,
-            b"metrics": api,
-            b"healthz": api,
-            b"debug": Profiling(reactor).app.resource(),
-        },
-        Dashboard(fleet, admin, CookieCsrf()).app.resource(),
-    )
-    agent_port = local_port = None
-    local_uplink: list[Service] = []
-    local_engines: list[Service] = []
-    workers: Workers | None = None
-    try:
-        if config.router_workers:
-            router_port = reserve_port(config.listen)
-        else:
-            router_port = _listen(reactor, "listen", config.listen, router_site)
-        guard = AdminGuard(admin_resource, keys)
-        admin_site = Site(guard)
-        admin_site.log = lambda request: None  # type: ignore[method-assign]
-        admin_port = _listen(reactor, "admin_listen", config.admin_listen, admin_site)
-        metrics_port = None
-        if config.metrics_listen:
-            metrics_port = _listen(
-                reactor, "metrics_listen", config.metrics_listen, metrics_site(registry)
-            )
-        admin_host = getattr(admin_port.getHost(), "host", "127.0.0.1")
-        # A UNIX socket is reached through the file system's permissions.
-        admin_guarded = guard.enabled = not is_loopback(admin_host, True)
-        if config.router_workers:
-            ports = (router_port, admin_port)
-            workers = make_workers(reactor, options["config"], config, ports, guard)
-        if config.accepts_agents:
-            agent_port = _listen(
-                reactor,
-                "agent_listen",
-                config.agent_listen,
-                _agent_factory(config, hub),
-            )
-        if config.local:
-            state_dir = os.path.expanduser(config.state_dir)
-            node_id = local_node_id()
-            folder, agent_folder = local_certificates(state_dir, node_id)
-            local_port = _listen(
-                reactor,
-                "local agent listener",
-                "tcp:0:interface=127.0.0.1",
-                local_listener_factory(folder, hub),
-            )
-            uplink, agent_factory = local_agent(
-                reactor,
-                state_dir,
-                node_id,
-                getattr(local_port.getHost(), "port", 0),
-                agent_folder,
-            )
-            local_uplink, local_engines = [uplink], [LocalEngines(agent_factory)]
-    except ConfigError as e:
-        sys.stderr.write(f"llmgw-server: {e}\n")
-        sys.stderr.flush()
-        raise SystemExit(1) from None
-
-    top = Lifecycle()
-    top.stop_once_on_signals(reactor)
-    if config.log_format == "json":
-        try:
-            top.log_observer = json_observer(getattr(options, "parent", None))
-        except OSError as e:
-            sys.stderr.write(f"llmgw-server: cannot open the log file: {e}\n")
-            raise SystemExit(1) from None
-    if workers is not None:
-        top.add(LISTENERS, workers)
+    if ports.workers is not None:
+        top.add(LISTENERS, ports.workers)
     else:
-        top.add(LISTENERS, ListeningService(router_port))
-    if agent_port is not None:
-        top.add(LISTENERS, ListeningService(agent_port))
-    top.add(LISTENERS, ListeningService(admin_port))
-    if metrics_port is not None:
-        top.add(LISTENERS, ListeningService(metrics_port))
-        metrics_address = metrics_port.getHost()
-        log.info(
-            "metrics-only listener on {host}:{port}",
-            host=getattr(metrics_address, "host", metrics_address),
-            port=getattr(metrics_address, "port", ""),
-        )
-    top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    leading = leading_services(reactor, config, hub, plane, agent_port, admin)
-    top.add(RECONCILER, *leading, load, history, watch)
+        top.add(LISTENERS, ListeningService(ports.router))
+    if ports.agents is not None:
+        top.add(LISTENERS, ListeningService(ports.agents))
+    top.add(LISTENERS, ListeningService(ports.admin))
+    if ports.metrics is not None:
+        top.add(LISTENERS, ListeningService(ports.metrics))
+        host, port = host_and_port(ports.metrics.getHost())
+        log.info("metrics-only listener on {host}:{port}", host=host, port=port)
+    top.add(DRAIN, DrainService(router, config.router.drain_timeout))
+    leading = leading_services(
+        reactor, config, parts.hub, parts.plane, ports.agents, served.admin
+    )
+    top.add(RECONCILER, *leading, built.load, served.history, parts.watch)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
-    top.add(AGENT_LINKS, *local_uplink)
-    if local_port is not None:
-        top.add(AGENT_LINKS, ListeningService(local_port))
-    top.add(AGENT_LINKS, LinksService(hub, reactor))
-    top.add(USAGE, usage_writer)
-    top.add(LOCAL_ENGINES, *local_engines)
-    top.add(POOLS, PoolService(pool))
-    top.add(POOLS, *key_services)
+    top.add(AGENT_LINKS, *agent.uplink)
+    if agent.port is not None:
+        top.add(AGENT_LINKS, ListeningService(agent.port))
+    top.add(AGENT_LINKS, LinksService(parts.hub, reactor))
+    top.add(USAGE, account.usage)
+    top.add(LOCAL_ENGINES, *agent.engines)
+    top.add(POOLS, PoolService(built.pool))
+    top.add(POOLS, *account.services)
     top.add(STORE, StoreService(store))
-    if agent_port is not None:
-        agent_address = agent_port.getHost()
+
+
+def _log_agents(config: ServerConfig, agents: IListeningPort | None) -> None:
+    if agents is not None:
+        host, port = host_and_port(agents.getHost())
         log.info(
             "agent listener on {host}:{port} ({security})",
-            host=getattr(agent_address, "host", agent_address),
-            port=getattr(agent_address, "port", ""),
+            host=host,
+            port=port,
             security="mutual TLS" if config.agent_tls else "PLAINTEXT",
         )
         if config.agent_tls is None:
@@ -560,17 +240,30 @@ def makeService(options: Options) -> IService:
             )
     elif not config.local:
         log.info("no [agent_tls]: not listening for agents")
+
+
+def _log_started(
+    config: ServerConfig,
+    ports: Listeners,
+    router: Router,
+    account: Accounts,
+    store: Store,
+) -> None:
+    """
+    Tell what the server serves, where and to whom.
+    """
+    _log_agents(config, ports.agents)
     # The bound addresses, not the configured strings: with port 0 this is
     # the only place the port is told (tests and scripts read this line).
-    router_address = router_port.getHost()
-    admin_address = admin_port.getHost()
+    host, port = host_and_port(ports.router.getHost())
+    admin_host, admin_port = host_and_port(ports.admin.getHost())
     log.info(
         "llmgw-server: client API listening on {host}:{port},"
         " admin on {admin_host}:{admin_port}; models: {models}",
-        host=getattr(router_address, "host", router_address),
-        port=getattr(router_address, "port", ""),
-        admin_host=getattr(admin_address, "host", admin_address),
-        admin_port=getattr(admin_address, "port", ""),
+        host=host,
+        port=port,
+        admin_host=admin_host,
+        admin_port=admin_port,
         models=", ".join(router.models()),
     )
     if config.local:
@@ -579,6 +272,7 @@ def makeService(options: Options) -> IService:
             node=local_node_id(),
             state=config.state_dir,
         )
+    keys = account.keys
     if keys.required:
         log.info(
             "API keys required: {count} keys in {store}",
@@ -590,6 +284,55 @@ def makeService(options: Options) -> IService:
             "no API keys yet: the client API is open to whoever reaches it"
             " (make one with llmgw ctl keys create, or set [auth] require_api_key)"
         )
-    if admin_guarded:
+    if ports.admin_guarded:
         log.info("admin API not on loopback: it needs an admin key")
+
+
+def makeService(options: Options) -> IService:
+    """
+    Build the server's service tree; its stop is the sequence of
+    L{llmgw.daemon.lifecycle.STOP_STEPS}: the listeners (client API, admin,
+    agents) stop accepting, the router drains its requests in flight, the
+    reconciler stops, the agent links close (with C{--local}, the local
+    agent's uplink and listener first), usage is flushed, the local engines
+    stop, the upstream connection pool closes, and the store last.
+    """
+    reactor = global_reactor()
+    config: ServerConfig = options.config
+    settings = config.router
+    models, control = control_settings(config)
+    state = open_state(config, models)
+    account = accounts(reactor, state.store, config, state.key_rows)
+    built = engines(reactor, settings)
+    balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
+    parts = control_plane(reactor, config, control, state, balancer, built.load)
+    built.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
+    account.keys.resolve = parts.plane.catalog.resolve
+    router = build_router(
+        reactor, settings, balancer, built, account, parts.plane.catalog
+    )
+    if settings.load_poll_interval > 0:
+        balancer.load = built.load
+    raise_open_file_limit(settings.max_connections)
+    served = pages(reactor, built.registry, parts, account, state, router)
+    ports = listeners(
+        reactor, options["config"], config, served, account, built.registry, parts.hub
+    )
+    agent = local(reactor, config, parts.hub)
+    parent = getattr(options, "parent", None)
+    top = top_service(reactor, PROGRAM, config.log_format, parent)
+    _stop_sequence(
+        top,
+        reactor,
+        config,
+        ports,
+        agent,
+        parts,
+        built,
+        account,
+        served,
+        router,
+        state.store,
+    )
+    _log_started(config, ports, router, account, state.store)
     return top

@@ -63,15 +63,10 @@ def _fault(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _serving(p: argparse.ArgumentParser) -> None:
     """
-    The C{llmgw sim} argument parser.
+    Where it listens and what it serves.
     """
-    p = argparse.ArgumentParser(
-        prog="llmgw sim",
-        description="An OpenAI-compatible fake LLM engine with vLLM's metrics, "
-        "for tests, benchmarks and config rehearsals.",
-    )
     p.add_argument(
         "--port",
         type=_count(0),
@@ -87,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="a served model name (repeatable)",
     )
+
+
+def _timing(p: argparse.ArgumentParser) -> None:
+    """
+    How fast it answers, and how much.
+    """
     p.add_argument(
         "--ttft",
         type=_seconds,
@@ -108,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         help="completion tokens when the request sets none (default 16)",
     )
+
+
+def _capacity(p: argparse.ArgumentParser) -> None:
+    """
+    How much it holds at once, and its prefix cache.
+    """
     p.add_argument(
         "--max-concurrency",
         type=_count(1),
@@ -155,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens of 16-token blocks the LRU prefix cache keeps (default: "
         "--kv-capacity; 0: none)",
     )
+
+
+def _behaviour(p: argparse.ArgumentParser) -> None:
+    """
+    Embeddings, faults, logging, its API key.
+    """
     p.add_argument(
         "--embedding-dim",
         type=_count(1),
@@ -180,6 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="require Authorization: Bearer KEY on /v1 routes (401 without), as"
         " vLLM's --api-key; /health and /metrics stay open",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """
+    The C{llmgw sim} argument parser.
+    """
+    p = argparse.ArgumentParser(
+        prog="llmgw sim",
+        description="An OpenAI-compatible fake LLM engine with vLLM's metrics, "
+        "for tests, benchmarks and config rehearsals.",
+    )
+    for add in (_serving, _timing, _capacity, _behaviour):
+        add(p)
     return p
 
 

@@ -21,6 +21,7 @@ from twisted.web.iweb import IPolicyForHTTPS, IResponse
 from zope.interface import implementer
 
 from llmgw.config_checks import ConfigError
+from llmgw.reactors import IConnectingReactor
 
 
 @implementer(IPolicyForHTTPS)
@@ -81,7 +82,11 @@ class AdminClient:
 
     @classmethod
     def make(
-        cls, reactor: Any, urls: list[str], key: str = "", ca: str | None = None
+        cls,
+        reactor: IConnectingReactor,
+        urls: list[str],
+        key: str = "",
+        ca: str | None = None,
     ) -> AdminClient:
         """
         @param urls: the admin APIs' base URLs (C{--control}, repeatable or

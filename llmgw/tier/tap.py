@@ -9,20 +9,22 @@ its own usage records there.  No agents, no reconciler, no dashboard.
 from __future__ import annotations
 
 import os
-import sys
-import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from twisted.application.service import IService, Service
-from twisted.internet.interfaces import IListeningPort
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IReactorSocket,
+    IReactorTime,
+)
+from twisted.internet.protocol import ServerFactory
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python import usage
+from twisted.web.server import Site
 
-from llmgw.accounts.keysync import key_ring
-from llmgw.accounts.usage import StoreUsageSink
 from llmgw.config import ServerConfig, load_config, shared_flags
 from llmgw.config_checks import ConfigError
 from llmgw.daemon.fdlimit import raise_open_file_limit
@@ -34,30 +36,29 @@ from llmgw.daemon.lifecycle import (
     STORE,
     USAGE,
     DrainService,
-    Lifecycle,
     ListeningService,
     PoolService,
     StoreService,
 )
 from llmgw.daemon.listen import listen as _listen
-from llmgw.daemon.logs import json_observer
-from llmgw.router.app import Router
+from llmgw.daemon.wiring import fail, host_and_port, top_service
+from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.balancer import Balancer
-from llmgw.router.engine_client import EngineClient
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
-from llmgw.router.metrics import RouterMetrics
 from llmgw.router.site import make_site
-from llmgw.router.usage_log import LogUsageSink, UsageSinks
+from llmgw.store.base import Store
 from llmgw.store.db import StoreError, open_store
-from llmgw.store.usage import UsageWriter
 from llmgw.tier.activate import RemoteActivator
 from llmgw.tier.admin_client import AdminClient
+from llmgw.tier.build import Accounts, Engines, accounts, engines
+from llmgw.tier.build import router as build_router
 from llmgw.tier.follow import Follower
 from llmgw.tier.keys import KeyFollower
 from llmgw.tier.workers import reuse_port_socket, tcp_address
 
 log = Logger(namespace="llmgw.router")
+
+PROGRAM = "llmgw-router"
 
 CONTROL_KEY_ENV = "LLMGW_CONTROL_KEY"
 """
@@ -123,9 +124,7 @@ class Options(usage.Options):
             if not self["control"]:
                 raise ConfigError("--control URL is required")
         except ConfigError as e:
-            sys.stderr.write(f"llmgw-router: config error: {e}\n")
-            sys.stderr.flush()
-            raise SystemExit(2) from None
+            fail(PROGRAM, f"config error: {e}", 2)
 
     def _config(self) -> ServerConfig:
         config = shared_flags(load_config(self["config"]), self)
@@ -139,7 +138,9 @@ class Options(usage.Options):
         return config
 
 
-def _listen_reuse_port(reactor: Any, description: str, factory: Any) -> IListeningPort:
+def _listen_reuse_port(
+    reactor: IReactorSocket, description: str, factory: ServerFactory[Any]
+) -> IListeningPort:
     host, port = tcp_address(description)
     try:
         sock = reuse_port_socket(host, port)
@@ -147,9 +148,7 @@ def _listen_reuse_port(reactor: Any, description: str, factory: Any) -> IListeni
     except OSError as e:
         raise ConfigError(f"listen: cannot listen on {description!r}: {e}") from None
     try:
-        result: IListeningPort = reactor.adoptStreamPort(
-            sock.fileno(), sock.family, factory
-        )
+        result = reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
     finally:
         # The reactor holds its own copy of the descriptor.
         sock.close()
@@ -161,11 +160,17 @@ class _Orphan(Service):
     Stop the reactor once the server that started this worker is gone.
     """
 
-    def __init__(self, reactor: Any, parent: int) -> None:
-        self._reactor = reactor
+    def __init__(
+        self, clock: IReactorTime, stop: Callable[[], None], parent: int
+    ) -> None:
+        """
+        @param stop: stops the reactor.
+        @param parent: the server's process id.
+        """
+        self._stop = stop
         self._parent = parent
         self._check = LoopingCall(self._look)
-        self._check.clock = reactor
+        self._check.clock = clock
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
@@ -180,7 +185,70 @@ class _Orphan(Service):
         if os.getppid() != self._parent:
             log.warn("the server (pid {pid}) is gone: stopping", pid=self._parent)
             self._check.stop()
-            self._reactor.stop()
+            self._stop()
+
+
+@dataclass(frozen=True)
+class _Following:
+    """
+    A router's view of its control plane.
+
+    @ivar follower: the watch of endpoints, names and key changes.
+    @ivar activator: activations forwarded to the control plane.
+    """
+
+    follower: Follower
+    activator: RemoteActivator
+
+
+def _follow(
+    reactor: IDaemonReactor,
+    control: AdminClient,
+    balancer: Balancer,
+    built: Engines,
+    account: Accounts,
+    store: Store,
+    activation_timeout: float,
+) -> _Following:
+    """
+    @return: the watch that feeds C{balancer}, the load board, the names and
+        the key changes, and the activator forwarding to C{control}.
+    """
+    activator = RemoteActivator(reactor, control, balancer.serves, activation_timeout)
+    key_follower = KeyFollower(account.keys, store)
+
+    def apply(endpoints: list[Endpoint], names: dict[str, str], counter: int) -> None:
+        balancer.set_endpoints(endpoints)
+        built.load.set_endpoints(endpoints)
+        activator.set_names(names)
+        key_follower.saw(counter)
+
+    follower = Follower(reactor, control, apply)
+    account.keys.resolve = activator.resolve
+    return _Following(follower, activator)
+
+
+def _listener(
+    reactor: IDaemonReactor, options: Options, site: Site, follower: Follower
+) -> IListeningPort:
+    """
+    @return: the client API's port, accepting no client before the first
+        state: a router that knows no endpoint would answer 404 (beside
+        another worker that knows them).  Connections wait in the kernel's
+        backlog meanwhile.
+    """
+    listen = options.config.listen
+    try:
+        if options["reuse-port"]:
+            port = _listen_reuse_port(reactor, listen, site)
+        else:
+            port = _listen(reactor, "listen", listen, site)
+    except ConfigError as e:
+        fail(PROGRAM, str(e), 1)
+    reading: Any = port
+    reading.stopReading()
+    follower.first.addCallback(lambda _: reading.startReading())
+    return port
 
 
 def makeService(options: Options) -> IService:
@@ -189,8 +257,7 @@ def makeService(options: Options) -> IService:
     (L{llmgw.daemon.lifecycle.STOP_STEPS}) that apply: the listener, the
     drain, the watch, usage, the pools, the store.
     """
-    from twisted.internet import reactor
-
+    reactor = global_reactor()
     config: ServerConfig = options.config
     settings = config.router
     try:
@@ -203,91 +270,35 @@ def makeService(options: Options) -> IService:
         store = open_store(config.store_url, config.state_dir)
         key_rows, _ = store.prepare()
     except (ConfigError, StoreError, OSError, ValueError) as e:
-        sys.stderr.write(f"llmgw-router: config error: {e}\n")
-        sys.stderr.flush()
-        raise SystemExit(2) from None
-    # [limits] and, on PostgreSQL, revocations pushed by NOTIFY, as the
-    # server has them.
-    keys, key_services = key_ring(store, config, reactor)  # type: ignore[arg-type]
-    keys.load(key_rows)
-    usage_writer = UsageWriter(
-        store, reactor, config.usage_flush_interval, record_rows=config.record_usage
-    )
-    registry = CollectorRegistry()
+        fail(PROGRAM, f"config error: {e}", 2)
+    account = accounts(reactor, store, config, key_rows)
+    built = engines(reactor, settings)
     balancer = Balancer(reactor, settings.eject_cooldown)
-    pool = EngineClient(
-        reactor, settings.connect_timeout, settings.max_idle_connections
+    timeout = settings.activation_timeout or 60.0
+    following = _follow(reactor, control, balancer, built, account, store, timeout)
+    router = build_router(
+        reactor, settings, balancer, built, account, following.activator
     )
-    interval = settings.load_poll_interval
-    load = LoadBoard(
-        reactor, make_scraper(reactor, settings.connect_timeout, interval), interval
-    )
-    registry.register(LoadCollector(load))
-    activator = RemoteActivator(
-        reactor, control, balancer.serves, settings.activation_timeout or 60.0
-    )
-
-    key_follower = KeyFollower(keys, store)
-
-    def apply(endpoints: list[Endpoint], names: dict[str, str], counter: int) -> None:
-        balancer.set_endpoints(endpoints)
-        load.set_endpoints(endpoints)
-        activator.set_names(names)
-        key_follower.saw(counter)
-
-    follower = Follower(reactor, control, apply)
-    keys.resolve = activator.resolve
-    router = Router(
-        reactor,
-        balancer,
-        pool,
-        settings,
-        RouterMetrics(registry),
-        UsageSinks(LogUsageSink(), StoreUsageSink(usage_writer)),
-        wall_clock=time.time,
-        activator=activator,
-        auth=keys,
-    )
-    router.load = load
     raise_open_file_limit(settings.max_connections)
     site = make_site(router.resource(), settings, reactor, router.cors)
-    try:
-        if options["reuse-port"]:
-            port = _listen_reuse_port(reactor, config.listen, site)
-        else:
-            port = _listen(reactor, "listen", config.listen, site)
-    except ConfigError as e:
-        sys.stderr.write(f"llmgw-router: {e}\n")
-        sys.stderr.flush()
-        raise SystemExit(1) from None
-    # Accept no client before the first state: a router that knows no
-    # endpoint would answer 404 (beside another worker that knows them).
-    # Connections wait in the kernel's backlog meanwhile.
-    reading: Any = port
-    reading.stopReading()
-    follower.first.addCallback(lambda _: reading.startReading())
-    top = Lifecycle()
-    top.stop_once_on_signals(reactor)
-    if config.log_format == "json":
-        try:
-            top.log_observer = json_observer(getattr(options, "parent", None))
-        except OSError as e:
-            sys.stderr.write(f"llmgw-router: cannot open the log file: {e}\n")
-            raise SystemExit(1) from None
+    port = _listener(reactor, options, site, following.follower)
+    top = top_service(
+        reactor, PROGRAM, config.log_format, getattr(options, "parent", None)
+    )
     top.add(LISTENERS, ListeningService(port))
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    top.add(RECONCILER, follower, activator, load)
+    top.add(RECONCILER, following.follower, following.activator, built.load)
     if options["parent-pid"]:
-        top.add(RECONCILER, _Orphan(reactor, options["parent-pid"]))
-    top.add(USAGE, usage_writer)
-    top.add(POOLS, PoolService(pool), *key_services)
+        top.add(RECONCILER, _Orphan(reactor, reactor.stop, options["parent-pid"]))
+    top.add(USAGE, account.usage)
+    top.add(POOLS, PoolService(built.pool), *account.services)
     top.add(STORE, StoreService(store))
-    address = port.getHost()
+    host, port_number = host_and_port(port.getHost())
     log.info(
         "llmgw-router: client API listening on {host}:{port} (pid {pid});"
         " following {control}",
-        host=getattr(address, "host", address),
-        port=getattr(address, "port", ""),
+        host=host,
+        port=port_number,
         pid=os.getpid(),
         control=", ".join(control.urls),
     )

@@ -27,6 +27,7 @@ from twisted.python.failure import Failure
 
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
+from llmgw.reactors import ISpawningReactor
 
 log = Logger(namespace="llmgw.tier.workers")
 
@@ -269,7 +270,12 @@ class Workers(Service):
     """
 
     def __init__(
-        self, reactor: Any, count: int, argv: Sequence[str], token: str, grace: float
+        self,
+        reactor: ISpawningReactor,
+        count: int,
+        argv: Sequence[str],
+        token: str,
+        grace: float,
     ) -> None:
         self.reactor = reactor
         self.argv = tuple(argv)
@@ -288,7 +294,7 @@ class Workers(Service):
 
 
 def make_workers(
-    reactor: Any,
+    reactor: ISpawningReactor,
     config_path: str | None,
     config: ServerConfig,
     ports: tuple[Any, Any],

@@ -1,0 +1,155 @@
+"""
+C{llmgw ctl}'s argument parser, built one command at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from llmgw.wire.engines import ENGINES
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:9090"
+
+
+def _with(shared: argparse.ArgumentParser, subparsers: Any) -> Any:
+    """
+    @return: C{subparsers}, whose parsers all take C{shared}'s options.
+    """
+    original = subparsers.add_parser
+
+    def add_parser(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return original(name, parents=[shared], **kwargs)  # type: ignore[no-any-return]
+
+    subparsers.add_parser = add_parser
+    return subparsers
+
+
+def _top() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="llmgw ctl",
+        description="Run an llmgw fleet through the admin API.",
+        # Else "keys create --admin" is taken for an abbreviation of
+        # --admin-url or --admin-key, and refused as ambiguous.
+        allow_abbrev=False,
+    )
+    top.add_argument(
+        "--admin-url",
+        default=os.environ.get("LLMGW_ADMIN_URL", DEFAULT_ADMIN_URL),
+        help=f"the admin listener (default {DEFAULT_ADMIN_URL}, or $LLMGW_ADMIN_URL)",
+    )
+    top.add_argument(
+        "--admin-key",
+        default=os.environ.get("LLMGW_ADMIN_KEY"),
+        help="an admin key, for an admin listener not on loopback ($LLMGW_ADMIN_KEY)",
+    )
+    top.add_argument("--json", action="store_true", help="print the API's JSON")
+    return top
+
+
+def _reads(commands: Any, shared: argparse.ArgumentParser) -> None:
+    commands.add_parser("status", help="version, uptime, counts")
+    commands.add_parser("nodes", help="nodes and their GPUs")
+    commands.add_parser("replicas", help="replicas and their shards")
+
+
+def _models(commands: Any, shared: argparse.ArgumentParser) -> None:
+    models = commands.add_parser("models", help="the catalog: list, add, remove, scale")
+    actions = _with(shared, models.add_subparsers(dest="action"))
+    actions.add_parser("list")
+    add = actions.add_parser("add", help="add a model (kept across restarts)")
+    add.add_argument("name", nargs="?")
+    add.add_argument("--file", help="a TOML file with one [[models]] table")
+    add.add_argument("--engine", choices=ENGINES)
+    add.add_argument("--source", help="hub id or local path")
+    add.add_argument(
+        "--profile", default="default", help="profile name (default: default)"
+    )
+    add.add_argument("--gpus", type=int, default=0)
+    add.add_argument("--gpu-memory-gb", type=float)
+    add.add_argument("--min-replicas", type=int, default=0)
+    add.add_argument("--max-replicas", type=int)
+    add.add_argument("--idle-timeout")
+    add.add_argument("--alias", action="append")
+    add.add_argument("--arg", action="append", help="an engine argument (repeatable)")
+    remove = actions.add_parser("remove", help="remove a model added at run time")
+    remove.add_argument("name")
+    scale = actions.add_parser("scale", help="set min/max replicas")
+    scale.add_argument("name")
+    scale.add_argument("--min", type=int)
+    scale.add_argument("--max", type=int)
+
+
+def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> None:
+    placement = commands.add_parser(
+        "placement", help="where a model would go, or why not"
+    )
+    placement.add_argument("model")
+    drain = commands.add_parser("drain", help="drain a node or a replica")
+    drain.add_argument("kind", choices=("node", "replica"))
+    drain.add_argument("id")
+    undrain = commands.add_parser("undrain", help="let placements use a node again")
+    undrain.add_argument("kind", choices=("node",))
+    undrain.add_argument("id")
+
+
+def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
+    keys = commands.add_parser("keys", help="API keys: list, create, revoke")
+    key_actions = _with(shared, keys.add_subparsers(dest="action"))
+    key_actions.add_parser("list")
+    create = key_actions.add_parser("create", help="make a key; printed once")
+    create.add_argument("--name", required=True)
+    create.add_argument(
+        "--models", help="comma-separated models it may use (default all)"
+    )
+    create.add_argument("--rpm", type=int, help="requests per minute")
+    create.add_argument("--tpm", type=int, help="tokens per minute")
+    create.add_argument("--budget-tokens", type=int, help="tokens in all")
+    create.add_argument("--admin", action="store_true", help="may use the admin API")
+    revoke = key_actions.add_parser("revoke", help="revoke a key by name or prefix")
+    revoke.add_argument("name")
+
+
+def _usage(commands: Any, shared: argparse.ArgumentParser) -> None:
+    usage = commands.add_parser("usage", help="usage by key or model")
+    usage.add_argument("--by", choices=("key", "model"), default="key")
+    usage.add_argument(
+        "--since", default="24h", help="24h, 30m, an ISO time or POSIX seconds"
+    )
+    usage.add_argument("--until")
+
+
+def _weights(commands: Any, shared: argparse.ArgumentParser) -> None:
+    weights = commands.add_parser("weights", help="model files on the nodes")
+    weights.add_argument(
+        "--collect", action="store_true", help="delete those nothing uses"
+    )
+    weights.add_argument(
+        "--dry-run", action="store_true", help="with --collect: only list"
+    )
+    weights.add_argument(
+        "--remove", nargs="+", metavar="NODE PATH", help="delete these paths on NODE"
+    )
+
+
+# In the order --help lists them.
+_COMMAND_PARSERS = (_reads, _models, _placement_and_drains, _keys, _usage, _weights)
+
+
+def parser() -> argparse.ArgumentParser:
+    """
+    @return: the parser of C{llmgw ctl}'s command line; the parsed
+        arguments' C{command} (and C{action} for C{models} and C{keys})
+        name the command.
+    """
+    top = _top()
+    # --json is taken after the command too.
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    commands = _with(shared, top.add_subparsers(dest="command", required=True))
+    for add_commands in _COMMAND_PARSERS:
+        add_commands(commands, shared)
+    return top

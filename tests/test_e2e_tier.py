@@ -19,7 +19,7 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import TWISTD, Process, Processes, http, make_certs, spawn
+from tests.support import TWISTD, Process, Processes, http, make_certs, sim_stats, spawn
 from tests.test_e2e_control import MODELS, _alive, _Fleet
 
 EXTRA = {
@@ -339,3 +339,65 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
         untrusted, _ = router()
         untrusted.wait_for(r"cannot watch the control plane at https://")
         self.assertNotRegex(untrusted.output(), FOLLOWING.pattern)
+
+    def test_router_settings_apply(self) -> None:
+        """
+        C{llmgw-router} chooses replicas by its file's C{[router]} table as
+        the server does: with C{balance = "round_robin"}, ten requests of
+        one long prompt (which prefix affinity, on by default, would keep
+        on one replica) alternate between the two replicas.
+        """
+        directory = self._directory()
+        sims = [self.start_sim()[1] for _ in range(2)]
+        _, _, admin = self.start_server(
+            "--endpoint",
+            f"e1={sims[0]}=sim-model",
+            "--endpoint",
+            f"e2={sims[1]}=sim-model",
+        )
+        path = os.path.join(directory, "router.toml")
+        with open(path, "w") as f:
+            f.write('[router]\nbalance = "round_robin"\n')
+        process = spawn(
+            [
+                TWISTD,
+                "-n",
+                "--pidfile=",
+                "llmgw-router",
+                "--config",
+                path,
+                "--listen",
+                "tcp:0:interface=127.0.0.1",
+                "--control",
+                admin,
+                "--state-dir",
+                os.path.join(directory, "router-state"),
+            ],
+            directory,
+            f"router-{time.monotonic_ns()}",
+        )
+        self.addCleanup(process.stop)
+        match = process.wait_for(r"client API listening on [\d.]+:(\d+)")
+        process.wait_for(r"following the control plane: version \d+, 2 endpoints")
+        url = f"http://127.0.0.1:{match.group(1)}"
+        before = [sim_stats(s)["requests_total"] for s in sims]
+        prompt = "the same long system prompt " * 200
+        for _ in range(10):
+            status, _, body = http(
+                "POST",
+                url + "/v1/chat/completions",
+                json.dumps(
+                    {
+                        "model": "sim-model",
+                        "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": 2,
+                    }
+                ).encode(),
+                {"content-type": "application/json"},
+            )
+            self.assertEqual(status, 200, body)
+        served = [
+            sim_stats(s)["requests_total"] - b
+            for s, b in zip(sims, before, strict=True)
+        ]
+        self.assertEqual(served, [5, 5])

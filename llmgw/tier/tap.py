@@ -273,12 +273,14 @@ def makeService(options: Options) -> IService:
         fail(PROGRAM, f"config error: {e}", 2)
     account = accounts(reactor, store, config, key_rows)
     built = engines(reactor, settings)
-    balancer = Balancer(reactor, settings.eject_cooldown)
+    balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
     timeout = settings.activation_timeout or 60.0
     following = _follow(reactor, control, balancer, built, account, store, timeout)
     router = build_router(
         reactor, settings, balancer, built, account, following.activator
     )
+    if settings.load_poll_interval > 0:
+        balancer.load = built.load
     raise_open_file_limit(settings.max_connections)
     site = make_site(router.resource(), settings, reactor, router.cors)
     port = _listener(reactor, options, site, following.follower)

@@ -19,7 +19,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import Process, spawn_agent
-from tests.test_e2e_control import MODELS, _alive, _Fleet
+from tests.test_e2e_control import AGENT_CONFIG, MODELS, _alive, _Fleet
 
 # The warning an agent logs for a refusal (llmgw.agent.link).
 REFUSED = r"the server at \S+ refused this agent: "
@@ -186,3 +186,78 @@ class RefusalsToldEndToEndTests(_Refusals, SynchronousTestCase):
         node = self.node("gpu-01")
         assert node is not None
         self.assertEqual(node["gpus"], [])
+
+
+class StateDirectoryEndToEndTests(_Refusals, SynchronousTestCase):
+    def test_second_agent_on_one_state_directory(self) -> None:
+        """
+        Finding 3: a second agent (gpu-02, its own valid certificate) on
+        gpu-01's state directory, while gpu-01's agent runs a ready
+        replica, exits at once with status 2 and one line naming the
+        folder and the first agent's pid; the engine keeps running and
+        serving, gpu-02 never registers.
+        """
+        self.start_fleet_server(self.config(MODELS.format(min_replicas=1, idle="0s")))
+        first = self.start_agent("gpu-01")
+        (replica,) = self.ready(1)
+        folder = os.path.join(self.dir, "state-gpu-01")
+        started = time.monotonic()
+        second = self.agent_as("gpu-02", "gpu-02", "state-gpu-01", AGENT_CONFIG)
+        status = second.popen.wait(15)
+        seconds = time.monotonic() - started
+        print(
+            f"second agent on one state directory: exited {status} after {seconds:.2f}s"
+        )
+        self.assertEqual(status, 2)
+        self.assertEqual(
+            second.output(),
+            f"llmgw-agent: config error: state_dir: {folder!r} is in use by"
+            f" llmgw-agent pid {first.popen.pid}: one agent per state directory"
+            " (give this one its own --state-dir)\n",
+        )
+        self.assertTrue(_alive(replica["shards"][0]["pid"]))
+        self.assertTrue(self.chat())
+        (now,) = self.replicas()
+        self.assertEqual((now["id"], now["state"]), (replica["id"], "ready"))
+        self.assertIsNone(self.node("gpu-02"))
+
+    def test_local_server_and_agent_on_one_state_directory(self) -> None:
+        """
+        The same for C{llmgw-server --local}, whose agent keeps its state
+        in C{STATE_DIR/agent} (C{llmgw-agent}'s default state directory
+        under the default C{~/.local/state/llmgw}): an agent there holds
+        it, and a C{--local} server on C{STATE_DIR} exits at once with one
+        line naming the folder and the agent's pid; with the server
+        running, an agent on that folder exits the same way naming the
+        server.
+        """
+        state = os.path.join(self.dir, "local-state")
+        folder = os.path.join(state, "agent")
+        agent = self.agent_as("gpu-01", "gpu-01", "local-state/agent")
+        agent.wait_for("dialing")
+        models = MODELS.format(min_replicas=0, idle="0s")
+        local = self.config(models).split("[router]", 1)[1]
+        with self.assertRaises(AssertionError) as raised:
+            self.start_server(
+                "--local", "--state-dir", state, config="[router]" + local
+            )
+        output = str(raised.exception)
+        self.assertIn("process exited with 1", output)
+        self.assertIn(
+            f"llmgw-server: state_dir: {folder!r} is in use by llmgw-agent pid"
+            f" {agent.popen.pid}: one agent per state directory",
+            output,
+        )
+        self.assertNotIn("Traceback", output)
+        agent.stop()
+        server, _, _ = self.start_server(
+            "--local", "--state-dir", state, config="[router]" + local
+        )
+        second = self.agent_as("gpu-01", "gpu-01", "local-state/agent")
+        self.assertEqual(second.popen.wait(15), 2)
+        self.assertEqual(
+            second.output(),
+            f"llmgw-agent: config error: state_dir: {folder!r} is in use by"
+            f" llmgw-server --local pid {server.popen.pid}: one agent per state"
+            " directory (give this one its own --state-dir)\n",
+        )

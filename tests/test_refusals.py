@@ -3,13 +3,15 @@ Refusals on the wire, on a Clock: each link the server refuses is told why
 in a C{Refused} before it closes; a second agent for a node whose link is
 alive is refused, and takes over only once that link is silent for
 C{unreachable_after}; the agent warns of a refusal once per kind and backs
-off.  The same through real processes:
+off; one agent per state directory (L{hold_state_dir}).  The same through
+real processes:
 L{tests.test_e2e_refusals}.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import tempfile
 from typing import Any, cast
 
@@ -25,6 +27,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.link import AgentFactory
 from llmgw.agent.service import AgentService
+from llmgw.agent.state_lock import LOCK_FILE, hold_state_dir
+from llmgw.config_checks import ConfigError
 from llmgw.control.agents import AgentHub, AgentLink
 from llmgw.control.inventory import Inventory
 from llmgw.reactors import IEngineReactor
@@ -387,3 +391,51 @@ class AgentRefusalTests(SynchronousTestCase):
         with capturedLogs():
             self.successResultOf(self.service.stopService())
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class StateLockTests(SynchronousTestCase):
+    """
+    One agent per state directory (L{hold_state_dir}).
+    """
+
+    def test_second_holder_refused(self) -> None:
+        """
+        While one holds the directory, another is refused with one line
+        naming the folder and the holder's pid and program; once it is
+        released, it can be taken again.
+        """
+        folder = os.path.join(tempfile.mkdtemp(), "agent")
+        held = hold_state_dir(folder, "llmgw-server --local")
+        with self.assertRaises(ConfigError) as raised:
+            hold_state_dir(folder, "llmgw-agent")
+        self.assertEqual(
+            str(raised.exception),
+            f"state_dir: {folder!r} is in use by llmgw-server --local pid"
+            f" {os.getpid()}: one agent per state directory (give this one its"
+            " own --state-dir)",
+        )
+        held.release()
+        hold_state_dir(folder, "llmgw-agent").release()
+
+    def test_pid_written_at_start(self) -> None:
+        """
+        The agent's service writes the pid that runs it in the lock file at
+        start (twistd forks after the lock was taken).
+        """
+        folder = tempfile.mkdtemp()
+        held = hold_state_dir(folder, "llmgw-agent")
+        path = os.path.join(folder, LOCK_FILE)
+        with open(path, "w") as f:
+            f.write("1 the parent before the fork\n")
+        clock = Clock()
+        factory = AgentFactory(
+            pb.Register, pb.Heartbeat, cast(IEngineReactor, clock), folder
+        )
+        endpoint = _Endpoint()
+        service = AgentService(factory, lambda _: endpoint, ["gw:1"], clock, held)
+        service.startService()
+        with open(path) as f:
+            self.assertEqual(f.read(), f"{os.getpid()} llmgw-agent\n")
+        with capturedLogs():
+            self.successResultOf(service.stopService())
+        held.release()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import Process, spawn_agent
+from tests.support import Process, llmgw_certs, spawn_agent
 from tests.test_e2e_control import AGENT_CONFIG, MODELS, _alive, _Fleet
 
 # The warning an agent logs for a refusal (llmgw.agent.link).
@@ -103,6 +104,60 @@ class RefusalsToldEndToEndTests(_Refusals, SynchronousTestCase):
         self.assertIn("refused (certificate_mismatch)", agent.output())
         self.assertNotIn("Traceback", agent.output())
         self.assertIsNone(self.node("gpu-02"))
+
+    def test_handshake_refusals(self) -> None:
+        """
+        Finding 1's siblings the server cannot send a message for, its TLS
+        handshake failing: an agent whose certificate another CA signed is
+        told, once, that the server refused its certificate; one whose
+        ca.pem is another CA's, that it does not trust the server's.
+        """
+        self.start_fleet_server(self.config(""))
+        other = os.path.join(self.dir, "other")
+        llmgw_certs("init", "--dir", other)
+        llmgw_certs("agent", "--dir", other, "--node-id", "gpu-01")
+        foreign = os.path.join(other, "agents", "gpu-01")
+        distrusting = os.path.join(self.dir, "distrusting")
+        shutil.copytree(os.path.join(self.ca, "agents", "gpu-02"), distrusting)
+        shutil.copy(os.path.join(other, "ca.pem"), distrusting)
+        # It trusts the real server: only the server can refuse it.
+        shutil.copy(os.path.join(self.ca, "ca.pem"), foreign)
+        cases = (
+            (
+                "gpu-01",
+                foreign,
+                "the server refused this agent's certificate in the TLS handshake"
+                " (tlsv1 alert unknown ca): is it from the fleet's CA? check"
+                " --tls-dir; retrying",
+            ),
+            (
+                "gpu-02",
+                distrusting,
+                "this agent does not trust the server's certificate (certificate"
+                " verify failed): ca.pem in --tls-dir must be the fleet's CA;"
+                " retrying",
+            ),
+        )
+        for node, folder, told in cases:
+            agent = spawn_agent(
+                self.dir,
+                NO_GPUS,
+                self.agent_port,
+                node,
+                folder,
+                "--state-dir",
+                os.path.join(self.dir, f"state-{node}-tls"),
+            )
+            self.addCleanup(agent.stop)
+            agent.wait_for(
+                r"\[\S+#warn\] cannot link to the server at \S+: " + re.escape(told),
+                timeout=10,
+            )
+            self.retries(agent, 3)
+            self.assertEqual(
+                agent.output().count("cannot link to the server"), 1, agent.output()
+            )
+        self.assertEqual(self.admin("/api/v1/nodes")["nodes"], [])
 
     def test_second_agent_for_a_live_node(self) -> None:
         """

@@ -19,13 +19,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from OpenSSL import SSL
+from service_identity import VerificationError
 from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import capturedLogs, formatEvent
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.agent.link import AgentFactory
+from llmgw.agent.link import AgentFactory, handshake_failure
 from llmgw.agent.service import AgentService
 from llmgw.agent.state_lock import LOCK_FILE, hold_state_dir
 from llmgw.config_checks import ConfigError
@@ -391,6 +395,69 @@ class AgentRefusalTests(SynchronousTestCase):
         with capturedLogs():
             self.successResultOf(self.service.stopService())
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class HandshakeFailureTests(SynchronousTestCase):
+    """
+    A TLS handshake that fails carries no C{Refused}: the agent says what
+    failed itself, once until a Welcome.
+    """
+
+    def test_sentences(self) -> None:
+        """
+        The server's alert (its CA did not sign this agent's certificate),
+        a server certificate this agent's CA did not sign, and one that
+        does not name the host dialed each get their sentence; a plain
+        close gets none.
+        """
+        alert = Failure(SSL.Error([("SSL routines", "", "tlsv1 alert unknown ca")]))
+        verify = Failure(SSL.Error([("SSL routines", "", "certificate verify failed")]))
+        name = Failure(VerificationError(errors=[]))
+        self.assertEqual(
+            handshake_failure(alert, "gw:7443"),
+            "the server refused this agent's certificate in the TLS handshake"
+            " (tlsv1 alert unknown ca): is it from the fleet's CA? check --tls-dir",
+        )
+        self.assertEqual(
+            handshake_failure(verify, "gw:7443"),
+            "this agent does not trust the server's certificate (certificate verify"
+            " failed): ca.pem in --tls-dir must be the fleet's CA",
+        )
+        self.assertEqual(
+            handshake_failure(name, "[::1]:7443"),
+            "the server's certificate does not name ::1, the host this agent"
+            " dials: make it with llmgw certs server --host ::1",
+        )
+        self.assertIsNone(handshake_failure(Failure(ConnectionDone()), "gw:7443"))
+
+    def test_warned_once(self) -> None:
+        """
+        Three handshakes refused alike: one warning, naming the server.
+        """
+        clock = Clock()
+        endpoint = _Endpoint()
+        factory = AgentFactory(
+            pb.Register, pb.Heartbeat, cast(IEngineReactor, clock), tempfile.mkdtemp()
+        )
+        service = AgentService(factory, lambda _: endpoint, ["gw:7443"], clock)
+        alert = Failure(SSL.Error([("SSL routines", "", "tlsv1 alert unknown ca")]))
+        with capturedLogs() as events:
+            service.startService()
+            for _ in range(3):
+                endpoint.connected[-1].connectionLost(alert)
+                (retry,) = clock.getDelayedCalls()
+                clock.advance(retry.getTime() - clock.seconds())
+            self.successResultOf(service.stopService())
+        warnings = [formatEvent(e) for e in events if e["log_level"].name == "warn"]
+        self.assertEqual(len(warnings), 1, warnings)
+        self.assertTrue(
+            warnings[0].startswith(
+                "cannot link to the server at gw:7443: the server refused this"
+                " agent's certificate"
+            ),
+            warnings[0],
+        )
+        self.assertEqual(clock.getDelayedCalls(), [])
 
 
 class StateLockTests(SynchronousTestCase):

@@ -9,6 +9,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from OpenSSL import SSL
+from service_identity import VerificationError
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.task import LoopingCall
@@ -25,6 +27,42 @@ from llmgw.wire.protocol import MessageStream, MessageTooLarge
 from llmgw.wire.refusals import Refusal
 
 WEIGHTS_REPORT_INTERVAL = 60.0
+
+
+def handshake_failure(reason: Failure, server: str) -> str | None:
+    """
+    What the operator on the node must read of a TLS handshake that failed:
+    no C{Refused} can pass before it, so the agent says it itself.
+
+    @param reason: why a link was lost before the server's Welcome.
+    @param server: the C{HOST:PORT} dialed.
+    @return: the sentence, or L{None} when C{reason} is no handshake
+        failure.
+    """
+    host = server.rsplit(":", 1)[0].strip("[]") or server
+    if reason.check(VerificationError):
+        return (
+            f"the server's certificate does not name {host}, the host this agent"
+            f" dials: make it with llmgw certs server --host {host}"
+        )
+    if not reason.check(SSL.Error):
+        return None
+    # pyOpenSSL's errors: [(library, function, reason), ...].
+    args = reason.value.args if reason.value is not None else ()
+    errors = args[0] if args and isinstance(args[0], list) else []
+    detail = "; ".join(str(e[-1]) for e in errors if isinstance(e, tuple) and e)
+    detail = detail or str(reason.value)
+    if "alert" in detail:
+        return (
+            f"the server refused this agent's certificate in the TLS handshake"
+            f" ({detail}): is it from the fleet's CA? check --tls-dir"
+        )
+    if "certificate verify failed" in detail:
+        return (
+            f"this agent does not trust the server's certificate ({detail}):"
+            " ca.pem in --tls-dir must be the fleet's CA"
+        )
+    return f"the TLS handshake with the server failed ({detail})"
 
 
 class AgentProtocol(MessageStream[pb.ControlMessage]):
@@ -236,6 +274,10 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 "link to the server closed: refused ({code})", code=self.refusal.code
             )
             return
+        if not self.welcomed and isinstance(factory, AgentFactory):
+            failed = handshake_failure(reason, factory.dialing)
+            if failed is not None:
+                factory.note_handshake_failure(failed)
         self.log.info(
             "link to the server lost: {reason}", reason=reason.getErrorMessage()
         )
@@ -321,6 +363,21 @@ class AgentFactory(Factory):
             else "none",
             node=repr(refusal.node_id) if refusal.node_id else "none",
             code=refusal.code,
+            what=what,
+        )
+
+    def note_handshake_failure(self, what: str) -> None:
+        """
+        Warn of a failed TLS handshake (L{handshake_failure}), once per
+        sentence until a Welcome.
+        """
+        told = ("tls", what, "")
+        if told in self._refusals_told:
+            return
+        self._refusals_told.add(told)
+        self.log.warn(
+            "cannot link to the server at {server}: {what}; retrying",
+            server=self.dialing or "?",
             what=what,
         )
 

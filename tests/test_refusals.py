@@ -205,6 +205,26 @@ class ServerRefusalTests(SynchronousTestCase):
             link.connectionLost()
         self.assertEqual(self.clock.getDelayedCalls(), [])
 
+    def test_refusal_over_the_peers_frame_maximum(self) -> None:
+        """
+        A registered peer that said it takes frames of 20 bytes (its
+        Welcome fits, a Refused would not) and then breaks the rules is
+        closed without a Refused, and without an error.
+        """
+        link, transport = self.connect()
+        with capturedLogs():
+            link.dataReceived(
+                _frame(register=pb.Register(node_id="n1", max_frame_size=20))
+            )
+        before = transport.value()
+        with capturedLogs() as events:
+            link.dataReceived(_register("n2"))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(transport.value(), before)
+        self.assertEqual([e for e in events if e.get("log_failure")], [])
+        with capturedLogs():
+            link.connectionLost()
+
     def test_second_agent_refused_while_the_link_is_alive(self) -> None:
         """
         Another agent (another C{agent_instance}, or none) for n1 while

@@ -28,7 +28,7 @@ from llmgw import __version__
 from llmgw.control.inventory import Inventory, Node
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
-from llmgw.wire.protocol import CommandingStream
+from llmgw.wire.protocol import CommandingStream, MessageTooLarge
 from llmgw.wire.refusals import Refusal, refused
 from llmgw.wire.states import ShardState
 from llmgw.wire.tls import peer_common_name
@@ -122,14 +122,15 @@ class AgentLink(TimeoutMixin, CommandingStream):
         """
         if self.closing or self.transport is None:
             return
-        self.send(
-            refused(
-                code,
-                reason,
-                peer_common_name(self.transport),
-                self.node_id or self._claim,
-            )
+        message = refused(
+            code, reason, peer_common_name(self.transport), self.node_id or self._claim
         )
+        try:
+            self.send(message)
+        except MessageTooLarge:
+            # A peer that claimed a frame maximum this small is told
+            # nothing; the close goes ahead.
+            pass
 
     def violated(self, reason: str) -> None:
         self.tell(Refusal.BAD_FRAME, reason)

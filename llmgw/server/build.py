@@ -257,6 +257,9 @@ def control_plane(
             HEARTBEAT_INTERVAL, max(1, int(control.unreachable_after / 3))
         ),
         wall_clock=time.time,
+        # A second agent for a node may take over its link only once the
+        # node is unreachable: silent this long.
+        unreachable_after=control.unreachable_after,
     )
     plane = ControlPlane(
         reactor,

@@ -227,9 +227,10 @@ class ReconcileTests(PlaneCase):
 class DrainTests(PlaneCase):
     def test_drain_node(self) -> None:
         """
-        Draining a node unpublishes its replica at once, places one on the
-        other node, and stops the engine once nothing is in flight (or
-        after drain_timeout).
+        Draining a node places a replacement on the other node first: its
+        replica serves until the replacement is ready, is unpublished
+        then, and its engine stops once nothing is in flight (or after
+        drain_timeout).
         """
         self.make(make_model(low=1))
         self.plane.reconcile()
@@ -238,11 +239,16 @@ class DrainTests(PlaneCase):
         self.ready_all()
         self.plane.reconcile()
         replica = start.replica_id
+        serving = self.endpoints()
         self.in_flight[replica] = 1
         self.assertEqual(self.plane.drain_node(node), [replica])
-        self.assertEqual(self.endpoints(), [])
+        self.assertEqual(self.endpoints(), serving)
         self.plane.reconcile()
         self.assertEqual(self.agents.starts()[-1][0], other)
+        self.assertEqual(self.endpoints(), serving)
+        self.ready_all()
+        self.plane.reconcile()
+        self.assertEqual(self.endpoints(), [f"http://10.0.0.{other[-1]}:20000"])
         self.assertEqual(self.agents.stops(), [])
         self.clock.advance(31)
         self.heartbeat("n1", "n2")

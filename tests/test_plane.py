@@ -258,6 +258,33 @@ class DrainTests(PlaneCase):
             f"{node}: draining", "\n".join(explain(self.plane, "m")["reasons"])
         )
 
+    def test_forced_drain_node(self) -> None:
+        """
+        A forced drain is the drain of old: the node's replica is
+        unpublished at once, one is placed on the other node, and the
+        engine stops once nothing is in flight (or after drain_timeout).
+        """
+        self.make(make_model(low=1))
+        self.plane.reconcile()
+        node, start = self.agents.starts()[0]
+        other = "n2" if node == "n1" else "n1"
+        self.ready_all()
+        self.plane.reconcile()
+        replica = start.replica_id
+        self.in_flight[replica] = 1
+        self.assertEqual(self.plane.drain_node(node, force=True), [replica])
+        self.assertEqual(self.endpoints(), [])
+        self.plane.reconcile()
+        self.assertEqual(self.agents.starts()[-1][0], other)
+        self.assertEqual(self.agents.stops(), [])
+        self.clock.advance(31)
+        self.heartbeat("n1", "n2")
+        self.plane.reconcile()
+        self.assertEqual(self.agents.stops(), [start.shard_id])
+        self.assertIn(
+            f"{node}: draining", "\n".join(explain(self.plane, "m")["reasons"])
+        )
+
     def test_no_fit_explained(self) -> None:
         """
         A model too big for every node: no command, the explanation names

@@ -1,8 +1,8 @@
 """
 The admin API's drain routes (docs/fleet.md, "Drains"; docs/agents.md,
 "Stopping engines"): a node or a replica drained (replaced first, refused
-when it would leave a model below its C{min_replicas}, unless forced), a
-node undrained, and engines stopped or started again on purpose.
+when it would leave a model below its C{min_replicas}; forced, at once),
+a node undrained, and engines stopped or started again on purpose.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class DrainRoutes:
         lists them all, C{"replaced_first"} those waiting for a
         replacement.  409 C{below_min_replicas}, naming the C{models},
         when a model would be left below its C{min_replicas} with no
-        room for a replacement, unless the body says C{{"force": true}}.
+        room for a replacement.  C{{"force": true}}: every replica drains
+        at once, unchecked, and is replaced once gone (the drain of old).
         Kept in the store, when there is one: drained again after a
         restart.  503 C{store_busy} when the store refused the write (the
         node is draining, until this server restarts).
@@ -118,7 +119,7 @@ class DrainRoutes:
         Drain one replica: it is replaced first (C{"replaced_first":
         true}) and drains once its replacement is ready, or at once where
         there is no room for one.  409 C{below_min_replicas} as for a
-        node, unless C{{"force": true}}.
+        node; C{{"force": true}} drains it at once, unchecked.
         """
         force = _force(request)
         plane = self._plane()

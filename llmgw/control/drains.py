@@ -7,11 +7,11 @@ drained by its id, first I{leaves}: it serves on while a replacement is
 placed elsewhere (over C{max_replicas} for the while), and drains once its
 replacement is ready.  A drain that would leave a model below its
 C{min_replicas} with no room for a replacement is refused
-(L{DrainRefused}) unless forced; forced, the replicas with nowhere to go
-drain at once.  A replica with a shard on a node found draining later (a
-drain kept across a restart, a node back with engines) leaves the same
-way, but is not held up when there is no room: its drain was checked
-when it was asked.
+(L{DrainRefused}) unless forced; a forced drain is the drain of old: every
+replica drains at once, replaced after it is gone.  A replica with a
+shard on a node found draining later (a drain kept across a restart, a
+node back with engines) leaves the same way, but is not held up when
+there is no room: its drain was checked when it was asked.
 
 A drain proper: the replica unpublished at once, and stopped once the
 router counts no request in flight to it, or after C{[control]
@@ -139,8 +139,8 @@ class Draining:
         replaced elsewhere and drains once its replacement is ready, or at
         once where there is no room for one.
 
-        @param force: drain even when a model is left below its
-            C{min_replicas}.
+        @param force: drain every replica now, unchecked and not replaced
+            first (a model may go below its C{min_replicas}).
         @return: the ids of the replicas going (now or once replaced).
         @raise KeyError: no such node.
         @raise DrainRefused: a model would be left below its
@@ -162,11 +162,12 @@ class Draining:
         self.inventory.drained.add(node_id)
         self._changes.nodes.add(node_id)
         why = f"node {node_id} is draining"
+        now = "; forced" if force else "; no room for a replacement"
         for replica in going:
             if replica.id in room:
                 self._leave(replica, why, hold=True)
             else:
-                self._drain(replica, why + "; no room for a replacement")
+                self._drain(replica, why + now)
         self.loop.kick()
         return [r.id for r in going]
 
@@ -197,8 +198,7 @@ class Draining:
         Drain one replica: it is replaced first (and drains once its
         replacement is ready), or drains at once where there is no room.
 
-        @param force: drain even when its model is left below its
-            C{min_replicas}.
+        @param force: drain it now, unchecked and not replaced first.
         @return: whether it started leaving or draining (was not already).
         @raise KeyError: no such replica.
         @raise DrainRefused: its model would be left below its
@@ -212,7 +212,8 @@ class Draining:
         if replica.id in room:
             started = self._leave(replica, why, hold=True)
         else:
-            started = self._drain(replica, why + "; no room for a replacement")
+            now = "; forced" if force else "; no room for a replacement"
+            started = self._drain(replica, why + now)
         self.loop.kick()
         return started
 
@@ -223,10 +224,13 @@ class Draining:
         @param what: the drain, in words, for its refusal.
         @param going: the replicas it takes away.
         @return: the ids of those for which a replacement fits now (each
-            placed in turn on one snapshot: two do not count one place).
+            placed in turn on one snapshot: two do not count one place);
+            none when C{force}.
         @raise DrainRefused: a model would keep fewer replicas than its
             C{min_replicas}, and not C{force}.
         """
+        if force:
+            return set()
         snapshot = self.snapshot()
         room = set()
         for replica in going:
@@ -242,8 +246,6 @@ class Draining:
             if plan is not None:
                 snapshot.take(plan)
                 room.add(replica.id)
-        if force:
-            return room
         leaving = {r.id for r in going}
         short = []
         for name in sorted({r.model for r in going}, key=self.catalog.position):

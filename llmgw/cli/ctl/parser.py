@@ -92,15 +92,16 @@ def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> Non
         description="Drain a node or a replica: each replica is replaced"
         " elsewhere first and drains once its replacement is ready.  Refused"
         " when a model would be left below its min_replicas with no room for"
-        " a replacement, unless --force.  A node's drain is kept across"
-        " restarts until `undrain`.",
+        " a replacement.  A node's drain is kept across restarts until"
+        " `undrain`.",
     )
     drain.add_argument("kind", choices=("node", "replica"))
     drain.add_argument("id")
     drain.add_argument(
         "--force",
         action="store_true",
-        help="drain even when a model is left below its min_replicas",
+        help="drain at once, unchecked and not replaced first: a model may go"
+        " below its min_replicas",
     )
     undrain = commands.add_parser("undrain", help="let placements use a node again")
     undrain.add_argument("kind", choices=("node",))

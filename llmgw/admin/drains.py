@@ -1,5 +1,5 @@
 """
-The admin API's drain routes (docs/fleet.md, "Drains"; docs/agents.md,
+The admin API's drain routes (docs/catalog.md, "Drains"; docs/agents.md,
 "Stopping engines"): a node or a replica drained (replaced first, refused
 when it would leave a model below its C{min_replicas}; forced, at once),
 a node undrained, and engines stopped or started again on purpose.

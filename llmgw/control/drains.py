@@ -1,6 +1,6 @@
 """
 Drains (L{llmgw.control.plane}) and engines stopped on purpose
-(docs/fleet.md, "Drains"; docs/agents.md, "Stopping engines").
+(docs/catalog.md, "Drains"; docs/agents.md, "Stopping engines").
 
 An operator's drain keeps models up: a replica on a drained node, or one
 drained by its id, first I{leaves}: it serves on while a replacement is

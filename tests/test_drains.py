@@ -15,7 +15,7 @@ from llmgw.control.catalog import Model
 from llmgw.control.drains import DrainRefused
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
-from llmgw.control.views import explain
+from llmgw.control.views import explain, replicas_json
 from llmgw.router.interfaces import Shortfall
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import SETTINGS, Agents, PlaneCase, make_model
@@ -120,6 +120,10 @@ class ReplacedFirstTests(_Case):
         node = self.node_of(replica)
         self.assertTrue(self.plane.drain_replica(replica))
         self.assertFalse(self.plane.drain_replica(replica))
+        (shown,) = replicas_json(self.plane)
+        self.assertEqual(
+            (shown["state"], shown["leaving"]), ("ready", "an operator asked")
+        )
         for _ in range(3):
             self.plane.reconcile()
             self.assertEqual(len(self.endpoints()), 1)

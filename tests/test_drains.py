@@ -209,6 +209,16 @@ class ReplacedFirstTests(_Case):
             [replica],
         )
 
+    def test_undrain_keeps_a_replica_drain(self) -> None:
+        """
+        A replica drained by its id stays leaving when its node is
+        undrained: the undrain takes back only the node's own drain.
+        """
+        replica = self.one_ready()
+        self.plane.drain_replica(replica)
+        self.plane.undrain_node(self.node_of(replica))
+        self.assertIsNotNone(self.plane.replicas[replica].leaving_since)
+
     def test_adopted_on_drained_node_replaced_first(self) -> None:
         """
         A node drained before this start registers with an engine: its

@@ -187,7 +187,8 @@ class Draining:
         node.version += 1
         self._changes.nodes.add(node_id)
         for replica in self._on(node_id):
-            if replica.leaving_since is not None:
+            # Those leaving for this node's drain; not those drained by id.
+            if replica.leaving_reason == f"node {node_id} is draining":
                 replica.leaving_since = None
                 replica.leaving_reason = ""
                 self._changes.model(replica.model)

@@ -157,11 +157,14 @@ class RouterTierTests(_Fleet, SynchronousTestCase):
             "activating model chat: a request is waiting", self.server.output()
         )
 
-        # A drain on the server: gone from the router at once.
+        # A drain on the server (forced: at once, not replaced first): gone
+        # from the router at once.
         (replica,) = self.ready(1)
         seen = len(_endpoint_counts(router))
         status, _, body = http(
-            "POST", self.admin_url + f"/api/v1/replicas/{replica['id']}/drain", b""
+            "POST",
+            self.admin_url + f"/api/v1/replicas/{replica['id']}/drain",
+            b'{"force": true}',
         )
         self.assertEqual(status, 200, body)
         self.within(

@@ -31,7 +31,7 @@ class EngineErrorTests(Processes, SynchronousTestCase):
             stream=stream,
         )
         if stream:
-            for _ in answer:  # type: ignore[union-attr]
+            for _ in answer:
                 pass
 
     def client(self, api: str) -> openai.OpenAI:

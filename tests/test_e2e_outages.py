@@ -13,9 +13,11 @@ import time
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.pg_support import PostgresServer, require_postgres
 from tests.redis_support import RedisServer, require_redis
-from tests.support import Processes
+from tests.support import TWISTD, Processes, spawn
 from tests.test_e2e_store import CHAT, _Ctl
+from tests.test_e2e_tier import FOLLOWING
 
 AWAY = "limits: Redis cannot be reached"
 BACK = "limits: Redis reached again"
@@ -84,3 +86,88 @@ class RedisOutageTests(SynchronousTestCase, Processes, _Ctl):
         output = self.server.output()
         self.assertEqual(output.count(BACK), away, output[-3000:])
         self.assertEqual(output.count(AWAY), away, output[-3000:])
+
+
+class PostgresOutageTests(SynchronousTestCase, Processes, _Ctl):
+    timeout = 240
+
+    def test_postgres_outage_logged_once(self) -> None:
+        """
+        An C{llmgw-router} on a PostgreSQL of the test's own, stopped for
+        8 s while 20 requests of a key go through it (usage flushed every
+        0.5 s, the key events' listener reconnecting, the connection pool
+        reconnecting): about the store, the router logs one warning from
+        the usage writer and one from the key events, and nothing else
+        (before: the pool's own warnings at each reconnection attempt);
+        PostgreSQL back, one line each that it is, and the outage's usage
+        is written.  (The server, leading on the same PostgreSQL, stops by
+        design when it loses its lock: exit 75, docs/standby.md.)
+        """
+        pg = PostgresServer(require_postgres())
+        self.addCleanup(pg.stop)
+        pg.start()
+        db = pg.create_database("llmgw")
+        _, sim = self.start_sim("--max-tokens", "3")
+        config = f'[store]\nurl = "{db}"\nflush_interval = "0.5s"\n'
+        server, _, self.admin_url = self.start_server(
+            "--endpoint", f"sim-0={sim}=sim-model", config=config
+        )
+        server.wait_for("store: listening for key changes")
+        directory = self._directory()
+        path = f"{directory}/router.toml"
+        with open(path, "w") as f:
+            f.write(config)
+        router = spawn(
+            [TWISTD, "-n", "--pidfile=", "llmgw-router", "--config", path]
+            + ["--listen", "tcp:0:interface=127.0.0.1", "--control", self.admin_url],
+            directory,
+            "router",
+        )
+        self.addCleanup(router.stop)
+        match = router.wait_for(r"llmgw-router: client API listening on [\d.]+:(\d+)")
+        router.wait_for("store: listening for key changes")
+        router.wait_for(FOLLOWING.pattern)
+        key = self.ctl_json("keys", "create", "--name", "app", "--rpm", "1000")["key"]
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{match.group(1)}/v1",
+            api_key=key,
+            max_retries=0,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.chat.completions.create(model="sim-model", messages=CHAT)
+                break
+            except openai.AuthenticationError:
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.2)
+        time.sleep(1)
+        before = len(router.output())
+
+        pg.halt()
+        for _ in range(20):
+            client.chat.completions.create(model="sim-model", messages=CHAT)
+            time.sleep(0.2)
+        time.sleep(4)
+        during = router.output()[before:]
+        pg.resume()
+        router.wait_for(r"usage: the store is writable again", 30)
+        deadline = time.monotonic() + 30
+        while router.output().count("store: listening for key changes") < 2:
+            self.assertLess(time.monotonic(), deadline, router.output()[-3000:])
+            time.sleep(0.2)
+        time.sleep(1)
+        after = router.output()[before:]
+        store_lines = [
+            line
+            for line in during.splitlines()
+            if any(
+                word in line
+                for word in ("store", "usage:", "keys:", "psycopg", "pool", "stderr")
+            )
+        ]
+        self.assertEqual(len(store_lines), 2, "\n".join(store_lines))
+        self.assertEqual(after.count("usage: cannot write to the store"), 1, after)
+        self.assertEqual(after.count("store: key changes:"), 1, after)
+        self.assertEqual(after.count("writable again"), 1, after)
+        self.assertNotIn("stderr", after)

@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.pg_support import PostgresServer, require_postgres
 from tests.redis_support import RedisServer, require_redis
-from tests.support import TWISTD, Processes, spawn
+from tests.support import TWISTD, Processes, free_port, spawn
 from tests.test_e2e_store import CHAT, _Ctl
 from tests.test_e2e_tier import FOLLOWING
 
@@ -171,3 +171,48 @@ class PostgresOutageTests(SynchronousTestCase, Processes, _Ctl):
         self.assertEqual(after.count("store: key changes:"), 1, after)
         self.assertEqual(after.count("writable again"), 1, after)
         self.assertNotIn("stderr", after)
+
+
+class EngineMetricsOutageTests(SynchronousTestCase, Processes):
+    timeout = 120
+
+    def test_engine_metrics_outage_logged_once(self) -> None:
+        """
+        One of two engines killed (its C{/metrics} polled every 0.1 s) while
+        20 requests go on: one warning that its load cannot be read, not
+        one per poll or per request; started again on the same port: one
+        line that its load is readable again.
+        """
+        port = free_port()
+        a, _ = self.start_sim("--port", str(port), model="m")
+        _, b = self.start_sim(model="m")
+        config = (
+            '[router]\nload_poll_interval = "100ms"\n'
+            f'[[endpoints]]\nid = "a"\nurl = "http://127.0.0.1:{port}"\n'
+            'models = ["m"]\n'
+            f'[[endpoints]]\nid = "b"\nurl = "{b}"\nmodels = ["m"]\n'
+        )
+        server, api, _ = self.start_server(config=config)
+        client = openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
+        for _ in range(4):
+            client.chat.completions.create(model="m", messages=CHAT)
+        time.sleep(0.5)
+        self.assertNotIn("cannot read engine load", server.output())
+
+        a.popen.kill()
+        a.popen.wait(10)
+        for _ in range(20):
+            try:
+                client.chat.completions.create(model="m", messages=CHAT)
+            except openai.APIError:
+                pass  # the one sent to a before it is ejected
+            time.sleep(0.1)
+        time.sleep(2)  # twenty polls more
+        self.assertEqual(server.output().count("replica a: cannot read engine load"), 1)
+
+        self.start_sim("--port", str(port), model="m")
+        server.wait_for("replica a: engine load readable again", 30)
+        time.sleep(1)
+        output = server.output()
+        self.assertEqual(output.count("replica a: cannot read engine load"), 1, output)
+        self.assertEqual(output.count("replica a: engine load readable again"), 1)

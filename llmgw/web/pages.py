@@ -27,7 +27,8 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import NotFound
 
 from llmgw.control.plane import ControlPlane
-from llmgw.web.fleet import Fleet
+from llmgw.web.fleet import Fleet, window_name
+from llmgw.web.traffic import WINDOWS
 
 CSRF_COOKIE = b"llmgw_csrf"
 
@@ -49,6 +50,7 @@ TEMPLATES = Environment(
     lstrip_blocks=True,
 )
 TEMPLATES.filters["q"] = lambda value: quote(str(value), safe="")
+TEMPLATES.globals["windows"] = [window_name(w) for w in WINDOWS]
 
 
 class Actions(Protocol):

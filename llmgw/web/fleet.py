@@ -16,7 +16,7 @@ from llmgw.control.plane import ControlPlane
 from llmgw.control.records import ReplicaRecord
 from llmgw.control.views import count_states, explain, gpu_allocations, models_json
 from llmgw.router.auth import KeyRing
-from llmgw.web.history import FailureTap, History, Point, chart, sparkline
+from llmgw.web.history import FailureTap, History, Point, chart
 from llmgw.web.traffic import SLOT, WINDOWS, Figures, Series, Traffic, percentile
 
 MIB = 1024 * 1024
@@ -493,11 +493,13 @@ class Fleet:
     def key_rows(self) -> list[dict[str, Any]]:
         """
         @return: each key by name and prefix (never its secret or hash),
-            with its limits, use and a sparkline of tokens per sample.
+            with its limits, use and a chart of its tokens per sample
+            over the last 10 minutes.
         """
         if self.keys is None:
             return []
         now = self.wall_clock()
+        step = self.history.interval
         rows = []
         for key in sorted(self.keys.keys(), key=lambda k: k.name):
             seen = list(self.history.key_tokens.get(key.name, ()))
@@ -514,10 +516,22 @@ class Fleet:
                     "tokens": key.tokens_used,
                     "used": _ago(key.last_used, now),
                     "revoked": key.revoked is not None,
-                    "svg": sparkline(deltas, 160, 28),
+                    "svg": chart(
+                        [
+                            ((len(deltas) - 1 - i) * step, d)
+                            for i, d in enumerate(deltas)
+                        ],
+                        _tokens,
+                        width=220,
+                        height=60,
+                    ),
                 }
             )
         return rows
+
+
+def _tokens(value: float) -> str:
+    return f"{value:g}"
 
 
 def _per_s(value: float) -> str:

@@ -270,7 +270,13 @@ class Dashboard:
 
     @app.route("/keys", methods=["GET"])
     def keys(self, request: IRequest) -> bytes:
-        return self._page(request, "keys.html", "Keys", keys=self.fleet.key_rows())
+        return self._page(
+            request,
+            "keys.html",
+            "Keys",
+            keys=self.fleet.key_rows(),
+            interval=self.fleet.history.interval,
+        )
 
     @app.route("/static/<name>", methods=["GET"])
     def static(self, request: IRequest, name: str) -> bytes:

@@ -97,7 +97,13 @@ def makeService(options: Options) -> IService:
             endpoint = wrapClientTLS(tls_options(config, host), endpoint)
         return endpoint
 
-    service, _ = build_agent(reactor, config, dial)
+    try:
+        service, _ = build_agent(reactor, config, dial)
+    except ConfigError as e:
+        # Another agent holds the state directory: told as any config error.
+        sys.stderr.write(f"llmgw-agent: config error: {e}\n")
+        sys.stderr.flush()
+        raise SystemExit(2) from None
     log.info(
         "link security: {security}",
         security="PLAINTEXT" if config.insecure else "mutual TLS",

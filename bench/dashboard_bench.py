@@ -10,6 +10,9 @@ L{bench/control_bench.py}); 50 keys, 20 engine failures with 50-line
 output tails, and a full sparkline history (120 samples) are added.
 Each page is rendered by the dashboard's own handler, as the admin
 listener's resource calls it (the HTTP framing around it is left out).
+The traffic figures hold 10 minutes of requests, 2 per second per
+replica; the cost each request adds on the router's side (its record
+counted per model and replica) is timed too, in microseconds.
 
     python bench/dashboard_bench.py [--nodes 100] [--gpus 8] [--models 100]
         [--rounds 30]
@@ -40,6 +43,7 @@ from llmgw.router.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, Point
 from llmgw.web.pages import CookieCsrf, Dashboard
+from llmgw.web.traffic import KEPT, SLOT, Traffic
 from llmgw.wire import agent_pb2 as pb
 
 
@@ -87,7 +91,46 @@ def _catalog(count: int) -> list[Model]:
     ]
 
 
-def build(nodes: int, gpus: int, models: int) -> tuple[Dashboard, ControlPlane]:
+class _Record:
+    def __init__(self, model: str, replica: str, i: int) -> None:
+        self.model = model
+        self.replica = replica
+        self.status = 502 if i % 50 == 0 else 200
+        self.stream = True
+        self.time_to_first_token = 0.05 + (i % 97) / 100
+
+
+def fill(traffic: Traffic, clock: Clock, plane: ControlPlane) -> list[_Record]:
+    """
+    Ten minutes of requests: 2 per second for each replica.
+    """
+    records = [
+        _Record(r.model, r.id, i)
+        for i, r in enumerate(plane.replicas.values())
+        for i in (i, i + 1)
+    ]
+    for _ in range(int(KEPT / SLOT)):
+        for _ in range(int(SLOT)):
+            for record in records:
+                traffic.record(record)
+        clock.advance(SLOT)
+    return records
+
+
+def per_request(traffic: Traffic, records: list[_Record], rounds: int = 20) -> float:
+    """
+    @return: microseconds per request that L{Traffic.record} adds.
+    """
+    started = time.perf_counter()
+    for _ in range(rounds):
+        for record in records:
+            traffic.record(record)
+    return (time.perf_counter() - started) / (rounds * len(records)) * 1e6
+
+
+def build(
+    nodes: int, gpus: int, models: int
+) -> tuple[Dashboard, ControlPlane, Traffic, list[_Record]]:
     clock = Clock()
     clock.advance(1000)
     inventory = Inventory()
@@ -162,8 +205,12 @@ def build(nodes: int, gpus: int, models: int) -> tuple[Dashboard, ControlPlane]:
         history.points.append(Point(time.time() - 600 + 5 * i, i % 17, 0.01, 0.2))
         history.record_states(time.time())
         history.sample_keys(keys)
-    fleet = Fleet(inventory, plane, keys, history, failures, wall_clock=time.time)
-    return Dashboard(fleet, _Actions(), CookieCsrf()), plane
+    traffic = Traffic(clock.seconds, plane.catalog.resolve)
+    records = fill(traffic, clock, plane)
+    fleet = Fleet(
+        inventory, plane, keys, history, failures, wall_clock=time.time, traffic=traffic
+    )
+    return Dashboard(fleet, _Actions(), CookieCsrf()), plane, traffic, records
 
 
 def render(page: Any, *args: str, fragment: bool = False) -> bytes:
@@ -182,7 +229,9 @@ def main() -> None:
     parser.add_argument("--models", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=30)
     options = parser.parse_args()
-    dashboard, plane = build(options.nodes, options.gpus, options.models)
+    dashboard, plane, traffic, records = build(
+        options.nodes, options.gpus, options.models
+    )
     replica = sorted(plane.replicas)[0]
     states: dict[str, int] = {}
     for r in plane.replicas.values():
@@ -218,6 +267,7 @@ def main() -> None:
             f"{name:40} {median:10.1f} {p95:8.1f} {len(body):8d}"
             f"  {'ok' if ok else 'MISSED'}"
         )
+    print(f"traffic record per request: {per_request(traffic, records):.2f} us")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from llmgw.control.placement import NoFit, place
 from llmgw.control.plane import ControlPlane
 from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 
+GIB = 1024**3
+
 
 def shard_json(shard: ShardRecord) -> dict[str, Any]:
     """
@@ -86,6 +88,28 @@ def nodes_json(
         for node in nodes:
             node["shards"] = shards.get(node["id"], [])
     return nodes
+
+
+def gpu_allocations(plane: ControlPlane) -> dict[tuple[str, int], tuple[float, int]]:
+    """
+    What the replicas placed on each GPU asked for, as
+    C{llmgw_gpu_memory_allocated_bytes} and C{llmgw_gpu_shards} report it:
+    each live shard (not gone) counts its profile's C{gpu_memory_gb} on
+    every GPU it holds (GB read as GiB, as placement reads it).
+
+    @return: per C{(node id, GPU index)}, C{(bytes allocated, shards)};
+        GPUs nothing holds are absent.
+    """
+    placed: dict[tuple[str, int], tuple[float, int]] = {}
+    for replica in plane.replicas.values():
+        need = replica.profile.gpu_memory_gb * GIB
+        for shard in replica.shards:
+            if shard.state.gone:
+                continue
+            for index in shard.gpus:
+                memory, count = placed.get((shard.node, index), (0.0, 0))
+                placed[shard.node, index] = (memory + need, count + 1)
+    return placed
 
 
 def count_states(states: Iterable[str]) -> dict[str, int]:

@@ -40,6 +40,7 @@ from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
 from llmgw.router.load import LoadBoard
 from llmgw.router.site import make_site
+from llmgw.router.usage_log import UsageSinks
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.local import (
     LocalEngines,
@@ -59,6 +60,7 @@ from llmgw.web.history import FailureTap, History
 from llmgw.web.login import LoginGate, Mount, Sessions, Split
 from llmgw.web.pages import CookieCsrf, Dashboard
 from llmgw.web.profiling import Profiling
+from llmgw.web.traffic import Traffic
 from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
@@ -336,6 +338,10 @@ def pages(
     )
     history = History(reactor, router.metrics, parts.plane, keys, wall_clock=time.time)
     parts.failures.changed = lambda: history.record_states(time.time())
+    # Every finished request also to the dashboard's figures per model and
+    # replica (the metrics' counters name no replica).
+    traffic = Traffic(reactor.seconds, parts.plane.catalog.resolve)
+    router.usage = UsageSinks(router.usage, traffic)
     fleet = Fleet(
         parts.inventory,
         parts.plane,
@@ -343,6 +349,7 @@ def pages(
         history,
         parts.failures,
         router.load,
+        traffic,
         wall_clock=time.time,
         load_clock=reactor.seconds,
     )

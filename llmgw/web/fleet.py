@@ -14,11 +14,13 @@ from typing import Any, Protocol
 from llmgw.control.inventory import Inventory, Node
 from llmgw.control.plane import ControlPlane
 from llmgw.control.records import ReplicaRecord
-from llmgw.control.views import count_states, explain, models_json
+from llmgw.control.views import count_states, explain, gpu_allocations, models_json
 from llmgw.router.auth import KeyRing
-from llmgw.web.history import FailureTap, History, sparkline
+from llmgw.web.history import FailureTap, History, Point, chart
+from llmgw.web.traffic import SLOT, WINDOWS, Figures, Series, Traffic, percentile
 
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 
 
 class EngineLoad(Protocol):
@@ -66,25 +68,80 @@ def _ago(then: float | None, now: float) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
-def _gpus(node: Node, allocated: set[int]) -> list[dict[str, Any]]:
+def _percent(part: float, whole: float) -> int:
+    return min(100, round(100 * part / whole)) if whole > 0 else 0
+
+
+def _gpus(
+    node: Node, allocations: dict[tuple[str, int], tuple[float, int]]
+) -> list[dict[str, Any]]:
+    """
+    @return: per GPU, its memory three ways, GiB: C{total}; C{allocated},
+        what the replicas placed on it asked for (their profiles'
+        C{gpu_memory_gb}); C{used}, what the agent measured, L{None} for a
+        simulated GPU (nothing to measure: it reports 0).
+    """
     out = []
     for gpu in node.gpus:
-        total = gpu.memory_total_mib
-        used = min(gpu.memory_used_mib, total) if total else gpu.memory_used_mib
+        total = gpu.memory_total_mib * MIB
+        allocated, shards = allocations.get((node.id, gpu.index), (0.0, 0))
+        used = None if gpu.simulated else gpu.memory_used_mib * MIB
+        in_use = "simulated" if used is None else f"{used / GIB:.0f} used"
         out.append(
             {
+                # The bar's text, made here: a fleet has hundreds of bars.
+                "bar": f"{gpu.index}: {allocated / GIB:.0f}/{total / GIB:.0f} GiB"
+                f" allocated · {in_use}",
                 "index": gpu.index,
                 "name": gpu.name,
                 "uuid": gpu.uuid,
-                "used_gib": used / 1024,
-                "total_gib": total / 1024,
-                "percent": round(100 * used / total) if total else 0,
+                "total_gib": total / GIB,
+                "allocated_gib": allocated / GIB,
+                "allocated_percent": _percent(allocated, total),
+                "used_gib": used / GIB if used is not None else None,
+                "used_percent": _percent(used or 0, total),
+                "shards": shards,
                 "problems": gpu.problems,
                 "simulated": gpu.simulated,
-                "allocated": gpu.index in allocated,
+                "allocated": shards > 0,
             }
         )
     return out
+
+
+def window_name(seconds: float) -> str:
+    """
+    @return: a window's length as the pages state it (C{"1 min"}).
+    """
+    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s"
+
+
+def _figures(figures: Figures) -> dict[str, Any]:
+    """
+    @return: one window's figures as the pages print them.
+    """
+    error = figures.error_rate
+    return {
+        "window": window_name(figures.seconds),
+        "key": f"{figures.seconds / 60:g}m",
+        "requests": figures.requests,
+        "rate": f"{figures.rate:.1f}"
+        if figures.rate >= 0.05 or not figures.requests
+        else f"{figures.rate:.2f}",
+        "errors": figures.errors,
+        "error_rate": f"{100 * error:.1f}%" if error is not None else "-",
+        "streams": figures.streams,
+        "p50": _ms(figures.ttft_p50),
+        "p95": _ms(figures.ttft_p95),
+    }
 
 
 class Fleet:
@@ -93,6 +150,8 @@ class Fleet:
 
     @param load: C{router.load} when the router polls engine load, else
         L{None} (the replica page says "no reading").
+    @param traffic: the requests per model and replica, or L{None} (the
+        pages show no traffic figures).
     @param wall_clock: POSIX seconds now.
     @param load_clock: the clock of C{load}'s readings (the reactor's
         C{seconds}); C{wall_clock} by default.
@@ -106,6 +165,7 @@ class Fleet:
         history: History,
         failures: FailureTap | None,
         load: LoadBoard | None = None,
+        traffic: Traffic | None = None,
         *,
         wall_clock: Callable[[], float] = time.time,
         load_clock: Callable[[], float] | None = None,
@@ -116,6 +176,7 @@ class Fleet:
         self.history = history
         self.failures = failures
         self.load = load
+        self.traffic = traffic
         self.wall_clock = wall_clock
         self.load_clock = load_clock or wall_clock
 
@@ -124,19 +185,70 @@ class Fleet:
             return []
         return sorted(self.plane.replicas.values(), key=lambda r: (r.model, r.id))
 
-    def _allocated(self) -> dict[str, set[int]]:
+    def _allocations(self) -> dict[tuple[str, int], tuple[float, int]]:
+        return gpu_allocations(self.plane) if self.plane is not None else {}
+
+    def _traffic(self, series: Series | None) -> list[dict[str, Any]]:
         """
-        @return: per node, the GPUs its live shards hold.
+        @return: the series' figures over each of L{WINDOWS}; none
+            without a traffic record.
         """
-        held: dict[str, set[int]] = {}
-        for replica in self._replicas():
-            for shard in replica.shards:
-                if not shard.state.gone:
-                    held.setdefault(shard.node, set()).update(shard.gpus)
-        return held
+        if self.traffic is None:
+            return []
+        return [_figures(f) for f in self.traffic.windows(series, WINDOWS)]
+
+    def model_traffic(self, model: str) -> list[dict[str, Any]]:
+        """
+        @return: a catalog model's figures over each of L{WINDOWS}.
+        """
+        series = self.traffic.models.get(model) if self.traffic else None
+        return self._traffic(series)
+
+    def replica_traffic(self, replica_id: str) -> list[dict[str, Any]]:
+        """
+        @return: a replica's figures over each of L{WINDOWS} (the
+            requests it answered).
+        """
+        series = self.traffic.replicas.get(replica_id) if self.traffic else None
+        return self._traffic(series)
+
+    def _charts(self, series: Series | None) -> list[dict[str, str]]:
+        """
+        @return: a model's charts: requests per second, 5xx share and
+            median time to first token, one point per slot.
+        """
+        if self.traffic is None:
+            return []
+        line = self.traffic.timeline(series)
+        step = f"{SLOT:g} s"
+        return [
+            {
+                "name": f"requests/s (per {step})",
+                "svg": chart(
+                    [(a, s.requests / SLOT if s else 0.0) for a, s in line], _per_s
+                ),
+            },
+            {
+                "name": f"errors, 5xx (per {step})",
+                "svg": chart(
+                    [(a, s.errors / s.requests if s else None) for a, s in line],
+                    _share,
+                ),
+            },
+            {
+                "name": f"time to first token, p50 (per {step})",
+                "svg": chart(
+                    [(a, percentile(s.ttft, 0.5) if s else None) for a, s in line],
+                    _axis_ms,
+                ),
+            },
+        ]
 
     def _node_row(
-        self, node: Node, now: float, allocated: dict[str, set[int]]
+        self,
+        node: Node,
+        now: float,
+        allocations: dict[tuple[str, int], tuple[float, int]],
     ) -> dict[str, Any]:
         return {
             "id": node.id,
@@ -144,20 +256,25 @@ class Fleet:
             "draining": node.draining,
             "connected": node.connected,
             "seen": _ago(node.last_seen, now),
-            "gpus": _gpus(node, allocated.get(node.id, set())),
+            "labels": sorted(node.labels.items()),
+            "gpus": _gpus(node, allocations),
         }
 
     def overview(self) -> dict[str, Any]:
         """
-        @return: nodes (with GPUs), replica counts by state, models with
-            desired and ready, the three sparklines and recent failures.
+        @return: nodes (with GPUs and labels), replica counts by state,
+            models with desired and ready and their traffic over
+            L{WINDOWS}, the headline figures (over the first window) with
+            their charts, and recent failures.
         """
         now = self.wall_clock()
-        allocated = self._allocated()
-        nodes = [self._node_row(n, now, allocated) for n in self.inventory.nodes()]
+        allocations = self._allocations()
+        nodes = [self._node_row(n, now, allocations) for n in self.inventory.nodes()]
         replicas = self._replicas()
         points = list(self.history.points)
-        last = points[-1] if points else None
+        models = models_json(self.plane) if self.plane is not None else []
+        for row in models:
+            row["traffic"] = self.model_traffic(row["name"])
         return {
             "nodes": nodes,
             "node_states": count_states(
@@ -165,26 +282,8 @@ class Fleet:
             ),
             "replica_states": count_states(str(r.state) for r in replicas),
             "replicas": len(replicas),
-            "models": models_json(self.plane) if self.plane is not None else [],
-            "sparks": [
-                {
-                    "name": "requests/s",
-                    "now": f"{last.rate:.1f}" if last else "-",
-                    "svg": sparkline(p.rate for p in points),
-                },
-                {
-                    "name": "errors",
-                    "now": f"{100 * last.error_rate:.1f}%" if last else "-",
-                    "svg": sparkline(p.error_rate for p in points),
-                },
-                {
-                    "name": "time to first token",
-                    "now": f"{last.ttft * 1000:.0f} ms"
-                    if last and last.ttft is not None
-                    else "-",
-                    "svg": sparkline(p.ttft for p in points),
-                },
-            ],
+            "models": models,
+            "sparks": self._sparks(points, now),
             "failures": [
                 {
                     "ago": _ago(f.at, now),
@@ -196,6 +295,51 @@ class Fleet:
                 for f in (self.failures.failures if self.failures else ())
             ],
         }
+
+    def _sparks(self, points: list[Point], now: float) -> list[dict[str, Any]]:
+        """
+        @return: the headline cards: each figure over the first of
+            L{WINDOWS} (the second beside it; "-" without a traffic
+            record), and a chart of the samples of the last 10 minutes.
+        """
+        fleet = self._traffic(self.traffic.fleet if self.traffic else None)
+        empty = {"window": window_name(WINDOWS[0]), "rate": "-", "error_rate": "-"}
+        first, second = fleet if fleet else (empty, empty)
+        step = f"{self.history.interval:g} s"
+
+        def both(figure: Callable[[dict[str, Any]], str]) -> dict[str, str]:
+            return {
+                "window": first["window"],
+                "now": figure(first) if fleet else "-",
+                "also": f"{second['window']}: {figure(second)}" if fleet else "",
+            }
+
+        return [
+            {
+                "id": "rate",
+                "name": "requests/s",
+                **both(lambda f: str(f["rate"])),
+                "svg": chart([(now - p.at, p.rate) for p in points], _per_s),
+                "axis": f"per {step}",
+            },
+            {
+                "id": "errors",
+                "name": "errors (5xx)",
+                **both(lambda f: str(f["error_rate"])),
+                "svg": chart(
+                    [(now - p.at, p.error_rate if p.rate else None) for p in points],
+                    _share,
+                ),
+                "axis": f"share per {step}",
+            },
+            {
+                "id": "ttft",
+                "name": "time to first token p50 / p95 (streams)",
+                **both(lambda f: f"{f['p50']} / {f['p95']}"),
+                "svg": chart([(now - p.at, p.ttft) for p in points], _axis_ms),
+                "axis": f"mean per {step}",
+            },
+        ]
 
     def node(self, node_id: str) -> dict[str, Any] | None:
         """
@@ -219,13 +363,13 @@ class Fleet:
                             "port": shard.port,
                             "state": str(shard.state),
                             "pid": shard.pid,
+                            "traffic": self.replica_traffic(replica.id),
                         }
                     )
         return {
-            **self._node_row(node, now, self._allocated()),
+            **self._node_row(node, now, self._allocations()),
             "address": node.address,
             "agent_version": node.agent_version,
-            "labels": node.labels,
             "cpus": node.cpus,
             "memory_gib": node.memory_bytes / (1024 * MIB),
             "shards": shards,
@@ -281,6 +425,7 @@ class Fleet:
                 for at, state in reversed(self.history.states.get(replica_id, ()))
             ],
             "load": self._load(replica_id, self.load_clock()),
+            "traffic": self.replica_traffic(replica_id),
         }
 
     def _load(self, replica_id: str, now: float) -> dict[str, Any]:
@@ -329,11 +474,16 @@ class Fleet:
                 for p in model.profiles
             ],
             "placement": explain(plane, model.name),
+            "traffic": self.model_traffic(model.name),
+            "charts": self._charts(
+                self.traffic.models.get(model.name) if self.traffic else None
+            ),
             "replica_rows": [
                 {
                     "id": r.id,
                     "state": str(r.state),
                     "nodes": ", ".join(sorted({s.node for s in r.shards})),
+                    "traffic": self.replica_traffic(r.id),
                 }
                 for r in self._replicas()
                 if r.model == model.name
@@ -343,11 +493,13 @@ class Fleet:
     def key_rows(self) -> list[dict[str, Any]]:
         """
         @return: each key by name and prefix (never its secret or hash),
-            with its limits, use and a sparkline of tokens per sample.
+            with its limits, use and a chart of its tokens per sample
+            over the last 10 minutes.
         """
         if self.keys is None:
             return []
         now = self.wall_clock()
+        step = self.history.interval
         rows = []
         for key in sorted(self.keys.keys(), key=lambda k: k.name):
             seen = list(self.history.key_tokens.get(key.name, ()))
@@ -364,7 +516,31 @@ class Fleet:
                     "tokens": key.tokens_used,
                     "used": _ago(key.last_used, now),
                     "revoked": key.revoked is not None,
-                    "svg": sparkline(deltas, 160, 28),
+                    "svg": chart(
+                        [
+                            ((len(deltas) - 1 - i) * step, d)
+                            for i, d in enumerate(deltas)
+                        ],
+                        _tokens,
+                        width=220,
+                        height=60,
+                    ),
                 }
             )
         return rows
+
+
+def _tokens(value: float) -> str:
+    return f"{value:g}"
+
+
+def _per_s(value: float) -> str:
+    return f"{value:g}/s"
+
+
+def _share(value: float) -> str:
+    return f"{100 * value:g}%"
+
+
+def _axis_ms(value: float) -> str:
+    return f"{value * 1000:g} ms" if value < 10 else f"{value:g} s"

@@ -11,9 +11,11 @@ memory only: a restart starts them empty.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from html import escape
 from typing import Any, Protocol
 
 from twisted.application.service import Service
@@ -271,12 +273,27 @@ def shard_gone(state: str) -> bool:
         return False
 
 
+def _coords(points: list[float], width: float, height: float) -> str:
+    """
+    @return: C{points} (oldest first, at least two) spread over C{width}
+        and scaled to their maximum within C{height}, 2 units from each
+        edge, as a polyline's C{points}.
+    """
+    top = max(points) or 1.0
+    step = width / (len(points) - 1)
+    return " ".join(
+        f"{i * step:.1f},{height - 2 - (v / top) * (height - 4):.1f}"
+        for i, v in enumerate(points)
+    )
+
+
 def sparkline(
     values: Iterable[float | None], width: int = 240, height: int = 40
 ) -> str:
     """
     An inline SVG polyline of C{values}, oldest first, scaled to their
-    maximum (a flat line at the bottom when all are zero or none).
+    maximum (a flat line at the bottom when all are zero or none); no
+    axes (L{chart} draws them).
 
     @return: SVG markup (safe: numbers only).
     """
@@ -284,14 +301,106 @@ def sparkline(
     if len(points) < 2:
         # One sample, or none: a line from zero to it.
         points = [0.0, *points] if points else [0.0, 0.0]
-    top = max(points) or 1.0
-    step = width / (len(points) - 1)
-    coords = " ".join(
-        f"{i * step:.1f},{height - 2 - (v / top) * (height - 4):.1f}"
-        for i, v in enumerate(points)
-    )
     return (
         f'<svg class="spark" viewBox="0 0 {width} {height}" width="{width}"'
         f' height="{height}" role="img"><polyline fill="none"'
-        f' stroke="currentColor" stroke-width="1.5" points="{coords}"/></svg>'
+        f' stroke="currentColor" stroke-width="1.5"'
+        f' points="{_coords(points, width, height)}"/></svg>'
     )
+
+
+def nice_top(value: float) -> float:
+    """
+    @return: the least of 1, 2, 2.5, 5 times a power of ten that is at
+        least C{value} (1 for nothing above zero): a chart's top line.
+    """
+    if value <= 0:
+        return 1.0
+    power = 10.0 ** math.floor(math.log10(value))
+    for step in (1.0, 2.0, 2.5, 5.0, 10.0):
+        if value <= step * power * (1 + 1e-9):
+            return step * power
+    return 10.0 * power
+
+
+def _age(seconds: float) -> str:
+    if seconds < 1:
+        return "now"
+    if seconds < 120:
+        return f"-{seconds:.0f}s"
+    return f"-{seconds / 60:.0f}m"
+
+
+def chart(
+    points: Iterable[tuple[float, float | None]],
+    label: Callable[[float], str],
+    *,
+    span: float = 600.0,
+    width: int = 260,
+    height: int = 92,
+) -> str:
+    """
+    An inline SVG line chart with axes: time along the bottom, from
+    C{span} seconds ago at the left to now at the right, ticked and
+    labelled (C{-10m} ... C{now}); the values up the left, from 0 to a
+    round top (L{nice_top}) with the top and middle labelled by C{label}
+    and drawn as grid lines.  A value of L{None} (nothing measured then)
+    breaks the line.
+
+    @param points: C{(seconds ago, value)}, oldest first.
+    @param label: a value as its axis label (its unit included).
+    @return: SVG markup (safe: numbers and C{label}'s text, escaped).
+    """
+    left, right, top_margin, bottom = 44.0, 8.0, 6.0, 16.0
+    plot_w = width - left - right
+    plot_h = height - top_margin - bottom
+    kept = [(age, v) for age, v in points if 0 <= age <= span]
+    top = nice_top(max((v for _, v in kept if v is not None), default=0.0))
+
+    def x(age: float) -> float:
+        return left + plot_w * (1 - age / span)
+
+    def y(value: float) -> float:
+        return top_margin + plot_h * (1 - value / top)
+
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {width} {height}" width="{width}"'
+        f' height="{height}" role="img" font-size="9">'
+    ]
+    for level in (top, top / 2):
+        parts.append(
+            f'<line class="grid" x1="{left}" x2="{width - right}" y1="{y(level):.1f}"'
+            f' y2="{y(level):.1f}"/><text class="axis" x="{left - 3}"'
+            f' y="{y(level) + 3:.1f}" text-anchor="end">{escape(label(level))}</text>'
+        )
+    base = top_margin + plot_h
+    parts.append(
+        f'<text class="axis" x="{left - 3}" y="{base + 3:.1f}"'
+        f' text-anchor="end">{escape(label(0.0))}</text>'
+        f'<line class="axis" x1="{left}" x2="{width - right}" y1="{base}"'
+        f' y2="{base}"/><line class="axis" x1="{left}" x2="{left}"'
+        f' y1="{top_margin}" y2="{base}"/>'
+    )
+    tick = span / 5
+    for i in range(6):
+        age = span - i * tick
+        anchor = "start" if i == 0 else "end" if i == 5 else "middle"
+        parts.append(
+            f'<line class="axis" x1="{x(age):.1f}" x2="{x(age):.1f}" y1="{base}"'
+            f' y2="{base + 3}"/><text class="axis" x="{x(age):.1f}"'
+            f' y="{height - 3}" text-anchor="{anchor}">{_age(age)}</text>'
+        )
+    run: list[str] = []
+    ended: list[tuple[float, float | None]] = [*kept, (0.0, None)]
+    for age, value in ended:
+        if value is None:
+            if len(run) == 1:
+                cx, cy = run[0].split(",")
+                parts.append(f'<circle class="line" cx="{cx}" cy="{cy}" r="1.5"/>')
+            elif run:
+                parts.append(f'<polyline class="line" points="{" ".join(run)}"/>')
+            run = []
+        else:
+            run.append(f"{x(age):.1f},{y(value):.1f}")
+    parts.append("</svg>")
+    return "".join(parts)

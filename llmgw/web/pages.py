@@ -28,7 +28,8 @@ from werkzeug.exceptions import NotFound
 
 from llmgw.control.drains import DrainRefused
 from llmgw.control.plane import ControlPlane
-from llmgw.web.fleet import Fleet
+from llmgw.web.fleet import Fleet, window_name
+from llmgw.web.traffic import WINDOWS
 
 CSRF_COOKIE = b"llmgw_csrf"
 
@@ -50,6 +51,7 @@ TEMPLATES = Environment(
     lstrip_blocks=True,
 )
 TEMPLATES.filters["q"] = lambda value: quote(str(value), safe="")
+TEMPLATES.globals["windows"] = [window_name(w) for w in WINDOWS]
 
 
 class Actions(Protocol):
@@ -274,7 +276,13 @@ class Dashboard:
 
     @app.route("/keys", methods=["GET"])
     def keys(self, request: IRequest) -> bytes:
-        return self._page(request, "keys.html", "Keys", keys=self.fleet.key_rows())
+        return self._page(
+            request,
+            "keys.html",
+            "Keys",
+            keys=self.fleet.key_rows(),
+            interval=self.fleet.history.interval,
+        )
 
     @app.route("/static/<name>", methods=["GET"])
     def static(self, request: IRequest, name: str) -> bytes:

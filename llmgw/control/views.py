@@ -72,6 +72,7 @@ def nodes_json(
         its model and replica.
     """
     nodes = [node.to_json() for node in inventory.nodes()]
+    allocated: dict[tuple[str, int], float] = {}
     if plane is not None:
         shards: dict[str, list[dict[str, Any]]] = {}
         for replica in plane.replicas.values():
@@ -79,9 +80,33 @@ def nodes_json(
                 shards.setdefault(shard.node, []).append(
                     {**shard_json(shard), "model": replica.model, "replica": replica.id}
                 )
+                if not shard.state.gone:
+                    for index in shard.gpus:
+                        where = (shard.node, index)
+                        need = replica.profile.gpu_memory_gb * 1024
+                        allocated[where] = allocated.get(where, 0.0) + need
         for node in nodes:
             node["shards"] = shards.get(node["id"], [])
+    for node in nodes:
+        _allocations(node, allocated)
     return nodes
+
+
+def _allocations(node: dict[str, Any], allocated: dict[tuple[str, int], float]) -> None:
+    """
+    Add to each GPU of C{node} C{memory_allocated_mib} (what the shards
+    placed on it asked for: their profile's C{gpu_memory_gb}, as the
+    metric C{llmgw_gpu_memory_allocated_bytes}) and C{allocated} (a shard
+    is placed on it), and to the node C{free_gpus}: its GPUs with no
+    shard and no problem, those a placement may take whole.
+    """
+    free = 0
+    for gpu in node["gpus"]:
+        where = (node["id"], gpu["index"])
+        gpu["allocated"] = where in allocated
+        gpu["memory_allocated_mib"] = round(allocated.get(where, 0.0))
+        free += not gpu["allocated"] and not gpu["problems"]
+    node["free_gpus"] = free
 
 
 def count_states(states: Iterable[str]) -> dict[str, int]:

@@ -35,6 +35,8 @@ class _Ctl:
             text=True,
             timeout=60,
             env=hermetic_env(),
+            # Never the test runner's terminal: ctl asks nothing of a test.
+            stdin=subprocess.DEVNULL,
         )
         if ok and done.returncode != 0:
             raise AssertionError(f"llmgw ctl {' '.join(args)}: {done.stderr}")
@@ -592,7 +594,7 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
 
         # Collect: the unused entries go; the symlink itself goes, what it
         # points to outside stays.
-        done = self.ctl("weights", "--collect").stdout
+        done = self.ctl("weights", "--collect", "--yes").stdout
         self.assertIn("removed " + os.path.join(weights, "old-checkout"), done)
         self.assertEqual(
             sorted(os.listdir(weights)), ["models--org--used-model", "used.gguf"]

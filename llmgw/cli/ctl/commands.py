@@ -7,6 +7,7 @@ returns its JSON (printed with C{--json}) and the text printed otherwise.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 import tomllib
 import urllib.parse
@@ -25,12 +26,15 @@ JSON, the text for a person).  Raises L{CtlError} to fail with one line.
 
 def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{status}: each field of the status on a line, counts by state.
+    C{status}: each field of the status on a line, counts by state; what
+    holds placements back, if anything, in words.
     """
     result = client.call("GET", "/api/v1/status")
     lines = []
     for name, value in result.items():
-        if isinstance(value, dict):
+        if name == "placement":
+            lines.append(f"placement: {_placement_words(value)}\n")
+        elif isinstance(value, dict):
             shown = ", ".join(f"{n} {c}" for n, c in value.items()) or "-"
         else:
             shown = cell(value)
@@ -38,11 +42,37 @@ def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any,
     return result, "".join(lines)
 
 
+def _placement_words(placement: dict[str, Any] | None) -> str:
+    if placement is None:
+        return "- (no control plane)"
+    if placement.get("waiting_for") == "startup_grace":
+        return (
+            f"waiting for the start-up grace: {placement['seconds_left']:g} s left"
+            f" of [control] startup_grace = {placement['startup_grace']:g} s;"
+            " nothing is placed or scaled down until then, while agents"
+            " reconnect and their engines are adopted"
+        )
+    return "active"
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.1f}"
+
+
+def _memory(node: dict[str, Any], field: str) -> str:
+    return _gib(sum(g.get(field) or 0 for g in node["gpus"]))
+
+
 def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{nodes}: a table of the nodes, their state, GPUs and last report.
+    C{nodes}: a table of the nodes: state, GPUs (how many, how many free:
+    no shard on them and no problem), their memory in GiB (allocated to
+    shards, as their profiles ask; used, as the agent reports; total) and
+    the last report.  C{nodes NODE}: that node in full (L{node_detail}).
     """
     result = client.call("GET", "/api/v1/nodes")
+    if args.node is not None:
+        return node_detail(result, args.node)
     rows = [
         (
             n["id"],
@@ -50,13 +80,90 @@ def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
             n["connected"],
             n["address"],
             len(n["gpus"]),
+            n.get("free_gpus"),
             ",".join(sorted({g["name"] for g in n["gpus"]})),
+            _memory(n, "memory_allocated_mib"),
+            _memory(n, "memory_used_mib"),
+            _memory(n, "memory_total_mib"),
             n["last_seen"][:19],
         )
         for n in result["nodes"]
     ]
-    header = ("NODE", "STATE", "CONNECTED", "ADDRESS", "GPUS", "GPU TYPES", "LAST SEEN")
+    header = (
+        "NODE",
+        "STATE",
+        "CONNECTED",
+        "ADDRESS",
+        "GPUS",
+        "FREE",
+        "GPU TYPES",
+        "ALLOC GiB",
+        "USED GiB",
+        "TOTAL GiB",
+        "LAST SEEN",
+    )
     return result, table(rows, header)
+
+
+def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
+    """
+    C{nodes NODE}: one node's fields, its GPUs (memory in GiB, allocated,
+    used, total; the shards on each) and its shards.
+
+    @raise CtlError: no such node (the known ones named).
+    """
+    found = [n for n in listed["nodes"] if n["id"] == node_id]
+    if not found:
+        known = ", ".join(n["id"] for n in listed["nodes"]) or "none"
+        raise CtlError(f"no node {node_id!r} (nodes: {known})")
+    (node,) = found
+    simulated = any(g.get("simulated") for g in node["gpus"])
+    lines = [
+        f"node: {node['id']}",
+        "state: " + node["state"] + (" draining" if node.get("draining") else ""),
+        f"connected: {cell(node['connected'])}",
+        f"address: {cell(node['address'])}",
+        f"agent version: {cell(node.get('agent_version'))}",
+        f"labels: {cell([f'{k}={v}' for k, v in (node.get('labels') or {}).items()])}",
+        f"cpus: {cell(node.get('cpus'))}",
+        f"memory: {size(node['memory_bytes']) if node.get('memory_bytes') else '-'}",
+        f"gpus: {len(node['gpus'])}, {node.get('free_gpus')} free"
+        + (" (simulated)" if simulated else ""),
+        f"last seen: {node['last_seen'][:19]}",
+    ]
+    on_gpu: dict[int, list[str]] = {}
+    for shard in node.get("shards") or ():
+        for index in shard["gpus"]:
+            on_gpu.setdefault(index, []).append(shard.get("replica") or shard["id"])
+    gpus = [
+        (
+            g["index"],
+            g["name"],
+            _gib(g.get("memory_allocated_mib") or 0),
+            _gib(g["memory_used_mib"]),
+            _gib(g["memory_total_mib"]),
+            on_gpu.get(g["index"], []),
+            g["problems"],
+        )
+        for g in node["gpus"]
+    ]
+    gpu_header = ("GPU", "NAME", "ALLOC GiB", "USED GiB", "TOTAL GiB", "REPLICAS")
+    shards = [
+        (s.get("replica"), s.get("model"), s["state"], s["gpus"], s["port"], s["pid"])
+        for s in node.get("shards") or ()
+    ]
+    text = (
+        "\n".join(lines)
+        + "\n\n"
+        + table(gpus, (*gpu_header, "PROBLEMS"))
+        + "\n"
+        + (
+            table(shards, ("REPLICA", "MODEL", "STATE", "GPU IDS", "PORT", "PID"))
+            if shards
+            else "no shards\n"
+        )
+    )
+    return node, text
 
 
 def replicas(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
@@ -164,6 +271,12 @@ def models_scale(
         f"model {result['name']}: min {result['min_replicas']},"
         f" max {result['max_replicas']}, desired {result['desired']}\n"
     )
+    if not result.get("runtime", True):
+        text += (
+            f"model {result['name']} is declared in the config file: this lasts"
+            " until the server's next start, which takes the file's"
+            " min_replicas and max_replicas again; change the file to keep it\n"
+        )
     return result, text
 
 
@@ -274,11 +387,59 @@ def keys_create(
     for field in ("rpm", "tpm", "budget_tokens"):
         if getattr(args, field) is not None:
             fields[field] = getattr(args, field)
+    if args.expires is not None:
+        fields["expires"] = _expires(args.expires)
     result = client.call("POST", "/api/v1/keys", fields)
     text = (
         f"{result['key']}\nkey {result['name']} created; it is shown only this once.\n"
     )
     return result, text
+
+
+def _expires(value: str) -> str | float:
+    """
+    @return: C{--expires} as the API takes it: POSIX seconds as a number,
+        a duration or an ISO time as given.
+    """
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def keys_update(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{keys update NAME}: a key's models, limits or expiry changed; what is
+    not given stays.
+    """
+    fields: dict[str, Any] = {}
+    if args.models is not None:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not models:
+            raise CtlError("keys update: --models is empty (--models all for all)")
+        fields["models"] = None if models == ["all"] else models
+    # Absent from args unless given (a given "none" is None).
+    for field in ("rpm", "tpm", "budget_tokens"):
+        if hasattr(args, field):
+            fields[field] = getattr(args, field)
+    if args.expires is not None:
+        never = args.expires.lower() == "never"
+        fields["expires"] = None if never else _expires(args.expires)
+    if not fields:
+        raise CtlError(
+            "keys update: give --models, --rpm, --tpm, --budget-tokens or --expires"
+        )
+    k = client.call("PATCH", f"/api/v1/keys/{quote(args.name)}", fields)
+    shown = cell(k["models"]) if k["models"] else "all"
+    text = (
+        f"key {k['name']} ({k['prefix']}...): models {shown},"
+        f" rpm {cell(k['rpm'])}, tpm {cell(k['tpm'])},"
+        f" budget {cell(k['budget_tokens'])},"
+        f" expires {when(k['expires']) or 'never'}\n"
+    )
+    return k, text
 
 
 def keys_revoke(
@@ -310,6 +471,7 @@ def keys_list(
             when(k["created"]),
             when(k["last_used"]),
             k["tokens_used"],
+            when(k.get("expires")),
             when(k["revoked"]),
         )
         for k in result["keys"]
@@ -325,6 +487,7 @@ def keys_list(
         "CREATED",
         "LAST USED",
         "TOKENS USED",
+        "EXPIRES",
         "REVOKED",
     )
     return result, table(rows, header)
@@ -349,6 +512,7 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
             g["errors"],
             g["prompt_tokens"],
             g["completion_tokens"],
+            g.get("answered"),
             g["mean_latency"],
             g["mean_time_to_first_token"],
         )
@@ -360,23 +524,83 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
         "ERRORS",
         "PROMPT TOKENS",
         "COMPLETION TOKENS",
+        "ANSWERED",
         "MEAN LATENCY S",
         "MEAN TTFT S",
     )
+    # Both means are over the answered requests (a first byte came).
     return result, table(rows, header)
 
 
 def weights(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{weights}: the model files on the nodes; with C{--collect} or C{--remove}, deleted.
+    C{weights}: the model files on the nodes; with C{--collect} or
+    C{--remove}, deleted.  C{--collect} lists what it would delete and asks
+    first, on a terminal, unless C{--yes}; without a terminal it needs
+    C{--yes} (L{_confirmed_collect}).
     """
     if args.dry_run and not args.collect:
         raise CtlError("weights: --dry-run goes with --collect")
+    if args.yes and not args.collect:
+        raise CtlError("weights: --yes goes with --collect")
     if args.remove:
         return _weights_remove(client, args.remove)
+    if args.collect and not args.dry_run and not args.yes:
+        return _confirmed_collect(client, out)
     if args.collect:
         return _weights_collect(client, args.dry_run, out)
     return _weights_list(client)
+
+
+def _confirmed_collect(client: Client, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{weights --collect} without C{--yes}: the files nothing uses listed
+    on stderr, a question, and on C{y} exactly those deleted, node by node
+    (through C{weights --remove}'s route, which refuses a file that became
+    used meanwhile).
+
+    @raise CtlError: stdin is not a terminal (nothing asked, nothing
+        deleted), the answer was not yes, or a node refused.
+    """
+    _refuse_truncated(client)
+    if not sys.stdin.isatty():
+        raise CtlError(
+            "weights --collect: deletes only after asking, and stdin is not"
+            " a terminal: give --yes to delete without asking (--dry-run lists)"
+        )
+    listed = client.call("POST", "/api/v1/weights/collect", {"dry_run": True})
+    unused = [(n["node"], e) for n in listed["nodes"] for e in n["unused"]]
+    if not unused:
+        return listed, "nothing unused\n"
+    for node, entry in unused:
+        sys.stderr.write(f"{node}: {entry['path']} ({size(entry['size_bytes'])})\n")
+    total = size(sum(e["size_bytes"] for _, e in unused))
+    sys.stderr.write(f"delete these {len(unused)} entries ({total})? [y/N] ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline().strip().lower()
+    if answer not in ("y", "yes"):
+        raise CtlError("weights --collect: not confirmed; nothing deleted")
+    nodes = []
+    for n in listed["nodes"]:
+        paths = [e["path"] for e in n["unused"]]
+        error = None
+        if paths:
+            try:
+                client.call(
+                    "POST",
+                    f"/api/v1/nodes/{quote(n['node'])}/weights/remove",
+                    {"paths": paths},
+                )
+            except CtlError as e:
+                error = str(e)
+        nodes.append(
+            {
+                **n,
+                "removed": bool(paths) and error is None,
+                "error": error or n["error"],
+            }
+        )
+    return _collected({"dry_run": False, "nodes": nodes}, False, out)
 
 
 def _weights_remove(client: Client, remove: list[str]) -> tuple[Any, str]:
@@ -411,6 +635,10 @@ def _weights_collect(client: Client, dry_run: bool, out: IO[str]) -> tuple[Any, 
     if not dry_run:
         _refuse_truncated(client)
     result = client.call("POST", "/api/v1/weights/collect", {"dry_run": dry_run})
+    return _collected(result, dry_run, out)
+
+
+def _collected(result: Any, dry_run: bool, out: IO[str]) -> tuple[Any, str]:
     lines = []
     for n in result["nodes"]:
         verb = "would remove" if dry_run else ("removed" if n["removed"] else "kept")
@@ -469,6 +697,7 @@ COMMANDS: dict[str, Command] = {
     "undrain": undrain,
     "keys list": keys_list,
     "keys create": keys_create,
+    "keys update": keys_update,
     "keys revoke": keys_revoke,
     "usage": usage,
     "weights": weights,

@@ -62,6 +62,11 @@ COUNT = "integer >= 0"
 The kind of a key that is a whole number, 0 or more.
 """
 
+POSITIVE = "integer >= 1"
+"""
+The kind of a key that is a whole number, 1 or more.
+"""
+
 REQUIRED = object()
 """
 The default of a key that has none: the table must give it.

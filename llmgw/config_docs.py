@@ -2,7 +2,7 @@
 The configuration reference, C{docs/configuration.md}, printed from the
 settings themselves: every table the server's file (L{SERVER_TABLES}) and
 the agent's file (L{AGENT_TABLES}) take, each key with its kind, default
-and meaning as its table declares it (L{llmgw.config_checks.Table}).
+and meaning as its table declares it (L{llmgw.config_checks.Table})::
 
     python -m llmgw.config_docs            # write docs/configuration.md
     python -m llmgw.config_docs --check    # exit 1 when it is stale

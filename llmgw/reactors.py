@@ -6,7 +6,7 @@ what it calls (L{IReactorTime} alone for a clock); only a daemon's
 C{tap.py} holds the whole reactor (L{IDaemonReactor}, from
 L{global_reactor}).
 
-These are zope interfaces, not L{typing.Protocol}s: mypy-zope checks them
+These are zope interfaces, not C{typing.Protocol}s: mypy-zope checks them
 by name, so a reactor typed with an intersection is accepted wherever one
 of its parts is asked for.
 """

@@ -179,10 +179,14 @@ class LinkRuleTests(SynchronousTestCase):
 
     def test_new_connection_replaces_old(self) -> None:
         """
-        A second connection for the same node closes the first; the first
-        going away then does not mark the node disconnected.
+        A second connection from the same agent (its C{agent_instance}:
+        the agent connecting again) closes the first; the first going away
+        then does not mark the node disconnected.  (Another agent's is
+        refused: L{tests.test_refusals}.)
         """
-        register = _frame(pb.AgentMessage(register=pb.Register(node_id="n1")))
+        register = _frame(
+            pb.AgentMessage(register=pb.Register(node_id="n1", agent_instance="a1"))
+        )
         first, first_transport = self.connect()
         second, _ = self.connect()
         with capturedLogs():

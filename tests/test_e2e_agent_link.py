@@ -19,6 +19,8 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.codec import FrameDecoder
 from tests.support import (
     BIN,
     CaseMixin,
@@ -239,7 +241,9 @@ class LinkRobustnessTests(_Fleet, SynchronousTestCase):
         """
         Over an authenticated TLS connection, a frame over the maximum and
         random garbage each close that connection only: a registered agent
-        stays connected and the server keeps answering.
+        stays connected and the server keeps answering.  The frame over the
+        maximum is told as a refusal (a Refused, code bad_frame) before the
+        close.
         """
         self.start_agent("gpu-01", os.path.join(self.ca, "agents", "gpu-01"))
         self.wait_for_node("gpu-01")
@@ -248,16 +252,35 @@ class LinkRobustnessTests(_Fleet, SynchronousTestCase):
         context.load_cert_chain(
             os.path.join(folder, "agent.pem"), os.path.join(folder, "agent-key.pem")
         )
+        told: list[list[pb.ControlMessage]] = []
         for attack in (b"\x7f\xff\xff\xff" + b"x" * 100, os.urandom(4096)):
             with socket.create_connection(
                 ("127.0.0.1", self.agent_port), timeout=10
             ) as raw:
                 with context.wrap_socket(raw, server_hostname="localhost") as tls:
                     tls.sendall(attack)
+                    received = b""
                     try:
-                        self.assertEqual(tls.recv(100), b"")
+                        # Until the server closes it: what it said first.
+                        while chunk := tls.recv(100):
+                            received += chunk
                     except (ssl.SSLError, ConnectionResetError):
                         pass
+                    told.append(
+                        [
+                            pb.ControlMessage.FromString(frame)
+                            for frame in FrameDecoder().feed(received)
+                        ]
+                    )
+        (oversize,) = told[0]
+        self.assertEqual(
+            (oversize.refused.code, oversize.refused.reason),
+            ("bad_frame", "frame of 2147483647 bytes: over the maximum of 4194304"),
+        )
+        # Garbage is refused one way or another (a bad frame, or a message
+        # that is not Register): told, if anything is.
+        self.assertLessEqual(len(told[1]), 1)
+        self.assertTrue(all(m.HasField("refused") for m in told[1]))
         self.server.wait_for(r"frame of 2147483647 bytes")
         self.assertTrue(self.wait_for_node("gpu-01")["connected"])
         self.assertEqual(http("GET", self.admin_url + "/healthz")[0], 200)

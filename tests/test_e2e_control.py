@@ -420,6 +420,8 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         thread = threading.Thread(target=stream)
         thread.start()
         self.until(lambda: len(chunks) >= 3, 10, "the stream started")
+        # A drain with no room elsewhere yet would be refused (409).
+        self.until(lambda: len(self.admin("/api/v1/nodes")["nodes"]) == 2, 20, "nodes")
         drained = self.admin(f"/api/v1/nodes/{node}/drain", "POST")
         self.assertEqual(drained["draining_replicas"], [replica["id"]])
         self.assertTrue(_alive(pid))

@@ -49,7 +49,11 @@ def _frame(**kind: Any) -> bytes:
 
 
 def _register() -> bytes:
-    return _frame(register=pb.Register(node_id="n1", address="127.0.0.1"))
+    # One agent's (one agent_instance), connecting again in
+    # test_replaced_link_ignored: another agent's would be refused.
+    return _frame(
+        register=pb.Register(node_id="n1", address="127.0.0.1", agent_instance="a1")
+    )
 
 
 def _ready(shard_id: str) -> bytes:

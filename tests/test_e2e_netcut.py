@@ -218,7 +218,11 @@ class NetcutTests(_Netcut, SynchronousTestCase):
         self.fleet(SIM.format(low=1, args='["--itl", "0.05"]'), "gpu-01")
         self.ready(1)
         thread, chunks, errors = self.streaming()
-        self.admin("/api/v1/nodes/gpu-01/drain", "POST")
+        # Forced: its only node, no room for a replacement first.
+        status, _, body = http(
+            "POST", self.admin_url + "/api/v1/nodes/gpu-01/drain", b'{"force": true}'
+        )
+        self.assertEqual(status, 200, body)
         drained = time.monotonic()
         time.sleep(1)
         self.assertEqual(errors, [])

@@ -168,11 +168,14 @@ class RouterTierTests(_Fleet, SynchronousTestCase):
             "activating model chat: a request is waiting", self.server.output()
         )
 
-        # A drain on the server: gone from the router at once.
+        # A drain on the server (forced: at once, not replaced first): gone
+        # from the router at once.
         (replica,) = self.ready(1)
         seen = len(_endpoint_counts(router))
         status, _, body = http(
-            "POST", self.admin_url + f"/api/v1/replicas/{replica['id']}/drain", b""
+            "POST",
+            self.admin_url + f"/api/v1/replicas/{replica['id']}/drain",
+            b'{"force": true}',
         )
         self.assertEqual(status, 200, body)
         self.within(
@@ -186,6 +189,34 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
     """
 
     timeout = 120
+
+    def start_router(self, control: str, *extra: str) -> tuple[Process, str]:
+        """
+        Start C{twistd -n llmgw-router} following C{control}.
+
+        @return: the process and its client API's base URL.
+        """
+        directory = self._directory()
+        process = spawn(
+            [
+                TWISTD,
+                "-n",
+                "--pidfile=",
+                "llmgw-router",
+                "--listen",
+                "tcp:0:interface=127.0.0.1",
+                "--control",
+                control,
+                "--state-dir",
+                os.path.join(directory, "router-state"),
+                *extra,
+            ],
+            directory,
+            f"router-{time.monotonic_ns()}",
+        )
+        self.addCleanup(process.stop)
+        match = process.wait_for(r"client API listening on [\d.]+:(\d+)")
+        return process, f"http://127.0.0.1:{match.group(1)}"
 
     def chat(self, url: str, key: str = "") -> int:
         headers = {"content-type": "application/json"}
@@ -321,33 +352,10 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
             f"e1={sim}=sim-model",
         )
         control = admin.replace("http://", "https://")
-
-        def router(*extra: str) -> tuple[Process, str]:
-            process = spawn(
-                [
-                    TWISTD,
-                    "-n",
-                    "--pidfile=",
-                    "llmgw-router",
-                    "--listen",
-                    "tcp:0:interface=127.0.0.1",
-                    "--control",
-                    control,
-                    "--state-dir",
-                    os.path.join(directory, "router-state"),
-                    *extra,
-                ],
-                directory,
-                f"router-{time.monotonic_ns()}",
-            )
-            self.addCleanup(process.stop)
-            match = process.wait_for(r"client API listening on [\d.]+:(\d+)")
-            return process, f"http://127.0.0.1:{match.group(1)}"
-
-        trusted, url = router("--control-ca", f"{ca}/ca.pem")
+        trusted, url = self.start_router(control, "--control-ca", f"{ca}/ca.pem")
         trusted.wait_for(FOLLOWING.pattern)
         self.assertEqual(self.chat(url), 200)
-        untrusted, _ = router()
+        untrusted, _ = self.start_router(control)
         untrusted.wait_for(r"cannot watch the control plane at https://")
         self.assertNotRegex(untrusted.output(), FOLLOWING.pattern)
 
@@ -369,28 +377,8 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
         path = os.path.join(directory, "router.toml")
         with open(path, "w") as f:
             f.write('[router]\nbalance = "round_robin"\n')
-        process = spawn(
-            [
-                TWISTD,
-                "-n",
-                "--pidfile=",
-                "llmgw-router",
-                "--config",
-                path,
-                "--listen",
-                "tcp:0:interface=127.0.0.1",
-                "--control",
-                admin,
-                "--state-dir",
-                os.path.join(directory, "router-state"),
-            ],
-            directory,
-            f"router-{time.monotonic_ns()}",
-        )
-        self.addCleanup(process.stop)
-        match = process.wait_for(r"client API listening on [\d.]+:(\d+)")
+        process, url = self.start_router(admin, "--config", path)
         process.wait_for(r"following the control plane: version \d+, 2 endpoints")
-        url = f"http://127.0.0.1:{match.group(1)}"
         before = [sim_stats(s)["requests_total"] for s in sims]
         prompt = "the same long system prompt " * 200
         for _ in range(10):

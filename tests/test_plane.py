@@ -227,9 +227,42 @@ class ReconcileTests(PlaneCase):
 class DrainTests(PlaneCase):
     def test_drain_node(self) -> None:
         """
-        Draining a node unpublishes its replica at once, places one on the
-        other node, and stops the engine once nothing is in flight (or
-        after drain_timeout).
+        Draining a node places a replacement on the other node first: its
+        replica serves until the replacement is ready, is unpublished
+        then, and its engine stops once nothing is in flight (or after
+        drain_timeout).
+        """
+        self.make(make_model(low=1))
+        self.plane.reconcile()
+        node, start = self.agents.starts()[0]
+        other = "n2" if node == "n1" else "n1"
+        self.ready_all()
+        self.plane.reconcile()
+        replica = start.replica_id
+        serving = self.endpoints()
+        self.in_flight[replica] = 1
+        self.assertEqual(self.plane.drain_node(node), [replica])
+        self.assertEqual(self.endpoints(), serving)
+        self.plane.reconcile()
+        self.assertEqual(self.agents.starts()[-1][0], other)
+        self.assertEqual(self.endpoints(), serving)
+        self.ready_all()
+        self.plane.reconcile()
+        self.assertEqual(self.endpoints(), [f"http://10.0.0.{other[-1]}:20000"])
+        self.assertEqual(self.agents.stops(), [])
+        self.clock.advance(31)
+        self.heartbeat("n1", "n2")
+        self.plane.reconcile()
+        self.assertEqual(self.agents.stops(), [start.shard_id])
+        self.assertIn(
+            f"{node}: draining", "\n".join(explain(self.plane, "m")["reasons"])
+        )
+
+    def test_forced_drain_node(self) -> None:
+        """
+        A forced drain is the drain of old: the node's replica is
+        unpublished at once, one is placed on the other node, and the
+        engine stops once nothing is in flight (or after drain_timeout).
         """
         self.make(make_model(low=1))
         self.plane.reconcile()
@@ -239,7 +272,7 @@ class DrainTests(PlaneCase):
         self.plane.reconcile()
         replica = start.replica_id
         self.in_flight[replica] = 1
-        self.assertEqual(self.plane.drain_node(node), [replica])
+        self.assertEqual(self.plane.drain_node(node, force=True), [replica])
         self.assertEqual(self.endpoints(), [])
         self.plane.reconcile()
         self.assertEqual(self.agents.starts()[-1][0], other)

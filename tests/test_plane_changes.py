@@ -16,6 +16,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.control.drains import DrainRefused
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.wire import agent_pb2 as pb
@@ -226,7 +227,10 @@ class SameAsEverythingTests(SynchronousTestCase):
                     twin.status(start.shard_id, state, node)
                 elif event == 2 and replicas and pick < 0.3:
                     replica = replicas[int(pick / 0.3 * len(replicas))]
-                    plane.drain_replica(replica)
+                    try:
+                        plane.drain_replica(replica, force=pick < 0.1)
+                    except DrainRefused:
+                        pass
                 elif event == 3 and replicas:
                     replica = replicas[int(pick * len(replicas))]
                     twin.in_flight[replica] = int(pick * 30) % 12
@@ -240,7 +244,14 @@ class SameAsEverythingTests(SynchronousTestCase):
                     if twin is twins[0]:
                         silent ^= {node}
                 elif event == 7 and pick < 0.05:
-                    plane.drain_node("n3")
+                    try:
+                        plane.drain_node("n3", force=pick < 0.02)
+                    except DrainRefused:
+                        pass
+                elif event == 7 and pick < 0.08:
+                    plane.stop_engines(["m1"])
+                elif event == 7 and pick < 0.11:
+                    plane.start_engines(["m1"])
                 elif event == 8 and pick < 0.1:
                     plane.undrain_node("n3")
                 elif event == 9 and pick < 0.05:

@@ -113,6 +113,11 @@ class CutTests(PlaneCase):
         node = self.plane.replicas[replica].shards[0].node
         self.in_flight[replica] = 1
         self.plane.drain_node(node)
+        # Replaced first: its drain begins once the replacement is ready.
+        self.plane.reconcile()
+        self.ready_all()
+        self.plane.reconcile()
+        self.assertIsNotNone(self.plane.replicas[replica].draining_since)
         self.clock.advance(29)
         self.heartbeat("n1", "n2")
         self.plane.reconcile()

@@ -128,6 +128,19 @@ class FramingTests(SynchronousTestCase):
         self.assertEqual(found.body, b"hello0123456789abcdefghij")
         self.assertTrue(found.end.keep_alive)
 
+    def test_folded_trailer(self) -> None:
+        """
+        A trailer line folded onto the next (obs-fold, RFC 9112 section
+        5.2) is read as the head's fields are; a folded line with no field
+        before it is refused.
+        """
+        found = self.both(CHUNKED_HEAD + b"5\r\nhello\r\n0\r\nX-T: 1\r\n 2\r\n\r\n")
+        assert found.end is not None
+        self.assertEqual(found.body, b"hello")
+        self.assertTrue(found.end.keep_alive)
+        refused = parse([CHUNKED_HEAD + b"5\r\nhello\r\n0\r\n 2\r\n\r\n"])
+        self.assertIn("not a header line", refused.error or "")
+
     def test_until_close(self) -> None:
         """
         Without a length the body ends with the connection, which is not

@@ -62,6 +62,7 @@ STRICTER_THAN_H11: list[tuple[bytes, bytes, str]] = [
     (b" 200 ", b" 600 ", "status codes above 599 (RFC 9110 section 15)"),
     (b"HTTP/1.1 ", b"HTTP/2.0 ", "an HTTP/2 status line on an HTTP/1 connection"),
     (b"Reason phrase", b"Reason\x01phrase", "a control byte in the reason phrase"),
+    (b"Reason phrase", b"Reason\x7fphrase", "DEL in the reason phrase"),
     (
         b"Reason phrase\r\n",
         b"Reason phrase\r\nX-A: \x01\r\n",
@@ -175,7 +176,7 @@ def _known_difference(data: bytes) -> bool:
     head = data.split(b"\r\n\r\n", 1)[0].split(b"\n")
     for line in head[1:]:
         name, _, value = line.partition(b":")
-        if any(c < 0x20 and c != 0x09 for c in value.rstrip(b"\r")):
+        if any((c < 0x20 and c != 0x09) or c == 0x7F for c in value.rstrip(b"\r")):
             return True  # STRICTER_THAN_H11: a CTL in a field value
         if name.lower() == b"transfer-encoding" and value.strip().lower() != b"chunked":
             return True  # LOOSER_THAN_H11: other codings, read until close
@@ -185,7 +186,7 @@ def _known_difference(data: bytes) -> bool:
         ):
             return True  # STRICTER_THAN_H11: a chunk line outside the grammar
     status_line = head[0]
-    if any(c < 0x20 and c != 0x09 for c in status_line.rstrip(b"\r")):
+    if any((c < 0x20 and c != 0x09) or c == 0x7F for c in status_line.rstrip(b"\r")):
         return True
     if status_line[:8] != b"HTTP/1.1":
         return True

@@ -194,3 +194,15 @@ class PollerOverSocketsTests(TestCase):
             b"HTTP/1.1 101 Switching Protocols\r\n\r\n"
             b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(PAGE), PAGE)
         )
+
+    async def test_answer_that_stops_mid_body(self) -> None:
+        """
+        An engine that sends a head and then nothing: the poll times out,
+        the reading is unavailable, the connection is aborted, and nothing
+        else is logged (the cancelled poll used to be failed a second time
+        by the connection's loss: an C{AlreadyCalledError} traceback on
+        every poll).
+        """
+        await self.assert_unavailable(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 9999\r\n\r\n" + PAGE
+        )

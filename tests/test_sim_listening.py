@@ -305,9 +305,11 @@ class ListeningTests(TestCase):
         async def go() -> None:
             await self.stop()
             self.start(itl=0.02, max_concurrency=1)
+            # The first runs 2 s, so that the second is still waiting when
+            # looked at on a loaded machine.
             first = ensureDeferred(
                 self.post(
-                    "/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 20}
+                    "/v1/completions", {"model": "m", "prompt": "a", "max_tokens": 100}
                 )
             )
             second = ensureDeferred(
@@ -332,7 +334,10 @@ class ListeningTests(TestCase):
                 b'{finished_reason="length",model_name="m"} 2.0',
                 metrics,
             )
-            self.assertIn(b'vllm:generation_tokens_total{model_name="m"} 22.0', metrics)
+            # 100 + 2 tokens.
+            self.assertIn(
+                b'vllm:generation_tokens_total{model_name="m"} 102.0', metrics
+            )
             self.assertIn(b"vllm:e2e_request_latency_seconds_count", metrics)
             self.assertIn(b"vllm:time_to_first_token_seconds_count", metrics)
             self.assertIn(b"vllm:inter_token_latency_seconds_count", metrics)

@@ -4,7 +4,8 @@ API under C{/api/v1}, loopback-only by default; bound elsewhere, the API
 wants an admin key.
 
 Answers are JSON; errors C{{"error": {"message", "code"}}} with 400 (bad
-body or parameter), 401 (admin key needed), 404, 409 (conflict).
+body or parameter), 401 (admin key needed), 404, 409 (conflict; a drain
+refused adds C{"models"}, those it would leave below C{min_replicas}).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from twisted.web.iweb import IRequest
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw import __version__
+from llmgw.admin.drains import DrainRoutes
 from llmgw.admin.http import AdminError, json_answer, not_found, read_body
 from llmgw.admin.http import app as admin_app
 from llmgw.admin.keys import KeyRoutes
@@ -60,9 +62,10 @@ def _placement_state(plane: ControlPlane | None) -> dict[str, Any] | None:
     }
 
 
-class Admin(KeyRoutes, WatchRoutes):
+class Admin(KeyRoutes, WatchRoutes, DrainRoutes):
     """
-    The admin API.  The keys and usage routes are in L{KeyRoutes}.  The API
+    The admin API.  The keys and usage routes are in L{KeyRoutes}, the
+    drains and engine stops in L{DrainRoutes}.  The API
     reads the control plane's views (L{llmgw.control.views}) and calls its
     methods; it changes no record itself.
 
@@ -115,7 +118,9 @@ class Admin(KeyRoutes, WatchRoutes):
         leader = getattr(error, "leader", None)  # A standby's (admin_watch).
         if leader is not None:
             body["leader"] = leader
-        return json_answer(request, {"error": body}, error.status)
+        models = getattr(error, "models", None)  # A drain refused.
+        answer: dict[str, Any] = dict(body, models=models) if models else body
+        return json_answer(request, {"error": answer}, error.status)
 
     @app.handle_errors(NotFound)
     def _no_path(self, request: IRequest, failure: Any) -> bytes:
@@ -214,85 +219,6 @@ class Admin(KeyRoutes, WatchRoutes):
         if plane.catalog.resolve(model) is None:
             raise not_found(f"model {model[:200]!r} in the catalog")
         return json_answer(request, explain(plane, model))
-
-    @app.route("/api/v1/nodes/<node_id>/drain", methods=["POST"])
-    async def drain_node(self, request: IRequest, node_id: str) -> bytes:
-        """
-        Drain a node: no new placements on it; its replicas stop taking
-        requests, finish those in flight (up to C{[control]
-        drain_timeout}), then stop, and are placed elsewhere.  Kept in
-        the store, when there is one: drained again after a restart.
-        503 C{store_busy} when the store refused the write (the node is
-        draining, until this server restarts).
-        """
-        try:
-            drained = self._plane().drain_node(node_id)
-        except KeyError:
-            raise not_found(f"node {node_id[:200]!r}") from None
-        await self._kept(await self.keep_drain(node_id, True))
-        return json_answer(request, {"node": node_id, "draining_replicas": drained})
-
-    @app.route("/api/v1/nodes/<node_id>/undrain", methods=["POST"])
-    async def undrain_node(self, request: IRequest, node_id: str) -> bytes:
-        """
-        Take a node back: placements may use it again (replicas already
-        moved stay where they are); forgotten by the store.  503
-        C{store_busy} as for a drain.
-        """
-        try:
-            self._plane().undrain_node(node_id)
-        except KeyError:
-            raise not_found(f"node {node_id[:200]!r}") from None
-        await self._kept(await self.keep_drain(node_id, False))
-        return json_answer(request, {"node": node_id, "draining": False})
-
-    async def keep_drain(self, node_id: str, draining: bool) -> bool:
-        """
-        Write a node's drain (or its end) to the store, when there is one:
-        a restarted server drains it again.
-
-        @return: whether the store kept it (L{False}: it refused, logged).
-        """
-        if self.store is None:
-            return True
-        try:
-            if draining:
-                await self.store.set_drain(node_id, self.wall_clock())
-            else:
-                await self.store.clear_drain(node_id)
-        except self.store.database_errors as e:
-            self.log.warn(
-                "node {node}: the store cannot keep its drain now: {error}",
-                node=node_id,
-                error=e,
-            )
-            return False
-        return True
-
-    async def _kept(self, kept: bool) -> None:
-        """
-        @raise AdminError: 503 C{store_busy} when the store refused.
-        """
-        if not kept:
-            raise AdminError(
-                503,
-                "done in this server, but the store cannot keep it now; try again",
-                "store_busy",
-            )
-
-    @app.route("/api/v1/replicas/<replica_id>/drain", methods=["POST"])
-    def drain_replica(self, request: IRequest, replica_id: str) -> bytes:
-        """
-        Drain one replica; its model gets another if it needs one.
-        """
-        try:
-            started = self._plane().drain_replica(replica_id)
-        except KeyError:
-            raise not_found(f"replica {replica_id[:200]!r}") from None
-        return json_answer(
-            request,
-            {"replica": replica_id, "draining": True, "was_draining": not started},
-        )
 
     # Models
 

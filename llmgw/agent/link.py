@@ -1,13 +1,16 @@
 """
 The agent's end of the link: Register on connect, heartbeats, answers to
-commands.
+commands, and the server's refusals told to the operator on the node.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from typing import Any
 
+from OpenSSL import SSL
+from service_identity import VerificationError
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.task import LoopingCall
@@ -21,8 +24,45 @@ from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import MessageStream, MessageTooLarge
+from llmgw.wire.refusals import Refusal
 
 WEIGHTS_REPORT_INTERVAL = 60.0
+
+
+def handshake_failure(reason: Failure, server: str) -> str | None:
+    """
+    What the operator on the node must read of a TLS handshake that failed:
+    no C{Refused} can pass before it, so the agent says it itself.
+
+    @param reason: why a link was lost before the server's Welcome.
+    @param server: the C{HOST:PORT} dialed.
+    @return: the sentence, or L{None} when C{reason} is no handshake
+        failure.
+    """
+    host = server.rsplit(":", 1)[0].strip("[]") or server
+    if reason.check(VerificationError):
+        return (
+            f"the server's certificate does not name {host}, the host this agent"
+            f" dials: make it with llmgw certs server --host {host}"
+        )
+    if not reason.check(SSL.Error):
+        return None
+    # pyOpenSSL's errors: [(library, function, reason), ...].
+    args = reason.value.args if reason.value is not None else ()
+    errors = args[0] if args and isinstance(args[0], list) else []
+    detail = "; ".join(str(e[-1]) for e in errors if isinstance(e, tuple) and e)
+    detail = detail or str(reason.value)
+    if "alert" in detail:
+        return (
+            f"the server refused this agent's certificate in the TLS handshake"
+            f" ({detail}): is it from the fleet's CA? check --tls-dir"
+        )
+    if "certificate verify failed" in detail:
+        return (
+            f"this agent does not trust the server's certificate ({detail}):"
+            " ca.pem in --tls-dir must be the fleet's CA"
+        )
+    return f"the TLS handshake with the server failed ({detail})"
 
 
 class AgentProtocol(MessageStream[pb.ControlMessage]):
@@ -59,13 +99,63 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         # Fires on Welcome; fails if the link is lost before.
         self.registered: Deferred[None] = Deferred()
         self.welcomed = False
+        # The server's refusal, when it sent one before closing.
+        self.refusal: pb.Refused | None = None
 
     def connectionMade(self) -> None:
         register = self._register()
         register.max_frame_size = self._max
+        if isinstance(self.factory, AgentFactory):
+            register.agent_instance = self.factory.instance
         if not self.send_or_log(pb.AgentMessage(register=register)):
             # Without its Register the server would wait and then close.
             assert self.transport is not None
+            self.transport.loseConnection()
+
+    def _refused(self, refusal: pb.Refused) -> None:
+        # The server closes the link after it; so does the agent, should
+        # the server not.
+        self.refusal = refusal
+        self.factory.note_refusal(refusal)
+        if self.transport is not None:
+            self.transport.loseConnection()
+
+    def _welcome(self, welcome: pb.Welcome) -> None:
+        if not self.registered.called:
+            self.welcomed = True
+            self.factory.welcomed()
+            # Back to this server first when the link is lost.
+            self.factory.server_hint = self.factory.dialing
+            self.registered.callback(None)
+        interval = welcome.heartbeat_interval_seconds or 5
+        self.limit_sent(welcome.max_frame_size)
+        self.log.info(
+            "registered with llmgw-server {version}; heartbeat every"
+            " {interval}s; frames up to {max_frame} bytes",
+            version=welcome.server_version,
+            interval=interval,
+            max_frame=self.max_sent,
+        )
+        if self._beat is None:
+            self._beat = LoopingCall(self._send_heartbeat)
+            self._beat.clock = self._clock  # type: ignore[assignment]
+            self._beat.start(interval, now=False)
+        if self._weights is None and self.factory.weights_dirs:
+            self._weights = LoopingCall(self.send_weights)
+            self._weights.clock = self._clock  # type: ignore[assignment]
+            self._weights.start(WEIGHTS_REPORT_INTERVAL, now=True)
+
+    def _redirect(self, redirect: pb.Redirect) -> None:
+        # A standby: dial the leader it names next (or, when it names
+        # none, the next server of the list).
+        leader = redirect.leader
+        self.factory.server_hint = leader or None
+        self.factory.redirected = True
+        self.log.info(
+            "the server is a standby; the leader is {leader}",
+            leader=leader or "not chosen yet",
+        )
+        if self.transport is not None:
             self.transport.loseConnection()
 
     def send_or_log(self, message: pb.AgentMessage) -> bool:
@@ -85,42 +175,14 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
 
     def message_received(self, message: pb.ControlMessage) -> None:
         kind = message.WhichOneof("kind")
+        if kind == "refused":
+            self._refused(message.refused)
+            return
         if kind == "welcome":
-            if not self.registered.called:
-                self.welcomed = True
-                # Back to this server first when the link is lost.
-                self.factory.server_hint = self.factory.dialing
-                self.registered.callback(None)
-            interval = message.welcome.heartbeat_interval_seconds or 5
-            self.limit_sent(message.welcome.max_frame_size)
-            self.log.info(
-                "registered with llmgw-server {version}; heartbeat every"
-                " {interval}s; frames up to {max_frame} bytes",
-                version=message.welcome.server_version,
-                interval=interval,
-                max_frame=self.max_sent,
-            )
-            if self._beat is None:
-                self._beat = LoopingCall(self._send_heartbeat)
-                self._beat.clock = self._clock  # type: ignore[assignment]
-                self._beat.start(interval, now=False)
-            if self._weights is None and self.factory.weights_dirs:
-                self._weights = LoopingCall(self.send_weights)
-                self._weights.clock = self._clock  # type: ignore[assignment]
-                self._weights.start(WEIGHTS_REPORT_INTERVAL, now=True)
+            self._welcome(message.welcome)
             return
         if kind == "redirect":
-            # A standby: dial the leader it names next (or, when it names
-            # none, the next server of the list).
-            leader = message.redirect.leader
-            self.factory.server_hint = leader or None
-            self.factory.redirected = True
-            self.log.info(
-                "the server is a standby; the leader is {leader}",
-                leader=leader or "not chosen yet",
-            )
-            if self.transport is not None:
-                self.transport.loseConnection()
+            self._redirect(message.redirect)
             return
         if kind is None:
             return
@@ -207,6 +269,15 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
             # id): the uplink counts a failed attempt, its backoff grows.
             self.registered.errback(reason)
             self.registered.addErrback(lambda _: None)
+        if self.refusal is not None:
+            self.log.info(
+                "link to the server closed: refused ({code})", code=self.refusal.code
+            )
+            return
+        if not self.welcomed and isinstance(factory, AgentFactory):
+            failed = handshake_failure(reason, factory.dialing)
+            if failed is not None:
+                factory.note_handshake_failure(failed)
         self.log.info(
             "link to the server lost: {reason}", reason=reason.getErrorMessage()
         )
@@ -246,6 +317,11 @@ class AgentFactory(Factory):
         # A standby just redirected this agent: dial again at once.
         self.redirected = False
         self._truncated_total: int | None = None
+        # Sent in every Register: the server tells this agent connecting
+        # again from another agent claiming the same node id.
+        self.instance = uuid.uuid4().hex
+        # The refusals warned of since the last Welcome: each once.
+        self._refusals_told: set[tuple[str, str, str]] = set()
         self.supervisor = Supervisor(
             clock, self.send_status, state_dir, engine_host=engine_host
         )
@@ -257,6 +333,59 @@ class AgentFactory(Factory):
         """
         if self.current is not None and self.current.transport is not None:
             self.current.send_or_log(pb.AgentMessage(shard_status=status))
+
+    def note_refusal(self, refusal: pb.Refused) -> None:
+        """
+        Warn of the server's refusal, naming the certificate and the node id
+        it saw, once per kind of refusal (its code) of that certificate
+        and claim until a Welcome (the uplink retries with a
+        growing delay meanwhile, each attempt logged at info).
+        """
+        # By kind, not by sentence: the sentence may carry a time ("heard
+        # 0.8s ago") that differs at each attempt.
+        told = (refusal.code, refusal.certificate_name, refusal.node_id)
+        if told in self._refusals_told:
+            return
+        self._refusals_told.add(told)
+        what = {
+            Refusal.CERTIFICATE_MISMATCH.value: "check --tls-dir and --node-id;"
+            " retrying",
+            Refusal.NODE_TAKEN.value: "is another agent running with this node"
+            " id? retrying",
+        }.get(refusal.code, "retrying")
+        self.log.warn(
+            "the server at {server} refused this agent: {reason} (certificate"
+            " {certificate}, node id {node}); {what}",
+            server=self.dialing or "?",
+            reason=refusal.reason or refusal.code,
+            certificate=repr(refusal.certificate_name)
+            if refusal.certificate_name
+            else "none",
+            node=repr(refusal.node_id) if refusal.node_id else "none",
+            code=refusal.code,
+            what=what,
+        )
+
+    def note_handshake_failure(self, what: str) -> None:
+        """
+        Warn of a failed TLS handshake (L{handshake_failure}), once per
+        sentence until a Welcome.
+        """
+        told = ("tls", what, "")
+        if told in self._refusals_told:
+            return
+        self._refusals_told.add(told)
+        self.log.warn(
+            "cannot link to the server at {server}: {what}; retrying",
+            server=self.dialing or "?",
+            what=what,
+        )
+
+    def welcomed(self) -> None:
+        """
+        The server welcomed this agent: a later refusal is warned of again.
+        """
+        self._refusals_told.clear()
 
     def note_truncation(self, report: pb.WeightsReport) -> None:
         """

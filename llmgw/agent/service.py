@@ -30,6 +30,7 @@ from llmgw import __version__
 from llmgw.agent.gpus import GpuMonitor, discover
 from llmgw.agent.link import AgentFactory, AgentProtocol
 from llmgw.agent.settings import AgentConfig, agent_state_dir
+from llmgw.agent.state_lock import StateLock, hold_state_dir
 from llmgw.reactors import IAgentReactor
 from llmgw.wire import agent_pb2 as pb
 
@@ -185,6 +186,9 @@ class AgentService(ClientService):
         around it, or not).
     @param servers: C{HOST:PORT} of each server (see L{_Uplink}).
     @param clock: the reactor (its clock times the retries).
+    @param state_lock: the agent's hold on its state directory, whose file
+        is given this process's pid at start (twistd may have forked
+        since it was taken).
     """
 
     def __init__(
@@ -193,6 +197,7 @@ class AgentService(ClientService):
         dial: Callable[[str], Any],
         servers: Sequence[str],
         clock: Any,
+        state_lock: StateLock | None = None,
     ) -> None:
         super().__init__(
             _Uplink(dial, servers, factory),
@@ -202,6 +207,12 @@ class AgentService(ClientService):
             prepareConnection=_registered,
         )
         self._agent_factory = factory
+        self.state_lock = state_lock
+
+    def startService(self) -> None:
+        if self.state_lock is not None:
+            self.state_lock.note_pid()
+        super().startService()
 
     def stopService(self) -> Deferred[None]:
         protocol = self._agent_factory.current
@@ -211,18 +222,28 @@ class AgentService(ClientService):
 
 
 def build_agent(
-    reactor: IAgentReactor, config: AgentConfig, dial: Callable[[str], Any]
+    reactor: IAgentReactor,
+    config: AgentConfig,
+    dial: Callable[[str], Any],
+    program: str = "llmgw-agent",
 ) -> tuple[AgentService, AgentFactory]:
     """
     The agent's uplink to the servers of C{config} through C{dial} (a
     server's C{HOST:PORT} to its endpoint, TLS already wrapped around it,
-    or not), reconnecting forever (L{retry_policy}); engines recorded in the state
-    directory that still run are adopted first.  Blocking (NVML's start):
-    call it before the reactor runs.
+    or not), reconnecting forever (L{retry_policy}); the state directory
+    is locked for this process (L{hold_state_dir}), then engines recorded
+    in it that still run are adopted.  Blocking (NVML's start): call it
+    before the reactor runs.
 
+    @param program: this process, as a second agent on the same state
+        directory is told it.
     @return: the service, not started, and the factory whose supervisor
         runs the engines.
+    @raise ConfigError: another process holds the state directory.
     """
+    # Before anything reads the directory: a second agent adopting the
+    # same engines would stop them.
+    state_lock = hold_state_dir(agent_state_dir(config), program)
     gpus, nvml = discover(config.node_id, list(config.simulated_gpus))
     page = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -257,7 +278,7 @@ def build_agent(
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()
     servers = config.all_servers()
-    service = AgentService(factory, dial, servers, reactor)
+    service = AgentService(factory, dial, servers, reactor, state_lock)
     log.info(
         "llmgw-agent {node}: {gpus} GPUs ({simulated} simulated), {adopted} engines"
         " adopted; dialing {server}",

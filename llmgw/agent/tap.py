@@ -106,7 +106,13 @@ def makeService(options: Options) -> IService:
         return endpoint
 
     check_twistd_files("llmgw-agent", getattr(options, "parent", None))
-    service, _ = build_agent(reactor, config, dial)
+    try:
+        service, _ = build_agent(reactor, config, dial)
+    except ConfigError as e:
+        # Another agent holds the state directory: told as any config error.
+        sys.stderr.write(f"llmgw-agent: config error: {e}\n")
+        sys.stderr.flush()
+        raise SystemExit(2) from None
     log.info(
         "link security: {security}",
         security="PLAINTEXT" if config.insecure else "mutual TLS",

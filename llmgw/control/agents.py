@@ -1,6 +1,13 @@
 """
 The server's end of the agent links: who may connect, Register first, one
 link per node, and the inventory kept from what agents say.
+
+Every link the server refuses is told why before it closes (a C{Refused}
+message, L{llmgw.wire.refusals}), so that the agent logs the reason on its
+node.  A second agent for a node whose link is alive is refused: it may
+take over only once that link has been silent for C{unreachable_after}
+(an agent connecting again, by its C{agent_instance}, replaces its own
+link at once).
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from llmgw import __version__
 from llmgw.control.inventory import Inventory, Node
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
-from llmgw.wire.protocol import CommandingStream
+from llmgw.wire.protocol import CommandingStream, MessageTooLarge
+from llmgw.wire.refusals import Refusal, refused
 from llmgw.wire.states import ShardState
 from llmgw.wire.tls import peer_common_name
 
@@ -54,7 +62,12 @@ class AgentLink(TimeoutMixin, CommandingStream):
     """
     One agent connection.  It must send Register within
     C{register_timeout} seconds; unless links are insecure, the node id it
-    claims must be its certificate's CN.
+    claims must be its certificate's CN; and no other agent may hold a
+    live link for that node (L{AgentHub.taken_by}).
+
+    @ivar heard_at: when anything last arrived on it, the hub clock's
+        seconds (its connection, at first).
+    @ivar instance: the C{agent_instance} of its Register.
     """
 
     log = Logger()
@@ -69,8 +82,12 @@ class AgentLink(TimeoutMixin, CommandingStream):
         # stale, and changes nothing.
         self.closing = False
         self._register_timer: IDelayedCall | None = None
+        self.heard_at = 0.0
+        self.instance = ""
+        self._claim: str | None = None
 
     def connectionMade(self) -> None:
+        self.heard_at = self._hub.clock.seconds()
         self._register_timer = self._hub.clock.callLater(
             self._hub.register_timeout, self._register_late
         )
@@ -78,16 +95,45 @@ class AgentLink(TimeoutMixin, CommandingStream):
     def _register_late(self) -> None:
         self._register_timer = None
         self._refuse(
-            "no Register within {timeout}s", timeout=self._hub.register_timeout
+            Refusal.REGISTER_TIMEOUT,
+            "no Register within {timeout}s",
+            timeout=self._hub.register_timeout,
         )
 
-    def _refuse(self, why: str, **fields: Any) -> None:
+    def _refuse(self, code: Refusal, why: str, **fields: Any) -> None:
+        """
+        Log why the link is refused, tell the agent (a C{Refused} with the
+        same sentence, its certificate's CN and its claim), and close.
+
+        @param why: a PEP 3101 template of C{fields}.
+        """
         self.log.warn(
             "refusing agent connection from {peer}: " + why,
             peer=self._peer(),
             **fields,
         )
+        self.tell(code, why.format(**fields))
         self.close()
+
+    def tell(self, code: Refusal, reason: str) -> None:
+        """
+        Send the agent a C{Refused} (before a close), unless the link is
+        closing already.
+        """
+        if self.closing or self.transport is None:
+            return
+        message = refused(
+            code, reason, peer_common_name(self.transport), self.node_id or self._claim
+        )
+        try:
+            self.send(message)
+        except MessageTooLarge:
+            # A peer that claimed a frame maximum this small is told
+            # nothing; the close goes ahead.
+            pass
+
+    def violated(self, reason: str) -> None:
+        self.tell(Refusal.BAD_FRAME, reason)
 
     def close(self) -> None:
         """
@@ -108,9 +154,16 @@ class AgentLink(TimeoutMixin, CommandingStream):
         return f"{getattr(address, 'host', address)}:{getattr(address, 'port', '')}"
 
     def timeoutConnection(self) -> None:
-        self._refuse(
-            "node {node} silent for {seconds}s", node=self.node_id, seconds=self.timeOut
+        self.log.warn(
+            "refusing agent connection from {peer}: node {node} silent for {seconds}s",
+            peer=self._peer(),
+            # A link replaced by a newer one is no longer the node's.
+            node=self.node_id or self._claim,
+            seconds=self.timeOut,
         )
+        # No Refused: nothing reaches a peer this silent, and the abort
+        # below would discard it.
+        self.close()
         # Silent: its path may be cut, and a graceful close would wait
         # on it for minutes.
         if self.transport is not None:
@@ -120,6 +173,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
         if self.closing:
             return
         self.resetTimeout()  # type: ignore[no-untyped-call]
+        self.heard_at = self._hub.clock.seconds()
         if self.node_id is not None:
             self._hub.inventory.heard(self.node_id, self._hub.clock.seconds())
         super().dataReceived(data)
@@ -130,7 +184,11 @@ class AgentLink(TimeoutMixin, CommandingStream):
             return
         if self.node_id is None:
             if kind != "register":
-                self._refuse("first message was {kind}, not Register", kind=kind)
+                self._refuse(
+                    Refusal.REGISTER_FIRST,
+                    "first message was {kind}, not Register",
+                    kind=kind,
+                )
                 return
             self._registered(message.register)
             return
@@ -142,6 +200,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
             if message.register.node_id != self.node_id:
                 # The certificate was checked against the first claim only.
                 self._refuse(
+                    Refusal.NODE_ID_CHANGED,
                     "node {node} sent a Register for {claim}",
                     node=self.node_id,
                     claim=message.register.node_id,
@@ -157,13 +216,15 @@ class AgentLink(TimeoutMixin, CommandingStream):
 
     def _registered(self, register: pb.Register) -> None:
         claim = register.node_id
+        self._claim = claim
         if not claim:
-            self._refuse("Register without a node id")
+            self._refuse(Refusal.NO_NODE_ID, "Register without a node id")
             return
         if not self._hub.insecure:
             cn = peer_common_name(self.transport)
             if cn != claim:
                 self._refuse(
+                    Refusal.CERTIFICATE_MISMATCH,
                     "certificate CN {cn!r} claims to be node {claim!r}",
                     cn=cn,
                     claim=claim,
@@ -179,6 +240,20 @@ class AgentLink(TimeoutMixin, CommandingStream):
             )
             self.send(pb.ControlMessage(redirect=pb.Redirect(leader=leader)))
             self.close()
+            return
+        self.instance = register.agent_instance
+        holder = self._hub.taken_by(claim, self)
+        if holder is not None:
+            self._refuse(
+                Refusal.NODE_TAKEN,
+                "node {claim!r} is linked to another agent, from {holder},"
+                " heard {silent:.1f}s ago: one agent per node id; this one may"
+                " take over once that link is silent for {after:g}s",
+                claim=claim,
+                holder=holder._peer(),
+                silent=self._hub.clock.seconds() - holder.heard_at,
+                after=self._hub.unreachable_after,
+            )
             return
         if self._register_timer is not None and self._register_timer.active():
             self._register_timer.cancel()
@@ -234,12 +309,17 @@ class AgentLink(TimeoutMixin, CommandingStream):
 class AgentHub(Factory):
     """
     Makes an L{AgentLink} per connection and keeps the current one per
-    node: a new connection for a node replaces the old.
+    node: a new connection for a node replaces the old only when it comes
+    from the same agent (its C{agent_instance}) or the old has been silent
+    for C{unreachable_after}; any other is refused.
 
     @param clock: for the Register deadline.
     @param inventory: where nodes are recorded.
     @param insecure: accept any claimed node id (plaintext links).
     @param register_timeout: seconds a connection has to send Register.
+    @param unreachable_after: seconds of silence after which a node's link
+        may be taken over by another agent for that node (C{[control]
+        unreachable_after}: the node gets no new placements by then).
     @param wall_clock: POSIX seconds now, for the inventory's
         C{last_seen} and C{weights_at}.
     @ivar redirect: asked at each Register: C{None} to accept it (this
@@ -258,8 +338,10 @@ class AgentHub(Factory):
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         heartbeat_interval: int = HEARTBEAT_INTERVAL,
         wall_clock: Callable[[], float] = time.time,
+        unreachable_after: float = 15.0,
     ) -> None:
         self.clock = clock
+        self.unreachable_after = unreachable_after
         self.heartbeat_interval = max(1, heartbeat_interval)
         self.listener: LinkListener | None = None
         self.inventory = inventory
@@ -339,24 +421,47 @@ class AgentHub(Factory):
     def buildProtocol(self, addr: Any) -> AgentLink:
         return AgentLink(self)
 
+    def taken_by(self, node_id: str, link: AgentLink) -> AgentLink | None:
+        """
+        @return: the live link of another agent that holds C{node_id},
+            which C{link} may not replace; L{None} when there is none, when
+            it is C{link}'s own agent's (the same C{agent_instance}) or when
+            it has been silent for C{unreachable_after}.
+        """
+        current = self.links.get(node_id)
+        if current is None or current is link or current.closing:
+            return None
+        if link.instance and link.instance == current.instance:
+            return None
+        if self.clock.seconds() - current.heard_at >= self.unreachable_after:
+            return None
+        return current
+
     def attach(self, link: AgentLink) -> None:
         assert link.node_id is not None
         link.attached_at = self.clock.seconds()
         old = self.links.get(link.node_id)
         self.links[link.node_id] = link
         if old is not None and old is not link:
-            age = self.clock.seconds() - old.attached_at
-            if age < self.heartbeat_interval * 2:
-                self.log.warn(
-                    "agent {node} connected again {age:.1f}s after its previous"
-                    " link: are two agents running with node id {node}?",
-                    node=link.node_id,
-                    age=age,
-                )
-            else:
+            silent = self.clock.seconds() - old.heard_at
+            if link.instance and link.instance == old.instance:
                 self.log.info(
                     "agent {node} connected again: closing its previous link",
                     node=link.node_id,
+                )
+            else:
+                self.log.warn(
+                    "agent {node} from {peer} takes over from the link from"
+                    " {old_peer}, silent for {silent:.1f}s",
+                    node=link.node_id,
+                    peer=link._peer(),
+                    old_peer=old._peer(),
+                    silent=silent,
+                )
+                old.tell(
+                    Refusal.REPLACED,
+                    f"node {link.node_id!r} was silent for {silent:.1f}s: another"
+                    " agent took over",
                 )
             old.closing = True
             old.node_id = None

@@ -22,6 +22,12 @@ from llmgw.config_checks import (
 from llmgw.control.placement import Profile
 from llmgw.wire.engines import ENGINES
 
+MAX_COUNT = 10_000
+"""
+The largest replica, GPU or node count a model may ask for.
+"""
+
+
 MODELS_TABLE = Table(
     "[[models]]",
     "The catalog: each model clients may ask for, kept running by the control"
@@ -35,13 +41,13 @@ MODELS_TABLE = Table(
         Key("aliases", "list of strings", "Other names clients may send.", []),
         Key(
             "min_replicas",
-            COUNT,
+            f"integer, 0 to {MAX_COUNT}",
             "Replicas always running (0: started by the first request).",
             0,
         ),
         Key(
             "max_replicas",
-            "integer >= 1",
+            f"integer, 1 to {MAX_COUNT}",
             "Replicas at most, more while busy (see [control] scale_up_in_flight).",
             shown="max(min_replicas, 1)",
         ),
@@ -152,12 +158,6 @@ def _named_table(
     where = f"{where} ({name})"
     check_keys(where, table, keys)
     return table, name, where
-
-
-MAX_COUNT = 10_000
-"""
-The largest replica, GPU or node count a model may ask for.
-"""
 
 
 def _count(where: str, value: object, minimum: int) -> int:

@@ -67,6 +67,9 @@ class Node:
     @ivar last_seen: POSIX seconds of the last message from its agent.
     @ivar heard: the same instant on the reactor's clock, seconds.
     @ivar draining: an operator asked for its replicas to move away.
+    @ivar engines_stopped: an operator stopped its engines on purpose
+        (L{llmgw.control.drains}): nothing is placed on it until they are
+        started again or the server restarts; not kept in the store.
     @ivar connected: whether its agent's link is up now; losing a link is
         not losing a node.
     """
@@ -85,6 +88,7 @@ class Node:
     shards: list[dict[str, Any]] = field(default_factory=list)
     heard: float = 0.0
     draining: bool = False
+    engines_stopped: bool = False
     # Model files in the agent's weights directories, from its last
     # report: path, size_bytes, last_used (POSIX seconds).
     weights: list[dict[str, Any]] = field(default_factory=list)
@@ -104,6 +108,7 @@ class Node:
             "id": self.id,
             "state": self.state,
             "draining": self.draining,
+            "engines_stopped": self.engines_stopped,
             "connected": self.connected,
             "address": self.address,
             "agent_version": self.agent_version,
@@ -151,6 +156,9 @@ class Inventory:
     @ivar drained: ids of the nodes an operator drained, known or not
         yet (read from the store at start): one registering is draining
         at once.
+    @ivar stopped: ids of the nodes whose engines an operator stopped
+        since this start (in memory only): one registering again has them
+        stopped still.
     """
 
     def __init__(self, drained: Iterable[str] = ()) -> None:
@@ -159,6 +167,7 @@ class Inventory:
         """
         self._nodes: dict[str, Node] = {}
         self.drained: set[str] = set(drained)
+        self.stopped: set[str] = set()
         self._versions = itertools.count(1)
         self.touched: set[str] = set()
         # Node ids, the least recently heard first; L{None} when a heard
@@ -199,6 +208,7 @@ class Inventory:
             draining=old.draining
             if old is not None
             else message.node_id in self.drained,
+            engines_stopped=message.node_id in self.stopped,
             weights=old.weights if old is not None else [],
             weights_at=old.weights_at if old is not None else None,
             weights_total=old.weights_total if old is not None else 0,

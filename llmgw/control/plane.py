@@ -17,7 +17,9 @@ published to the router.
 A drain is the server's alone: the replica is unpublished at once (no new
 requests), and its shards are told C{StopShard} once the router counts
 no request in flight to it, or after C{[control] drain_timeout}; only
-the server knows what is in flight.
+the server knows what is in flight.  An operator's drain first lets the
+replica I{leave} (L{drains}): it serves until a replacement placed
+elsewhere is ready.
 
 A pass looks at what changed, not at everything (L{changes}): the models
 events named (a shard status, a drain, a scale, a request touching the
@@ -51,8 +53,9 @@ from llmgw.control.commands import Commands, ShardCommands
 from llmgw.control.drains import Draining
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
-from llmgw.control.placement import NodeView, NoFit, Plan, place
-from llmgw.control.publishing import Publishing, host
+from llmgw.control.placement import NodeView
+from llmgw.control.placing import Placing
+from llmgw.control.publishing import Publishing
 from llmgw.control.records import (
     PlaneCounts,
     ReplicaRecord,
@@ -71,7 +74,7 @@ from llmgw.control.snapshot import (
     warn_ephemeral,
 )
 from llmgw.control.weights import WeightsCollector
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Shortfall
 from llmgw.wire.states import ShardState
 
 
@@ -88,7 +91,7 @@ def _gone_why(replica: ReplicaRecord) -> str:
     return "it stopped"
 
 
-class ControlPlane(AgentReports, Publishing, Draining):
+class ControlPlane(AgentReports, Publishing, Draining, Placing):
     """
     Keeps each catalog model's replicas running.
 
@@ -99,6 +102,8 @@ class ControlPlane(AgentReports, Publishing, Draining):
     @param settings: the C{[control]} table.
     @param publish: called with the router's new endpoint list when it
         changes.
+    @param publish_shortfalls: called with the catalog models below their
+        C{min_replicas} (L{Shortfall}s, by name) when they change.
     @param static: endpoints from the configuration, always published.
     @param outstanding: requests in flight to a replica id, by the router's
         count; a draining replica is stopped when it reaches 0.
@@ -135,12 +140,14 @@ class ControlPlane(AgentReports, Publishing, Draining):
         keys: Callable[[str], str] = lambda shard_id: "",
         cut: Callable[[str, str], object] = lambda replica_id, why: 0,
         touched: bool = False,
+        publish_shortfalls: Callable[[tuple[Shortfall, ...]], None] = lambda s: None,
     ) -> None:
         self.clock = clock
         self.inventory = inventory
         self.commands = commands
         self.settings = settings
         self._publish = publish
+        self._publish_shortfalls = publish_shortfalls
         self._outstanding = outstanding
         self._cut = cut
         self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
@@ -222,6 +229,7 @@ class ControlPlane(AgentReports, Publishing, Draining):
         state.busy_at = max(state.busy_at, now)
         state.last_used = max(state.last_used, now)
         self._changes.model(name)
+        self._bounds_changed(name)
         self.loop.kick()
         return state.model
 
@@ -317,6 +325,7 @@ class ControlPlane(AgentReports, Publishing, Draining):
         replicas = replicas or {}
         return len(replicas) == scaling.bounded(model, state.wanted) and all(
             r.draining_since is None
+            and r.leaving_since is None
             and r.state == ReplicaState.READY
             and not self._outstanding(r.id)
             for r in replicas.values()
@@ -532,58 +541,24 @@ class ControlPlane(AgentReports, Publishing, Draining):
         live = [r for r in replicas if r.draining_since is None]
         self._follow_load(state, now, live)
         want = self.desired(state, now, replicas)
+        # Replicas leaving (L{drains}) serve on until replaced: placement
+        # counts without them, and lets them go once it may.
+        leaving = self._leaving(live)
         if not self.grace_over:
             return snapshot
-        if len(live) > want:
-            for replica in scaling.surplus(live, want, self._outstanding):
+        staying = [r for r in live if r.leaving_since is None]
+        if len(staying) > want:
+            for replica in scaling.surplus(staying, want, self._outstanding):
                 # A stream on it is waited for up to idle_timeout.
                 self._drain(
                     replica,
-                    f"{len(live)} replicas, {want} wanted",
+                    f"{len(staying)} replicas, {want} wanted",
                     state.model.idle_timeout,
                 )
-            return snapshot
-        if len(live) == want:
+        elif len(staying) == want:
             state.no_fit = None
-            return snapshot
-        if now < state.retry_at:
-            return snapshot
-        if snapshot is None:
-            snapshot = self._live_snapshot()
-        spread = {s.node for r in live for s in r.shards}
-        for _ in range(want - len(live)):
-            result = place(
-                state.model.profiles, snapshot.fleet, self.ports, frozenset(spread)
-            )
-            if isinstance(result, NoFit):
-                self.counts.no_fit(result.lines())
-                if state.no_fit != result:
-                    state.last_error = "no place for a replica: " + "; ".join(
-                        result.lines()[:3]
-                    )
-                    self.log.warn(
-                        "model {model}: no place for a replica: {why}",
-                        model=state.model.name,
-                        why="; ".join(result.lines()),
-                    )
-                state.no_fit = result
-                state.retry_at = now + self.settings.base_backoff
-                break
-            state.no_fit = None
-            self._start(state.model, result, now)
-            snapshot.take(result)
-            spread.update(s.node for s in result.shards)
+        elif now >= state.retry_at:
+            snapshot = self._place_missing(state, now, snapshot, live, want)
+        if leaving:
+            self._let_go(state, want, leaving)
         return snapshot
-
-    # Commands and publishing.
-
-    def _start(self, model: Model, plan: Plan, now: float) -> None:
-        leader = plan.shards[0]
-        node = self.inventory.get(leader.node)
-        port = plan.rendezvous_port or leader.port
-        address = f"{host(node.address)}:{port}" if node is not None else ""
-        replica = self._commands.start(model.name, plan, now, address)
-        self.counts.started(model.name)
-        self._record(replica, None)
-        for shard in replica.shards:
-            self._record(replica, shard)

@@ -1,8 +1,11 @@
 """
 Publishing (L{llmgw.control.plane}): the router's endpoint list, the
 configured endpoints then each ready replica's leader, kept by replica and
-worked out again only for the replicas a pass or an event named; requests
-waiting for a model are let go once it has a published replica.  Part of
+worked out again only for the replicas a pass or an event named; beside
+it, the catalog models with fewer published replicas than their
+C{min_replicas} (the router's C{/readyz} lists them as unavailable),
+worked out again for the models whose count changed; requests waiting
+for a model are let go once it has a published replica.  Part of
 L{llmgw.control.plane.ControlPlane}, kept apart by job.
 """
 
@@ -14,7 +17,7 @@ from llmgw.control.commands import ShardCommands
 from llmgw.control.inventory import Inventory
 from llmgw.control.records import ReplicaRecord, ReplicaState
 from llmgw.control.runtime import ModelCatalog
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Shortfall
 
 
 def host(address: str) -> str:
@@ -35,6 +38,7 @@ class Publishing:
     replicas: dict[str, ReplicaRecord]
     _commands: ShardCommands
     _publish: Callable[[list[Endpoint]], None]
+    _publish_shortfalls: Callable[[tuple[Shortfall, ...]], None]
     _published: tuple[Endpoint, ...] | None
     # The order replicas were recorded in: the list's order.
     _seq: dict[str, int]
@@ -46,6 +50,18 @@ class Publishing:
         # Replicas whose endpoint is to be worked out again; all of them
         # when None.
         self._unpublished: set[str] | None = None
+        # Models below their min_replicas; the models to look at again
+        # (all of them when None), and the list last published.
+        self._short: dict[str, Shortfall] = {}
+        self._short_stale: set[str] | None = None
+        self._shortfalls: tuple[Shortfall, ...] | None = None
+
+    def _bounds_changed(self, model: str) -> None:
+        """
+        C{model}'s C{min_replicas} changed: the next publishing looks at it.
+        """
+        if self._short_stale is not None:
+            self._short_stale.add(model)
 
     def _republish(self, replica_id: str) -> None:
         """
@@ -76,6 +92,7 @@ class Publishing:
         if self._unpublished is None:
             self._endpoints = {}
             self._ready_count = {}
+            self._short_stale = None
             look = set(self.replicas)
         else:
             look = self._unpublished
@@ -88,11 +105,13 @@ class Publishing:
             changed = True
             if old is not None:
                 self._ready_count[old[1]] -= 1
+                self._bounds_changed(old[1])
             if new is None:
                 del self._endpoints[replica_id]
             else:
                 self._endpoints[replica_id] = new
                 self._ready_count[new[1]] = self._ready_count.get(new[1], 0) + 1
+                self._bounds_changed(new[1])
         if changed:
             ordered = sorted(self._endpoints, key=self._seq.__getitem__)
             published = (
@@ -102,6 +121,7 @@ class Publishing:
             if published != self._published:
                 self._published = published
                 self._publish(list(published))
+        self._publish_short()
         for name in list(self.catalog.waiting):
             state = self.catalog.get(name)
             if state is None or not state.waiters:
@@ -115,3 +135,24 @@ class Publishing:
             waiters, state.waiters = state.waiters, []
             for waiter in waiters:
                 waiter.callback(None)
+
+    def _publish_short(self) -> None:
+        """
+        Work out again the models below their C{min_replicas} that may
+        have changed, and publish the list when it did.
+        """
+        stale, self._short_stale = self._short_stale, set()
+        if stale is None:
+            self._short = {}
+            stale = {s.model.name for s in self.catalog.states()}
+        for name in stale:
+            state = self.catalog.get(name)
+            ready = self._ready_count.get(name, 0)
+            if state is not None and ready < state.model.min_replicas:
+                self._short[name] = Shortfall(name, ready, state.model.min_replicas)
+            else:
+                self._short.pop(name, None)
+        shortfalls = tuple(self._short[name] for name in sorted(self._short))
+        if shortfalls != self._shortfalls:
+            self._shortfalls = shortfalls
+            self._publish_shortfalls(shortfalls)

@@ -99,6 +99,14 @@ class ReplicaRecord:
         admin API until its model has a ready replica again), or C{""}.
     @ivar rendezvous_port: for a gang, the port on rank 0's address where
         its ranks meet (C{StartShard.leader_address}); 0 otherwise.
+    @ivar leaving_since: reactor seconds when a drain asked for it to go
+        once a replacement is ready (L{llmgw.control.drains}), or L{None};
+        it serves meanwhile.
+    @ivar leaving_reason: why it leaves, for the admin API and its drain.
+    @ivar leaving_hold: whether it is kept serving while its model has
+        fewer ready replicas than C{min_replicas} and no room for a
+        replacement (the drain that asked was checked for that; one kept
+        across a restart was not).
     """
 
     id: str
@@ -113,6 +121,9 @@ class ReplicaRecord:
     drain_patience: float = 0.0
     error: str = ""
     rendezvous_port: int = 0
+    leaving_since: float | None = None
+    leaving_reason: str = ""
+    leaving_hold: bool = False
 
     @property
     def state(self) -> ReplicaState:

@@ -28,7 +28,8 @@ class ControlConfig:
     The C{[control]} table: the reconciler's timers and limits.  Durations
     in seconds.
 
-    @ivar unreachable_after: a node silent this long gets no new placements.
+    @ivar unreachable_after: a node silent this long gets no new placements,
+        and another agent for it may take over its link.
     @ivar lost_after: a node silent this long has its replicas placed
         elsewhere.
     @ivar base_backoff: the wait after a model's first failed replica;
@@ -47,7 +48,10 @@ class ControlConfig:
     """
 
     unreachable_after: float = setting(
-        15.0, DURATION, "A node silent this long gets no new placements."
+        15.0,
+        DURATION,
+        "A node silent this long gets no new placements, and another agent"
+        " for it may take over its link (before, one is refused).",
     )
     lost_after: float = setting(
         60.0,

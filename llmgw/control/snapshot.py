@@ -185,6 +185,8 @@ def _node_view(
         state = "disconnected"
     if state == NodeState.READY and node.draining:
         state = "draining"
+    if state == NodeState.READY and node.engines_stopped:
+        state = "engines stopped"
     version = (node.version, state, used, busy, node.address)
     hit = cache.get(node.id)
     if hit is not None and hit[0] == version:

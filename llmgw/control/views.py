@@ -37,7 +37,8 @@ def shard_json(shard: ShardRecord) -> dict[str, Any]:
 def replica_json(replica: ReplicaRecord) -> dict[str, Any]:
     """
     @return: id, model, profile, engine, state, adopted, last_error (why
-        it failed, or L{None}), and its shards (L{shard_json}) by rank.
+        it failed, or L{None}), leaving (why it drains once a replacement
+        is ready, or L{None}), and its shards (L{shard_json}) by rank.
     """
     return {
         "id": replica.id,
@@ -47,6 +48,9 @@ def replica_json(replica: ReplicaRecord) -> dict[str, Any]:
         "state": replica.state,
         "adopted": replica.adopted,
         "last_error": replica.error or None,
+        "leaving": replica.leaving_reason
+        if replica.leaving_since is not None and replica.draining_since is None
+        else None,
         "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
     }
 

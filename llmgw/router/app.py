@@ -26,7 +26,7 @@ from llmgw.router.cors import Cors
 from llmgw.router.errors import APIError, body_too_large, model_not_found
 from llmgw.router.exchange import Exchange, Services
 from llmgw.router.fastpath import ForwardingRoutes
-from llmgw.router.interfaces import Activator, Auth, Key, UsageSink
+from llmgw.router.interfaces import Activator, Auth, Key, Readiness, UsageSink
 
 # Named here too for the modules that import them from the routes.
 from llmgw.router.interfaces import RequestRecord as RequestRecord
@@ -108,6 +108,8 @@ class Router:
         C{created} field of model objects).
     @param activator: scale from zero, or L{None}.
     @param auth: API keys, or L{None} for an open gateway.
+    @param readiness: the catalog models below their C{min_replicas}, as
+        the control plane publishes them (C{/readyz}).
     @ivar load: each replica's engine load, when the server polls it
         (set by the server's wiring).
     """
@@ -129,9 +131,11 @@ class Router:
         wall_clock: Callable[[], float],
         activator: Activator | None = None,
         auth: Auth | None = None,
+        readiness: Readiness | None = None,
     ) -> None:
         self.clock = clock
         self.auth = auth
+        self.readiness = readiness if readiness is not None else Readiness()
         self.activator = activator
         self.balancer = balancer
         self.settings = settings
@@ -547,16 +551,24 @@ class Router:
     def readyz(self, request: IRequest) -> bytes:
         """
         Ready when every configured model has a replica not in ejection
-        cooldown; the body lists the models that have none.
+        cooldown and as many ready as its C{min_replicas}; the body lists
+        the models that have not (C{unavailable}), those below their
+        minimum with their counts too (C{below_min_replicas}).
         """
         unavailable = [
             m for m in self.balancer.models() if not self.balancer.available(m)
         ]
+        short = [vars(s) for s in self.readiness.below_min]
+        unavailable += [s["model"] for s in short if s["model"] not in unavailable]
         ready = bool(self.models()) and not unavailable
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"content-type", JSON)
         return json.dumps(
-            {"status": "ready" if ready else "not ready", "unavailable": unavailable}
+            {
+                "status": "ready" if ready else "not ready",
+                "unavailable": unavailable,
+                "below_min_replicas": short,
+            }
         ).encode("utf-8")
 
     @app.handle_errors(NotFound)

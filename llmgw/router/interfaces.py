@@ -1,7 +1,8 @@
 """
 What the router defines and other parts of llmgw implement or fill in: the
-endpoints it sends to, the record of a finished request and where it goes,
-the API-key check, and scale-from-zero.
+endpoints it sends to, the models below their C{min_replicas}, the record
+of a finished request and where it goes, the API-key check, and
+scale-from-zero.
 
 A leaf: it imports nothing else from llmgw, so the store, the control plane,
 the configuration and the server wiring may all import it.
@@ -9,7 +10,7 @@ the configuration and the server wiring may all import it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,42 @@ class Endpoint:
     models: tuple[str, ...]
     weight: float = 1.0
     api_key: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """
+    A catalog model with fewer ready replicas than its C{min_replicas}, as
+    the control plane publishes it beside the endpoints; C{/readyz} lists
+    it as unavailable.
+
+    @ivar model: the catalog name.
+    @ivar ready: its replicas published now (ready, not draining).
+    @ivar min_replicas: how many it should have at least.
+    """
+
+    model: str
+    ready: int
+    min_replicas: int
+
+
+class Readiness:
+    """
+    What the router knows of the catalog's readiness: the models below
+    their C{min_replicas}, as last published by the control plane (in the
+    server) or read from the tier's watch (a router of a tier).
+
+    @ivar below_min: those models, by name.
+    """
+
+    def __init__(self) -> None:
+        self.below_min: tuple[Shortfall, ...] = ()
+
+    def set(self, shortfalls: Iterable[Shortfall]) -> None:
+        """
+        The control plane published C{shortfalls}: they replace the last.
+        """
+        self.below_min = tuple(shortfalls)
 
 
 @dataclass(frozen=True)

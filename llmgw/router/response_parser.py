@@ -179,6 +179,7 @@ class ResponseParser:
         self._remaining = 0
         self._keep = False
         self._trailer_bytes = 0
+        self._trailer_lines: list[bytes] = []
         self.started = False
 
     @property
@@ -401,10 +402,14 @@ class ResponseParser:
             return -1
         line = data[pos:lf]
         if line == b"" or line == b"\r":
+            # Checked together, as the head's fields are, so that a folded
+            # line (obs-fold, RFC 9112 section 5.2) continues the one before.
+            lines, self._trailer_lines = self._trailer_lines, []
+            parse_fields(lines, {})
             self._state = _DONE
             return lf + 1
         self._trailer_bytes += lf + 1 - pos
         if self._trailer_bytes > self.max_trailers:
             raise InvalidResponse(f"trailers longer than {self.max_trailers} bytes")
-        parse_fields([line], {})
+        self._trailer_lines.append(line)
         return lf + 1

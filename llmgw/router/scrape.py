@@ -108,6 +108,10 @@ class PageProtocol(Protocol):
         transport: Any = self.transport
 
         def cancel(_: Deferred[tuple[int, bytes]]) -> None:
+            # The Deferred fails with CancelledError itself: forget it
+            # first, so that the loss of the connection aborted here does
+            # not fail it a second time.
+            self._waiting = None
             self.reusable = False
             transport.abortConnection()
 

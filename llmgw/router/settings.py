@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmgw.config_checks import COUNT, DURATION, SIZE, setting
+from llmgw.config_checks import COUNT, DURATION, POSITIVE, SIZE, setting
 
 BALANCE = ("load", "least_in_flight", "round_robin")
 """
@@ -87,7 +87,7 @@ class RouterConfig:
     )
     activation_queue: int = setting(
         256,
-        COUNT,
+        POSITIVE,
         "Requests that may wait per model for a replica (at least 1); more get"
         " 503 at once.",
     )
@@ -210,7 +210,7 @@ class RouterConfig:
     )
     overload_queue_size: int = setting(
         256,
-        COUNT,
+        POSITIVE,
         "Requests that may wait per overloaded model (at least 1); more get"
         " 429 at once.",
     )

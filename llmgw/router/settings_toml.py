@@ -18,6 +18,7 @@ from typing import Any
 from llmgw.config_checks import (
     COUNT,
     DURATION,
+    POSITIVE,
     REQUIRED,
     SIZE,
     ConfigError,
@@ -99,7 +100,7 @@ def parse_router(table: object) -> RouterConfig:
         raise ConfigError(f"router: expected a table, got {table!r}")
     defaults = RouterConfig()
     durations = ROUTER_TABLE.of_kind(DURATION)
-    counts = ROUTER_TABLE.of_kind(COUNT)
+    counts = ROUTER_TABLE.of_kind(COUNT) | ROUTER_TABLE.of_kind(POSITIVE)
     sizes = ROUTER_TABLE.of_kind(SIZE)
     check_keys("router", table, ROUTER_TABLE.names)
     values: dict[str, Any] = {}

@@ -37,7 +37,7 @@ from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
 from llmgw.router.load import LoadBoard
 from llmgw.router.site import make_site
 from llmgw.server.engine_keys import EngineKeys
@@ -214,6 +214,8 @@ class Plane:
 
     @ivar watch: the state routers of the tier follow.
     @ivar failures: the engine failures' tap the dashboard shows.
+    @ivar readiness: the models below their C{min_replicas}, for the
+        router's C{/readyz}.
     """
 
     inventory: Inventory
@@ -221,6 +223,7 @@ class Plane:
     plane: ControlPlane
     watch: Watch
     failures: FailureTap
+    readiness: Readiness
 
 
 def control_plane(
@@ -233,13 +236,21 @@ def control_plane(
 ) -> Plane:
     """
     @return: the control plane, publishing its endpoints (and the static
-        ones) to C{balancer}, C{load} and the tier's watch.
+        ones) to C{balancer}, C{load} and the tier's watch, and the models
+        below their C{min_replicas} to the router's readiness and the
+        watch.
     """
 
     def publish(endpoints: list[Endpoint]) -> None:
         balancer.set_endpoints(endpoints)
         load.set_endpoints(endpoints)
         watch.set_endpoints(endpoints)
+
+    def publish_shortfalls(shortfalls: tuple[Shortfall, ...]) -> None:
+        readiness.set(shortfalls)
+        watch.set_shortfalls(shortfalls)
+
+    readiness = Readiness()
 
     watch = Watch(
         reactor,
@@ -258,6 +269,9 @@ def control_plane(
             HEARTBEAT_INTERVAL, max(1, int(control.unreachable_after / 3))
         ),
         wall_clock=time.time,
+        # A second agent for a node may take over its link only once the
+        # node is unreachable: silent this long.
+        unreachable_after=control.unreachable_after,
     )
     plane = ControlPlane(
         reactor,
@@ -272,10 +286,11 @@ def control_plane(
         cut=balancer.cut,
         # The router touches each model at a request's arrival and end.
         touched=True,
+        publish_shortfalls=publish_shortfalls,
     )
     failures = FailureTap(plane, time.time)
     hub.listener = failures
-    return Plane(inventory, hub, plane, watch, failures)
+    return Plane(inventory, hub, plane, watch, failures, readiness)
 
 
 @dataclass(frozen=True)

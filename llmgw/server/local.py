@@ -143,6 +143,9 @@ def local_agent(
     """
     @param port: the loopback port of the local agent listener.
     @return: the agent's uplink service and its factory.
+    @raise ConfigError: its state directory cannot be made, or another
+        agent holds it (a C{twistd llmgw-agent} on
+        C{STATE_DIR/agent}, the agent's default state directory).
     """
     config = AgentConfig(
         server=f"127.0.0.1:{port}",
@@ -166,4 +169,6 @@ def local_agent(
         ),
         TCP4ClientEndpoint(reactor, "127.0.0.1", port, timeout=10),
     )
-    return build_agent(reactor, config, lambda _: endpoint)
+    return build_agent(
+        reactor, config, lambda _: endpoint, program="llmgw-server --local"
+    )

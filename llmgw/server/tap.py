@@ -309,7 +309,13 @@ def makeService(options: Options) -> IService:
     built.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
     account.keys.resolve = parts.plane.catalog.resolve
     router = build_router(
-        reactor, settings, balancer, built, account, parts.plane.catalog
+        reactor,
+        settings,
+        balancer,
+        built,
+        account,
+        parts.plane.catalog,
+        parts.readiness,
     )
     if settings.load_poll_interval > 0:
         balancer.load = built.load

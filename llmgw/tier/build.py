@@ -24,7 +24,7 @@ from llmgw.router.app import Router
 from llmgw.router.auth import KeyRing
 from llmgw.router.balancer import Balancer
 from llmgw.router.engine_client import EngineClient
-from llmgw.router.interfaces import Activator
+from llmgw.router.interfaces import Activator, Readiness
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
@@ -112,8 +112,11 @@ def router(
     built: Engines,
     account: Accounts,
     activator: Activator,
+    readiness: Readiness | None = None,
 ) -> Router:
     """
+    @param readiness: what the control plane publishes of the models
+        below their C{min_replicas}.
     @return: the router, its usage to the log and the store, its keys from
         C{account}, its engine load from C{built}.
     """
@@ -127,6 +130,7 @@ def router(
         wall_clock=time.time,
         activator=activator,
         auth=account.keys,
+        readiness=readiness,
     )
     result.load = built.load
     return result

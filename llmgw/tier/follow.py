@@ -26,9 +26,9 @@ from twisted.python.failure import Failure
 from twisted.web.client import readBody
 from twisted.web.iweb import IResponse
 
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Shortfall
 from llmgw.tier.admin_client import AdminClient
-from llmgw.tier.watch import KEEPALIVE, endpoint_from_json
+from llmgw.tier.watch import KEEPALIVE, endpoint_from_json, shortfall_from_json
 
 NEXT_URL_AFTER = 0.05
 """
@@ -72,6 +72,8 @@ class Follower(Service):
     """
     @param apply: called with each state's endpoints, names (C{{name or
         alias: model}}) and keys counter (L{llmgw.tier.watch}).
+    @param short: called with each state's models below their
+        C{min_replicas}, before C{apply}.
     @ivar version: the last state's version, 0 before the first.
     @ivar first: fires once the first state is applied.
     """
@@ -83,10 +85,12 @@ class Follower(Service):
         clock: IReactorTime,
         control: AdminClient,
         apply: Callable[[list[Endpoint], dict[str, str], int], None],
+        short: Callable[[list[Shortfall]], None] = lambda shortfalls: None,
     ) -> None:
         self.clock = clock
         self.control = control
         self.apply = apply
+        self.short = short
         self.version = 0
         self.first: Deferred[None] = Deferred()
         self._backoff = 0.2
@@ -207,12 +211,14 @@ class Follower(Service):
             names = {str(k): str(v) for k, v in value["names"].items()}
             version = int(value["version"])
             keys = int(value.get("keys", 0))
+            below_min = [shortfall_from_json(s) for s in value.get("below_min", [])]
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             self.log.warn("a bad line in the control plane's watch: {error}", error=e)
             return
         self._backoff = 0.2
         self._failures = 0
         self.version = version
+        self.short(below_min)
         self.apply(endpoints, names, keys)
         if not self.first.called:
             self.first.callback(None)

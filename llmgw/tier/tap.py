@@ -45,7 +45,7 @@ from llmgw.daemon.listen import listen as _listen
 from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.balancer import Balancer
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Readiness
 from llmgw.router.site import make_site
 from llmgw.store.base import Store
 from llmgw.store.db import StoreError, open_store
@@ -200,10 +200,13 @@ class _Following:
 
     @ivar follower: the watch of endpoints, names and key changes.
     @ivar activator: activations forwarded to the control plane.
+    @ivar readiness: the models below their C{min_replicas}, from the
+        watch.
     """
 
     follower: Follower
     activator: RemoteActivator
+    readiness: Readiness
 
 
 def _follow(
@@ -228,9 +231,10 @@ def _follow(
         activator.set_names(names)
         key_follower.saw(counter)
 
-    follower = Follower(reactor, control, apply)
+    readiness = Readiness()
+    follower = Follower(reactor, control, apply, readiness.set)
     account.keys.resolve = activator.resolve
-    return _Following(follower, activator)
+    return _Following(follower, activator, readiness)
 
 
 def _listener(
@@ -284,7 +288,13 @@ def makeService(options: Options) -> IService:
     timeout = settings.activation_timeout or 60.0
     following = _follow(reactor, control, balancer, built, account, store, timeout)
     router = build_router(
-        reactor, settings, balancer, built, account, following.activator
+        reactor,
+        settings,
+        balancer,
+        built,
+        account,
+        following.activator,
+        following.readiness,
     )
     if settings.load_poll_interval > 0:
         balancer.load = built.load

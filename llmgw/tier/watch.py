@@ -5,8 +5,11 @@ to every watcher of C{GET /api/v1/watch} on the admin API.
 
 The stream is newline-delimited JSON: one line per state, the whole state
 each time (C{{"version": int, "endpoints": [...], "names": {name: model},
-"keys": int}}, C{keys} counting the changes of API keys: a router reads
-the keys from the shared store again when it moves),
+"keys": int, "below_min": [...]}}, C{keys} counting the changes of API
+keys: a router reads the keys from the shared store again when it moves;
+C{below_min} the catalog models with fewer ready replicas than their
+C{min_replicas}, C{{"model", "ready", "min_replicas"}} each, which every
+router's C{/readyz} lists as unavailable; a server before it sent none),
 so that a watcher that reconnects starts from the full state, and an empty
 line every L{KEEPALIVE} seconds, so that a watcher can tell a silent link
 from a dead one.  Engine secrets travel only on this stream, which the
@@ -26,7 +29,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Shortfall
 
 KEEPALIVE = 1.0
 """
@@ -63,6 +66,27 @@ def endpoint_from_json(value: Mapping[str, Any]) -> Endpoint:
     )
 
 
+def shortfall_json(shortfall: Shortfall) -> dict[str, Any]:
+    """
+    @return: C{shortfall} as the watch carries it.
+    """
+    return {
+        "model": shortfall.model,
+        "ready": shortfall.ready,
+        "min_replicas": shortfall.min_replicas,
+    }
+
+
+def shortfall_from_json(value: Mapping[str, Any]) -> Shortfall:
+    """
+    @return: the shortfall L{shortfall_json} wrote.
+    @raise KeyError, TypeError, ValueError: not such an object.
+    """
+    return Shortfall(
+        str(value["model"]), int(value["ready"]), int(value["min_replicas"])
+    )
+
+
 class Watch(Service):
     """
     The state routers follow, and its watchers.
@@ -84,6 +108,7 @@ class Watch(Service):
         self.endpoints: tuple[Endpoint, ...] = ()
         self.names: dict[str, str] = {}
         self.keys = 0
+        self.below_min: tuple[Shortfall, ...] = ()
         self._watchers: list[IRequest] = []
         self._tick = LoopingCall(self._keepalive)
         self._tick.clock = clock
@@ -108,6 +133,16 @@ class Watch(Service):
         endpoints = tuple(endpoints)
         if endpoints != self.endpoints:
             self.endpoints = endpoints
+            self._push()
+
+    def set_shortfalls(self, shortfalls: Sequence[Shortfall]) -> None:
+        """
+        The control plane published the models below their
+        C{min_replicas}: push them.
+        """
+        shortfalls = tuple(shortfalls)
+        if shortfalls != self.below_min:
+            self.below_min = shortfalls
             self._push()
 
     def changed(self) -> None:
@@ -142,6 +177,7 @@ class Watch(Service):
             "endpoints": [endpoint_json(e) for e in self.endpoints],
             "names": self.names,
             "keys": self.keys,
+            "below_min": [shortfall_json(s) for s in self.below_min],
         }
         return json.dumps(value, separators=(",", ":")).encode("utf-8") + b"\n"
 

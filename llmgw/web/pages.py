@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from werkzeug.exceptions import NotFound
 
+from llmgw.control.drains import DrainRefused
 from llmgw.control.plane import ControlPlane
 from llmgw.web.fleet import Fleet
 
@@ -219,6 +220,11 @@ class Dashboard:
             what="the store to keep this (done in this server only): try again",
         )
 
+    def _refused(self, request: IRequest, refused: DrainRefused) -> bytes:
+        # The admin API's 409: only `llmgw ctl drain --force` overrides it.
+        what = f"drain: {refused}"
+        return self._page(request, "missing.html", "Drain refused", 409, what=what)
+
     def _forbidden(self, request: IRequest) -> bytes:
         return self._page(
             request,
@@ -289,6 +295,8 @@ class Dashboard:
             self._plane().drain_node(node_id)
         except KeyError:
             return self._missing(request, f"node {node_id[:200]}")
+        except DrainRefused as e:
+            return self._refused(request, e)
         if not await self.actions.keep_drain(node_id, True):
             return self._unkept(request)
         return self._back(request, "/nodes/" + quote(node_id, safe=""))
@@ -313,6 +321,8 @@ class Dashboard:
             self._plane().drain_replica(replica_id)
         except KeyError:
             return self._missing(request, f"replica {replica_id[:200]}")
+        except DrainRefused as e:
+            return self._refused(request, e)
         return self._back(request, "/replicas/" + quote(replica_id, safe=""))
 
     @app.route("/models/<path:name>/scale", methods=["POST"])

@@ -23,7 +23,8 @@ from llmgw.wire.codec import (
 
 M = TypeVar("M", bound=Message)
 
-# The ControlMessage fields that are commands (all but welcome).
+# The ControlMessage fields that are commands (not welcome, redirect,
+# refused).
 _COMMANDS = ("start_shard", "stop_shard", "remove_weights")
 
 
@@ -126,7 +127,17 @@ class MessageStream(Protocol, Generic[M]):
             "closing the connection from {peer}: " + template, peer=peer, **fields
         )
         if self.transport is not None:
+            self.violated(template.format(**fields))
             self.transport.loseConnection()
+
+    def violated(self, reason: str) -> None:
+        """
+        Called once the peer broke the framing, just before the connection
+        is closed (nothing more is read from it); override to tell the
+        peer why.
+
+        @param reason: what was wrong, such as C{"frame of 0 bytes: empty"}.
+        """
 
     @property
     def max_sent(self) -> int:

@@ -78,15 +78,20 @@ def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
     return True
 
 
-def check_files(ca: str, cert: str, key: str) -> None:
+def check_files(ca: str, cert: str, key: str, signed: bool = True) -> None:
     """
     Check at start what a TLS handshake would otherwise find later, or
     what would end in a traceback: each file readable and PEM, C{key} the
-    private key of C{cert}, C{cert} signed by C{ca} and valid now.
+    private key of C{cert}, C{cert} valid now and (with C{signed}) signed
+    by C{ca}.
 
     @param ca: the fleet CA certificate, PEM path.
     @param cert: a certificate the fleet CA issued, PEM path.
     @param key: its private key, PEM path.
+    @param signed: check that C{ca} signed C{cert}.  The server's own
+        certificate must be (else every agent's handshake fails later); an
+        agent's is the server's to judge, and the agent names the CA when
+        the server refuses it in the handshake.
     @raise TLSFileError: the first that is not so, naming its file.
     """
     authority = _certificate(ca)
@@ -100,7 +105,7 @@ def check_files(ca: str, cert: str, key: str) -> None:
         ) from None
     if _public(private.public_key()) != _public(certificate.public_key()):
         raise TLSFileError(f"{key} is not the private key of the certificate {cert}")
-    if not _signed_by(certificate, authority):
+    if signed and not _signed_by(certificate, authority):
         raise TLSFileError(f"{cert} is not signed by the CA {ca}")
     now = datetime.datetime.now(datetime.UTC)
     begins, ends = certificate.not_valid_before_utc, certificate.not_valid_after_utc
@@ -137,9 +142,10 @@ def client_options(
         must carry it (DNS name or IP address).
     @return: options presenting the agent's certificate and verifying the
         server's against C{ca} and C{host}.
-    @raise TLSFileError: the files cannot serve (L{check_files}).
+    @raise TLSFileError: the files cannot serve (L{check_files}; whether
+        C{ca} signed C{cert} is the server's to judge).
     """
-    check_files(ca, cert, key)
+    check_files(ca, cert, key, signed=False)
     return optionsForClientTLS(
         host,
         trustRoot=Certificate.loadPEM(_read(ca)),

@@ -1,7 +1,7 @@
 """
 C{llmgw ctl}: the admin API from the command line (docs/keys.md).
 Tables by default, C{--json} for scripts; a failure is one line on stderr
-and a non-zero exit status.
+and a non-zero exit status.  Usage::
 
     llmgw ctl [--admin-url URL] [--admin-key KEY] [--json] COMMAND ...
 

@@ -355,14 +355,55 @@ def placement(
 
 def drain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{drain node|replica}: a node's replicas or one replica drained.
+    C{drain node|replica [--force]}: a node's replicas or one replica
+    drained, each replaced first; a refusal says that C{--force} drains
+    anyway.
     """
+    kind = "nodes" if args.kind == "node" else "replicas"
+    body = {"force": True} if args.force else None
+    try:
+        result = client.call("POST", f"/api/v1/{kind}/{quote(args.id)}/drain", body)
+    except CtlError as e:
+        if "(HTTP 409)" in str(e) and not args.force:
+            raise CtlError(f"{e}; --force drains anyway") from None
+        raise
     if args.kind == "node":
-        result = client.call("POST", f"/api/v1/nodes/{quote(args.id)}/drain")
         moving = cell(result["draining_replicas"])
-        return result, f"draining node {args.id}: replicas {moving}\n"
-    result = client.call("POST", f"/api/v1/replicas/{quote(args.id)}/drain")
+        text = f"draining node {args.id}: replicas {moving}\n"
+        if result.get("replaced_first"):
+            first = cell(result["replaced_first"])
+            text += f"each drains once its replacement is ready: {first}\n"
+        return result, text
+    if result.get("replaced_first"):
+        return result, (f"draining replica {args.id} once its replacement is ready\n")
     return result, f"draining replica {args.id}\n"
+
+
+def stop_engines(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{stop-engines NODE|--all}: every engine of a node, or of the fleet,
+    stopped on purpose, no drain kept.
+    """
+    where = "" if args.all else f"/{quote(args.node)}"
+    result = client.call("POST", f"/api/v1/nodes{where}/stop-engines")
+    return result, (
+        f"stopping the engines of {cell(result['nodes'])}: replicas"
+        f" {cell(result['stopping_replicas'])}; nothing is placed there until"
+        " `llmgw ctl start-engines` or the server's next start\n"
+    )
+
+
+def start_engines(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{start-engines NODE|--all}: placements use the nodes again.
+    """
+    where = "" if args.all else f"/{quote(args.node)}"
+    result = client.call("POST", f"/api/v1/nodes{where}/start-engines")
+    return result, f"placing engines on {cell(result['nodes'])} again\n"
 
 
 def undrain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
@@ -384,6 +425,8 @@ COMMANDS: dict[str, Command] = {
     "placement": placement,
     "drain": drain,
     "undrain": undrain,
+    "stop-engines": stop_engines,
+    "start-engines": start_engines,
     "keys list": keys_list,
     "keys create": keys_create,
     "keys update": keys_update,

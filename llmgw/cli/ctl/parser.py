@@ -89,12 +89,40 @@ def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> Non
         "placement", help="where a model would go, or why not"
     )
     placement.add_argument("model")
-    drain = commands.add_parser("drain", help="drain a node or a replica")
+    drain = commands.add_parser(
+        "drain",
+        help="drain a node or a replica (each replaced first)",
+        description="Drain a node or a replica: each replica is replaced"
+        " elsewhere first and drains once its replacement is ready.  Refused"
+        " when a model would be left below its min_replicas with no room for"
+        " a replacement.  A node's drain is kept across restarts until"
+        " `undrain`.",
+    )
     drain.add_argument("kind", choices=("node", "replica"))
     drain.add_argument("id")
+    drain.add_argument(
+        "--force",
+        action="store_true",
+        help="drain at once, unchecked and not replaced first: a model may go"
+        " below its min_replicas",
+    )
     undrain = commands.add_parser("undrain", help="let placements use a node again")
     undrain.add_argument("kind", choices=("node",))
     undrain.add_argument("id")
+    for name, doing in (
+        ("stop-engines", "stop every engine of NODE (or of every node) on purpose"),
+        ("start-engines", "let placements use NODE (or every node) again"),
+    ):
+        engines = commands.add_parser(
+            name,
+            help=doing,
+            description=doing[0].upper() + doing[1:] + ".  Nothing is kept in"
+            " the store: the server's next start places engines again."
+            "  (An agent's own SIGTERM keeps its engines running.)",
+        )
+        which = engines.add_mutually_exclusive_group(required=True)
+        which.add_argument("node", nargs="?", metavar="NODE")
+        which.add_argument("--all", action="store_true", help="every node")
 
 
 _EXPIRES = "when it stops working: 30d, 12h, an ISO 8601 time or POSIX seconds"

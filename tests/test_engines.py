@@ -82,14 +82,14 @@ class GangArgvTests(SynchronousTestCase):
 
     def test_sglang(self) -> None:
         """
-        SGLang's multi-node flags (docs, "Multi-Node Deployment"): --tp
+        SGLang's multi-node flags (docs, "Multi-Node Deployment"): --tp-size
         over all the gang's GPUs, --nnodes, --node-rank, --dist-init-addr.
         """
         for rank in (0, 1):
             launch = build(_gang("sglang", rank), "10.0.0.9")
             self.assertEqual(
-                launch.argv[launch.argv.index("--tp") :],
-                ["--tp", "4", "--nnodes", "2", "--node-rank", str(rank)]
+                launch.argv[launch.argv.index("--tp-size") :],
+                ["--tp-size", "4", "--nnodes", "2", "--node-rank", str(rank)]
                 + ["--dist-init-addr", "10.0.0.1:20002"],
             )
             self.assertEqual(bool(launch.probes), rank == 0)

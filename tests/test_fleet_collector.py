@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.control.metrics import FleetCollector
 from llmgw.control.placement import Profile
-from llmgw.control.records import no_fit_kinds
+from llmgw.control.records import NO_FIT_KIND_NAMES, no_fit_kinds
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import PlaneCase, make_model
 
@@ -38,7 +38,8 @@ class FleetCollectorTests(PlaneCase):
         """
         Two replicas of C{m} on two one-GPU nodes: ready, allocated 10 GiB
         each, two starts; the hub's reconnects; a model with no fit counts
-        a placement failure under a fixed reason.
+        a placement failure under a fixed reason, and every other reason
+        and each model's starts and failures at 0 before their first event.
         """
         huge = make_model("huge", low=1)
         huge = huge.__class__(
@@ -78,14 +79,16 @@ class FleetCollectorTests(PlaneCase):
             found[("llmgw_placement_failures_total", (("reason", "gpus"),))], 1
         )
         self.assertGreaterEqual(found[("llmgw_reconcile_pass_seconds_count", ())], 0)
-        self.assertEqual(
-            {
-                labels
-                for (name, labels) in found
-                if name == "llmgw_placement_failures_total"
-            },
-            {(("reason", "gpus"),)},
-        )
+        # Only gpus counted; every other fixed reason exported at 0.
+        reasons = {
+            dict(labels)["reason"]: value
+            for (name, labels), value in found.items()
+            if name == "llmgw_placement_failures_total"
+        }
+        self.assertEqual(set(reasons), set(NO_FIT_KIND_NAMES))
+        self.assertEqual({r for r, v in reasons.items() if v}, {"gpus"})
+        self.assertEqual(found[("llmgw_engine_starts_total", (("model", "huge"),))], 0)
+        self.assertEqual(found[("llmgw_engine_failures_total", (("model", "m"),))], 0)
 
     def test_failures_and_backoff(self) -> None:
         """

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests import pg_support, redis_support
+from tests import pg_support, prometheus_support, redis_support
 
 
 class PostgresHarnessTests(SynchronousTestCase):
@@ -85,3 +85,31 @@ class RedisHarnessTests(SynchronousTestCase):
         self.assertIn("'redis-server' package", str(skipped.exception))
         self.patch(os, "environ", {**os.environ, "CI": "true"})
         self.assertRaises(AssertionError, redis_support.require_redis)
+
+
+class PrometheusHarnessTests(SynchronousTestCase):
+    def test_check_metrics(self) -> None:
+        """
+        C{promtool check metrics} passes a well-formed scrape and names the
+        problem of a counter without C{_total}.
+        """
+        good = b"# HELP a_total A.\n# TYPE a_total counter\na_total 1\n"
+        self.assertEqual(prometheus_support.check_metrics(good), (0, ""))
+        bad = b"# HELP a A.\n# TYPE a counter\na 1\n"
+        code, problems = prometheus_support.check_metrics(bad)
+        self.assertNotEqual(code, 0)
+        self.assertIn("_total", problems)
+
+    def test_absent(self) -> None:
+        """
+        No binaries: skipped naming the package; under CI, a failure.
+        """
+        self.patch(shutil, "which", lambda name: None)
+        self.patch(os.path, "exists", lambda path: False)
+        self.patch(os, "environ", {**os.environ, "CI": "false"})
+        for name in ("promtool", "prometheus"):
+            with self.assertRaises(SkipTest) as skipped:
+                prometheus_support.require(name)
+            self.assertIn("'prometheus' package", str(skipped.exception))
+        self.patch(os, "environ", {**os.environ, "CI": "true"})
+        self.assertRaises(AssertionError, prometheus_support.require, "prometheus")

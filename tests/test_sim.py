@@ -220,12 +220,16 @@ class MetricsTests(SynchronousTestCase):
         itl.observe(1e6)
         text = sim.metrics.render().decode()
         prefix = "vllm:inter_token_latency_seconds"
-        self.assertIn(prefix + '_bucket{le="0.001",model_name="m"} 0.0', text)
-        self.assertIn(prefix + '_bucket{le="0.005",model_name="m"} 1.0', text)
-        self.assertIn(prefix + '_bucket{le="0.01",model_name="m"} 2.0', text)
-        self.assertIn(prefix + '_bucket{le="10.0",model_name="m"} 2.0', text)
-        self.assertIn(prefix + '_bucket{le="+Inf",model_name="m"} 3.0', text)
-        self.assertIn(prefix + '_count{model_name="m"} 3.0', text)
+        self.assertIn(
+            prefix + '_bucket{engine="0",le="0.001",model_name="m"} 0.0', text
+        )
+        self.assertIn(
+            prefix + '_bucket{engine="0",le="0.005",model_name="m"} 1.0', text
+        )
+        self.assertIn(prefix + '_bucket{engine="0",le="0.01",model_name="m"} 2.0', text)
+        self.assertIn(prefix + '_bucket{engine="0",le="10.0",model_name="m"} 2.0', text)
+        self.assertIn(prefix + '_bucket{engine="0",le="+Inf",model_name="m"} 3.0', text)
+        self.assertIn(prefix + '_count{engine="0",model_name="m"} 3.0', text)
         self.assertEqual(itl.count, 3)
 
 

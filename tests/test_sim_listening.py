@@ -322,21 +322,28 @@ class ListeningTests(TestCase):
             stats = json.loads(raw)
             self.assertEqual((stats["running"], stats["waiting"]), (1, 1))
             code, metrics = await self.get("/metrics")
-            self.assertIn(b'vllm:num_requests_running{model_name="m"} 1.0', metrics)
-            self.assertIn(b'vllm:num_requests_waiting{model_name="m"} 1.0', metrics)
-            self.assertIn(b'vllm:kv_cache_usage_perc{model_name="m"} 1.0', metrics)
+            self.assertIn(
+                b'vllm:num_requests_running{engine="0",model_name="m"} 1.0', metrics
+            )
+            self.assertIn(
+                b'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0', metrics
+            )
+            self.assertIn(
+                b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 1.0', metrics
+            )
             (c1, _), (c2, a2) = await first, await second
             self.assertEqual((c1, c2), (200, 200))
             self.assertEqual(a2["choices"][0]["text"], completion_text(b"b", 2))
             code, metrics = await self.get("/metrics")
             self.assertIn(
                 b"vllm:request_success_total"
-                b'{finished_reason="length",model_name="m"} 2.0',
+                b'{engine="0",finished_reason="length",model_name="m"} 2.0',
                 metrics,
             )
             # 100 + 2 tokens.
             self.assertIn(
-                b'vllm:generation_tokens_total{model_name="m"} 102.0', metrics
+                b'vllm:generation_tokens_total{engine="0",model_name="m"} 102.0',
+                metrics,
             )
             self.assertIn(b"vllm:e2e_request_latency_seconds_count", metrics)
             self.assertIn(b"vllm:time_to_first_token_seconds_count", metrics)

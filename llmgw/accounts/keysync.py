@@ -89,6 +89,16 @@ def key_events(
     pg = store
 
     def failed(reason: Failure, what: str) -> None:
+        if reason.check(*pg.database_errors):
+            # The database away or refusing: one line, no traceback (the
+            # outage itself is reported by the key events' listener).
+            message = reason.getErrorMessage()
+            log.warn(
+                "keys: cannot read {what} from the store: {error}",
+                what=what,
+                error=message.splitlines()[0] if message else "database error",
+            )
+            return
         log.failure("keys: cannot read {what} from the store", reason, what=what)
 
     def on_event(event: dict[str, Any]) -> None:

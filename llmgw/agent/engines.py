@@ -4,7 +4,7 @@ line, environment and readiness probes of an inference engine.
 
 Command lines follow each engine's documentation: C{vllm serve MODEL
 --served-model-name --port --tensor-parallel-size} (vLLM), C{python -m
-sglang.launch_server --model-path --served-model-name --port --tp --nnodes
+sglang.launch_server --model-path --served-model-name --port --tp-size --nnodes
 --node-rank --dist-init-addr} (SGLang), C{llama-server -m --alias --port}
 (llama.cpp) or C{python -m llama_cpp.server --model --model_alias --port}
 (llama-cpp-python), and C{llmgw sim}.
@@ -161,11 +161,16 @@ def _sglang(
     argv += [command.source, "--served-model-name", command.model]
     argv += ["--host", host, "--port", str(command.port)]
     if gpus > 1 or command.world_size > 1:
-        argv += ["--tp", str(max(gpus, 1) * max(command.world_size, 1))]
+        # --tp-size, SGLang's option (sglang/srt/server_args.py; alias
+        # --tensor-parallel-size): the docs' --tp is only argparse's
+        # abbreviation of it, which a new option sharing the prefix would
+        # make ambiguous (tests/test_engine_parsers.py).
+        tp = max(gpus, 1) * max(command.world_size, 1)
+        argv += ["--tp-size", str(tp)]
     if command.world_size <= 1:
         return argv, _serves(base, command.model)
     # SGLang docs, "Multi-Node Deployment" (docs.sglang.io, references/
-    # multi_node_deployment): --tp over all the gang's GPUs, and on every
+    # multi_node_deployment): the TP size over all the gang's GPUs, and on every
     # node --nnodes, --node-rank and --dist-init-addr HOST:PORT on rank 0;
     # only rank 0 serves the API.
     argv += ["--nnodes", str(command.world_size)]

@@ -25,7 +25,7 @@ from prometheus_client.core import (
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import NodeState
 from llmgw.control.plane import ControlPlane
-from llmgw.control.records import ReplicaState
+from llmgw.control.records import NO_FIT_KIND_NAMES, ReplicaState
 from llmgw.control.scaling import bounded
 from llmgw.wire.states import ShardState
 
@@ -199,7 +199,12 @@ class FleetCollector:
             " gpu_memory, fabric, ports, multi_node, node_state).",
             labels=["reason"],
         )
-        for reason, count in sorted(counts.placement_failures.items()):
+        # Every fixed reason and every catalog model from the first scrape,
+        # at 0 until counted: a panel over a quiet fleet reads 0, not no
+        # data.  Models gone from the catalog keep the counts they have.
+        reasons = dict.fromkeys(NO_FIT_KIND_NAMES, 0)
+        reasons.update(counts.placement_failures)
+        for reason, count in sorted(reasons.items()):
             placement.add_metric([reason], count)
         starts = CounterMetricFamily(
             "llmgw_engine_starts", "Replicas started, by model.", labels=["model"]
@@ -209,9 +214,10 @@ class FleetCollector:
             "Replicas that failed (not drained), by model.",
             labels=["model"],
         )
-        for name, count in sorted(counts.engine_starts.items()):
+        models = dict.fromkeys((s.model.name for s in plane.catalog.states()), 0)
+        for name, count in sorted({**models, **counts.engine_starts}.items()):
             starts.add_metric([name], count)
-        for name, count in sorted(counts.engine_failures.items()):
+        for name, count in sorted({**models, **counts.engine_failures}.items()):
             failures.add_metric([name], count)
         yield from (placement, starts, failures)
         yield CounterMetricFamily(

@@ -183,6 +183,8 @@ _NO_FIT_KINDS = (
     ("GPU", "gpus"),
     ("nodes fit", "multi_node"),
 )
+# Every kind L{no_fit_kinds} may return.
+NO_FIT_KIND_NAMES = (*(kind for _, kind in _NO_FIT_KINDS), "node_state")
 
 
 def no_fit_kinds(lines: list[str]) -> set[str]:

@@ -181,7 +181,6 @@ class KeyRing:
         # Per key id, the Redis members of its requests in flight and the
         # tokens each holds.
         self._members: dict[int, list[tuple[str, int]]] = {}
-        self._redis_failing = False
         self._required = required
         self._clock = clock
         self._wall_clock = wall_clock
@@ -418,19 +417,10 @@ class KeyRing:
                 reserve,
                 member,
             )
-        except self.limits.errors as e:
-            if not self._redis_failing:
-                self._redis_failing = True
-                self.log.warn(
-                    "limits: Redis cannot be reached ({error}); each router"
-                    " counts its share of the limits until it can",
-                    error=str(e),
-                )
+        except self.limits.errors:
+            # Logged once per outage by the limits themselves.
             self._admit(key, reserve)
             return
-        if self._redis_failing:
-            self._redis_failing = False
-            self.log.info("limits: Redis reached again; limits shared again")
         if verdict == OVER_BUDGET:
             raise _over_budget()
         if verdict == OVER_RPM:
@@ -439,6 +429,13 @@ class KeyRing:
             raise _rate_limited(f"{key.tpm} tokens per minute", wait)
         key.last_used = self._wall_clock()
         self._members.setdefault(key.id, []).append((member, reserve))
+
+    @property
+    def _redis_failing(self) -> bool:
+        """
+        Whether the shared limits' Redis is away now (L{RedisLimits.failing}).
+        """
+        return self.limits is not None and self.limits.failing
 
     def _check_models(self, key: ApiKey, names: Sequence[str]) -> None:
         if not any(key.allows(n, self.resolve) for n in names):
@@ -507,12 +504,16 @@ class KeyRing:
             # tokens count all the same.
             member, reserved = self.limits.member(), 0
         d = self.limits.used(key.id, member, reserved, tokens, key.tpm is not None)
+        # A Redis outage is logged once by the limits (its uncounted
+        # tokens summed when it ends), not once per finished request.
+        errors = self.limits.errors
+        d.addErrback(lambda f: f.trap(*errors) and None)
         d.addErrback(
-            lambda f: self.log.warn(
-                "limits: cannot count {tokens} tokens of key {key} in Redis: {error}",
+            lambda f: self.log.failure(
+                "limits: counting {tokens} tokens of key {key}",
+                f,
                 tokens=tokens,
                 key=key.name,
-                error=f.getErrorMessage(),
             )
         )
 

@@ -74,6 +74,8 @@ class EdgeProtocol(GenericHTTPChannelProtocol):
                     503,
                     "Too many connections; try again later.",
                     "too_many_connections",
+                    # Connections close within seconds: try again soon.
+                    retry_after=1,
                 )
                 transport.write(error_response(error))
                 transport.loseConnection()

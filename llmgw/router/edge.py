@@ -52,29 +52,36 @@ Bytes a lingering connection reads and drops before it is aborted.
 """
 
 
-def edge_error(status: int, message: str, code: str) -> APIError:
+def edge_error(
+    status: int, message: str, code: str, retry_after: int | None = None
+) -> APIError:
     """
     @param status: the HTTP status, 4xx or 5xx.
     @param code: the error object's machine-readable C{code}.
+    @param retry_after: seconds for C{Retry-After}, for a refusal the
+        client may try again after; L{None} for its own mistakes.
     @return: an OpenAI error object: C{invalid_request_error} for 4xx,
         C{server_error} for 5xx.
     """
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    return APIError(status, message, kind, code)
+    return APIError(status, message, kind, code, retry_after=retry_after)
 
 
 def error_response(error: APIError) -> bytes:
     """
-    @return: a whole HTTP/1.1 response carrying C{error}, closing the
-        connection.
+    @return: a whole HTTP/1.1 response carrying C{error} (and its
+        C{Retry-After}, if any), closing the connection.
     """
     body = error.body()
     reason = reason_phrase(error.status)
+    retry = b""
+    if error.retry_after is not None:
+        retry = b"Retry-After: %d\r\n" % error.retry_after
     return (
         b"HTTP/1.1 %d %s\r\n"
         b"Content-Type: application/json\r\n"
         b"Content-Length: %d\r\n"
-        b"Connection: close\r\n\r\n" % (error.status, reason, len(body))
+        b"%sConnection: close\r\n\r\n" % (error.status, reason, len(body), retry)
     ) + body
 
 

@@ -179,6 +179,57 @@ def engine_error(status: int, body: bytes, retry_after: int | None) -> APIError:
     )
 
 
+def engine_failure(
+    status: int, content_type: bytes, body: bytes, retry_after: int | None
+) -> APIError | None:
+    """
+    An engine's own 5xx error answer, to pass on with its status and
+    message, when it is a well-formed error object: JSON
+    (C{application/json}) holding OpenAI's and recent vLLM's
+    C{{"error": {"message": ...}}}, or older vLLM's
+    C{{"object": "error", "message": ...}}.  Anything else (HTML, plain
+    text, a traceback page, JSON of another shape) is no answer the
+    client can use: L{None}, and the caller answers 502.
+
+    A message holding a Python traceback keeps to the operator's log
+    (file paths, addresses): the client gets the status, type and code
+    with a plain sentence instead.
+
+    @param status: the engine's HTTP status, 500..599.
+    @param content_type: its C{Content-Type}, raw.
+    @param body: its answer, any bytes.
+    @param retry_after: seconds for C{Retry-After} (the engine's), or
+        L{None}.
+    """
+    if not content_type.split(b";")[0].strip().lower() == b"application/json":
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    nested = parsed.get("error")
+    if isinstance(nested, dict) and isinstance(nested.get("message"), str):
+        error: dict[str, Any] = nested
+    elif parsed.get("object") == "error" and isinstance(parsed.get("message"), str):
+        error = parsed
+    else:
+        return None
+    message = str(error["message"])[:1000].strip()
+    if not message or "Traceback (most recent call last)" in message:
+        message = f"The replica failed the request with status {status}."
+    kind, code, param = error.get("type"), error.get("code"), error.get("param")
+    return APIError(
+        status,
+        message,
+        kind if isinstance(kind, str) and kind else "server_error",
+        code if isinstance(code, str) else None,
+        param if isinstance(param, str) else None,
+        retry_after=retry_after,
+    )
+
+
 def error_message(body: bytes) -> str | None:
     """
     @return: the message of an engine's error body, if it has one: at most

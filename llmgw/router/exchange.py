@@ -28,6 +28,7 @@ from llmgw.router.errors import (
     activation_timeout,
     deadline_exceeded,
     engine_error,
+    engine_failure,
     error_message,
     no_ready_replica,
     replica_unavailable,
@@ -512,6 +513,13 @@ class Exchange:
             raise engine_error(status, body, wait)
         self.services.metrics.upstream_errors.labels("status").inc()
         self._log_engine_failure(status, body)
+        if 500 <= status < 600:
+            # The engine's own error object (vLLM's 500 on an internal
+            # error): the client gets its status and message; a broken
+            # answer (no such object) stays a 502.
+            passed = engine_failure(status, content_type, body, wait)
+            if passed is not None:
+                raise passed
         raise upstream_failed(f"The replica answered with status {status}.")
 
     def _log_engine_failure(self, status: int, body: bytes) -> None:

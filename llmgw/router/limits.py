@@ -40,6 +40,8 @@ import redis
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 RESERVATION_TTL = 900.0
@@ -153,9 +155,15 @@ class RedisLimits:
     @param window: seconds of the sliding windows.
     @param threads: concurrent Redis calls at most (and connections).
     @ivar router_id: this process's part of every member it adds.
+    @ivar failing: whether Redis is away now (the last call failed with
+        one of L{errors}); an outage is logged once when it starts and
+        once when a call gets through again, however many requests meet
+        it (admissions, and finished requests' tokens not counted there,
+        summed in the second line).
     """
 
     errors = (redis.RedisError,)
+    log = Logger()
 
     def __init__(
         self,
@@ -178,6 +186,8 @@ class RedisLimits:
         self._started = False
         self.router_id = uuid.uuid4().hex[:12]
         self._numbers = itertools.count()
+        self.failing = False
+        self._uncounted = 0
 
     def start(self) -> None:
         if not self._started:
@@ -190,9 +200,42 @@ class RedisLimits:
             self._threads.stop()
         self._client.close()
 
-    def _call(self, work: Callable[[], Any]) -> Deferred[Any]:
+    def _call(self, work: Callable[[], Any], tokens: int = 0) -> Deferred[Any]:
+        """
+        Run C{work} on the pool, noting when Redis goes away or comes back.
+
+        @param tokens: what C{work} would count, added to the outage's
+            uncounted tokens when it fails.
+        """
         self.start()
-        return deferToThreadPool(self._reactor, self._threads, work)
+        d = deferToThreadPool(self._reactor, self._threads, work)
+
+        def answered(result: Any) -> Any:
+            if self.failing:
+                self.failing = False
+                uncounted, self._uncounted = self._uncounted, 0
+                self.log.info(
+                    "limits: Redis reached again; limits shared again"
+                    " ({tokens} tokens of requests that ended meanwhile not"
+                    " counted there)",
+                    tokens=uncounted,
+                )
+            return result
+
+        def failed(failure: Failure) -> Failure:
+            if failure.check(*self.errors):
+                self._uncounted += tokens
+                if not self.failing:
+                    self.failing = True
+                    self.log.warn(
+                        "limits: Redis cannot be reached ({error}); each router"
+                        " counts its share of the limits until it can",
+                        error=failure.getErrorMessage(),
+                    )
+            return failure
+
+        d.addCallbacks(answered, failed)
+        return d
 
     def member(self) -> str:
         """
@@ -219,7 +262,8 @@ class RedisLimits:
         @param member: from L{member}; give the same to L{used}.
         @return: fires with C{(verdict, seconds)}: L{ADMITTED}, or which
             limit refused and seconds until a slot frees; fails with one
-            of L{errors} when Redis cannot be reached or refuses.
+            of L{errors} when Redis cannot be reached or refuses (the
+            outage logged here, once).
         """
         args: list[str | int | float] = [
             self._window,
@@ -256,4 +300,4 @@ class RedisLimits:
         def call() -> None:
             self._used(keys=_keys(key_id), args=args)
 
-        return self._call(call)
+        return self._call(call, tokens)

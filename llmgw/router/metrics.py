@@ -1,13 +1,16 @@
 """
 The router's traffic metrics (Prometheus conventions: C{_total} counters,
-C{_seconds} histograms).
+C{_seconds} histograms), and the registry every llmgw C{/metrics} serves.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -18,6 +21,52 @@ _LATENCY_BUCKETS = (
 # The one C{model} label value for every name that is not configured: a
 # client must not be able to grow the series by inventing model names.
 OTHER_MODEL = "other"
+
+# The statuses under which each configured model's request counter exists
+# from the first scrape, at 0 until counted: success, and what llmgw itself
+# answers when it refuses or fails a request (429 limits and overload, 502
+# broken engine answers, 503 no replica, 504 deadlines), so that a rate or
+# an error ratio reads 0 on a quiet fleet instead of no data.
+PRESET_STATUSES = ("200", "429", "502", "503", "504")
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status", "broken")
+AFFINITY_OUTCOMES = ("owner", "spilled")
+OVERLOAD_OUTCOMES = ("waited", "refused")
+TOKEN_KINDS = ("prompt", "completion")
+
+
+class MetricsRegistry(CollectorRegistry):
+    """
+    A registry whose scrapes carry no C{_created} samples, and that runs
+    its owners' hooks before each scrape.
+
+    prometheus_client gives every counter, histogram and summary a
+    C{<name>_created} sample (the child's creation time), which the text
+    format of 0.0.4 shows as a family of its own beside the counter.  Its
+    only switch, C{disable_created_metrics()}, is global to the process;
+    this registry drops the samples from its own scrapes and leaves any
+    other registry of the process as it is.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._before: list[Callable[[], None]] = []
+
+    def before_scrape(self, hook: Callable[[], None]) -> None:
+        """
+        Call C{hook} at the start of each scrape (to make the labelled
+        children of what became known since the last).
+        """
+        self._before.append(hook)
+
+    def collect(self) -> Iterator[Metric]:
+        for hook in self._before:
+            hook()
+        for metric in super().collect():
+            created = metric.name + "_created"
+            if any(sample.name == created for sample in metric.samples):
+                metric = copy.copy(metric)
+                metric.samples = [s for s in metric.samples if s.name != created]
+            yield metric
 
 
 class RouterMetrics:
@@ -99,6 +148,74 @@ class RouterMetrics:
         self._finished: dict[tuple[str, int], Any] = {}
         # Per configured model: duration, time to first token, tokens.
         self._per_model: dict[str, tuple[Any, Any, Any, Any]] = {}
+        self._preset(registry)
+
+    def _preset(self, registry: CollectorRegistry) -> None:
+        """
+        The fixed upstream error kinds at 0 now, and on llmgw's own
+        registry the models' and replicas' children at each scrape
+        (L{refresh}).
+        """
+        self._known_models: set[str] = set()
+        self._known_replicas: set[str] = set()
+        for kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(kind)
+        self._models: Callable[[], Iterable[str]] = tuple
+        self._replicas: Callable[[], Iterable[str]] = tuple
+        if isinstance(registry, MetricsRegistry):
+            registry.before_scrape(self.refresh)
+
+    def follow(
+        self, models: Callable[[], Iterable[str]], replicas: Callable[[], Iterable[str]]
+    ) -> None:
+        """
+        Read the configured models and the replicas from these at each
+        scrape (L{refresh}).
+
+        @param models: the model names clients may send now.
+        @param replicas: the ids of the replicas routed to now.
+        """
+        self._models = models
+        self._replicas = replicas
+
+    def refresh(self) -> None:
+        """
+        Make the labelled children of each model and replica that became
+        known since the last call, at 0, so that a quiet fleet's counters
+        have a sample before their first event (a panel over them reads 0,
+        not no data); drop the ejection counters of replicas gone, so that
+        their series stay bounded by the fleet.
+        """
+        for model in set(self._models()) - self._known_models:
+            self._known_models.add(model)
+            for status in PRESET_STATUSES:
+                self.requests.labels(model, status)
+            self.retries.labels(model)
+            for outcome in AFFINITY_OUTCOMES:
+                self.affinity.labels(model, outcome)
+            for outcome in OVERLOAD_OUTCOMES:
+                self.overload.labels(model, outcome)
+            self._children(model)
+        replicas = set(self._replicas())
+        for replica in replicas - self._known_replicas:
+            self.ejections.labels(replica)
+        for replica in self._known_replicas - replicas:
+            try:
+                self.ejections.remove(replica)
+            except KeyError:
+                pass
+        self._known_replicas = replicas
+
+    def _children(self, model: str) -> tuple[Any, Any, Any, Any]:
+        children = self._per_model.get(model)
+        if children is None:
+            children = self._per_model[model] = (
+                self.request_duration.labels(model),
+                self.time_to_first_token.labels(model),
+                self.tokens.labels(model, TOKEN_KINDS[0]),
+                self.tokens.labels(model, TOKEN_KINDS[1]),
+            )
+        return children
 
     def finished(
         self,
@@ -127,15 +244,7 @@ class RouterMetrics:
         requests.inc()
         if model is None:
             return
-        children = self._per_model.get(model)
-        if children is None:
-            children = self._per_model[model] = (
-                self.request_duration.labels(model),
-                self.time_to_first_token.labels(model),
-                self.tokens.labels(model, "prompt"),
-                self.tokens.labels(model, "completion"),
-            )
-        duration, first_token, prompt, completion = children
+        duration, first_token, prompt, completion = self._children(model)
         duration.observe(latency)
         if time_to_first_token is not None:
             first_token.observe(time_to_first_token)

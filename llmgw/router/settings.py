@@ -132,7 +132,8 @@ class RouterConfig:
         16384,
         COUNT,
         "Open client connections (0: no cap); more are closed at once, with a"
-        " 503 on plain TCP, and one log line per 10 s while refusing.",
+        " 503 (Retry-After: 1) on plain TCP, and one log line per 10 s while"
+        " refusing.",
     )
     max_connections_per_client: int = setting(
         1024,

@@ -1,8 +1,8 @@
 """
 The simulator's Prometheus metrics, under vLLM's names.
 
-Names, types and the C{model_name} label follow vLLM's V1 engine as
-documented in U{https://docs.vllm.ai/en/stable/usage/metrics/} and
+Names, types and the C{engine} and C{model_name} labels follow vLLM's V1
+engine as documented in U{https://docs.vllm.ai/en/stable/usage/metrics/} and
 C{docs/design/metrics.md} in U{https://github.com/vllm-project/vllm}:
 C{vllm:num_requests_running}, C{vllm:num_requests_waiting} and
 C{vllm:kv_cache_usage_perc} (gauges; the last a fraction 0..1, which
@@ -36,6 +36,12 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+# vLLM labels each engine family with its engine index (C{engine}, "0"
+# unless data parallel) and its first served name (C{model_name}), as a
+# real vLLM 0.32 serves them (tests/data/vllm-0.32.0-metrics.txt).
+LABELS = ("engine", "model_name")
+ENGINE = "0"
 
 TTFT_BUCKETS = (
     0.001,
@@ -167,14 +173,14 @@ class FastHistogram(Collector):
         The histogram as one metric family (called at scrape time).
         """
         family = HistogramMetricFamily(
-            self._name, self._documentation, labels=["model_name"]
+            self._name, self._documentation, labels=list(LABELS)
         )
         cumulative = 0
         buckets = []
         for bound, n in zip((*self._bounds, float("inf")), self._counts, strict=True):
             cumulative += n
             buckets.append((floatToGoString(bound), cumulative))
-        family.add_metric([self._model_name], buckets, self._sum)
+        family.add_metric([ENGINE, self._model_name], buckets, self._sum)
         yield family
 
     def describe(self) -> Iterable[Metric]:
@@ -182,9 +188,7 @@ class FastHistogram(Collector):
         The family without samples, for the registry's name check.
         """
         return [
-            HistogramMetricFamily(
-                self._name, self._documentation, labels=["model_name"]
-            )
+            HistogramMetricFamily(self._name, self._documentation, labels=list(LABELS))
         ]
 
 
@@ -217,9 +221,9 @@ class _CacheCounters(Collector):
                 self._cache.hits,
             ),
         ):
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family = CounterMetricFamily(name, doc, labels=list(LABELS))
             if with_samples:
-                family.add_metric([self._model_name], value)
+                family.add_metric([ENGINE, self._model_name], value)
             out.append(family)
         return out
 
@@ -250,7 +254,7 @@ class SimMetrics:
         @param cache: read at scrape time for the prefix cache counters.
         """
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
+        labels = list(LABELS)
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -258,15 +262,15 @@ class SimMetrics:
 
         gauge(
             "vllm:num_requests_running", "Number of requests in model execution."
-        ).labels(model_name).set_function(lambda: load.running)
+        ).labels(ENGINE, model_name).set_function(lambda: load.running)
         gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed."
-        ).labels(model_name).set_function(lambda: load.waiting)
+        ).labels(ENGINE, model_name).set_function(lambda: load.waiting)
         gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage (simulated: tokens held "
             "over --kv-capacity, else running sequences over maximum concurrency).",
-        ).labels(model_name).set_function(lambda: load.kv_usage)
+        ).labels(ENGINE, model_name).set_function(lambda: load.kv_usage)
         _CacheCounters(model_name, cache, r)
 
         self.prompt_tokens = Counter(
@@ -274,20 +278,20 @@ class SimMetrics:
             "Number of prefill tokens processed.",
             labels,
             registry=r,
-        ).labels(model_name)
+        ).labels(ENGINE, model_name)
         self.generation_tokens = Counter(
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
             labels,
             registry=r,
-        ).labels(model_name)
+        ).labels(ENGINE, model_name)
         self._success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            ["model_name", "finished_reason"],
+            [*LABELS, "finished_reason"],
             registry=r,
         )
-        self.success_length = self._success.labels(model_name, "length")
+        self.success_length = self._success.labels(ENGINE, model_name, "length")
         self.time_to_first_token = FastHistogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",

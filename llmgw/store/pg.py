@@ -17,6 +17,7 @@ A leaf, as the whole store: it imports nothing from the rest of llmgw.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -75,6 +76,19 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
+def quiet_pool_warnings() -> None:
+    """
+    Keep psycopg_pool's warnings out of the log: it warns (stdlib
+    C{logging}, which twistd shows as C{stderr} errors, two lines each) at
+    every failed reconnection attempt and every connection it discards,
+    several a second while PostgreSQL is away.  The store's users say so
+    once per outage, with the database's own reason (the usage writer's
+    "cannot write to the store", L{KeyEvents}' "key changes: ..."), and
+    once when it is back; the pool's errors still show.
+    """
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+
+
 class PostgresStore(Store):
     """
     The database on a PostgreSQL server.
@@ -104,6 +118,7 @@ class PostgresStore(Store):
         self.path = redact(url)
         self._reactor = reactor
         self._threads = ThreadPool(0, max_connections, "llmgw-store")
+        quiet_pool_warnings()
         self.pool = ConnectionPool(
             url,
             min_size=1,

@@ -26,7 +26,7 @@ from llmgw.router.balancer import Balancer
 from llmgw.router.engine_client import EngineClient
 from llmgw.router.interfaces import Activator, Readiness
 from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.metrics import MetricsRegistry, RouterMetrics
 from llmgw.router.settings import RouterConfig
 from llmgw.router.usage_log import LogUsageSink, UsageSinks
 from llmgw.store.base import Store
@@ -94,7 +94,7 @@ def engines(reactor: IConnectingReactor, settings: RouterConfig) -> Engines:
         C{settings} (C{connect_timeout}, C{max_idle_connections},
         C{load_poll_interval}).
     """
-    registry = CollectorRegistry()
+    registry = MetricsRegistry()
     pool = EngineClient(
         reactor, settings.connect_timeout, settings.max_idle_connections
     )
@@ -133,4 +133,7 @@ def router(
         readiness=readiness,
     )
     result.load = built.load
+    result.metrics.follow(
+        result.models, lambda: [replica.id for replica in balancer.replicas()]
+    )
     return result

@@ -230,8 +230,8 @@ class MisbehavingEngineTests(SynchronousTestCase, Processes):
     def test_engine_errors_in_openai_shape(self) -> None:
         """
         Engine errors reach the client as OpenAI error objects: 4xx with the
-        engine's message and Retry-After kept, 5xx and 503 without the
-        engine's text (it held a traceback and an address), 3xx as a 502.
+        engine's message and Retry-After kept, 503 without the engine's
+        text (it held a traceback and an address), 3xx as a 502.
         """
         with self.assertRaises(openai.BadRequestError) as bad:
             self.create("e400_detail", False)
@@ -253,6 +253,61 @@ class MisbehavingEngineTests(SynchronousTestCase, Processes):
             self.create("e302", False)
         self.assertEqual(moved.exception.status_code, 502)
         self.assertIn("Traceback", self.server.output())  # logged for the operator
+
+    def test_engine_5xx_error_objects_passed_on(self) -> None:
+        """
+        An engine's own 5xx error object (OpenAI's shape, older vLLM's
+        top-level one) reaches the client with the engine's status, message,
+        type, string code and Retry-After, streamed or not, sent once (a
+        500 is not retried); a traceback in the message stays in the
+        operator's log (the client gets the status and a plain sentence);
+        an answer that is no error object (plain text, JSON labelled HTML,
+        JSON of another shape) is a 502.
+        """
+        for stream in (False, True):
+            before = len(self.fake.received)
+            with self.assertRaises(openai.InternalServerError) as oom:
+                self.create("e500_openai", stream)
+            self.assertEqual(len(self.fake.received), before + 1)
+            error = oom.exception
+            self.assertEqual(error.status_code, 500, stream)
+            self.assertEqual(error.body["message"], "CUDA out of memory on this batch")
+            self.assertEqual(error.body["type"], "server_error")
+            self.assertEqual(error.code, "engine_oom")
+            self.assertEqual(error.response.headers["retry-after"], "3")
+        with self.assertRaises(openai.InternalServerError) as vllm:
+            self.create("e500_vllm", False)
+        self.assertEqual(vllm.exception.status_code, 500)
+        self.assertEqual(
+            vllm.exception.body["message"], "EngineCore encountered an issue"
+        )
+        self.assertEqual(vllm.exception.body["type"], "InternalServerError")
+        self.assertIsNone(vllm.exception.code)
+        with self.assertRaises(openai.APIStatusError) as gateway:
+            self.create("e502_openai", False)
+        self.assertEqual(gateway.exception.status_code, 502)
+        self.assertEqual(
+            gateway.exception.body["message"], "upstream of the engine failed"
+        )
+        with self.assertRaises(openai.InternalServerError) as traced:
+            self.create("e500_traceback", False)
+        self.assertEqual(traced.exception.status_code, 500)
+        self.assertEqual(
+            traced.exception.body["message"],
+            "The replica failed the request with status 500.",
+        )
+        self.assertNotIn("10.1.2.3", traced.exception.response.text)
+        self.assertNotIn("Traceback", traced.exception.response.text)
+        self.server.wait_for("secret.py")  # logged for the operator
+        for broken in ("e500_text", "e500_html_json", "e500_other_json"):
+            with self.assertRaises(openai.APIStatusError) as bad:
+                self.create(broken, False)
+            self.assertEqual(bad.exception.status_code, 502, broken)
+            self.assertEqual(
+                bad.exception.body["message"],
+                "The replica answered with status 500.",
+                broken,
+            )
 
     def test_slow_reader_holds_back_engine(self) -> None:
         """

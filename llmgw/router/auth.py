@@ -332,6 +332,13 @@ class KeyRing:
         key.revoked = self._wall_clock()
         await self.store.revoke_key(key.id, key.revoked)
 
+    def expired(self, key: ApiKey) -> bool:
+        """
+        @return: whether C{key}'s expiry has passed, by this ring's wall
+            clock (a dashboard session it opened ends then too).
+        """
+        return key.expires is not None and self._wall_clock() >= key.expires
+
     async def update(self, key: ApiKey, changes: dict[str, Any]) -> None:
         """
         Change a key's models, limits or expiry: written to the store,
@@ -372,7 +379,7 @@ class KeyRing:
         key = self._by_hash.get(hash_key(text))
         if key is None or key.revoked is not None:
             raise _unauthorized("Incorrect API key provided.")
-        if key.expires is not None and self._wall_clock() >= key.expires:
+        if self.expired(key):
             raise _unauthorized("This API key has expired.")
         return key
 

@@ -316,3 +316,35 @@ def spawn_agent(
         directory,
         f"agent-{node_id}-{time.monotonic_ns()}",
     )
+
+
+class CtlMixin:
+    """
+    C{llmgw ctl} against C{self.admin_url}, as an operator runs it, with
+    stdin from /dev/null (never the test runner's terminal: ctl asks a
+    terminal before deleting).
+    """
+
+    admin_url: str
+
+    def ctl(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+        """
+        @param ok: fail unless it exits with 0.
+        """
+        done = subprocess.run(
+            [os.path.join(BIN, "llmgw"), "ctl", "--admin-url", self.admin_url, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=hermetic_env(),
+            stdin=subprocess.DEVNULL,
+        )
+        if ok and done.returncode != 0:
+            raise AssertionError(f"llmgw ctl {' '.join(args)}: {done.stderr}")
+        return done
+
+    def ctl_json(self, *args: str) -> Any:
+        """
+        @return: C{llmgw ctl --json ARGS}'s answer.
+        """
+        return json.loads(self.ctl("--json", *args).stdout)

@@ -235,7 +235,7 @@ class ArchitectureTests(SynchronousTestCase):
             text = f.read()
         said = documented_imports(
             text.replace(
-                "| `wire`, `config_checks`, `reactors`, `twisted_private` |",
+                "| `wire`, `config_checks`, `daemon`, `reactors`, `twisted_private` |",
                 "| `wire` |",
             )
         )

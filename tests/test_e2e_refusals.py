@@ -297,9 +297,11 @@ class StateDirectoryEndToEndTests(_Refusals, SynchronousTestCase):
                 "--local", "--state-dir", state, config="[router]" + local
             )
         output = str(raised.exception)
-        self.assertIn("process exited with 1", output)
+        # Status 2, as every other state directory in use (docs/server.md).
+        self.assertIn("process exited with 2", output)
         self.assertIn(
-            f"llmgw-server: state_dir: {folder!r} is in use by llmgw-agent pid"
+            f"llmgw-server: config error: state_dir: {folder!r} is in use by"
+            f" llmgw-agent pid"
             f" {agent.popen.pid}: one agent per state directory",
             output,
         )

@@ -19,29 +19,11 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import BIN, Processes, hermetic_env, http
+from tests.support import BIN, CtlMixin, Processes, hermetic_env, http
 from tests.test_e2e_control import MODELS, _Fleet
 
 CHAT: list[Any] = [{"role": "user", "content": "count the tokens"}]
-
-
-class _Ctl:
-    admin_url: str
-
-    def ctl(self, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(
-            [os.path.join(BIN, "llmgw"), "ctl", "--admin-url", self.admin_url, *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=hermetic_env(),
-        )
-        if ok and done.returncode != 0:
-            raise AssertionError(f"llmgw ctl {' '.join(args)}: {done.stderr}")
-        return done
-
-    def ctl_json(self, *args: str) -> Any:
-        return json.loads(self.ctl("--json", *args).stdout)
+_Ctl = CtlMixin  # The name the other tests import.
 
 
 class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
@@ -592,7 +574,7 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
 
         # Collect: the unused entries go; the symlink itself goes, what it
         # points to outside stays.
-        done = self.ctl("weights", "--collect").stdout
+        done = self.ctl("weights", "--collect", "--yes").stdout
         self.assertIn("removed " + os.path.join(weights, "old-checkout"), done)
         self.assertEqual(
             sorted(os.listdir(weights)), ["models--org--used-model", "used.gguf"]

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from typing import Any
@@ -19,7 +20,17 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import TWISTD, Process, Processes, http, make_certs, sim_stats, spawn
+from tests.support import (
+    BIN,
+    TWISTD,
+    Process,
+    Processes,
+    hermetic_env,
+    http,
+    make_certs,
+    sim_stats,
+    spawn,
+)
 from tests.test_e2e_control import MODELS, _alive, _Fleet
 
 EXTRA = {
@@ -389,3 +400,66 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
             for s, b in zip(sims, before, strict=True)
         ]
         self.assertEqual(served, [5, 5])
+
+
+class RouterWorkersKeysTests(Processes, SynchronousTestCase):
+    """
+    Keys changed on a server with C{--router-workers 2} and its SQLite
+    store: both workers, following the server's watch, take the change.
+    """
+
+    timeout = 120
+
+    def test_key_update_reaches_workers(self) -> None:
+        """
+        A key for one model is let use another with keys update: within
+        2 s every request for it, on new connections spread over both
+        workers, is admitted (before, a worker kept the models it had
+        read: 403 for ever).
+        """
+        _, sim = self.start_sim()
+        _, other = self.start_sim(model="other-model")
+        server, url, admin = self.start_server(
+            "--router-workers",
+            "2",
+            "--endpoint",
+            f"e1={sim}=sim-model",
+            "--endpoint",
+            f"e2={other}=other-model",
+        )
+        server.wait_for(r"(?s)following the control plane.*following the control")
+        ctl = [os.path.join(BIN, "llmgw"), "ctl", "--admin-url", admin, "--json"]
+
+        def run(*args: str) -> Any:
+            done = subprocess.run(
+                [*ctl, *args],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=hermetic_env(),
+                stdin=subprocess.DEVNULL,
+            )
+            self.assertEqual(done.returncode, 0, done.stderr)
+            return json.loads(done.stdout)
+
+        key = run("keys", "create", "--name", "app", "--models", "sim-model")["key"]
+
+        def ask(model: str) -> int:
+            status, _, _ = http(
+                "POST",
+                url + "/v1/chat/completions",
+                json.dumps(
+                    {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                ).encode(),
+                {"content-type": "application/json", "authorization": f"Bearer {key}"},
+            )
+            return status
+
+        deadline = time.monotonic() + 5
+        while ask("sim-model") != 200:
+            self.assertLess(time.monotonic(), deadline, "key never known")
+            time.sleep(0.1)
+        self.assertEqual({ask("other-model") for _ in range(10)}, {403})
+        run("keys", "update", "app", "--models", "sim-model,other-model")
+        time.sleep(2)
+        self.assertEqual([ask("other-model") for _ in range(20)], [200] * 20)

@@ -247,3 +247,35 @@ class TierLimitsTests(SynchronousTestCase, Processes, _Ctl):
                 time.sleep(0.02)
         self.assertLess(max(refused), 1.0)
         print(f"\ntier revocation: refused by all three within {max(refused):.3f}s")
+
+    def test_changed_everywhere_within_1s(self) -> None:
+        """
+        A key's rpm, counted in Redis for the three routers, is lifted
+        with keys update: each router admits it again within 1 s (before,
+        each kept the rpm it had read and refused it for the minute).
+        """
+        key = self.key("changed", "--rpm", "2")
+        time.sleep(0.5)
+        clients = [self.client(i, key) for i in range(3)]
+        refused = 0
+        for client in clients:
+            try:
+                client.chat.completions.create(model="sim-model", messages=CHAT)
+            except openai.RateLimitError:
+                refused += 1
+        self.assertEqual(refused, 1)
+        self.ctl("keys", "update", "changed", "--rpm", "none")
+        changed = time.monotonic()
+        admitted: list[float] = []
+        for client in clients:
+            while True:
+                try:
+                    client.chat.completions.create(model="sim-model", messages=CHAT)
+                except openai.RateLimitError:
+                    self.assertLess(time.monotonic() - changed, 1.0, "still refused")
+                    time.sleep(0.02)
+                    continue
+                admitted.append(time.monotonic() - changed)
+                break
+        self.assertLess(max(admitted), 1.0)
+        print(f"\ntier key update: taken by all three within {max(admitted):.3f}s")

@@ -98,3 +98,28 @@ class KeyEventsTests(TestCase):
         await _until(lambda: _refused(two, secret), 2.0)
         self.flushLoggedErrors()
         del store
+
+    async def test_changed_everywhere_within_a_second(self) -> None:
+        """
+        A key's models, limits and expiry changed on one process reach the
+        other's ring within 1 s, its counters kept.
+        """
+        url = fresh_database(self)
+        (one, _, _), (two, _, _) = [await self.ring(url) for _ in range(2)]
+        key, secret = await one.create("app", models=["a"], rpm=5)
+        await _until(lambda: two.find("app") is not None, 1.0)
+        theirs = two.find("app")
+        assert theirs is not None
+        theirs.tokens_used = 17
+        changes = {"models": ["a", "b"], "rpm": None, "tpm": 9, "expires": 4e9}
+        await one.update(key, changes)
+        seconds = await _until(lambda: theirs.models == ("a", "b"), 1.0)
+        self.assertEqual(
+            (theirs.rpm, theirs.tpm, theirs.expires, theirs.tokens_used),
+            (None, 9, 4e9, 17),
+        )
+        self.assertLess(seconds, 1.0)
+        # An expiry in the past: refused there too.
+        await one.update(key, {"expires": time.time() - 1})
+        await _until(lambda: _refused(two, secret), 1.0)
+        self.assertTrue(_refused(one, secret))

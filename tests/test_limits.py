@@ -29,6 +29,9 @@ class _NoStore:
     def revoke_key(self, key_id: int, when: float) -> Deferred[None]:
         raise NotImplementedError
 
+    def update_key(self, key_id: int, changes: dict[str, Any]) -> Deferred[None]:
+        raise NotImplementedError
+
 
 def _row(**limits: Any) -> dict[str, Any]:
     return {

@@ -161,6 +161,7 @@ class _Behaviour(_Base):
                     "mean_latency": 0.5,
                     "mean_time_to_first_token": 0.25,
                     "estimated_requests": 0,
+                    "answered": 1,
                 },
                 {
                     "key": "k",
@@ -171,11 +172,81 @@ class _Behaviour(_Base):
                     "mean_latency": 0.5,
                     "mean_time_to_first_token": 0.25,
                     "estimated_requests": 0,
+                    "answered": 3,
                 },
             ],
         )
         by_model = await store.usage("model", 101.0, 103.0)
         self.assertEqual([(g["model"], g["requests"]) for g in by_model], [("m", 1)])
+
+    async def test_usage_means_over_answered(self) -> None:
+        """
+        Mean latency and mean time to first token are over the same
+        requests, those answered: a quick refusal with no first byte
+        does not pull the mean latency below the mean time to first token.
+        """
+        store = self.store()
+        store.prepare()
+        rows = [
+            (100.0, _row("a1", None, 1, 1, latency=2.0, time_to_first_token=1.0)),
+            (100.0, _row("a2", None, 1, 1, latency=4.0, time_to_first_token=1.5)),
+            *(
+                (
+                    100.0,
+                    _row(
+                        f"r{i}",
+                        None,
+                        0,
+                        0,
+                        status=429,
+                        latency=0.001,
+                        time_to_first_token=None,
+                    ),
+                )
+                for i in range(8)
+            ),
+        ]
+        await store.add_usage(rows, {})
+        (group,) = await store.usage("model", 99.0, 101.0)
+        self.assertEqual(
+            (
+                group["requests"],
+                group["errors"],
+                group["answered"],
+                group["mean_latency"],
+                group["mean_time_to_first_token"],
+            ),
+            (10, 8, 2, 3.0, 1.25),
+        )
+
+    async def test_update_key(self) -> None:
+        """
+        A key's models, limits and expiry change; the rest stays, and a
+        column outside those is refused before any write.
+        """
+        store = self.store()
+        store.prepare()
+        key_id = await store.add_key({**_key("a"), "expires": 3e9})
+        await store.update_key(key_id, {"models": ["x", "y"], "rpm": 7, "tpm": None})
+        await store.update_key(key_id, {"expires": None, "budget_tokens": 99})
+        with self.assertRaises(ValueError):
+            await store.update_key(key_id, {"admin": True})
+        (key,), _ = self.store().prepare()
+        self.assertEqual(
+            {
+                n: key[n]
+                for n in ("name", "models", "rpm", "tpm", "budget_tokens", "expires")
+            },
+            {
+                "name": "a",
+                "models": ["x", "y"],
+                "rpm": 7,
+                "tpm": None,
+                "budget_tokens": 99,
+                "expires": None,
+            },
+        )
+        self.assertFalse(key["admin"])
 
     async def test_models(self) -> None:
         """

@@ -112,6 +112,20 @@ class SessionTests(SynchronousTestCase):
         key.revoked = 1.0
         self.assertIsNone(self.sessions.session(_request(token)))
 
+    def test_expired_key_ends_session(self) -> None:
+        """
+        A key whose expiry passes (keys update --expires) ends the
+        sessions it opened.
+        """
+        token = self.sessions.login("10.0.0.1", ADMIN)
+        assert token is not None
+        key = self.keys.find("ops")
+        assert key is not None
+        key.expires = time.time() + 3600
+        self.assertIsNotNone(self.sessions.session(_request(token)))
+        key.expires = time.time() - 1
+        self.assertIsNone(self.sessions.session(_request(token)))
+
     def test_failed_logins_limited_per_address(self) -> None:
         """
         After C{attempts} failures in the window an address is limited

@@ -1,6 +1,6 @@
 """
-Keys shared by every process on one PostgreSQL database: a key made or
-revoked by any of them reaches the others' key rings through the store's
+Keys shared by every process on one PostgreSQL database: a key made,
+changed or revoked by any of them reaches the others' key rings through the store's
 C{LISTEN}/C{NOTIFY} channel (L{llmgw.store.pg.KeyEvents}), within the
 time a notification takes (milliseconds on one network), and what was
 missed while the listener was disconnected is read again when it
@@ -105,10 +105,12 @@ def key_events(
         if "revoked" in event:
             if keys.revoked_elsewhere(int(event["revoked"]), float(event["when"])):
                 log.info("keys: key {id} revoked elsewhere", id=event["revoked"])
-        elif "added" in event:
-            d = pg.key(int(event["added"]))
+        elif "added" in event or "updated" in event:
+            # A change is read whole: the row as the store has it now.
+            key_id = int(event["added"] if "added" in event else event["updated"])
+            d = pg.key(key_id)
             d.addCallback(learn_one)
-            d.addErrback(failed, f"key {event['added']}")
+            d.addErrback(failed, f"key {key_id}")
 
     def learn_all(rows: list[dict[str, Any]]) -> None:
         for row in rows:

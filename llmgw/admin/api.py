@@ -44,6 +44,24 @@ from llmgw.tier.watch import Watch
 __all__ = ["Admin", "AdminError"]
 
 
+def _placement_state(plane: ControlPlane | None) -> dict[str, Any] | None:
+    """
+    @return: what holds placements back, as C{GET /api/v1/status} says it.
+    """
+    if plane is None:
+        return None
+    grace = plane.settings.startup_grace
+    left = plane.started + grace - plane.clock.seconds()
+    if plane.grace_over or left <= 0:
+        # Over, or over at the next pass (which ends it).
+        return {"waiting_for": None}
+    return {
+        "waiting_for": "startup_grace",
+        "seconds_left": round(left, 1),
+        "startup_grace": grace,
+    }
+
+
 class Admin(KeyRoutes, WatchRoutes, DrainRoutes):
     """
     The admin API.  The keys and usage routes are in L{KeyRoutes}, the
@@ -139,8 +157,13 @@ class Admin(KeyRoutes, WatchRoutes, DrainRoutes):
     def status(self, request: IRequest) -> bytes:
         """
         Version, uptime (seconds), node and replica counts by state,
-        catalog size, key count, whether clients need a key, and with
-        standbys C{{"leading": bool, "leader": "HOST:PORT"}} (else null).
+        catalog size, key count, whether clients need a key, with
+        standbys C{{"leading": bool, "leader": "HOST:PORT"}} (else null),
+        and C{placement}: C{{"waiting_for": "startup_grace",
+        "seconds_left": S, "startup_grace": S}} while the start-up grace
+        holds every placement and scale-down back (C{[control]
+        startup_grace}, from the start or from taking the lead), else
+        C{{"waiting_for": null}}; null without a control plane.
         """
         plane = self.plane
         nodes = count_states(n.state for n in self.inventory.nodes())
@@ -164,6 +187,7 @@ class Admin(KeyRoutes, WatchRoutes, DrainRoutes):
                 else 0,
                 "auth_required": bool(self.keys is not None and self.keys.required),
                 "standby": self.standby() if self.standby is not None else None,
+                "placement": _placement_state(plane),
             },
         )
 

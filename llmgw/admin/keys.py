@@ -1,6 +1,11 @@
 """
 The admin API's keys and usage routes (C{/api/v1/keys},
 C{/api/v1/usage}), mixed into L{llmgw.admin.api.Admin}.
+
+A key's changes (made, changed, revoked) reach the other processes that
+check keys: a router tier's through the watch's keys counter
+(L{llmgw.tier.keys}), the processes on one PostgreSQL database through its
+key events (L{llmgw.accounts.keysync}).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from twisted.web.iweb import IRequest
 
 from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
 from llmgw.config_checks import ConfigError, parse_duration
+from llmgw.control.plane import ControlPlane
 from llmgw.router.auth import ApiKey, KeyRing
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
@@ -47,6 +53,71 @@ def _optional_count(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+def parse_expires(value: object, now: float) -> float | None:
+    """
+    @param value: POSIX seconds, a duration ahead of now (C{"30d"},
+        C{"12h"}), an ISO 8601 time (UTC unless it says), or L{None} for
+        never.
+    @param now: POSIX seconds.
+    @return: POSIX seconds, or L{None}.
+    @raise AdminError: none of those, or a time not after now (revoke a
+        key to stop it now).
+    """
+    if value is None:
+        return None
+    when: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        when = float(value) if math.isfinite(value) else None
+    elif isinstance(value, str):
+        try:
+            when = now + parse_duration("expires", value)
+        except ConfigError:
+            when = _iso(value)
+    if when is None:
+        raise AdminError(
+            400,
+            f"expires: bad time {value!r}: use a duration from now (30d, 12h),"
+            " an ISO 8601 time, POSIX seconds or null for never"[:300],
+            "bad_request",
+        )
+    if when <= now:
+        raise AdminError(
+            400,
+            f"expires: {value!r} is not in the future (revoke the key to stop it now)"[
+                :300
+            ],
+            "bad_request",
+        )
+    return when
+
+
+def _iso(value: str) -> float | None:
+    if not _ISO.match(value):
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return parsed.timestamp()
+
+
+def _models_field(body: dict[str, Any]) -> list[str] | None:
+    models = body.get("models")
+    if models is not None and (
+        not isinstance(models, list)
+        or not models
+        or not all(isinstance(m, str) and m for m in models)
+    ):
+        raise AdminError(
+            400,
+            f"models: expected a list of names, got {models!r}"[:300],
+            "bad_request",
+        )
+    return models
+
+
 def parse_since(value: str, now: float) -> float:
     """
     @param value: a duration back from now (C{"24h"}, C{"30m"}), an ISO
@@ -66,15 +137,9 @@ def parse_since(value: str, now: float) -> float:
     else:
         if math.isfinite(seconds):
             return seconds
-    if _ISO.match(value):
-        try:
-            parsed = datetime.datetime.fromisoformat(value)
-        except ValueError:
-            pass
-        else:
-            if parsed.tzinfo is None:
-                parsed = parsed.replace(tzinfo=datetime.UTC)
-            return parsed.timestamp()
+    parsed = _iso(value)
+    if parsed is not None:
+        return parsed
     raise AdminError(
         400,
         f"bad time {value!r}: use a duration back from now (24h, 30m),"
@@ -94,6 +159,7 @@ class KeyRoutes:
     """
 
     keys: KeyRing | None
+    plane: ControlPlane | None
     store: Store | None
     usage: UsageWriter | None
     wall_clock: Callable[[], float]
@@ -102,6 +168,31 @@ class KeyRoutes:
         if self.keys is None or self.store is None:
             raise AdminError(404, "no store in this server", "not_found")
         return self.keys
+
+    def _check_models(self, models: list[str] | None) -> None:
+        """
+        @raise AdminError: 400 naming the names no catalog model, alias
+            or static endpoint serves (a key for them could never be used).
+        """
+        if models is None or self.plane is None:
+            return
+        catalog = self.plane.catalog
+        known = set(catalog.names())
+        for endpoint in catalog.static_endpoints():
+            known.update(endpoint.models)
+        unknown = [m for m in models if m not in known]
+        if unknown:
+            raise AdminError(
+                400,
+                f"models: no model named {', '.join(map(repr, unknown))}"[:250]
+                + f" (models: {', '.join(sorted(known)) or 'none'})"[:250],
+                "unknown_model",
+            )
+
+    def _keys_changed(self) -> None:
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.keys_changed()
 
     @app.route("/api/v1/keys", methods=["GET"])
     def list_keys(self, request: IRequest) -> bytes:
@@ -116,23 +207,19 @@ class KeyRoutes:
     async def create_key(self, request: IRequest) -> bytes:
         """
         Make a key: C{{"name", "models"?, "rpm"?, "tpm"?,
-        "budget_tokens"?, "admin"?}}.  201 with the key under C{"key"}:
-        the only time it is shown.
+        "budget_tokens"?, "admin"?, "expires"?}} (C{expires} as
+        L{parse_expires} reads it).  201 with the key under C{"key"}: the
+        only time it is shown.  400 C{unknown_model} naming the models no
+        catalog model or endpoint serves.
         """
         keys = self._keys()
         body = read_body(request)
         name = body.get("name")
         if not isinstance(name, str):
             raise AdminError(400, "name: expected a string", "bad_request")
-        models = body.get("models")
-        if models is not None and (
-            not isinstance(models, list)
-            or not models
-            or not all(isinstance(m, str) and m for m in models)
-        ):
-            raise AdminError(
-                400, f"models: expected a list of names, got {models!r}", "bad_request"
-            )
+        models = _models_field(body)
+        self._check_models(models)
+        expires = parse_expires(body.get("expires"), self.wall_clock())
         admin = body.get("admin", False)
         if not isinstance(admin, bool):
             raise AdminError(400, "admin: expected true or false", "bad_request")
@@ -145,6 +232,7 @@ class KeyRoutes:
                 tpm=_optional_count(body, "tpm"),
                 budget_tokens=_optional_count(body, "budget_tokens"),
                 admin=admin,
+                expires=expires,
             )
         except ValueError as e:
             raise AdminError(
@@ -152,10 +240,48 @@ class KeyRoutes:
             ) from None
         except integrity_errors:
             raise AdminError(409, f"a key named {name!r} exists", "conflict") from None
-        watch = getattr(self, "watch", None)
-        if watch is not None:
-            watch.keys_changed()
+        self._keys_changed()
         return json_answer(request, {**key.to_json(), "key": secret}, 201)
+
+    @app.route("/api/v1/keys/<name>", methods=["PATCH"])
+    async def update_key(self, request: IRequest, name: str) -> bytes:
+        """
+        Change a key, by name or prefix: any of C{{"models", "rpm", "tpm",
+        "budget_tokens", "expires"}}; C{null} removes a limit (C{models}:
+        all models; C{expires}: never), a field left out stays.  Its
+        counters (tokens used, the minute's requests) are kept.  The key
+        itself, its name and C{admin} do not change.  200 with the key;
+        400 for a bad field or an unknown model (C{unknown_model}); 404 no
+        such key; 409 a revoked key.
+        """
+        keys = self._keys()
+        key = keys.find(name)
+        if key is None:
+            raise not_found(f"key {name[:200]!r}")
+        body = read_body(request)
+        allowed = ("models", "rpm", "tpm", "budget_tokens", "expires")
+        unknown = sorted(set(body) - set(allowed))
+        if unknown or not body:
+            raise AdminError(
+                400,
+                f"expected some of {', '.join(allowed)}; got"
+                f" {', '.join(unknown) or 'none'}"[:300],
+                "bad_request",
+            )
+        if key.revoked is not None:
+            raise AdminError(409, f"key {key.name!r} is revoked", "revoked")
+        changes: dict[str, Any] = {}
+        if "models" in body:
+            changes["models"] = _models_field(body)
+            self._check_models(changes["models"])
+        for field in ("rpm", "tpm", "budget_tokens"):
+            if field in body:
+                changes[field] = _optional_count(body, field)
+        if "expires" in body:
+            changes["expires"] = parse_expires(body["expires"], self.wall_clock())
+        await keys.update(key, changes)
+        self._keys_changed()
+        return json_answer(request, key.to_json())
 
     @app.route("/api/v1/keys/<name>", methods=["DELETE"])
     @app.route("/api/v1/keys/<name>/revoke", methods=["POST"])
@@ -182,9 +308,7 @@ class KeyRoutes:
             raise KeyError(name)
         if key.revoked is None:
             await keys.revoke(key)
-            watch = getattr(self, "watch", None)
-            if watch is not None:
-                watch.keys_changed()
+            self._keys_changed()
         return key
 
     @app.route("/api/v1/usage", methods=["GET"])

@@ -24,7 +24,9 @@ from llmgw.agent.settings import (
     tls_options,
 )
 from llmgw.config_checks import ConfigError
+from llmgw.daemon.wiring import check_twistd_files
 from llmgw.reactors import global_reactor
+from llmgw.wire.certs import NODE_ID
 
 log = Logger(namespace="llmgw.agent")
 
@@ -78,6 +80,12 @@ class Options(usage.Options):
                 config = replace(config, **{key: self[flag]})
         if self["insecure"]:
             config = replace(config, insecure=True)
+        if config.node_id and not NODE_ID.match(config.node_id):
+            # It names a folder and is a certificate's CN.
+            raise ConfigError(
+                f"node_id: bad value {config.node_id[:100]!r}: expected 1 to 63"
+                " letters, digits, '.', '_' or '-', starting with a letter or digit"
+            )
         return check_agent_config(config)
 
 
@@ -97,6 +105,7 @@ def makeService(options: Options) -> IService:
             endpoint = wrapClientTLS(tls_options(config, host), endpoint)
         return endpoint
 
+    check_twistd_files("llmgw-agent", getattr(options, "parent", None))
     try:
         service, _ = build_agent(reactor, config, dial)
     except ConfigError as e:

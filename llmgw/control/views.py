@@ -78,6 +78,7 @@ def nodes_json(
         its model and replica.
     """
     nodes = [node.to_json() for node in inventory.nodes()]
+    allocated: dict[tuple[str, int], float] = {}
     if plane is not None:
         shards: dict[str, list[dict[str, Any]]] = {}
         for replica in plane.replicas.values():
@@ -87,6 +88,12 @@ def nodes_json(
                 )
         for node in nodes:
             node["shards"] = shards.get(node["id"], [])
+        allocated = {
+            where: memory / 1024**2
+            for where, (memory, _) in gpu_allocations(plane).items()
+        }
+    for node in nodes:
+        _allocations(node, allocated)
     return nodes
 
 
@@ -110,6 +117,23 @@ def gpu_allocations(plane: ControlPlane) -> dict[tuple[str, int], tuple[float, i
                 memory, count = placed.get((shard.node, index), (0.0, 0))
                 placed[shard.node, index] = (memory + need, count + 1)
     return placed
+
+
+def _allocations(node: dict[str, Any], allocated: dict[tuple[str, int], float]) -> None:
+    """
+    Add to each GPU of C{node} C{memory_allocated_mib} (what the shards
+    placed on it asked for, in MiB, from L{gpu_allocations}) and
+    C{allocated} (a shard
+    is placed on it), and to the node C{free_gpus}: its GPUs with no
+    shard and no problem, those a placement may take whole.
+    """
+    free = 0
+    for gpu in node["gpus"]:
+        where = (node["id"], gpu["index"])
+        gpu["allocated"] = where in allocated
+        gpu["memory_allocated_mib"] = round(allocated.get(where, 0.0))
+        free += not gpu["allocated"] and not gpu["problems"]
+    node["free_gpus"] = free
 
 
 def count_states(states: Iterable[str]) -> dict[str, int]:

@@ -14,6 +14,14 @@ from twisted.python.failure import Failure
 from llmgw.config_checks import ConfigError
 
 
+class ListenError(ConfigError):
+    """
+    A listener that cannot open: its address is in use or not permitted.
+    Not a mistake in the configuration's text, so a start ends with its
+    own exit status (1; docs/server.md, "Exit statuses").
+    """
+
+
 def listen(
     reactor: IReactorTCP, key: str, description: str, factory: Any
 ) -> IListeningPort:
@@ -21,6 +29,9 @@ def listen(
     Listen now, so that a port in use or a bad endpoint string ends the
     process with one line at start instead of a logged failure in a
     process that serves nothing.
+
+    @raise ListenError: the address is taken or not permitted.
+    @raise ConfigError: a bad endpoint string.
     """
     kind = description.split(":", 1)[0]
     if kind in ("tcp", "ssl", "tcp6", "unix") and "backlog=" not in description:
@@ -41,7 +52,7 @@ def listen(
         )
     result = results[0]
     if isinstance(result, Failure):
-        raise ConfigError(
+        raise ListenError(
             f"{key}: cannot listen on {description!r}: {result.getErrorMessage()}"
         )
     return result  # type: ignore[no-any-return]

@@ -6,6 +6,7 @@ handling and log format, a bound address told in a log line.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -20,7 +21,7 @@ def fail(program: str, message: str, status: int) -> NoReturn:
     usage text or traceback: the operator needs the key and the value.
 
     @param status: the exit status (2 for a configuration error, 1 for a
-        listener that cannot open).
+        listener that cannot open; docs/server.md, "Exit statuses").
     """
     sys.stderr.write(f"{program}: {message}\n")
     sys.stderr.flush()
@@ -40,12 +41,42 @@ def top_service(
     """
     top = Lifecycle()
     top.stop_once_on_signals(reactor)
+    check_twistd_files(program, twistd_options)
     if log_format == "json":
         try:
             top.log_observer = json_observer(twistd_options)
         except OSError as e:
-            fail(program, f"cannot open the log file: {e}", 1)
+            fail(program, f"config error: --logfile: cannot open it: {e}", 2)
     return top
+
+
+def check_twistd_files(program: str, twistd_options: Any) -> None:
+    """
+    End the process with one line (status 2) when twistd's C{--logfile}
+    cannot be opened or its C{--pidfile}'s folder cannot be written:
+    twistd opens them itself after C{makeService}, and fails there with a
+    traceback.
+
+    @param twistd_options: twistd's own options, or L{None}.
+    """
+    get = twistd_options.get if twistd_options is not None else (lambda name: None)
+    logfile, pidfile = get("logfile"), get("pidfile")
+    try:
+        if logfile and logfile != "-":
+            open(logfile, "a").close()
+    except OSError as e:
+        fail(program, f"config error: --logfile: cannot open it: {e}", 2)
+    if pidfile:
+        # Not opened here: twistd refuses a pidfile that exists and holds
+        # no pid.
+        folder = os.path.dirname(os.path.abspath(pidfile))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            fail(
+                program,
+                f"config error: --pidfile: cannot write {pidfile!r}: no folder"
+                f" {folder!r} that this user may write",
+                2,
+            )
 
 
 def host_and_port(address: Any) -> tuple[Any, Any]:

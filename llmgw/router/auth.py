@@ -50,6 +50,12 @@ class KeyStore(Protocol):
         Mark a key revoked at C{when}, seconds since the epoch.
         """
 
+    def update_key(self, key_id: int, changes: dict[str, Any]) -> Awaitable[None]:
+        """
+        Change some of a key's C{models}, C{rpm}, C{tpm}, C{budget_tokens}
+        and C{expires} (L{llmgw.store.base.Store.update_key}).
+        """
+
 
 def hash_key(secret: str) -> str:
     """
@@ -69,6 +75,7 @@ class ApiKey:
     @ivar budget_tokens: tokens in all, or L{None}.
     @ivar tokens_used: tokens counted so far (stored, plus those not yet
         flushed).
+    @ivar expires: POSIX seconds from which it is refused, or L{None}.
     """
 
     id: int
@@ -84,6 +91,7 @@ class ApiKey:
     last_used: float | None = None
     tokens_used: int = 0
     revoked: float | None = None
+    expires: float | None = None
     requests: deque[float] = field(default_factory=deque)
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     tokens_in_window: int = 0
@@ -128,6 +136,7 @@ class ApiKey:
             "last_used": self.last_used,
             "tokens_used": self.tokens_used,
             "revoked": self.revoked,
+            "expires": self.expires,
         }
 
 
@@ -198,8 +207,25 @@ class KeyRing:
         key = self._by_id.get(row["id"])
         if key is None:
             self._add(row)
-        elif row.get("revoked") is not None:
+            return
+        self.take_limits(key, row)
+        if row.get("revoked") is not None:
             self.revoked_elsewhere(key.id, row["revoked"])
+
+    @staticmethod
+    def take_limits(key: ApiKey, row: dict[str, Any]) -> bool:
+        """
+        Give C{key} the models, limits and expiry of C{row} (as the store
+        has them now), keeping its counters (rate windows, tokens).
+
+        @return: whether any of them changed.
+        """
+        models = tuple(row["models"]) if row["models"] is not None else None
+        now = (models, row["rpm"], row["tpm"], row["budget_tokens"], row.get("expires"))
+        if now == (key.models, key.rpm, key.tpm, key.budget_tokens, key.expires):
+            return False
+        key.models, key.rpm, key.tpm, key.budget_tokens, key.expires = now
+        return True
 
     def revoked_elsewhere(self, key_id: int, when: float) -> bool:
         """
@@ -230,6 +256,7 @@ class KeyRing:
             last_used=row.get("last_used"),
             tokens_used=row.get("tokens_used") or 0,
             revoked=row.get("revoked"),
+            expires=row.get("expires"),
         )
         key.used_at_start = key.tokens_used
         self._by_hash[key.hash] = key
@@ -267,9 +294,12 @@ class KeyRing:
         tpm: int | None = None,
         budget_tokens: int | None = None,
         admin: bool = False,
+        expires: float | None = None,
     ) -> tuple[ApiKey, str]:
         """
         Make a key.
+
+        @param expires: POSIX seconds from which it is refused, or L{None}.
 
         @return: the key and its secret, C{sk-...}: the only time it is
             shown.
@@ -293,6 +323,7 @@ class KeyRing:
             "budget_tokens": budget_tokens,
             "admin": admin,
             "created": self._wall_clock(),
+            "expires": expires,
         }
         row["id"] = await self.store.add_key(row)
         return self._add(row), secret
@@ -300,6 +331,25 @@ class KeyRing:
     async def revoke(self, key: ApiKey) -> None:
         key.revoked = self._wall_clock()
         await self.store.revoke_key(key.id, key.revoked)
+
+    def expired(self, key: ApiKey) -> bool:
+        """
+        @return: whether C{key}'s expiry has passed, by this ring's wall
+            clock (a dashboard session it opened ends then too).
+        """
+        return key.expires is not None and self._wall_clock() >= key.expires
+
+    async def update(self, key: ApiKey, changes: dict[str, Any]) -> None:
+        """
+        Change a key's models, limits or expiry: written to the store,
+        then taken here (the next request is checked against them; its
+        counters are kept).
+
+        @param changes: as L{KeyStore.update_key} takes them.
+        """
+        await self.store.update_key(key.id, changes)
+        row = {**key.to_json(), **changes}
+        self.take_limits(key, row)
 
     def authenticate(self, header: bytes | None) -> ApiKey | None:
         """
@@ -329,6 +379,8 @@ class KeyRing:
         key = self._by_hash.get(hash_key(text))
         if key is None or key.revoked is not None:
             raise _unauthorized("Incorrect API key provided.")
+        if self.expired(key):
+            raise _unauthorized("This API key has expired.")
         return key
 
     def admit(

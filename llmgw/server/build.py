@@ -32,7 +32,7 @@ from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
 from llmgw.control.settings import ControlConfig
-from llmgw.daemon.listen import listen
+from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
 from llmgw.router.app import Router
@@ -61,6 +61,7 @@ from llmgw.web.login import LoginGate, Mount, Sessions, Split
 from llmgw.web.pages import CookieCsrf, Dashboard
 from llmgw.web.profiling import Profiling
 from llmgw.web.traffic import Traffic
+from llmgw.wire.certs import CertsError
 from llmgw.wire.tls import server_options
 
 log = Logger(namespace="llmgw.server")
@@ -431,8 +432,10 @@ def listeners(
         if config.accepts_agents:
             factory = _agent_factory(config, hub)
             agent_port = listen(reactor, "agent_listen", config.agent_listen, factory)
-    except ConfigError as e:
+    except ListenError as e:
         fail(PROGRAM, str(e), 1)
+    except ConfigError as e:
+        fail(PROGRAM, f"config error: {e}", 2)
     return Listeners(
         router_port, admin_port, metrics_port, agent_port, workers, guarded
     )
@@ -478,6 +481,9 @@ def local(reactor: IDaemonReactor, config: ServerConfig, hub: AgentHub) -> Local
             getattr(port.getHost(), "port", 0),
             agent_folder,
         )
-    except ConfigError as e:
+    except ListenError as e:
         fail(PROGRAM, str(e), 1)
+    except (ConfigError, CertsError, ValueError) as e:
+        # ValueError: TLSFileError, the local certificates named.
+        fail(PROGRAM, f"config error: {e}", 2)
     return LocalAgent(port, [uplink], [LocalEngines(agent_factory)])

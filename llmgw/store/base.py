@@ -121,7 +121,17 @@ MIGRATIONS: tuple[str, ...] = (
         since REAL NOT NULL
     );
     """,
+    # 5: a key's expiry, POSIX seconds (issue 20); NULL: it never expires.
+    """
+    ALTER TABLE api_keys ADD COLUMN expires REAL;
+    """,
 )
+
+KEY_LIMITS = ("models", "rpm", "tpm", "budget_tokens", "expires")
+"""
+The columns of a key that L{Store.update_key} may change: what it may use,
+its limits and its expiry.
+"""
 
 
 _PG_TYPES = (
@@ -198,6 +208,12 @@ def usage_query(by: str, placeholder: str) -> str:
     """
     The usage report's query, for either engine.
 
+    Both means are over the same requests, those a replica answered (a
+    first byte came): a refusal (401, 429, an unknown model) or a
+    request that never reached a replica takes milliseconds and has no
+    time to first token, and averaged into the latency alone it pulled
+    the mean latency below the mean time to first token.
+
     @param by: C{"key"} or C{"model"}.
     @param placeholder: the driver's parameter marker, C{?} or C{%s}.
     @return: SQL taking C{(since, until)}.
@@ -206,8 +222,9 @@ def usage_query(by: str, placeholder: str) -> str:
     return (
         f"SELECT {column} AS name, COUNT(*),"
         " SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END),"
-        " SUM(prompt_tokens), SUM(completion_tokens), AVG(latency),"
-        " AVG(time_to_first_token), SUM(estimated)"
+        " SUM(prompt_tokens), SUM(completion_tokens),"
+        " AVG(CASE WHEN time_to_first_token IS NOT NULL THEN latency END),"
+        " AVG(time_to_first_token), SUM(estimated), COUNT(time_to_first_token)"
         f" FROM usage WHERE time >= {placeholder} AND time < {placeholder}"
         f" GROUP BY {column} ORDER BY {column}"
     )
@@ -216,7 +233,8 @@ def usage_query(by: str, placeholder: str) -> str:
 def shape_usage(by: str, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
     """
     @return: L{Store.usage}'s dicts from L{usage_query}'s rows (sums as
-        C{int}: PostgreSQL's C{SUM} of a C{BIGINT} is a C{numeric}).
+        C{int}: PostgreSQL's C{SUM} of a C{BIGINT} is a C{numeric});
+        C{answered} counts the requests both means are over.
     """
     return [
         {
@@ -228,9 +246,42 @@ def shape_usage(by: str, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
             "mean_latency": float(latency) if latency is not None else None,
             "mean_time_to_first_token": float(ttft) if ttft is not None else None,
             "estimated_requests": int(estimated or 0),
+            "answered": int(answered or 0),
         }
-        for (name, count, errors, prompt, completion, latency, ttft, estimated) in rows
+        for (
+            name,
+            count,
+            errors,
+            prompt,
+            completion,
+            latency,
+            ttft,
+            estimated,
+            answered,
+        ) in rows
     ]
+
+
+def key_update(changes: dict[str, Any], placeholder: str) -> tuple[str, list[Any]]:
+    """
+    The C{SET} clause of L{Store.update_key}'s statement, for either engine.
+
+    @param changes: as L{Store.update_key} takes them.
+    @param placeholder: the engine's parameter mark, C{?} or C{%s}.
+    @return: the clause (C{"rpm = ?, models = ?"}) and its parameters.
+    @raise ValueError: a column not in L{KEY_LIMITS}, or none at all.
+    """
+    unknown = sorted(set(changes) - set(KEY_LIMITS))
+    if unknown or not changes:
+        raise ValueError(f"key update: cannot change {unknown or 'nothing'}")
+    columns = [c for c in KEY_LIMITS if c in changes]
+    values = [
+        json.dumps(changes[c])
+        if c == "models" and changes[c] is not None
+        else changes[c]
+        for c in columns
+    ]
+    return ", ".join(f"{c} = {placeholder}" for c in columns), values
 
 
 def key_row(names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
@@ -299,6 +350,18 @@ class Store:
     def revoke_key(self, key_id: int, when: float) -> Deferred[None]:
         """
         Mark a key revoked at C{when}, POSIX seconds.
+        """
+        raise NotImplementedError
+
+    def update_key(self, key_id: int, changes: dict[str, Any]) -> Deferred[None]:
+        """
+        Change a key's models, limits or expiry.
+
+        @param changes: some of L{KEY_LIMITS}, each to its new value:
+            C{models} a list of names or L{None} (all), C{rpm}, C{tpm} and
+            C{budget_tokens} an integer or L{None} (no limit), C{expires}
+            POSIX seconds or L{None} (never).
+        @raise ValueError: a column not in L{KEY_LIMITS} (before any write).
         """
         raise NotImplementedError
 

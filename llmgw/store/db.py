@@ -30,6 +30,7 @@ from llmgw.store.base import (
     StoreError,
     UsageRow,
     key_row,
+    key_update,
     newer_than_code,
     shape_usage,
     statements,
@@ -218,7 +219,7 @@ class SQLiteStore(Store):
         def add(cursor: sqlite3.Cursor) -> int:
             cursor.execute(
                 "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created) VALUES (?,?,?,?,?,?,?,?,?)",
+                " budget_tokens, admin, created, expires) VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (
                     row["name"],
                     row["prefix"],
@@ -229,6 +230,7 @@ class SQLiteStore(Store):
                     row["budget_tokens"],
                     int(row["admin"]),
                     row["created"],
+                    row.get("expires"),
                 ),
             )
             return int(cursor.lastrowid or 0)
@@ -238,6 +240,12 @@ class SQLiteStore(Store):
     def revoke_key(self, key_id: int, when: float) -> Deferred[None]:
         return self.pool.runOperation(  # type: ignore[no-any-return]
             "UPDATE api_keys SET revoked = ? WHERE id = ?", (when, key_id)
+        )
+
+    def update_key(self, key_id: int, changes: dict[str, Any]) -> Deferred[None]:
+        clause, values = key_update(changes, "?")
+        return self.pool.runOperation(  # type: ignore[no-any-return]
+            f"UPDATE api_keys SET {clause} WHERE id = ?", (*values, key_id)
         )
 
     # Usage

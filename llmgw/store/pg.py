@@ -39,6 +39,7 @@ from llmgw.store.base import (
     StoreError,
     UsageRow,
     key_row,
+    key_update,
     newer_than_code,
     postgres_dialect,
     shape_usage,
@@ -52,7 +53,8 @@ T = TypeVar("T")
 CHANNEL = "llmgw_keys"
 """
 The C{NOTIFY} channel of key changes.  Payloads are JSON:
-C{{"added": ID}} and C{{"revoked": ID, "when": POSIX SECONDS}}.
+C{{"added": ID}}, C{{"revoked": ID, "when": POSIX SECONDS}} and
+C{{"updated": ID}} (its models, limits or expiry changed).
 """
 
 # Any constant both sides agree on: migrations of two processes starting at
@@ -234,8 +236,8 @@ class PostgresStore(Store):
         def add(cursor: psycopg.Cursor[Any]) -> int:
             cursor.execute(
                 "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING id",
+                " budget_tokens, admin, created, expires)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING id",
                 (
                     row["name"],
                     row["prefix"],
@@ -246,6 +248,7 @@ class PostgresStore(Store):
                     row["budget_tokens"],
                     int(row["admin"]),
                     row["created"],
+                    row.get("expires"),
                 ),
             )
             got = cursor.fetchone()
@@ -264,6 +267,18 @@ class PostgresStore(Store):
             _notify(cursor, {"revoked": key_id, "when": when})
 
         return self._run(revoke)
+
+    def update_key(self, key_id: int, changes: dict[str, Any]) -> Deferred[None]:
+        clause, values = key_update(changes, "%s")
+
+        def update(cursor: psycopg.Cursor[Any]) -> None:
+            cursor.execute(
+                f"UPDATE api_keys SET {clause} WHERE id = %s",
+                (*values, key_id),
+            )
+            _notify(cursor, {"updated": key_id})
+
+        return self._run(update)
 
     # Usage
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from OpenSSL.crypto import Error as SSLError
 from twisted.internet.defer import Deferred
 from twisted.internet.ssl import Certificate, optionsForClientTLS
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
@@ -108,6 +109,10 @@ class AdminClient:
                     trust = Certificate.loadPEM(f.read())
             except (OSError, ValueError) as e:
                 raise ConfigError(f"--control-ca: cannot read {ca!r}: {e}") from None
+            except SSLError:
+                raise ConfigError(
+                    f"--control-ca: {ca!r} is not a PEM certificate"
+                ) from None
             agent = Agent(reactor, contextFactory=_TrustCA(trust), pool=pool)
         else:
             agent = Agent(reactor, pool=pool)

@@ -1,6 +1,7 @@
 """
-API keys made or revoked on the control plane, brought into a router's
-key ring from the shared store when the watch's keys counter moves.
+API keys made, changed or revoked on the control plane, brought into a
+router's key ring from the shared store when the watch's keys counter
+moves.
 """
 
 from __future__ import annotations
@@ -16,24 +17,28 @@ from llmgw.store.base import Store
 log = Logger(namespace="llmgw.tier.keys")
 
 
-def merge_keys(keys: KeyRing, rows: list[dict[str, Any]]) -> tuple[int, int]:
+def merge_keys(keys: KeyRing, rows: list[dict[str, Any]]) -> tuple[int, int, int]:
     """
-    Add the keys C{keys} lacks and mark revoked those the store has
+    Add the keys C{keys} lacks, give known ones the models, limits and
+    expiry the store has for them, and mark revoked those the store has
     revoked, keeping every known key's counters (rate windows, tokens).
 
     @param rows: every key as L{Store.prepare} reads them.
-    @return: how many keys were added and revoked.
+    @return: how many keys were added, changed and revoked.
     """
     known = {key.id: key for key in keys.keys()}
     new = [row for row in rows if row["id"] not in known]
     keys.load(new)
-    revoked = 0
+    changed = revoked = 0
     for row in rows:
         key = known.get(row["id"])
-        if key is not None and key.revoked is None and row.get("revoked") is not None:
+        if key is None:
+            continue
+        changed += keys.take_limits(key, row)
+        if key.revoked is None and row.get("revoked") is not None:
             key.revoked = row["revoked"]
             revoked += 1
-    return len(new), revoked
+    return len(new), changed, revoked
 
 
 class KeyFollower:
@@ -66,11 +71,13 @@ class KeyFollower:
         reading = self._reading = self.store.keys()
 
         def read(rows: list[dict[str, Any]]) -> None:
-            added, revoked = merge_keys(self.keys, rows)
-            if added or revoked:
+            added, changed, revoked = merge_keys(self.keys, rows)
+            if added or changed or revoked:
                 log.info(
-                    "keys from the store: {added} added, {revoked} revoked",
+                    "keys from the store: {added} added, {changed} changed,"
+                    " {revoked} revoked",
                     added=added,
+                    changed=changed,
                     revoked=revoked,
                 )
 

@@ -40,6 +40,7 @@ from llmgw.daemon.lifecycle import (
     PoolService,
     StoreService,
 )
+from llmgw.daemon.listen import ListenError
 from llmgw.daemon.listen import listen as _listen
 from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
@@ -100,7 +101,6 @@ class Options(usage.Options):
             None,
             "Routers sharing each key's limits without [limits] url (as"
             " [limits] routers; the larger of the two counts).",
-            int,
         ],
         [
             "parent-pid",
@@ -129,9 +129,14 @@ class Options(usage.Options):
     def _config(self) -> ServerConfig:
         config = shared_flags(load_config(self["config"]), self)
         if self["routers"] is not None:
-            if self["routers"] < 1:
+            # Checked here, not by twistd: its refusal is a usage text.
+            try:
+                count = int(self["routers"])
+            except ValueError:
+                count = 0
+            if count < 1:
                 raise ConfigError("--routers: expected a whole number, at least 1")
-            routers = max(config.limits_routers, self["routers"])
+            routers = max(config.limits_routers, count)
             config = replace(config, limits_routers=routers)
         # Its endpoints come from the control plane: the server's "nothing
         # to serve" check (finish_config) does not apply.
@@ -146,7 +151,7 @@ def _listen_reuse_port(
         sock = reuse_port_socket(host, port)
         sock.listen(1024)
     except OSError as e:
-        raise ConfigError(f"listen: cannot listen on {description!r}: {e}") from None
+        raise ListenError(f"listen: cannot listen on {description!r}: {e}") from None
     try:
         result = reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
     finally:
@@ -247,8 +252,10 @@ def _listener(
             port = _listen_reuse_port(reactor, listen, site)
         else:
             port = _listen(reactor, "listen", listen, site)
-    except ConfigError as e:
+    except ListenError as e:
         fail(PROGRAM, str(e), 1)
+    except ConfigError as e:
+        fail(PROGRAM, f"config error: {e}", 2)
     reading: Any = port
     reading.stopReading()
     follower.first.addCallback(lambda _: reading.startReading())

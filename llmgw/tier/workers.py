@@ -27,6 +27,7 @@ from twisted.python.failure import Failure
 
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
+from llmgw.daemon.listen import ListenError
 from llmgw.reactors import ISpawningReactor
 
 log = Logger(namespace="llmgw.tier.workers")
@@ -203,13 +204,14 @@ def reserve_port(description: str) -> Any:
     """
     @return: the reserved client API port (L{_Reserved}), held for the life
         of the process.
-    @raise ConfigError: not a tcp listener, or the port is taken.
+    @raise ConfigError: not a tcp listener.
+    @raise ListenError: the port is taken.
     """
     host, port = tcp_address(description)
     try:
         reserved = _Reserved(host, port)
     except OSError as e:
-        raise ConfigError(f"listen: cannot listen on {description!r}: {e}") from None
+        raise ListenError(f"listen: cannot listen on {description!r}: {e}") from None
     _held.append(reserved)
     return reserved
 

@@ -160,6 +160,7 @@ class Sessions:
             now - session.last > self.idle
             or key is None
             or key.revoked is not None
+            or self._keys.expired(key)
             or not key.admin
         ):
             del self._sessions[token]

@@ -60,15 +60,24 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _load_ca(directory: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    path = os.path.join(directory, "ca.pem")
     try:
-        with open(os.path.join(directory, "ca.pem"), "rb") as f:
+        with open(path, "rb") as f:
             cert = x509.load_pem_x509_certificate(f.read())
-        with open(os.path.join(directory, "ca-key.pem"), "rb") as f:
+        path = os.path.join(directory, "ca-key.pem")
+        with open(path, "rb") as f:
             key = serialization.load_pem_private_key(f.read(), None)
     except FileNotFoundError as e:
         raise CertsError(
             f"no CA in {directory}: {e.filename} is missing;"
             f" run llmgw certs init --dir {directory}"
+        ) from None
+    except OSError as e:
+        raise CertsError(f"{path}: cannot read: {e.strerror or e}") from None
+    except (ValueError, TypeError):
+        raise CertsError(
+            f"{path}: not PEM (or a key with a passphrase); make a new CA with"
+            f" llmgw certs init --dir {directory} --force"
         ) from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise CertsError(f"{directory}/ca-key.pem is not an EC key")

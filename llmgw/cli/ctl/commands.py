@@ -2,19 +2,21 @@
 C{llmgw ctl}'s commands, one function each, and L{COMMANDS}, the table
 from a command's name to its function.  Each calls the admin API and
 returns its JSON (printed with C{--json}) and the text printed otherwise.
+The keys and usage commands are in L{llmgw.cli.ctl.keys}, C{weights} in
+L{llmgw.cli.ctl.weights}.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 import tomllib
-import urllib.parse
 from collections.abc import Callable
 from typing import IO, Any
 
 from llmgw.cli.ctl.client import Client, CtlError, quote
-from llmgw.cli.ctl.show import cell, size, table, when
+from llmgw.cli.ctl.keys import keys_create, keys_list, keys_revoke, keys_update, usage
+from llmgw.cli.ctl.show import cell, size, table
+from llmgw.cli.ctl.weights import weights
 
 Command = Callable[[Client, argparse.Namespace, IO[str]], tuple[Any, str]]
 """
@@ -25,12 +27,15 @@ JSON, the text for a person).  Raises L{CtlError} to fail with one line.
 
 def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{status}: each field of the status on a line, counts by state.
+    C{status}: each field of the status on a line, counts by state; what
+    holds placements back, if anything, in words.
     """
     result = client.call("GET", "/api/v1/status")
     lines = []
     for name, value in result.items():
-        if isinstance(value, dict):
+        if name == "placement":
+            lines.append(f"placement: {_placement_words(value)}\n")
+        elif isinstance(value, dict):
             shown = ", ".join(f"{n} {c}" for n, c in value.items()) or "-"
         else:
             shown = cell(value)
@@ -38,11 +43,37 @@ def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any,
     return result, "".join(lines)
 
 
+def _placement_words(placement: dict[str, Any] | None) -> str:
+    if placement is None:
+        return "- (no control plane)"
+    if placement.get("waiting_for") == "startup_grace":
+        return (
+            f"waiting for the start-up grace: {placement['seconds_left']:g} s left"
+            f" of [control] startup_grace = {placement['startup_grace']:g} s;"
+            " nothing is placed or scaled down until then, while agents"
+            " reconnect and their engines are adopted"
+        )
+    return "active"
+
+
+def _gib(mib: float) -> str:
+    return f"{mib / 1024:.1f}"
+
+
+def _memory(node: dict[str, Any], field: str) -> str:
+    return _gib(sum(g.get(field) or 0 for g in node["gpus"]))
+
+
 def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{nodes}: a table of the nodes, their state, GPUs and last report.
+    C{nodes}: a table of the nodes: state, GPUs (how many, how many free:
+    no shard on them and no problem), their memory in GiB (allocated to
+    shards, as their profiles ask; used, as the agent reports; total) and
+    the last report.  C{nodes NODE}: that node in full (L{node_detail}).
     """
     result = client.call("GET", "/api/v1/nodes")
+    if args.node is not None:
+        return node_detail(result, args.node)
     rows = [
         (
             n["id"],
@@ -50,13 +81,90 @@ def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
             n["connected"],
             n["address"],
             len(n["gpus"]),
+            n.get("free_gpus"),
             ",".join(sorted({g["name"] for g in n["gpus"]})),
+            _memory(n, "memory_allocated_mib"),
+            _memory(n, "memory_used_mib"),
+            _memory(n, "memory_total_mib"),
             n["last_seen"][:19],
         )
         for n in result["nodes"]
     ]
-    header = ("NODE", "STATE", "CONNECTED", "ADDRESS", "GPUS", "GPU TYPES", "LAST SEEN")
+    header = (
+        "NODE",
+        "STATE",
+        "CONNECTED",
+        "ADDRESS",
+        "GPUS",
+        "FREE",
+        "GPU TYPES",
+        "ALLOC GiB",
+        "USED GiB",
+        "TOTAL GiB",
+        "LAST SEEN",
+    )
     return result, table(rows, header)
+
+
+def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
+    """
+    C{nodes NODE}: one node's fields, its GPUs (memory in GiB, allocated,
+    used, total; the shards on each) and its shards.
+
+    @raise CtlError: no such node (the known ones named).
+    """
+    found = [n for n in listed["nodes"] if n["id"] == node_id]
+    if not found:
+        known = ", ".join(n["id"] for n in listed["nodes"]) or "none"
+        raise CtlError(f"no node {node_id!r} (nodes: {known})")
+    (node,) = found
+    simulated = any(g.get("simulated") for g in node["gpus"])
+    lines = [
+        f"node: {node['id']}",
+        "state: " + node["state"] + (" draining" if node.get("draining") else ""),
+        f"connected: {cell(node['connected'])}",
+        f"address: {cell(node['address'])}",
+        f"agent version: {cell(node.get('agent_version'))}",
+        f"labels: {cell([f'{k}={v}' for k, v in (node.get('labels') or {}).items()])}",
+        f"cpus: {cell(node.get('cpus'))}",
+        f"memory: {size(node['memory_bytes']) if node.get('memory_bytes') else '-'}",
+        f"gpus: {len(node['gpus'])}, {node.get('free_gpus')} free"
+        + (" (simulated)" if simulated else ""),
+        f"last seen: {node['last_seen'][:19]}",
+    ]
+    on_gpu: dict[int, list[str]] = {}
+    for shard in node.get("shards") or ():
+        for index in shard["gpus"]:
+            on_gpu.setdefault(index, []).append(shard.get("replica") or shard["id"])
+    gpus = [
+        (
+            g["index"],
+            g["name"],
+            _gib(g.get("memory_allocated_mib") or 0),
+            _gib(g["memory_used_mib"]),
+            _gib(g["memory_total_mib"]),
+            on_gpu.get(g["index"], []),
+            g["problems"],
+        )
+        for g in node["gpus"]
+    ]
+    gpu_header = ("GPU", "NAME", "ALLOC GiB", "USED GiB", "TOTAL GiB", "REPLICAS")
+    shards = [
+        (s.get("replica"), s.get("model"), s["state"], s["gpus"], s["port"], s["pid"])
+        for s in node.get("shards") or ()
+    ]
+    text = (
+        "\n".join(lines)
+        + "\n\n"
+        + table(gpus, (*gpu_header, "PROBLEMS"))
+        + "\n"
+        + (
+            table(shards, ("REPLICA", "MODEL", "STATE", "GPU IDS", "PORT", "PID"))
+            if shards
+            else "no shards\n"
+        )
+    )
+    return node, text
 
 
 def replicas(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
@@ -164,6 +272,12 @@ def models_scale(
         f"model {result['name']}: min {result['min_replicas']},"
         f" max {result['max_replicas']}, desired {result['desired']}\n"
     )
+    if not result.get("runtime", True):
+        text += (
+            f"model {result['name']} is declared in the config file: this lasts"
+            " until the server's next start, which takes the file's"
+            " min_replicas and max_replicas again; change the file to keep it\n"
+        )
     return result, text
 
 
@@ -300,203 +414,6 @@ def undrain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any
     return result, f"node {args.id} takes placements again\n"
 
 
-def keys_create(
-    client: Client, args: argparse.Namespace, out: IO[str]
-) -> tuple[Any, str]:
-    """
-    C{keys create}: a new key, printed once.
-    """
-    fields: dict[str, Any] = {"name": args.name, "admin": args.admin}
-    if args.models is not None:
-        models = [m.strip() for m in args.models.split(",") if m.strip()]
-        if not models:
-            raise CtlError("keys create: --models is empty (leave it out for all)")
-        fields["models"] = models
-    for field in ("rpm", "tpm", "budget_tokens"):
-        if getattr(args, field) is not None:
-            fields[field] = getattr(args, field)
-    result = client.call("POST", "/api/v1/keys", fields)
-    text = (
-        f"{result['key']}\nkey {result['name']} created; it is shown only this once.\n"
-    )
-    return result, text
-
-
-def keys_revoke(
-    client: Client, args: argparse.Namespace, out: IO[str]
-) -> tuple[Any, str]:
-    """
-    C{keys revoke}: a key revoked, by name or prefix.
-    """
-    result = client.call("POST", f"/api/v1/keys/{quote(args.name)}/revoke")
-    return result, f"revoked key {result['name']} ({result['prefix']}...)\n"
-
-
-def keys_list(
-    client: Client, args: argparse.Namespace, out: IO[str]
-) -> tuple[Any, str]:
-    """
-    C{keys} (C{keys list}): a table of the keys, their limits and use.
-    """
-    result = client.call("GET", "/api/v1/keys")
-    rows = [
-        (
-            k["name"],
-            k["prefix"] + "...",
-            k["models"] or "all",
-            k["rpm"],
-            k["tpm"],
-            k["budget_tokens"],
-            k["admin"],
-            when(k["created"]),
-            when(k["last_used"]),
-            k["tokens_used"],
-            when(k["revoked"]),
-        )
-        for k in result["keys"]
-    ]
-    header = (
-        "NAME",
-        "PREFIX",
-        "MODELS",
-        "RPM",
-        "TPM",
-        "BUDGET",
-        "ADMIN",
-        "CREATED",
-        "LAST USED",
-        "TOKENS USED",
-        "REVOKED",
-    )
-    return result, table(rows, header)
-
-
-def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
-    """
-    C{usage}: a table of usage by key or model over a period.
-    """
-    query = urllib.parse.urlencode(
-        {
-            "by": args.by,
-            "since": args.since,
-            **({"until": args.until} if args.until else {}),
-        }
-    )
-    result = client.call("GET", "/api/v1/usage?" + query)
-    rows = [
-        (
-            g[args.by],
-            g["requests"],
-            g["errors"],
-            g["prompt_tokens"],
-            g["completion_tokens"],
-            g["mean_latency"],
-            g["mean_time_to_first_token"],
-        )
-        for g in result["usage"]
-    ]
-    header = (
-        args.by.upper(),
-        "REQUESTS",
-        "ERRORS",
-        "PROMPT TOKENS",
-        "COMPLETION TOKENS",
-        "MEAN LATENCY S",
-        "MEAN TTFT S",
-    )
-    return result, table(rows, header)
-
-
-def weights(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
-    """
-    C{weights}: the model files on the nodes; with C{--collect} or C{--remove}, deleted.
-    """
-    if args.dry_run and not args.collect:
-        raise CtlError("weights: --dry-run goes with --collect")
-    if args.remove:
-        return _weights_remove(client, args.remove)
-    if args.collect:
-        return _weights_collect(client, args.dry_run, out)
-    return _weights_list(client)
-
-
-def _weights_remove(client: Client, remove: list[str]) -> tuple[Any, str]:
-    node, *paths = remove
-    if not paths:
-        raise CtlError("weights --remove: give NODE PATH [PATH...]")
-    result = client.call(
-        "POST", f"/api/v1/nodes/{quote(node)}/weights/remove", {"paths": paths}
-    )
-    return result, "".join(f"removed {p} on {node}\n" for p in result["removed"])
-
-
-def _refuse_truncated(client: Client) -> None:
-    # A truncated list leaves files out, maybe the one that makes a listed
-    # file used: nothing is deleted on it.
-    listed = client.call("GET", "/api/v1/weights")
-    cut = [n for n in listed["nodes"] if n.get("truncated")]
-    if cut:
-        raise CtlError(
-            "weights --collect: refusing, the weights list of "
-            + ", ".join(
-                f"{n['node']} is truncated ({len(n['files'])} of"
-                f" {n['total']} entries reported)"
-                for n in cut
-            )
-            + "; use --dry-run to see the list, --remove NODE PATH"
-            " to delete by path"
-        )
-
-
-def _weights_collect(client: Client, dry_run: bool, out: IO[str]) -> tuple[Any, str]:
-    if not dry_run:
-        _refuse_truncated(client)
-    result = client.call("POST", "/api/v1/weights/collect", {"dry_run": dry_run})
-    lines = []
-    for n in result["nodes"]:
-        verb = "would remove" if dry_run else ("removed" if n["removed"] else "kept")
-        for entry in n["unused"]:
-            lines.append(
-                f"{n['node']}: {verb} {entry['path']} ({size(entry['size_bytes'])})"
-            )
-        if n["error"]:
-            lines.append(f"{n['node']}: refused: {n['error']}")
-    text = "\n".join(lines) + "\n" if lines else "nothing unused\n"
-    if any(n["error"] for n in result["nodes"]):
-        out.write(text)
-        raise CtlError("some nodes refused; see above")
-    return result, text
-
-
-def _weights_list(client: Client) -> tuple[Any, str]:
-    result = client.call("GET", "/api/v1/weights")
-    now = time.time()
-    ages = "".join(
-        f"{n['node']}: reported {now - n['reported_at']:.0f}s ago"
-        " (agents report every 60 s and after a removal)"
-        + (
-            f"; TRUNCATED: {len(n['files'])} of {n['total']} entries listed"
-            if n.get("truncated")
-            else ""
-        )
-        + "\n"
-        for n in result["nodes"]
-        if n["reported_at"] is not None
-    )
-    rows = [
-        (
-            n["node"],
-            f["path"],
-            size(f["size_bytes"]),
-            when(f["last_used"]),
-            f["unused"],
-        )
-        for n in result["nodes"]
-        for f in n["files"]
-    ]
-    return result, ages + table(rows, ("NODE", "PATH", "SIZE", "LAST USED", "UNUSED"))
-
-
 COMMANDS: dict[str, Command] = {
     "status": status,
     "nodes": nodes,
@@ -512,6 +429,7 @@ COMMANDS: dict[str, Command] = {
     "start-engines": start_engines,
     "keys list": keys_list,
     "keys create": keys_create,
+    "keys update": keys_update,
     "keys revoke": keys_revoke,
     "usage": usage,
     "weights": weights,

@@ -50,7 +50,10 @@ def _top() -> argparse.ArgumentParser:
 
 def _reads(commands: Any, shared: argparse.ArgumentParser) -> None:
     commands.add_parser("status", help="version, uptime, counts")
-    commands.add_parser("nodes", help="nodes and their GPUs")
+    nodes = commands.add_parser(
+        "nodes", help="nodes and their GPUs; with NODE, that node in full"
+    )
+    nodes.add_argument("node", nargs="?", help="one node's id")
     commands.add_parser("replicas", help="replicas and their shards")
 
 
@@ -122,8 +125,25 @@ def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> Non
         which.add_argument("--all", action="store_true", help="every node")
 
 
+_EXPIRES = "when it stops working: 30d, 12h, an ISO 8601 time or POSIX seconds"
+
+
+def _limit(value: str) -> int | None:
+    """
+    @return: a limit of C{keys update}: a whole number, or L{None} for none.
+    """
+    if value.lower() == "none":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number or none, got {value!r}"
+        ) from None
+
+
 def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
-    keys = commands.add_parser("keys", help="API keys: list, create, revoke")
+    keys = commands.add_parser("keys", help="API keys: list, create, update, revoke")
     key_actions = _with(shared, keys.add_subparsers(dest="action"))
     key_actions.add_parser("list")
     create = key_actions.add_parser("create", help="make a key; printed once")
@@ -135,6 +155,35 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
     create.add_argument("--tpm", type=int, help="tokens per minute")
     create.add_argument("--budget-tokens", type=int, help="tokens in all")
     create.add_argument("--admin", action="store_true", help="may use the admin API")
+    create.add_argument("--expires", help=_EXPIRES)
+    update = key_actions.add_parser(
+        "update",
+        help="change a key's models, limits or expiry (by name or prefix)",
+        description="Change a key: what is not given stays; 'none' removes a"
+        " limit, '--models all' lets it use every model, '--expires never'"
+        " keeps it for good.  Its counters (tokens used) are kept.",
+    )
+    update.add_argument("name")
+    update.add_argument("--models", help="comma-separated models it may use, or all")
+    update.add_argument(
+        "--rpm",
+        type=_limit,
+        default=argparse.SUPPRESS,
+        help="requests per minute, or none",
+    )
+    update.add_argument(
+        "--tpm",
+        type=_limit,
+        default=argparse.SUPPRESS,
+        help="tokens per minute, or none",
+    )
+    update.add_argument(
+        "--budget-tokens",
+        type=_limit,
+        default=argparse.SUPPRESS,
+        help="tokens in all, or none",
+    )
+    update.add_argument("--expires", help=_EXPIRES + ", or never")
     revoke = key_actions.add_parser("revoke", help="revoke a key by name or prefix")
     revoke.add_argument("name")
 
@@ -155,6 +204,11 @@ def _weights(commands: Any, shared: argparse.ArgumentParser) -> None:
     )
     weights.add_argument(
         "--dry-run", action="store_true", help="with --collect: only list"
+    )
+    weights.add_argument(
+        "--yes",
+        action="store_true",
+        help="with --collect: delete without asking (needed without a terminal)",
     )
     weights.add_argument(
         "--remove", nargs="+", metavar="NODE PATH", help="delete these paths on NODE"

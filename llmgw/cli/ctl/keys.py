@@ -1,0 +1,174 @@
+"""
+C{llmgw ctl}'s commands of keys and usage: C{keys list}, C{keys create},
+C{keys update}, C{keys revoke} and C{usage}, one function each (their
+entries of L{llmgw.cli.ctl.commands.COMMANDS}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import urllib.parse
+from typing import IO, Any
+
+from llmgw.cli.ctl.client import Client, CtlError, quote
+from llmgw.cli.ctl.show import cell, table, when
+
+
+def keys_create(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{keys create}: a new key, printed once.
+    """
+    fields: dict[str, Any] = {"name": args.name, "admin": args.admin}
+    if args.models is not None:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not models:
+            raise CtlError("keys create: --models is empty (leave it out for all)")
+        fields["models"] = models
+    for field in ("rpm", "tpm", "budget_tokens"):
+        if getattr(args, field) is not None:
+            fields[field] = getattr(args, field)
+    if args.expires is not None:
+        fields["expires"] = _expires(args.expires)
+    result = client.call("POST", "/api/v1/keys", fields)
+    text = (
+        f"{result['key']}\nkey {result['name']} created; it is shown only this once.\n"
+    )
+    return result, text
+
+
+def _expires(value: str) -> str | float:
+    """
+    @return: C{--expires} as the API takes it: POSIX seconds as a number,
+        a duration or an ISO time as given.
+    """
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def keys_update(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{keys update NAME}: a key's models, limits or expiry changed; what is
+    not given stays.
+    """
+    fields: dict[str, Any] = {}
+    if args.models is not None:
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        if not models:
+            raise CtlError("keys update: --models is empty (--models all for all)")
+        fields["models"] = None if models == ["all"] else models
+    # Absent from args unless given (a given "none" is None).
+    for field in ("rpm", "tpm", "budget_tokens"):
+        if hasattr(args, field):
+            fields[field] = getattr(args, field)
+    if args.expires is not None:
+        never = args.expires.lower() == "never"
+        fields["expires"] = None if never else _expires(args.expires)
+    if not fields:
+        raise CtlError(
+            "keys update: give --models, --rpm, --tpm, --budget-tokens or --expires"
+        )
+    k = client.call("PATCH", f"/api/v1/keys/{quote(args.name)}", fields)
+    shown = cell(k["models"]) if k["models"] else "all"
+    text = (
+        f"key {k['name']} ({k['prefix']}...): models {shown},"
+        f" rpm {cell(k['rpm'])}, tpm {cell(k['tpm'])},"
+        f" budget {cell(k['budget_tokens'])},"
+        f" expires {when(k['expires']) or 'never'}\n"
+    )
+    return k, text
+
+
+def keys_revoke(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{keys revoke}: a key revoked, by name or prefix.
+    """
+    result = client.call("POST", f"/api/v1/keys/{quote(args.name)}/revoke")
+    return result, f"revoked key {result['name']} ({result['prefix']}...)\n"
+
+
+def keys_list(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{keys} (C{keys list}): a table of the keys, their limits and use.
+    """
+    result = client.call("GET", "/api/v1/keys")
+    rows = [
+        (
+            k["name"],
+            k["prefix"] + "...",
+            k["models"] or "all",
+            k["rpm"],
+            k["tpm"],
+            k["budget_tokens"],
+            k["admin"],
+            when(k["created"]),
+            when(k["last_used"]),
+            k["tokens_used"],
+            when(k.get("expires")),
+            when(k["revoked"]),
+        )
+        for k in result["keys"]
+    ]
+    header = (
+        "NAME",
+        "PREFIX",
+        "MODELS",
+        "RPM",
+        "TPM",
+        "BUDGET",
+        "ADMIN",
+        "CREATED",
+        "LAST USED",
+        "TOKENS USED",
+        "EXPIRES",
+        "REVOKED",
+    )
+    return result, table(rows, header)
+
+
+def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{usage}: a table of usage by key or model over a period.
+    """
+    query = urllib.parse.urlencode(
+        {
+            "by": args.by,
+            "since": args.since,
+            **({"until": args.until} if args.until else {}),
+        }
+    )
+    result = client.call("GET", "/api/v1/usage?" + query)
+    rows = [
+        (
+            g[args.by],
+            g["requests"],
+            g["errors"],
+            g["prompt_tokens"],
+            g["completion_tokens"],
+            g.get("answered"),
+            g["mean_latency"],
+            g["mean_time_to_first_token"],
+        )
+        for g in result["usage"]
+    ]
+    header = (
+        args.by.upper(),
+        "REQUESTS",
+        "ERRORS",
+        "PROMPT TOKENS",
+        "COMPLETION TOKENS",
+        "ANSWERED",
+        "MEAN LATENCY S",
+        "MEAN TTFT S",
+    )
+    # Both means are over the answered requests (a first byte came).
+    return result, table(rows, header)

@@ -27,9 +27,9 @@ from llmgw.control.inventory import NodeState
 from llmgw.control.plane import ControlPlane
 from llmgw.control.records import NO_FIT_KIND_NAMES, ReplicaState
 from llmgw.control.scaling import bounded
+from llmgw.control.views import gpu_allocations
 from llmgw.wire.states import ShardState
 
-GIB = 1024**3
 MIB = 1024**2
 
 
@@ -112,15 +112,7 @@ class FleetCollector:
             "Engine shards placed on the GPU and not gone.",
             labels=labels,
         )
-        placed: dict[tuple[str, int], tuple[float, int]] = {}
-        for replica in plane.replicas.values():
-            need = replica.profile.gpu_memory_gb * GIB
-            for shard in replica.shards:
-                if shard.state.gone:
-                    continue
-                for index in shard.gpus:
-                    memory, count = placed.get((shard.node, index), (0.0, 0))
-                    placed[shard.node, index] = (memory + need, count + 1)
+        placed = gpu_allocations(plane)
         for node in nodes:
             for gpu in node.gpus:
                 values = [node.id, str(gpu.index)]

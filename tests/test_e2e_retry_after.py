@@ -44,13 +44,17 @@ class ActivationQueueTests(_Fleet, SynchronousTestCase):
         )
         first.start()
         self.addCleanup(first.join, 40)
-        deadline = time.monotonic() + 20
-        while True:
-            status, answer, body = http("POST", url, CHAT, headers)
-            if status != 503 or b"activation_queue_full" in body:
-                break
-            self.assertLess(time.monotonic(), deadline, body)
-            time.sleep(0.1)
+
+        def waiting() -> bool:
+            models = self.admin("/api/v1/models")["models"]
+            return any(
+                m["name"] == "chat" and m["waiting_requests"] == 1 for m in models
+            )
+
+        # The first request holds the queue's one place before the next is
+        # sent (else the next may take it, and wait its 20 s).
+        self.until(waiting, 15, "the first request waiting")
+        status, answer, body = http("POST", url, CHAT, headers)
         self.assertIn(b"activation_queue_full", body)
         self.assertEqual(status, 503)
         self.assertTrue(answer.get("retry-after", "").isdigit(), answer)

@@ -247,7 +247,11 @@ class DrainKeepsModelsUpTests(_Drains, SynchronousTestCase):
             self.until(lambda: self.on("gpu-02"), 30, "a replica on gpu-02")
             self.until(lambda: not _alive(pid), 40, "the old engine stopped")
             time.sleep(1)
-        self.assertGreater(len(watcher.ready), 30)
+        # Sampled across the whole move (1 s before the drain, until 1 s
+        # after the old engine stopped); how many samples fit depends on
+        # how fast the move and the machine are, so only that there were
+        # enough to see a gap of one sample.
+        self.assertGreater(len(watcher.ready), 10)
         self.assertGreaterEqual(min(watcher.ready), 1, watcher.ready)
         self.assertEqual(set(watcher.readyz), {200})
         self.assertEqual(watcher.failures, [])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -60,12 +61,26 @@ def hermetic_env() -> dict[str, str]:
 
 def free_port() -> int:
     """
-    A TCP port on 127.0.0.1 that was free a moment ago (for programs that
-    cannot listen on port 0 and tell which port they got).
+    A TCP port that was free a moment ago on every address (for programs
+    that cannot listen on port 0 and tell which port they got).
+
+    Chosen at random from 10000 to 19999: below the kernel's ephemeral range
+    (32768 to 60999 on Linux), where the outgoing connections of every other
+    process, another test run beside this one among them, take their local
+    ports, and below the engines' port ranges the tests configure (20000
+    and up).  A port the kernel handed out as ephemeral was taken by such a
+    connection before the server listened on it (seen: "Address already in
+    use" with two make test runs side by side).
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for _ in range(200):
+        port = random.randrange(10000, 20000)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free TCP port from 10000 to 19999")
 
 
 def closed_port() -> int:

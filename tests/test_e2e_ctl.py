@@ -212,7 +212,10 @@ class StatusGraceTests(SynchronousTestCase, Processes, _Ctl):
             f"s={sim}=sim-model",
             config='[control]\nstartup_grace = "0s"\n',
         )
-        self.assertIn("placement: active\n", self.ctl("status").stdout)
+        status = self.ctl("status").stdout
+        self.assertIn("placement: active\n", status)
+        # One line per field: the placement's words, not a second line too.
+        self.assertEqual(status.count("placement:"), 1, status)
         self.assertEqual(self.ctl_json("status")["placement"], {"waiting_for": None})
 
 

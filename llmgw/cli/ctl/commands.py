@@ -35,7 +35,8 @@ def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any,
     for name, value in result.items():
         if name == "placement":
             lines.append(f"placement: {_placement_words(value)}\n")
-        elif isinstance(value, dict):
+            continue
+        if isinstance(value, dict):
             shown = ", ".join(f"{n} {c}" for n, c in value.items()) or "-"
         else:
             shown = cell(value)

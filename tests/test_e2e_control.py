@@ -87,7 +87,10 @@ class _Fleet(Processes, CaseMixin):
         self.dir = tempfile.mkdtemp(prefix="llmgw-control-")
         self.ca = make_certs(self.dir, "127.0.0.1", ["gpu-01", "gpu-02"])
         self.agent_port = free_port()
-        first = random.randrange(21000, 40000)
+        # Below the kernel's ephemeral range (32768 and up on Linux), where
+        # other processes' outgoing connections would take an engine's port
+        # ("port N is not free"; the server warns of such a range too).
+        first = random.randrange(21000, 32000)
         self.ports = (first, first + 20)
         self.agents: dict[str, Process] = {}
         self.addCleanup(self._kill_engines)

@@ -57,33 +57,46 @@ def _endpoint_counts(process: Process) -> list[int]:
     return [int(m.group(2)) for m in FOLLOWING.finditer(process.output())]
 
 
+def spawn_router(
+    test: Processes, control: str, state: str, *extra: str
+) -> tuple[Process, str]:
+    """
+    Start C{twistd -n llmgw-router} following C{control}, its state in
+    C{state} under the test's folder, stopped at the test's end.
+
+    @return: the process and its client API's base URL.
+    """
+    directory = test._directory()
+    process = spawn(
+        [
+            TWISTD,
+            "-n",
+            "--pidfile=",
+            "llmgw-router",
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--control",
+            control,
+            "--state-dir",
+            os.path.join(directory, state),
+            *extra,
+        ],
+        directory,
+        f"router-{time.monotonic_ns()}",
+    )
+    test.addCleanup(process.stop)  # type: ignore[attr-defined]
+    match = process.wait_for(r"llmgw-router: client API listening on [\d.]+:(\d+)")
+    return process, f"http://127.0.0.1:{match.group(1)}"
+
+
 class RouterTierTests(_Fleet, SynchronousTestCase):
     """
     One control plane, one agent, one C{llmgw-router} beside them.
     """
 
     def start_router(self) -> tuple[Process, openai.OpenAI, str]:
-        directory = self._directory()
-        process = spawn(
-            [
-                TWISTD,
-                "-n",
-                "--pidfile=",
-                "llmgw-router",
-                "--listen",
-                "tcp:0:interface=127.0.0.1",
-                "--control",
-                self.admin_url,
-                "--state-dir",
-                os.path.join(directory, "server-state"),
-            ],
-            directory,
-            f"router-{time.monotonic_ns()}",
-        )
-        self.addCleanup(process.stop)
-        match = process.wait_for(r"llmgw-router: client API listening on [\d.]+:(\d+)")
+        process, url = spawn_router(self, self.admin_url, "server-state")
         process.wait_for(FOLLOWING.pattern)
-        url = f"http://127.0.0.1:{match.group(1)}"
         client = openai.OpenAI(
             base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60
         )
@@ -191,32 +204,7 @@ class RouterWorkersTests(Processes, SynchronousTestCase):
     timeout = 120
 
     def start_router(self, control: str, *extra: str) -> tuple[Process, str]:
-        """
-        Start C{twistd -n llmgw-router} following C{control}.
-
-        @return: the process and its client API's base URL.
-        """
-        directory = self._directory()
-        process = spawn(
-            [
-                TWISTD,
-                "-n",
-                "--pidfile=",
-                "llmgw-router",
-                "--listen",
-                "tcp:0:interface=127.0.0.1",
-                "--control",
-                control,
-                "--state-dir",
-                os.path.join(directory, "router-state"),
-                *extra,
-            ],
-            directory,
-            f"router-{time.monotonic_ns()}",
-        )
-        self.addCleanup(process.stop)
-        match = process.wait_for(r"client API listening on [\d.]+:(\d+)")
-        return process, f"http://127.0.0.1:{match.group(1)}"
+        return spawn_router(self, control, "router-state", *extra)
 
     def chat(self, url: str, key: str = "") -> int:
         headers = {"content-type": "application/json"}

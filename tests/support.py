@@ -17,7 +17,8 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
+from unittest import SkipTest
 
 if TYPE_CHECKING:
     from twisted.trial.unittest import SynchronousTestCase
@@ -57,6 +58,22 @@ def hermetic_env() -> dict[str, str]:
     env["XDG_CONFIG_HOME"] = os.path.join(home, ".config")
     env["XDG_DATA_HOME"] = os.path.join(home, ".local", "share")
     return env
+
+
+def missing(why: str, in_ci: str | None = None) -> NoReturn:
+    """
+    A system piece a test needs is absent (a Debian package, a set-up):
+    skip naming it, except in CI (C{CI=true}), where C{.ci/run} installs
+    it and its absence is a failure.
+
+    @param why: what is missing and what provides it.
+    @param in_ci: the message in CI, if other than C{why}.
+    @raise AssertionError: under C{CI=true}.
+    @raise SkipTest: elsewhere.
+    """
+    if os.environ.get("CI") == "true":
+        raise AssertionError(why if in_ci is None else in_ci)
+    raise SkipTest(why)
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from twisted.trial.unittest import SkipTest
+from tests.support import missing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_HOME = os.path.abspath(
@@ -30,7 +30,7 @@ def require_vllm(model: bool = False, sglang: bool = False) -> None:
     @raise SkipTest: the set-up is missing, outside CI.
     @raise AssertionError: it is missing in CI.
     """
-    missing = [
+    absent = [
         path
         for path, wanted in (
             (os.path.join(VLLM_BIN, "vllm"), True),
@@ -39,9 +39,7 @@ def require_vllm(model: bool = False, sglang: bool = False) -> None:
         )
         if wanted and not os.path.exists(path)
     ]
-    if not missing:
+    if not absent:
         return
-    why = f"no real vLLM here ({', '.join(missing)}): {SETUP} sets it up"
-    if os.environ.get("CI") == "true":
-        raise AssertionError(why + " (.ci/run runs it before the tests)")
-    raise SkipTest(why)
+    why = f"no real vLLM here ({', '.join(absent)}): {SETUP} sets it up"
+    missing(why, in_ci=why + " (.ci/run runs it before the tests)")

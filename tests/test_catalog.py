@@ -10,7 +10,7 @@ import tomllib
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.config_checks import ConfigError
-from llmgw.control.catalog import parse_models
+from llmgw.control.catalog import Model, parse_models
 
 GOOD = """
 [[models]]
@@ -49,7 +49,7 @@ env = { LLAMA_ARG_THREADS = "2" }
 """
 
 
-def models(text: str) -> object:
+def models(text: str) -> tuple[Model, ...]:
     return parse_models(tomllib.loads(text)["models"])
 
 
@@ -71,6 +71,42 @@ class CatalogTests(SynchronousTestCase):
         self.assertEqual((gemma.min_replicas, gemma.max_replicas), (0, 1))
         self.assertEqual(gemma.profiles[0].gpus, 0)
         self.assertEqual(gemma.profiles[0].env, (("LLAMA_ARG_THREADS", "2"),))
+        self.assertEqual(
+            (gemma.pinned, gemma.priority, gemma.min_resident), (False, 0, 5.0)
+        )
+        self.assertEqual(gemma.profiles[0].sleep, "off")
+
+    def test_sleep_and_eviction_keys(self) -> None:
+        """
+        C{pinned}, C{priority} and C{min_resident} on a model; C{sleep} on
+        a profile, whose host memory defaults to its GPU memory for
+        C{"weights"} (the weights go to host memory) and to 0 for
+        C{"discard"}.
+        """
+        (model,) = models(
+            '[[models]]\nname = "m"\npinned = true\npriority = -2\n'
+            'min_resident = "2m"\n'
+            '[[models.profiles]]\nname = "w"\nengine = "vllm"\nsource = "s"\n'
+            'gpus = 2\ngpu_memory_gb = 30\nsleep = "weights"\n'
+            '[[models.profiles]]\nname = "d"\nengine = "sglang"\nsource = "s"\n'
+            'gpus = 1\ngpu_memory_gb = 30\nsleep = "discard"\n'
+            "sleep_gpu_memory_gb = 0.5\n"
+            '[[models.profiles]]\nname = "h"\nengine = "sim"\nsource = "s"\n'
+            'sleep = "weights"\nsleep_host_memory_gb = 3\n'
+        )
+        self.assertEqual(
+            (model.pinned, model.priority, model.min_resident), (True, -2, 120.0)
+        )
+        weights, discard, held = model.profiles
+        self.assertEqual(
+            (weights.sleep, weights.sleep_gpu_memory_gb, weights.sleep_host_memory_gb),
+            ("weights", 1.0, 60.0),
+        )
+        self.assertEqual(
+            (discard.sleep, discard.sleep_gpu_memory_gb, discard.sleep_host_memory_gb),
+            ("discard", 0.5, 0.0),
+        )
+        self.assertEqual(held.sleep_host_memory_gb, 3.0)
 
     def test_errors(self) -> None:
         """
@@ -119,6 +155,35 @@ class CatalogTests(SynchronousTestCase):
             (
                 '[[models]]\nname = "m"\n' + profile + profile,
                 "models[0] (m).profiles: duplicate name 'p'",
+            ),
+            (
+                '[[models]]\nname = "m"\npinned = "yes"\n' + profile,
+                "models[0] (m).pinned: expected true or false, got 'yes'",
+            ),
+            (
+                '[[models]]\nname = "m"\npriority = 1.5\n' + profile,
+                "models[0] (m).priority: expected an integer, got 1.5",
+            ),
+            (
+                '[[models]]\nname = "m"\nmin_resident = "a while"\n' + profile,
+                "models[0] (m).min_resident: bad duration 'a while'",
+            ),
+            (
+                '[[models]]\nname = "m"\n' + profile + 'sleep = "deep"\n',
+                "models[0] (m).profiles[0] (p).sleep: expected one of off,"
+                " weights, discard, got 'deep'",
+            ),
+            (
+                '[[models]]\nname = "m"\n'
+                + profile.replace('"vllm"', '"llamacpp"')
+                + 'sleep = "weights"\n',
+                "models[0] (m).profiles[0] (p).sleep: engine 'llamacpp' has no"
+                " sleep API (vllm, sglang, sim do)",
+            ),
+            (
+                '[[models]]\nname = "m"\n' + profile + "sleep_gpu_memory_gb = -1\n",
+                "models[0] (m).profiles[0] (p).sleep_gpu_memory_gb: expected GB"
+                " >= 0, got -1",
             ),
         ]
         for text, message in cases:

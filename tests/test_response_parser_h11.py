@@ -180,7 +180,7 @@ def _known_difference(data: bytes) -> bool:
             return True  # STRICTER_THAN_H11: a CTL in a field value
         if name.lower() == b"transfer-encoding" and value.strip().lower() != b"chunked":
             return True  # LOOSER_THAN_H11: other codings, read until close
-    for line in data.split(b"\r\n"):
+    for line in re.split(rb"\r?\n", data):
         if re.fullmatch(rb"[0-9A-Fa-f]{1,20}(?:;.*|[ \t]+)", line, re.S) and (
             "not a chunk size" in (parse([CHUNKED_HEAD + line + b"\r\n"]).error or "")
         ):

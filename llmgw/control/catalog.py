@@ -20,7 +20,7 @@ from llmgw.config_checks import (
     parse_duration,
 )
 from llmgw.control.placement import Profile
-from llmgw.wire.engines import ENGINES
+from llmgw.wire.engines import ENGINES, SLEEP_LEVELS, SLEEPING_ENGINES
 
 MAX_COUNT = 10_000
 """
@@ -56,6 +56,25 @@ MODELS_TABLE = Table(
             DURATION,
             'Above min_replicas, idle this long: back to min_replicas; "0s" never.',
             600.0,
+        ),
+        Key(
+            "pinned",
+            "boolean",
+            "Never stopped or put to sleep to make room for another model.",
+            False,
+        ),
+        Key(
+            "priority",
+            "integer",
+            "When room is made for another model, lower priorities go first.",
+            0,
+        ),
+        Key(
+            "min_resident",
+            DURATION,
+            "A replica started or woken is not evicted for another model"
+            " before this long.",
+            5.0,
         ),
         Key(
             "profiles",
@@ -112,6 +131,27 @@ PROFILES_TABLE = Table(
             "Higher is tried first.",
             0,
         ),
+        Key(
+            "sleep",
+            '"off", "weights" or "discard"',
+            "An idle replica sleeps instead of stopping (vLLM sleep level 1 keeps"
+            " the weights in host memory, level 2 discards them; SGLang's memory"
+            " saver); engines vllm, sglang and sim only.",
+            "off",
+        ),
+        Key(
+            "sleep_gpu_memory_gb",
+            "number of GB >= 0",
+            "GPU memory a sleeping engine keeps on each of its GPUs.",
+            1.0,
+        ),
+        Key(
+            "sleep_host_memory_gb",
+            "number of GB >= 0",
+            "Host memory a sleeping replica holds on each node, counted against"
+            " the agent's sleep_memory.",
+            shown='gpu_memory_gb * gpus for "weights", 0 for "discard"',
+        ),
     ),
 )
 
@@ -124,6 +164,10 @@ class Model:
     @ivar idle_timeout: seconds without requests before scaling down to
         C{min_replicas}; 0 never.
     @ivar profiles: ways to run it, in catalog order.
+    @ivar pinned: never evicted to make room for another model.
+    @ivar priority: lower is evicted first.
+    @ivar min_resident: seconds a replica started or woken is kept before
+        it may be evicted.
     """
 
     name: str
@@ -132,6 +176,9 @@ class Model:
     max_replicas: int
     idle_timeout: float
     profiles: tuple[Profile, ...]
+    pinned: bool = False
+    priority: int = 0
+    min_resident: float = 5.0
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -200,16 +247,11 @@ def _profile(where: str, table: object) -> Profile:
     ):
         raise ConfigError(f"{where}.env: expected a table of strings, got {env!r}")
     gpus = _count(f"{where}.gpus", table.get("gpus", 0), 0)
-    memory = table.get("gpu_memory_gb", 0)
-    if (
-        isinstance(memory, bool)
-        or not isinstance(memory, (int, float))
-        or not (0 <= memory <= 100_000)
-    ):
-        raise ConfigError(f"{where}.gpu_memory_gb: expected GB >= 0, got {memory!r}")
+    raw = table.get("gpu_memory_gb", 0)
+    memory = _gb(f"{where}.gpu_memory_gb", raw)
     if memory and not gpus:
         raise ConfigError(
-            f"{where}.gpu_memory_gb: {memory!r} with gpus = 0 (a CPU profile)"
+            f"{where}.gpu_memory_gb: {raw!r} with gpus = 0 (a CPU profile)"
         )
     nodes = _count(f"{where}.nodes", table.get("nodes", 1), 1)
     fabric = table.get("fabric")
@@ -219,13 +261,20 @@ def _profile(where: str, table: object) -> Profile:
         raise ConfigError(
             f"{where}.fabric: missing: nodes = {nodes} needs the fabric they share"
         )
-    priority = table.get("priority", 0)
-    if (
-        isinstance(priority, bool)
-        or not isinstance(priority, int)
-        or not -1_000_000 <= priority <= 1_000_000
-    ):
-        raise ConfigError(f"{where}.priority: expected an integer, got {priority!r}")
+    priority = _priority(f"{where}.priority", table.get("priority", 0))
+    sleep = table.get("sleep", "off")
+    if sleep not in SLEEP_LEVELS:
+        raise ConfigError(
+            f"{where}.sleep: expected one of {', '.join(SLEEP_LEVELS)}, got {sleep!r}"
+        )
+    if sleep != "off" and engine not in SLEEPING_ENGINES:
+        raise ConfigError(
+            f"{where}.sleep: engine {engine!r} has no sleep API"
+            f" ({', '.join(SLEEPING_ENGINES)} do)"
+        )
+    keeps = _gb(f"{where}.sleep_gpu_memory_gb", table.get("sleep_gpu_memory_gb", 1.0))
+    held = float(memory) * gpus if sleep == "weights" else 0.0
+    held = _gb(f"{where}.sleep_host_memory_gb", table.get("sleep_host_memory_gb", held))
     return Profile(
         name=name,
         engine=engine,
@@ -237,7 +286,30 @@ def _profile(where: str, table: object) -> Profile:
         priority=priority,
         args=tuple(args),
         env=tuple(sorted(env.items())),
+        sleep=sleep,
+        sleep_gpu_memory_gb=keeps,
+        sleep_host_memory_gb=held,
     )
+
+
+def _priority(where: str, value: object) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not -1_000_000 <= value <= 1_000_000
+    ):
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _gb(where: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value <= 100_000
+    ):
+        raise ConfigError(f"{where}: expected GB >= 0, got {value!r}")
+    return float(value)
 
 
 def _model(where: str, table: object) -> Model:
@@ -253,6 +325,11 @@ def _model(where: str, table: object) -> Model:
             f"{where}.min_replicas: {low} is more than max_replicas = {high}"
         )
     idle = parse_duration(f"{where}.idle_timeout", table.get("idle_timeout", "10m"))
+    pinned = table.get("pinned", False)
+    if not isinstance(pinned, bool):
+        raise ConfigError(f"{where}.pinned: expected true or false, got {pinned!r}")
+    priority = _priority(f"{where}.priority", table.get("priority", 0))
+    resident = parse_duration(f"{where}.min_resident", table.get("min_resident", "5s"))
     profiles = table.get("profiles")
     if not isinstance(profiles, list) or not profiles:
         raise ConfigError(
@@ -266,7 +343,9 @@ def _model(where: str, table: object) -> Model:
         if profile.name in seen:
             raise ConfigError(f"{where}.profiles: duplicate name {profile.name!r}")
         seen.add(profile.name)
-    return Model(name, tuple(aliases), low, high, idle, parsed)
+    return Model(
+        name, tuple(aliases), low, high, idle, parsed, pinned, priority, resident
+    )
 
 
 def parse_models(tables: Any) -> tuple[Model, ...]:

@@ -32,6 +32,13 @@ class Profile:
     @ivar nodes: shards per replica; more than 1 is a multi-node gang.
     @ivar fabric: the interconnect the gang's nodes must share.
     @ivar priority: higher is tried first.
+    @ivar sleep: C{"off"}, C{"weights"} or C{"discard"}: whether an idle
+        replica sleeps rather than stops, and at which level
+        (L{llmgw.wire.engines.SLEEP_LEVELS}).
+    @ivar sleep_gpu_memory_gb: GB a sleeping engine keeps on each of its
+        GPUs.
+    @ivar sleep_host_memory_gb: GB of host memory a sleeping replica
+        holds on each of its nodes.
     """
 
     name: str
@@ -44,6 +51,9 @@ class Profile:
     priority: int = 0
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    sleep: str = "off"
+    sleep_gpu_memory_gb: float = 1.0
+    sleep_host_memory_gb: float = 0.0
 
 
 @dataclass(frozen=True)

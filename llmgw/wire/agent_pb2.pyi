@@ -16,6 +16,8 @@ class ShardState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SHARD_STATE_DRAINING: _ClassVar[ShardState]
     SHARD_STATE_STOPPED: _ClassVar[ShardState]
     SHARD_STATE_FAILED: _ClassVar[ShardState]
+    SHARD_STATE_SLEEPING: _ClassVar[ShardState]
+    SHARD_STATE_WAKING: _ClassVar[ShardState]
 SHARD_STATE_UNSPECIFIED: ShardState
 SHARD_STATE_PENDING: ShardState
 SHARD_STATE_STARTING: ShardState
@@ -23,6 +25,8 @@ SHARD_STATE_READY: ShardState
 SHARD_STATE_DRAINING: ShardState
 SHARD_STATE_STOPPED: ShardState
 SHARD_STATE_FAILED: ShardState
+SHARD_STATE_SLEEPING: ShardState
+SHARD_STATE_WAKING: ShardState
 
 class AgentMessage(_message.Message):
     __slots__ = ("register", "heartbeat", "shard_status", "command_result", "weights_report")
@@ -39,23 +43,27 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., shard_status: _Optional[_Union[ShardStatus, _Mapping]] = ..., command_result: _Optional[_Union[CommandResult, _Mapping]] = ..., weights_report: _Optional[_Union[WeightsReport, _Mapping]] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
-    __slots__ = ("welcome", "start_shard", "stop_shard", "remove_weights", "redirect", "refused")
+    __slots__ = ("welcome", "start_shard", "stop_shard", "remove_weights", "redirect", "refused", "sleep_shard", "wake_shard")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_SHARD_FIELD_NUMBER: _ClassVar[int]
     STOP_SHARD_FIELD_NUMBER: _ClassVar[int]
     REMOVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     REDIRECT_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_SHARD_FIELD_NUMBER: _ClassVar[int]
+    WAKE_SHARD_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     start_shard: StartShard
     stop_shard: StopShard
     remove_weights: RemoveWeights
     redirect: Redirect
     refused: Refused
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ..., redirect: _Optional[_Union[Redirect, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ...) -> None: ...
+    sleep_shard: SleepShard
+    wake_shard: WakeShard
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ..., redirect: _Optional[_Union[Redirect, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., sleep_shard: _Optional[_Union[SleepShard, _Mapping]] = ..., wake_shard: _Optional[_Union[WakeShard, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards", "max_frame_size", "agent_instance")
+    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards", "max_frame_size", "agent_instance", "sleep_memory_bytes")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +82,7 @@ class Register(_message.Message):
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_SIZE_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_version: str
     address: str
@@ -85,7 +94,8 @@ class Register(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[RunningShard]
     max_frame_size: int
     agent_instance: str
-    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., max_frame_size: _Optional[int] = ..., agent_instance: _Optional[str] = ...) -> None: ...
+    sleep_memory_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., max_frame_size: _Optional[int] = ..., agent_instance: _Optional[str] = ..., sleep_memory_bytes: _Optional[int] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "problems", "simulated")
@@ -150,7 +160,7 @@ class RunningShard(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail", "pid")
+    __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail", "pid", "note")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +168,7 @@ class ShardStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     state: ShardState
     exit_code: int
@@ -165,7 +176,8 @@ class ShardStatus(_message.Message):
     error: str
     output_tail: _containers.RepeatedScalarFieldContainer[str]
     pid: int
-    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ...) -> None: ...
+    note: str
+    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("command_id", "ok", "error", "code")
@@ -228,7 +240,7 @@ class Refused(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., certificate_name: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("command_id", "shard_id", "replica_id", "model", "profile", "engine", "source", "args", "env", "port", "gpu_indices", "rank", "world_size", "leader_address", "api_key")
+    __slots__ = ("command_id", "shard_id", "replica_id", "model", "profile", "engine", "source", "args", "env", "port", "gpu_indices", "rank", "world_size", "leader_address", "api_key", "sleep_level")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +263,7 @@ class StartShard(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     API_KEY_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     shard_id: str
     replica_id: str
@@ -266,7 +279,26 @@ class StartShard(_message.Message):
     world_size: int
     leader_address: str
     api_key: str
-    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., api_key: _Optional[str] = ...) -> None: ...
+    sleep_level: int
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., api_key: _Optional[str] = ..., sleep_level: _Optional[int] = ...) -> None: ...
+
+class SleepShard(_message.Message):
+    __slots__ = ("command_id", "shard_id", "level")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    shard_id: str
+    level: int
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., level: _Optional[int] = ...) -> None: ...
+
+class WakeShard(_message.Message):
+    __slots__ = ("command_id", "shard_id")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    shard_id: str
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ...) -> None: ...
 
 class StopShard(_message.Message):
     __slots__ = ("command_id", "shard_id", "grace_seconds")

@@ -14,6 +14,19 @@ Engine names, as a catalog profile's C{engine} and C{StartShard.engine}:
 vLLM, SGLang, llama.cpp (or llama-cpp-python) and the simulator.
 """
 
+SLEEPING_ENGINES = ("vllm", "sglang", "sim")
+"""
+The engines that can release their GPU memory and keep running: vLLM's
+sleep mode, SGLang's memory saver, and the simulator's copy of both.
+"""
+
+SLEEP_LEVELS = {"off": 0, "weights": 1, "discard": 2}
+"""
+A profile's C{sleep} by name, and its level as vLLM numbers them (and
+C{StartShard.sleep_level}): 1 keeps the weights in host memory, 2
+discards them.
+"""
+
 
 def hub_cache_name(source: str) -> str:
     """

@@ -17,7 +17,10 @@ class ShardState(StrEnum):
     Where a shard (one engine process) is in its life.
 
     C{LOST} is the server's alone: the shard's node was lost, so nothing
-    is known of it; it has no protobuf value.
+    is known of it; it has no protobuf value.  C{SLEEPING}: its engine
+    runs with its GPU memory released (vLLM's sleep mode, SGLang's memory
+    saver); C{WAKING}: its engine's wake route was called and has not
+    answered yet.
     """
 
     PENDING = "pending"
@@ -27,6 +30,8 @@ class ShardState(StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"
     LOST = "lost"
+    SLEEPING = "sleeping"
+    WAKING = "waking"
 
     @property
     def gone(self) -> bool:
@@ -63,5 +68,7 @@ _TO_PB: dict[ShardState, pb.ShardState] = {
     ShardState.DRAINING: pb.SHARD_STATE_DRAINING,
     ShardState.STOPPED: pb.SHARD_STATE_STOPPED,
     ShardState.FAILED: pb.SHARD_STATE_FAILED,
+    ShardState.SLEEPING: pb.SHARD_STATE_SLEEPING,
+    ShardState.WAKING: pb.SHARD_STATE_WAKING,
 }
 _FROM_PB: dict[int, ShardState] = {value: state for state, value in _TO_PB.items()}

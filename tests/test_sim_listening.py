@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +36,7 @@ from llmgw.sim.engine import (
 )
 from llmgw.sim.web import SimSite
 from tests.sim_support import chat_body, dechunk
+from tests.support import BIN, Processes, free_port, spawn
 
 reactor: Any = _reactor
 
@@ -473,3 +476,37 @@ class ChildProcessTests(TestCase):
             self.assertEqual(getattr(reason, "exitCode", None), 0, child.err)
 
         return ensureDeferred(go())
+
+
+class LoadSecondsTests(Processes, TestCase):
+    """
+    C{--load-seconds}: the port stays closed while the simulator
+    "loads", as a real engine's does until its weights are in.
+    """
+
+    timeout = 30
+
+    def test_port_closed_while_loading(self) -> None:
+        port = free_port()
+        started = time.monotonic()
+        process = spawn(
+            [
+                os.path.join(BIN, "llmgw"),
+                "sim",
+                "--port",
+                str(port),
+                "--model",
+                "m",
+                "--load-seconds",
+                "1.5",
+            ],
+            self._directory(),
+            "sim-load",
+        )
+        self.addCleanup(process.stop)
+        time.sleep(0.5)
+        with self.assertRaises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        process.wait_for("llmgw sim listening on")
+        self.assertGreaterEqual(time.monotonic() - started, 1.5)
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()

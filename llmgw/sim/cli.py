@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import cast
 
 from twisted.internet.address import IPv4Address, IPv6Address
@@ -108,6 +109,14 @@ def _timing(p: argparse.ArgumentParser) -> None:
         metavar="N",
         default=16,
         help="completion tokens when the request sets none (default 16)",
+    )
+    p.add_argument(
+        "--load-seconds",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds before it listens, as an engine loading its weights does"
+        " (vLLM opens its port once the model is loaded; default 0)",
     )
 
 
@@ -262,6 +271,9 @@ def main(argv: list[str]) -> int:
     )
     sim = Simulator(config, reactor)
     sim.set_faults(dict(args.fault))
+    # Nothing to serve while "loading": the port stays closed, as a real
+    # engine's does (SIGTERM meanwhile ends the process at once).
+    time.sleep(args.load_seconds)
     try:
         port = reactor.listenTCP(
             args.port,

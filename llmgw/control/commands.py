@@ -129,6 +129,8 @@ class ShardCommands:
                 leader_address=leader_address,
                 api_key=self.engine_key(shard.id),
                 sleep_level=SLEEP_LEVELS.get(profile.sleep, 0),
+                gpu_memory_gb=profile.gpu_memory_gb,
+                sleep_gpu_memory_gb=profile.sleep_gpu_memory_gb,
             )
             d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
             d.addErrback(self._start_refused, shard)

@@ -29,8 +29,15 @@ from zope.interface import implementer
 from llmgw import __version__
 from llmgw.agent.gpus import GpuMonitor, discover
 from llmgw.agent.link import AgentFactory, AgentProtocol
-from llmgw.agent.settings import AgentConfig, agent_state_dir
+from llmgw.agent.settings import (
+    AgentConfig,
+    agent_state_dir,
+    node_ram_bytes,
+    sleep_memory_bytes,
+)
+from llmgw.agent.sleep import simulated_memory_mib
 from llmgw.agent.state_lock import StateLock, hold_state_dir
+from llmgw.agent.supervisor import Shard
 from llmgw.reactors import IAgentReactor
 from llmgw.wire import agent_pb2 as pb
 
@@ -239,18 +246,22 @@ def build_agent(
         directory is told it.
     @return: the service, not started, and the factory whose supervisor
         runs the engines.
-    @raise ConfigError: another process holds the state directory.
+    @raise ConfigError: another process holds the state directory; the
+        C{sleep_memory} budget is more than the node's RAM.
     """
     # Before anything reads the directory: a second agent adopting the
     # same engines would stop them.
     state_lock = hold_state_dir(agent_state_dir(config), program)
     gpus, nvml = discover(config.node_id, list(config.simulated_gpus))
-    page = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    page = node_ram_bytes()
+    budget = sleep_memory_bytes(config.sleep_memory, page)
 
     def in_thread(call: Any) -> Deferred[Any]:
         return deferToThreadPool(reactor, reactor.getThreadPool(), call)
 
-    monitor = GpuMonitor(gpus, nvml, in_thread)
+    monitor = GpuMonitor(
+        gpus, nvml, in_thread, lambda: simulated_memory_mib(factory.supervisor)
+    )
 
     def register() -> pb.Register:
         return pb.Register(
@@ -261,6 +272,7 @@ def build_agent(
             fabrics=config.fabrics,
             cpus=os.cpu_count() or 1,
             memory_bytes=page,
+            sleep_memory_bytes=budget,
             gpus=gpus,
             shards=factory.supervisor.running(),
         )
@@ -274,6 +286,14 @@ def build_agent(
         weights_dirs=config.weights_dirs,
         in_thread=in_thread,
     )
+    if nvml is not None:
+        started = nvml
+
+        def held(shard: Shard) -> Deferred[float | None]:
+            indices = list(shard.command.gpu_indices)
+            return in_thread(lambda: started.engine_memory_gb(shard.pid or 0, indices))
+
+        factory.supervisor.gpu_memory = held
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()

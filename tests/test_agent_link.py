@@ -412,6 +412,14 @@ class AgentConfigTests(SynchronousTestCase):
             ),
             ("", [*base, "--state-dir", state_file], "state_dir: cannot use"),
             ("", ["--server", "nohost", "--node-id", "n1", "--insecure"], "HOST:PORT"),
+            ('sleep_memory = "lots"\n', base, "sleep_memory: bad size 'lots'"),
+            ('sleep_memory = "150%"\n', base, "at most 100% of the node's RAM"),
+            ("sleep_memory = true\n", base, "sleep_memory: bad value True"),
+            (
+                'sleep_memory = "999999999GiB"\n',
+                base,
+                "sleep_memory: '999999999GiB' is more than this node's RAM",
+            ),
         ]
         for text, args, fragment in cases:
             path = os.path.join(d, "agent.toml")

@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw import __version__
-from llmgw.agent.gpus import GpuMonitor, discover
+from llmgw.agent.gpus import GpuMonitor, Nvml, discover
 from llmgw.agent.link import AgentFactory, AgentProtocol
 from llmgw.agent.settings import (
     AgentConfig,
@@ -228,6 +228,21 @@ class AgentService(ClientService):
         return super().stopService()
 
 
+def _engine_memory(
+    nvml: Nvml, in_thread: Callable[[Callable[[], Any]], Deferred[Any]]
+) -> Callable[[Shard], Deferred[float | None]]:
+    """
+    @return: the GB an engine's processes hold on each of its GPUs, read
+        from NVML in a thread (L{Nvml.engine_memory_gb}).
+    """
+
+    def held(shard: Shard) -> Deferred[float | None]:
+        indices = list(shard.command.gpu_indices)
+        return in_thread(lambda: nvml.engine_memory_gb(shard.pid or 0, indices))
+
+    return held
+
+
 def build_agent(
     reactor: IAgentReactor,
     config: AgentConfig,
@@ -287,13 +302,7 @@ def build_agent(
         in_thread=in_thread,
     )
     if nvml is not None:
-        started = nvml
-
-        def held(shard: Shard) -> Deferred[float | None]:
-            indices = list(shard.command.gpu_indices)
-            return in_thread(lambda: started.engine_memory_gb(shard.pid or 0, indices))
-
-        factory.supervisor.gpu_memory = held
+        factory.supervisor.gpu_memory = _engine_memory(nvml, in_thread)
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()

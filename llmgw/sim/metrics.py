@@ -249,6 +249,25 @@ class _CacheCounters(Collector):
         return self._families(False)
 
 
+def _sleep_gauge(
+    model_name: str, sleep: _Sleep | None, registry: CollectorRegistry
+) -> None:
+    """
+    C{vllm:engine_sleep_state}: one series per C{sleep_state}, 1 for the
+    one the engine is in.
+    """
+    sleeping = Gauge(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 "
+        "means engine is awake; weights_offloaded = 1 means sleep level 1; "
+        "discard_all = 1 means sleep level 2.",
+        [*LABELS, "sleep_state"],
+        registry=registry,
+    )
+    for state in SLEEP_STATES:
+        sleeping.labels(ENGINE, model_name, state).set_function(_is_state(sleep, state))
+
+
 def _is_state(sleep: _Sleep | None, state: str) -> Callable[[], float]:
     def value() -> float:
         return float((sleep.state if sleep is not None else "awake") == state)
@@ -278,8 +297,8 @@ class SimMetrics:
         labels = list(LABELS)
         r = self.registry
 
-        def gauge(name: str, doc: str, more: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, [*labels, *more], registry=r)
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
 
         gauge(
             "vllm:num_requests_running", "Number of requests in model execution."
@@ -293,17 +312,7 @@ class SimMetrics:
             "over --kv-capacity, else running sequences over maximum concurrency).",
         ).labels(ENGINE, model_name).set_function(lambda: load.kv_usage)
         _CacheCounters(model_name, cache, r)
-        sleeping = gauge(
-            "vllm:engine_sleep_state",
-            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 "
-            "means engine is awake; weights_offloaded = 1 means sleep level 1; "
-            "discard_all = 1 means sleep level 2.",
-            ("sleep_state",),
-        )
-        for state in SLEEP_STATES:
-            sleeping.labels(ENGINE, model_name, state).set_function(
-                _is_state(sleep, state)
-            )
+        _sleep_gauge(model_name, sleep, r)
 
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens",

@@ -20,10 +20,14 @@ from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.control.agents import AgentHub, AgentLink
+from llmgw.control.commands import ShardCommands
 from llmgw.control.inventory import Inventory
+from llmgw.control.records import ShardRecord
+from llmgw.control.snapshot import SuspectPorts
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.codec import FrameDecoder, encode_frame
+from llmgw.wire.states import ShardState
 from tests.support import (
     TWISTD,
     hermetic_env,
@@ -198,6 +202,143 @@ class LinkRuleTests(SynchronousTestCase):
         self.assertTrue(self.inventory.nodes()[0].connected)
 
 
+class SleepCommandTests(SynchronousTestCase):
+    """
+    The server's sleep and wake commands (L{ShardCommands.sleep},
+    L{ShardCommands.wake}) over a link, the budget a Register gives, and a
+    status's note.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.inventory = Inventory()
+        self.hub = AgentHub(self.clock, self.inventory, insecure=True)
+        self.commands = ShardCommands(
+            self.clock, self.hub, SuspectPorts(), lambda: None
+        )
+        self.link = self.hub.buildProtocol(None)
+        self.transport = StringTransport()
+        self.link.makeConnection(self.transport)
+        register = pb.Register(node_id="n1", sleep_memory_bytes=64 << 30)
+        with capturedLogs():
+            self.link.dataReceived(_frame(pb.AgentMessage(register=register)))
+        self.transport.clear()
+        self.shard = ShardRecord("r-0", "n1", (0,), 8000, 0, ShardState.READY)
+
+    def tearDown(self) -> None:
+        with capturedLogs():
+            self.link.connectionLost()
+
+    def sent(self) -> pb.ControlMessage:
+        (frame,) = FrameDecoder().feed(self.transport.value())
+        self.transport.clear()
+        return pb.ControlMessage.FromString(frame)
+
+    def answer(self, command_id: int, **fields: object) -> None:
+        result = pb.CommandResult(command_id=command_id, **fields)  # type: ignore[arg-type]
+        self.link.dataReceived(_frame(pb.AgentMessage(command_result=result)))
+
+    def test_budget_from_register(self) -> None:
+        """
+        C{Register.sleep_memory_bytes} is the node's C{sleep_memory_bytes},
+        shown in its JSON.
+        """
+        (node,) = self.inventory.nodes()
+        self.assertEqual(node.sleep_memory_bytes, 64 << 30)
+        self.assertEqual(node.to_json()["sleep_memory_bytes"], 64 << 30)
+
+    def test_sleep_then_wake(self) -> None:
+        """
+        C{SleepShard} carries the shard and level; the agent's C{ok} fires
+        with its result and leaves the record sleeping; C{WakeShard}'s
+        leaves it ready.
+        """
+        d = self.commands.sleep("n1", "r-0", 2, self.shard)
+        message = self.sent()
+        self.assertEqual(
+            (message.sleep_shard.shard_id, message.sleep_shard.level), ("r-0", 2)
+        )
+        self.assertNoResult(d)
+        self.answer(message.sleep_shard.command_id, ok=True)
+        self.assertTrue(self.successResultOf(d).ok)
+        self.assertEqual(self.shard.state, ShardState.SLEEPING)
+        d = self.commands.wake("n1", "r-0", self.shard)
+        message = self.sent()
+        self.assertEqual(message.wake_shard.shard_id, "r-0")
+        self.answer(message.wake_shard.command_id, ok=True)
+        self.assertTrue(self.successResultOf(d).ok)
+        self.assertEqual(self.shard.state, ShardState.READY)
+
+    def test_refused(self) -> None:
+        """
+        An engine's refusal fires with the agent's result (not a failure),
+        the record untouched.
+        """
+        d = self.commands.sleep("n1", "r-0", 1, self.shard)
+        message = self.sent()
+        with capturedLogs() as events:
+            self.answer(
+                message.sleep_shard.command_id,
+                ok=False,
+                code="sleep_refused",
+                error="engine answered 404: Not Found",
+            )
+        result = self.successResultOf(d)
+        self.assertEqual(
+            (result.ok, result.code, result.error),
+            (False, "sleep_refused", "engine answered 404: Not Found"),
+        )
+        self.assertEqual(self.shard.state, ShardState.READY)
+        self.assertEqual(events[0]["code"], "sleep_refused")
+
+    def test_no_link_and_unanswered(self) -> None:
+        """
+        A node without a link: code C{no_link}; the link lost before the
+        answer: C{unanswered}; neither changes the record.
+        """
+        with capturedLogs():
+            result = self.successResultOf(self.commands.wake("n2", "r-0", self.shard))
+        self.assertEqual((result.ok, result.code), (False, "no_link"))
+        d = self.commands.wake("n1", "r-0", self.shard)
+        with capturedLogs():
+            self.link.connectionLost()
+        result = self.successResultOf(d)
+        self.assertEqual((result.ok, result.code), (False, "unanswered"))
+        self.assertEqual(self.shard.state, ShardState.READY)
+
+    def test_bad_level(self) -> None:
+        """
+        A level other than 1 or 2 is refused before anything is sent.
+        """
+        with self.assertRaises(ValueError):
+            self.commands.sleep("n1", "r-0", 0, self.shard)
+        self.assertEqual(self.transport.value(), b"")
+
+    def test_note_passed_on(self) -> None:
+        """
+        A status's note reaches the listener and is logged as a warning.
+        """
+        heard: list[pb.ShardStatus] = []
+
+        class Listener:
+            def node_registered(self, node_id: str, register: pb.Register) -> None:
+                pass
+
+            def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+                heard.append(status)
+
+        self.hub.listener = Listener()
+        note = "sleep refused: Sleep mode is not supported on current platform."
+        status = pb.ShardStatus(
+            shard_id="r-0", state=pb.SHARD_STATE_STARTING, note=note
+        )
+        with capturedLogs() as events:
+            self.link.dataReceived(_frame(pb.AgentMessage(shard_status=status)))
+        self.assertEqual([s.note for s in heard], [note])
+        (warning,) = [e for e in events if e.get("note")]
+        self.assertEqual(warning["log_level"].name, "warn")
+
+
 class StateDirectoryTests(SynchronousTestCase):
     """
     Records in the state directory that the agent cannot use are skipped:
@@ -271,6 +412,14 @@ class AgentConfigTests(SynchronousTestCase):
             ),
             ("", [*base, "--state-dir", state_file], "state_dir: cannot use"),
             ("", ["--server", "nohost", "--node-id", "n1", "--insecure"], "HOST:PORT"),
+            ('sleep_memory = "lots"\n', base, "sleep_memory: bad size 'lots'"),
+            ('sleep_memory = "150%"\n', base, "at most 100% of the node's RAM"),
+            ("sleep_memory = true\n", base, "sleep_memory: bad value True"),
+            (
+                'sleep_memory = "999999999GiB"\n',
+                base,
+                "sleep_memory: '999999999GiB' is more than this node's RAM",
+            ),
         ]
         for text, args, fragment in cases:
             path = os.path.join(d, "agent.toml")

@@ -125,6 +125,11 @@ VLLM_CASES: list[tuple[str, pb.StartShard, dict[str, Any]]] = [
         {"enable_sleep_mode": True},
     ),
     (
+        "sleep mode from StartShard.sleep_level, the agent's flag",
+        _command(gpu_indices=[0], sleep_level=1),
+        {"enable_sleep_mode": True, "served_model_name": ["m"]},
+    ),
+    (
         "LoRA adapters from the profile",
         _command(
             gpu_indices=[0],
@@ -210,6 +215,11 @@ SGLANG_CASES: list[tuple[str, pb.StartShard, dict[str, Any]]] = [
         "tensor parallel over four GPUs",
         _command(engine="sglang", gpu_indices=[0, 1, 2, 3]),
         {"tp_size": 4, "nnodes": 1},
+    ),
+    (
+        "memory saver from StartShard.sleep_level",
+        _command(engine="sglang", gpu_indices=[0], sleep_level=2),
+        {"enable_memory_saver": True},
     ),
     (
         "a gang's rank 1: TP over both nodes' GPUs",

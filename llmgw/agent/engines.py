@@ -7,7 +7,8 @@ Command lines follow each engine's documentation: C{vllm serve MODEL
 sglang.launch_server --model-path --served-model-name --port --tp-size --nnodes
 --node-rank --dist-init-addr} (SGLang), C{llama-server -m --alias --port}
 (llama.cpp) or C{python -m llama_cpp.server --model --model_alias --port}
-(llama-cpp-python), and C{llmgw sim}.
+(llama-cpp-python), and C{llmgw sim}; with C{StartShard.sleep_level} set,
+each engine's sleep-mode flags (L{sleep_flags}, L{llmgw.agent.sleep}).
 
 The engine's own secret (C{StartShard.api_key}) goes to each engine's flag:
 C{--api-key} for vLLM, SGLang, llama-server and C{llmgw sim},
@@ -179,6 +180,36 @@ def _sglang(
     return argv, _serves(base, command.model) if command.rank == 0 else ()
 
 
+def sleep_flags(command: pb.StartShard) -> tuple[list[str], dict[str, str]]:
+    """
+    @return: the arguments and environment variables that turn the
+        engine's sleep mode on for C{command}: none when its
+        C{sleep_level} is 0 or its engine has no sleep mode.
+    """
+    if not command.sleep_level:
+        return [], {}
+    if command.engine == "vllm":
+        return ["--enable-sleep-mode"], {"VLLM_SERVER_DEV_MODE": "1"}
+    if command.engine == "sglang":
+        return ["--enable-memory-saver"], {}
+    if command.engine == "sim":
+        return ["--enable-sleep-mode"], {}
+    return [], {}
+
+
+def sim_memory_args(command: pb.StartShard) -> list[str]:
+    """
+    @return: for a sim engine, the GPU memory it holds awake and asleep
+        as placement expects (C{StartShard.gpu_memory_gb},
+        C{sleep_gpu_memory_gb}), before the profile's args, which may say
+        otherwise.
+    """
+    if command.engine != "sim":
+        return []
+    args = ["--gpu-memory-gb", f"{command.gpu_memory_gb:g}"]
+    return args + ["--sleep-gpu-memory-gb", f"{command.sleep_gpu_memory_gb:g}"]
+
+
 def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
     """
     @param command: what to start: engine, source, args, env, port, GPUs,
@@ -210,8 +241,11 @@ def build(command: pb.StartShard, host: str = "127.0.0.1") -> Launch:
 def _build(command: pb.StartShard, host: str) -> Launch:
     port = str(command.port)
     gpus = list(command.gpu_indices)
-    args = list(command.args)
-    env = {**_cuda(gpus), **dict(command.env)}
+    flags, sleep_env = sleep_flags(command)
+    # The sleep flags and a sim's memory before the profile's args, which
+    # may say otherwise (the engines' parsers keep the last value).
+    args = [*flags, *sim_memory_args(command), *command.args]
+    env = {**_cuda(gpus), **sleep_env, **dict(command.env)}
     base = engine_url(host, command.port)
     engine = command.engine
     if engine == "vllm":

@@ -16,6 +16,7 @@ causes on a healthy GPU (L{APPLICATION_XIDS}).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -148,6 +149,33 @@ class Nvml:
             found.setdefault(index, (None, []))[1].append(problem)
         return found
 
+    def engine_memory_gb(self, session: int, indices: list[int]) -> float | None:
+        """
+        Blocking: the GPU memory an engine's processes hold (NVML's compute
+        processes whose session is the engine's: it runs in a session of
+        its own, its workers with it).
+
+        @param session: the engine's pid, its session's id.
+        @param indices: its GPUs.
+        @return: GB per GPU, averaged over C{indices}; L{None} when NVML
+            cannot tell.
+        """
+        nvml = self._nvml
+        total = 0
+        try:
+            for index in indices:
+                handle = self._handles[index]
+                for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    try:
+                        ours = os.getsid(int(process.pid)) == session
+                    except OSError:
+                        continue
+                    if ours and process.usedGpuMemory is not None:
+                        total += int(process.usedGpuMemory)
+        except (KeyError, nvml.NVMLError):
+            return None
+        return total / max(len(indices), 1) / 1024**3 if indices else None
+
     def _xids(self) -> list[tuple[int, str]]:
         if self._events is None:
             return []
@@ -227,6 +255,9 @@ class GpuMonitor:
     @param nvml: started, or L{None} without NVML (simulated GPUs only).
     @param in_thread: runs a blocking call in a thread; returns a Deferred
         of its result (L{twisted.internet.threads.deferToThread}).
+    @param simulated: per simulated GPU's index, the MiB its sim engines
+        hold now (L{llmgw.agent.sleep.simulated_memory_mib}): what the
+        heartbeats report for it.
     """
 
     def __init__(
@@ -234,7 +265,9 @@ class GpuMonitor:
         gpus: list[pb.Gpu],
         nvml: Nvml | None,
         in_thread: Callable[[Callable[[], Any]], Deferred[Any]],
+        simulated: Callable[[], dict[int, int]] = dict,
     ) -> None:
+        self._simulated = simulated
         self._gpus = {g.index: g for g in gpus}
         self._nvml = nvml
         self._in_thread = in_thread
@@ -247,6 +280,10 @@ class GpuMonitor:
             last heartbeat; a new reading is asked for.
         """
         new, self._new = self._new, {}
+        held = self._simulated()
+        for gpu in self._gpus.values():
+            if gpu.simulated:
+                gpu.memory_used_mib = held.get(gpu.index, 0)
         message = pb.Heartbeat(
             gpus=[
                 pb.GpuUsage(

@@ -18,6 +18,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.agent.engines import CommandRefused
+from llmgw.agent.sleep import sleep_shard, wake_shard
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.weights import fit_report, remove, scan
 from llmgw.reactors import IEngineReactor
@@ -187,6 +188,9 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         if kind is None:
             return
         command = getattr(message, kind)
+        if kind in ("sleep_shard", "wake_shard"):
+            self._sleep_or_wake(kind, command)
+            return
         error = code = ""
         supervisor = self.factory.supervisor
         try:
@@ -221,6 +225,34 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         )
         if kind == "remove_weights" and not error:
             self.send_weights()
+
+    def _sleep_or_wake(self, kind: str, command: Any) -> None:
+        """
+        Sleep or wake a shard's engine (L{llmgw.agent.sleep}): answered once
+        the engine did, on this link if it is still up.
+        """
+        supervisor = self.factory.supervisor
+        if kind == "sleep_shard":
+            work = sleep_shard(supervisor, command.shard_id, command.level)
+        else:
+            work = wake_shard(supervisor, command.shard_id)
+
+        def answer(reason: Failure | None) -> None:
+            error = code = ""
+            if reason is not None:
+                if isinstance(reason.value, CommandRefused):
+                    error, code = str(reason.value), reason.value.code
+                else:
+                    error = f"cannot {kind.replace('_', ' ')}: {reason.value}"[:1000]
+                    self.log.failure("{kind} failed", reason, kind=kind)
+                self.log.warn("{kind} refused: {error}", kind=kind, error=error)
+            if self.transport is not None:
+                result = pb.CommandResult(
+                    command_id=command.command_id, ok=not error, error=error, code=code
+                )
+                self.send_or_log(pb.AgentMessage(command_result=result))
+
+        Deferred.fromCoroutine(work).addCallbacks(lambda _: answer(None), answer)
 
     def send_weights(self) -> Deferred[None]:
         """

@@ -27,10 +27,17 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from llmgw import __version__
-from llmgw.agent.gpus import GpuMonitor, discover
+from llmgw.agent.gpus import GpuMonitor, Nvml, discover
 from llmgw.agent.link import AgentFactory, AgentProtocol
-from llmgw.agent.settings import AgentConfig, agent_state_dir
+from llmgw.agent.settings import (
+    AgentConfig,
+    agent_state_dir,
+    node_ram_bytes,
+    sleep_memory_bytes,
+)
+from llmgw.agent.sleep import simulated_memory_mib
 from llmgw.agent.state_lock import StateLock, hold_state_dir
+from llmgw.agent.supervisor import Shard
 from llmgw.reactors import IAgentReactor
 from llmgw.wire import agent_pb2 as pb
 
@@ -221,6 +228,21 @@ class AgentService(ClientService):
         return super().stopService()
 
 
+def _engine_memory(
+    nvml: Nvml, in_thread: Callable[[Callable[[], Any]], Deferred[Any]]
+) -> Callable[[Shard], Deferred[float | None]]:
+    """
+    @return: the GB an engine's processes hold on each of its GPUs, read
+        from NVML in a thread (L{Nvml.engine_memory_gb}).
+    """
+
+    def held(shard: Shard) -> Deferred[float | None]:
+        indices = list(shard.command.gpu_indices)
+        return in_thread(lambda: nvml.engine_memory_gb(shard.pid or 0, indices))
+
+    return held
+
+
 def build_agent(
     reactor: IAgentReactor,
     config: AgentConfig,
@@ -239,18 +261,22 @@ def build_agent(
         directory is told it.
     @return: the service, not started, and the factory whose supervisor
         runs the engines.
-    @raise ConfigError: another process holds the state directory.
+    @raise ConfigError: another process holds the state directory; the
+        C{sleep_memory} budget is more than the node's RAM.
     """
     # Before anything reads the directory: a second agent adopting the
     # same engines would stop them.
     state_lock = hold_state_dir(agent_state_dir(config), program)
     gpus, nvml = discover(config.node_id, list(config.simulated_gpus))
-    page = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    page = node_ram_bytes()
+    budget = sleep_memory_bytes(config.sleep_memory, page)
 
     def in_thread(call: Any) -> Deferred[Any]:
         return deferToThreadPool(reactor, reactor.getThreadPool(), call)
 
-    monitor = GpuMonitor(gpus, nvml, in_thread)
+    monitor = GpuMonitor(
+        gpus, nvml, in_thread, lambda: simulated_memory_mib(factory.supervisor)
+    )
 
     def register() -> pb.Register:
         return pb.Register(
@@ -261,6 +287,7 @@ def build_agent(
             fabrics=config.fabrics,
             cpus=os.cpu_count() or 1,
             memory_bytes=page,
+            sleep_memory_bytes=budget,
             gpus=gpus,
             shards=factory.supervisor.running(),
         )
@@ -274,6 +301,8 @@ def build_agent(
         weights_dirs=config.weights_dirs,
         in_thread=in_thread,
     )
+    if nvml is not None:
+        factory.supervisor.gpu_memory = _engine_memory(nvml, in_thread)
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
     adopted = factory.supervisor.adopt_running()

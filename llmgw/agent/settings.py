@@ -9,6 +9,7 @@ through these.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from llmgw.config_checks import (
     Key,
     Table,
     check_keys,
+    parse_size,
     setting,
     settings_keys,
 )
@@ -104,6 +106,13 @@ class AgentConfig:
         "Folders of model weights the agent reports, and may delete unused"
         " ones from (llmgw ctl weights); none: it removes nothing.",
     )
+    sleep_memory: str = setting(
+        "50%",
+        'size ("64GiB") or share of the node\'s RAM ("50%")',
+        "Host memory sleeping engines may hold on this node (weights kept by"
+        ' vLLM\'s sleep level 1), reported to the server; "0%": nothing'
+        " sleeps here; more than the node's RAM is refused at start.",
+    )
 
     def all_servers(self) -> tuple[str, ...]:
         """
@@ -179,7 +188,53 @@ def parse_agent_config(data: dict[str, Any]) -> AgentConfig:
         )
     values["weights_dirs"] = tuple(os.path.expanduser(d) for d in dirs)
     values["simulated_gpus"] = _simulated_gpus(data.get("simulated_gpus", []))
+    if "sleep_memory" in data:
+        # Its syntax now; its size against the node's RAM at start.
+        sleep_memory_bytes(data["sleep_memory"], 1 << 62)
+        values["sleep_memory"] = str(data["sleep_memory"])
     return AgentConfig(**values)
+
+
+_SHARE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def sleep_memory_bytes(value: object, ram_bytes: int) -> int:
+    """
+    The C{sleep_memory} budget in bytes.
+
+    @param value: a size (C{"64GiB"}, bytes as an integer) or a share of
+        the node's RAM (C{"50%"}).
+    @param ram_bytes: the node's RAM.
+    @return: bytes, at most C{ram_bytes}.
+    @raise ConfigError: not a size or share, a share over 100 %, or more
+        than the node's RAM, in one line naming the key.
+    """
+    if isinstance(value, str) and (match := _SHARE.match(value)) is not None:
+        share = float(match.group(1))
+        if share > 100:
+            raise ConfigError(
+                f"sleep_memory: bad share {value!r}: at most 100% of the node's RAM"
+            )
+        return int(ram_bytes * share / 100)
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise ConfigError(
+            f'sleep_memory: bad value {value!r}: use a size ("64GiB") or a share'
+            ' of RAM ("50%")'
+        )
+    size = parse_size("sleep_memory", value)
+    if size > ram_bytes:
+        raise ConfigError(
+            f"sleep_memory: {value!r} is more than this node's RAM"
+            f" ({ram_bytes / 1024**3:.1f} GiB)"
+        )
+    return size
+
+
+def node_ram_bytes() -> int:
+    """
+    @return: this machine's RAM, bytes (C{sysconf}'s pages times page size).
+    """
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _simulated_gpus(tables: object) -> tuple[tuple[str, float], ...]:
@@ -259,8 +314,9 @@ def tls_options(config: AgentConfig, host: str) -> Any:
 def check_agent_config(config: AgentConfig) -> AgentConfig:
     """
     Check what can only be checked once file and flags are merged: a
-    server, a node id, the certificates (unless insecure), and make the
-    state directory.
+    server, a node id, the certificates (unless insecure), the
+    C{sleep_memory} budget against the node's RAM, and make the state
+    directory.
 
     @raise ConfigError: one of them is missing or unusable, named.
     """
@@ -289,6 +345,7 @@ def check_agent_config(config: AgentConfig) -> AgentConfig:
             raise ConfigError(
                 f"tls_dir: cannot load the certificates in {config.tls_dir!r}: {e}"
             ) from None
+    sleep_memory_bytes(config.sleep_memory, node_ram_bytes())
     try:
         os.makedirs(os.path.join(agent_state_dir(config), "shards"), exist_ok=True)
     except OSError as e:

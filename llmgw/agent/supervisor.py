@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 
 from twisted.internet import error
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
@@ -26,6 +26,7 @@ from twisted.web.http_headers import Headers
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
 from llmgw.agent.quiet_pool import QuietConnectionPool
+from llmgw.agent.sleep import refusal, without_sleep
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 
@@ -120,12 +121,15 @@ class Shard:
         self.start_time: int | None = None
         self.exit_code: int | None = None
         self._supervisor = supervisor
+        self.supervisor = supervisor
         self._health: LoopingCall | None = None
         self._watch: LoopingCall | None = None
         self._kill: IDelayedCall | None = None
         self._stopping = False
         self._probing = False
         self._served = False
+        # Told the server with the next status (ShardStatus.note).
+        self.note = ""
 
     @property
     def output(self) -> list[str]:
@@ -134,11 +138,16 @@ class Shard:
         """
         return tail(self._supervisor.path(self.id, ".log"))
 
-    def _set(self, state: int, error_text: str = "") -> None:
+    def set_state(self, state: int, error_text: str = "") -> None:
+        """
+        Enter C{state} and report it, with the L{note} waiting (then
+        cleared).
+        """
         if state == pb.SHARD_STATE_READY:
             self._served = True
         self.state = state
         status = pb.ShardStatus(shard_id=self.id, error=error_text, pid=self.pid or 0)
+        status.note, self.note = self.note, ""
         status.state = state  # type: ignore[assignment]
         if self.exit_code is not None:
             status.exit_code = self.exit_code
@@ -172,19 +181,24 @@ class Shard:
         assert self.pid is not None
         self.start_time = process_start_time(self.pid)
         self._supervisor.record(self)
-        self._set(pb.SHARD_STATE_STARTING)
+        self.set_state(pb.SHARD_STATE_STARTING)
         self._start_probing()
 
-    def adopt(self, pid: int, start_time: int) -> None:
+    def adopt(self, pid: int, start_time: int, sleeping: bool = False) -> None:
         """
         Take over an engine a previous agent started: watch its pid, since
-        its exit status went to that agent.
+        its exit status went to that agent.  One recorded asleep stays so
+        (its probes would pass: a sleeping engine serves /health).
         """
         self.pid = pid
         self.start_time = start_time
         self._watch = LoopingCall(self._still_there)
         self._watch.clock = self._supervisor.reactor
         self._watch.start(1.0, now=False)
+        if sleeping:
+            self.state = pb.SHARD_STATE_SLEEPING
+            self._served = True
+            return
         self.state = pb.SHARD_STATE_STARTING
         self._start_probing()
 
@@ -212,7 +226,7 @@ class Shard:
             if serves and self.state == pb.SHARD_STATE_STARTING:
                 self._stop_probing()
                 self.log.info("shard {shard} is ready", shard=self.id)
-                self._set(pb.SHARD_STATE_READY)
+                self.set_state(pb.SHARD_STATE_READY)
 
         def failed(reason: Failure) -> None:
             # Not listening yet, or an answer cut short: the next probe.
@@ -274,10 +288,20 @@ class Shard:
         if self._kill is not None and self._kill.active():
             self._kill.cancel()
         self._kill = None
+        refused = (
+            refusal(self.output)
+            if self.command.sleep_level
+            and not self._stopping
+            and self.state == pb.SHARD_STATE_STARTING
+            else None
+        )
+        if refused is not None:
+            self._without_sleep(refused)
+            return
         if self._stopping:
             # Workers the engine left behind in its group go too.
             self._signal(signal.SIGKILL)
-            self._set(pb.SHARD_STATE_STOPPED)
+            self.set_state(pb.SHARD_STATE_STOPPED)
         else:
             self.log.warn("shard {shard} exited with {code}", shard=self.id, code=code)
             if code is None:
@@ -287,8 +311,25 @@ class Shard:
                 why = f"the engine was killed by signal {-code}"
             else:
                 why = f"the engine exited with code {code}"
-            self._set(pb.SHARD_STATE_FAILED, why)
+            self.set_state(pb.SHARD_STATE_FAILED, why)
         self._supervisor.forget(self)
+
+    def _without_sleep(self, line: str) -> None:
+        """
+        The engine refused sleep mode while starting: started once more
+        without it, the server told why (C{"sleep refused: LINE"}).
+        """
+        self.log.warn(
+            "shard {shard}: the engine refused sleep mode ({line}); starting it"
+            " without",
+            shard=self.id,
+            line=line,
+        )
+        self.command = without_sleep(self.command)
+        self.launch = build(self.command, self.launch.host)
+        self.exit_code = None
+        self.note = f"sleep refused: {line}"
+        self.spawn()
 
     def running(self) -> pb.RunningShard:
         """
@@ -340,6 +381,11 @@ class Supervisor:
         self.health_interval = health_interval
         self.http = Agent(reactor, pool=QuietConnectionPool(reactor, persistent=False))  # type: ignore[no-untyped-call]
         self.shards: dict[str, Shard] = {}
+        # GB an engine holds on each of its GPUs (NVML's per-process
+        # figures), or None where unknown: set by the agent's service.
+        self.gpu_memory: Callable[[Shard], Deferred[float | None]] = lambda shard: (
+            succeed(None)
+        )
         self._dir = os.path.join(state_dir, "shards")
         os.makedirs(self._dir, mode=0o700, exist_ok=True)  # OSError for the caller
 
@@ -358,6 +404,8 @@ class Supervisor:
             # Where it listens: the node's address may change before a
             # restarted agent adopts it.
             "host": shard.launch.host,
+            # A sleeping engine is adopted asleep.
+            "sleeping": shard.state == pb.SHARD_STATE_SLEEPING,
         }
         temporary = self.path(shard.id, ".json.tmp")
         # 0600: the command holds the engine's secret.
@@ -403,7 +451,7 @@ class Supervisor:
                 continue
             shard = Shard(self, command, launch)
             self.shards[shard.id] = shard
-            shard.adopt(pid, start_time)
+            shard.adopt(pid, start_time, data.get("sleeping") is True)
             adopted.append(shard)
             self.log.info(
                 "adopted shard {shard}: engine pid {pid} still running",

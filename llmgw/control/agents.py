@@ -374,7 +374,10 @@ class AgentHub(Factory):
     def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
         """
         A shard changed state: logged, and told the listener (the control
-        plane), its output cut to 50 lines of 500 characters.
+        plane), its output cut to 50 lines of 500 characters.  A C{note}
+        (the engine refused sleep mode and runs without it; its GPU memory
+        after a wake is not what placement expects) is logged as a warning
+        and passed on, cut to 1000 characters.
         """
         kept = pb.ShardStatus(
             shard_id=status.shard_id[:200],
@@ -383,12 +386,20 @@ class AgentHub(Factory):
             error=status.error[:1000],
             output_tail=[line[:500] for line in status.output_tail[-50:]],
             pid=status.pid,
+            note=status.note[:1000],
         )
         kept.state = status.state
         status = kept
         if self.listener is not None:
             self.listener.shard_status(node_id, status)
         name = ShardState.from_pb(status.state) or "unspecified"
+        if status.note:
+            self.log.warn(
+                "shard {shard} on {node}: {note}",
+                shard=status.shard_id,
+                node=node_id,
+                note=status.note,
+            )
         if status.state == pb.SHARD_STATE_FAILED:
             self.log.warn(
                 "shard {shard} on {node}: {state}: {error}; last output: {tail}",

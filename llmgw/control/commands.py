@@ -21,6 +21,7 @@ from llmgw.control.placement import Plan
 from llmgw.control.records import ReplicaRecord, ShardRecord
 from llmgw.control.snapshot import Strays, SuspectPorts
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.engines import SLEEP_LEVELS
 from llmgw.wire.protocol import CommandFailed
 from llmgw.wire.states import ShardState
 
@@ -127,6 +128,9 @@ class ShardCommands:
                 world_size=len(plan.shards),
                 leader_address=leader_address,
                 api_key=self.engine_key(shard.id),
+                sleep_level=SLEEP_LEVELS.get(profile.sleep, 0),
+                gpu_memory_gb=profile.gpu_memory_gb,
+                sleep_gpu_memory_gb=profile.sleep_gpu_memory_gb,
             )
             d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
             d.addErrback(self._start_refused, shard)
@@ -209,3 +213,92 @@ class ShardCommands:
                 )
 
         d.addErrback(failed)
+
+    def sleep(
+        self, node_id: str, shard_id: str, level: int, shard: ShardRecord | None = None
+    ) -> Deferred[pb.CommandResult]:
+        """
+        Send C{SleepShard}: the agent calls the engine's sleep route
+        (vLLM C{POST /sleep?level=N}, SGLang C{/release_memory_occupation})
+        and reports the shard C{sleeping} once the engine answered.
+
+        @param level: 1 (weights kept in host memory) or 2 (discarded), as
+            L{SLEEP_LEVELS} numbers a profile's C{sleep}.
+        @param shard: the shard's record: once the agent answers C{ok} it
+            is C{sleeping} (as the agent's C{ShardStatus}, sent before its
+            answer, says), unless it is gone by then.
+        @return: fires with the agent's C{pb.CommandResult}, never fails:
+            C{ok}; or not, with C{code} C{"sleep_refused"} (the engine
+            refused: C{error} is its answer), C{"no_link"} (never sent),
+            C{"unanswered"} (the link went down first), or another code
+            the agent gave.
+        @raise ValueError: C{level} is not 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        message = pb.ControlMessage(
+            sleep_shard=pb.SleepShard(shard_id=shard_id, level=level)
+        )
+        return self._answered(
+            "sleep", node_id, shard_id, message, shard, ShardState.SLEEPING
+        )
+
+    def wake(
+        self, node_id: str, shard_id: str, shard: ShardRecord | None = None
+    ) -> Deferred[pb.CommandResult]:
+        """
+        Send C{WakeShard}: the agent reports the shard C{waking}, calls the
+        engine's wake route (vLLM C{POST /wake_up}, SGLang
+        C{/resume_memory_occupation}), and reports it C{ready} once the
+        engine answered.
+
+        @param shard: the shard's record: C{ready} once the agent answers
+            C{ok}, unless it is gone by then.
+        @return: as for L{sleep} (a refusal's C{code} is the agent's).
+        """
+        message = pb.ControlMessage(wake_shard=pb.WakeShard(shard_id=shard_id))
+        return self._answered(
+            "wake", node_id, shard_id, message, shard, ShardState.READY
+        )
+
+    def _answered(
+        self,
+        what: str,
+        node_id: str,
+        shard_id: str,
+        message: pb.ControlMessage,
+        shard: ShardRecord | None,
+        after: ShardState,
+    ) -> Deferred[pb.CommandResult]:
+        d: Deferred[pb.CommandResult] = self.commands.send(node_id, message)
+
+        def done(result: pb.CommandResult) -> pb.CommandResult:
+            if shard is not None and not shard.state.gone:
+                shard.state = after
+            return result
+
+        def failed(reason: Failure) -> pb.CommandResult:
+            if isinstance(reason.value, CommandFailed):
+                result: pb.CommandResult = reason.value.result
+            elif reason.check(NoLink):
+                result = pb.CommandResult(
+                    ok=False, code="no_link", error=reason.getErrorMessage()
+                )
+            else:
+                result = pb.CommandResult(
+                    ok=False,
+                    code="unanswered",
+                    error=f"{what} unanswered: {reason.getErrorMessage()}",
+                )
+            self.log.info(
+                "{what} of shard {shard} on {node} not done: {code}: {why}",
+                what=what,
+                shard=shard_id,
+                node=node_id,
+                code=result.code or "error",
+                why=result.error,
+            )
+            return result
+
+        d.addCallbacks(done, failed)
+        return d

@@ -72,6 +72,9 @@ class Node:
         started again or the server restarts; not kept in the store.
     @ivar connected: whether its agent's link is up now; losing a link is
         not losing a node.
+    @ivar sleep_memory_bytes: host memory its agent lets sleeping engines
+        hold (C{[agent] sleep_memory}, C{Register.sleep_memory_bytes}),
+        bytes; 0: nothing may sleep on it.
     """
 
     id: str
@@ -99,6 +102,7 @@ class Node:
     weights_truncated: bool = False
     # Changes whenever what placement reads of the node changes.
     version: int = 0
+    sleep_memory_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """
@@ -116,6 +120,7 @@ class Node:
             "fabrics": self.fabrics,
             "cpus": self.cpus,
             "memory_bytes": self.memory_bytes,
+            "sleep_memory_bytes": self.sleep_memory_bytes,
             "gpus": [
                 {
                     "index": g.index,
@@ -191,6 +196,7 @@ class Inventory:
             fabrics=list(message.fabrics),
             cpus=message.cpus,
             memory_bytes=message.memory_bytes,
+            sleep_memory_bytes=message.sleep_memory_bytes,
             gpus=[
                 GpuInfo(
                     index=g.index,

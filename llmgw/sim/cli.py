@@ -21,6 +21,7 @@ from twisted.logger import (
 )
 
 from llmgw.sim.engine import FaultError, SimConfig, Simulator, parse_fault_option
+from llmgw.sim.sleep import UNSUPPORTED, SleepConfig
 from llmgw.sim.web import SimSite
 
 
@@ -204,6 +205,64 @@ def _behaviour(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GB: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"GB must be >= 0: {text!r}")
+    return value
+
+
+def _sleeping(p: argparse.ArgumentParser) -> None:
+    """
+    Sleep mode, as vLLM's and SGLang's (L{llmgw.sim.sleep}).
+    """
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="serve vLLM's sleep routes (POST /sleep?level=N, POST /wake_up, GET "
+        "/is_sleeping) and SGLang's (POST /release_memory_occupation, POST "
+        "/resume_memory_occupation); without it they answer 404",
+    )
+    p.add_argument(
+        "--sleep-mode-unsupported",
+        action="store_true",
+        help="with --enable-sleep-mode, exit at start as vLLM does on a CPU "
+        '("Sleep mode is not supported on current platform.")',
+    )
+    p.add_argument(
+        "--sleep-seconds",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds going to sleep takes (default 0)",
+    )
+    p.add_argument(
+        "--wake-seconds",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds waking takes (default 0)",
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=_gb,
+        default=0.0,
+        metavar="GB",
+        help="GPU memory it holds on each GPU while awake, shown in /sim/stats"
+        " (default 0)",
+    )
+    p.add_argument(
+        "--sleep-gpu-memory-gb",
+        type=_gb,
+        default=0.0,
+        metavar="GB",
+        help="GPU memory it keeps on each GPU while asleep (default 0)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """
     The C{llmgw sim} argument parser.
@@ -213,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible fake LLM engine with vLLM's metrics, "
         "for tests, benchmarks and config rehearsals.",
     )
-    for add in (_serving, _timing, _capacity, _behaviour):
+    for add in (_serving, _timing, _capacity, _behaviour, _sleeping):
         add(p)
     return p
 
@@ -240,6 +299,14 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         prefix_cache_tokens=args.kv_capacity
         if args.prefix_cache_tokens is None
         else args.prefix_cache_tokens,
+        sleep=SleepConfig(
+            enabled=args.enable_sleep_mode,
+            unsupported=args.sleep_mode_unsupported,
+            sleep_seconds=args.sleep_seconds,
+            wake_seconds=args.wake_seconds,
+            gpu_memory_gb=args.gpu_memory_gb,
+            sleep_gpu_memory_gb=args.sleep_gpu_memory_gb,
+        ),
     )
 
 
@@ -251,7 +318,8 @@ def main(argv: list[str]) -> int:
     listening.
 
     @param argv: the arguments after C{sim}.
-    @return: 0 after a signal, 1 when the port cannot be bound; bad
+    @return: 0 after a signal, 1 when the port cannot be bound or sleep
+        mode is refused (C{--sleep-mode-unsupported}); bad
         arguments exit with status 2 through argparse.
     """
     args = build_parser().parse_args(argv)
@@ -259,6 +327,11 @@ def main(argv: list[str]) -> int:
     from twisted.internet.error import CannotListenError
 
     config = sim_config(args)
+    if config.sleep.enabled and config.sleep.unsupported:
+        # As vLLM on a CPU: its config check raises, the traceback's last
+        # line names why, and the process exits 1.
+        sys.stderr.write(f"{UNSUPPORTED}\n")
+        return 1
     level = LogLevel.info if args.verbose else LogLevel.warn
     globalLogBeginner.beginLoggingTo(
         [

@@ -21,6 +21,7 @@ from twisted.internet.interfaces import IReactorTime
 
 from llmgw.sim.kvcache import BLOCK_TOKENS, PrefixCache, SequenceBlocks
 from llmgw.sim.metrics import SimMetrics
+from llmgw.sim.sleep import SleepConfig, SleepMode
 
 VOCAB: tuple[str, ...] = (
     " the",
@@ -400,6 +401,7 @@ class SimConfig:
         may hold together; beyond it requests wait.  0: no limit.
     @ivar prefix_cache_tokens: tokens of freed or computed blocks the
         prefix cache keeps (rounded down to whole blocks); 0: no cache.
+    @ivar sleep: its sleep mode (L{llmgw.sim.sleep}).
     """
 
     models: tuple[str, ...]
@@ -415,6 +417,7 @@ class SimConfig:
     prefill_per_token: float = 0.0
     kv_capacity: int = 0
     prefix_cache_tokens: int = 0
+    sleep: SleepConfig = SleepConfig()
 
 
 @dataclass(slots=True)
@@ -485,7 +488,10 @@ class Simulator:
         self.faults: dict[str, object] = {}
         self.models = frozenset(config.models)
         self.created = int(reactor.seconds())
-        self.metrics = SimMetrics(config.models[0], self.scheduler, self.cache)
+        self.sleep = SleepMode(config.sleep, reactor)
+        self.metrics = SimMetrics(
+            config.models[0], self.scheduler, self.cache, self.sleep
+        )
         self._next_id = 0
 
     @property
@@ -561,4 +567,5 @@ class Simulator:
             "last_cancel_time": s.last_cancel_time,
             "connections_open": s.connections_open,
             "last_request_id": s.last_request_id,
+            **self.sleep.json(),
         }

@@ -13,8 +13,10 @@ C{vllm:generation_tokens_total} and C{vllm:request_success_total} (counters;
 the last labelled C{finished_reason}), and the histograms
 C{vllm:time_to_first_token_seconds}, C{vllm:inter_token_latency_seconds}
 and C{vllm:e2e_request_latency_seconds} (kept by L{FastHistogram}, as the
-simulator observes every token).  The bucket bounds are close to vLLM's, not
-copied.
+simulator observes every token), and the gauge C{vllm:engine_sleep_state}
+(labelled C{sleep_state}: C{awake}, C{weights_offloaded}, C{discard_all}, 1
+for the state the engine is in; vLLM serves it always).  The bucket bounds
+are close to vLLM's, not copied.
 
 Each simulator has its own C{prometheus_client.CollectorRegistry}, so several
 can run in one process (tests) without clashing in the global one.
@@ -23,7 +25,7 @@ can run in one process (tests) without clashing in the global one.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from prometheus_client import (
@@ -36,6 +38,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from llmgw.sim.sleep import SLEEP_STATES
 
 # vLLM labels each engine family with its engine index (C{engine}, "0"
 # unless data parallel) and its first served name (C{model_name}), as a
@@ -115,6 +119,11 @@ class _Load(Protocol):
 
     @property
     def kv_usage(self) -> float: ...
+
+
+class _Sleep(Protocol):
+    @property
+    def state(self) -> str: ...
 
 
 class _Cache(Protocol):
@@ -240,18 +249,49 @@ class _CacheCounters(Collector):
         return self._families(False)
 
 
+def _sleep_gauge(
+    model_name: str, sleep: _Sleep | None, registry: CollectorRegistry
+) -> None:
+    """
+    C{vllm:engine_sleep_state}: one series per C{sleep_state}, 1 for the
+    one the engine is in.
+    """
+    sleeping = Gauge(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 "
+        "means engine is awake; weights_offloaded = 1 means sleep level 1; "
+        "discard_all = 1 means sleep level 2.",
+        [*LABELS, "sleep_state"],
+        registry=registry,
+    )
+    for state in SLEEP_STATES:
+        sleeping.labels(ENGINE, model_name, state).set_function(_is_state(sleep, state))
+
+
+def _is_state(sleep: _Sleep | None, state: str) -> Callable[[], float]:
+    def value() -> float:
+        return float((sleep.state if sleep is not None else "awake") == state)
+
+    return value
+
+
 class SimMetrics:
     """
     The metrics of one simulator, labelled with one C{model_name}.
     """
 
-    def __init__(self, model_name: str, load: _Load, cache: _Cache) -> None:
+    def __init__(
+        self, model_name: str, load: _Load, cache: _Cache, sleep: _Sleep | None = None
+    ) -> None:
         """
         @param model_name: the C{model_name} label (vLLM uses its first
             served model name).
         @param load: read at scrape time for the running, waiting and KV
             usage gauges.
         @param cache: read at scrape time for the prefix cache counters.
+        @param sleep: read at scrape time for C{vllm:engine_sleep_state}
+            (1 for its C{state}, 0 for the others), which vLLM always
+            serves; L{None}: always awake.
         """
         self.registry = CollectorRegistry(auto_describe=True)
         labels = list(LABELS)
@@ -272,6 +312,7 @@ class SimMetrics:
             "over --kv-capacity, else running sequences over maximum concurrency).",
         ).labels(ENGINE, model_name).set_function(lambda: load.kv_usage)
         _CacheCounters(model_name, cache, r)
+        _sleep_gauge(model_name, sleep, r)
 
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens",

@@ -11,6 +11,11 @@ Routes::
     GET  /v1/models             GET  /health           GET  /metrics
     GET  /sim/stats             POST /sim/stats/reset  POST /sim/fault
 
+and with C{--enable-sleep-mode} (L{llmgw.sim.sleep})::
+
+    POST /sleep                 POST /wake_up          GET  /is_sleeping
+    POST /release_memory_occupation    POST /resume_memory_occupation
+
 With C{--api-key}, the C{/v1} routes need C{Authorization: Bearer KEY}
 (401 otherwise), the others stay open, as vLLM's C{--api-key} leaves them.
 """
@@ -19,7 +24,10 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IAddress
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -50,6 +58,7 @@ from llmgw.sim.engine import (
 from llmgw.sim.exchange import JSON, Exchange
 from llmgw.sim.kvcache import SequenceBlocks
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
+from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -99,6 +108,16 @@ class SimResource(Resource):
             (b"POST", b"/sim/stats/reset"): self._stats_reset,
             (b"POST", b"/sim/fault"): self._fault,
         }
+        if sim.config.sleep.enabled:
+            self._routes.update(
+                {
+                    (b"POST", b"/sleep"): self._sleep,
+                    (b"POST", b"/wake_up"): self._wake_up,
+                    (b"GET", b"/is_sleeping"): self._is_sleeping,
+                    (b"POST", b"/release_memory_occupation"): self._release,
+                    (b"POST", b"/resume_memory_occupation"): self._resume,
+                }
+            )
         self._paths = {path for (_, path) in self._routes}
 
     def render(self, request: Request) -> bytes | int:
@@ -137,7 +156,7 @@ class SimResource(Resource):
 
     def _authorized(self, request: Request, path: bytes) -> bool:
         key = self._sim.config.api_key
-        if not key or not path.startswith(b"/v1/"):
+        if not key or not (path.startswith(b"/v1/") or path in SGLANG_PATHS):
             return True
         given = request.getHeader(b"authorization") or b""
         return hmac.compare_digest(given, b"Bearer " + key.encode("utf-8"))
@@ -178,8 +197,21 @@ class SimResource(Resource):
         count = config.max_tokens if req.max_tokens is None else req.max_tokens
         created = int(sim.clock.seconds())
         exchange = self._exchange(request, req, faults, count, created)
-        exchange.start()
+        self._when_awake(request, exchange)
         return NOT_DONE_YET
+
+    def _when_awake(self, request: Request, exchange: Exchange) -> None:
+        """
+        Start C{exchange} now, or once the engine is awake (vLLM keeps a
+        request that comes while it sleeps until it is woken).
+        """
+        waiting = self._sim.sleep.awake()
+        if waiting is None:
+            exchange.start()
+            return
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+        waiting.addCallback(lambda _: None if gone else exchange.start())
 
     def _exchange(
         self,
@@ -232,7 +264,7 @@ class SimResource(Resource):
             return _error(request, e)
         dim = sim.config.embedding_dim
         body = embeddings_response(req, [embedding_vector(x, dim) for x in req.inputs])
-        Exchange(
+        exchange = Exchange(
             sim,
             request,
             faults,
@@ -244,7 +276,8 @@ class SimResource(Resource):
             first_delay=0.0,
             itl=0.0,
             prompt_tokens=req.prompt_tokens,
-        ).start()
+        )
+        self._when_awake(request, exchange)
         return NOT_DONE_YET
 
     def _models(self, request: Request) -> bytes:
@@ -284,6 +317,110 @@ class SimResource(Resource):
         except FaultError as e:
             return _error(request, ApiError(400, str(e), param="faults"))
         return _respond(request, 200, json_body(faults), JSON)
+
+    def _sleep(self, request: Request) -> bytes | int:
+        try:
+            level = sleep_level(_query(request))
+        except ApiError as e:
+            return _error(request, e)
+        answer = {"status": "sleeping", "level": level}
+        return _answer_later(request, self._sim.sleep.sleep(level), lambda _: answer)
+
+    def _wake_up(self, request: Request) -> bytes | int:
+        tags = wake_tags(_query(request))
+        return _answer_later(
+            request,
+            self._sim.sleep.wake(tags),
+            lambda awake: {"status": "awake" if awake else "sleeping", "tags": tags},
+        )
+
+    def _is_sleeping(self, request: Request) -> bytes:
+        body = json_body({"is_sleeping": self._sim.sleep.asleep})
+        return _respond(request, 200, body, JSON)
+
+    def _release(self, request: Request) -> bytes | int:
+        try:
+            sglang_tags(_body(request))
+        except ApiError as e:
+            return _error(request, e)
+        # SGLang's memory saver releases what it holds: level 1 here.
+        return _answer_later(request, self._sim.sleep.sleep(1), lambda _: None)
+
+    def _resume(self, request: Request) -> bytes | int:
+        try:
+            tags = sglang_tags(_body(request))
+        except ApiError as e:
+            return _error(request, e)
+        return _answer_later(request, self._sim.sleep.wake(tags), lambda _: None)
+
+
+def sleep_level(query: bytes) -> int:
+    """
+    @param query: a C{POST /sleep} URL's query string.
+    @return: its C{level}, 1 when absent (vLLM's default).
+    @raise ApiError: 400, a level other than 0, 1 or 2 (vLLM answers a
+        query its route does not validate with 400).
+    """
+    values = parse_qs(query.decode("ascii", "replace")).get("level", ["1"])
+    if values[-1] not in ("0", "1", "2"):
+        raise ApiError(
+            400, f"level: expected 0, 1 or 2, got {values[-1]!r}", param="level"
+        )
+    return int(values[-1])
+
+
+def wake_tags(query: bytes) -> list[str] | None:
+    """
+    @param query: a C{POST /wake_up} URL's query string.
+    @return: its C{tags}, L{None} when none (all).
+    """
+    return parse_qs(query.decode("ascii", "replace")).get("tags") or None
+
+
+def sglang_tags(body: bytes) -> list[str] | None:
+    """
+    @param body: the JSON body of SGLang's memory routes: C{{}} or
+        C{{"tags": [...]}} (or none).
+    @return: its C{tags} (C{cuda_graph}, which the simulator holds no
+        memory for, left out), L{None} when none (all).
+    @raise ApiError: 400, not such an object, or a tag SGLang does not know.
+    """
+    obj = parse_json_object(body) if body.strip() else {}
+    tags = obj.get("tags")
+    if tags is None:
+        return None
+    if not (isinstance(tags, list) and all(t in SGLANG_TAGS for t in tags)):
+        raise ApiError(
+            400,
+            f"tags: expected a list of {', '.join(SGLANG_TAGS)}, got {tags!r}",
+            param="tags",
+        )
+    return [t for t in tags if t != "cuda_graph"] or None
+
+
+def _query(request: Request) -> bytes:
+    return request.uri.partition(b"?")[2]
+
+
+def _answer_later(
+    request: Request, done: Deferred[Any], answer: Callable[[Any], object]
+) -> int:
+    """
+    Answer C{request} with C{answer}'s JSON once C{done} fires, unless its
+    client went away first.
+    """
+    gone: list[bool] = []
+    request.notifyFinish().addErrback(lambda _: gone.append(True))
+
+    def write(result: object) -> None:
+        if gone:
+            return
+        _respond(request, 200, b"", JSON)
+        request.write(json_body(answer(result)))
+        request.finish()
+
+    done.addCallback(write)
+    return NOT_DONE_YET
 
 
 class SimChannel(HTTPChannel):

@@ -25,7 +25,13 @@ M = TypeVar("M", bound=Message)
 
 # The ControlMessage fields that are commands (not welcome, redirect,
 # refused).
-_COMMANDS = ("start_shard", "stop_shard", "remove_weights")
+_COMMANDS = (
+    "start_shard",
+    "stop_shard",
+    "remove_weights",
+    "sleep_shard",
+    "wake_shard",
+)
 
 
 class MessageTooLarge(FrameError):

@@ -1,0 +1,309 @@
+"""
+Sleep on the node: the engines' sleep-mode flags, the calls to their
+sleep and wake routes, and what is checked after a wake.
+
+Flags, only when C{StartShard.sleep_level} is not 0: vLLM
+C{--enable-sleep-mode} with C{VLLM_SERVER_DEV_MODE=1} in its environment
+(its sleep routes exist only then), SGLang C{--enable-memory-saver},
+C{llmgw sim} C{--enable-sleep-mode}.  An engine that exits while starting
+with a line refusing sleep mode (vLLM on a CPU: "Sleep mode is not
+supported on current platform.") is started once more without them
+(L{refusal}).
+
+The routes are called by the agent on the node, on the engine's own
+address and port (L{llmgw.agent.engines.engine_url}), never through a
+router, with the engine's key as C{Authorization: Bearer}: vLLM and the
+simulator C{POST /sleep?level=N}, C{POST /wake_up}, then C{GET
+/is_sleeping} to confirm; SGLang C{POST /release_memory_occupation} and
+C{POST /resume_memory_occupation} with C{{}}.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.client import FileBodyProducer, readBody
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent
+
+from llmgw.agent.engines import CommandRefused, engine_url
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.states import ShardState
+
+if TYPE_CHECKING:
+    from llmgw.agent.supervisor import Shard, Supervisor
+
+SLEEP_TIMEOUT = 600.0
+"""
+Seconds a sleep or a wake may take before the command fails (vLLM's level
+2 wake reloads the weights from disk).
+"""
+
+MEMORY_TOLERANCE = 0.10
+"""
+The share by which the GPU memory an engine holds after a wake may differ
+from what placement expects before it is reported.
+"""
+
+_REFUSAL = re.compile(
+    r"(sleep mode|memory saver|memory_saver)[^\n]*"
+    r"(not supported|unsupported|not available)",
+    re.IGNORECASE,
+)
+
+
+def refusal(output: list[str]) -> str | None:
+    """
+    @param output: an engine's last output lines.
+    @return: the last line refusing sleep mode, stripped, or L{None}.
+    """
+    for line in reversed(output):
+        if _REFUSAL.search(line):
+            return line.strip()[:500]
+    return None
+
+
+def without_sleep(command: pb.StartShard) -> pb.StartShard:
+    """
+    @return: a copy of C{command} with C{sleep_level} 0.
+    """
+    copy = pb.StartShard()
+    copy.CopyFrom(command)
+    copy.sleep_level = 0
+    return copy
+
+
+def flag_value(argv: list[str], flag: str) -> float:
+    """
+    @return: the last value given to C{flag} in C{argv} (C{--flag V} or
+        C{--flag=V}), 0 when none or not a number.
+    """
+    found = 0.0
+    for i, arg in enumerate(argv):
+        text = None
+        if arg == flag and i + 1 < len(argv):
+            text = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            text = arg[len(flag) + 1 :]
+        if text is not None:
+            try:
+                found = float(text)
+            except ValueError:
+                found = 0.0
+    return found
+
+
+def memory_note(held_gb: float, expected_gb: float) -> str:
+    """
+    @param held_gb: GB the engine holds on each of its GPUs after a wake.
+    @param expected_gb: what placement expects (the profile's
+        C{gpu_memory_gb}); 0: unsaid, nothing is checked.
+    @return: C{ShardStatus.note} when they differ by more than
+        L{MEMORY_TOLERANCE}, else C{""}.
+    """
+    if expected_gb <= 0 or abs(held_gb - expected_gb) <= MEMORY_TOLERANCE * expected_gb:
+        return ""
+    return f"gpu memory after wake: {held_gb:.3g} GB held, expected {expected_gb:g} GB"
+
+
+class EngineRoutes:
+    """
+    The sleep and wake routes of one engine, called from its node.
+
+    @param http: the agent's HTTP client.
+    @param clock: times the calls out (L{SLEEP_TIMEOUT}).
+    @param command: the shard's start (engine, port).
+    @param host: the interface the engine listens on.
+    @param headers: its C{Authorization}, when it has a key.
+    """
+
+    def __init__(
+        self,
+        http: IAgent,
+        clock: IReactorTime,
+        command: pb.StartShard,
+        host: str,
+        headers: dict[str, str],
+    ) -> None:
+        self._http = http
+        self._clock = clock
+        self._engine = command.engine
+        self._base = engine_url(host, command.port)
+        self._headers = headers
+
+    async def _call(self, method: bytes, path: str, body: bytes = b"") -> Any:
+        """
+        @return: the engine's JSON answer (L{None} for none).
+        @raise CommandRefused: it answered other than 200 (code
+            C{sleep_refused}, with its answer), or could not be reached.
+        """
+        headers = Headers({k.encode(): [v.encode()] for k, v in self._headers.items()})
+        producer = None
+        if body:
+            headers.setRawHeaders(b"content-type", [b"application/json"])
+            producer = FileBodyProducer(io.BytesIO(body))
+        try:
+            d = self._http.request(
+                method, (self._base + path).encode(), headers, producer
+            )
+            d.addTimeout(SLEEP_TIMEOUT, self._clock)
+            response = await d
+            answer = await readBody(response)
+        except CommandRefused:
+            raise
+        except Exception as e:
+            raise CommandRefused(f"{path}: cannot reach the engine: {e}") from None
+        text = answer.decode("utf-8", "replace").strip()
+        if response.code != 200:
+            raise CommandRefused(
+                f"{path}: the engine answered {response.code}: {text[:500]}",
+                "sleep_refused",
+            )
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return None
+
+    async def sleep(self, level: int) -> None:
+        """
+        Put the engine to sleep at C{level}, and check it says it sleeps.
+
+        @raise CommandRefused: the engine refused, or did not sleep.
+        """
+        if self._engine == "sglang":
+            await self._call(b"POST", "/release_memory_occupation", b"{}")
+            return
+        await self._call(b"POST", f"/sleep?level={level}")
+        await self._confirm(True)
+
+    async def wake(self) -> None:
+        """
+        Wake the engine, and check it says it is awake.
+
+        @raise CommandRefused: the engine refused, or stayed asleep.
+        """
+        if self._engine == "sglang":
+            await self._call(b"POST", "/resume_memory_occupation", b"{}")
+            return
+        await self._call(b"POST", "/wake_up")
+        await self._confirm(False)
+
+    async def _confirm(self, sleeping: bool) -> None:
+        answer = await self._call(b"GET", "/is_sleeping")
+        if not isinstance(answer, dict) or answer.get("is_sleeping") is not sleeping:
+            raise CommandRefused(
+                f"/is_sleeping: the engine answered {answer!r} after"
+                f" {'/sleep' if sleeping else '/wake_up'}",
+                "sleep_refused",
+            )
+
+    async def sim_memory_gb(self) -> float | None:
+        """
+        @return: the GB a sim engine says it holds on each GPU (its
+            C{/sim/stats}), or L{None} when it does not say.
+        """
+        try:
+            stats = await self._call(b"GET", "/sim/stats")
+        except CommandRefused:
+            return None
+        held = stats.get("gpu_memory_gb") if isinstance(stats, dict) else None
+        return float(held) if isinstance(held, (int, float)) else None
+
+
+def _routes(shard: Shard) -> EngineRoutes:
+    supervisor = shard.supervisor
+    return EngineRoutes(
+        supervisor.http,
+        supervisor.reactor,
+        shard.command,
+        shard.launch.host,
+        shard.launch.headers,
+    )
+
+
+def _shard(supervisor: Supervisor, shard_id: str, state: int) -> Shard:
+    shard = supervisor.shards.get(shard_id)
+    if shard is None:
+        raise CommandRefused(f"no shard {shard_id!r} on this node")
+    if shard.state != state:
+        now = ShardState.from_pb(shard.state) or "unknown"
+        wanted = ShardState.from_pb(state)
+        raise CommandRefused(f"shard {shard_id} is {now}, not {wanted}")
+    return shard
+
+
+async def sleep_shard(supervisor: Supervisor, shard_id: str, level: int) -> None:
+    """
+    Put a ready shard's engine to sleep; the shard is C{sleeping} once the
+    engine answered (and recorded so, for an agent that restarts).
+
+    @param level: 1 or 2 (vLLM's levels; SGLang releases all at either).
+    @raise CommandRefused: no such shard, not ready, started without
+        sleep mode (code C{sleep_refused}), or the engine refused (code
+        C{sleep_refused}, its answer) or could not be reached.
+    """
+    shard = _shard(supervisor, shard_id, pb.SHARD_STATE_READY)
+    if not shard.command.sleep_level:
+        raise CommandRefused(
+            f"shard {shard_id} runs without sleep mode", "sleep_refused"
+        )
+    if level not in (1, 2):
+        raise CommandRefused(f"level: expected 1 or 2, got {level}")
+    await _routes(shard).sleep(level)
+    shard.set_state(pb.SHARD_STATE_SLEEPING)
+    supervisor.record(shard)
+
+
+async def wake_shard(supervisor: Supervisor, shard_id: str) -> None:
+    """
+    Wake a sleeping shard's engine: C{waking} while its wake route runs,
+    C{ready} after, with a note when the GPU memory it holds then is not
+    what placement expects (L{memory_note}).
+
+    @raise CommandRefused: no such shard, not sleeping, or the engine
+        refused (code C{sleep_refused}: the shard is C{sleeping} again) or
+        could not be reached.
+    """
+    shard = _shard(supervisor, shard_id, pb.SHARD_STATE_SLEEPING)
+    routes = _routes(shard)
+    shard.set_state(pb.SHARD_STATE_WAKING)
+    try:
+        await routes.wake()
+    except CommandRefused:
+        if shard.state == pb.SHARD_STATE_WAKING:
+            shard.set_state(pb.SHARD_STATE_SLEEPING)
+        raise
+    if shard.state != pb.SHARD_STATE_WAKING:
+        # Stopped or ended meanwhile.
+        return
+    if shard.command.engine == "sim":
+        held = await routes.sim_memory_gb()
+    else:
+        held = await supervisor.gpu_memory(shard)
+    if held is not None:
+        shard.note = memory_note(held, shard.command.gpu_memory_gb)
+    shard.set_state(pb.SHARD_STATE_READY)
+    supervisor.record(shard)
+
+
+def simulated_memory_mib(supervisor: Supervisor) -> dict[int, int]:
+    """
+    @return: per GPU index, the MiB the sim engines running on it hold:
+        the C{--gpu-memory-gb} of their command line, or their
+        C{--sleep-gpu-memory-gb} while asleep (the agent puts them to
+        sleep and wakes them, so it knows which).
+    """
+    held: dict[int, int] = {}
+    for shard in supervisor.shards.values():
+        if shard.command.engine != "sim" or shard.exit_code is not None:
+            continue
+        asleep = shard.state == pb.SHARD_STATE_SLEEPING
+        flag = "--sleep-gpu-memory-gb" if asleep else "--gpu-memory-gb"
+        mib = int(flag_value(shard.launch.argv, flag) * 1024)
+        for index in shard.command.gpu_indices:
+            held[index] = held.get(index, 0) + mib
+    return held

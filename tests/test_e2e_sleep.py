@@ -1,0 +1,163 @@
+"""
+Sleep on the node through a real link: a C{twistd llmgw-agent} process on
+two simulated GPUs, its engine C{llmgw sim} in sleep mode, and the
+server's L{ShardCommands} sending C{SleepShard} and C{WakeShard}; the
+refused-sleep fallback; a sleeping engine adopted asleep after the agent
+restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Generator
+from typing import Any
+
+from twisted.internet import defer, threads
+
+from llmgw.control.commands import ShardCommands
+from llmgw.control.records import ShardRecord
+from llmgw.control.snapshot import SuspectPorts
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.states import ShardState
+from tests.support import free_port, http, spawn
+from tests.test_e2e_agent_shards import _LinkedAgent
+
+GIB_MIB = 1024
+
+
+class SleepOnNodeTests(_LinkedAgent):
+    """
+    Sleep and wake through the real agent with a sim engine.
+    """
+
+    @defer.inlineCallbacks
+    def respawn(self, name: str) -> Generator[Any, Any, None]:
+        """
+        Stop the agent, and start it again on two simulated GPUs of 80 GB.
+        """
+        config = os.path.join(self.dir, "agent.toml")
+        with open(config, "w") as f:
+            f.write('[[simulated_gpus]]\nname = "H100"\nmemory_gb = 80\n' * 2)
+        old = self.hub.links.get("gpu-01")
+        self.agent.stop()
+        self.agent = spawn([*self.agent_argv, "--config", config], self.dir, name)
+        yield self.until(lambda: self.hub.links.get("gpu-01") not in (None, old), 30)
+
+    def used_mib(self) -> list[int]:
+        (node,) = self.inventory.nodes()
+        return [g.memory_used_mib for g in node.gpus]
+
+    def begin(
+        self, shard_id: str, port: int, level: int, args: list[str], gpu: int = 0
+    ) -> defer.Deferred[Any]:
+        model = f"m-{os.getpid()}-{port}"
+        self.addCleanup(subprocess.run, ["pkill", "-f", "--", f"--model {model}"])
+        command = pb.StartShard(
+            shard_id=shard_id,
+            model=model,
+            engine="sim",
+            port=port,
+            gpu_indices=[gpu],
+            args=args,
+            api_key="engine-key",
+            sleep_level=level,
+            gpu_memory_gb=20,
+            sleep_gpu_memory_gb=1.5,
+        )
+        d: defer.Deferred[Any] = self.hub.links["gpu-01"].send_command(
+            pb.ControlMessage(start_shard=command)
+        )
+        return d
+
+    def notes(self, shard_id: str) -> list[str]:
+        return [
+            s.note for _, s in self.heard.statuses if s.shard_id == shard_id and s.note
+        ]
+
+    @defer.inlineCallbacks
+    def test_sleep_then_wake(self) -> Generator[Any, Any, None]:
+        """
+        A sim engine started with sleep level 1 holds its 20 GB on its
+        simulated GPU; asleep it holds 1.5 GB (the heartbeats say so), and
+        the engine itself says it sleeps; an agent restarted meanwhile
+        lists it sleeping and can wake it, back to 20 GB, ready.  One whose
+        memory after the wake is not the expected one carries a note.
+        """
+        from twisted.internet import reactor
+
+        yield self.respawn("agent-gpus")
+        commands = ShardCommands(reactor, self.hub, SuspectPorts(), lambda: None)
+        port = free_port()
+        args = ["--sleep-seconds", "0.3", "--wake-seconds", "0.3"]
+        yield self.begin("s1", port, 1, args)
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s1"), 30)
+        yield self.until(lambda: self.used_mib() == [20 * GIB_MIB, 0], 15)
+        record = ShardRecord("s1", "gpu-01", (0,), port, 0, ShardState.READY)
+        result = yield commands.sleep("gpu-01", "s1", 1, record)
+        self.assertEqual((result.ok, result.error), (True, ""))
+        self.assertEqual(record.state, ShardState.SLEEPING)
+        self.assertEqual(self.states("s1")[-1], "SHARD_STATE_SLEEPING")
+        yield self.until(lambda: self.used_mib() == [int(1.5 * GIB_MIB), 0], 15)
+        _, _, body = yield threads.deferToThread(
+            http, "GET", f"http://127.0.0.1:{port}/is_sleeping"
+        )
+        self.assertEqual(json.loads(body), {"is_sleeping": True})
+
+        self.heard.statuses.clear()
+        yield self.respawn("agent-again")
+        (node,) = self.inventory.nodes()
+        self.assertEqual([s["state"] for s in node.shards], ["sleeping"])
+        result = yield commands.wake("gpu-01", "s1", record)
+        self.assertEqual((result.ok, result.error), (True, ""))
+        self.assertEqual(self.states("s1"), ["SHARD_STATE_WAKING", "SHARD_STATE_READY"])
+        self.assertEqual(record.state, ShardState.READY)
+        self.assertEqual(self.notes("s1"), [])
+        yield self.until(lambda: self.used_mib() == [20 * GIB_MIB, 0], 15)
+        status, _, _ = yield threads.deferToThread(
+            http,
+            "POST",
+            f"http://127.0.0.1:{port}/v1/completions",
+            json.dumps({"model": node.shards[0]["model"], "prompt": "p"}).encode(),
+            {"Authorization": "Bearer engine-key", "Content-Type": "application/json"},
+        )
+        self.assertEqual(status, 200)
+
+        # A second engine holding 23 GB where 20 are expected.
+        other = free_port()
+        yield self.begin("s2", other, 2, ["--gpu-memory-gb", "23"], gpu=1)
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s2"), 30)
+        yield commands.sleep("gpu-01", "s2", 2)
+        result = yield commands.wake("gpu-01", "s2")
+        self.assertTrue(result.ok)
+        self.assertEqual(
+            self.notes("s2"), ["gpu memory after wake: 23 GB held, expected 20 GB"]
+        )
+
+    @defer.inlineCallbacks
+    def test_refused_sleep_mode(self) -> Generator[Any, Any, None]:
+        """
+        An engine that refuses sleep mode at start as vLLM does on a CPU
+        is started again without it, the server told the engine's line;
+        a sleep is then refused with code C{sleep_refused}, the shard
+        still ready.
+        """
+        from twisted.internet import reactor
+
+        commands = ShardCommands(reactor, self.hub, SuspectPorts(), lambda: None)
+        port = free_port()
+        yield self.begin("s3", port, 1, ["--sleep-mode-unsupported"])
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s3"), 30)
+        self.assertEqual(
+            self.notes("s3"),
+            [
+                "sleep refused: ValueError: Sleep mode is not supported on current"
+                " platform."
+            ],
+        )
+        self.assertNotIn("SHARD_STATE_FAILED", self.states("s3"))
+        result = yield commands.sleep("gpu-01", "s3", 1)
+        self.assertEqual((result.ok, result.code), (False, "sleep_refused"))
+        self.assertIn("without sleep mode", result.error)
+        self.assertEqual(self.states("s3")[-1], "SHARD_STATE_READY")

@@ -273,3 +273,47 @@ class QueueTests(SwapCase):
             self.tick(1)
         self.assertIsNotNone(self.plane.replicas[c].draining_since)
         self.assertEqual(set(self.plane.swaps), {"b"})
+
+
+class PinAndSleepTests(SwapCase):
+    def test_pin_then_unpin(self) -> None:
+        """
+        Pinned at run time, C{a} is not evicted; unpinned, it is.
+        """
+        self.make(big("a"), big("b"), nodes=("n1",))
+        a = self.serve("a")
+        self.assertTrue(self.plane.pin("a", True).pinned)
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.tick(1)
+        self.assertEqual(self.agents.stops(), [])
+        self.assertFalse(self.plane.pin("a", False).pinned)
+        self.tick(1)
+        self.assertEqual(self.agents.stops(), [a + "-0"])
+        self.assertRaises(KeyError, self.plane.pin, "nope", True)
+
+    def test_sleeping_replica_holds_no_gpu(self) -> None:
+        """
+        A replica whose shard reports itself asleep is unpublished and
+        its GPU is free for placement (the live snapshot and a new one
+        alike); awake again, it holds it.
+        """
+        self.make(big("a"), nodes=("n1",))
+        a = self.serve("a")
+        self.assertEqual(len(self.endpoints()), 1)
+        self.status(a + "-0", pb.SHARD_STATE_SLEEPING)
+        self.plane.reconcile()
+        self.assertEqual(self.plane.replicas[a].state, "sleeping")
+        self.assertEqual(self.endpoints(), [])
+        for snapshot in (self.plane.snapshot(), self.plane._live_snapshot()):
+            (gpu,) = snapshot.fleet.get("n1").gpus
+            self.assertFalse(gpu.allocated)
+            self.assertIn(
+                self.plane.replicas[a].shards[0].port,
+                snapshot.fleet.get("n1").ports_in_use,
+            )
+        self.status(a + "-0", pb.SHARD_STATE_READY)
+        self.plane.reconcile()
+        (gpu,) = self.plane._live_snapshot().fleet.get("n1").gpus
+        self.assertTrue(gpu.allocated)
+        self.assertEqual(len(self.endpoints()), 1)

@@ -241,6 +241,25 @@ class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
         self.loop.kick()
         return state.model
 
+    def pin(self, name: str, pinned: bool) -> Model:
+        """
+        Mark a model pinned (never evicted to make room for another) or
+        not; kept until the server restarts.
+
+        @return: the model, changed.
+        @raise KeyError: no such model.
+        """
+        state = self.catalog.get(name)
+        if state is None:
+            raise KeyError(name)
+        state.model = replace(state.model, pinned=pinned)
+        self.log.info(
+            "model {model} {what}", model=name, what="pinned" if pinned else "unpinned"
+        )
+        self._changes.model(name)
+        self.loop.kick()
+        return state.model
+
     def _weights_in_use(self) -> Iterable[tuple[str, str]]:
         for state in self.catalog.states():
             for profile in state.model.profiles:

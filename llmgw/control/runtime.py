@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from llmgw.control.catalog import MAX_COUNT, Model
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.scaling import ModelState
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Standing
 
 
 class ModelCatalog:
@@ -59,6 +59,8 @@ class ModelCatalog:
         # (the fleet metrics' summary).
         self.activation_waits = 0
         self.activation_wait_seconds = 0.0
+        # Where a held request stands, by model (the control plane's).
+        self.standing: Callable[[str], Standing] = lambda model: Standing("")
 
     def resolve(self, name: str) -> str | None:
         """
@@ -138,11 +140,13 @@ class ModelCatalog:
         started = self.clock.seconds()
 
         def waited(result: object) -> object:
+            state.arrived.pop(waiter, None)
             self.activation_waits += 1
             self.activation_wait_seconds += self.clock.seconds() - started
             return result
 
         waiter.addBoth(waited)
+        state.arrived[waiter] = started
         state.waiters.append(waiter)
         self.waiting.add(state.model.name)
         self._changed()
@@ -173,6 +177,18 @@ class ModelCatalog:
         if not any(n.state == NodeState.READY for n in self.inventory.nodes()):
             return "no node is connected"
         return ""
+
+    def where(self, name: str) -> Standing:
+        """
+        @return: where a request held for C{name} (a model or an alias)
+            stands: what the control plane is doing for it (waking a
+            replica, evicting others, its place in the swap queue) and when
+            a replica is expected; C{Standing("")} when nothing is known.
+        """
+        model = self._names.get(name)
+        if model is None:
+            return Standing("")
+        return self.standing(model)
 
     def add(self, model: Model) -> None:
         """

@@ -59,6 +59,22 @@ class Shortfall:
     min_replicas: int
 
 
+@dataclass(frozen=True)
+class Standing:
+    """
+    Where a request held for a model stands (L{Activator}'s C{where}), for
+    its keep-alive comments and a C{Retry-After}.
+
+    @ivar words: a few words fit for a client, such as C{"evicting a (idle
+        12s) to make room"}.
+    @ivar eta_seconds: seconds until a replica is expected, or L{None}
+        when unknown.
+    """
+
+    words: str
+    eta_seconds: float | None = None
+
+
 class Readiness:
     """
     What the router knows of the catalog's readiness: the models below

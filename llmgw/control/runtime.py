@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from llmgw.control.catalog import MAX_COUNT, Model
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.scaling import ModelState
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Standing
 
 
 class ModelCatalog:
@@ -173,6 +173,13 @@ class ModelCatalog:
         if not any(n.state == NodeState.READY for n in self.inventory.nodes()):
             return "no node is connected"
         return ""
+
+    def where(self, name: str) -> Standing:
+        """
+        @return: where a request held for C{name} stands (for now only
+            L{why_not}'s words, no estimate).
+        """
+        return Standing(self.why_not(name))
 
     def add(self, model: Model) -> None:
         """

@@ -112,6 +112,7 @@ class PlaneCase(SynchronousTestCase):
         nodes: tuple[str, ...] = ("n1", "n2"),
         settings: ControlConfig = SETTINGS,
         touched: bool = False,
+        leave_timeout: float = 1800.0,
     ) -> None:
         self.clock = Clock()
         self.clock.advance(1000)
@@ -130,6 +131,7 @@ class PlaneCase(SynchronousTestCase):
             outstanding=lambda rid: self.in_flight.get(rid, 0),
             cut=lambda rid, why: self.cuts.append((rid, why)),
             touched=touched,
+            leave_timeout=leave_timeout,
         )
         for node in nodes:
             self.register(node)

@@ -37,14 +37,18 @@ class IdleFromCompletionTests(PlaneCase):
         self.assertEqual(self.agents.stops(), [second + "-0"])
         self.assertEqual(self.cuts, [])
 
-    def test_busy_surplus_is_not_cut_at_drain_timeout(self) -> None:
+    def busy_pair(self, leave_timeout: float = 1800.0) -> str:
         """
-        Both replicas carry a stream when the load is light long enough to
-        drop one: the one drained keeps its stream past drain_timeout
-        (30 s), and is stopped (its stream cut) only after idle_timeout
-        (100 s).
+        Two replicas each carrying a stream when the load is light long
+        enough (idle_timeout 100 s) to drop one.
+
+        @return: the id of the one drained.
         """
-        self.make(make_model(low=1, high=2, idle=100), nodes=("n1", "n2"))
+        self.make(
+            make_model(low=1, high=2, idle=100),
+            nodes=("n1", "n2"),
+            leave_timeout=leave_timeout,
+        )
         self.plane.scale("m", 2, 2)
         self.plane.reconcile()
         self.ready_all()
@@ -54,12 +58,33 @@ class IdleFromCompletionTests(PlaneCase):
             self.in_flight[replica] = 1
         self.tick(101, "n1", "n2")
         (drained,) = [r.id for r in self.plane.replicas.values() if r.draining_since]
-        self.tick(60, "n1", "n2")
+        return drained
+
+    def test_busy_surplus_leaves_when_its_stream_ends(self) -> None:
+        """
+        The replica drained by a scale-down keeps its stream past
+        drain_timeout (30 s) and idle_timeout (100 s), and is stopped once
+        it ends, nothing cut.
+        """
+        drained = self.busy_pair()
+        self.tick(300, "n1", "n2")
         self.assertEqual(self.agents.stops(), [])
-        self.assertEqual(self.cuts, [])
-        self.tick(41, "n1", "n2")
+        self.in_flight[drained] = 0
+        self.tick(1, "n1", "n2")
         self.assertEqual(self.agents.stops(), [drained + "-0"])
-        self.assertEqual(self.cuts, [(drained, "its drain ran out of time (100s)")])
+        self.assertEqual(self.cuts, [])
+
+    def test_busy_surplus_bounded_by_total_timeout(self) -> None:
+        """
+        A stream that never ends is cut at the router's total_timeout
+        (here 400 s), not at drain_timeout.
+        """
+        drained = self.busy_pair(leave_timeout=400)
+        self.tick(390, "n1", "n2")
+        self.assertEqual(self.agents.stops(), [])
+        self.tick(11, "n1", "n2")
+        self.assertEqual(self.agents.stops(), [drained + "-0"])
+        self.assertEqual(self.cuts, [(drained, "its drain ran out of time (400s)")])
 
 
 class CutTests(PlaneCase):

@@ -404,8 +404,9 @@ class Draining:
         it.
 
         @param patience: seconds its requests in flight may take, when
-            more than C{[control] drain_timeout} (a scale-down waits out a
-            model's C{idle_timeout} rather than cut a stream).
+            more than C{[control] drain_timeout} (a scale-down or an
+            eviction waits up to the router's C{total_timeout} rather than
+            cut a stream).
         @return: whether it started draining (was not already).
         """
         if replica.draining_since is not None:

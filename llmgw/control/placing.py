@@ -13,7 +13,7 @@ from twisted.logger import Logger
 from llmgw.control.catalog import Model
 from llmgw.control.commands import ShardCommands
 from llmgw.control.inventory import Inventory
-from llmgw.control.placement import NoFit, Plan, place
+from llmgw.control.placement import Fleet, NoFit, Plan, place
 from llmgw.control.publishing import host
 from llmgw.control.records import PlaneCounts, ReplicaRecord, ShardRecord
 from llmgw.control.scaling import ModelState
@@ -40,6 +40,25 @@ class Placing:
     def _live_snapshot(self) -> Snapshot:
         raise NotImplementedError()
 
+    def _fleet_for(self, name: str, snapshot: Snapshot) -> Fleet:
+        raise NotImplementedError()
+
+    def _swap_waits(self, name: str, now: float) -> bool:
+        raise NotImplementedError()
+
+    def _swap_done(self, name: str, placed: bool) -> None:
+        raise NotImplementedError()
+
+    def _evict_for(
+        self,
+        state: ModelState,
+        now: float,
+        snapshot: Snapshot,
+        spread: frozenset[str],
+        no_fit: NoFit,
+    ) -> bool:
+        raise NotImplementedError()
+
     def _place_missing(
         self,
         state: ModelState,
@@ -50,17 +69,29 @@ class Placing:
     ) -> Snapshot:
         """
         Place the replicas C{state}'s model lacks: C{want} less those of
-        C{live} staying (not leaving).
+        C{live} staying (not leaving).  One with requests held that fits
+        nowhere has room made for it (L{llmgw.control.swaps}), and waits
+        for its eviction's victims to go.
         """
+        name = state.model.name
+        if self._swap_waits(name, now):
+            return snapshot or self._live_snapshot()
         if snapshot is None:
             snapshot = self._live_snapshot()
         spread = {s.node for r in live for s in r.shards}
         staying = sum(1 for r in live if r.leaving_since is None)
         for _ in range(want - staying):
             result = place(
-                state.model.profiles, snapshot.fleet, self.ports, frozenset(spread)
+                state.model.profiles,
+                self._fleet_for(name, snapshot),
+                self.ports,
+                frozenset(spread),
             )
             if isinstance(result, NoFit):
+                self._swap_done(name, placed=False)
+                if self._evict_for(state, now, snapshot, frozenset(spread), result):
+                    state.no_fit = result
+                    break
                 self.counts.no_fit(result.lines())
                 if state.no_fit != result:
                     state.last_error = "no place for a replica: " + "; ".join(
@@ -72,9 +103,14 @@ class Placing:
                         why="; ".join(result.lines()),
                     )
                 state.no_fit = result
-                state.retry_at = now + self.settings.base_backoff
+                backoff = self.settings.base_backoff
+                if state.waiters and self.settings.evict:
+                    # Room may be made soon (min_resident, a stream ending).
+                    backoff = min(backoff, self.settings.interval)
+                state.retry_at = now + backoff
                 break
             state.no_fit = None
+            self._swap_done(name, placed=True)
             self._start(state.model, result, now)
             snapshot.take(result)
             spread.update(s.node for s in result.shards)

@@ -73,6 +73,7 @@ from llmgw.control.snapshot import (
     SuspectPorts,
     warn_ephemeral,
 )
+from llmgw.control.swaps import Swapping
 from llmgw.control.weights import WeightsCollector
 from llmgw.router.interfaces import Endpoint, Shortfall
 from llmgw.wire.states import ShardState
@@ -91,7 +92,7 @@ def _gone_why(replica: ReplicaRecord) -> str:
     return "it stopped"
 
 
-class ControlPlane(AgentReports, Publishing, Draining, Placing):
+class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
     """
     Keeps each catalog model's replicas running.
 
@@ -117,6 +118,10 @@ class ControlPlane(AgentReports, Publishing, Draining, Placing):
         as L{llmgw.router} does: then a pass reads requests in flight only
         for the models touched or unsettled (L{llmgw.control.changes});
         else it asks every replica's C{outstanding} each pass.
+    @param leave_timeout: seconds a replica leaving by scale-down,
+        eviction or sleep waits for its requests in flight to end (the
+        router's C{total_timeout}; 0: no bound); an operator's drain
+        waits C{[control] drain_timeout}.
     @ivar catalog: the catalog at run time, and the router's side.
     @ivar replicas: the records, by replica id; read-only outside.
     @ivar failed: each model's last failed replica, with its error and
@@ -141,8 +146,10 @@ class ControlPlane(AgentReports, Publishing, Draining, Placing):
         cut: Callable[[str, str], object] = lambda replica_id, why: 0,
         touched: bool = False,
         publish_shortfalls: Callable[[tuple[Shortfall, ...]], None] = lambda s: None,
+        leave_timeout: float = 1800.0,
     ) -> None:
         self.clock = clock
+        self.leave_timeout = leave_timeout if leave_timeout > 0 else float("inf")
         self.inventory = inventory
         self.commands = commands
         self.settings = settings
@@ -182,6 +189,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Placing):
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
         self.counts = PlaneCounts()
         self._init_publishing()
+        self._init_swapping()
 
     def _catalog_changed(self) -> None:
         self._changes.all()
@@ -233,6 +241,25 @@ class ControlPlane(AgentReports, Publishing, Draining, Placing):
         self.loop.kick()
         return state.model
 
+    def pin(self, name: str, pinned: bool) -> Model:
+        """
+        Mark a model pinned (never evicted to make room for another) or
+        not; kept until the server restarts.
+
+        @return: the model, changed.
+        @raise KeyError: no such model.
+        """
+        state = self.catalog.get(name)
+        if state is None:
+            raise KeyError(name)
+        state.model = replace(state.model, pinned=pinned)
+        self.log.info(
+            "model {model} {what}", model=name, what="pinned" if pinned else "unpinned"
+        )
+        self._changes.model(name)
+        self.loop.kick()
+        return state.model
+
     def _weights_in_use(self) -> Iterable[tuple[str, str]]:
         for state in self.catalog.states():
             for profile in state.model.profiles:
@@ -281,8 +308,10 @@ class ControlPlane(AgentReports, Publishing, Draining, Placing):
         for name in [m for m in self.failed if m not in self.catalog]:
             del self.failed[name]
         snapshot: Snapshot | None = None
+        # Models with requests held first, the oldest held first (swaps).
         for name in sorted(
-            (m for m in work if m in self.catalog), key=self.catalog.position
+            (m for m in work if m in self.catalog),
+            key=lambda m: (self._held_order(m), self.catalog.position(m)),
         ):
             state = self.catalog[name]
             try:
@@ -386,6 +415,11 @@ class ControlPlane(AgentReports, Publishing, Draining, Placing):
             return
         model = self.catalog.get(replica.model)
         if replica.state == ReplicaState.READY:
+            if replica.ready_at is None:
+                replica.ready_at = now
+                if not replica.adopted:
+                    seconds = now - replica.created
+                    self.counts.observed("cold_start", replica.model, seconds)
             if model is not None:
                 scaling.recovered(model, replica.created)
             gone = self.failed.get(replica.model)
@@ -549,11 +583,12 @@ class ControlPlane(AgentReports, Publishing, Draining, Placing):
         staying = [r for r in live if r.leaving_since is None]
         if len(staying) > want:
             for replica in scaling.surplus(staying, want, self._outstanding):
-                # A stream on it is waited for up to idle_timeout.
+                # A stream on it is never cut: it leaves once its last
+                # request ends (up to the router's total_timeout).
                 self._drain(
                     replica,
                     f"{len(staying)} replicas, {want} wanted",
-                    state.model.idle_timeout,
+                    self.leave_timeout,
                 )
         elif len(staying) == want:
             state.no_fit = None

@@ -54,6 +54,8 @@ class ReplicaState(StrEnum):
     READY = "ready"
     DRAINING = "draining"
     FAILED = "failed"
+    SLEEPING = "sleeping"
+    WAKING = "waking"
 
 
 @dataclass
@@ -107,6 +109,13 @@ class ReplicaRecord:
         fewer ready replicas than C{min_replicas} and no room for a
         replacement (the drain that asked was checked for that; one kept
         across a restart was not).
+    @ivar resident_since: reactor seconds when it was last started or
+        woken (its model's C{min_resident} counts from then).
+    @ivar ready_at: reactor seconds when it was first ready, or L{None}.
+    @ivar sleep_at: reactor seconds when it was told to sleep, or L{None}
+        (awake, or woken).
+    @ivar wake_at: reactor seconds when it was told to wake, or L{None}
+        (not waking).
     """
 
     id: str
@@ -124,17 +133,30 @@ class ReplicaRecord:
     leaving_since: float | None = None
     leaving_reason: str = ""
     leaving_hold: bool = False
+    resident_since: float = 0.0
+    ready_at: float | None = None
+    sleep_at: float | None = None
+    wake_at: float | None = None
 
     @property
     def state(self) -> ReplicaState:
         """
-        C{draining}, C{failed} (a shard failed or was lost), C{ready} (all
-        shards are), or C{starting}.
+        C{draining}, C{failed} (a shard failed or was lost), C{waking}
+        (told to wake, or a shard waking), C{sleeping} (told to sleep, or
+        every shard asleep), C{ready} (all shards are), or C{starting}.
         """
         if self.draining_since is not None:
             return ReplicaState.DRAINING
         if self.error or any(s.state.gone for s in self.shards):
             return ReplicaState.FAILED
+        if self.wake_at is not None or any(
+            s.state == ShardState.WAKING for s in self.shards
+        ):
+            return ReplicaState.WAKING
+        if self.sleep_at is not None or (
+            self.shards and all(s.state == ShardState.SLEEPING for s in self.shards)
+        ):
+            return ReplicaState.SLEEPING
         if (
             len(self.shards) == self.profile.nodes
             and all(s.state == ShardState.READY for s in self.shards)
@@ -215,11 +237,22 @@ class PlaneCounts:
     @ivar engine_failures: replicas failed (not drained), by model.
     @ivar placement_failures: placements that found no fit, by kind of
         cause (L{no_fit_kinds}); one placement may count under several.
+    @ivar swaps: replicas swapped out, by (model, reason): C{"evicted"}
+        (stopped to make room), C{"slept"} (put to sleep to make room),
+        C{"idle_sleep"} (asleep after C{idle_timeout}).
+    @ivar wake_seconds: per model, the seconds each wake took.
+    @ivar sleep_seconds: per model, the seconds each sleep took.
+    @ivar cold_start_seconds: per model, the seconds from placement to
+        ready of each replica started.
     """
 
     engine_starts: dict[str, int] = field(default_factory=dict)
     engine_failures: dict[str, int] = field(default_factory=dict)
     placement_failures: dict[str, int] = field(default_factory=dict)
+    swaps: dict[tuple[str, str], int] = field(default_factory=dict)
+    wake_seconds: dict[str, list[float]] = field(default_factory=dict)
+    sleep_seconds: dict[str, list[float]] = field(default_factory=dict)
+    cold_start_seconds: dict[str, list[float]] = field(default_factory=dict)
 
     def started(self, model: str) -> None:
         self.engine_starts[model] = self.engine_starts.get(model, 0) + 1
@@ -231,3 +264,36 @@ class PlaneCounts:
         for kind in no_fit_kinds(lines):
             count = self.placement_failures.get(kind, 0)
             self.placement_failures[kind] = count + 1
+
+    def swapped(self, model: str, reason: str) -> None:
+        """
+        A replica of C{model} was swapped out for C{reason} (one of
+        C{"evicted"}, C{"slept"}, C{"idle_sleep"}).
+
+        @raise ValueError: another reason.
+        """
+        if reason not in SWAP_REASONS:
+            raise ValueError(f"swap reason {reason!r}: expected one of {SWAP_REASONS}")
+        self.swaps[model, reason] = self.swaps.get((model, reason), 0) + 1
+
+    def observed(self, kind: str, model: str, seconds: float) -> None:
+        """
+        A wake, sleep or cold start (C{kind}: C{"wake"}, C{"sleep"},
+        C{"cold_start"}) of a replica of C{model} took C{seconds}.
+
+        @raise ValueError: another kind.
+        """
+        lists = {
+            "wake": self.wake_seconds,
+            "sleep": self.sleep_seconds,
+            "cold_start": self.cold_start_seconds,
+        }
+        if kind not in lists:
+            raise ValueError(f"observed kind {kind!r}: expected one of {sorted(lists)}")
+        lists[kind].setdefault(model, []).append(seconds)
+
+
+SWAP_REASONS = ("evicted", "slept", "idle_sleep")
+"""
+Why a replica was swapped out (L{PlaneCounts.swapped}).
+"""

@@ -59,6 +59,8 @@ class ModelCatalog:
         # (the fleet metrics' summary).
         self.activation_waits = 0
         self.activation_wait_seconds = 0.0
+        # Where a held request stands, by model (the control plane's).
+        self.standing: Callable[[str], Standing] = lambda model: Standing("")
 
     def resolve(self, name: str) -> str | None:
         """
@@ -138,11 +140,13 @@ class ModelCatalog:
         started = self.clock.seconds()
 
         def waited(result: object) -> object:
+            state.arrived.pop(waiter, None)
             self.activation_waits += 1
             self.activation_wait_seconds += self.clock.seconds() - started
             return result
 
         waiter.addBoth(waited)
+        state.arrived[waiter] = started
         state.waiters.append(waiter)
         self.waiting.add(state.model.name)
         self._changed()
@@ -176,10 +180,15 @@ class ModelCatalog:
 
     def where(self, name: str) -> Standing:
         """
-        @return: where a request held for C{name} stands (for now only
-            L{why_not}'s words, no estimate).
+        @return: where a request held for C{name} (a model or an alias)
+            stands: what the control plane is doing for it (waking a
+            replica, evicting others, its place in the swap queue) and when
+            a replica is expected; C{Standing("")} when nothing is known.
         """
-        return Standing(self.why_not(name))
+        model = self._names.get(name)
+        if model is None:
+            return Standing("")
+        return self.standing(model)
 
     def add(self, model: Model) -> None:
         """

@@ -39,6 +39,7 @@ class ModelState:
     @ivar failures: replicas failed in a row.
     @ivar retry_at: reactor seconds before which nothing is placed.
     @ivar waiters: requests waiting for a ready replica.
+    @ivar arrived: reactor seconds each of C{waiters} came at.
     """
 
     model: Model
@@ -51,6 +52,15 @@ class ModelState:
     last_error: str = ""
     no_fit: NoFit | None = None
     waiters: list[Deferred[None]] = field(default_factory=list)
+    arrived: dict[Deferred[None], float] = field(default_factory=dict)
+
+    def oldest_wait(self) -> float | None:
+        """
+        @return: reactor seconds when the oldest request waiting came, or
+            L{None} when none waits.
+        """
+        times = [self.arrived[d] for d in self.waiters if d in self.arrived]
+        return min(times) if times else None
 
 
 def bounded(model: Model, wanted: int) -> int:

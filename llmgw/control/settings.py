@@ -15,6 +15,7 @@ from llmgw.config_checks import (
     DURATION,
     ConfigError,
     Table,
+    check_bool,
     check_keys,
     parse_duration,
     setting,
@@ -45,6 +46,13 @@ class ControlConfig:
     @ivar interval: seconds between reconciler passes when nothing kicks.
     @ivar scale_up_in_flight: requests in flight per ready replica above
         which a model gets one more replica (up to C{max_replicas}).
+    @ivar evict: whether a request held for a model that fits nowhere
+        frees room by stopping (or putting to sleep) idle replicas of
+        other models (L{llmgw.control.eviction}).
+    @ivar swap_max_wait: the longest a held request is passed over while
+        the replicas holding its room are busy; after it they are evicted
+        too, leaving once their requests end.  0: a busy replica is never
+        evicted.
     """
 
     unreachable_after: float = setting(
@@ -104,6 +112,21 @@ class ControlConfig:
         "Requests in flight per ready replica above which a model gets one"
         " more replica (up to its max_replicas).",
     )
+    evict: bool = setting(
+        True,
+        "boolean",
+        "A request held for a model that fits nowhere frees room: idle"
+        " replicas of other models are stopped, or put to sleep where their"
+        " profile says so (never a pinned model's, never below min_replicas,"
+        " never before min_resident).",
+    )
+    swap_max_wait: float = setting(
+        30.0,
+        DURATION,
+        "The longest a held request is passed over while the replicas holding"
+        " its room are busy: then they take no new requests and leave once"
+        ' their streams end ("0s": a busy replica is never evicted).',
+    )
 
 
 CONTROL_TABLE = Table(
@@ -136,6 +159,8 @@ def parse_control(table: object) -> ControlConfig:
                 f"control.scale_up_in_flight: expected a number from 1, got {level!r}"
             )
         values["scale_up_in_flight"] = float(level)
+    if "evict" in table:
+        values["evict"] = check_bool("control.evict", table["evict"])
     for key, value in table.items():
         if key in durations:
             values[key] = parse_duration(f"control.{key}", value)

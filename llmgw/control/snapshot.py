@@ -13,7 +13,7 @@ from twisted.logger import Logger
 
 from llmgw.control.inventory import Inventory, Node, NodeState
 from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
-from llmgw.control.records import ReplicaRecord, ShardRecord
+from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 
 SUSPECT_PORT_SECONDS = 600.0
 """
@@ -249,10 +249,14 @@ class Snapshot:
                 if port:
                     ports.setdefault(address.get(node_id, node_id), set()).add(port)
         for replica in replicas:
+            asleep = replica.state == ReplicaState.SLEEPING
             for shard in replica.shards:
                 if shard.state.gone:
                     continue
-                taken.setdefault(shard.node, set()).update(shard.gpus)
+                # A sleeping engine holds no GPU allocation (what memory it
+                # keeps its agent reports), only its port.
+                if not asleep:
+                    taken.setdefault(shard.node, set()).update(shard.gpus)
                 key = address.get(shard.node, shard.node)
                 ports.setdefault(key, set()).add(shard.port)
                 if shard.rank == 0 and replica.rendezvous_port:
@@ -367,7 +371,8 @@ class LiveSnapshot(Snapshot):
                 for replica, shard in shards_on(peer.id):
                     if shard.state.gone:
                         continue
-                    taken.update(shard.gpus)
+                    if replica.state != ReplicaState.SLEEPING:
+                        taken.update(shard.gpus)
                     busy.add(shard.port)
                     if shard.rank == 0 and replica.rendezvous_port:
                         busy.add(replica.rendezvous_port)

@@ -178,14 +178,22 @@ def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
 def explain(plane: ControlPlane, name: str) -> dict[str, Any]:
     """
     @return: where a replica of the model would go now, or why it cannot
-        go anywhere: one line per profile and node.
+        go anywhere: one line per profile and node; under C{"eviction"},
+        what was last evicted to make room for it and why (C{""}: none).
     @raise KeyError: not a catalog name.
     """
     model = plane.catalog[name].model
     result = place(model.profiles, plane.snapshot().fleet, plane.ports)
+    evicted = plane.evicted.get(model.name, "")
     if isinstance(result, NoFit):
-        return {"model": model.name, "fits": False, "reasons": result.lines()}
+        return {
+            "model": model.name,
+            "fits": False,
+            "reasons": result.lines(),
+            "eviction": evicted,
+        }
     return {
+        "eviction": evicted,
         "model": model.name,
         "fits": True,
         "profile": result.profile.name,

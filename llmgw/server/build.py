@@ -289,6 +289,9 @@ def control_plane(
         # The router touches each model at a request's arrival and end.
         touched=True,
         publish_shortfalls=publish_shortfalls,
+        # Scale-down, eviction and sleep wait for streams as long as the
+        # router lets one run.
+        leave_timeout=config.router.total_timeout,
     )
     failures = FailureTap(plane, time.time)
     hub.listener = failures

@@ -1,0 +1,342 @@
+"""
+Swaps (L{llmgw.control.plane}; docs/catalog.md, "Eviction"): a request
+held for a model that fits nowhere has room made for it by evicting
+replicas of other models (the policy is L{llmgw.control.eviction}).
+
+One eviction per held model at a time (a L{Swap}): its victims are
+unpublished at once and leave when their last request ends (bounded by
+the router's C{total_timeout}), and the GPUs the held model's plan needs
+are kept for it meanwhile: other models' placements see them allocated.
+Once the victims are gone the held model is placed there, the memory they
+held counted free until their node's next report says so.  Held models
+are served in the order their oldest requests came (the pass places them
+first, oldest first).
+
+Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from llmgw.control import eviction
+from llmgw.control.eviction import Candidate, Place
+from llmgw.control.inventory import Inventory
+from llmgw.control.placement import Fleet, NodeView, NoFit
+from llmgw.control.records import PlaneCounts, ReplicaRecord, ReplicaState
+from llmgw.control.runtime import ModelCatalog
+from llmgw.control.scaling import ModelState
+from llmgw.control.settings import ControlConfig
+from llmgw.control.snapshot import Snapshot
+from llmgw.router.interfaces import Standing
+
+
+@dataclass
+class Swap:
+    """
+    An eviction under way for a held model.
+
+    @ivar model: the held model.
+    @ivar victims: the ids of the replicas evicted for it.
+    @ivar room: per node, the GPU indices kept for it.
+    @ivar freed_mib: per node and GPU index, the memory its victims held
+        (counted free once they are gone, until the node reports again).
+    @ivar since: reactor seconds when the eviction began.
+    @ivar words: what was evicted and why, for logs, the placement's
+        explanation and a held request's standing.
+    @ivar gone_at: reactor seconds when the last victim went, or L{None}.
+    """
+
+    model: str
+    victims: tuple[str, ...]
+    room: dict[str, set[int]]
+    freed_mib: dict[str, dict[int, int]]
+    since: float
+    words: str
+    gone_at: float | None = None
+    asleep: set[str] = field(default_factory=set)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10)
+    return f"{n}{suffix or 'th'}"
+
+
+class Swapping:
+    """
+    The swap half of L{llmgw.control.plane.ControlPlane}, which provides
+    the attributes declared here and calls L{_init_swapping}.
+
+    @ivar swaps: the evictions under way, by held model.
+    @ivar evicted: per model, the words of its last eviction (kept for
+        the placement's explanation after it is placed).
+    """
+
+    log: Logger
+    clock: IReactorTime
+    inventory: Inventory
+    settings: ControlConfig
+    catalog: ModelCatalog
+    counts: PlaneCounts
+    ports: range
+    replicas: dict[str, ReplicaRecord]
+    leave_timeout: float
+    _by_model: dict[str, dict[str, ReplicaRecord]]
+    _outstanding: Callable[[str], int]
+
+    def _drain(self, replica: ReplicaRecord, why: str, patience: float = 0.0) -> bool:
+        raise NotImplementedError()
+
+    def _init_swapping(self) -> None:
+        self.swaps: dict[str, Swap] = {}
+        self.evicted: dict[str, str] = {}
+        self.catalog.standing = self._standing
+
+    def _fleet_for(self, name: str, snapshot: Snapshot) -> Fleet:
+        """
+        @return: the fleet as placement sees it for model C{name}: the
+            room kept for another model's eviction allocated; its own,
+            once its victims are gone, with the memory they held free
+            until their node reports again.
+        """
+        if not self.swaps:
+            return snapshot.fleet
+        others: dict[str, set[int]] = {}
+        for swap in self.swaps.values():
+            if swap.model != name:
+                for node, gpus in swap.room.items():
+                    others.setdefault(node, set()).update(gpus)
+        nodes = eviction.reserved(snapshot.fleet.nodes(), others)
+        own = self.swaps.get(name)
+        if own is not None and own.gone_at is not None:
+            views = []
+            for view in nodes:
+                found = self.inventory.get(view.id)
+                freed = own.freed_mib.get(view.id)
+                if freed and found is not None and found.heard <= own.gone_at:
+                    views.append(_discounted(view, freed))
+                else:
+                    views.append(view)
+            nodes = views
+        return Fleet(nodes)
+
+    def _swap_waits(self, name: str, now: float) -> bool:
+        """
+        @return: whether model C{name} waits for its eviction's victims
+            to go (not yet gone or asleep); sets the swap's C{gone_at}
+            once they are.
+        """
+        swap = self.swaps.get(name)
+        if swap is None:
+            return False
+        if name not in self.catalog:
+            del self.swaps[name]
+            return False
+        for replica_id in swap.victims:
+            replica = self.replicas.get(replica_id)
+            if replica is not None and not (
+                replica_id in swap.asleep
+                and replica.state == ReplicaState.SLEEPING
+                and replica.sleep_at is None
+            ):
+                return True
+        if swap.gone_at is None:
+            swap.gone_at = now
+        return False
+
+    def _swap_done(self, name: str, placed: bool) -> None:
+        """
+        Model C{name} was placed (C{placed}) or found no room even in
+        what its eviction freed: its swap ends.
+        """
+        swap = self.swaps.pop(name, None)
+        if swap is not None and not placed:
+            self.log.warn(
+                "model {model}: the room its eviction freed ({words}) does not"
+                " fit it now",
+                model=name,
+                words=swap.words,
+            )
+
+    def _evict_for(
+        self,
+        state: ModelState,
+        now: float,
+        snapshot: Snapshot,
+        spread: frozenset[str],
+        no_fit: NoFit,
+    ) -> bool:
+        """
+        C{state}'s model has requests held and fits nowhere: evict what
+        makes room for it, if anything does (L{eviction}).
+
+        @return: whether an eviction began.
+        """
+        name = state.model.name
+        if not self.settings.evict or not state.waiters or name in self.swaps:
+            return False
+        oldest = state.oldest_wait()
+        busy_too = (
+            self.settings.swap_max_wait > 0
+            and oldest is not None
+            and now - oldest >= self.settings.swap_max_wait
+        )
+        candidates, spare = self._candidates(name, now)
+        ordered = eviction.eligible(candidates, now, spare, busy_too)
+        fleet = self._fleet_for(name, snapshot)
+        chosen = eviction.choose(
+            state.model.profiles, fleet.nodes(), self.ports, ordered, spread
+        )
+        if chosen is None:
+            return False
+        parts = []
+        for victim in chosen.victims:
+            idle = now - victim.last_used
+            busy = f", {victim.in_flight} in flight" if victim.in_flight else ""
+            parts.append(f"{victim.model} (idle {idle:.0f}s{busy})")
+        words = "evicting " + ", ".join(parts) + " to make room"
+        room: dict[str, set[int]] = {}
+        for shard in chosen.plan.shards:
+            room.setdefault(shard.node, set()).update(shard.gpus)
+        freed: dict[str, dict[int, int]] = {}
+        for victim in chosen.victims:
+            for held in victim.places:
+                on = freed.setdefault(held.node, {})
+                for index in held.gpus:
+                    on[index] = on.get(index, 0) + victim.freed_mib
+        swap = Swap(
+            name, tuple(v.replica for v in chosen.victims), room, freed, now, words
+        )
+        self.swaps[name] = swap
+        self.evicted[name] = words
+        why = f"{name} fits nowhere ({'; '.join(no_fit.lines()[:2])})"
+        for victim in chosen.victims:
+            replica = self.replicas[victim.replica]
+            self.log.info(
+                "evicting replica {replica} of {victim} (idle {idle:.0f}s, priority"
+                " {priority}) for {model}: {why}",
+                replica=replica.id,
+                victim=victim.model,
+                idle=now - victim.last_used,
+                priority=victim.priority,
+                model=name,
+                why=why,
+            )
+            self._swap_out(replica, name, victim.sleeps)
+        return True
+
+    def _swap_out(self, replica: ReplicaRecord, model: str, sleeps: bool) -> None:
+        """
+        Evict C{replica} to make room for C{model}: it takes no new
+        requests and stops once its last one ends.
+        """
+        self.counts.swapped(replica.model, "evicted")
+        self._drain(replica, f"evicted to make room for {model}", self.leave_timeout)
+
+    def _candidates(
+        self, holder: str, now: float
+    ) -> tuple[list[Candidate], dict[str, int]]:
+        """
+        @return: the ready replicas of models other than C{holder}, not
+            leaving, as eviction candidates; and per model how many may go
+            (its ready replicas over its C{min_replicas}).
+        """
+        candidates = []
+        spare = {}
+        for name, replicas in self._by_model.items():
+            state = self.catalog.get(name)
+            if name == holder or state is None:
+                continue
+            model = state.model
+            ready = [
+                r
+                for r in replicas.values()
+                if r.state == ReplicaState.READY and r.leaving_since is None
+            ]
+            spare[name] = len(ready) - model.min_replicas
+            for replica in ready:
+                candidates.append(
+                    Candidate(
+                        replica=replica.id,
+                        model=name,
+                        priority=model.priority,
+                        pinned=model.pinned,
+                        min_resident=model.min_resident,
+                        last_used=state.last_used,
+                        resident_since=replica.resident_since or replica.created,
+                        in_flight=self._outstanding(replica.id),
+                        places=tuple(
+                            Place(s.node, s.gpus, s.port) for s in replica.shards
+                        ),
+                        gpu_memory_gb=replica.profile.gpu_memory_gb,
+                    )
+                )
+        return candidates, spare
+
+    def _held_order(self, name: str) -> tuple[float, float]:
+        """
+        @return: a sort key for a pass's models: those with requests held
+            first, the oldest held first.
+        """
+        state = self.catalog.get(name)
+        oldest = state.oldest_wait() if state is not None else None
+        return (0.0, oldest) if oldest is not None else (1.0, 0.0)
+
+    def _standing(self, name: str) -> Standing:
+        """
+        @return: where a request held for model C{name} stands (see
+            L{ModelCatalog.where}).
+        """
+        state = self.catalog.get(name)
+        if state is None:
+            return Standing("")
+        starts = self.counts.cold_start_seconds.get(name)
+        eta = sum(starts) / len(starts) if starts else None
+        swap = self.swaps.get(name)
+        if swap is not None:
+            return Standing(swap.words, eta)
+        for replica in self._by_model.get(name, {}).values():
+            if replica.state == ReplicaState.WAKING:
+                wakes = self.counts.wake_seconds.get(name)
+                return Standing(
+                    f"waking replica {replica.id}",
+                    sum(wakes) / len(wakes) if wakes else None,
+                )
+            if replica.state == ReplicaState.STARTING:
+                return Standing(f"starting replica {replica.id}", eta)
+        if state.no_fit is not None and state.waiters:
+            ahead = [
+                s.model.name
+                for s in self.catalog.states()
+                if s is not state
+                and s.waiters
+                and s.no_fit is not None
+                and self._held_order(s.model.name) < self._held_order(name)
+            ]
+            if ahead:
+                return Standing(
+                    f"{_ordinal(len(ahead) + 1)} in the swap queue, behind"
+                    f" {', '.join(ahead)}"
+                )
+            return Standing("waiting for room: what holds it is busy or pinned")
+        return Standing("")
+
+
+def _discounted(view: NodeView, freed: dict[int, int]) -> NodeView:
+    """
+    @return: C{view} with C{freed} (MiB per GPU index) taken off the
+        memory its GPUs report used.
+    """
+    return replace(
+        view,
+        gpus=tuple(
+            replace(g, memory_used_mib=max(0, g.memory_used_mib - freed[g.index]))
+            if g.index in freed
+            else g
+            for g in view.gpus
+        ),
+    )

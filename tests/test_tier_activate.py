@@ -12,8 +12,7 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web._newclient import ResponseNeverReceived
-from twisted.web.client import ResponseDone
+from twisted.web.client import ResponseDone, ResponseNeverReceived
 
 from llmgw.router.interfaces import Standing
 from llmgw.tier.activate import RemoteActivator
@@ -97,4 +96,5 @@ class RemoteActivatorTests(SynchronousTestCase):
         control.posts[0].callback((200, {"ready": "chat"}))
         activator.set_names({"chat": "chat"})
         waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)
         self.assertEqual(activator.where("chat"), Standing(""))

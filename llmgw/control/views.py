@@ -12,7 +12,12 @@ from typing import Any
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import NoFit, place
 from llmgw.control.plane import ControlPlane
-from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+from llmgw.control.records import (
+    SWAP_REASONS,
+    ReplicaRecord,
+    ReplicaState,
+    ShardRecord,
+)
 
 GIB = 1024**3
 
@@ -162,11 +167,21 @@ def count_states(states: Iterable[str]) -> dict[str, int]:
     return counts
 
 
+def swaps_of(plane: ControlPlane, model: str) -> dict[str, int]:
+    """
+    @return: the model's replicas swapped out since the server started,
+        by reason (L{SWAP_REASONS}: each, 0 until counted), as
+        C{llmgw_swaps_total} counts them.
+    """
+    swaps = plane.counts.swaps
+    return {reason: swaps.get((model, reason), 0) for reason in SWAP_REASONS}
+
+
 def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
     """
     @return: each catalog model with its desired, ready and sleeping
-        counts, and C{pinned}, C{priority} and C{min_resident} (seconds)
-        as they are now.
+        counts, C{pinned}, C{priority} and C{min_resident} (seconds) as
+        they are now, and its C{swaps} by reason (L{swaps_of}).
     """
     now = plane.clock.seconds()
     out = []
@@ -186,6 +201,7 @@ def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
                 "sleeping": sum(
                     1 for r in replicas if r.state == ReplicaState.SLEEPING
                 ),
+                "swaps": swaps_of(plane, model.name),
                 "desired": plane.desired(state, now),
                 "ready": sum(1 for r in replicas if r.state == ReplicaState.READY),
                 "replicas": len(replicas),

@@ -33,6 +33,11 @@ class _Activator:
     def where(self, name: str) -> Standing:
         return self.standing
 
+    def why_not(self, name: str) -> str:
+        return self.why
+
+    why = ""
+
     def activate(self, name: str) -> Deferred[None]:
         d: Deferred[None] = Deferred()
         self.asked.append(d)
@@ -133,7 +138,7 @@ class ActivationWaitTests(SynchronousTestCase):
     def test_keepalive_says_where(self) -> None:
         """
         Each keep-alive comment says where the request stands as the
-        activator says it then.
+        activator says it then; with no words of where, why not.
         """
         clock = Clock()
         wait, activator = _wait(
@@ -146,12 +151,16 @@ class ActivationWaitTests(SynchronousTestCase):
         clock.advance(1)
         activator.standing = Standing("2nd in the swap queue, behind b")
         clock.advance(1)
+        activator.standing = Standing("", 5.0)
+        activator.why = "no node is connected"
+        clock.advance(1)
         self.assertEqual(
             lines,
             [
                 b": waiting for a replica to start\n\n",
                 b": waiting for model m: evicting a (idle 12s) to make room\n\n",
                 b": waiting for model m: 2nd in the swap queue, behind b\n\n",
+                b": waiting for model m: no node is connected\n\n",
             ],
         )
         activator.asked[0].callback(None)

@@ -122,7 +122,8 @@ class WatchRoutes:
         """
         Where a request held for C{name} stands
         (L{llmgw.router.interfaces.Activator.where}): C{{"model", "ready":
-        bool, "words": str, "eta_seconds": float | null}}; a router of a
+        bool, "words": str, "eta_seconds": float | null}} (the words why
+        no replica is ready when the plane has none of where); a router of a
         tier says it in a waiting stream's keep-alive comments and sets
         C{Retry-After} from it.
         """
@@ -136,7 +137,7 @@ class WatchRoutes:
             {
                 "model": model,
                 "ready": watch.serves(model),
-                "words": where.words,
+                "words": where.words or plane.catalog.why_not(model),
                 "eta_seconds": where.eta_seconds,
             },
         )

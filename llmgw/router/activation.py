@@ -178,11 +178,15 @@ class ActivationWait:
 
     def standing(self) -> Standing:
         """
-        @return: where the request stands (L{Activator.where}); an empty
-            L{Standing} if the activator failed to say.
+        @return: where the request stands (L{Activator.where}), its words
+            L{Activator.why_not}'s when it has none; an empty L{Standing}
+            if the activator failed to say.
         """
         try:
-            return self._activator.where(self._model)
+            standing = self._activator.where(self._model)
+            if standing.words:
+                return standing
+            return Standing(self._activator.why_not(self._model), standing.eta_seconds)
         except Exception:
             self.log.failure("where model {model} stands", model=self._model)
             return Standing()

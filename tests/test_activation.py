@@ -9,18 +9,34 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.activation import ActivationWait
+from llmgw.router.activation import (
+    ActivationQueues,
+    ActivationWait,
+    keepalive_line,
+    retry_seconds,
+)
 from llmgw.router.errors import APIError
+from llmgw.router.interfaces import Standing
 from llmgw.router.settings import RouterConfig
 
 
 class _Activator:
     """
-    Hands out one Deferred per activation, fired by the test.
+    Hands out one Deferred per activation, fired by the test; stands
+    where the test says.
     """
 
     def __init__(self) -> None:
         self.asked: list[Deferred[None]] = []
+        self.standing = Standing()
+
+    def where(self, name: str) -> Standing:
+        return self.standing
+
+    def why_not(self, name: str) -> str:
+        return self.why
+
+    why = ""
 
     def activate(self, name: str) -> Deferred[None]:
         d: Deferred[None] = Deferred()
@@ -29,12 +45,22 @@ class _Activator:
 
 
 def _wait(
-    clock: Clock, activating: dict[str, int], **settings: float
+    clock: Clock,
+    queues: ActivationQueues,
+    activator: _Activator | None = None,
+    **settings: float,
 ) -> tuple[ActivationWait, _Activator]:
-    activator = _Activator()
+    activator = activator or _Activator()
     config = RouterConfig(**settings)  # type: ignore[arg-type]
-    wait = ActivationWait(clock, config, activating, activator, "m")  # type: ignore[arg-type]
+    wait = ActivationWait(clock, config, queues, activator, "m")  # type: ignore[arg-type]
     return wait, activator
+
+
+def _queued(clock: Clock, count: int) -> ActivationQueues:
+    queues = ActivationQueues()
+    for _ in range(count):
+        queues.join("m", clock.seconds())
+    return queues
 
 
 class ActivationWaitTests(SynchronousTestCase):
@@ -44,14 +70,15 @@ class ActivationWaitTests(SynchronousTestCase):
         a replica is ready and the wait ends, it holds none, and no timer
         is left behind.
         """
-        clock, activating = Clock(), {"m": 1}
-        wait, activator = _wait(clock, activating, activation_timeout=10.0)
+        clock = Clock()
+        queues = _queued(clock, 1)
+        wait, activator = _wait(clock, queues, activation_timeout=10.0)
         ready = wait.start(None)
-        self.assertEqual(activating, {"m": 2})
+        self.assertEqual(queues.waiting(), {"m": 2})
         activator.asked[0].callback(None)
         self.assertIsNone(self.successResultOf(ready))
         wait.end()
-        self.assertEqual(activating, {"m": 1})
+        self.assertEqual(queues.waiting(), {"m": 1})
         self.assertEqual(clock.getDelayedCalls(), [])
         self.assertFalse(wait.timed_out)
 
@@ -60,12 +87,13 @@ class ActivationWaitTests(SynchronousTestCase):
         A request past C{activation_queue} is refused with a 503, and takes
         no place in the queue nor asks for an activation.
         """
-        clock, activating = Clock(), {"m": 2}
-        wait, activator = _wait(clock, activating, activation_queue=2)
+        clock = Clock()
+        queues = _queued(clock, 2)
+        wait, activator = _wait(clock, queues, activation_queue=2)
         with self.assertRaises(APIError) as caught:
             wait.start(None)
         self.assertEqual(caught.exception.status, 503)
-        self.assertEqual(activating, {"m": 2})
+        self.assertEqual(queues.waiting(), {"m": 2})
         self.assertEqual(activator.asked, [])
 
     def test_timeout_cancels(self) -> None:
@@ -73,8 +101,8 @@ class ActivationWaitTests(SynchronousTestCase):
         At C{activation_timeout} the wait is cancelled and says it timed
         out; the last request to leave removes the model from the queue.
         """
-        clock, activating = Clock(), dict[str, int]()
-        wait, _ = _wait(clock, activating, activation_timeout=5.0)
+        clock, queues = Clock(), ActivationQueues()
+        wait, _ = _wait(clock, queues, activation_timeout=5.0)
         ready = wait.start(None)
         clock.advance(4.9)
         self.assertNoResult(ready)
@@ -82,7 +110,7 @@ class ActivationWaitTests(SynchronousTestCase):
         self.failureResultOf(ready, CancelledError)
         self.assertTrue(wait.timed_out)
         wait.end()
-        self.assertEqual(activating, {})
+        self.assertEqual(queues.waiting(), {})
         self.assertEqual(clock.getDelayedCalls(), [])
 
     def test_keepalive(self) -> None:
@@ -90,12 +118,15 @@ class ActivationWaitTests(SynchronousTestCase):
         A stream's keep-alive is called every C{activation_keepalive}
         seconds, not at once, and not after the wait ended.
         """
-        clock, activating = Clock(), dict[str, int]()
+        clock = Clock()
         wait, activator = _wait(
-            clock, activating, activation_timeout=0.0, activation_keepalive=2.0
+            clock,
+            ActivationQueues(),
+            activation_timeout=0.0,
+            activation_keepalive=2.0,
         )
         calls: list[float] = []
-        wait.start(lambda: calls.append(clock.seconds()))
+        wait.start(lambda line: calls.append(clock.seconds()))
         clock.pump([1.0] * 7)
         self.assertEqual(calls, [2.0, 4.0, 6.0])
         activator.asked[0].callback(None)
@@ -103,3 +134,110 @@ class ActivationWaitTests(SynchronousTestCase):
         clock.advance(10)
         self.assertEqual(calls, [2.0, 4.0, 6.0])
         self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_keepalive_says_where(self) -> None:
+        """
+        Each keep-alive comment says where the request stands as the
+        activator says it then; with no words of where, why not.
+        """
+        clock = Clock()
+        wait, activator = _wait(
+            clock, ActivationQueues(), activation_timeout=0.0, activation_keepalive=1.0
+        )
+        lines: list[bytes] = []
+        wait.start(lines.append)
+        clock.advance(1)
+        activator.standing = Standing("evicting a (idle 12s) to make room", 3.0)
+        clock.advance(1)
+        activator.standing = Standing("2nd in the swap queue, behind b")
+        clock.advance(1)
+        activator.standing = Standing("", 5.0)
+        activator.why = "no node is connected"
+        clock.advance(1)
+        self.assertEqual(
+            lines,
+            [
+                b": waiting for a replica to start\n\n",
+                b": waiting for model m: evicting a (idle 12s) to make room\n\n",
+                b": waiting for model m: 2nd in the swap queue, behind b\n\n",
+                b": waiting for model m: no node is connected\n\n",
+            ],
+        )
+        activator.asked[0].callback(None)
+        wait.end()
+
+    def test_queue_full_retry_after_from_history(self) -> None:
+        """
+        Refused while the queue is full, a request is told to come back when
+        the activation under way is expected to end: the median of the
+        model's recent activations less what the oldest waiter waited.
+        """
+        clock, queues = Clock(), ActivationQueues()
+        for took in (10.0, 20.0, 12.0):
+            queues.leave("m", 0.0, took)
+        queues.join("m", 0.0)
+        clock.advance(4.5)
+        wait, _ = _wait(clock, queues, activation_queue=1)
+        with self.assertRaises(APIError) as caught:
+            wait.start(None)
+        self.assertEqual(caught.exception.retry_after, 8)
+
+    def test_retry_after_from_standing(self) -> None:
+        """
+        The control plane's estimate comes first.
+        """
+        clock = Clock()
+        queues = _queued(clock, 1)
+        activator = _Activator()
+        activator.standing = Standing("waking replica r-3", 2.2)
+        wait, _ = _wait(clock, queues, activator, activation_queue=1)
+        with self.assertRaises(APIError) as caught:
+            wait.start(None)
+        self.assertEqual(caught.exception.retry_after, 3)
+
+    def test_ready_wait_is_remembered(self) -> None:
+        """
+        A wait that ended ready counts in the model's typical activation;
+        one that timed out does not.
+        """
+        clock, queues = Clock(), ActivationQueues()
+        wait, activator = _wait(clock, queues, activation_timeout=30.0)
+        wait.start(None)
+        clock.advance(7)
+        activator.asked[0].callback(None)
+        wait.end()
+        wait, _ = _wait(clock, queues, activation_timeout=5.0)
+        late = wait.start(None)
+        clock.advance(5)
+        self.failureResultOf(late, CancelledError)
+        wait.end()
+        self.assertEqual(queues.typical("m"), 7.0)
+        self.assertEqual(queues.typical("other"), 7.0)
+        self.assertEqual(queues.waiting(), {})
+
+
+class RetrySecondsTests(SynchronousTestCase):
+    """
+    L{retry_seconds}: whole seconds, at least 1, never a fixed number.
+    """
+
+    def test_rules(self) -> None:
+        """
+        The estimate when known; else what is left of a typical activation
+        (a whole one when it runs late); else what the queue waited.
+        """
+        self.assertEqual(retry_seconds(2.2, 60.0, 5.0), 3)
+        self.assertEqual(retry_seconds(0.0, None, 5.0), 1)
+        self.assertEqual(retry_seconds(None, 20.0, 5.5), 15)
+        self.assertEqual(retry_seconds(None, 20.0, 25.0), 20)
+        self.assertEqual(retry_seconds(None, None, 30.0), 30)
+        self.assertEqual(retry_seconds(None, None, 0.0), 1)
+        self.assertEqual(retry_seconds(float("inf"), None, 9.0), 9)
+
+    def test_line_is_one_line(self) -> None:
+        """
+        Words with line breaks cannot end the comment early (an SSE event
+        ends at a blank line).
+        """
+        line = keepalive_line("m", Standing("a\n\ndata: x\r\n"))
+        self.assertEqual(line, b": waiting for model m: a data: x\n\n")

@@ -384,7 +384,8 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         with self.assertRaises(openai.InternalServerError) as raised:
             self.chat("huge")
         self.assertEqual(raised.exception.status_code, 503)
-        self.assertEqual(raised.exception.response.headers["retry-after"], "30")
+        # From the queue: no estimate, no activation seen: what it waited.
+        self.assertEqual(raised.exception.response.headers["retry-after"], "2")
         self.assertEqual(raised.exception.code, "activation_timeout")
         self.assertGreater(time.monotonic() - started, 1.9)
         status, _, body = http("GET", self.admin_url + "/api/v1/placement/nope")

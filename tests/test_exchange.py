@@ -15,6 +15,7 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 
+from llmgw.router.activation import ActivationQueues
 from llmgw.router.balancer import Balancer
 from llmgw.router.errors import APIError
 from llmgw.router.exchange import Exchange, Services
@@ -77,7 +78,7 @@ class ExchangeTests(SynchronousTestCase):
             upstream=self.agent,
             metrics=self.metrics,
             activator=None,
-            activating={},
+            activating=ActivationQueues(),
             log=Logger(observer=collect(self.logged)),
         )
         body = json.dumps({"model": "m", "stream": stream}).encode()

@@ -105,6 +105,53 @@ class FleetCollectorTests(PlaneCase):
         self.assertGreater(found[("llmgw_model_backoff_seconds", (("model", "m"),))], 0)
         self.assertEqual(found[("llmgw_model_failures_in_a_row", (("model", "m"),))], 1)
 
+    def test_swaps_and_swap_seconds(self) -> None:
+        """
+        Swaps count by model and reason, each catalog model and reason at 0
+        until counted; wake, sleep and cold-start seconds are histograms
+        per model, each observation in its buckets; the replica-state gauge
+        has sleeping and waking.
+        """
+        self.make(make_model("a"), make_model("b"))
+        counts = self.plane.counts
+        counts.swapped("a", "evicted")
+        counts.swapped("a", "evicted")
+        counts.swapped("b", "idle_sleep")
+        counts.observed("wake", "b", 1.5)
+        counts.observed("wake", "b", 7.0)
+        counts.observed("sleep", "b", 0.2)
+        counts.observed("cold_start", "a", 25.0)
+        found = scrape(FleetCollector(self.plane, _Hub()))  # type: ignore[arg-type]
+        swaps = {
+            labels: value
+            for (name, labels), value in found.items()
+            if name == "llmgw_swaps_total"
+        }
+        self.assertEqual(len(swaps), 6)
+        self.assertEqual(swaps[("model", "a"), ("reason", "evicted")], 2)
+        self.assertEqual(swaps[("model", "b"), ("reason", "idle_sleep")], 1)
+        self.assertEqual(swaps[("model", "b"), ("reason", "slept")], 0)
+        wake = "llmgw_engine_wake_seconds"
+        self.assertEqual(found[(wake + "_count", (("model", "b"),))], 2)
+        self.assertEqual(found[(wake + "_sum", (("model", "b"),))], 8.5)
+        self.assertEqual(found[(wake + "_bucket", (("le", "1.0"), ("model", "b")))], 0)
+        self.assertEqual(found[(wake + "_bucket", (("le", "2.0"), ("model", "b")))], 1)
+        self.assertEqual(found[(wake + "_bucket", (("le", "10.0"), ("model", "b")))], 2)
+        self.assertEqual(found[(wake + "_count", (("model", "a"),))], 0)
+        self.assertEqual(
+            found[
+                ("llmgw_engine_sleep_seconds_bucket", (("le", "0.5"), ("model", "b")))
+            ],
+            1,
+        )
+        self.assertEqual(
+            found[("llmgw_engine_cold_start_seconds_sum", (("model", "a"),))], 25.0
+        )
+        for state in ("sleeping", "waking"):
+            self.assertEqual(
+                found[("llmgw_replicas", (("model", "a"), ("state", state)))], 0
+            )
+
 
 class NoFitKindsTests(PlaneCase):
     def test_kinds(self) -> None:

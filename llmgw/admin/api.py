@@ -24,6 +24,7 @@ from llmgw.admin.drains import DrainRoutes
 from llmgw.admin.http import AdminError, json_answer, not_found, read_body
 from llmgw.admin.http import app as admin_app
 from llmgw.admin.keys import KeyRoutes
+from llmgw.admin.swaps import SwapRoutes
 from llmgw.admin.watch import WatchRoutes
 from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import parse_models
@@ -62,7 +63,7 @@ def _placement_state(plane: ControlPlane | None) -> dict[str, Any] | None:
     }
 
 
-class Admin(KeyRoutes, WatchRoutes, DrainRoutes):
+class Admin(KeyRoutes, WatchRoutes, DrainRoutes, SwapRoutes):
     """
     The admin API.  The keys and usage routes are in L{KeyRoutes}, the
     drains and engine stops in L{DrainRoutes}.  The API

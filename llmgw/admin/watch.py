@@ -1,6 +1,7 @@
 """
 The admin API's routes for a router tier (issue 12 item 2): the watch a
-router follows, activations it forwards, and the use it reports.
+router follows, activations it forwards (and where they stand), and the use
+it reports.
 """
 
 from __future__ import annotations
@@ -115,6 +116,31 @@ class WatchRoutes:
                 why = plane.catalog.why_not(model) or "no replica is ready yet"
                 raise AdminError(504, why, "activation_timeout") from None
         return json_answer(request, {"ready": model})
+
+    @app.route("/api/v1/models/<path:name>/activate", methods=["GET"])
+    def standing(self, request: IRequest, name: str) -> bytes:
+        """
+        Where a request held for C{name} stands
+        (L{llmgw.router.interfaces.Activator.where}): C{{"model", "ready":
+        bool, "words": str, "eta_seconds": float | null}} (the words why
+        no replica is ready when the plane has none of where); a router of a
+        tier says it in a waiting stream's keep-alive comments and sets
+        C{Retry-After} from it.
+        """
+        plane, watch = self._watched()
+        model = plane.catalog.resolve(name)
+        if model is None:
+            raise not_found(f"model {name[:200]!r}")
+        where = plane.catalog.where(model)
+        return json_answer(
+            request,
+            {
+                "model": model,
+                "ready": watch.serves(model),
+                "words": where.words or plane.catalog.why_not(model),
+                "eta_seconds": where.eta_seconds,
+            },
+        )
 
     @app.route("/api/v1/touch", methods=["POST"])
     def touch(self, request: IRequest) -> bytes:

@@ -18,19 +18,48 @@ from typing import Protocol
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
     SummaryMetricFamily,
 )
+from prometheus_client.utils import floatToGoString
 
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import NodeState
 from llmgw.control.plane import ControlPlane
-from llmgw.control.records import NO_FIT_KIND_NAMES, ReplicaState
+from llmgw.control.records import NO_FIT_KIND_NAMES, SWAP_REASONS, ReplicaState
 from llmgw.control.scaling import bounded
 from llmgw.control.views import gpu_allocations
 from llmgw.wire.states import ShardState
 
 MIB = 1024**2
+
+SWAP_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""
+Bucket bounds, seconds, of the wake, sleep and cold-start histograms: a
+wake from host memory takes seconds, a cold start of a large model
+minutes (the issue's swap bench: 2 s and 20 s).
+"""
+
+
+def seconds_histogram(
+    name: str, documentation: str, observed: dict[str, list[float]], models: list[str]
+) -> HistogramMetricFamily:
+    """
+    @param observed: per model, each observation in seconds.
+    @param models: the catalog's models, each shown (empty until observed).
+    @return: a histogram labelled C{model} with L{SWAP_BUCKETS} and C{+Inf}.
+    """
+    family = HistogramMetricFamily(name, documentation, labels=["model"])
+    for model in sorted({*models, *observed}):
+        values = observed.get(model, [])
+        buckets = [
+            (floatToGoString(bound), sum(1 for v in values if v <= bound))
+            for bound in SWAP_BUCKETS
+        ]
+        buckets.append(("+Inf", len(values)))
+        family.add_metric([model], buckets, sum(values))
+    return family
 
 
 class UsageBuffer(Protocol):
@@ -212,6 +241,7 @@ class FleetCollector:
         for name, count in sorted({**models, **counts.engine_failures}.items()):
             failures.add_metric([name], count)
         yield from (placement, starts, failures)
+        yield from self._swaps(sorted(models))
         yield CounterMetricFamily(
             "llmgw_agent_reconnects",
             "Registers from nodes known before (agents that came back).",
@@ -239,6 +269,38 @@ class FleetCollector:
         for shard_state, count in shard_counts.items():
             shards.add_metric([str(shard_state)], count)
         yield shards
+
+    def _swaps(self, models: list[str]) -> Iterator[Metric]:
+        counts = self.plane.counts
+        swaps = CounterMetricFamily(
+            "llmgw_swaps",
+            "Replicas swapped out to free room or after idle_timeout, by"
+            " model and reason (evicted: stopped to make room; slept: put"
+            " to sleep to make room; idle_sleep: asleep after idle_timeout).",
+            labels=["model", "reason"],
+        )
+        every = {(m, r): 0 for m in models for r in SWAP_REASONS}
+        for (model, reason), count in sorted({**every, **counts.swaps}.items()):
+            swaps.add_metric([model, reason], count)
+        yield swaps
+        yield seconds_histogram(
+            "llmgw_engine_wake_seconds",
+            "Seconds a sleeping replica took to wake (wake command to ready).",
+            counts.wake_seconds,
+            models,
+        )
+        yield seconds_histogram(
+            "llmgw_engine_sleep_seconds",
+            "Seconds a replica took to go to sleep (sleep command to asleep).",
+            counts.sleep_seconds,
+            models,
+        )
+        yield seconds_histogram(
+            "llmgw_engine_cold_start_seconds",
+            "Seconds a replica took from placement to ready (a cold start).",
+            counts.cold_start_seconds,
+            models,
+        )
 
     def _usage(self, usage: UsageBuffer) -> Iterator[Metric]:
         yield GaugeMetricFamily(

@@ -12,7 +12,12 @@ from typing import Any
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import NoFit, place
 from llmgw.control.plane import ControlPlane
-from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+from llmgw.control.records import (
+    SWAP_REASONS,
+    ReplicaRecord,
+    ReplicaState,
+    ShardRecord,
+)
 
 GIB = 1024**3
 
@@ -36,18 +41,28 @@ def shard_json(shard: ShardRecord) -> dict[str, Any]:
     }
 
 
-def replica_json(replica: ReplicaRecord) -> dict[str, Any]:
+def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, Any]:
     """
+    @param now: the reactor's seconds, for the times in a state; L{None}:
+        none shown.
     @return: id, model, profile, engine, state, adopted, last_error (why
         it failed, or L{None}), leaving (why it drains once a replacement
-        is ready, or L{None}), and its shards (L{shard_json}) by rank.
+        is ready, or L{None}), C{sleeping_seconds} (how long since it was
+        told to sleep, while C{sleeping}; else L{None}),
+        C{waking_seconds} (since told to wake, while C{waking}), and its
+        shards (L{shard_json}) by rank.
     """
+    state = replica.state
+    asleep = replica.sleep_at if state == ReplicaState.SLEEPING else None
+    waking = replica.wake_at if state == ReplicaState.WAKING else None
     return {
+        "sleeping_seconds": _since(asleep, now),
+        "waking_seconds": _since(waking, now),
         "id": replica.id,
         "model": replica.model,
         "profile": replica.profile.name,
         "engine": replica.profile.engine,
-        "state": replica.state,
+        "state": state,
         "adopted": replica.adopted,
         "last_error": replica.error or None,
         "leaving": replica.leaving_reason
@@ -55,6 +70,10 @@ def replica_json(replica: ReplicaRecord) -> dict[str, Any]:
         else None,
         "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
     }
+
+
+def _since(at: float | None, now: float | None) -> float | None:
+    return None if at is None or now is None else round(max(0.0, now - at), 1)
 
 
 def replicas_json(plane: ControlPlane | None) -> list[dict[str, Any]]:
@@ -65,7 +84,9 @@ def replicas_json(plane: ControlPlane | None) -> list[dict[str, Any]]:
     replicas = (
         [*plane.replicas.values(), *plane.failed.values()] if plane is not None else []
     )
-    return [replica_json(r) for r in sorted(replicas, key=lambda r: (r.model, r.id))]
+    now = plane.clock.seconds() if plane is not None else None
+    ordered = sorted(replicas, key=lambda r: (r.model, r.id))
+    return [replica_json(r, now) for r in ordered]
 
 
 def nodes_json(
@@ -146,9 +167,21 @@ def count_states(states: Iterable[str]) -> dict[str, int]:
     return counts
 
 
+def swaps_of(plane: ControlPlane, model: str) -> dict[str, int]:
+    """
+    @return: the model's replicas swapped out since the server started,
+        by reason (L{SWAP_REASONS}: each, 0 until counted), as
+        C{llmgw_swaps_total} counts them.
+    """
+    swaps = plane.counts.swaps
+    return {reason: swaps.get((model, reason), 0) for reason in SWAP_REASONS}
+
+
 def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
     """
-    @return: each catalog model with its desired and ready counts.
+    @return: each catalog model with its desired, ready and sleeping
+        counts, C{pinned}, C{priority} and C{min_resident} (seconds) as
+        they are now, and its C{swaps} by reason (L{swaps_of}).
     """
     now = plane.clock.seconds()
     out = []
@@ -162,6 +195,13 @@ def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
                 "min_replicas": model.min_replicas,
                 "max_replicas": model.max_replicas,
                 "idle_timeout": model.idle_timeout,
+                "pinned": model.pinned,
+                "priority": model.priority,
+                "min_resident": model.min_resident,
+                "sleeping": sum(
+                    1 for r in replicas if r.state == ReplicaState.SLEEPING
+                ),
+                "swaps": swaps_of(plane, model.name),
                 "desired": plane.desired(state, now),
                 "ready": sum(1 for r in replicas if r.state == ReplicaState.READY),
                 "replicas": len(replicas),

@@ -1,21 +1,147 @@
 """
 One request's wait for a replica of its model to start: its place in the
-model's activation queue, the timer of C{activation_timeout}, and a
-stream's keep-alive comments meanwhile.  The exchange
-(L{llmgw.router.exchange}) awaits it and says what its end means.
+model's activation queue, the timer of C{activation_timeout}, a stream's
+keep-alive comments meanwhile (saying where the request stands,
+L{Activator.where}), and the C{Retry-After} of a wait that ends unserved.
+The exchange (L{llmgw.router.exchange}) awaits it and says what its end
+means.
+
+C{Retry-After} is computed, never a fixed number (L{retry_seconds}): the
+control plane's estimate when it has one (L{Standing.eta_seconds}: a wake,
+a start, the models ahead in the swap queue), else what this router saw:
+how long its recent activations took (L{ActivationQueues.typical}) less
+how long the oldest request in the model's queue has waited (the
+activation under way began about then; every request in the queue is let
+go when its replica is ready, so a retry then finds room).
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable
+from statistics import median
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
 
 from llmgw.router.errors import activation_queue_full
-from llmgw.router.interfaces import Activator
+from llmgw.router.interfaces import Activator, Standing
 from llmgw.router.settings import RouterConfig
+
+KEPT = 8
+"""
+Activations remembered per model, for L{ActivationQueues.typical}.
+"""
+
+MAX_WORDS = 200
+"""
+Characters of a L{Standing}'s words said in a keep-alive comment, at most.
+"""
+
+
+def retry_seconds(eta: float | None, typical: float | None, waited: float) -> int:
+    """
+    @param eta: the control plane's estimate, seconds until a replica is
+        ready (L{Standing.eta_seconds}), or L{None}.
+    @param typical: seconds recent activations took, or L{None} when none
+        was seen.
+    @param waited: seconds the oldest request in the model's queue has
+        waited (0 for none).
+    @return: whole seconds for C{Retry-After}, at least 1: C{eta} when
+        known; else what is left of a typical activation begun C{waited}
+        seconds ago (a whole one when it runs late); else C{waited} (it
+        has taken at least that long so far).  Rounded up from the tenth
+        (a timer's few milliseconds late add no second).
+    """
+    if eta is not None and math.isfinite(eta):
+        seconds = eta
+    elif typical is not None:
+        seconds = typical - waited if typical > waited else typical
+    else:
+        seconds = waited
+    return max(1, math.ceil(round(seconds, 1)))
+
+
+def keepalive_line(model: str, standing: Standing) -> bytes:
+    """
+    @return: an SSE comment line (clients skip it: WHATWG HTML, server-sent
+        events) saying where a request held for C{model} stands, e.g.
+        C{b": waiting for model b: 2nd in the swap queue\\n\\n"}; the words
+        on one line, at most L{MAX_WORDS} characters.
+    """
+    words = " ".join(standing.words.split())[:MAX_WORDS]
+    if not words:
+        return b": waiting for a replica to start\n\n"
+    name = " ".join(model.split())[:MAX_WORDS]
+    return f": waiting for model {name}: {words}\n\n".encode()
+
+
+class ActivationQueues:
+    """
+    One router's requests waiting for activations, per model: when each
+    began to wait, and how long the last L{KEPT} waits that ended with a
+    ready replica took.
+    """
+
+    def __init__(self) -> None:
+        self._since: dict[str, list[float]] = {}
+        self._took: dict[str, deque[float]] = {}
+
+    def length(self, model: str) -> int:
+        """
+        @return: requests waiting for C{model} now.
+        """
+        return len(self._since.get(model, ()))
+
+    def waiting(self) -> dict[str, int]:
+        """
+        @return: requests waiting, per model that has any.
+        """
+        return {model: len(since) for model, since in self._since.items()}
+
+    def oldest(self, model: str) -> float | None:
+        """
+        @return: the clock time the longest waiting request for C{model}
+            began to wait, or L{None} for none.
+        """
+        since = self._since.get(model)
+        return min(since) if since else None
+
+    def join(self, model: str, now: float) -> None:
+        """
+        A request began to wait for C{model} at clock time C{now}.
+        """
+        self._since.setdefault(model, []).append(now)
+
+    def leave(self, model: str, since: float, took: float | None) -> None:
+        """
+        A request that joined at C{since} stopped waiting.
+
+        @param took: seconds until its replica was ready, or L{None} when it
+            went unserved (timed out, cancelled).
+        """
+        queue = self._since.get(model, [])
+        if since in queue:
+            queue.remove(since)
+        if not queue:
+            self._since.pop(model, None)
+        if took is not None:
+            self._took.setdefault(model, deque(maxlen=KEPT)).append(took)
+
+    def typical(self, model: str) -> float | None:
+        """
+        @return: the median seconds of C{model}'s recent activations, else
+            of any model's (a first activation is likely as long as
+            others), or L{None} when none was seen.
+        """
+        took = self._took.get(model)
+        if took:
+            return median(took)
+        seen = [t for recent in self._took.values() for t in recent]
+        return median(seen) if seen else None
 
 
 class ActivationWait:
@@ -26,39 +152,72 @@ class ActivationWait:
         then cancelled).
     """
 
+    log = Logger()
+
     def __init__(
         self,
         clock: IReactorTime,
         settings: RouterConfig,
-        activating: dict[str, int],
+        queues: ActivationQueues,
         activator: Activator,
         model: str,
     ) -> None:
         """
-        @param activating: requests waiting, per model (shared, mutable).
+        @param queues: the router's activation queues (shared).
         """
         self._clock = clock
         self._settings = settings
-        self._activating = activating
+        self._queues = queues
         self._activator = activator
         self._model = model
         self.timed_out = False
+        self._since: float | None = None
+        self._took: float | None = None
         self._timer: IDelayedCall | None = None
         self._keepalive: LoopingCall | None = None
 
-    def start(self, keepalive: Callable[[], None] | None) -> Deferred[None]:
+    def standing(self) -> Standing:
+        """
+        @return: where the request stands (L{Activator.where}), its words
+            L{Activator.why_not}'s when it has none; an empty L{Standing}
+            if the activator failed to say.
+        """
+        try:
+            standing = self._activator.where(self._model)
+            if standing.words:
+                return standing
+            return Standing(self._activator.why_not(self._model), standing.eta_seconds)
+        except Exception:
+            self.log.failure("where model {model} stands", model=self._model)
+            return Standing()
+
+    def retry_after(self) -> int:
+        """
+        @return: seconds for the C{Retry-After} of this wait ending
+            unserved now (L{retry_seconds}).
+        """
+        queues, model = self._queues, self._model
+        oldest = queues.oldest(model)
+        waited = self._clock.seconds() - oldest if oldest is not None else 0.0
+        eta = self.standing().eta_seconds
+        return retry_seconds(eta, queues.typical(model), max(0.0, waited))
+
+    def start(self, keepalive: Callable[[bytes], None] | None) -> Deferred[None]:
         """
         @param keepalive: called every C{activation_keepalive} seconds while
-            waiting (a stream's comment line), or L{None}.
+            waiting with a comment line to write (L{keepalive_line}), or
+            L{None}.
         @return: fires when a replica is ready; cancelled at the timeout.
-        @raise APIError: 503, too many requests already wait for the model.
+        @raise APIError: 503 with C{Retry-After}, too many requests already
+            wait for the model.
         """
-        settings, activating, model = self._settings, self._activating, self._model
-        waiting = activating.get(model, 0)
-        if waiting >= settings.activation_queue:
-            raise activation_queue_full(model)
-        activating[model] = waiting + 1
+        settings, queues, model = self._settings, self._queues, self._model
+        if queues.length(model) >= settings.activation_queue:
+            raise activation_queue_full(model, self.retry_after())
+        self._since = self._clock.seconds()
+        queues.join(model, self._since)
         ready = self._activator.activate(model)
+        ready.addCallback(self._ready)
 
         def time_out() -> None:
             self.timed_out = True
@@ -67,10 +226,17 @@ class ActivationWait:
         if settings.activation_timeout > 0:
             self._timer = self._clock.callLater(settings.activation_timeout, time_out)
         if keepalive is not None and settings.activation_keepalive > 0:
-            self._keepalive = LoopingCall(keepalive)
+            self._keepalive = LoopingCall(
+                lambda: keepalive(keepalive_line(model, self.standing()))
+            )
             self._keepalive.clock = self._clock
             self._keepalive.start(settings.activation_keepalive, now=False)
         return ready
+
+    def _ready(self, result: None) -> None:
+        if self._since is not None:
+            self._took = self._clock.seconds() - self._since
+        return result
 
     def end(self) -> None:
         """
@@ -80,9 +246,6 @@ class ActivationWait:
             self._timer.cancel()
         if self._keepalive is not None and self._keepalive.running:
             self._keepalive.stop()
-        activating, model = self._activating, self._model
-        left = activating.get(model, 1) - 1
-        if left:
-            activating[model] = left
-        else:
-            activating.pop(model, None)
+        if self._since is not None:
+            self._queues.leave(self._model, self._since, self._took)
+            self._since = None

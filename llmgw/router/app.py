@@ -20,6 +20,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
+from llmgw.router.activation import ActivationQueues
 from llmgw.router.affinity import AffinityRule
 from llmgw.router.balancer import Balancer
 from llmgw.router.cors import Cors
@@ -180,7 +181,7 @@ class Router:
             upstream=upstream,
             metrics=metrics,
             activator=activator,
-            activating={},
+            activating=ActivationQueues(),
             log=self.log,
             overload=overload,
         )

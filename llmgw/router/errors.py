@@ -253,33 +253,40 @@ def error_message(body: bytes) -> str | None:
     return None
 
 
-def activation_queue_full(model: str) -> APIError:
+def activation_queue_full(model: str, retry_after: int) -> APIError:
     """
+    @param retry_after: seconds for C{Retry-After}, from the queue
+        (L{llmgw.router.activation.retry_seconds}).
     @return: a 503: too many requests already wait for C{model} to start.
     """
     return APIError(
         503,
-        f"Too many requests are waiting for model {model!r} to start; try again later.",
+        f"Too many requests are waiting for model {model!r} to start;"
+        f" try again in {retry_after}s.",
         "service_unavailable_error",
         "activation_queue_full",
-        retry_after=5,
+        retry_after=retry_after,
     )
 
 
-def activation_timeout(model: str, seconds: float, why: str) -> APIError:
+def activation_timeout(
+    model: str, seconds: float, why: str, retry_after: int
+) -> APIError:
     """
     @param seconds: how long the request waited.
     @param why: why no replica is ready, for the client, or C{""}.
+    @param retry_after: seconds for C{Retry-After}, from the queue
+        (L{llmgw.router.activation.retry_seconds}).
     @return: a 503: no replica of C{model} became ready in time.
     """
     return APIError(
         503,
         f"No replica of model {model!r} became ready within {seconds:g}s"
         + (f" ({why})" if why else "")
-        + "; try again later.",
+        + f"; try again in {retry_after}s.",
         "service_unavailable_error",
         "activation_timeout",
-        retry_after=30,
+        retry_after=retry_after,
     )
 
 

@@ -18,7 +18,7 @@ from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest, IResponse
 
-from llmgw.router.activation import ActivationWait
+from llmgw.router.activation import ActivationQueues, ActivationWait
 from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
@@ -65,8 +65,8 @@ class Services:
     What every exchange of a router shares.
 
     @ivar clock: the reactor's clock, for deadlines.
-    @ivar activating: requests waiting for activation, per model (shared,
-        mutable).
+    @ivar activating: requests waiting for activation, per model, and how
+        long recent activations took (shared, mutable).
     @ivar log: where failures of replicas are logged.
     @ivar overload: the waiting room for overloaded models, or L{None}.
     """
@@ -77,7 +77,7 @@ class Services:
     upstream: Upstream
     metrics: RouterMetrics
     activator: Activator | None
-    activating: dict[str, int]
+    activating: ActivationQueues
     log: Logger
     overload: Overload | None = None
 
@@ -219,10 +219,10 @@ class Exchange:
         """
         Wait for the control plane to make a replica of the model ready,
         for at most C{activation_timeout}; a waiting stream gets an SSE
-        comment line every C{activation_keepalive}.
+        comment line every C{activation_keepalive} saying where it stands.
 
-        @raise APIError: 503 with C{Retry-After} when the wait is over or
-            too many requests already wait for this model.
+        @raise APIError: 503 with C{Retry-After} from the queue when the
+            wait is over or too many requests already wait for this model.
         """
         services = self.services
         settings = services.settings
@@ -240,7 +240,10 @@ class Exchange:
                 raise self.deadlines.error() from None
             if wait.timed_out:
                 raise activation_timeout(
-                    model, settings.activation_timeout, activator.why_not(model)
+                    model,
+                    settings.activation_timeout,
+                    activator.why_not(model),
+                    wait.retry_after(),
                 ) from None
             raise
         finally:
@@ -265,15 +268,14 @@ class Exchange:
         self.services.metrics.upstream_errors.labels("broken").inc()
         return upstream_failed(f"The replica went away: {why}.")
 
-    def _keepalive(self) -> None:
+    def _keepalive(self, line: bytes) -> None:
         if client_gone(self.request):
             return
         if not self.headers_sent:
             self.request.setResponseCode(200)
             for name, value in SSE_HEADERS:
                 self.request.setHeader(name, value)
-        # A comment line: clients skip it (WHATWG HTML, server-sent events).
-        self._write(b": waiting for a replica to start\n\n")
+        self._write(line)
 
     def finish(self) -> None:
         """

@@ -2,7 +2,7 @@
 What the router defines and other parts of llmgw implement or fill in: the
 endpoints it sends to, the models below their C{min_replicas}, the record
 of a finished request and where it goes, the API-key check, and
-scale-from-zero.
+scale-from-zero with where a held request stands.
 
 A leaf: it imports nothing else from llmgw, so the store, the control plane,
 the configuration and the server wiring may all import it.
@@ -57,22 +57,6 @@ class Shortfall:
     model: str
     ready: int
     min_replicas: int
-
-
-@dataclass(frozen=True)
-class Standing:
-    """
-    Where a request held for a model stands (L{Activator}'s C{where}), for
-    its keep-alive comments and a C{Retry-After}.
-
-    @ivar words: a few words fit for a client, such as C{"evicting a (idle
-        12s) to make room"}.
-    @ivar eta_seconds: seconds until a replica is expected, or L{None}
-        when unknown.
-    """
-
-    words: str
-    eta_seconds: float | None = None
 
 
 class Readiness:
@@ -190,6 +174,26 @@ class Auth(Protocol):
         """
 
 
+@dataclass(frozen=True)
+class Standing:
+    """
+    Where a request held for a model stands, as the control plane sees it
+    (L{Activator.where}): said in a waiting stream's keep-alive comments,
+    and its C{eta_seconds} is the C{Retry-After} of a wait that ends
+    unserved.
+
+    @ivar words: a few words fit for a client (no node names or
+        addresses), e.g. C{"waking replica r-3"}, C{"evicting a (idle
+        12s) to make room"}, C{"2nd in the swap queue, behind b"}; C{""}
+        when there is nothing to say.
+    @ivar eta_seconds: seconds until a replica is expected ready, or
+        L{None} when not known.
+    """
+
+    words: str = ""
+    eta_seconds: float | None = None
+
+
 class Activator(Protocol):
     """
     Scale from zero: the catalog's names, and a replica started on demand
@@ -221,4 +225,11 @@ class Activator(Protocol):
         """
         @return: why C{name} has no ready replica, for the client, or
             C{""}.
+        """
+
+    def where(self, name: str) -> Standing:
+        """
+        @return: where a request held for C{name} stands now; an empty
+            L{Standing} when nothing is known (or C{name} is not in the
+            catalog).  Must answer at once and not raise.
         """

@@ -3,12 +3,16 @@ Scale from zero through the control plane
 (L{llmgw.router.interfaces.Activator}): the catalog's names as the watch
 last gave them; an activation is the admin API's
 C{POST /api/v1/models/NAME/activate}, repeated until the router's own
-activation timeout cancels the wait; use is reported in batches.
+activation timeout cancels the wait; where a held request stands is the
+same route's C{GET}, asked when a wait begins and every
+L{TOUCH_INTERVAL} while it lasts; use is reported in batches.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import quote
 
 from twisted.application.service import Service
@@ -16,19 +20,36 @@ from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import readBody
 
+from llmgw.router.interfaces import Standing
 from llmgw.tier.admin_client import AdminClient
 
 TOUCH_INTERVAL = 2.0
 """
 Seconds between reports of the models requests used (the control plane's
-idle timeouts count from the last one).
+idle timeouts count from the last one), and between asks of where the
+waits in flight stand.
 """
 
 RETRY_AFTER = 1.0
 """
 Seconds between activation requests for one wait.
 """
+
+
+def _cancelled(error: Exception) -> bool:
+    """
+    @return: whether C{error} is a request to the admin API that failed
+        because it was cancelled (C{ResponseNeverReceived} and
+        C{ResponseFailed} carry the cause in C{reasons}).
+    """
+    reasons = getattr(error, "reasons", None) or []
+    return any(
+        isinstance(reason, Failure) and reason.check(CancelledError)
+        for reason in reasons
+    )
 
 
 class RemoteActivator(Service):
@@ -56,6 +77,11 @@ class RemoteActivator(Service):
         self._why: dict[str, str] = {}
         self._touched: set[str] = set()
         self._ready_waiters: dict[str, list[Deferred[None]]] = {}
+        # Waits in flight per model, and where they stood when last asked
+        # (with the clock time of the answer).
+        self._waits: dict[str, int] = {}
+        self._standing: dict[str, tuple[Standing, float]] = {}
+        self._asking: set[str] = set()
         self._flush = LoopingCall(self._report)
         self._flush.clock = clock
 
@@ -91,6 +117,22 @@ class RemoteActivator(Service):
         model = self._names.get(name)
         return self._why.get(model, "") if model is not None else ""
 
+    def where(self, name: str) -> Standing:
+        """
+        @return: where a request held for C{name} stood when the control
+            plane last said (its C{eta_seconds} less the time since), or
+            only why not (L{why_not}) before it said.
+        """
+        model = self._names.get(name, name)
+        known = self._standing.get(model)
+        if known is None:
+            return Standing(self._why.get(model, ""))
+        standing, at = known
+        if standing.eta_seconds is None:
+            return standing
+        left = max(0.0, standing.eta_seconds - (self.clock.seconds() - at))
+        return Standing(standing.words, left)
+
     def activate(self, name: str) -> Deferred[None]:
         """
         @return: fires once the control plane answered that a replica is
@@ -99,7 +141,48 @@ class RemoteActivator(Service):
         """
         model = self._names.get(name, name)
         self._touched.add(model)
-        return ensureDeferred(self._activate(model))
+        self._waits[model] = self._waits.get(model, 0) + 1
+        self._ask_where(model)
+
+        def ended(result: object) -> object:
+            left = self._waits.get(model, 1) - 1
+            if left:
+                self._waits[model] = left
+            else:
+                self._waits.pop(model, None)
+                self._standing.pop(model, None)
+            return result
+
+        return ensureDeferred(self._activate(model)).addBoth(ended)
+
+    def _ask_where(self, model: str) -> None:
+        if model in self._asking:
+            return
+        self._asking.add(model)
+        asked = ensureDeferred(self._fetch_where(model))
+
+        def failed(failure: object) -> None:
+            self.log.debug(
+                "cannot ask where {model} stands: {failure}",
+                model=model,
+                failure=failure,
+            )
+
+        asked.addErrback(failed).addBoth(lambda _: self._asking.discard(model))
+
+    async def _fetch_where(self, model: str) -> None:
+        path = f"/api/v1/models/{quote(model, safe='')}/activate"
+        response = await self.control.request(b"GET", path)
+        raw = await readBody(response)
+        if response.code != 200 or model not in self._waits:
+            return
+        value: Any = json.loads(raw)
+        words, eta = value.get("words"), value.get("eta_seconds")
+        if not isinstance(words, str):
+            return
+        if not isinstance(eta, (int, float)) or isinstance(eta, bool):
+            eta = None
+        self._standing[model] = (Standing(words[:200], eta), self.clock.seconds())
 
     async def _activate(self, model: str) -> None:
         while True:
@@ -111,6 +194,10 @@ class RemoteActivator(Service):
             except CancelledError:
                 raise
             except Exception as e:
+                if _cancelled(e):
+                    # The router's wait was cancelled (its activation
+                    # timeout, the client gone): the agent wraps that.
+                    raise CancelledError() from None
                 code, value = 0, None
                 self._why[model] = "the control plane is not reachable"
                 self.log.warn(
@@ -136,6 +223,8 @@ class RemoteActivator(Service):
             await waiter
 
     def _report(self) -> Deferred[None] | None:
+        for model in list(self._waits):
+            self._ask_where(model)
         touched, self._touched = self._touched, set()
         if not touched:
             return None

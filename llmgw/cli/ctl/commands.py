@@ -3,7 +3,8 @@ C{llmgw ctl}'s commands, one function each, and L{COMMANDS}, the table
 from a command's name to its function.  Each calls the admin API and
 returns its JSON (printed with C{--json}) and the text printed otherwise.
 The keys and usage commands are in L{llmgw.cli.ctl.keys}, C{weights} in
-L{llmgw.cli.ctl.weights}.
+L{llmgw.cli.ctl.weights}, C{models pin} and C{unpin} in
+L{llmgw.cli.ctl.swaps}.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import IO, Any
 from llmgw.cli.ctl.client import Client, CtlError, quote
 from llmgw.cli.ctl.keys import keys_create, keys_list, keys_revoke, keys_update, usage
 from llmgw.cli.ctl.show import cell, size, table
+from llmgw.cli.ctl.swaps import models_pin, models_unpin, state_words
 from llmgw.cli.ctl.weights import weights
 
 Command = Callable[[Client, argparse.Namespace, IO[str]], tuple[Any, str]]
@@ -178,7 +180,7 @@ def replicas(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[An
             r["id"],
             r["model"],
             r["profile"],
-            r["state"],
+            state_words(r),
             s["node"],
             s["gpus"],
             s["port"],
@@ -216,6 +218,7 @@ def models_list(
             m["ready"],
             m["desired"],
             f"{m['min_replicas']}-{m['max_replicas']}",
+            "pinned" if m.get("pinned") else "",
             m["profiles"],
             "runtime" if m.get("runtime") else "config",
             m["last_error"],
@@ -228,6 +231,7 @@ def models_list(
         "READY",
         "DESIRED",
         "MIN-MAX",
+        "PINNED",
         "PROFILES",
         "FROM",
         "LAST ERROR",
@@ -423,6 +427,8 @@ COMMANDS: dict[str, Command] = {
     "models add": models_add,
     "models remove": models_remove,
     "models scale": models_scale,
+    "models pin": models_pin,
+    "models unpin": models_unpin,
     "placement": placement,
     "drain": drain,
     "undrain": undrain,

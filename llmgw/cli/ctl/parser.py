@@ -58,7 +58,9 @@ def _reads(commands: Any, shared: argparse.ArgumentParser) -> None:
 
 
 def _models(commands: Any, shared: argparse.ArgumentParser) -> None:
-    models = commands.add_parser("models", help="the catalog: list, add, remove, scale")
+    models = commands.add_parser(
+        "models", help="the catalog: list, add, remove, scale, pin, unpin"
+    )
     actions = _with(shared, models.add_subparsers(dest="action"))
     actions.add_parser("list")
     add = actions.add_parser("add", help="add a model (kept across restarts)")
@@ -82,6 +84,10 @@ def _models(commands: Any, shared: argparse.ArgumentParser) -> None:
     scale.add_argument("name")
     scale.add_argument("--min", type=int)
     scale.add_argument("--max", type=int)
+    pin = actions.add_parser("pin", help="never evict the model to make room")
+    pin.add_argument("name")
+    unpin = actions.add_parser("unpin", help="let the model be evicted again")
+    unpin.add_argument("name")
 
 
 def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> None:

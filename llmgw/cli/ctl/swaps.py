@@ -1,0 +1,53 @@
+"""
+C{llmgw ctl}'s commands for more models than GPUs: C{models pin NAME} and
+C{models unpin NAME} (a pinned model is never evicted to make room for
+another), and the words for a replica's state in C{ctl replicas}.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import IO, Any
+
+from llmgw.cli.ctl.client import Client, quote
+
+
+def state_words(replica: dict[str, Any]) -> str:
+    """
+    @return: the replica's state, with how long it has slept or been
+        waking (C{"sleeping 12s"}, C{"waking 1.5s"}).
+    """
+    state = str(replica["state"])
+    seconds = replica.get(f"{state}_seconds")
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+        return f"{state} {seconds:g}s"
+    return state
+
+
+def _pin(client: Client, name: str, pinned: bool) -> tuple[Any, str]:
+    verb = "pin" if pinned else "unpin"
+    result = client.call("POST", f"/api/v1/models/{quote(name)}/{verb}")
+    what = (
+        "pinned: never evicted to make room for another model"
+        if result["pinned"]
+        else "unpinned: it may be evicted to make room for another model"
+    )
+    return result, f"model {result['name']} {what} (until the server restarts)\n"
+
+
+def models_pin(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{models pin NAME}: the model is never evicted.
+    """
+    return _pin(client, args.name, True)
+
+
+def models_unpin(
+    client: Client, args: argparse.Namespace, out: IO[str]
+) -> tuple[Any, str]:
+    """
+    C{models unpin NAME}: the model may be evicted again.
+    """
+    return _pin(client, args.name, False)

@@ -1,0 +1,100 @@
+"""
+L{llmgw.tier.activate}: a router of a tier's activations, forwarded to the
+admin API (a fake one here, on a L{Clock}).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import ResponseDone, ResponseNeverReceived
+
+from llmgw.router.interfaces import Standing
+from llmgw.tier.activate import RemoteActivator
+from llmgw.tier.admin_client import AdminClient
+
+
+class _Body:
+    """
+    A response whose body is C{body}, delivered at once.
+    """
+
+    def __init__(self, code: int, body: bytes) -> None:
+        self.code = code
+        self.phrase = b"OK"
+        self._body = body
+
+    def deliverBody(self, protocol: Any) -> None:
+        protocol.dataReceived(self._body)
+        protocol.connectionLost(Failure(ResponseDone()))
+
+
+class _Control:
+    """
+    The admin API: activations wait until the test ends them, as an Agent
+    does (a cancel fails with L{ResponseNeverReceived}); C{GET}s answer
+    C{where}.
+    """
+
+    def __init__(self) -> None:
+        self.posts: list[Deferred[tuple[int, Any]]] = []
+        self.where: dict[str, Any] = {"words": "", "eta_seconds": None}
+
+    def post(self, path: str, body: object) -> Deferred[tuple[int, Any]]:
+        def cancel(d: Deferred[tuple[int, Any]]) -> None:
+            d.errback(ResponseNeverReceived([Failure(CancelledError())]))
+
+        answer: Deferred[tuple[int, Any]] = Deferred(cancel)
+        self.posts.append(answer)
+        return answer
+
+    def request(self, method: bytes, path: str, body: object = None) -> Deferred[Any]:
+        return succeed(_Body(200, json.dumps(self.where).encode()))
+
+
+def _activator(clock: Clock) -> tuple[RemoteActivator, _Control]:
+    control = _Control()
+    activator = RemoteActivator(
+        clock, cast(AdminClient, control), lambda model: False, 30.0
+    )
+    activator.set_names({"chat": "chat"})
+    return activator, control
+
+
+class RemoteActivatorTests(SynchronousTestCase):
+    def test_cancel_ends_the_wait(self) -> None:
+        """
+        A wait cancelled while its activation request is in flight ends
+        with L{CancelledError} at once; nothing is asked again.
+        """
+        clock = Clock()
+        activator, control = _activator(clock)
+        waiting = activator.activate("chat")
+        self.assertEqual(len(control.posts), 1)
+        waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)
+        clock.advance(5)
+        self.assertEqual(len(control.posts), 1)
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_where(self) -> None:
+        """
+        Where a wait stands is asked when it begins; its estimate counts
+        down with the clock; once the wait ends, only why not is left.
+        """
+        clock = Clock()
+        activator, control = _activator(clock)
+        control.where = {"words": "waking replica r-3", "eta_seconds": 4.0}
+        waiting = activator.activate("chat")
+        clock.advance(1.5)
+        self.assertEqual(activator.where("chat"), Standing("waking replica r-3", 2.5))
+        control.posts[0].callback((200, {"ready": "chat"}))
+        activator.set_names({"chat": "chat"})
+        waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)
+        self.assertEqual(activator.where("chat"), Standing(""))

@@ -319,15 +319,16 @@ class VLLMEndToEndTests(VLLMFleet):
         )
         started = time.monotonic()
         busy = [self.short(f"busy-{i}") for i in range(4)]
-        # vLLM still had its queue once they were answered: each was
-        # chosen while it was queueing.
-        self.assertGreaterEqual(self.engine_metric("vllm:num_requests_waiting"), 1)
+        queued = self.engine_metric("vllm:num_requests_waiting")
         print(
             f"vllm e2e: balancer: idle, {idle_choice.count(vllm['id'])} of 4 to"
             f" vLLM; 4 requests in {time.monotonic() - started:.1f} s while it"
-            " queued"
+            f" queued ({queued:g} waiting after them)"
         )
         self.assertEqual(self.served_by(busy), [sim["id"]] * 4)
+        # vLLM still had its queue once they were answered: each was
+        # chosen while it was queueing.
+        self.assertGreaterEqual(queued, 1)
 
     def agent_restart_adopts_same_pid(self) -> None:
         """

@@ -10,7 +10,10 @@ would start one vLLM per worker (5 GB and a core each).  The steps run in
 order, each a method named for what it shows; the first that fails ends the
 test with its name.  Memory: one vLLM at a time (about 5 GB over its three
 processes), with C{VLLM_CPU_KVCACHE_SPACE=1}, C{--enforce-eager} and
-C{--max-model-len 2048}.
+C{--max-model-len 2048}; C{--max-num-seqs 2}, so that a few requests at
+once make it queue (its C{vllm:num_requests_waiting}).  The balancer's step
+adds a second replica of the model beside it, an C{llmgw sim} (a second
+profile, placed on a second agent's simulated GPU), light on memory.
 
 Without the set-up the test skips, naming the command that makes it; in CI
 (C{CI=true}) it fails instead (C{.ci/run} runs the set-up).
@@ -20,75 +23,30 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import tempfile
 import threading
 import time
-from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import openai
-from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import (
-    Process,
-    Processes,
-    free_port,
-    http,
-    make_certs,
-    spawn_agent,
+from tests.support import http, spawn_agent
+from tests.vllm_fleet import (
+    ALIAS,
+    MODEL,
+    NODE,
+    PROFILE,
+    PROMPT,
+    SIM_AGENT_CONFIG,
+    SIM_NODE,
+    VLLMFleet,
 )
-from tests.vllm_support import VLLM_BIN, VLLM_MODEL, require_vllm
-
-MODEL = "gemma-vllm"
-ALIAS = "gemma-alias"
-NODE = "cpu-01"
-PROFILE = {
-    "name": "cpu-vllm",
-    "engine": "vllm",
-    "source": VLLM_MODEL,
-    "gpus": 0,
-    "args": ["--enforce-eager", "--max-model-len", "2048"],
-    "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"},
-}
-CONFIG = """
-[agent_tls]
-ca = "{ca}/ca.pem"
-cert = "{ca}/server.pem"
-key = "{ca}/server-key.pem"
-[router]
-activation_timeout = "8m"
-activation_keepalive = "1s"
-load_poll_interval = "250ms"
-[control]
-interval = "250ms"
-unreachable_after = "20s"
-lost_after = "60s"
-base_backoff = "1s"
-max_backoff = "5m"
-startup_grace = "0s"
-port_range = [{low}, {high}]
-[[models]]
-name = "{model}"
-aliases = ["{alias}"]
-min_replicas = 1
-max_replicas = 1
-idle_timeout = "0s"
-[[models.profiles]]
-name = "cpu-vllm"
-engine = "vllm"
-source = "{source}"
-gpus = 0
-args = ["--enforce-eager", "--max-model-len", "2048"]
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1" }}
-"""
-AGENT_CONFIG = 'address = "127.0.0.1"\n'
-PROMPT = "The sea is"
+from tests.vllm_support import require_vllm
 
 
-class VLLMEndToEndTests(SynchronousTestCase, Processes):
+class VLLMEndToEndTests(VLLMFleet):
     # Two vLLM starts (about 1.5 minutes each on two free cores, more beside
     # other tests) and a failed one.
     timeout = 1500
@@ -110,6 +68,9 @@ class VLLMEndToEndTests(SynchronousTestCase, Processes):
             self.kill_9_replaced,
             self.agent_restart_adopts_same_pid,
             self.bad_argument_output_in_last_error,
+            # Last: it adds a second replica, which the steps above do
+            # not expect.
+            self.balancer_passes_over_queued_engine,
         ):
             started = time.monotonic()
             try:
@@ -117,117 +78,6 @@ class VLLMEndToEndTests(SynchronousTestCase, Processes):
             except BaseException as e:
                 raise AssertionError(f"step {step.__name__}: {e}") from e
             print(f"vllm e2e: {step.__name__}: {time.monotonic() - started:.1f} s")
-
-    # The fleet.
-
-    def fleet(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="llmgw-vllm-")
-        ca = make_certs(self.dir, "127.0.0.1", [NODE])
-        self.agent_port = free_port()
-        low = random.randrange(21000, 40000)
-        config = CONFIG.format(
-            ca=ca,
-            low=low,
-            high=low + 20,
-            model=MODEL,
-            alias=ALIAS,
-            source=VLLM_MODEL,
-        )
-        self.addCleanup(self._kill_engines)
-        self.placed_at = time.monotonic()
-        self.server, self.api_url, self.admin_url = self.start_server(
-            "--agent-listen",
-            f"tcp:{self.agent_port}:interface=127.0.0.1",
-            config=config,
-            state="server-state",
-        )
-        self.tls = os.path.join(ca, "agents", NODE)
-        self.agent = self.start_agent()
-        self.client = openai.OpenAI(
-            base_url=self.api_url + "/v1", api_key="unused", max_retries=0, timeout=600
-        )
-
-    def start_agent(self) -> Process:
-        # The agent runs `vllm` from its PATH, as on a GPU node.
-        path = os.environ.get("PATH", "")
-        os.environ["PATH"] = path + os.pathsep + VLLM_BIN
-        try:
-            agent = spawn_agent(self.dir, AGENT_CONFIG, self.agent_port, NODE, self.tls)
-        finally:
-            os.environ["PATH"] = path
-        self.addCleanup(agent.stop)
-        return agent
-
-    def _records(self) -> list[dict[str, Any]]:
-        folder = os.path.join(self.dir, f"state-{NODE}", "shards")
-        found = []
-        if os.path.isdir(folder):
-            for name in sorted(os.listdir(folder)):
-                if name.endswith(".json"):
-                    with open(os.path.join(folder, name)) as f:
-                        found.append(json.load(f))
-        return found
-
-    def _kill_engines(self) -> None:
-        for record in self._records():
-            try:
-                os.killpg(int(record["pid"]), signal.SIGKILL)
-            except OSError:
-                pass
-
-    def admin(self, path: str, body: Any = None) -> Any:
-        if body is None:
-            status, _, raw = http("GET", self.admin_url + path)
-        else:
-            status, _, raw = http(
-                "POST", self.admin_url + path, json.dumps(body).encode()
-            )
-        # 201 for a model added.
-        self.assertIn(status, (200, 201), raw)
-        return json.loads(raw)
-
-    def replicas(self, model: str = MODEL) -> list[dict[str, Any]]:
-        return [
-            r for r in self.admin("/api/v1/replicas")["replicas"] if r["model"] == model
-        ]
-
-    def until(self, check: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = check()
-            if result:
-                return result
-            time.sleep(0.25)
-        raise AssertionError(
-            f"not within {timeout}s: {what}\nreplicas: {self.replicas()}\n"
-            f"server log:\n{self.server.output()[-3000:]}\n"
-            f"agent log:\n{self.agent.output()[-3000:]}"
-        )
-
-    def ready(self) -> dict[str, Any]:
-        def check() -> dict[str, Any] | None:
-            ready = [r for r in self.replicas() if r["state"] == "ready"]
-            return ready[0] if len(ready) == 1 else None
-
-        replica: dict[str, Any] = self.until(check, 600, "one ready replica")
-        return replica
-
-    def engine_url(self, replica: dict[str, Any]) -> str:
-        return f"http://127.0.0.1:{replica['shards'][0]['port']}"
-
-    def engine_key(self, replica: dict[str, Any]) -> str:
-        shard = replica["shards"][0]["id"]
-        (record,) = [r for r in self._records() if r["command"]["shardId"] == shard]
-        key: str = record["command"]["apiKey"]
-        return key
-
-    def chat(self, model: str = MODEL, tokens: int = 8) -> Any:
-        return self.client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Write one sentence about the sea."}],
-            max_tokens=tokens,
-            temperature=0,
-        )
 
     # The steps.
 
@@ -262,13 +112,6 @@ class VLLMEndToEndTests(SynchronousTestCase, Processes):
         self.assertEqual(re.findall(r'"POST /v1/\S+ HTTP/1.1" [45]\d\d', log), [])
         self.replica = replica
 
-    def engine_log(self, replica: dict[str, Any]) -> str:
-        path = os.path.join(
-            self.dir, f"state-{NODE}", "shards", replica["shards"][0]["id"] + ".log"
-        )
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
     def chat_completions_stream_usage_as_counted(self) -> None:
         """
         Chat, completions and a stream with include_usage come back from
@@ -300,13 +143,6 @@ class VLLMEndToEndTests(SynchronousTestCase, Processes):
         self.assertGreater(generated, 0)
         expected = (before[0] + 3, before[1] + prompt, before[2] + generated)
         self.until(lambda: self.usage() == expected, 20, f"usage {expected}")
-
-    def usage(self) -> tuple[int, int, int]:
-        rows = self.admin("/api/v1/usage?by=model")["usage"]
-        for row in rows:
-            if row["model"] == MODEL:
-                return (row["requests"], row["prompt_tokens"], row["completion_tokens"])
-        return (0, 0, 0)
 
     def engine_key_enforced(self) -> None:
         """
@@ -342,8 +178,10 @@ class VLLMEndToEndTests(SynchronousTestCase, Processes):
     def load_poller_reads_real_metrics(self) -> None:
         """
         While a long completion runs, the server's load poller reads vLLM's
-        own /metrics: one running, none waiting, some KV cache in use; the
-        same prompt twice is counted in vLLM's prefix cache hits.
+        own /metrics: one running, none waiting, some KV cache in use.  The
+        same long prompt twice: vLLM counts the second's blocks as prefix
+        cache hits, and the poller's hit rate (the rate of its two counters)
+        is above 0, in the server's metrics and on the replica's page.
         """
         labels = f'{{model="{MODEL}",replica="{self.replica["id"]}"}}'
         done = threading.Event()
@@ -378,31 +216,119 @@ class VLLMEndToEndTests(SynchronousTestCase, Processes):
         # vLLM counts prefix cache hits in tokens: the second of two equal
         # prompts finds the first's blocks.
         long_prompt = " ".join(["The sea is wide and the sky is blue."] * 40)
-        page_before = self.engine_metric("vllm:prefix_cache_hits_total")
+        names = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+        before = [self.engine_metric(name) for name in names]
         for _ in range(2):
             self.client.completions.create(
                 model=MODEL, prompt=long_prompt, max_tokens=1
             )
-        self.assertGreater(
-            self.engine_metric("vllm:prefix_cache_hits_total"), page_before
+        queries, hits = (
+            self.engine_metric(n) - b for n, b in zip(names, before, strict=True)
+        )
+        self.assertGreater(hits, 0)
+        ratio = "llmgw_engine_prefix_cache_hit_ratio"
+        rate = self.until(
+            lambda: self.engine_load(labels).get(ratio, 0.0),
+            20,
+            "the poller's prefix cache hit rate above 0",
+        )
+        self.assertLessEqual(rate, 1.0)
+        print(
+            f"vllm e2e: prefix cache: vLLM counted {queries:.0f} tokens looked up,"
+            f" {hits:.0f} found; the poller's hit rate {rate:.3f}"
+        )
+        _, _, page = http(
+            "GET", f"{self.admin_url}/replicas/{self.replica['id']}?fragment=1"
+        )
+        self.assertRegex(page.decode(), r"prefix cache hits [1-9]\d*%")
+
+    def balancer_passes_over_queued_engine(self) -> None:
+        """
+        Two replicas of the model: the real vLLM and an C{llmgw sim} (its
+        second profile, on a second agent's simulated GPU).  Idle, requests
+        through llmgw take turns between them.  While vLLM reports requests
+        waiting (sent straight to its port with its key, as a second router
+        sharing it would send them: llmgw's own count of requests in flight
+        to it stays 0), the balancer passes it over: every request goes to
+        the sim, as the usage records' replica shows.
+        """
+        agent = spawn_agent(
+            self.dir,
+            SIM_AGENT_CONFIG,
+            self.agent_port,
+            SIM_NODE,
+            os.path.join(self.ca, "agents", SIM_NODE),
+        )
+        self.addCleanup(agent.stop)
+        # Scaled once the node is there: before, the second replica would
+        # be a second vLLM on cpu-01.
+        self.until(
+            lambda: [
+                n
+                for n in self.admin("/api/v1/nodes")["nodes"]
+                if n["id"] == SIM_NODE and n["state"] == "ready" and n["gpus"]
+            ],
+            60,
+            f"{SIM_NODE} registered with its simulated GPU",
+        )
+        self.admin(
+            f"/api/v1/models/{MODEL}/scale", {"min_replicas": 2, "max_replicas": 2}
         )
 
-    def engine_load(self, labels: str) -> dict[str, float]:
-        _, _, page = http("GET", self.admin_url + "/metrics")
-        found = {}
-        for line in page.decode().splitlines():
-            name, _, rest = line.partition(labels + " ")
-            if rest and name.startswith("llmgw_engine_"):
-                found[name] = float(rest)
-        return found
+        def both() -> dict[str, dict[str, Any]] | None:
+            ready = {r["engine"]: r for r in self.replicas() if r["state"] == "ready"}
+            return ready if set(ready) == {"vllm", "sim"} else None
 
-    def engine_metric(self, name: str) -> float:
-        _, _, page = http("GET", self.engine_url(self.replica) + "/metrics")
-        total = 0.0
-        for line in page.decode().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        ready = self.until(both, 120, "the vLLM and the sim replicas ready")
+        vllm, sim = ready["vllm"], ready["sim"]
+        for replica in (vllm, sim):
+            self.until(
+                partial(self.polled, replica["id"]),
+                30,
+                f"the poller reading {replica['engine']}'s load",
+            )
+        idle = [self.short(f"idle-{i}") for i in range(4)]
+        idle_choice = self.served_by(idle)
+        self.assertEqual(set(idle_choice), {vllm["id"], sim["id"]})
+        # Four long completions at vLLM's own port: two run, two wait.
+        url, key = self.engine_url(vllm), self.engine_key(vllm)
+        direct = openai.OpenAI(
+            base_url=url + "/v1", api_key=key, max_retries=0, timeout=300
+        )
+        threads = [
+            threading.Thread(
+                target=direct.completions.create,
+                kwargs={
+                    "model": MODEL,
+                    "prompt": f"{PROMPT} {i}",
+                    "max_tokens": 300,
+                    "extra_body": {"ignore_eos": True, "min_tokens": 300},
+                },
+            )
+            for i in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+            self.addCleanup(thread.join, 300)
+        labels = f'{{model="{MODEL}",replica="{vllm["id"]}"}}'
+        waiting = "llmgw_engine_requests_waiting"
+        self.until(
+            lambda: self.engine_load(labels).get(waiting, 0) >= 2,
+            60,
+            "the poller reading vLLM's two waiting requests",
+        )
+        started = time.monotonic()
+        busy = [self.short(f"busy-{i}") for i in range(4)]
+        queued = self.engine_metric("vllm:num_requests_waiting")
+        print(
+            f"vllm e2e: balancer: idle, {idle_choice.count(vllm['id'])} of 4 to"
+            f" vLLM; 4 requests in {time.monotonic() - started:.1f} s while it"
+            f" queued ({queued:g} waiting after them)"
+        )
+        self.assertEqual(self.served_by(busy), [sim["id"]] * 4)
+        # vLLM still had its queue once they were answered: each was
+        # chosen while it was queueing.
+        self.assertGreaterEqual(queued, 1)
 
     def agent_restart_adopts_same_pid(self) -> None:
         """

@@ -5,6 +5,7 @@ names, and the board's loop on a L{Clock}.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -14,8 +15,10 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.load import (
+    HIT_RATE_POLLS,
     NO_METRICS_RETRY,
     EngineLoad,
+    HitRate,
     LoadBoard,
     LoadCollector,
     NoLoadMetrics,
@@ -139,8 +142,119 @@ class ParseTests(SynchronousTestCase):
         )
         self.assertEqual(parse_load(text, 1.0), EngineLoad(5.0, 5.0, 0.5, 1.0))
 
+    def test_vllm_prefix_cache_counters(self) -> None:
+        """
+        vLLM's prefix cache counters (tokens, one sample per engine) are
+        read as totals, summed over engines; the rate is the board's.
+        """
+        text = VLLM + (
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 600.0\n'
+            'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 400.0\n'
+            "# TYPE vllm:prefix_cache_queries_created gauge\n"
+            'vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 256.0\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 0.0\n'
+            "# TYPE vllm:external_prefix_cache_hits counter\n"
+            'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 9.0\n'
+        )
+        self.assertEqual(
+            parse_load(text, 7.0),
+            EngineLoad(3.0, 5.0, 0.25, 7.0, 1000.0, 256.0, None),
+        )
+
+    def test_real_vllm_prefix_cache_counters(self) -> None:
+        """
+        The page a real vLLM 0.32 served (C{tests/data}, after one short
+        prompt): 6 tokens looked up, none found; its C{_created} gauges
+        and the external cache's counters beside them are not taken.
+        """
+        path = os.path.join(
+            os.path.dirname(__file__), "data", "vllm-0.32.0-metrics.txt"
+        )
+        with open(path) as f:
+            load = parse_load(f.read(), 0.0)
+        self.assertEqual(
+            (load.prefix_cache_queries, load.prefix_cache_hits), (6.0, 0.0)
+        )
+
+    def test_no_prefix_cache_counters(self) -> None:
+        """
+        Engines without the counters (SGLang, llama.cpp) give L{None}.
+        """
+        load = parse_load(SGLANG, 1.0)
+        self.assertEqual(
+            (load.prefix_cache_queries, load.prefix_cache_hits), (None, None)
+        )
+
     def test_unknown_page(self) -> None:
         self.assertRaises(NoLoadMetrics, parse_load, "# TYPE x gauge\nx 1\n", 0.0)
+
+
+class HitRateTests(SynchronousTestCase):
+    """
+    L{HitRate}: a rate of the two counters over the last readings.
+    """
+
+    def test_rate_of_counters(self) -> None:
+        """
+        The rate is of what was counted between readings, not of the
+        totals: 90% hits before, then 10% over the window.
+        """
+        rate = HitRate(polls=3)
+        self.assertIsNone(rate.add(10_000.0, 9_000.0))
+        self.assertIsNone(rate.add(10_000.0, 9_000.0))
+        for i in range(1, 4):
+            last = rate.add(10_000.0 + 100 * i, 9_000.0 + 10 * i)
+        self.assertEqual(last, 0.1)
+
+    def test_idle_window(self) -> None:
+        """
+        No query in the last readings: no rate, rather than an old one.
+        """
+        rate = HitRate(polls=2)
+        rate.add(0.0, 0.0)
+        self.assertEqual(rate.add(100.0, 50.0), 0.5)
+        self.assertEqual(rate.add(100.0, 50.0), 0.5)
+        self.assertIsNone(rate.add(100.0, 50.0))
+
+    def test_reset(self) -> None:
+        """
+        An engine restarted behind the endpoint: its counters start again
+        from 0.  The step is counted from 0 (Prometheus' reset rule):
+        neither negative nor the size of the old totals.
+        """
+        rate = HitRate(polls=10)
+        rate.add(1_000_000.0, 900_000.0)
+        self.assertEqual(rate.add(1_000_100.0, 900_090.0), 0.9)
+        # Restarted: 40 tokens looked up since, 10 found.
+        after = rate.add(40.0, 10.0)
+        self.assertEqual(after, (90.0 + 10.0) / (100.0 + 40.0))
+        self.assertEqual(rate.add(140.0, 10.0), (90.0 + 10.0) / (100.0 + 140.0))
+
+    def test_reset_of_one_counter_bounded(self) -> None:
+        """
+        Hits that seem to grow past queries (one counter reset, not the
+        other) give at most 1.
+        """
+        rate = HitRate(polls=10)
+        rate.add(1_000.0, 900.0)
+        self.assertEqual(rate.add(10.0, 950.0), 1.0)
+
+    def test_counters_gone(self) -> None:
+        """
+        A page without the counters, or with one not a number, drops the
+        window.
+        """
+        rate = HitRate(polls=10)
+        rate.add(0.0, 0.0)
+        self.assertEqual(rate.add(10.0, 5.0), 0.5)
+        self.assertIsNone(rate.add(None, None))
+        self.assertIsNone(rate.add(20.0, 5.0))
+        self.assertIsNone(rate.add(float("nan"), 5.0))
+        self.assertIsNone(rate.add(30.0, 5.0))
+        self.assertEqual(rate.add(40.0, 10.0), 0.5)
 
 
 class _Engines:
@@ -200,6 +314,52 @@ class BoardTests(SynchronousTestCase):
         self.assertFalse(self.board.stale("r1", 0.0))
         self.board.stopService()
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_prefix_cache_hit_rate(self) -> None:
+        """
+        Each reading carries the hit rate over the last
+        L{HIT_RATE_POLLS} polls, and the collector serves it; the
+        simulator's counters read as vLLM's.
+        """
+
+        class Load:
+            running = 0
+            waiting = 0
+            kv_usage = 0.0
+
+        class Cache:
+            queries = 100
+            hits = 0
+
+        cache = Cache()
+        self.engine.page = SimMetrics("m", Load(), cache).render()
+        self.board.startService()
+        first = self.board.reading("r1")
+        assert first is not None
+        self.assertEqual(
+            (first.prefix_cache_queries, first.prefix_cache_hits), (100, 0)
+        )
+        self.assertIsNone(first.prefix_cache_hit_rate)
+        cache.queries, cache.hits = 300, 150
+        self.engine.page = SimMetrics("m", Load(), cache).render()
+        self.tick()
+        second = self.board.reading("r1")
+        assert second is not None
+        self.assertEqual(second.prefix_cache_hit_rate, 0.75)
+        registry = CollectorRegistry()
+        registry.register(LoadCollector(self.board))
+        page = generate_latest(registry).decode()
+        self.assertIn(
+            'llmgw_engine_prefix_cache_hit_ratio{model="m",replica="r1"} 0.75', page
+        )
+        for _ in range(HIT_RATE_POLLS):
+            self.tick()
+        idle = self.board.reading("r1")
+        assert idle is not None
+        self.assertIsNone(idle.prefix_cache_hit_rate)
+        page = generate_latest(registry).decode()
+        self.assertNotIn("llmgw_engine_prefix_cache_hit_ratio{", page)
+        self.board.stopService()
 
     def test_stale(self) -> None:
         """

@@ -463,6 +463,7 @@ class _Reading:
     running = 3.0
     waiting = 1.0
     kv_cache_usage: float | None = 0.42
+    prefix_cache_hit_rate: float | None = 0.5
     read_at = 100.0
 
 
@@ -486,8 +487,8 @@ class EngineLoadTests(PlaneCase):
     def test_replica_load(self) -> None:
         """
         The replica page shows C{router.load}'s reading (running, waiting,
-        KV cache, its age), says when it is stale, when the engine serves
-        no metrics, and when the server polls none.
+        KV cache, prefix cache hit rate, its age), says when it is stale,
+        when the engine serves no metrics, and when the server polls none.
         """
         self.make()
         self.plane.reconcile()
@@ -519,7 +520,14 @@ class EngineLoadTests(PlaneCase):
 
         self.assertEqual(
             shown(),
-            {"text": "", "running": "3", "waiting": "1", "kv": "42%", "age": "5s ago"},
+            {
+                "text": "",
+                "running": "3",
+                "waiting": "1",
+                "kv": "42%",
+                "prefix_cache": "50%",
+                "age": "5s ago",
+            },
         )
         load.is_stale = True
         self.assertEqual(shown()["text"], "stale")

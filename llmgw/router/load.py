@@ -9,7 +9,11 @@ use is their largest):
   - vLLM: C{vllm:num_requests_running}, C{vllm:num_requests_waiting},
     C{vllm:kv_cache_usage_perc} (V1, a fraction 0..1) or the older
     C{vllm:gpu_cache_usage_perc} (V0); source: vLLM's
-    C{docs/design/v1/metrics.md} and C{vllm/v1/metrics/loggers.py}.  The
+    C{docs/design/v1/metrics.md} and C{vllm/v1/metrics/loggers.py}; and its
+    prefix cache's counters, in tokens: C{vllm:prefix_cache_queries_total}
+    (prompt tokens looked up) and C{vllm:prefix_cache_hits_total} (those
+    found), labelled C{engine} and C{model_name} as the gauges are (a real
+    vLLM 0.32's page: C{tests/data/vllm-0.32.0-metrics.txt}).  The
     simulator (C{llmgw sim}, L{llmgw.sim.metrics}) serves the V1 names.
   - SGLang (C{--enable-metrics}): C{sglang:num_running_reqs},
     C{sglang:num_queue_reqs}, C{sglang:token_usage} (a fraction of the KV
@@ -20,6 +24,14 @@ use is their largest):
     recent builds dropped: the cache use is then L{None}); source:
     llama.cpp's C{tools/server/README.md}, "GET /metrics".
 
+The prefix cache hit rate (L{HitRate}) is the rate of those two counters:
+the hits counted over the last L{HIT_RATE_POLLS} readings over the queries
+counted over them, not the ratio of their totals since the engine started
+(which would barely move after a day).  It is shown, not balanced on: the
+prefix affinity (L{llmgw.router.affinity}) already sends a prompt to the
+replica whose cache holds it, and a replica-wide rate says nothing of
+where this request's prefix is cached.
+
 An engine that answers 404 (llama-cpp-python's server has no C{/metrics})
 is marked as having none, logged once, and asked again only every
 L{NO_METRICS_RETRY} polls.
@@ -27,9 +39,11 @@ L{NO_METRICS_RETRY} polls.
 
 from __future__ import annotations
 
+import math
 import re
+from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -51,7 +65,10 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs",
            "llamacpp:requests_deferred")  # fmt: skip
 KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
             "sglang:token_usage", "llamacpp:kv_cache_usage_ratio")  # fmt: skip
-_WANTED = frozenset(RUNNING + WAITING + KV_CACHE)
+# vLLM V1's prefix cache counters, tokens (their samples' names).
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)
+PREFIX_HITS = ("vllm:prefix_cache_hits_total",)
+_WANTED = frozenset(RUNNING + WAITING + KV_CACHE + PREFIX_QUERIES + PREFIX_HITS)
 # The sample lines worth handing to the parser: an engine's page is mostly
 # histograms (vLLM's is tens of KiB, the simulator's 6 KiB) and
 # prometheus_client's parser is pure Python, label parsing its slowest
@@ -70,6 +87,9 @@ STALE_POLLS = 3
 # An engine without /metrics is asked again every this many polls (it may
 # have been restarted with them).
 NO_METRICS_RETRY = 60
+# The prefix cache hit rate is over the counts of this many last readings
+# (a minute at the default poll interval).
+HIT_RATE_POLLS = 60
 # The most bytes of a /metrics page read.
 MAX_PAGE = 4 * 1024 * 1024
 
@@ -84,12 +104,23 @@ class EngineLoad:
     @ivar kv_cache_usage: the fraction (0..1) of the KV cache in use, or
         L{None} when the engine does not say.
     @ivar read_at: reactor time, seconds, of the reading.
+    @ivar prefix_cache_queries: the engine's count of prompt tokens looked
+        up in its prefix cache since it started, or L{None} when it does
+        not say (engines other than vLLM).
+    @ivar prefix_cache_hits: of those, the tokens found there, or L{None}.
+    @ivar prefix_cache_hit_rate: the fraction (0..1) of the tokens looked
+        up over the last L{HIT_RATE_POLLS} readings that were found
+        (L{HitRate}); L{None} when none were looked up then, or before
+        the second reading.  Set by L{LoadBoard}, not by L{parse_load}.
     """
 
     running: float
     waiting: float
     kv_cache_usage: float | None
     read_at: float
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    prefix_cache_hit_rate: float | None = None
 
 
 class NoLoadMetrics(ValueError):
@@ -122,12 +153,70 @@ def parse_load(text: str, read_at: float) -> EngineLoad:
     running, waiting, cache = first(RUNNING), first(WAITING), first(KV_CACHE)
     if running is None and waiting is None:
         raise NoLoadMetrics("no known load metric")
+    queries, hits = first(PREFIX_QUERIES), first(PREFIX_HITS)
     return EngineLoad(
         running=sum(running or ()),
         waiting=sum(waiting or ()),
         kv_cache_usage=max(cache) if cache else None,
         read_at=read_at,
+        prefix_cache_queries=sum(queries) if queries is not None else None,
+        prefix_cache_hits=sum(hits) if hits is not None else None,
     )
+
+
+class HitRate:
+    """
+    A hit rate from two counters read at each poll, as Prometheus'
+    C{increase()} takes them: the hits counted over the last C{polls}
+    readings over the queries counted over them.  A counter lower than at
+    the reading before was reset (the engine restarted behind the same
+    endpoint): its increase is then its new value, counted from 0, so a
+    restart gives neither a negative step nor one the size of the old
+    totals.  The rate is kept within 0..1 (hits are a part of queries).
+
+    @param polls: how many readings' steps are kept.
+    """
+
+    def __init__(self, polls: int = HIT_RATE_POLLS) -> None:
+        self._steps: deque[tuple[float, float]] = deque(maxlen=polls)
+        self._last: tuple[float, float] | None = None
+
+    def add(self, queries: float | None, hits: float | None) -> float | None:
+        """
+        Take one reading of both counters' totals.
+
+        @param queries: tokens looked up since the engine started, or
+            L{None} when the page had no such counter (the steps kept are
+            dropped: the engine no longer says).
+        @param hits: tokens found, or L{None}.
+        @return: the rate after it (L{rate}).
+        """
+        if (
+            queries is None
+            or hits is None
+            or not math.isfinite(queries)
+            or not math.isfinite(hits)
+        ):
+            self._steps.clear()
+            self._last = None
+            return None
+        last, self._last = self._last, (queries, hits)
+        if last is not None:
+            if queries < last[0] or hits < last[1]:
+                self._steps.append((queries, hits))
+            else:
+                self._steps.append((queries - last[0], hits - last[1]))
+        return self.rate()
+
+    def rate(self) -> float | None:
+        """
+        @return: hits over queries counted in the steps kept, 0..1;
+            L{None} when no query was counted in them.
+        """
+        queries = sum(q for q, _ in self._steps)
+        if queries <= 0:
+            return None
+        return min(1.0, max(0.0, sum(h for _, h in self._steps) / queries))
 
 
 class _Target:
@@ -138,6 +227,7 @@ class _Target:
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self.reading: EngineLoad | None = None
+        self.hit_rate = HitRate()
         self.has_metrics: bool | None = None
         self.in_flight: Deferred[None] | None = None
         self.skip = 0
@@ -314,7 +404,8 @@ class LoadBoard(Service):
             return
         except ValueError as e:
             raise ScrapeError(f"unreadable metrics: {e}") from None
-        target.reading = load
+        rate = target.hit_rate.add(load.prefix_cache_queries, load.prefix_cache_hits)
+        target.reading = replace(load, prefix_cache_hit_rate=rate)
         target.has_metrics = True
         if target.failing:
             target.failing = False
@@ -394,6 +485,14 @@ class LoadCollector:
             " poll intervals (or missing).",
             labels=labels,
         )
+        hit_rate = GaugeMetricFamily(
+            "llmgw_engine_prefix_cache_hit_ratio",
+            "Fraction (0..1) of the prompt tokens the engine looked up in its"
+            f" prefix cache over its last {HIT_RATE_POLLS} load readings that it"
+            " found there (vLLM's prefix_cache_hits over prefix_cache_queries);"
+            " absent when it looked up none.",
+            labels=labels,
+        )
         available = GaugeMetricFamily(
             "llmgw_engine_metrics_available",
             "1 when the engine serves load metrics, 0 when it has none.",
@@ -415,4 +514,6 @@ class LoadCollector:
             age.add_metric(values, max(0.0, now - reading.read_at))
             if reading.kv_cache_usage is not None:
                 cache.add_metric(values, reading.kv_cache_usage)
-        yield from (running, waiting, cache, age, stale, available)
+            if reading.prefix_cache_hit_rate is not None:
+                hit_rate.add_metric(values, reading.prefix_cache_hit_rate)
+        yield from (running, waiting, cache, hit_rate, age, stale, available)

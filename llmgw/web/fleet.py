@@ -38,6 +38,9 @@ class EngineLoad(Protocol):
     def kv_cache_usage(self) -> float | None: ...
 
     @property
+    def prefix_cache_hit_rate(self) -> float | None: ...
+
+    @property
     def read_at(self) -> float:
         """
         Reactor seconds of the reading.
@@ -437,12 +440,13 @@ class Fleet:
         reading = self.load.reading(replica_id)
         if reading is None:
             return {"text": "no reading yet"}
-        kv = reading.kv_cache_usage
+        kv, hits = reading.kv_cache_usage, reading.prefix_cache_hit_rate
         return {
             "text": "stale" if self.load.stale(replica_id, now) else "",
             "running": f"{reading.running:g}",
             "waiting": f"{reading.waiting:g}",
             "kv": f"{100 * kv:.0f}%" if kv is not None else "-",
+            "prefix_cache": f"{100 * hits:.0f}%" if hits is not None else "-",
             "age": _ago(reading.read_at, now),
         }
 

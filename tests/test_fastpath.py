@@ -318,7 +318,7 @@ class ForwardedPathsTests(SynchronousTestCase):
         passes on (percent-encoded).
         """
         routes = Router.app.url_map.bind("gw")
-        self.assertEqual(len(FORWARDED_PATHS), 8)
+        self.assertEqual(len(FORWARDED_PATHS), 10)
         for path, upstream in FORWARDED_PATHS.items():
             self.assertEqual(upstream, path)
             endpoint, _ = routes.match(path.decode(), method="POST")

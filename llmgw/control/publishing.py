@@ -18,6 +18,7 @@ from llmgw.control.inventory import Inventory
 from llmgw.control.records import ReplicaRecord, ReplicaState
 from llmgw.control.runtime import ModelCatalog
 from llmgw.router.interfaces import Endpoint, Shortfall
+from llmgw.wire.engines import MESSAGES_ENGINES
 
 
 def host(address: str) -> str:
@@ -84,6 +85,7 @@ class Publishing:
             f"http://{host(node.address)}:{leader.port}",
             state.model.names,
             api_key=self._commands.engine_key(leader.id),
+            messages=replica.profile.engine in MESSAGES_ENGINES,
         )
         return endpoint, replica.model
 

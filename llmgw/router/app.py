@@ -22,9 +22,20 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from llmgw.router.activation import ActivationQueues
 from llmgw.router.affinity import AffinityRule
+from llmgw.router.anthropic import (
+    CHAT_PATH,
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    MESSAGES_PATHS,
+)
 from llmgw.router.balancer import Balancer
 from llmgw.router.cors import Cors
-from llmgw.router.errors import APIError, body_too_large, model_not_found
+from llmgw.router.errors import (
+    APIError,
+    anthropic_error,
+    body_too_large,
+    model_not_found,
+)
 from llmgw.router.exchange import Exchange, Services
 from llmgw.router.fastpath import ForwardingRoutes
 from llmgw.router.interfaces import Activator, Auth, Key, Readiness, UsageSink
@@ -38,9 +49,10 @@ from llmgw.router.prepare import (
     USAGE_STREAM_PATHS,
     Prepared,
     Refused,
-    estimate_prompt_tokens,
     prepare,
+    prepare_messages,
 )
+from llmgw.router.records import request_record
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON, client_gone, request_id, upstream_request_id
 from llmgw.router.upstream import Upstream
@@ -56,6 +68,8 @@ FORWARDED_PATHS = {
         b"/v1/responses",
         b"/tokenize",
         b"/detokenize",
+        MESSAGES_PATH,
+        COUNT_TOKENS_PATH,
     )
 }
 """
@@ -65,33 +79,8 @@ percent-encoded spelling of the path).
 """
 
 
-def _loggable(text: str, limit: int = 200) -> str:
-    """
-    @return: C{text} safe for a log line: at most C{limit} characters,
-        control characters and lone surrogates escaped.
-    """
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    if text.isprintable():
-        try:
-            text.encode("utf-8")
-            return text
-        except UnicodeEncodeError:
-            pass
-    return text.encode("unicode_escape").decode("ascii")
-
-
 def _no_alias(name: str) -> str | None:
     return None
-
-
-def _began(exchange: Exchange) -> bool:
-    """
-    @return: whether the replica began a successful answer (the engine
-        took the request and did work) before the exchange ended.
-    """
-    status = exchange.answer_status
-    return status is not None and 200 <= status < 300
 
 
 class Router:
@@ -239,12 +228,20 @@ class Router:
             )
             waiter.callback(None)
 
-    def _error(self, request: IRequest, error: APIError) -> bytes:
-        request.setResponseCode(error.status)
+    def _error(
+        self, request: IRequest, error: APIError, anthropic: bool = False
+    ) -> bytes:
+        """
+        @param anthropic: answer in Anthropic's shape (the Messages API's
+            routes), else OpenAI's.
+        @return: the body of C{error}, its status and headers set.
+        """
+        status, body = anthropic_error(error) if anthropic else (error.status, None)
+        request.setResponseCode(status)
         request.setHeader(b"content-type", JSON)
         if error.retry_after is not None:
             request.setHeader(b"retry-after", str(error.retry_after).encode("ascii"))
-        return error.body()
+        return body if body is not None else error.body()
 
     async def _forward(self, request: IRequest, path: bytes) -> bytes | None:
         started = self.clock.seconds()
@@ -259,6 +256,7 @@ class Router:
         reserved = 0
         # What the record says before the body is prepared (or if it is not).
         model, stream = "", False
+        anthropic = path in MESSAGES_PATHS
         try:
             key = self._key_for(request)
             try:
@@ -268,7 +266,12 @@ class Router:
                 raise refused.error from None
             model, stream = prepared.model, prepared.stream
             exchange = Exchange(
-                self.services, request, path, prepared, rid, upstream_request_id(rid)
+                self.services,
+                request,
+                CHAT_PATH if anthropic else path,
+                prepared,
+                rid,
+                upstream_request_id(rid),
             )
             if key is not None:
                 assert self.auth is not None
@@ -282,13 +285,13 @@ class Router:
             status = exchange.status
             return result
         except APIError as error:
-            status = error.status
+            status = anthropic_error(error)[0] if anthropic else error.status
             if exchange is not None and exchange.headers_sent:
                 # A stream already started (activation's keep-alives):
                 # the error goes as its last event.
-                request.write(error.sse_event())
+                request.write(exchange.prepared.error_event(error))
                 return None
-            return self._error(request, error)
+            return self._error(request, error, anthropic)
         except Exception:
             if client_gone(request):
                 # The client went away (nginx's 499), unless it had the
@@ -299,7 +302,9 @@ class Router:
                 "request {request_id} failed", request_id=rid.decode("ascii")
             )
             return self._error(
-                request, APIError(500, "Internal error in the gateway.", "api_error")
+                request,
+                APIError(500, "Internal error in the gateway.", "api_error"),
+                anthropic,
             )
         finally:
             if exchange is not None:
@@ -309,10 +314,9 @@ class Router:
             if self.activator is not None and prepared is not None:
                 # Idle time counts from the last completion, not arrival.
                 self.activator.touch(prepared.model)
-            record = self._record(
-                rid, started, status, model, stream, key, reserved, exchange
+            self._account(
+                (rid, started, status, model, stream), key, reserved, exchange
             )
-            self._account(record, status, key, reserved, exchange)
 
     def _prepare(self, request: IRequest, path: bytes) -> Prepared:
         """
@@ -326,7 +330,8 @@ class Router:
         assert content is not None
         content.seek(0)
         rule = self.affinity
-        return prepare(
+        parse = prepare_messages if path in MESSAGES_PATHS else prepare
+        return parse(
             content.read(),
             path,
             self.knows,
@@ -339,8 +344,7 @@ class Router:
 
     def _account(
         self,
-        record: RequestRecord,
-        status: int,
+        what: tuple[bytes, float, int, str, bool],
         key: Key | None,
         reserved: int,
         exchange: Exchange | None,
@@ -349,7 +353,23 @@ class Router:
         A request's end, however it ended: its record counted, to the
         balancer and the usage sinks, its tokens to its key, and a drain
         waiting for the last request released.
+
+        @param what: its id, the clock time it came, the status answered,
+            its model and whether it streams.
         """
+        rid, started, status, model, stream = what
+        record = request_record(
+            rid,
+            started,
+            self.clock.seconds(),
+            status,
+            model,
+            self.knows(model),
+            stream,
+            key,
+            reserved,
+            exchange,
+        )
         self._note_usage(status, exchange)
         self._count(record)
         self.balancer.observe(record)
@@ -365,64 +385,6 @@ class Router:
             waiters, self._idle_waiters = self._idle_waiters, []
             for waiter in waiters:
                 waiter.callback(None)
-
-    def _record(
-        self,
-        rid: bytes,
-        started: float,
-        status: int,
-        model: str,
-        stream: bool,
-        key: Key | None,
-        reserved: int,
-        exchange: Exchange | None,
-    ) -> RequestRecord:
-        usage = (exchange.usage if exchange is not None else None) or {}
-        # Chat and completions name them so; the Responses API input and
-        # output.
-        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-        completion = usage.get("completion_tokens", usage.get("output_tokens"))
-        estimated = False
-        replica = exchange.replica if exchange is not None else None
-        if (
-            exchange is not None
-            and exchange.usage is None
-            and replica is not None
-            and (status in (200, 499) or _began(exchange))
-            and exchange.prepared.body
-        ):
-            # The engine's count never came (the client left mid-stream,
-            # the stream broke, or the engine sends none): estimated,
-            # whatever the status, so that neither leaving early nor a
-            # fault is free.  One token per event relayed.
-            estimated = True
-            prompt = estimate_prompt_tokens(exchange.prepared.body)
-            completion = exchange.events_relayed
-        first_byte_at = exchange.first_byte_at if exchange is not None else None
-        upstream_id = (
-            exchange.upstream_id if exchange is not None else upstream_request_id(rid)
-        )
-        return RequestRecord(
-            request_id=rid.decode("ascii"),
-            upstream_request_id=upstream_id.decode("ascii"),
-            # A name no replica serves came from the client: it goes to
-            # logs cut short and escaped (it could be 32 MiB, or hold
-            # newlines and lone surrogates).
-            model=model if self.knows(model) else _loggable(model),
-            replica=replica.id if replica is not None else None,
-            status=status,
-            stream=stream,
-            prompt_tokens=prompt if isinstance(prompt, int) else 0,
-            completion_tokens=completion if isinstance(completion, int) else 0,
-            latency=self.clock.seconds() - started,
-            time_to_first_token=(
-                first_byte_at - started if first_byte_at is not None else None
-            ),
-            key_id=key.id if key is not None else None,
-            key_name=key.name if key is not None else None,
-            usage_estimated=estimated,
-            reserved_tokens=reserved,
-        )
 
     def _note_usage(self, status: int, exchange: Exchange | None) -> None:
         """
@@ -484,6 +446,15 @@ class Router:
     async def passthrough(self, request: IRequest) -> bytes | None:
         return await self._forward(request, request.path)
 
+    # Anthropic's Messages API (docs/anthropic.md).
+    @app.route("/v1/messages", methods=["POST"])
+    async def messages(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, MESSAGES_PATH)
+
+    @app.route("/v1/messages/count_tokens", methods=["POST"])
+    async def count_tokens(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, COUNT_TOKENS_PATH)
+
     def _model_object(self, model: str) -> dict[str, Any]:
         return {
             "id": model,
@@ -495,9 +466,10 @@ class Router:
     def _key_for(self, request: IRequest) -> Key | None:
         """
         The key comes in C{Authorization: Bearer sk-...} (OpenAI's
-        clients) or in C{api-key: sk-...} (Azure OpenAI's, which the
-        OpenAI SDK's C{AzureOpenAI} sends); when both come, C{Authorization}
-        is the one checked.
+        clients, and Anthropic's with C{auth_token}), in C{api-key: sk-...}
+        (Azure OpenAI's, which the OpenAI SDK's C{AzureOpenAI} sends) or in
+        C{x-api-key: sk-...} (Anthropic's clients); when several come,
+        C{Authorization} is the one checked, then C{api-key}.
 
         @return: the request's API key, or L{None} when none is needed.
         @raise APIError: 401.
@@ -505,8 +477,8 @@ class Router:
         if self.auth is None:
             return None
         header = request.getHeader(b"authorization")
-        if header is None:
-            api_key = request.getHeader(b"api-key")
+        for name in (b"api-key", b"x-api-key"):
+            api_key = request.getHeader(name) if header is None else None
             if api_key is not None and api_key.strip():
                 header = b"Bearer " + api_key.strip()
         return self.auth.authenticate(header)
@@ -580,6 +552,7 @@ class Router:
             APIError(
                 404, f"Unknown path {path}.", "invalid_request_error", "unknown_url"
             ),
+            request.path.startswith(MESSAGES_PATH),
         )
 
     @app.handle_errors(MethodNotAllowed)
@@ -597,4 +570,5 @@ class Router:
                 "invalid_request_error",
                 "method_not_allowed",
             ),
+            request.path in MESSAGES_PATHS,
         )

@@ -365,7 +365,8 @@ class KeyRing:
         if header is None:
             raise _unauthorized(
                 "You didn't provide an API key. Send it as"
-                " 'Authorization: Bearer sk-...' (or 'api-key: sk-...')."
+                " 'Authorization: Bearer sk-...' (or 'api-key: sk-...',"
+                " 'x-api-key: sk-...')."
             )
         scheme, _, secret = header.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not secret.strip():

@@ -1,9 +1,12 @@
 """
-OpenAI error objects.
+OpenAI error objects, and the same errors in Anthropic's shape for the
+Messages API's routes.
 
 Shape from the OpenAI API reference ("Error codes"), as the official client
 parses it: C{{"error": {"message", "type", "param", "code"}}} where C{code} is
-a string or null.
+a string or null.  Anthropic's (API reference, "Errors"): C{{"type": "error",
+"error": {"type", "message"}}}, the type given by the status
+(L{ANTHROPIC_TYPES}).
 """
 
 from __future__ import annotations
@@ -59,6 +62,56 @@ class APIError(Exception):
             when it reads an event whose data has an C{error} member.
         """
         return b"data: " + self.body() + b"\n\n"
+
+
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+"""
+Anthropic's error type for each status it documents; another 4xx is an
+C{invalid_request_error}, another 5xx an C{api_error}.
+"""
+OVERLOADED = 529
+"""
+Anthropic's status for C{overloaded_error}: llmgw's 503s (no replica ready
+yet, the replica overloaded) and the overload room's refusals.
+"""
+
+
+def anthropic_error(error: APIError) -> tuple[int, bytes]:
+    """
+    @return: the status and the body of C{error} in Anthropic's shape, the
+        message naming the field at fault (C{"max_tokens: ..."}).
+    """
+    status = error.status
+    if status == 503 or error.code == "model_overloaded":
+        status = OVERLOADED
+    kind = ANTHROPIC_TYPES.get(status) or (
+        "invalid_request_error" if status < 500 else "api_error"
+    )
+    message = error.message
+    if error.param and not message.startswith(error.param):
+        message = f"{error.param}: {message}"
+    body = {"type": "error", "error": {"type": kind, "message": message}}
+    return status, json.dumps(body).encode("utf-8")
+
+
+def anthropic_event(error: APIError) -> bytes:
+    """
+    @return: C{error} as the Messages API's C{error} event, for a stream
+        that already started (the official SDK raises it as an
+        C{APIStatusError}).
+    """
+    return b"event: error\ndata: " + anthropic_error(error)[1] + b"\n\n"
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

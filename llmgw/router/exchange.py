@@ -38,8 +38,8 @@ from llmgw.router.errors import (
 from llmgw.router.interfaces import Activator
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.overload import Overload
-from llmgw.router.prepare import USAGE_STREAM_PATHS, Prepared
-from llmgw.router.relay import StreamCut, UsageFilter
+from llmgw.router.prepare import Prepared
+from llmgw.router.relay import StreamCut
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON, client_gone
 from llmgw.router.sse import EventTooLarge
@@ -152,6 +152,7 @@ class Exchange:
         self.waiting: Deferred[Any] | None = None
         self.reader: BodyReader | None = None
         self.cut_reason: str | None = None
+        self.native = False  # a Messages API request sent as it came
 
     def _cancel_waiting(self) -> None:
         if self.waiting is not None:
@@ -297,8 +298,9 @@ class Exchange:
         )
         # Once a kept connection was found closed, the others may be too.
         fresh = self.stale_retried
+        path, body, self.native = self.prepared.for_replica(self.path, replica.endpoint)
         self.waiting = services.upstream.post(
-            replica.url_bytes, self.path, headers, self.prepared.body, fresh=fresh
+            replica.url_bytes, path, headers, body, fresh=fresh
         )
         try:
             response = await self.waiting
@@ -496,7 +498,10 @@ class Exchange:
         self, status: int, content_type: bytes, body: bytes, wait: int | None
     ) -> bytes:
         if 200 <= status < 300:
-            if content_type.startswith(JSON):
+            if self.prepared.messages is not None:
+                body, self.usage = self.prepared.messages.whole(body, self.native)
+                content_type = JSON
+            elif content_type.startswith(JSON):
                 try:
                     parsed = json.loads(body)
                 except ValueError:
@@ -544,11 +549,8 @@ class Exchange:
             request.setResponseCode(200)
             for name, value in SSE_HEADERS:
                 request.setHeader(name, value)
-        relay = UsageFilter(
-            self.services.settings.max_event_size,
-            self.prepared.strip_usage,
-            completion=self.path in USAGE_STREAM_PATHS,
-        )
+        size = self.services.settings.max_event_size
+        relay = self.prepared.relay(size, self.path, self.native)
         write = self._write
         got_bytes = self._got_bytes
         touch = self.deadlines.touch
@@ -576,7 +578,7 @@ class Exchange:
             if not self.headers_sent:
                 raise
             self.status = error.status
-            request.write(error.sse_event())
+            request.write(self.prepared.error_event(error))
             return
         finally:
             # Counted however the stream ended (a client that left too).
@@ -589,7 +591,7 @@ class Exchange:
             cut = upstream_failed(str(e))
             self.services.metrics.upstream_errors.labels("broken").inc()
             self.status = cut.status
-            self._write(cut.sse_event())
+            self._write(self.prepared.error_event(cut))
             return
         if rest:
             self._write(rest)

@@ -24,7 +24,8 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET
 
-from llmgw.router.errors import APIError
+from llmgw.router.anthropic import MESSAGES_PATHS
+from llmgw.router.errors import APIError, anthropic_error
 from llmgw.router.site import JSON
 
 Handler = Callable[[IRequest, bytes], Coroutine[Any, Any, bytes | None]]
@@ -84,12 +85,18 @@ class ForwardingRoutes(Resource):
                 return
             self.log.failure("unhandled error in {path}", reason, path=path)
             if not finished:
-                # An OpenAI error object, as the handler's own failures
-                # are (twisted.web's processingFailed answers in HTML).
+                # An error object, OpenAI's or Anthropic's as the handler's
+                # own failures are (twisted.web's processingFailed answers
+                # in HTML).
                 error = APIError(500, "Internal error in the gateway.", "api_error")
+                body = (
+                    anthropic_error(error)[1]
+                    if path in MESSAGES_PATHS
+                    else error.body()
+                )
                 request.setResponseCode(500)
                 request.setHeader(b"content-type", JSON)
-                request.write(error.body())
+                request.write(body)
                 request.finish()
 
         answer.addCallbacks(write, failed)

@@ -33,6 +33,10 @@ class Endpoint:
     @ivar api_key: the engine's own secret, sent as C{Authorization: Bearer}
         on every request to it; C{""} for none.  Never shown (not in the
         repr, not in the admin API).
+    @ivar messages: whether the engine serves Anthropic's Messages API
+        itself (C{/v1/messages}, C{/v1/messages/count_tokens}: vLLM), so
+        that those requests are forwarded as they are; else the router
+        translates them to chat completions.
     """
 
     id: str
@@ -40,6 +44,7 @@ class Endpoint:
     models: tuple[str, ...]
     weight: float = 1.0
     api_key: str = field(default="", repr=False)
+    messages: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.router.affinity import AffinityRule
-from llmgw.router.errors import APIError, bad_request, model_not_found
+from llmgw.router.anthropic import COUNT_TOKENS_PATH, Invalid, MessagesCall, to_chat
+from llmgw.router.anthropic_stream import MessagesStream, NativeStream
+from llmgw.router.errors import APIError, anthropic_event, bad_request, model_not_found
+from llmgw.router.interfaces import Endpoint
+from llmgw.router.relay import UsageFilter
+
+Relay = UsageFilter | MessagesStream | NativeStream
+"""
+What relays a stream: C{feed}, C{end}, C{usage}, C{done}.
+"""
 
 USAGE_STREAM_PATHS = frozenset({b"/v1/chat/completions", b"/v1/completions"})
 """
@@ -27,12 +36,73 @@ max_tokens, until its real count comes.
 _USAGE_MEMBER = b',"stream_options":{"include_usage":true}'
 
 
-def estimate_prompt_tokens(body: bytes) -> int:
+MEDIA_ITEM_TOKENS = 1600
+"""
+Prompt tokens estimated for each image, audio clip or file a request
+carries, whatever its size in bytes.  Anthropic documents about
+C{width * height / 750} tokens an image, about 1,600 for the largest it
+takes unresized (1.15 megapixels, "Vision"); OpenAI's high-detail image
+costs 85 plus 170 per 512-pixel tile (765 for 1024x1024).  Audio and files
+depend on a length and pages the router does not decode: one item each too.
+"""
+_IMAGE_PARTS = ("image_url", "input_image")
+_FILE_PARTS = ("file", "input_file")
+
+
+def _inline_data(part: dict[str, Any]) -> str | None:
     """
+    @return: the URL or data of a content part that is a medium (image,
+        audio, file; chat completions' and the Responses API's spellings),
+        C{""} when it has none inline, or L{None} for another part.
+    """
+    kind = part.get("type")
+    if kind in _IMAGE_PARTS:
+        value = part.get("image_url")
+        value = value.get("url") if isinstance(value, dict) else value
+    elif kind == "input_audio":
+        value = part.get("input_audio")
+        value = value.get("data") if isinstance(value, dict) else None
+    elif kind in _FILE_PARTS:
+        value = part.get("file", part)
+        value = value.get("file_data") if isinstance(value, dict) else None
+    else:
+        return None
+    return value if isinstance(value, str) else ""
+
+
+def media(payload: dict[str, Any]) -> tuple[int, int]:
+    """
+    @param payload: a chat completions or Responses API body, parsed.
+    @return: the media items in its messages' content parts, and the
+        characters of their inline data (data URLs, base64 audio and
+        files).
+    """
+    items = size = 0
+    for field in ("messages", "input"):
+        messages = payload.get(field)
+        for message in messages if isinstance(messages, list) else ():
+            content = message.get("content") if isinstance(message, dict) else None
+            for part in content if isinstance(content, list) else ():
+                data = _inline_data(part) if isinstance(part, dict) else None
+                if data is not None:
+                    items += 1
+                    size += len(data)
+    return items, size
+
+
+def estimate_prompt_tokens(body: bytes, payload: dict[str, Any] | None = None) -> int:
+    """
+    @param payload: C{body} parsed, when its media are to be counted as
+        what they are.
     @return: the prompt tokens of a request body, estimated: about 4 bytes
-        of request per token.
+        of request per token, but L{MEDIA_ITEM_TOKENS} for each image,
+        audio clip or file in C{payload}'s content parts instead of its
+        bytes (a 3 MiB inline image is 1,600 tokens, not 786,000).
     """
-    return len(body) // 4
+    if payload is None:
+        return len(body) // 4
+    items, size = media(payload)
+    return max(0, len(body) - size) // 4 + items * MEDIA_ITEM_TOKENS
 
 
 @dataclass(frozen=True)
@@ -51,6 +121,10 @@ class Prepared:
         C{0..1,000,000}; L{DEFAULT_RESERVED_COMPLETION} when it sets none.
     @ivar affinity: the affinity key (L{llmgw.router.affinity}), or
         L{None}.
+    @ivar estimate: the prompt's tokens, estimated
+        (L{estimate_prompt_tokens}, its media counted per item).
+    @ivar messages: for a Messages API request, the request as it came
+        (C{body} is its chat completions translation); else L{None}.
     """
 
     body: bytes
@@ -60,6 +134,8 @@ class Prepared:
     strip_usage: bool
     max_tokens: int
     affinity: bytes | None = None
+    estimate: int = 0
+    messages: MessagesCall | None = None
 
     @property
     def reserve(self) -> int:
@@ -67,7 +143,38 @@ class Prepared:
         Tokens to hold against a key while the request runs: its prompt
         (estimated) and its C{max_tokens}.
         """
-        return estimate_prompt_tokens(self.body) + self.max_tokens
+        return self.estimate + self.max_tokens
+
+    def for_replica(self, path: bytes, endpoint: Endpoint) -> tuple[bytes, bytes, bool]:
+        """
+        @param path: the path of C{body} (a Messages API request's
+            translation goes to L{llmgw.router.anthropic.CHAT_PATH}).
+        @return: the path and the body to send to C{endpoint}, and whether
+            they are a Messages API request as it came (the engine serves
+            that API).
+        """
+        call = self.messages
+        if call is not None and endpoint.messages:
+            return call.native_path, call.native_body, True
+        return path, self.body, False
+
+    def relay(self, max_event_size: int, path: bytes, native: bool) -> Relay:
+        """
+        @param path: where the request went.
+        @param native: whether it went as a Messages API request.
+        @return: the filter of its stream (L{UsageFilter}), or a Messages
+            API request's translation of it.
+        """
+        if self.messages is not None:
+            return self.messages.relay(max_event_size, native)
+        return UsageFilter(max_event_size, self.strip_usage, path in USAGE_STREAM_PATHS)
+
+    def error_event(self, error: APIError) -> bytes:
+        """
+        @return: C{error} as the last event of this request's stream, in
+            its API's shape.
+        """
+        return anthropic_event(error) if self.messages else error.sse_event()
 
 
 class Refused(Exception):
@@ -324,4 +431,58 @@ def prepare(
         strip_usage=strip_usage,
         max_tokens=min(max(limit, 0), 1_000_000),
         affinity=key,
+        estimate=estimate_prompt_tokens(body, payload),
+    )
+
+
+def prepare_messages(
+    body: bytes,
+    path: bytes,
+    knows: Callable[[str], bool],
+    resolve: Callable[[str], str | None],
+    affinity: AffinityRule | None = None,
+    session: bytes | None = None,
+) -> Prepared:
+    """
+    Parse and check a Messages API request (C{POST /v1/messages} or
+    C{/v1/messages/count_tokens}) and translate it into chat completions
+    (L{llmgw.router.anthropic.to_chat}); the request as it came is kept
+    for engines that serve the API (C{Prepared.messages}), its alias
+    replaced by the catalog name.
+
+    @param path: L{llmgw.router.anthropic.MESSAGES_PATH} or
+        L{COUNT_TOKENS_PATH}.
+    @raise Refused: a 400 for a malformed body (naming the field), a 404
+        for an unknown model.
+    """
+    payload = _payload(body)
+    model = _model(payload)
+    counting = path == COUNT_TOKENS_PATH
+    stream = not counting and payload.get("stream") is True
+    if not knows(model):
+        raise Refused(model_not_found(model), model, stream)
+    target = resolve(model) or model
+    try:
+        chat = to_chat(payload, counting)
+    except Invalid as invalid:
+        raise Refused(
+            bad_request(invalid.message, invalid.param), target, stream
+        ) from None
+    chat["model"] = target
+    native = body
+    if target != model:
+        native = json.dumps({**payload, "model": target}).encode("ascii")
+    chat_body = json.dumps(chat, allow_nan=False).encode("ascii")
+    stops = chat.get("stop", [])
+    key = affinity.key(chat, len(chat_body), session) if affinity is not None else None
+    return Prepared(
+        body=chat_body,
+        model=target,
+        requested_model=model,
+        stream=stream,
+        strip_usage=False,
+        max_tokens=chat["max_tokens"],
+        affinity=key,
+        estimate=estimate_prompt_tokens(chat_body, chat),
+        messages=MessagesCall(native, path, model, tuple(stops)),
     )

@@ -87,6 +87,13 @@ ENDPOINTS_TABLE = Table(
             ' ASCII); "" for none.',
             "",
         ),
+        Key(
+            "messages",
+            "boolean",
+            "The engine serves Anthropic's Messages API itself (vLLM): /v1/messages"
+            " requests go to it as they are, not translated to chat completions.",
+            False,
+        ),
     ),
 )
 
@@ -250,7 +257,12 @@ def parse_endpoint(where: str, table: object) -> Endpoint:
             f"{where}.api_key: expected a string of visible ASCII characters"
             " (the engine's --api-key)"
         )
-    return Endpoint(endpoint_id, url, tuple(models), float(weight), api_key)
+    messages = table.get("messages", False)
+    if not isinstance(messages, bool):
+        raise ConfigError(f"{where}.messages: expected true or false, got {messages!r}")
+    return Endpoint(
+        endpoint_id, url, tuple(models), float(weight), api_key, messages=messages
+    )
 
 
 def parse_endpoints(tables: object) -> tuple[Endpoint, ...]:

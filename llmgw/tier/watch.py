@@ -49,6 +49,7 @@ def endpoint_json(endpoint: Endpoint) -> dict[str, Any]:
         "models": list(endpoint.models),
         "weight": endpoint.weight,
         "api_key": endpoint.api_key,
+        "messages": endpoint.messages,
     }
 
 
@@ -63,6 +64,7 @@ def endpoint_from_json(value: Mapping[str, Any]) -> Endpoint:
         tuple(str(m) for m in value["models"]),
         float(value.get("weight", 1.0)),
         api_key=str(value.get("api_key", "")),
+        messages=value.get("messages") is True,
     )
 
 

@@ -20,6 +20,15 @@ The engines that can release their GPU memory and keep running: vLLM's
 sleep mode, SGLang's memory saver, and the simulator's copy of both.
 """
 
+MESSAGES_ENGINES = ("vllm",)
+"""
+The engines that serve Anthropic's Messages API themselves
+(C{/v1/messages}, C{/v1/messages/count_tokens}: vLLM's
+C{entrypoints/anthropic}); the router translates it to chat completions for
+the others.  llama.cpp's C{llama-server} serves it too, but a C{llamacpp}
+profile may run llama-cpp-python, which does not: translated.
+"""
+
 SLEEP_LEVELS = {"off": 0, "weights": 1, "discard": 2}
 """
 A profile's C{sleep} by name, and its level as vLLM numbers them (and

@@ -236,7 +236,7 @@ class SQLiteStore(Store):
                     progress(f"  {statement}")
             else:
                 _apply(connection, number, migration, progress)
-        return version if dry_run else len(MIGRATIONS)
+        return version if dry_run else version + len(steps)
 
     def close(self) -> None:
         self.reader.close()

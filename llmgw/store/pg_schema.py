@@ -27,7 +27,6 @@ import psycopg
 
 from llmgw.store.base import DAY, ROLLUP_COLUMNS, ROLLUP_UPSERT, rollup_select
 from llmgw.store.migrations import (
-    MIGRATIONS,
     Migration,
     MigrationPending,
     Progress,
@@ -110,7 +109,7 @@ def migrate(
         if _partitioned(connection):
             with connection.transaction():
                 ensure_partitions(connection, time.time())
-        return len(MIGRATIONS)
+        return version + len(steps)
     finally:
         connection.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
 

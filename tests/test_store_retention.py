@@ -127,7 +127,8 @@ class _Retention(_Base):
         ]
         late = store.add_usage(_rows("late", 20, START + 5 * DAY, 1.0), {})
         roll = store.roll_usage(cutoff)
-        await DeferredList([*writes, late, roll], fireOnOneErrback=True)
+        pending: list[Deferred[Any]] = [*writes, late, roll]
+        await DeferredList(pending, fireOnOneErrback=True)
         await store.roll_usage(cutoff)
         groups = await store.usage("model", 0.0, 4e9)
         self.assertEqual(sum(g["requests"] for g in groups), 1000 + 250 + 20)

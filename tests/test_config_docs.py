@@ -137,6 +137,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
         "store_url",
         "usage_flush_interval",
         "record_usage",
+        "usage_retention",
         "limits_url",
         "limits_routers",
         "require_api_key",

@@ -48,6 +48,13 @@ class StoreConfig:
         "false keeps no record per request (only its log line); each key's"
         " totals are still counted.",
     )
+    usage_retention: float = setting(
+        365 * 86400.0,
+        DURATION,
+        "How long each request's usage record is kept (at least 1d); older"
+        " ones are rolled into daily totals per key and model, which the"
+        " usage API and llmgw ctl usage still count.",
+    )
 
 
 STORE_TABLE = Table(
@@ -76,7 +83,21 @@ def parse_store(table: object) -> StoreConfig:
         if interval <= 0:
             raise ConfigError("store.flush_interval: must be positive")
         store = replace(store, flush_interval=interval)
+    if "usage_retention" in table:
+        kept = parse_duration("store.usage_retention", table["usage_retention"])
+        if kept < MIN_RETENTION:
+            raise ConfigError(
+                f"store.usage_retention: {table['usage_retention']!r} is less than"
+                ' a day: records are rolled into daily totals; use "1d" or more'
+            )
+        store = replace(store, usage_retention=kept)
     return store
+
+
+MIN_RETENTION = 86400.0
+"""
+The shortest C{[store] usage_retention}, seconds: the totals are daily.
+"""
 
 
 @dataclass(frozen=True)

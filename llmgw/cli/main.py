@@ -1,6 +1,6 @@
 """
 The C{llmgw} console script: C{llmgw sim ...}, C{llmgw certs ...},
-C{llmgw ctl ...}.
+C{llmgw ctl ...}, C{llmgw store ...}.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ commands:
   sim     run an engine simulator (OpenAI API) for tests, benchmarks and rehearsals
   certs   make the fleet CA and the certificates of the server and agents
   ctl     run the fleet through the admin API: nodes, models, keys, usage, weights
+  store   the store's schema: store migrate [--dry-run] applies pending migrations
 """
 
 
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         from llmgw.cli.certs import main as certs_main
 
         return certs_main(rest)
+    if command == "store":
+        from llmgw.cli.store import main as store_main
+
+        return store_main(rest)
     sys.stderr.write(f"llmgw: unknown command {command!r}\n{USAGE}")
     return 2
 

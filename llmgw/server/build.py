@@ -52,6 +52,7 @@ from llmgw.server.local import (
 )
 from llmgw.store.base import Store
 from llmgw.store.db import SQLiteStore, StoreError, open_store
+from llmgw.store.migrations import MigrationPending
 from llmgw.tier.build import Accounts
 from llmgw.tier.watch import Watch
 from llmgw.tier.workers import Workers, make_workers, reserve_port
@@ -202,6 +203,9 @@ def open_state(config: ServerConfig, models: tuple[Model, ...]) -> State:
             )
         key_rows, stored_models = store.prepare()
         engine_keys = EngineKeys(config.state_dir)
+    except MigrationPending as e:
+        # Not a mistake in the configuration: an upgrade half done.
+        fail(PROGRAM, str(e), 2)
     except (ConfigError, StoreError, OSError, ValueError) as e:
         fail(PROGRAM, f"config error: {e}", 2)
     names = frozenset(m.name for m in models)

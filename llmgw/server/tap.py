@@ -12,6 +12,7 @@ from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 from twisted.python import usage
 
+from llmgw.accounts.retention import UsageRetention
 from llmgw.config import (
     ServerConfig,
     finish_config,
@@ -217,7 +218,10 @@ def _stop_sequence(
     if agent.port is not None:
         top.add(AGENT_LINKS, ListeningService(agent.port))
     top.add(AGENT_LINKS, LinksService(parts.hub, reactor))
-    top.add(USAGE, account.usage)
+    # Retention before the store closes, its pass in flight waited for.
+    top.add(
+        USAGE, account.usage, UsageRetention(store, reactor, config.usage_retention)
+    )
     top.add(LOCAL_ENGINES, *agent.engines)
     top.add(POOLS, PoolService(built.pool))
     top.add(POOLS, *account.services)

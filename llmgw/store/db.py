@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,19 +25,24 @@ from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred
 
 from llmgw.store.base import (
+    DAY,
     MIGRATIONS,
+    ROLLUP_COLUMNS,
+    ROLLUP_UPSERT,
     USAGE_COLUMNS,
+    MigrationPending,
+    Progress,
     Store,
     StoreError,
     UsageRow,
     key_row,
     key_update,
-    newer_than_code,
+    rollup_select,
     shape_usage,
-    statements,
     usage_query,
     usage_values,
 )
+from llmgw.store.migrations import Migration, describe, pending, quiet, refusal
 
 __all__ = [
     "MIGRATIONS",
@@ -147,10 +153,24 @@ class SQLiteStore(Store):
         connection.execute("PRAGMA query_only=1")
         connection.execute(f"PRAGMA busy_timeout={READ_BUSY_TIMEOUT_MS}")
 
+    def _connect(self) -> sqlite3.Connection:
+        """
+        @return: a connection of this thread's own, in autocommit mode
+            (transactions begun and ended explicitly).
+        @raise StoreError: the file cannot be opened.
+        """
+        try:
+            connection = sqlite3.connect(self.path, isolation_level=None)
+            self._opened(connection)
+        except sqlite3.Error as e:
+            raise StoreError(f"store: cannot open {self.path!r}: {e}") from None
+        return connection
+
     def prepare(self) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
         """
-        At start, before the reactor runs: migrate, then read the keys and
-        the runtime models, on this thread.
+        At start, before the reactor runs: apply the additive migrations
+        (refusing one that rewrites rows), then read the keys and the
+        runtime models, on this thread.
 
         @return: every key, revoked ones included, as dicts of the
             C{api_keys} columns (C{models} decoded: a list or L{None});
@@ -158,16 +178,13 @@ class SQLiteStore(Store):
             nodes go to L{drained}.
         @raise StoreError: the database cannot be opened or migrated (not
             a database, or newer than this code).
+        @raise MigrationPending: a migration that rewrites rows is pending
+            (nothing changed).
         """
+        connection = self._connect()
         try:
-            connection = sqlite3.connect(self.path, isolation_level="DEFERRED")
-        except sqlite3.Error as e:
-            raise StoreError(f"store: cannot open {self.path!r}: {e}") from None
-        try:
-            self._opened(connection)
+            self._migrate(connection, quiet, dry_run=False, at_start=True)
             cursor = connection.cursor()
-            self._migrate(cursor)
-            connection.commit()
             keys = self._keys(cursor)
             models = cursor.execute(
                 "SELECT name, spec FROM models ORDER BY added"
@@ -176,21 +193,50 @@ class SQLiteStore(Store):
                 cursor.execute("SELECT node_id, since FROM node_drains").fetchall()
             )
             return keys, [(name, spec) for name, spec in models]
+        except MigrationPending:
+            raise
         except (sqlite3.Error, StoreError) as e:
             raise StoreError(f"store: {self.path!r}: {e}") from None
         finally:
             connection.close()
 
-    @staticmethod
-    def _migrate(cursor: sqlite3.Cursor) -> int:
-        version = int(cursor.execute("PRAGMA user_version").fetchone()[0])
-        if version > len(MIGRATIONS):
-            raise StoreError(newer_than_code(version))
-        for number in range(version, len(MIGRATIONS)):
-            for statement in statements(MIGRATIONS[number]):
-                cursor.execute(statement)
-            cursor.execute(f"PRAGMA user_version = {number + 1}")
-        return len(MIGRATIONS)
+    def migrate(self, progress: Progress, dry_run: bool = False) -> int:
+        connection = self._connect()
+        try:
+            return self._migrate(connection, progress, dry_run, at_start=False)
+        except sqlite3.Error as e:
+            raise StoreError(f"store: {self.path!r}: {e}") from None
+        finally:
+            connection.close()
+
+    def _migrate(
+        self,
+        connection: sqlite3.Connection,
+        progress: Progress,
+        dry_run: bool,
+        at_start: bool,
+    ) -> int:
+        version = _version(connection)
+        steps = pending(version)
+        for number, migration in steps:
+            table = migration.rewritten(False)
+            if at_start and table is not None and version > 0:
+                if connection.execute(f"SELECT 1 FROM {table} LIMIT 1").fetchone():
+                    raise MigrationPending(
+                        refusal(repr(self.path), number, migration, table)
+                    )
+        for number, migration in steps:
+            table = migration.rewritten(False)
+            rows = 0
+            if not at_start and table is not None and version > 0:
+                rows = connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
+            progress(describe(number, migration, False, rows))
+            if dry_run:
+                for statement in migration.statements_for(False):
+                    progress(f"  {statement}")
+            else:
+                _apply(connection, number, migration, progress)
+        return version if dry_run else version + len(steps)
 
     def close(self) -> None:
         self.reader.close()
@@ -308,8 +354,21 @@ class SQLiteStore(Store):
         def shape(rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
             return shape_usage(by, rows)
 
-        d = self.reader.runQuery(query, (since, until))
+        d = self.reader.runQuery(query, (since, until, since, until))
         return d.addCallback(shape)  # type: ignore[no-any-return]
+
+    def roll_usage(self, before: float) -> Deferred[int]:
+        return Deferred.fromCoroutine(self._roll(before))
+
+    async def _roll(self, before: float) -> int:
+        rolled = 0
+        # One day per transaction on the writing connection: usage writes
+        # queue behind one day's roll, not behind the whole of it.
+        day = await self.pool.runInteraction(_next_day, 0.0, before)
+        while day is not None:
+            rolled += await self.pool.runInteraction(_roll_day, day)
+            day = await self.pool.runInteraction(_next_day, day + DAY, before)
+        return rolled
 
     # Runtime models
 
@@ -350,3 +409,94 @@ class SQLiteStore(Store):
         return self.pool.runOperation(  # type: ignore[no-any-return]
             "DELETE FROM node_drains WHERE node_id = ?", (node_id,)
         )
+
+
+def _version(connection: sqlite3.Connection) -> int:
+    return int(connection.execute("PRAGMA user_version").fetchone()[0])
+
+
+_SLOW_NOTE = 10.0
+"""
+Seconds between the "still running" lines of one long statement.
+"""
+
+
+def _apply(
+    connection: sqlite3.Connection,
+    number: int,
+    migration: Migration,
+    progress: Progress,
+) -> None:
+    """
+    Run one migration and the bump of C{user_version} in one transaction
+    (SQLite's DDL is transactional): interrupted, nothing of it stays.
+    """
+    began = time.monotonic()
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        if _version(connection) >= number:
+            # Another process ran it meanwhile.
+            connection.execute("ROLLBACK")
+            return
+        for statement in migration.statements_for(False):
+            _timed(connection, statement, progress)
+        connection.execute(f"PRAGMA user_version = {number}")
+        connection.execute("COMMIT")
+    except BaseException:
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise
+    if progress is not quiet:
+        progress(f"migration {number}: done in {time.monotonic() - began:.1f}s")
+
+
+def _timed(connection: sqlite3.Connection, statement: str, progress: Progress) -> None:
+    began = time.monotonic()
+    last = [began]
+    if progress is not quiet:
+
+        def note() -> int:
+            now = time.monotonic()
+            if now - last[0] >= _SLOW_NOTE:
+                last[0] = now
+                progress(f"  ... {now - began:.0f}s")
+            return 0
+
+        connection.set_progress_handler(note, 1_000_000)
+    try:
+        connection.execute(statement)
+    finally:
+        connection.set_progress_handler(None, 0)
+    if progress is not quiet:
+        progress(f"  {statement[:72]}: {time.monotonic() - began:.1f}s")
+
+
+def _next_day(cursor: sqlite3.Cursor, since: float, before: float) -> float | None:
+    """
+    @return: the start of the day of the oldest row in C{[since,
+        before)}, or L{None} when there is none.
+    """
+    (first,) = cursor.execute(
+        "SELECT MIN(time) FROM usage WHERE time >= ? AND time < ?", (since, before)
+    ).fetchone()
+    return None if first is None else (first // DAY) * DAY
+
+
+_DAY_SQL = "CAST(time / 86400 AS INTEGER) * 86400.0"
+
+
+def _roll_day(cursor: sqlite3.Cursor, day: float) -> int:
+    """
+    Add one day's rows to its totals and delete them, in this transaction.
+
+    @return: the rows rolled.
+    """
+    where = "time >= ? AND time < ?"
+    bounds = (day, day + DAY)
+    cursor.execute(
+        f"INSERT INTO usage_daily ({ROLLUP_COLUMNS})"
+        f" {rollup_select(_DAY_SQL, 'usage', where)}{ROLLUP_UPSERT}",
+        bounds,
+    )
+    cursor.execute(f"DELETE FROM usage WHERE {where}", bounds)
+    return int(cursor.rowcount)

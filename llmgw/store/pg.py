@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -32,21 +34,22 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
+from llmgw.store import pg_schema
 from llmgw.store.base import (
-    MIGRATIONS,
+    DAY,
     USAGE_COLUMNS,
+    MigrationPending,
+    Progress,
     Store,
     StoreError,
     UsageRow,
     key_row,
     key_update,
-    newer_than_code,
-    postgres_dialect,
     shape_usage,
-    statements,
     usage_query,
     usage_values,
 )
+from llmgw.store.migrations import quiet
 
 T = TypeVar("T")
 
@@ -56,10 +59,6 @@ The C{NOTIFY} channel of key changes.  Payloads are JSON:
 C{{"added": ID}}, C{{"revoked": ID, "when": POSIX SECONDS}} and
 C{{"updated": ID}} (its models, limits or expiry changed).
 """
-
-# Any constant both sides agree on: migrations of two processes starting at
-# once run one after the other.
-_MIGRATION_LOCK = 0x6C6C6D67  # "llmg"
 
 
 def redact(url: str) -> str:
@@ -161,9 +160,8 @@ class PostgresStore(Store):
     def prepare(self) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
         self._start()
         try:
+            self._migrate(quiet, dry_run=False, at_start=True)
             with self.pool.connection() as connection:
-                with connection.cursor() as cursor:
-                    self._migrate(cursor)
                 with connection.cursor() as cursor:
                     keys = self._keys(cursor)
                     cursor.execute("SELECT name, spec FROM models ORDER BY added")
@@ -171,29 +169,28 @@ class PostgresStore(Store):
                     cursor.execute("SELECT node_id, since FROM node_drains")
                     self.drained = dict(cursor.fetchall())
             return keys, models
+        except MigrationPending:
+            raise
         except (psycopg.Error, PoolTimeout, StoreError) as e:
             raise StoreError(f"store: {self.path}: {_one_line(e)}") from None
 
-    @staticmethod
-    def _migrate(cursor: psycopg.Cursor[Any]) -> int:
-        cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-        cursor.execute(
-            "CREATE TABLE IF NOT EXISTS llmgw_schema (version BIGINT NOT NULL)"
-        )
-        cursor.execute("SELECT version FROM llmgw_schema")
-        row = cursor.fetchone()
-        if row is None:
-            cursor.execute("INSERT INTO llmgw_schema (version) VALUES (0)")
-            version = 0
-        else:
-            version = int(row[0])
-        if version > len(MIGRATIONS):
-            raise StoreError(newer_than_code(version))
-        for number in range(version, len(MIGRATIONS)):
-            for statement in statements(postgres_dialect(MIGRATIONS[number])):
-                cursor.execute(statement.encode())
-            cursor.execute("UPDATE llmgw_schema SET version = %s", (number + 1,))
-        return len(MIGRATIONS)
+    def migrate(self, progress: Progress, dry_run: bool = False) -> int:
+        try:
+            return self._migrate(progress, dry_run, at_start=False)
+        except psycopg.Error as e:
+            raise StoreError(f"store: {self.path}: {_one_line(e)}") from None
+
+    def _migrate(self, progress: Progress, dry_run: bool, at_start: bool) -> int:
+        # A connection of its own, in autocommit: each migration runs its
+        # own transactions, and CREATE INDEX CONCURRENTLY none.
+        try:
+            connection = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+        except psycopg.Error as e:
+            raise StoreError(
+                f"store: cannot connect to {self.path}: {_one_line(e)}"
+            ) from None
+        with connection:
+            return pg_schema.migrate(connection, self.path, progress, dry_run, at_start)
 
     def close(self) -> None:
         if self._open:
@@ -295,18 +292,26 @@ class PostgresStore(Store):
                     ([r.request_id for _, r in rows],),
                 )
                 seen = {r[0] for r in cursor.fetchall()}
-                for _, r in rows:
-                    if r.request_id in seen and r.key_id in use:
+                fresh = []
+                for when, r in rows:
+                    if r.request_id not in seen:
+                        seen.add(r.request_id)
+                        fresh.append(usage_values(when, r))
+                    elif r.key_id in use:
                         tokens, last = use[r.key_id]
                         use[r.key_id] = (
                             max(0, tokens - r.prompt_tokens - r.completion_tokens),
                             last,
                         )
+                # The unique index is on (request_id, time) (the table is
+                # partitioned by time, llmgw.store.pg_schema): the ids seen
+                # are skipped above; this covers another writer's commit
+                # of the same batch meanwhile.
                 cursor.executemany(
                     f"INSERT INTO usage ({USAGE_COLUMNS})"
                     " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
-                    " ON CONFLICT (request_id) DO NOTHING",
-                    [usage_values(when, r) for when, r in rows],
+                    " ON CONFLICT DO NOTHING",
+                    fresh,
                 )
             if use:
                 cursor.executemany(
@@ -324,10 +329,30 @@ class PostgresStore(Store):
         query = usage_query(by, "%s")
 
         def read(cursor: psycopg.Cursor[Any]) -> list[dict[str, Any]]:
-            cursor.execute(query.encode(), (since, until))
+            cursor.execute(query.encode(), (since, until, since, until))
             return shape_usage(by, cursor.fetchall())
 
         return self._run(read)
+
+    def roll_usage(self, before: float) -> Deferred[int]:
+        return Deferred.fromCoroutine(self._roll(before))
+
+    async def _roll(self, before: float) -> int:
+        await self._run(partial(pg_schema.ensure_partitions, now=time.time()))
+        rolled = 0
+        # Whole months first, a partition dropped each; then the rest of
+        # the rows past retention (the month it ends in, the default
+        # partition) a day per transaction.
+        old = await self._run(partial(pg_schema.old_partitions, before=before))
+        for name in old:
+            rolled += await self._run(partial(pg_schema.roll_partition, name=name))
+        day = await self._run(partial(pg_schema.next_day, since=0.0, before=before))
+        while day is not None:
+            rolled += await self._run(partial(pg_schema.roll_day, day=day))
+            day = await self._run(
+                partial(pg_schema.next_day, since=day + DAY, before=before)
+            )
+        return rolled
 
     # Runtime models
 

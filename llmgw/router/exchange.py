@@ -65,8 +65,7 @@ class Services:
     What every exchange of a router shares.
 
     @ivar clock: the reactor's clock, for deadlines.
-    @ivar activating: requests waiting for activation, per model, and how
-        long recent activations took (shared, mutable).
+    @ivar activating: the activation queues (shared, mutable).
     @ivar log: where failures of replicas are logged.
     @ivar overload: the waiting room for overloaded models, or L{None}.
     """
@@ -240,11 +239,10 @@ class Exchange:
             if self.deadlines.expired:
                 raise self.deadlines.error() from None
             if wait.timed_out:
+                why = activator.why_not(model)
+                after = wait.retry_after()
                 raise activation_timeout(
-                    model,
-                    settings.activation_timeout,
-                    activator.why_not(model),
-                    wait.retry_after(),
+                    model, settings.activation_timeout, why, after
                 ) from None
             raise
         finally:

@@ -357,7 +357,8 @@ class ReconcilerEndToEndTests(_Fleet, SynchronousTestCase):
         )
         self.assertEqual(status, 200)
         self.assertTrue(
-            body.startswith(b": waiting for a replica to start\n\n"), body[:200]
+            body.startswith(b": waiting for model chat: starting replica chat-"),
+            body[:200],
         )
         self.assertTrue(body.endswith(b"data: [DONE]\n\n"), body[-200:])
         self.assertGreater(waited, 0.2)

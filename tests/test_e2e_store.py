@@ -275,7 +275,9 @@ class KeysAndUsageTests(SynchronousTestCase, Processes, _Ctl):
             self.start_server("--endpoint", f"a={self.sim_url}=x", config=config)
         output = str(raised.exception)
         self.assertIn("process exited with 2", output)
-        self.assertIn(f"llmgw-server: config error: store: {database!r}: ", output)
+        self.assertIn(
+            f"llmgw-server: config error: store: cannot open {database!r}: ", output
+        )
         self.assertNotIn("Traceback", output)
 
     def test_ctl_unreachable(self) -> None:

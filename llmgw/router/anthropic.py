@@ -55,7 +55,12 @@ class Invalid(Exception):
         self.message = f"{param}: {message}"
 
 
-def _kind(value: object) -> str:
+def json_kind(value: object) -> str:
+    """
+    @return: a JSON value's kind for an error message: C{"null"},
+        C{"a boolean"}, C{"a number"}, C{"a string"}, C{"an array"} or
+        C{"an object"}.
+    """
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -82,13 +87,13 @@ def _text_of(value: object, where: str) -> str:
                 raise Invalid(at, "expected a text block")
             texts.append(_string(block, "text", at))
         return "\n".join(texts)
-    raise Invalid(where, f"expected a string or an array, got {_kind(value)}")
+    raise Invalid(where, f"expected a string or an array, got {json_kind(value)}")
 
 
 def _string(block: dict[str, Any], name: str, where: str) -> str:
     value = block.get(name)
     if not isinstance(value, str):
-        raise Invalid(f"{where}.{name}", f"expected a string, got {_kind(value)}")
+        raise Invalid(f"{where}.{name}", f"expected a string, got {json_kind(value)}")
     return value
 
 
@@ -98,7 +103,7 @@ def _image_url(source: object, where: str) -> str:
         C{base64}, the URL itself for C{url}.
     """
     if not isinstance(source, dict):
-        raise Invalid(f"{where}.source", f"expected an object, got {_kind(source)}")
+        raise Invalid(f"{where}.source", f"expected an object, got {json_kind(source)}")
     kind = source.get("type")
     if kind == "base64":
         media = _string(source, "media_type", f"{where}.source")
@@ -156,7 +161,7 @@ def _tool_result(
         for index, item in enumerate(content):
             at = f"{where}.content.{index}"
             if not isinstance(item, dict):
-                raise Invalid(at, f"expected an object, got {_kind(item)}")
+                raise Invalid(at, f"expected an object, got {json_kind(item)}")
             part = _part(item, at)
             if part["type"] == "text":
                 texts.append(part["text"])
@@ -167,7 +172,8 @@ def _tool_result(
         text = content
     else:
         raise Invalid(
-            f"{where}.content", f"expected a string or an array, got {_kind(content)}"
+            f"{where}.content",
+            f"expected a string or an array, got {json_kind(content)}",
         )
     if block.get("is_error") is True and text:
         text = "Error: " + text
@@ -183,14 +189,15 @@ def _user(content: object, where: str) -> list[dict[str, Any]]:
         return [{"role": "user", "content": content}]
     if not isinstance(content, list):
         raise Invalid(
-            f"{where}.content", f"expected a string or an array, got {_kind(content)}"
+            f"{where}.content",
+            f"expected a string or an array, got {json_kind(content)}",
         )
     tools: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for index, block in enumerate(content):
         at = f"{where}.content.{index}"
         if not isinstance(block, dict):
-            raise Invalid(at, f"expected an object, got {_kind(block)}")
+            raise Invalid(at, f"expected an object, got {json_kind(block)}")
         if block.get("type") == "tool_result":
             message, images = _tool_result(block, at)
             tools.append(message)
@@ -211,7 +218,8 @@ def _assistant(content: object, where: str) -> dict[str, Any]:
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
         raise Invalid(
-            f"{where}.content", f"expected a string or an array, got {_kind(content)}"
+            f"{where}.content",
+            f"expected a string or an array, got {json_kind(content)}",
         )
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -224,7 +232,7 @@ def _assistant(content: object, where: str) -> dict[str, Any]:
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
                 raise Invalid(
-                    f"{at}.input", f"expected an object, got {_kind(arguments)}"
+                    f"{at}.input", f"expected an object, got {json_kind(arguments)}"
                 )
             calls.append(
                 {
@@ -251,7 +259,7 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise Invalid(
             "messages",
-            f"expected an array, got {_kind(messages)}"
+            f"expected an array, got {json_kind(messages)}"
             if "messages" in payload
             else "Field required",
         )
@@ -262,7 +270,7 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
     for index, message in enumerate(messages):
         where = f"messages.{index}"
         if not isinstance(message, dict):
-            raise Invalid(where, f"expected an object, got {_kind(message)}")
+            raise Invalid(where, f"expected an object, got {json_kind(message)}")
         role = message.get("role")
         if role == "user":
             chat.extend(_user(message.get("content"), where))
@@ -280,12 +288,12 @@ def _tools(payload: dict[str, Any], chat: dict[str, Any]) -> None:
     tools = payload.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
-            raise Invalid("tools", f"expected an array, got {_kind(tools)}")
+            raise Invalid("tools", f"expected an array, got {json_kind(tools)}")
         functions = []
         for index, tool in enumerate(tools):
             where = f"tools.{index}"
             if not isinstance(tool, dict):
-                raise Invalid(where, f"expected an object, got {_kind(tool)}")
+                raise Invalid(where, f"expected an object, got {json_kind(tool)}")
             if tool.get("type", "custom") != "custom":
                 raise Invalid(
                     f"{where}.type", "only client tools (input_schema) are served here"
@@ -296,7 +304,8 @@ def _tools(payload: dict[str, Any], chat: dict[str, Any]) -> None:
             schema = tool.get("input_schema")
             if not isinstance(schema, dict):
                 raise Invalid(
-                    f"{where}.input_schema", f"expected an object, got {_kind(schema)}"
+                    f"{where}.input_schema",
+                    f"expected an object, got {json_kind(schema)}",
                 )
             function["parameters"] = schema
             functions.append({"type": "function", "function": function})
@@ -342,7 +351,7 @@ def _sampling(payload: dict[str, Any], chat: dict[str, Any]) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise Invalid(name, f"expected a number, got {_kind(value)}")
+            raise Invalid(name, f"expected a number, got {json_kind(value)}")
         chat[name] = value
     stops = payload.get("stop_sequences")
     if stops is not None:
@@ -372,7 +381,7 @@ def to_chat(payload: dict[str, Any], counting: bool = False) -> dict[str, Any]:
     chat["max_tokens"] = 1 if counting else _count(payload, "max_tokens", True)
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise Invalid("stream", f"expected a boolean, got {_kind(stream)}")
+        raise Invalid("stream", f"expected a boolean, got {json_kind(stream)}")
     if stream and not counting:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.router.affinity import AffinityRule
-from llmgw.router.anthropic import COUNT_TOKENS_PATH, Invalid, MessagesCall, to_chat
+from llmgw.router.anthropic import (
+    COUNT_TOKENS_PATH,
+    Invalid,
+    MessagesCall,
+    json_kind,
+    to_chat,
+)
 from llmgw.router.anthropic_stream import MessagesStream, NativeStream
 from llmgw.router.errors import APIError, anthropic_event, bad_request, model_not_found
 from llmgw.router.interfaces import Endpoint
@@ -219,20 +225,6 @@ llama-cpp-python hangs its only worker for minutes on C{max_tokens} of
 """
 
 
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
 def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
     """
     Check the types of the fields llmgw or every engine relies on, and
@@ -255,19 +247,19 @@ def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
         if not isinstance(messages, list):
             return (
                 "Invalid type for 'messages': expected an array of objects,"
-                f" but got {_type_name(messages)} instead.",
+                f" but got {json_kind(messages)} instead.",
                 "messages",
             )
         for index, message in enumerate(messages):
             if not isinstance(message, dict):
                 return (
                     f"Invalid type for 'messages[{index}]': expected an object,"
-                    f" but got {_type_name(message)} instead.",
+                    f" but got {json_kind(message)} instead.",
                     f"messages.[{index}]",
                 )
             role = message.get("role")
             if not isinstance(role, str):
-                got = _type_name(role) if "role" in message else "nothing"
+                got = json_kind(role) if "role" in message else "nothing"
                 return (
                     f"Invalid type for 'messages[{index}].role': expected a"
                     f" string, but got {got} instead.",
@@ -277,7 +269,7 @@ def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
     if prompt is not None and not isinstance(prompt, (str, list)):
         return (
             "Invalid type for 'prompt': expected a string or an array,"
-            f" but got {_type_name(prompt)} instead.",
+            f" but got {json_kind(prompt)} instead.",
             "prompt",
         )
     stream = payload.get("stream")

@@ -256,6 +256,16 @@ class FleetCtlTests(_Fleet, SynchronousTestCase, _Ctl):
         (replica,) = self.ready(1)
         (shard,) = replica["shards"]
         placed, other = shard["node"], ({"gpu-01", "gpu-02"} - {shard["node"]}).pop()
+        # The sim's engine holds its 40 GB on the simulated GPU once its
+        # agent's next heartbeat says so.
+        deadline = time.monotonic() + 30
+        while True:
+            listed = {n["id"]: n for n in self.ctl_json("nodes")["nodes"]}
+            used = {g["index"]: g["memory_used_mib"] for g in listed[placed]["gpus"]}
+            if used[shard["gpus"][0]] == 40 * 1024:
+                break
+            self.assertLess(time.monotonic(), deadline, f"memory used: {used}")
+            time.sleep(0.2)
         lines = self.ctl("nodes").stdout.splitlines()
         header = lines[0].split("  ")
         header = [h.strip() for h in header if h.strip()]
@@ -277,7 +287,9 @@ class FleetCtlTests(_Fleet, SynchronousTestCase, _Ctl):
         )
         rows = {line.split()[0]: line.split() for line in lines[1:]}
         # NODE STATE CONNECTED ADDRESS GPUS FREE TYPES ALLOC USED TOTAL ...
-        self.assertEqual(rows[placed][4:10], ["2", "1", "H200", "40.0", "0.0", "282.0"])
+        self.assertEqual(
+            rows[placed][4:10], ["2", "1", "H200", "40.0", "40.0", "282.0"]
+        )
         self.assertEqual(rows[other][4:10], ["2", "2", "H200", "0.0", "0.0", "282.0"])
         listed = {n["id"]: n for n in self.ctl_json("nodes")["nodes"]}
         gpus = {g["index"]: g for g in listed[placed]["gpus"]}
@@ -294,7 +306,7 @@ class FleetCtlTests(_Fleet, SynchronousTestCase, _Ctl):
         }
         index = str(shard["gpus"][0])
         self.assertEqual(
-            gpu_rows[index][1:6], ["H200", "40.0", "0.0", "141.0", replica["id"]]
+            gpu_rows[index][1:6], ["H200", "40.0", "40.0", "141.0", replica["id"]]
         )
         shard_lines = detail.split("\n\n")[-1].splitlines()
         self.assertEqual(shard_lines[0].split()[:3], ["REPLICA", "MODEL", "STATE"])

@@ -488,7 +488,9 @@ class Supervisor:
                     "port_in_use",
                 )
             shared = set(other.command.gpu_indices) & set(command.gpu_indices)
-            if shared:
+            # A sleeping engine gave its GPUs back but for what it keeps
+            # (placement counted that from the memory reported).
+            if shared and other.state != pb.SHARD_STATE_SLEEPING:
                 raise CommandRefused(
                     f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
                     "gpus_in_use",

@@ -17,7 +17,7 @@ from typing import IO, Any
 from llmgw.cli.ctl.client import Client, CtlError, quote
 from llmgw.cli.ctl.keys import keys_create, keys_list, keys_revoke, keys_update, usage
 from llmgw.cli.ctl.show import cell, size, table
-from llmgw.cli.ctl.swaps import models_pin, models_unpin, state_words
+from llmgw.cli.ctl.swaps import models_pin, models_unpin, sleep, state_words, wake
 from llmgw.cli.ctl.weights import weights
 
 Command = Callable[[Client, argparse.Namespace, IO[str]], tuple[Any, str]]
@@ -432,6 +432,8 @@ COMMANDS: dict[str, Command] = {
     "placement": placement,
     "drain": drain,
     "undrain": undrain,
+    "sleep": sleep,
+    "wake": wake,
     "stop-engines": stop_engines,
     "start-engines": start_engines,
     "keys list": keys_list,

@@ -305,6 +305,7 @@ def build_agent(
         factory.supervisor.gpu_memory = _engine_memory(nvml, in_thread)
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
+    factory.supervisor.node_id = config.node_id
     adopted = factory.supervisor.adopt_running()
     servers = config.all_servers()
     service = AgentService(factory, dial, servers, reactor, state_lock)

@@ -23,6 +23,7 @@ from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.weights import fit_report, remove, scan
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire import versions
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import MessageStream, MessageTooLarge
 from llmgw.wire.refusals import Refusal
@@ -131,9 +132,10 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         interval = welcome.heartbeat_interval_seconds or 5
         self.limit_sent(welcome.max_frame_size)
         self.log.info(
-            "registered with llmgw-server {version}; heartbeat every"
-            " {interval}s; frames up to {max_frame} bytes",
+            "registered with llmgw-server {version} (protocol {protocol}); heartbeat"
+            " every {interval}s; frames up to {max_frame} bytes",
             version=welcome.server_version,
+            protocol=welcome.protocol_version or versions.text(versions.UNSAID),
             interval=interval,
             max_frame=self.max_sent,
         )
@@ -384,6 +386,8 @@ class AgentFactory(Factory):
             " retrying",
             Refusal.NODE_TAKEN.value: "is another agent running with this node"
             " id? retrying",
+            Refusal.PROTOCOL_VERSION.value: "this agent speaks protocol"
+            f" {versions.text()}; upgrade it or the server; retrying",
         }.get(refusal.code, "retrying")
         self.log.warn(
             "the server at {server} refused this agent: {reason} (certificate"

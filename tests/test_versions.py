@@ -14,8 +14,10 @@ from typing import Any, cast
 from twisted.internet import defer
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import deferLater
-from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, capturedLogs, formatEvent, globalLogPublisher
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.agent.link import AgentFactory
@@ -48,6 +50,53 @@ class RuleTests(SynchronousTestCase):
             mismatch("", "agent", (1, 2)), mismatch("1.0", "agent", (1, 2))
         )
         self.assertIn("older", mismatch("", "agent", (1, 2)))
+
+
+class AgentSideTests(SynchronousTestCase):
+    def test_server_far_apart_warned(self) -> None:
+        """
+        A Welcome from a server two minor versions apart (one of an older
+        build serves any Register) is warned of, once, naming both
+        versions; one a minor apart, or saying none (1.0), is not.
+        """
+        from twisted.internet.task import Clock
+        from twisted.internet.testing import StringTransport
+
+        from llmgw.wire.codec import encode_frame
+
+        warned = []
+        for said in (f"1.{MINOR + 2}", f"1.{MINOR + 1}", "", text()):
+            factory = AgentFactory(
+                lambda: pb.Register(node_id="n1"),
+                pb.Heartbeat,
+                cast(IEngineReactor, Clock()),
+                self.mktemp(),
+            )
+            agent = factory.buildProtocol(None)
+            agent.makeConnection(StringTransport())
+            welcome = pb.Welcome(server_version="9.9", protocol_version=said)
+            with capturedLogs() as events:
+                agent.dataReceived(
+                    encode_frame(pb.ControlMessage(welcome=welcome).SerializeToString())
+                )
+            warned.append(
+                [formatEvent(e) for e in events if e["log_level"].name == "warn"]
+            )
+            agent.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(
+            warned,
+            [
+                [
+                    f"llmgw-server 9.9 speaks protocol 1.{MINOR + 2}, this agent"
+                    f" {text()}: more than one minor version apart; upgrade one"
+                    " minor version at a time, standby servers first, then the"
+                    " leader, routers, agents"
+                ],
+                [],
+                [],
+                [],
+            ],
+        )
 
 
 def _with_unknown_field(register: pb.Register) -> pb.Register:

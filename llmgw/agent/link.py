@@ -139,6 +139,18 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
             interval=interval,
             max_frame=self.max_sent,
         )
+        if versions.mismatch(welcome.protocol_version, "server"):
+            # A server of an older build serves any Register: the agent
+            # says what the rule would.
+            self.log.warn(
+                "llmgw-server {version} speaks protocol {protocol}, this agent"
+                " {ours}: more than one minor version apart; upgrade one minor"
+                " version at a time, {order}",
+                version=welcome.server_version,
+                protocol=welcome.protocol_version or versions.text(versions.UNSAID),
+                ours=versions.text(),
+                order=versions.UPGRADE_ORDER,
+            )
         if self._beat is None:
             self._beat = LoopingCall(self._send_heartbeat)
             self._beat.clock = self._clock  # type: ignore[assignment]

@@ -225,3 +225,45 @@ class AgentVersionTests(Processes, TestCase):
                 error = json.loads(answer)["error"]
                 self.assertEqual(error["code"], "protocol_version")
                 self.assertIn(f"the router speaks protocol {said}", error["message"])
+
+
+class RouterSideTests(SynchronousTestCase):
+    def test_router_says_its_version_and_logs_refusal(self) -> None:
+        """
+        The router's admin client says its version on every request, and
+        its follower logs a 409 refusal with the server's reason (the
+        answer the admin API gives, L{AgentVersionTests.test_router_versions}).
+        """
+        from twisted.internet.task import Clock
+
+        from llmgw.tier.admin_client import AdminClient
+        from llmgw.tier.follow import Follower
+        from tests.test_tier import _Agent, _Response
+
+        clock, agent = Clock(), _Agent()
+        asked_headers = []
+        request = agent.request
+
+        def recording(method: bytes, url: bytes, *args: Any) -> Deferred[Any]:
+            asked_headers.append(args[0])
+            return request(method, url, *args)
+
+        agent.request = recording  # type: ignore[method-assign]
+        control = AdminClient(["http://10.0.0.1:9090"], agent=agent)
+        follower = Follower(clock, control, lambda e, n, k: None)
+        reason = mismatch("1.1", "router", (1, 3))
+        refusal = {"error": {"message": reason, "code": "protocol_version"}}
+        with capturedLogs() as events:
+            follower.startService()
+            self.addCleanup(follower.stopService)
+            agent.asked[-1][1].callback(_Response(409, json.dumps(refusal).encode()))
+        self.assertEqual(
+            asked_headers[0].getRawHeaders(b"llmgw-protocol"), [text().encode()]
+        )
+        self.assertEqual(
+            [formatEvent(e) for e in events if e["log_level"].name == "warn"],
+            [
+                "the control plane at http://10.0.0.1:9090 refused the watch: HTTP"
+                f" 409: {reason}"
+            ],
+        )

@@ -271,14 +271,19 @@ class FleetCtlTests(_Fleet, SynchronousTestCase, _Ctl):
                 "GPU TYPES",
                 "ALLOC GiB",
                 "USED GiB",
+                "OTHERS GiB",
                 "TOTAL GiB",
                 "LAST SEEN",
             ],
         )
         rows = {line.split()[0]: line.split() for line in lines[1:]}
-        # NODE STATE CONNECTED ADDRESS GPUS FREE TYPES ALLOC USED TOTAL ...
-        self.assertEqual(rows[placed][4:10], ["2", "1", "H200", "40.0", "0.0", "282.0"])
-        self.assertEqual(rows[other][4:10], ["2", "2", "H200", "0.0", "0.0", "282.0"])
+        # NODE STATE CONNECTED ADDRESS GPUS FREE TYPES ALLOC USED OTHERS TOTAL
+        self.assertEqual(
+            rows[placed][4:11], ["2", "1", "H200", "40.0", "0.0", "0.0", "282.0"]
+        )
+        self.assertEqual(
+            rows[other][4:11], ["2", "2", "H200", "0.0", "0.0", "0.0", "282.0"]
+        )
         listed = {n["id"]: n for n in self.ctl_json("nodes")["nodes"]}
         gpus = {g["index"]: g for g in listed[placed]["gpus"]}
         self.assertEqual(gpus[shard["gpus"][0]]["memory_allocated_mib"], 40 * 1024)

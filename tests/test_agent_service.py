@@ -337,6 +337,27 @@ class GpuMonitorTests(SynchronousTestCase):
         self.assertEqual(by_index[1].foreign_used_mib, 0)
         self.assertEqual((by_index[2].processes, by_index[2].foreign_used_mib), ([], 0))
 
+    def test_processes_unreadable_logged_once(self) -> None:
+        """
+        A GPU whose processes NVML cannot list keeps its last list, and the
+        reason is logged once, not at every heartbeat.
+        """
+
+        def broken(handle: int) -> Any:
+            raise _NVMLError(999)
+
+        self.nvml.nvmlDeviceGetComputeRunningProcesses = broken
+        with capturedLogs() as events:
+            for _ in range(3):
+                self.monitor.heartbeat()
+                self.run_threads()
+        lines = [formatEvent(e) for e in events]
+        self.assertEqual(
+            lines,
+            ["nvmlDeviceGetComputeRunningProcesses: error 999"],
+        )
+        self.assertEqual(list(self.monitor.heartbeat().gpus[0].processes), [])
+
     def test_without_nvml(self) -> None:
         """
         Simulated GPUs only: heartbeats with no reading asked for.

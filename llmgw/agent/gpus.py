@@ -41,6 +41,8 @@ exception): not problems of the GPU.
 """
 
 _MAX_EVENTS = 64
+_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+_ERROR_TIMEOUT = 10  # NVML_ERROR_TIMEOUT
 _NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
 _PROCESS_CALLS = (
     "nvmlDeviceGetComputeRunningProcesses",
@@ -51,8 +53,6 @@ MAX_PROCESSES = 64
 """
 Processes an agent reports per GPU; the MiB of those left out still count.
 """
-_XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
-_ERROR_TIMEOUT = 10  # NVML_ERROR_TIMEOUT
 
 
 def load_nvml() -> Any:
@@ -109,6 +109,7 @@ class Nvml:
         # Written by poll() in its thread, logged from the reactor thread
         # (twisted.logger's observers are not for other threads).
         self.warnings: list[str] = []
+        self._warned: set[str] = set()
 
     def start(self) -> list[pb.Gpu]:
         """
@@ -206,7 +207,12 @@ class Nvml:
             except nvml.NVMLError as e:
                 if getattr(e, "value", None) == _NOT_SUPPORTED:
                     continue
-                self.warnings.append(f"{name}: {e}")
+                warning = f"{name}: {e}"
+                if warning not in self._warned:
+                    # Once: a GPU that cannot list its processes would
+                    # otherwise log a line per heartbeat.
+                    self._warned.add(warning)
+                    self.warnings.append(warning)
                 return None
             for process in listed:
                 pid = int(process.pid)

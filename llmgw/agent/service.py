@@ -276,7 +276,11 @@ def build_agent(
         return deferToThreadPool(reactor, reactor.getThreadPool(), call)
 
     monitor = GpuMonitor(
-        gpus, nvml, in_thread, lambda: simulated_memory_mib(factory.supervisor)
+        gpus,
+        nvml,
+        in_thread,
+        lambda: simulated_memory_mib(factory.supervisor),
+        lambda: frozenset(s.pid for s in factory.supervisor.shards.values() if s.pid),
     )
 
     def register() -> pb.Register:

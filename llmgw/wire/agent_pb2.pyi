@@ -124,14 +124,30 @@ class Heartbeat(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ...) -> None: ...
 
 class GpuUsage(_message.Message):
-    __slots__ = ("index", "memory_used_mib", "new_problems")
+    __slots__ = ("index", "memory_used_mib", "new_problems", "processes", "foreign_used_mib")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
     NEW_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    FOREIGN_USED_MIB_FIELD_NUMBER: _ClassVar[int]
     index: int
     memory_used_mib: int
     new_problems: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., new_problems: _Optional[_Iterable[str]] = ...) -> None: ...
+    processes: _containers.RepeatedCompositeFieldContainer[GpuProcess]
+    foreign_used_mib: int
+    def __init__(self, index: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., new_problems: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[GpuProcess, _Mapping]]] = ..., foreign_used_mib: _Optional[int] = ...) -> None: ...
+
+class GpuProcess(_message.Message):
+    __slots__ = ("pid", "used_mib", "managed", "name")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    MANAGED_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    used_mib: int
+    managed: bool
+    name: str
+    def __init__(self, pid: _Optional[int] = ..., used_mib: _Optional[int] = ..., managed: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RunningShard(_message.Message):
     __slots__ = ("shard_id", "replica_id", "model", "profile", "state", "port", "gpu_indices", "rank", "world_size", "pid", "engine", "source")

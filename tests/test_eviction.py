@@ -184,3 +184,66 @@ class ChooseTests(SynchronousTestCase):
         self.assertIsNone(choose([BIG], [node()], range(20000, 20010), [asleep]))
         small = replace(BIG, gpu_memory_gb=50)
         self.assertIsNotNone(choose([small], [node()], range(20000, 20010), [asleep]))
+
+
+class AsleepTests(SynchronousTestCase):
+    """
+    Replicas asleep as candidates: taken first, whatever their model's
+    min_replicas or min_resident, but never a pinned model's; stopping
+    one frees what its engine keeps and its port, not its GPU's
+    allocation; one not needed for the room is left alone.
+    """
+
+    def sleeper(self, replica: str, gpu: int = 0, **kwargs: object) -> Candidate:
+        fields: dict[str, object] = {
+            "asleep": True,
+            "gpu_memory_gb": 10.0,
+            "resident_since": NOW,
+            "places": (Place("n1", (gpu,), 20010 + gpu),),
+        }
+        fields.update(kwargs)
+        return candidate(replica, gpu=gpu, **fields)
+
+    def test_order(self) -> None:
+        awake = candidate("a")
+        asleep = self.sleeper("s")
+        pinned = self.sleeper("p", pinned=True)
+        self.assertEqual(
+            [c.replica for c in eligible([awake, asleep, pinned], NOW, {"a": 1})],
+            ["s", "a"],
+        )
+
+    def test_frees_memory_not_allocation(self) -> None:
+        (view,) = freed([node()], [self.sleeper("s")])
+        (gpu,) = view.gpus
+        self.assertTrue(gpu.allocated)
+        self.assertEqual(gpu.memory_used_mib, 50 * 1024)
+        self.assertNotIn(20010, view.ports_in_use)
+
+    def test_not_needed_left_alone(self) -> None:
+        """
+        A sleeper on the GPU an awake victim frees: the held model fits
+        without stopping the sleeper too.
+        """
+        found = choose(
+            [BIG], [node()], range(20000, 20005), [self.sleeper("s"), candidate("a")]
+        )
+        assert found is not None
+        self.assertEqual([v.replica for v in found.victims], ["a"])
+
+    def test_needed_when_its_memory_is(self) -> None:
+        """
+        Two sleepers keep 30 GB of a free 80 GB GPU: one stopped fits a
+        60 GB model; the other is left.
+        """
+        view = replace(
+            node(used=()),
+            gpus=(replace(node(used=()).gpus[0], memory_used_mib=30 * 1024),),
+        )
+        sleepers = [
+            self.sleeper("s1", gpu_memory_gb=15.0),
+            self.sleeper("s2", gpu_memory_gb=15.0),
+        ]
+        found = choose([BIG], [view], range(20000, 20005), sleepers)
+        assert found is not None
+        self.assertEqual([v.replica for v in found.victims], ["s1"])

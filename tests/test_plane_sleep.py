@@ -249,3 +249,27 @@ class OperatorTests(SleepCase):
         error = self.assertRaises(SleepRefused, self.plane.wake_replica, a)
         self.assertIn("not asleep", str(error))
         self.assertRaises(KeyError, self.plane.sleep_replica, "nope")
+
+
+class BudgetTests(SleepCase):
+    def test_longest_asleep_stopped_for_room(self) -> None:
+        """
+        The node's sleep_memory holds one sleeper (60 of 100 GiB): when
+        C{b} goes to sleep, C{a}, asleep longest, is stopped to make room,
+        and C{b} sleeps.
+        """
+        self.setup(sleepy("a"), sleepy("b"), sleep_gib=100)
+        a = self.serve("a")
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.tick(1)
+        self.tick(1)
+        self.ready_all()
+        self.tick(1)
+        (b,) = self.of("b")
+        self.assertTrue(self.plane.replicas[a].asleep)
+        self.tick(601)
+        self.tick(1)
+        self.assertEqual(self.agents.stops(), [a + "-0"])
+        self.assertEqual(self.sent("sleep_shard"), [a + "-0", b + "-0"])
+        self.assertTrue(self.plane.replicas[b].asleep)

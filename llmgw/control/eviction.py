@@ -56,6 +56,10 @@ class Candidate:
     @ivar kept_gpu_memory_gb: GB it keeps on each GPU once evicted: what a
         sleeping engine keeps when it would sleep, 0 when it would stop.
     @ivar sleeps: whether it would sleep rather than stop.
+    @ivar asleep: it sleeps already: evicting it stops it, freeing what
+        its engine keeps (its C{gpu_memory_gb}) and its port, not its
+        GPUs' allocation (it holds none); taken first, whatever its
+        model's C{min_replicas}, C{min_resident} or use.
     """
 
     replica: str
@@ -70,6 +74,7 @@ class Candidate:
     gpu_memory_gb: float
     kept_gpu_memory_gb: float = 0.0
     sleeps: bool = False
+    asleep: bool = False
 
     @property
     def freed_mib(self) -> int:
@@ -105,18 +110,23 @@ def eligible(
     @param busy_too: whether replicas with requests in flight may go
         (the held request was passed over for C{swap_max_wait}).
     @return: the candidates that may be evicted, in the order they are
-        taken: the idle before the busy, lower C{priority} first, least
-        recently used first, the longest resident first.
+        taken: those asleep first, the idle before the busy, lower
+        C{priority} first, least recently used first, the longest
+        resident first.
     """
     ordered = sorted(
         (
             c
             for c in candidates
             if not c.pinned
-            and now - c.resident_since >= c.min_resident
-            and (busy_too or c.in_flight == 0)
+            and (
+                c.asleep
+                or now - c.resident_since >= c.min_resident
+                and (busy_too or c.in_flight == 0)
+            )
         ),
         key=lambda c: (
+            not c.asleep,
             c.in_flight > 0,
             c.priority,
             c.last_used,
@@ -128,7 +138,9 @@ def eligible(
     result = []
     for candidate in ordered:
         count = taken.get(candidate.model, 0)
-        if count < spare.get(candidate.model, 0):
+        if candidate.asleep:
+            result.append(candidate)
+        elif count < spare.get(candidate.model, 0):
             taken[candidate.model] = count + 1
             result.append(candidate)
     return result
@@ -146,28 +158,38 @@ def freed(
     """
     gpus: dict[str, dict[int, int]] = {}
     ports: dict[str, set[int]] = {}
+    allocated: dict[str, set[int]] = {}
     for victim in victims:
         for held in victim.places:
             on = gpus.setdefault(held.node, {})
             for index in held.gpus:
                 on[index] = on.get(index, 0) + victim.freed_mib
+            if not victim.asleep:
+                allocated.setdefault(held.node, set()).update(held.gpus)
             if not victim.sleeps:
                 ports.setdefault(held.node, set()).add(held.port)
-    return [_freed(node, gpus.get(node.id), ports.get(node.id)) for node in nodes]
+    return [
+        _freed(node, gpus.get(node.id), ports.get(node.id), allocated.get(node.id))
+        for node in nodes
+    ]
 
 
 def _freed(
-    node: NodeView, gpus: dict[int, int] | None, ports: set[int] | None
+    node: NodeView,
+    gpus: dict[int, int] | None,
+    ports: set[int] | None,
+    allocated: set[int] | None,
 ) -> NodeView:
     if not gpus and not ports:
         return node
     gpus = gpus or {}
+    allocated = allocated or set()
     return replace(
         node,
         gpus=tuple(
             replace(
                 g,
-                allocated=False,
+                allocated=g.allocated and g.index not in allocated,
                 memory_used_mib=max(0, g.memory_used_mib - gpus[g.index]),
             )
             if g.index in gpus
@@ -205,9 +227,33 @@ def choose(
         if len(needed) < len(run):
             fewer = place(profiles, Fleet(freed(nodes, needed)), ports, spread)
             if isinstance(fewer, Plan):
-                return Eviction(needed, fewer)
+                run, result = list(needed), fewer
+        run = _pruned(
+            run,
+            lambda kept: isinstance(
+                place(profiles, Fleet(freed(nodes, kept)), ports, spread), Plan
+            ),
+        )
+        result = place(profiles, Fleet(freed(nodes, run)), ports, spread)
+        assert isinstance(result, Plan)
         return Eviction(tuple(run), result)
     return None
+
+
+def _pruned(
+    run: Sequence[Candidate], fits: Callable[[list[Candidate]], bool]
+) -> list[Candidate]:
+    """
+    @return: C{run} less the replicas asleep it fits without (stopping
+        them would free memory nothing needs).
+    """
+    kept = list(run)
+    for victim in run:
+        if victim.asleep:
+            fewer = [v for v in kept if v is not victim]
+            if fits(fewer):
+                kept = fewer
+    return kept
 
 
 def choose_in_place(
@@ -237,7 +283,7 @@ def choose_in_place(
     for count in range(1, len(there) + 1):
         run = there[:count]
         if fits(Fleet(freed(nodes, run))):
-            return tuple(run)
+            return tuple(_pruned(run, lambda kept: fits(Fleet(freed(nodes, kept)))))
     return None
 
 

@@ -336,11 +336,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Sleeping, Swapping, Placi
         ):
             return False
         awake = [r for r in (replicas or {}).values() if not r.dormant]
-        asleep = all(
-            r.asleep and r.sleep_sent_at is not None
-            for r in (replicas or {}).values()
-            if r.dormant
-        )
+        asleep = all(r.asleep for r in (replicas or {}).values() if r.dormant)
         return (
             asleep
             and len(awake) == scaling.bounded(model, state.wanted)
@@ -586,7 +582,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Sleeping, Swapping, Placi
             state.no_fit = None
         elif now >= state.retry_at:
             snapshot = self._place_or_wake(state, now, snapshot, live, want, dormant)
-        self._dormant_over(state.model, len(staying), dormant)
+        self._dormant_over(state.model, live, dormant)
         if leaving:
             self._let_go(state, want, leaving)
         return snapshot

@@ -162,6 +162,8 @@ class Sleeping:
         @return: whether it sleeps.
         """
         not_sleep = self.why_not_sleep(replica)
+        if not_sleep is not None and "sleep_memory" in not_sleep:
+            not_sleep = self._make_sleep_room(replica)
         if not_sleep is None:
             self._sleep(replica, why, reason)
             return True
@@ -174,6 +176,42 @@ class Sleeping:
             )
         self._drain(replica, why, self.leave_timeout)
         return False
+
+    def _make_sleep_room(self, replica: ReplicaRecord) -> str | None:
+        """
+        Stop the least recently resident replicas asleep on C{replica}'s
+        nodes until their C{sleep_memory} has room for it, when stopping
+        them all would make it.
+
+        @return: L{None} once C{replica} may sleep, or why not (nothing
+            stopped then).
+        """
+        nodes = {s.node for s in replica.shards}
+        others = sorted(
+            (
+                r
+                for replicas in self._by_model.values()
+                for r in replicas.values()
+                if r is not replica and r.asleep and {s.node for s in r.shards} & nodes
+            ),
+            key=lambda r: r.resident_since,
+        )
+        need = replica.profile.sleep_host_memory_gb
+        for node_id in nodes:
+            node = self.inventory.get(node_id)
+            budget = (node.sleep_memory_bytes if node is not None else 0) / GB
+            freeable = sum(
+                r.profile.sleep_host_memory_gb
+                for r in others
+                if any(s.node == node_id for s in r.shards)
+            )
+            if self._sleeping_host_gb(node_id) - freeable + need > budget + 1e-9:
+                return f"node {node_id}'s sleep_memory ({budget:.1f} GB) is too small"
+        for other in others:
+            if self.why_not_sleep(replica) is None:
+                break
+            self._drain(other, f"asleep longest: sleep_memory for {replica.id}")
+        return self.why_not_sleep(replica)
 
     def _sleep(self, replica: ReplicaRecord, why: str, reason: str) -> None:
         """
@@ -229,22 +267,32 @@ class Sleeping:
             return
         failed = next((r for r in results if not r.ok), None)
         if failed is not None:
-            self.log.warn(
-                "replica {replica} of {model} did not go to sleep ({code}: {error});"
-                " stopping it",
-                replica=replica.id,
-                model=replica.model,
-                code=failed.code or "error",
-                error=failed.error,
-            )
             replica.sleep_at = None
-            self._drain(replica, "it did not go to sleep", self.leave_timeout)
+            self._stop_failed(replica, "go to sleep", failed)
         elif replica.sleep_sent_at is not None:
             replica.asleep_at = self.clock.seconds()
             seconds = replica.asleep_at - replica.sleep_sent_at
             self.counts.observed("sleep", replica.model, seconds)
         self._changes.model(replica.model)
         self.loop.kick()
+
+    def _stop_failed(
+        self, replica: ReplicaRecord, what: str, failed: pb.CommandResult
+    ) -> None:
+        """
+        C{replica} did not C{what} (C{"go to sleep"}, C{"wake"}): one
+        warning with its agent's answer, and it is stopped.
+        """
+        self.log.warn(
+            "replica {replica} of {model} did not {what} ({code}: {error});"
+            " stopping it",
+            replica=replica.id,
+            model=replica.model,
+            what=what,
+            code=failed.code or "error",
+            error=failed.error,
+        )
+        self._drain(replica, f"it did not {what}", self.leave_timeout)
 
     # Waking.
 
@@ -308,15 +356,7 @@ class Sleeping:
         failed = next((r for r in results if not r.ok), None)
         woke_at, replica.wake_at = replica.wake_at, None
         if failed is not None:
-            self.log.warn(
-                "replica {replica} of {model} did not wake ({code}: {error});"
-                " stopping it",
-                replica=replica.id,
-                model=replica.model,
-                code=failed.code or "error",
-                error=failed.error,
-            )
-            self._drain(replica, "it did not wake", self.leave_timeout)
+            self._stop_failed(replica, "wake", failed)
         else:
             seconds = self.clock.seconds() - woke_at
             self.counts.observed("wake", replica.model, seconds)
@@ -387,15 +427,19 @@ class Sleeping:
         return self._place_missing(state, now, snapshot, live, want)
 
     def _dormant_over(
-        self, model: Model, staying: int, dormant: list[ReplicaRecord]
+        self, model: Model, live: list[ReplicaRecord], dormant: list[ReplicaRecord]
     ) -> None:
         """
-        Stop the dormant replicas beyond what C{model}'s C{max_replicas}
-        leaves room for beside the C{staying} ones.
+        Stop the dormant replicas of C{model} that are of no use: all of
+        them when its C{max_replicas} is 0, and those on GPUs where one of
+        its replicas is awake or a more recently resident one sleeps.
         """
-        room = max(0, model.max_replicas - staying)
-        for replica in sorted(dormant, key=lambda r: -r.resident_since)[room:]:
-            self._drain(replica, f"asleep beyond max_replicas {model.max_replicas}")
+        taken = {(s.node, g) for r in live for s in r.shards for g in s.gpus}
+        for replica in sorted(dormant, key=lambda r: -r.resident_since):
+            places = {(s.node, g) for s in replica.shards for g in s.gpus}
+            if model.max_replicas == 0 or places & taken:
+                self._drain(replica, "asleep where it is not needed")
+            taken |= places
 
     # The operator's.
 

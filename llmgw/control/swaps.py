@@ -24,6 +24,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control import eviction
+from llmgw.control.catalog import Model
 from llmgw.control.eviction import Candidate, Place
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Fleet, NodeView, NoFit, ShardPlan
@@ -153,9 +154,7 @@ class Swapping:
         for replica_id in swap.victims:
             replica = self.replicas.get(replica_id)
             if replica is not None and not (
-                replica_id in swap.asleep
-                and replica.asleep
-                and replica.sleep_sent_at is not None
+                replica_id in swap.asleep and replica.asleep
             ):
                 return True
         if swap.gone_at is None:
@@ -295,7 +294,10 @@ class Swapping:
                 model=name,
                 why=why,
             )
-            if self._swap_out(replica, name, victim.sleeps):
+            if victim.asleep:
+                # Stopped for what its engine keeps: not a swap.
+                self._drain(replica, f"stopped asleep to make room for {name}")
+            elif self._swap_out(replica, name, victim.sleeps):
                 swap.asleep.add(replica.id)
 
     def _swap_out(self, replica: ReplicaRecord, model: str, sleeps: bool) -> bool:
@@ -337,6 +339,9 @@ class Swapping:
                 and r.draining_since is None
             ]
             spare[name] = len(ready) - model.min_replicas
+            for replica in replicas.values():
+                if replica.asleep and replica.draining_since is None:
+                    candidates.append(_asleep(replica, model, state.last_used))
             for replica in ready:
                 sleeps = self.why_not_sleep(replica) is None
                 candidates.append(
@@ -408,6 +413,26 @@ class Swapping:
                 )
             return Standing("waiting for room: what holds it is busy or pinned")
         return Standing("")
+
+
+def _asleep(replica: ReplicaRecord, model: Model, last_used: float) -> Candidate:
+    """
+    @return: C{replica}, asleep, as an eviction candidate: stopping it
+        frees what its engine keeps on its GPUs, and its port.
+    """
+    return Candidate(
+        replica=replica.id,
+        model=replica.model,
+        priority=model.priority,
+        pinned=model.pinned,
+        min_resident=0.0,
+        last_used=last_used,
+        resident_since=replica.resident_since or replica.created,
+        in_flight=0,
+        places=tuple(Place(s.node, s.gpus, s.port) for s in replica.shards),
+        gpu_memory_gb=replica.profile.sleep_gpu_memory_gb,
+        asleep=True,
+    )
 
 
 def _discounted(view: NodeView, freed: dict[int, int]) -> NodeView:

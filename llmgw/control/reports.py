@@ -16,7 +16,13 @@ from llmgw.control import adoption, scaling
 from llmgw.control.changes import Changes
 from llmgw.control.commands import ShardCommands
 from llmgw.control.loop import Loop
-from llmgw.control.records import ReplicaRecord, ShardRecord, output_summary
+from llmgw.control.phases import agent_phases, observe
+from llmgw.control.records import (
+    PlaneCounts,
+    ReplicaRecord,
+    ShardRecord,
+    output_summary,
+)
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.snapshot import Strays
 from llmgw.wire import agent_pb2 as pb
@@ -34,6 +40,7 @@ class AgentReports:
     catalog: ModelCatalog
     loop: Loop
     replicas: dict[str, ReplicaRecord]
+    counts: PlaneCounts
     failed: dict[str, ReplicaRecord]
     grace_over: bool
     _shards: dict[str, tuple[ReplicaRecord, ShardRecord]]
@@ -68,6 +75,9 @@ class AgentReports:
             shard.pid = status.pid
         if status.output_tail:
             shard.output = tuple(status.output_tail)
+        if status.phases and not shard.phases:
+            shard.phases = agent_phases(status)
+            observe(self.counts.start_phase_seconds, replica, shard)
         if state == ShardState.FAILED:
             shard.error = status.error + output_summary(shard.output)
         self._changes.model(replica.model)

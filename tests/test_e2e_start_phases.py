@@ -16,6 +16,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import CtlMixin, Processes, http
+from tests.test_e2e_tracing import Receiver, attributes
 
 LOAD_SECONDS = 2.0
 
@@ -105,3 +106,50 @@ class StartPhasesTests(Processes, CtlMixin, SynchronousTestCase):
             'llmgw_engine_start_phase_seconds_count{model="slow",phase="placed"} 1.0',
             text,
         )
+
+    def test_control_plane_spans(self) -> None:
+        """
+        With C{[tracing]}, the start is exported as C{llmgw.start} (placement
+        to ready) with C{llmgw.placement} and a span per phase under it, laid
+        end to end, vLLM's detail as an attribute; a forced drain as
+        C{llmgw.drain} with its reason.
+        """
+        receiver = Receiver()
+        self.addCleanup(receiver.stop)
+        low = random.randrange(21000, 32000)
+        config = MODELS.format(low=low, high=low + 20, load=LOAD_SECONDS)
+        self.server, self.api_url, self.admin_url = self.start_server(
+            "--local",
+            config=f'[tracing]\notlp_endpoint = "{receiver.url}"\n' + config,
+        )
+        replica = self.ready_replica()
+        start = receiver.wait_for("llmgw.start")
+        placement = receiver.wait_for("llmgw.placement")
+        got = attributes(start)
+        self.assertEqual(got["llmgw.replica"], replica["id"])
+        self.assertEqual(got["llmgw.model"], "slow")
+        self.assertEqual(got["llmgw.vllm_load_weights_seconds"], LOAD_SECONDS)
+        self.assertEqual(placement.parent_span_id, start.span_id)
+        children = sorted(
+            (s for s in receiver.spans if s.parent_span_id == start.span_id),
+            key=lambda s: s.start_time_unix_nano,
+        )
+        self.assertEqual(
+            [attributes(s)["llmgw.phase"] for s in children],
+            ["placed", "launched", "port_open", "model_listed", "ready"],
+        )
+        for before, after in zip(children, children[1:], strict=False):
+            self.assertEqual(before.end_time_unix_nano, after.start_time_unix_nano)
+        seconds = (start.end_time_unix_nano - start.start_time_unix_nano) / 1e9
+        self.assertLess(abs(seconds - replica["start_seconds"]), 0.5)
+
+        status, _, body = http(
+            "POST",
+            self.admin_url + f"/api/v1/replicas/{replica['id']}/drain",
+            b'{"force": true}',
+            {"content-type": "application/json"},
+        )
+        self.assertEqual(status, 200, body)
+        drain = receiver.wait_for("llmgw.drain")
+        self.assertEqual(attributes(drain)["llmgw.replica"], replica["id"])
+        self.assertTrue(attributes(drain)["llmgw.drain.reason"])

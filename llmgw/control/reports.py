@@ -8,6 +8,7 @@ L{llmgw.control.plane.ControlPlane}, kept apart by job.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -25,8 +26,12 @@ from llmgw.control.records import (
 )
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.snapshot import Strays
+from llmgw.control.spans import trace_start
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 
 class AgentReports:
@@ -41,6 +46,8 @@ class AgentReports:
     loop: Loop
     replicas: dict[str, ReplicaRecord]
     counts: PlaneCounts
+    # [tracing]: the control plane's spans (llmgw.control.spans).
+    tracer: Tracer | None = None
     failed: dict[str, ReplicaRecord]
     grace_over: bool
     _shards: dict[str, tuple[ReplicaRecord, ShardRecord]]
@@ -78,6 +85,8 @@ class AgentReports:
         if status.phases and not shard.phases:
             shard.phases = agent_phases(status)
             observe(self.counts.start_phase_seconds, replica, shard)
+            if shard is replica.leader:
+                trace_start(self.tracer, replica, self.clock.seconds())
         if state == ShardState.FAILED:
             shard.error = status.error + output_summary(shard.output)
         self._changes.model(replica.model)

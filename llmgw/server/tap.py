@@ -335,6 +335,7 @@ def makeService(options: Options) -> IService:
     tracing = tracing_service(config.tracing, PROGRAM)
     if tracing is not None:
         router.tracing = tracing.tracing
+        parts.plane.tracer = tracing.tracing.tracer
         top.add("connection pools closed", tracing)
     _stop_sequence(
         top,

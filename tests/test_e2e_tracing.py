@@ -8,6 +8,7 @@ W3C C{traceparent}; without it no exporter thread runs.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -197,3 +198,28 @@ class TracingTests(Processes, SynchronousTestCase):
         self.assertIn(b"MainThread", threads)
         self.assertNotIn(b"Otel", threads)
         self.assertIsNone(sim_stats(sim_url)["last_traceparent"])
+
+    def test_activation_wait_span(self) -> None:
+        """
+        A request for a model with no replica waits for one to start: its
+        server span has an C{llmgw.wait} child for the activation, before
+        the attempt.
+        """
+        receiver = Receiver()
+        self.addCleanup(receiver.stop)
+        low = random.randrange(21000, 32000)
+        _, api_url, _ = self.start_server(
+            "--local",
+            config=f'[tracing]\notlp_endpoint = "{receiver.url}"\n'
+            f'[control]\ninterval = "100ms"\nport_range = [{low}, {low + 20}]\n'
+            '[[models]]\nname = "m"\n[[models.profiles]]\nname = "cpu"\n'
+            'engine = "sim"\nsource = "sim"\ngpus = 0\n',
+        )
+        self.assertTrue(stream_one(api_url))
+        server = receiver.wait_for("POST /v1/chat/completions")
+        wait = receiver.wait_for("llmgw.wait")
+        attempt = receiver.wait_for("llmgw.attempt")
+        self.assertEqual(attributes(wait)["llmgw.wait"], "activation")
+        self.assertEqual(wait.parent_span_id, server.span_id)
+        self.assertLessEqual(wait.end_time_unix_nano, attempt.start_time_unix_nano)
+        self.assertGreater(wait.end_time_unix_nano - wait.start_time_unix_nano, 0)

@@ -22,7 +22,7 @@ attribute lookups.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from twisted.application.service import Service
@@ -117,9 +117,10 @@ class RequestTrace(NoTrace):
         from opentelemetry.propagate import extract
         from opentelemetry.trace import SpanKind, set_span_in_context
 
+        # A client's own trace is continued (W3C Trace Context).
         parent = (
             extract({"traceparent": traceparent.decode("latin-1")})
-            if (traceparent)
+            if traceparent
             else None
         )
         self._tracer = tracer
@@ -154,8 +155,8 @@ class RequestTrace(NoTrace):
         @return: C{work}, within the span.
         """
         if name == "relay":
-            return self._within(self._child("llmgw.relay"), work)
-        return self._within(self._child("llmgw.wait", **{"llmgw.wait": name}), work)
+            return self._run(self._child("llmgw.relay"), work)
+        return self._run(self._child("llmgw.wait", **{"llmgw.wait": name}), work)
 
     def attempt(self, replica: str, work: Awaitable[_T]) -> Awaitable[_T]:
         """
@@ -164,7 +165,7 @@ class RequestTrace(NoTrace):
             L{headers} gives the engine meanwhile.
         """
         self._attempt = self._child("llmgw.attempt", **{"llmgw.replica": replica})
-        return self._within(self._attempt, work)
+        return self._run(self._attempt, work)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """
@@ -203,6 +204,7 @@ class RequestTrace(NoTrace):
         span.end()
 
     async def _run(self, span: Span, work: Awaitable[_T]) -> _T:
+        # The span ends however the work ends; an exception's type is noted.
         try:
             return await work
         except BaseException as e:
@@ -212,9 +214,6 @@ class RequestTrace(NoTrace):
             span.end()
             if span is self._attempt:
                 self._attempt = None
-
-    def _within(self, span: Span, work: Awaitable[_T]) -> Coroutine[Any, Any, _T]:
-        return self._run(span, work)
 
 
 class Tracing:

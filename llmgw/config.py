@@ -52,10 +52,13 @@ from llmgw.router.settings_toml import (
     CORS_TABLE,
     ENDPOINTS_TABLE,
     ROUTER_TABLE,
+    TRACING_TABLE,
+    TracingConfig,
     parse_cors,
     parse_endpoint,
     parse_endpoints,
     parse_router,
+    parse_tracing,
 )
 from llmgw.server.settings import (
     AGENT_TLS_TABLE,
@@ -152,6 +155,7 @@ class ServerConfig:
     control: ControlConfig = field(default_factory=ControlConfig)
     standby: StandbyConfig = field(default_factory=StandbyConfig)
     models: tuple[Model, ...] = ()
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     @property
     def leader_lock_url(self) -> str:
@@ -193,6 +197,7 @@ SERVER_TABLES: tuple[Table, ...] = (
     LIMITS_TABLE,
     AUTH_TABLE,
     STANDBY_TABLE,
+    TRACING_TABLE,
 )
 """
 Every table the server's file takes, in the reference's order.
@@ -256,6 +261,7 @@ _READERS: dict[str, Callable[[ServerConfig, Any], ServerConfig]] = {
     "router": lambda c, v: replace(c, router=parse_router(v)),
     "cors": _cors,
     "endpoints": lambda c, v: replace(c, endpoints=parse_endpoints(v)),
+    "tracing": lambda c, v: replace(c, tracing=parse_tracing(v)),
 }
 """
 What each key of the server's file sets: the top-level keys and one

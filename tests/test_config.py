@@ -76,6 +76,15 @@ class ConfigTests(SynchronousTestCase):
             ({"lissen": "x"}, "lissen: unknown key"),
             ({"router": {"retries": 1}}, "router.retries: unknown key"),
             (
+                {"tracing": {"otlp_endpoint": "collector:4318"}},
+                "tracing.otlp_endpoint: bad URL 'collector:4318'",
+            ),
+            (
+                {"tracing": {"sample_ratio": 1.5}},
+                "tracing.sample_ratio: expected a number from 0 to 1, got 1.5",
+            ),
+            ({"tracing": {"endpoint": "x"}}, "tracing.endpoint: unknown key"),
+            (
                 {"endpoints": [{"id": "a", "models": ["m"]}]},
                 "endpoints[0].url: missing",
             ),

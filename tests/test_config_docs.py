@@ -31,6 +31,7 @@ from llmgw.config_checks import (
 from llmgw.config_docs import PATH, reference, render_default
 from llmgw.control.settings import ControlConfig
 from llmgw.router.settings import RouterConfig
+from llmgw.router.settings_toml import TracingConfig
 from llmgw.server.settings import StandbyConfig
 
 
@@ -146,6 +147,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
         "control",
         "standby",
         "models",
+        "tracing",
     },
     RouterConfig: {"cors_allow_origins"},
     ControlConfig: set(),
@@ -154,6 +156,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
     LimitsConfig: set(),
     AuthConfig: set(),
     AgentConfig: set(),
+    TracingConfig: set(),
 }
 
 

@@ -13,7 +13,7 @@ import tempfile
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.engines import Probe, ProfileError, build, engine_url
-from llmgw.agent.supervisor import _lists
+from llmgw.agent.phases import lists_model as _lists
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile
 from llmgw.control.snapshot import ephemeral_overlap

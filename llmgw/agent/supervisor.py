@@ -7,7 +7,6 @@ restarted agent adopts those still alive instead of starting duplicates.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -25,6 +24,8 @@ from twisted.web.client import Agent, readBody
 from twisted.web.http_headers import Headers
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
+from llmgw.agent.phases import StartPhases
+from llmgw.agent.phases import lists_model as _lists
 from llmgw.agent.quiet_pool import QuietConnectionPool
 from llmgw.agent.records import (
     MARKER,
@@ -121,6 +122,7 @@ class Shard:
         self._served = False
         # Told the server with the next status (ShardStatus.note).
         self.note = ""
+        self.phases = StartPhases(supervisor.reactor)
 
     @property
     def output(self) -> list[str]:
@@ -134,10 +136,15 @@ class Shard:
         Enter C{state} and report it, with the L{note} waiting (then
         cleared).
         """
+        status = pb.ShardStatus(shard_id=self.id, error=error_text, pid=self.pid or 0)
+        if state == pb.SHARD_STATE_READY and "ready" not in self.phases.marks:
+            self.phases.mark("ready")
+            status.phases.extend(
+                self.phases.report(self._supervisor.path(self.id, ".log"))
+            )
         if state == pb.SHARD_STATE_READY:
             self._served = True
         self.state = state
-        status = pb.ShardStatus(shard_id=self.id, error=error_text, pid=self.pid or 0)
         status.note, self.note = self.note, ""
         status.state = state  # type: ignore[assignment]
         if self.exit_code is not None:
@@ -170,6 +177,7 @@ class Shard:
             _LauncherProcess(self), sys.executable, argv, env=env
         )
         self.pid = transport.pid
+        self.phases.mark("launched")
         assert self.pid is not None
         self.start_time = process_start_time(self.pid)
         self._supervisor.record(self)
@@ -239,10 +247,12 @@ class Shard:
                 b"GET", probe.url.encode(), headers
             )
             body = await readBody(response)
+            self.phases.mark("port_open")
             if response.code != 200:
                 return False
             if probe.lists and not _lists(body, probe.lists):
                 return False
+            self.phases.mark("model_listed" if probe.lists else "port_open")
         return True
 
     def _stop_probing(self) -> None:
@@ -567,15 +577,3 @@ class Supervisor:
         return [shard.running() for shard in self.shards.values()]
 
 
-def _lists(body: bytes, model: str) -> bool:
-    """
-    @return: whether C{body} is an OpenAI model list (C{{"data": [{"id":
-        ...}]}}, the answer to C{GET /v1/models}) naming C{model}.
-    """
-    try:
-        data = json.loads(body).get("data")
-    except (ValueError, AttributeError):
-        return False
-    return isinstance(data, list) and any(
-        isinstance(m, dict) and m.get("id") == model for m in data
-    )

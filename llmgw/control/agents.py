@@ -385,7 +385,8 @@ class AgentHub(Factory):
         plane), its output cut to 50 lines of 500 characters.  A C{note}
         (the engine refused sleep mode and runs without it; its GPU memory
         after a wake is not what placement expects) is logged as a warning
-        and passed on, cut to 1000 characters.
+        and passed on, cut to 1000 characters; its start's phases, to 20
+        of 64-character names.
         """
         kept = pb.ShardStatus(
             shard_id=status.shard_id[:200],
@@ -395,6 +396,10 @@ class AgentHub(Factory):
             output_tail=[line[:500] for line in status.output_tail[-50:]],
             pid=status.pid,
             note=status.note[:1000],
+            phases=[
+                pb.StartPhase(name=p.name[:64], seconds=p.seconds, detail=p.detail)
+                for p in status.phases[:20]
+            ],
         )
         kept.state = status.state
         status = kept

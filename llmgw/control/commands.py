@@ -133,6 +133,7 @@ class ShardCommands:
                 sleep_gpu_memory_gb=profile.sleep_gpu_memory_gb,
             )
             d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
+            shard.sent_at = self.clock.seconds()
             d.addErrback(self._start_refused, shard)
         self.log.info(
             "placed replica {replica} of {model} with profile {profile} on {where}",

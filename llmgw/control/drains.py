@@ -29,6 +29,7 @@ Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -43,7 +44,11 @@ from llmgw.control.runtime import ModelCatalog
 from llmgw.control.scaling import ModelState
 from llmgw.control.settings import ControlConfig
 from llmgw.control.snapshot import Snapshot
+from llmgw.control.spans import trace_drain
 from llmgw.wire.states import ShardState
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 
 class DrainRefused(Exception):
@@ -85,6 +90,7 @@ class Draining:
     ports: range
     grace_over: bool
     _commands: ShardCommands
+    tracer: Tracer | None
     _outstanding: Callable[[str], int]
     _cut: Callable[[str, str], object]
     _changes: Changes
@@ -452,6 +458,7 @@ class Draining:
             )
             # Its engine may never close them (a lost node sends no FIN).
             self._cut(replica.id, f"its drain ran out of time ({timeout:g}s)")
+        trace_drain(self.tracer, replica, now, in_flight)
         replica.stop_sent_at = now
         for shard in replica.shards:
             if not shard.state.gone:

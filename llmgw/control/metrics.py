@@ -26,6 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import NodeState
+from llmgw.control.phases import phases_histogram
 from llmgw.control.plane import ControlPlane
 from llmgw.control.records import NO_FIT_KIND_NAMES, SWAP_REASONS, ReplicaState
 from llmgw.control.scaling import bounded
@@ -301,6 +302,7 @@ class FleetCollector:
             counts.cold_start_seconds,
             models,
         )
+        yield phases_histogram(counts.start_phase_seconds, models)
 
     def _usage(self, usage: UsageBuffer) -> Iterator[Metric]:
         yield GaugeMetricFamily(

@@ -74,6 +74,9 @@ class ShardRecord:
         were not free), not for its model: replaced at once, no backoff.
     @ivar sleep_refused: its engine's answer when it refused sleep mode
         at start (its agent started it without), or C{""}.
+    @ivar sent_at: reactor seconds when its start command went out, or 0.
+    @ivar phases: its start's phases as its agent measured them, (name,
+        seconds, detail), once ready (L{llmgw.control.phases}).
     """
 
     id: str
@@ -87,6 +90,8 @@ class ShardRecord:
     output: tuple[str, ...] = ()
     misplaced: bool = False
     sleep_refused: str = ""
+    sent_at: float = 0.0
+    phases: tuple[tuple[str, float, bool], ...] = ()
 
 
 @dataclass
@@ -275,6 +280,8 @@ class PlaneCounts:
     @ivar sleep_seconds: per model, the seconds each sleep took.
     @ivar cold_start_seconds: per model, the seconds from placement to
         ready of each replica started.
+    @ivar start_phase_seconds: per (model, phase), the seconds each start
+        spent in it (L{llmgw.control.phases}).
     """
 
     engine_starts: dict[str, int] = field(default_factory=dict)
@@ -284,6 +291,9 @@ class PlaneCounts:
     wake_seconds: dict[str, list[float]] = field(default_factory=dict)
     sleep_seconds: dict[str, list[float]] = field(default_factory=dict)
     cold_start_seconds: dict[str, list[float]] = field(default_factory=dict)
+    start_phase_seconds: dict[tuple[str, str], list[float]] = field(
+        default_factory=dict
+    )
 
     def started(self, model: str) -> None:
         self.engine_starts[model] = self.engine_starts.get(model, 0) + 1

@@ -8,6 +8,7 @@ L{llmgw.control.plane.ControlPlane}, kept apart by job.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -16,9 +17,16 @@ from llmgw.control import adoption, scaling
 from llmgw.control.changes import Changes
 from llmgw.control.commands import ShardCommands
 from llmgw.control.loop import Loop
-from llmgw.control.records import ReplicaRecord, ShardRecord, output_summary
+from llmgw.control.phases import agent_phases, observe
+from llmgw.control.records import (
+    PlaneCounts,
+    ReplicaRecord,
+    ShardRecord,
+    output_summary,
+)
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.snapshot import Strays
+from llmgw.control.spans import trace_start
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
 
@@ -27,6 +35,8 @@ SLEEP_REFUSED = "sleep refused: "
 How a C{ShardStatus.note} begins when the engine refused sleep mode at
 start (L{llmgw.agent.supervisor}).
 """
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 
 class AgentReports:
@@ -40,6 +50,9 @@ class AgentReports:
     catalog: ModelCatalog
     loop: Loop
     replicas: dict[str, ReplicaRecord]
+    counts: PlaneCounts
+    # [tracing]: the control plane's spans (llmgw.control.spans).
+    tracer: Tracer | None = None
     failed: dict[str, ReplicaRecord]
     grace_over: bool
     _shards: dict[str, tuple[ReplicaRecord, ShardRecord]]
@@ -78,6 +91,11 @@ class AgentReports:
             # Its agent started it without sleep mode: it is stopped, not
             # put to sleep (L{llmgw.control.sleeping}).
             shard.sleep_refused = status.note[len(SLEEP_REFUSED) :]
+        if status.phases and not shard.phases:
+            shard.phases = agent_phases(status)
+            observe(self.counts.start_phase_seconds, replica, shard)
+            if shard is replica.leader:
+                trace_start(self.tracer, replica, self.clock.seconds())
         if state == ShardState.FAILED:
             shard.error = status.error + output_summary(shard.output)
         self._changes.model(replica.model)

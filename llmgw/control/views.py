@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from llmgw.control.inventory import Inventory
+from llmgw.control.phases import start_phases, start_seconds
 from llmgw.control.placement import NoFit, place
 from llmgw.control.plane import ControlPlane
 from llmgw.control.records import (
@@ -49,8 +50,10 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         it failed, or L{None}), leaving (why it drains once a replacement
         is ready, or L{None}), C{sleeping_seconds} (how long since it was
         told to sleep, while C{sleeping}; else L{None}),
-        C{waking_seconds} (since told to wake, while C{waking}), and its
-        shards (L{shard_json}) by rank.
+        C{waking_seconds} (since told to wake, while C{waking}),
+        C{start_seconds} (placement to ready, or L{None}) and C{phases}
+        (where the start spent them, L{llmgw.control.phases.start_phases}),
+        and its shards (L{shard_json}) by rank.
     """
     state = replica.state
     asleep = replica.sleep_at if state == ReplicaState.SLEEPING else None
@@ -68,6 +71,8 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         "leaving": replica.leaving_reason
         if replica.leaving_since is not None and replica.draining_since is None
         else None,
+        "start_seconds": start_seconds(replica),
+        "phases": start_phases(replica),
         "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
     }
 

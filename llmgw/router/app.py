@@ -55,6 +55,7 @@ from llmgw.router.prepare import (
 from llmgw.router.records import request_record
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON, client_gone, request_id, upstream_request_id
+from llmgw.router.tracing import NO_TRACE, NoTrace, Tracing
 from llmgw.router.upstream import Upstream
 
 FORWARDED_PATHS = {
@@ -136,6 +137,7 @@ class Router:
         # Models whose engines sent no usage in a stream (warned once).
         self._no_stream_usage: set[str] = set()
         self.load: LoadBoard | None = None
+        self.tracing: Tracing | None = None  # [tracing] on: llmgw.router.tracing
         self._idle_waiters: list[Deferred[None]] = []
         self._resolve = activator.resolve if activator is not None else _no_alias
         routes = self.app.url_map.bind("gateway")
@@ -257,6 +259,7 @@ class Router:
         # What the record says before the body is prepared (or if it is not).
         model, stream = "", False
         anthropic = path in MESSAGES_PATHS
+        trace = self._trace(request, path)
         try:
             key = self._key_for(request)
             try:
@@ -273,6 +276,7 @@ class Router:
                 rid,
                 upstream_request_id(rid),
             )
+            exchange.trace = trace
             if key is not None:
                 assert self.auth is not None
                 admitted = self.auth.admit(
@@ -314,9 +318,19 @@ class Router:
             if self.activator is not None and prepared is not None:
                 # Idle time counts from the last completion, not arrival.
                 self.activator.touch(prepared.model)
-            self._account(
-                (rid, started, status, model, stream), key, reserved, exchange
+            trace.end(
+                self._account(
+                    (rid, started, status, model, stream), key, reserved, exchange
+                )
             )
+
+    def _trace(self, request: IRequest, path: bytes) -> NoTrace:
+        """
+        @return: the request's spans, or L{NO_TRACE} when tracing is off.
+        """
+        if self.tracing is None:
+            return NO_TRACE
+        return self.tracing.request(path, request.getHeader(b"traceparent"))
 
     def _prepare(self, request: IRequest, path: bytes) -> Prepared:
         """
@@ -348,7 +362,7 @@ class Router:
         key: Key | None,
         reserved: int,
         exchange: Exchange | None,
-    ) -> None:
+    ) -> RequestRecord:
         """
         A request's end, however it ended: its record counted, to the
         balancer and the usage sinks, its tokens to its key, and a drain
@@ -356,6 +370,7 @@ class Router:
 
         @param what: its id, the clock time it came, the status answered,
             its model and whether it streams.
+        @return: its record.
         """
         rid, started, status, model, stream = what
         record = request_record(
@@ -385,6 +400,7 @@ class Router:
             waiters, self._idle_waiters = self._idle_waiters, []
             for waiter in waiters:
                 waiter.callback(None)
+        return record
 
     def _note_usage(self, status: int, exchange: Exchange | None) -> None:
         """

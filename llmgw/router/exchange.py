@@ -29,7 +29,6 @@ from llmgw.router.errors import (
     deadline_exceeded,
     engine_error,
     engine_failure,
-    error_message,
     no_ready_replica,
     replica_unavailable,
     retry_after,
@@ -43,12 +42,14 @@ from llmgw.router.relay import StreamCut
 from llmgw.router.settings import RouterConfig
 from llmgw.router.site import JSON, client_gone
 from llmgw.router.sse import EventTooLarge
+from llmgw.router.tracing import NO_TRACE, NoTrace
 from llmgw.router.upstream import (
     BodyReader,
     NoAnswer,
     Upstream,
     UpstreamConnectError,
     broken_message,
+    log_engine_failure,
     upstream_headers,
 )
 
@@ -112,7 +113,10 @@ class Exchange:
     @ivar events_relayed: C{data:} fields written to the client.
     @ivar headers_sent: whether the client got any byte of the answer.
     @ivar done: whether the stream's last event relayed was C{[DONE]}.
+    @ivar trace: its spans (L{llmgw.router.tracing}), by default none.
     """
+
+    trace: NoTrace = NO_TRACE
 
     def __init__(
         self,
@@ -180,11 +184,11 @@ class Exchange:
         if activator is not None:
             activator.touch(self.model)
             if not balancer.serves(self.model) and activator.resolve(self.model):
-                await self._activate(activator)
+                await self.trace.step("activation", self._activate(activator))
         overload = services.overload
         waiting = overload.admit(self.model) if overload is not None else None
         if waiting is not None:
-            await waiting
+            await self.trace.step("overload", waiting)
         stale: Replica | None = None
         for attempt in range(services.settings.max_retries + 1):
             if self.deadlines.expired:
@@ -204,7 +208,7 @@ class Exchange:
             replica.exchanges.add(self.cut)
             self.answer_status = None
             try:
-                return await self._attempt(replica)
+                return await self.trace.attempt(replica.id, self._attempt(replica))
             except _Retry as retry:
                 last_error = retry.error
                 stale = replica if retry.stale else None
@@ -289,10 +293,13 @@ class Exchange:
         services = self.services
         metrics = services.metrics
         self.deadlines.start("first_byte")
-        headers = upstream_headers(
-            self.request.getHeader(b"accept"),
-            self.upstream_id,
-            replica.endpoint.api_key,
+        headers = (
+            upstream_headers(
+                self.request.getHeader(b"accept"),
+                self.upstream_id,
+                replica.endpoint.api_key,
+            )
+            + self.trace.headers()
         )
         # Once a kept connection was found closed, the others may be too.
         fresh = self.stale_retried
@@ -320,13 +327,13 @@ class Exchange:
             and self.prepared.stream
             and content_type.startswith(b"text/event-stream")
         ):
-            await self._relay_stream(response)
+            await self.trace.step("relay", self._relay_stream(response))
             return None
         body = await self._read_whole(response)
         wait = retry_after(response.headers)
         if status == 503:
             metrics.upstream_errors.labels("status").inc()
-            self._log_engine_failure(status, body)
+            log_engine_failure(services.log, self.request_id, replica.id, status, body)
             raise _Retry(replica_unavailable(wait))
         return self._answer_whole(status, content_type, body, wait)
 
@@ -517,7 +524,8 @@ class Exchange:
             # OpenAI's shape whatever shape the engine used.
             raise engine_error(status, body, wait)
         self.services.metrics.upstream_errors.labels("status").inc()
-        self._log_engine_failure(status, body)
+        replica = self.replica.id if self.replica is not None else None
+        log_engine_failure(self.services.log, self.request_id, replica, status, body)
         if 500 <= status < 600:
             # The engine's own error object (vLLM's 500 on an internal
             # error): the client gets its status and message; a broken
@@ -526,19 +534,6 @@ class Exchange:
             if passed is not None:
                 raise passed
         raise upstream_failed(f"The replica answered with status {status}.")
-
-    def _log_engine_failure(self, status: int, body: bytes) -> None:
-        # An engine's 5xx message can hold its traceback, file paths and
-        # addresses: the operator gets it in the log, the client only the
-        # status.
-        self.services.log.warn(
-            "request {request_id}: replica {replica} answered status {status}:"
-            " {message}",
-            request_id=self.request_id.decode("ascii"),
-            replica=self.replica.id if self.replica is not None else None,
-            status=status,
-            message=(error_message(body) or body[:500].decode("utf-8", "replace")),
-        )
 
     async def _relay_stream(self, response: IResponse) -> None:
         request = self.request

@@ -12,7 +12,7 @@ the config.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmgw.config_checks import (
@@ -31,6 +31,7 @@ from llmgw.config_checks import (
     check_url,
     parse_duration,
     parse_size,
+    setting,
     settings_keys,
 )
 from llmgw.router.interfaces import Endpoint
@@ -278,3 +279,65 @@ def parse_endpoints(tables: object) -> tuple[Endpoint, ...]:
         parse_endpoint(f"endpoints[{index}]", table)
         for index, table in enumerate(tables)
     )
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """
+    The C{[tracing]} table: OpenTelemetry spans exported over OTLP/HTTP
+    (L{llmgw.router.tracing}).
+
+    @ivar otlp_endpoint: the collector's URL (C{http://host:4318}, the
+        exporter adds C{/v1/traces}); empty: tracing off, no exporter.
+    @ivar sample_ratio: the share of requests traced, 0 to 1, unless the
+        client's C{traceparent} decides.
+    """
+
+    otlp_endpoint: str = setting(
+        "",
+        "http:// or https:// URL",
+        "The OpenTelemetry collector spans go to over OTLP/HTTP (the exporter"
+        " adds /v1/traces); by default none: tracing off.",
+        shown="none",
+    )
+    sample_ratio: float = setting(
+        1.0,
+        "number, 0 to 1",
+        "The share of client requests traced (a client's traceparent decides"
+        " for its own).",
+    )
+
+
+TRACING_TABLE = Table(
+    "[tracing]",
+    "OpenTelemetry traces: a server span per client request with the GenAI"
+    " attributes, its waits, attempts and relay, and the control plane's"
+    " placements, starts and drains.",
+    settings_keys(TracingConfig),
+)
+
+
+def parse_tracing(table: object) -> TracingConfig:
+    """
+    @return: the C{[tracing]} table's settings.
+    @raise ConfigError: an unknown key or a bad value, named.
+    """
+    if not isinstance(table, dict):
+        raise ConfigError(f"tracing: expected a table, got {table!r}")
+    check_keys("tracing", table, TRACING_TABLE.names)
+    tracing = TracingConfig()
+    if "otlp_endpoint" in table:
+        url = check_url("tracing.otlp_endpoint", table["otlp_endpoint"])
+        tracing = replace(tracing, otlp_endpoint=url)
+    if "sample_ratio" in table:
+        ratio = table["sample_ratio"]
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, int | float)
+            or not 0 <= ratio <= 1
+        ):
+            raise ConfigError(
+                f"tracing.sample_ratio: expected a number from 0 to 1, got {ratio!r}"
+            )
+        tracing = replace(tracing, sample_ratio=float(ratio))
+    return tracing

@@ -24,6 +24,7 @@ from twisted.internet.interfaces import (
 )
 from twisted.internet.protocol import Protocol as TwistedProtocol
 from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import BrowserLikePolicyForHTTPS, ResponseDone
 from twisted.web.http import PotentialDataLoss
@@ -31,6 +32,7 @@ from twisted.web.iweb import IResponse
 from zope.interface import implementer
 
 from llmgw.reactors import IConnectingReactor
+from llmgw.router.errors import error_message
 
 
 def upstream_headers(
@@ -219,3 +221,24 @@ class BodyReader(TwistedProtocol):
 
     def _cancel(self, d: Deferred[None]) -> None:
         self.abort()
+
+
+def log_engine_failure(
+    log: Logger, request_id: bytes, replica: str | None, status: int, body: bytes
+) -> None:
+    """
+    Log a replica's failed answer (a 5xx) with the engine's message.
+
+    @param request_id: the client request's id, ASCII.
+    @param body: the answer's body, an error object or anything.
+    """
+    # An engine's 5xx message can hold its traceback, file paths and
+    # addresses: the operator gets it in the log, the client only the
+    # status.
+    log.warn(
+        "request {request_id}: replica {replica} answered status {status}: {message}",
+        request_id=request_id.decode("ascii"),
+        replica=replica,
+        status=status,
+        message=(error_message(body) or body[:500].decode("utf-8", "replace")),
+    )

@@ -44,6 +44,7 @@ from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
+from llmgw.router.tracing import tracing_service
 from llmgw.server.build import (
     PROGRAM,
     Listeners,
@@ -331,6 +332,11 @@ def makeService(options: Options) -> IService:
     agent = local(reactor, config, parts.hub)
     parent = getattr(options, "parent", None)
     top = top_service(reactor, PROGRAM, config.log_format, parent)
+    tracing = tracing_service(config.tracing, PROGRAM)
+    if tracing is not None:
+        router.tracing = tracing.tracing
+        parts.plane.tracer = tracing.tracing.tracer
+        top.add("connection pools closed", tracing)
     _stop_sequence(
         top,
         reactor,

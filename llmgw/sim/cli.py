@@ -347,6 +347,10 @@ def main(argv: list[str]) -> int:
     # Nothing to serve while "loading": the port stays closed, as a real
     # engine's does (SIGTERM meanwhile ends the process at once).
     time.sleep(args.load_seconds)
+    if args.load_seconds:
+        # vLLM's line (vllm/v1/worker/gpu_model_runner.py), which an agent
+        # reads for where a start spent its time (llmgw.agent.phases).
+        sys.stdout.write(f"Loading weights took {args.load_seconds:.4f} seconds\n")
     try:
         port = reactor.listenTCP(
             args.port,

@@ -439,6 +439,8 @@ class SimStats:
     @ivar connections_open: HTTP connections now open; not reset.
     @ivar last_request_id: the C{X-Request-ID} header of the last counted
         request, or None, so a test can see that a gateway forwards it.
+    @ivar last_traceparent: its W3C C{traceparent} header, or None: the
+        trace context vLLM would continue (C{--otlp-traces-endpoint}).
     """
 
     requests_total: int = 0
@@ -451,6 +453,7 @@ class SimStats:
     last_cancel_time: float | None = None
     connections_open: int = 0
     last_request_id: str | None = None
+    last_traceparent: str | None = None
 
     def reset(self) -> None:
         """
@@ -465,6 +468,7 @@ class SimStats:
         self.requests_cancelled = 0
         self.last_cancel_time = None
         self.last_request_id = None
+        self.last_traceparent = None
 
 
 class Simulator:
@@ -567,5 +571,6 @@ class Simulator:
             "last_cancel_time": s.last_cancel_time,
             "connections_open": s.connections_open,
             "last_request_id": s.last_request_id,
+            "last_traceparent": s.last_traceparent,
             **self.sleep.json(),
         }

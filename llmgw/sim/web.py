@@ -168,6 +168,10 @@ class SimResource(Resource):
         stats.last_request_id = (
             request_id.decode("ascii", "replace") if request_id is not None else None
         )
+        traceparent = request.getHeader(b"traceparent")
+        stats.last_traceparent = (
+            traceparent.decode("ascii", "replace") if traceparent is not None else None
+        )
         key = path.decode("ascii")
         stats.requests_by_path[key] = stats.requests_by_path.get(key, 0) + 1
 

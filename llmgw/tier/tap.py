@@ -47,6 +47,7 @@ from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint, Readiness
 from llmgw.router.site import make_site
+from llmgw.router.tracing import tracing_service
 from llmgw.store.base import Store
 from llmgw.store.db import StoreError, open_store
 from llmgw.tier.activate import RemoteActivator
@@ -311,6 +312,10 @@ def makeService(options: Options) -> IService:
         top.add(RECONCILER, _Orphan(reactor, reactor.stop, options["parent-pid"]))
     top.add(USAGE, account.usage)
     top.add(POOLS, PoolService(built.pool), *account.services)
+    tracing = tracing_service(config.tracing, PROGRAM)
+    if tracing is not None:
+        router.tracing = tracing.tracing
+        top.add(POOLS, tracing)
     top.add(STORE, StoreService(store))
     host, port_number = host_and_port(port.getHost())
     log.info(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from llmgw.control.inventory import Inventory, Node
+from llmgw.control.phases import start_phases, start_seconds
 from llmgw.control.plane import ControlPlane
 from llmgw.control.records import ReplicaRecord
 from llmgw.control.views import count_states, explain, gpu_allocations, models_json
@@ -402,7 +403,8 @@ class Fleet:
     def replica(self, replica_id: str) -> dict[str, Any] | None:
         """
         @return: the replica's state and its history, shards, last error,
-            engines' output tails and engine load; L{None} for no such
+            engines' output tails, engine load and where its start spent
+            its time (C{start_seconds}, C{phases}); L{None} for no such
             replica.
         """
         if self.plane is None or replica_id not in self.plane.replicas:
@@ -440,6 +442,8 @@ class Fleet:
             ],
             "load": self._load(replica_id, self.load_clock()),
             "traffic": self.replica_traffic(replica_id),
+            "start_seconds": start_seconds(replica),
+            "phases": start_phases(replica),
         }
 
     def _load(self, replica_id: str, now: float) -> dict[str, Any]:

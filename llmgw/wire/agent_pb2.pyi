@@ -178,7 +178,7 @@ class RunningShard(_message.Message):
     def __init__(self, shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail", "pid", "note")
+    __slots__ = ("shard_id", "state", "exit_code", "has_exit_code", "error", "output_tail", "pid", "note", "phases")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class ShardStatus(_message.Message):
     OUTPUT_TAIL_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     shard_id: str
     state: ShardState
     exit_code: int
@@ -195,7 +196,18 @@ class ShardStatus(_message.Message):
     output_tail: _containers.RepeatedScalarFieldContainer[str]
     pid: int
     note: str
-    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+    phases: _containers.RepeatedCompositeFieldContainer[StartPhase]
+    def __init__(self, shard_id: _Optional[str] = ..., state: _Optional[_Union[ShardState, str]] = ..., exit_code: _Optional[int] = ..., has_exit_code: _Optional[bool] = ..., error: _Optional[str] = ..., output_tail: _Optional[_Iterable[str]] = ..., pid: _Optional[int] = ..., note: _Optional[str] = ..., phases: _Optional[_Iterable[_Union[StartPhase, _Mapping]]] = ...) -> None: ...
+
+class StartPhase(_message.Message):
+    __slots__ = ("name", "seconds", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    seconds: float
+    detail: bool
+    def __init__(self, name: _Optional[str] = ..., seconds: _Optional[float] = ..., detail: _Optional[bool] = ...) -> None: ...
 
 class CommandResult(_message.Message):
     __slots__ = ("command_id", "ok", "error", "code")

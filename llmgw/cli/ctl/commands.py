@@ -192,9 +192,12 @@ def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
 
 def replicas(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{replicas}: a table of the replicas, one row per shard.
+    C{replicas}: a table of the replicas, one row per shard; with
+    C{--phases}, one row per phase of each start.
     """
     result = client.call("GET", "/api/v1/replicas")
+    if getattr(args, "phases", False):
+        return result, phases_table(result["replicas"])
     rows = [
         (
             r["id"],
@@ -222,6 +225,24 @@ def replicas(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[An
         "LAST ERROR",
     )
     return result, table(rows, header)
+
+
+def phases_table(replicas: list[dict[str, Any]]) -> str:
+    """
+    @return: a table of each replica's start phases (seconds, and the
+        share of its start time), a detail marked as inside the phases,
+        then the start time itself.
+    """
+    rows: list[tuple[Any, ...]] = []
+    for r in replicas:
+        total = r.get("start_seconds")
+        for p in r.get("phases", []):
+            share = f"{100 * p['seconds'] / total:.0f}%" if total else ""
+            name = f"  ({p['phase']})" if p["detail"] else p["phase"]
+            rows.append((r["id"], r["model"], name, f"{p['seconds']:.2f}", share))
+        if total is not None:
+            rows.append((r["id"], r["model"], "start", f"{total:.2f}", "100%"))
+    return table(rows, ("REPLICA", "MODEL", "PHASE", "SECONDS", "SHARE"))
 
 
 def models_list(

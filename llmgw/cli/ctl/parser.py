@@ -54,7 +54,12 @@ def _reads(commands: Any, shared: argparse.ArgumentParser) -> None:
         "nodes", help="nodes and their GPUs; with NODE, that node in full"
     )
     nodes.add_argument("node", nargs="?", help="one node's id")
-    commands.add_parser("replicas", help="replicas and their shards")
+    replicas = commands.add_parser("replicas", help="replicas and their shards")
+    replicas.add_argument(
+        "--phases",
+        action="store_true",
+        help="where each replica's start spent its time, one row per phase",
+    )
 
 
 def _models(commands: Any, shared: argparse.ArgumentParser) -> None:

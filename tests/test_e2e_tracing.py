@@ -1,0 +1,225 @@
+"""
+OpenTelemetry traces from a running C{twistd llmgw-server} in front of an
+C{llmgw sim} engine: with C{[tracing] otlp_endpoint} the spans of a
+streamed request reach an OTLP/HTTP receiver on loopback (its protobuf
+decoded with C{opentelemetry-proto}), and the engine gets the attempt's
+W3C C{traceparent}; without it no exporter thread runs.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import openai
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.support import Processes, http, sim_stats
+
+KEY_SECRET = "sk-never-in-a-span"
+PROMPT = "a prompt that no span may hold"
+
+
+class Receiver:
+    """
+    An OTLP/HTTP trace receiver on loopback: C{POST /v1/traces} bodies
+    decoded as C{ExportTraceServiceRequest}, their spans kept.
+    """
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.bodies: list[bytes] = []
+        received = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                received.bodies.append(body)
+                for resource in request.resource_spans:
+                    for scope in resource.scope_spans:
+                        received.spans.extend(scope.spans)
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+    def wait_for(self, name: str, timeout: float = 20.0) -> Span:
+        """
+        @return: the first span named C{name}, once it came.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for span in list(self.spans):
+                if span.name == name:
+                    return span
+            time.sleep(0.1)
+        raise AssertionError(f"no span {name!r}: {[s.name for s in self.spans]}")
+
+
+def attributes(span: Span) -> dict[str, Any]:
+    """
+    @return: a span's attributes as Python values.
+    """
+    out: dict[str, Any] = {}
+    for kv in span.attributes:
+        which = kv.value.WhichOneof("value")
+        out[kv.key] = getattr(kv.value, which) if which else None
+    return out
+
+
+def stream_one(api_url: str) -> str:
+    """
+    @return: the text of one streamed chat completion.
+    """
+    client = openai.OpenAI(base_url=api_url + "/v1", api_key=KEY_SECRET, max_retries=0)
+    chunks = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=5,
+        stream=True,
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+class TracingTests(Processes, SynchronousTestCase):
+    timeout = 120
+
+    def test_streamed_request_traced(self) -> None:
+        """
+        One streamed request gives a server span with the GenAI attributes
+        (the model asked and answered, the tokens, the time to first
+        token), an attempt span under it naming the replica, a relay span
+        under the attempt, and the engine got the attempt's C{traceparent}:
+        same trace id, the attempt's span id.  No prompt or key is in any
+        attribute, and the exporter's thread runs.
+        """
+        receiver = Receiver()
+        self.addCleanup(receiver.stop)
+        sim, sim_url = self.start_sim("--itl", "0.001", model="m")
+        _, api_url, admin_url = self.start_server(
+            "--endpoint",
+            f"sim={sim_url}=m",
+            config=f'[tracing]\notlp_endpoint = "{receiver.url}"\n',
+        )
+        self.assertTrue(stream_one(api_url))
+        server = receiver.wait_for("POST /v1/chat/completions")
+        attempt = receiver.wait_for("llmgw.attempt")
+        relay = receiver.wait_for("llmgw.relay")
+        got = attributes(server)
+        self.assertEqual(server.kind, Span.SPAN_KIND_SERVER)
+        self.assertEqual(got["gen_ai.operation.name"], "chat")
+        self.assertEqual(got["gen_ai.request.model"], "m")
+        self.assertEqual(got["gen_ai.response.model"], "m")
+        self.assertGreater(got["gen_ai.usage.input_tokens"], 0)
+        self.assertEqual(got["gen_ai.usage.output_tokens"], 5)
+        self.assertGreater(got["gen_ai.server.time_to_first_token"], 0)
+        self.assertEqual(got["http.response.status_code"], 200)
+        self.assertEqual(attempt.parent_span_id, server.span_id)
+        self.assertEqual(attempt.trace_id, server.trace_id)
+        self.assertEqual(attempt.kind, Span.SPAN_KIND_CLIENT)
+        self.assertEqual(attributes(attempt)["llmgw.replica"], "sim")
+        self.assertEqual(relay.parent_span_id, attempt.span_id)
+
+        traceparent = sim_stats(sim_url)["last_traceparent"]
+        version, trace_id, span_id, flags = traceparent.split("-")
+        self.assertEqual(
+            (version, trace_id, span_id),
+            ("00", attempt.trace_id.hex(), attempt.span_id.hex()),
+        )
+        self.assertTrue(int(flags, 16) & 1, "sampled")
+        raw = b"".join(receiver.bodies)
+        self.assertNotIn(PROMPT.encode(), raw)
+        self.assertNotIn(KEY_SECRET.encode(), raw)
+        status, _, threads = http("GET", admin_url + "/debug/threads")
+        self.assertEqual(status, 200)
+        self.assertIn(b"OtelBatch", threads)
+
+    def test_client_traceparent_continued(self) -> None:
+        """
+        A client's own C{traceparent} is continued: the server span is its
+        child, in its trace.
+        """
+        receiver = Receiver()
+        self.addCleanup(receiver.stop)
+        _, sim_url = self.start_sim("--itl", "0.001", model="m")
+        _, api_url, _ = self.start_server(
+            "--endpoint",
+            f"sim={sim_url}=m",
+            config=f'[tracing]\notlp_endpoint = "{receiver.url}"\nsample_ratio = 0.0\n',
+        )
+        trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        status, _, _ = http(
+            "POST",
+            api_url + "/v1/chat/completions",
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+            b' "max_tokens": 2}',
+            {
+                "content-type": "application/json",
+                "traceparent": f"00-{trace_id}-{parent}-01",
+            },
+        )
+        self.assertEqual(status, 200)
+        server = receiver.wait_for("POST /v1/chat/completions")
+        self.assertEqual(server.trace_id.hex(), trace_id)
+        self.assertEqual(server.parent_span_id.hex(), parent)
+
+    def test_off_no_exporter(self) -> None:
+        """
+        Without C{[tracing]} no exporter thread runs in the server, and the
+        engine gets no C{traceparent}.
+        """
+        _, sim_url = self.start_sim("--itl", "0.001", model="m")
+        _, api_url, admin_url = self.start_server("--endpoint", f"sim={sim_url}=m")
+        self.assertTrue(stream_one(api_url))
+        status, _, threads = http("GET", admin_url + "/debug/threads")
+        self.assertEqual(status, 200)
+        self.assertIn(b"MainThread", threads)
+        self.assertNotIn(b"Otel", threads)
+        self.assertIsNone(sim_stats(sim_url)["last_traceparent"])
+
+    def test_activation_wait_span(self) -> None:
+        """
+        A request for a model with no replica waits for one to start: its
+        server span has an C{llmgw.wait} child for the activation, before
+        the attempt.
+        """
+        receiver = Receiver()
+        self.addCleanup(receiver.stop)
+        low = random.randrange(21000, 32000)
+        _, api_url, _ = self.start_server(
+            "--local",
+            config=f'[tracing]\notlp_endpoint = "{receiver.url}"\n'
+            f'[control]\ninterval = "100ms"\nport_range = [{low}, {low + 20}]\n'
+            '[[models]]\nname = "m"\n[[models.profiles]]\nname = "cpu"\n'
+            'engine = "sim"\nsource = "sim"\ngpus = 0\n',
+        )
+        self.assertTrue(stream_one(api_url))
+        server = receiver.wait_for("POST /v1/chat/completions")
+        wait = receiver.wait_for("llmgw.wait")
+        attempt = receiver.wait_for("llmgw.attempt")
+        self.assertEqual(attributes(wait)["llmgw.wait"], "activation")
+        self.assertEqual(wait.parent_span_id, server.span_id)
+        self.assertLessEqual(wait.end_time_unix_nano, attempt.start_time_unix_nano)
+        self.assertGreater(wait.end_time_unix_nano - wait.start_time_unix_nano, 0)

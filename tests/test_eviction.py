@@ -202,7 +202,7 @@ class AsleepTests(SynchronousTestCase):
             "places": (Place("n1", (gpu,), 20010 + gpu),),
         }
         fields.update(kwargs)
-        return candidate(replica, gpu=gpu, **fields)
+        return replace(candidate(replica, gpu=gpu), **fields)  # type: ignore[arg-type]
 
     def test_order(self) -> None:
         awake = candidate("a")

@@ -575,5 +575,3 @@ class Supervisor:
         @return: every shard, as Register lists them.
         """
         return [shard.running() for shard in self.shards.values()]
-
-

@@ -124,6 +124,22 @@ class UsageSink(Protocol):
         """
 
 
+@dataclass(frozen=True)
+class Tenant:
+    """
+    Who a waiting request is for.
+
+    @ivar name: the key's name; C{""} for a request without a key.
+    @ivar rank: its priority's number, higher goes first
+        (L{llmgw.router.fairness.priority_rank}; 1 is C{standard}).
+    @ivar weight: its weight, above 0.
+    """
+
+    name: str = ""
+    rank: int = 1
+    weight: float = 1.0
+
+
 class Key(Protocol):
     """
     An API key as the router needs it.
@@ -139,6 +155,13 @@ class Key(Protocol):
     def name(self) -> str:
         """
         The key's name, for logs and usage records.
+        """
+
+    @property
+    def tenant(self) -> Tenant:
+        """
+        Who its requests are for where they wait: its name, priority and
+        weight (L{llmgw.router.fairness}).
         """
 
     def allows(self, model: str, resolve: Callable[[str], str | None]) -> bool:

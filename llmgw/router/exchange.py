@@ -154,6 +154,7 @@ class Exchange:
         self.cut_reason: str | None = None
         self.native = False  # a Messages API request sent as it came
         self.tenant = ANONYMOUS
+        self.sent = 0.0  # clock time the last attempt was sent
         self.charged = 0  # tokens counted to the tenant when it went on
 
     def _cancel_waiting(self) -> None:
@@ -163,6 +164,7 @@ class Exchange:
     def _got_bytes(self) -> None:
         if self.first_byte_at is None:
             self.first_byte_at = self.services.clock.seconds()
+            self._replica_took(self.sent)
             self.deadlines.start("idle")
         else:
             self.deadlines.touch()
@@ -281,6 +283,7 @@ class Exchange:
         self.waiting = services.upstream.post(
             replica.url_bytes, path, headers, body, fresh=fresh
         )
+        sent = self.sent = services.clock.seconds()
         try:
             response = await self.waiting
         except UpstreamConnectError as e:
@@ -295,6 +298,7 @@ class Exchange:
             self.waiting = None
         status: int = response.code
         self.answer_status = status
+        self._replica_took(sent)
         content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
         if (
             status == 200
@@ -304,12 +308,18 @@ class Exchange:
             await self._relay_stream(response)
             return None
         body = await self._read_whole(response)
+        self._replica_took(sent)
         wait = retry_after(response.headers)
         if status == 503:
             metrics.upstream_errors.labels("status").inc()
             self._log_engine_failure(status, body)
             raise _Retry(replica_unavailable(wait))
         return self._answer_whole(status, content_type, body, wait)
+
+    def _replica_took(self, sent: float) -> None:
+        # For Server-Timing (llmgw.router.timing), on the request.
+        took = self.services.clock.seconds() - sent
+        setattr(self.request, "replica_seconds", took)  # noqa: B010
 
     def _not_connected(self, replica: Replica, e: UpstreamConnectError) -> NoReturn:
         """

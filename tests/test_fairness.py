@@ -75,6 +75,21 @@ class FairQueueTests(SynchronousTestCase):
         order = [queue.pop()[1] for _ in range(5)]
         self.assertEqual(order, ["c1", "l1", "h1", "h2", "b1"])
 
+    def test_same_tenant_oldest_first(self) -> None:
+        """
+        One tenant's requests go oldest first even on a clock that moves
+        while the queue is read (the share's decay read at different
+        instants once made the newest go first).
+        """
+        moving = _MovingClock()
+        shares = FairShare(moving)
+        tenant = Tenant("t")
+        shares.served(tenant, 1000)
+        queue: FairQueue[int] = FairQueue(shares)
+        for n in range(5):
+            queue.push(tenant, n)
+        self.assertEqual([queue.pop()[1] for _ in range(5)], [0, 1, 2, 3, 4])
+
     def test_weight_scales_share(self) -> None:
         """
         A key of weight 10 served 10 times the tokens of a key of weight 1
@@ -220,3 +235,13 @@ class ActivationFairTests(SynchronousTestCase):
 def _ended(failure: Failure, wait: ActivationWait) -> None:
     failure.trap(CancelledError)
     wait.end()
+
+
+class _MovingClock(Clock):
+    """
+    A clock one millisecond later at each reading, as a busy reactor's.
+    """
+
+    def seconds(self) -> float:
+        self.advance(0.001)
+        return super().seconds()

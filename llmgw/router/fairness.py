@@ -179,7 +179,7 @@ class FairQueue(Generic[T]):
         if self._fifo:
             seq = min(self._entries)
         else:
-            share = self._shares.share
+            share = self._shares_now()
             seq = min(
                 self._entries,
                 key=lambda s: (
@@ -197,13 +197,30 @@ class FairQueue(Generic[T]):
         """
         if self._fifo:
             return len(self._entries)
-        mine = self._shares.share(tenant)
+        share = self._shares_now()
+        mine = share(tenant)
         return sum(
             1
             for other, _ in self._entries.values()
             if other.rank > tenant.rank
-            or (other.rank == tenant.rank and self._shares.share(other) <= mine)
+            or (other.rank == tenant.rank and share(other) <= mine)
         )
+
+    def _shares_now(self) -> Callable[[Tenant], float]:
+        """
+        @return: each tenant's share at one instant, computed once per
+            tenant: read at different instants, the decay made the same
+            tenant's later entries look served less, and its newest went
+            first.
+        """
+        seen: dict[Tenant, float] = {}
+
+        def share(tenant: Tenant) -> float:
+            if tenant not in seen:
+                seen[tenant] = self._shares.share(tenant)
+            return seen[tenant]
+
+        return share
 
     def victim(self, tenant: Tenant) -> T | None:
         """

@@ -363,7 +363,8 @@ def main() -> int:
     print()
     print_table(rows)
     print(
-        f"\n{time.monotonic() - started:.0f} s in all; load average {os.getloadavg()[0]:.1f}"
+        f"\n{time.monotonic() - started:.0f} s in all;"
+        f" load average {os.getloadavg()[0]:.1f}"
     )
     status = 0
     for text, ok in checks(rows):

@@ -11,6 +11,7 @@ interactive request instead.  Every answer carries C{Server-Timing}.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -159,6 +160,54 @@ class ServerTimingTests(SynchronousTestCase, Processes):
         )
         self.assertEqual(status, 404)
         self.assertRegex(headers["server-timing"], r"^llmgw;dur=[\d.]+$")
+
+
+class CandidatesTests(SynchronousTestCase, Processes):
+    timeout = 60
+
+    def test_asked_with_header(self) -> None:
+        """
+        A request sent with C{X-LLMGW-Explain: 1} gets the two replicas
+        weighed, with their scores, in its JSON log line, the one chosen
+        the one that answered; a request without the header gets none.
+        """
+        urls = [self.start_sim("--max-tokens", "2", model="m")[1] for _ in range(2)]
+        server, api, _ = self.start_server(
+            "--endpoint",
+            f"a={urls[0]}=m",
+            "--endpoint",
+            f"b={urls[1]}=m",
+            "--log-format",
+            "json",
+        )
+        client = openai.OpenAI(base_url=api + "/v1", api_key="x", max_retries=0)
+        asked = client.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT, extra_headers={"X-LLMGW-Explain": "1"}
+        )
+        plain = client.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT
+        )
+        lines: dict[str, Any] = {}
+        deadline = time.monotonic() + 10
+        wanted = {asked.headers["x-request-id"], plain.headers["x-request-id"]}
+        while set(lines) != wanted:
+            self.assertLess(time.monotonic(), deadline, "no request log lines")
+            for line in server.output().splitlines():
+                event = json.loads(line)
+                if event.get("request_id") in wanted:
+                    lines[event["request_id"]] = event
+            time.sleep(0.1)
+        event = lines[asked.headers["x-request-id"]]
+        found = {c["replica"]: c for c in event["candidates"]}
+        self.assertEqual(set(found), {"a", "b"})
+        chosen = [c["replica"] for c in found.values() if c["chosen"]]
+        self.assertEqual(chosen, [event["replica"]])
+        for c in found.values():
+            self.assertEqual(c["in_flight"], 0)  # before it was sent
+            self.assertEqual(c["speed"], 1.0)
+            self.assertFalse(c["ejected"])
+            self.assertIsInstance(c["score"], float)
+        self.assertNotIn("candidates", lines[plain.headers["x-request-id"]])
 
 
 def timings(value: str) -> tuple[float, float]:

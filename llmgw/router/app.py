@@ -30,6 +30,7 @@ from llmgw.router.anthropic import (
 )
 from llmgw.router.balancer import Balancer
 from llmgw.router.cors import Cors
+from llmgw.router.decision import wanted
 from llmgw.router.errors import (
     APIError,
     anthropic_error,
@@ -276,6 +277,7 @@ class Router:
                 rid,
                 upstream_request_id(rid),
             )
+            exchange.explain = wanted(request, self.settings.log_candidates)
             if key is not None:
                 exchange.tenant = key.tenant
                 assert self.auth is not None

@@ -22,6 +22,7 @@ from llmgw.router.activation import ActivationQueues
 from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
+from llmgw.router.decision import candidates
 from llmgw.router.ejection import outcome
 from llmgw.router.errors import (
     APIError,
@@ -154,6 +155,8 @@ class Exchange:
         self.cut_reason: str | None = None
         self.native = False  # a Messages API request sent as it came
         self.tenant = ANONYMOUS
+        self.explain = False  # the log line carries the candidates
+        self.candidates: list[dict[str, Any]] | None = None
         self.sent = 0.0  # clock time the last attempt was sent
         self.charged = 0  # tokens counted to the tenant when it went on
 
@@ -181,6 +184,7 @@ class Exchange:
         tried: set[str] = set()
         last_error: APIError | None = None
         balancer = services.balancer
+        clock = services.clock.seconds
         activator = services.activator
         if activator is not None:
             activator.touch(self.model)
@@ -198,6 +202,10 @@ class Exchange:
                 replica = balancer.pick(self.model, tried, self.prepared.affinity)
             if replica is None:
                 break
+            if self.explain:
+                self.candidates = candidates(
+                    balancer, self.model, self.prepared.affinity, replica, clock()
+                )
             if attempt:
                 services.metrics.retries.labels(self.model).inc()
             tried.add(replica.id)

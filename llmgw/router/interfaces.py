@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 
@@ -95,6 +95,8 @@ class RequestRecord:
         engine's never came.
     @ivar reserved_tokens: tokens held against the key while the request
         ran.
+    @ivar candidates: the replicas weighed for its last attempt and what
+        was weighed (L{llmgw.router.decision}), when asked; else L{None}.
     """
 
     request_id: str
@@ -111,6 +113,7 @@ class RequestRecord:
     key_name: str | None = None
     usage_estimated: bool = False
     reserved_tokens: int = 0
+    candidates: list[dict[str, Any]] | None = None
 
 
 class UsageSink(Protocol):

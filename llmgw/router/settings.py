@@ -221,6 +221,13 @@ class RouterConfig:
         "Requests that may wait per overloaded model (at least 1); more get"
         " 429 at once.",
     )
+    log_candidates: bool = setting(
+        False,
+        "boolean",
+        "Every request's JSON log line lists the replicas weighed and their"
+        " scores (in flight, waiting, KV use, speed, affinity owner, ejection);"
+        " without it, only a request sent with X-LLMGW-Explain: 1.",
+    )
     waiting_order: str = setting(
         "fair",
         "one of: " + ", ".join(ORDERS),

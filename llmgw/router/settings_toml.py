@@ -157,7 +157,7 @@ def _routing_value(key: str, value: object) -> object:
         return check_choice(where, value, BALANCE)
     if key == "waiting_order":
         return check_choice(where, value, ORDERS)
-    if key == "prefix_affinity":
+    if key in ("prefix_affinity", "log_candidates"):
         return check_bool(where, value)
     if key == "affinity_epsilon":
         if (

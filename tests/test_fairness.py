@@ -11,6 +11,9 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.admin.http import AdminError
+from llmgw.admin.keys import _order_fields
+from llmgw.control.held_order import held_order
 from llmgw.router.activation import ActivationQueues, ActivationWait
 from llmgw.router.errors import APIError
 from llmgw.router.fairness import (
@@ -245,3 +248,46 @@ class _MovingClock(Clock):
     def seconds(self) -> float:
         self.advance(0.001)
         return super().seconds()
+
+
+class HeldOrderTests(SynchronousTestCase):
+    def test_priority_then_oldest(self) -> None:
+        """
+        Models holding requests first; among them the highest priority
+        held, then the oldest; without priorities, today's order.
+        """
+        models = {
+            "idle": held_order(None),
+            "old-batch": held_order(1.0, priority_rank("batch")),
+            "new-chat": held_order(5.0, priority_rank("interactive")),
+            "old-chat": held_order(2.0, priority_rank("interactive")),
+        }
+        self.assertEqual(
+            sorted(models, key=models.__getitem__),
+            ["old-chat", "new-chat", "old-batch", "idle"],
+        )
+        self.assertLess(held_order(1.0), held_order(2.0))
+        self.assertLess(held_order(9.0), held_order(None))
+
+
+class OrderFieldsTests(SynchronousTestCase):
+    def test_bad_priority_or_weight(self) -> None:
+        """
+        The admin API's key fields: a priority that is neither a name nor
+        an integer, or a weight not above 0, is a 400 naming the field.
+        """
+        self.assertEqual(
+            _order_fields({"priority": "batch", "weight": 2}),
+            {"priority": "batch", "weight": 2.0},
+        )
+        self.assertEqual(_order_fields({"priority": 5}), {"priority": "5"})
+        for body, field in (
+            ({"priority": "urgent"}, "priority"),
+            ({"priority": [1]}, "priority"),
+            ({"weight": 0}, "weight"),
+            ({"weight": "x"}, "weight"),
+        ):
+            with self.assertRaises(AdminError) as caught:
+                _order_fields(body)
+            self.assertEqual(caught.exception.status, 400)
+            self.assertIn(field, str(caught.exception.message))

@@ -17,7 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.router.app import Router
 from llmgw.router.balancer import Balancer
 from llmgw.router.errors import APIError
-from llmgw.router.interfaces import Endpoint, Key, RequestRecord
+from llmgw.router.interfaces import Endpoint, Key, RequestRecord, Tenant
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.settings import RouterConfig
 from tests.exchange_fakes import FakeAgent, FakeResponse
@@ -28,6 +28,7 @@ from tests.typing_support import Response, stub_treq
 class FakeKey:
     id: int
     name: str
+    tenant: Tenant = Tenant("app")
 
     def allows(self, model: str, resolve: Callable[[str], str | None]) -> bool:
         return model != "hidden"

@@ -22,6 +22,8 @@ from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
 from llmgw.config_checks import ConfigError, parse_duration
 from llmgw.control.plane import ControlPlane
 from llmgw.router.auth import ApiKey, KeyRing
+from llmgw.router.fairness import check_weight, priority_rank
+from llmgw.store.base import KEY_LIMITS
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
 
@@ -34,6 +36,27 @@ before it answers from what the store holds (the rest counted in
 C{pending}); the read itself is bounded by the store's read busy timeout.
 """
 _ISO = re.compile(r"^\d{4}-\d\d-\d\d")
+
+
+def _order_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """
+    @return: the C{priority} (a name or an integer's digits) and C{weight}
+        of a key's request body, those it has.
+    @raise AdminError: 400 for a priority or weight that is not one.
+    """
+    order: dict[str, Any] = {}
+    try:
+        if "priority" in body:
+            value = body["priority"]
+            if not isinstance(value, str | int):
+                raise ValueError(f"priority: {value!r}: expected a name or an integer")
+            priority_rank(value)
+            order["priority"] = str(value).strip()
+        if "weight" in body:
+            order["weight"] = check_weight(body["weight"])
+    except ValueError as e:
+        raise AdminError(400, str(e)[:300], "bad_request") from None
+    return order
 
 
 def _optional_count(body: dict[str, Any], name: str) -> int | None:
@@ -207,8 +230,10 @@ class KeyRoutes:
     async def create_key(self, request: IRequest) -> bytes:
         """
         Make a key: C{{"name", "models"?, "rpm"?, "tpm"?,
-        "budget_tokens"?, "admin"?, "expires"?}} (C{expires} as
-        L{parse_expires} reads it).  201 with the key under C{"key"}: the
+        "budget_tokens"?, "admin"?, "expires"?, "priority"?, "weight"?}}
+        (C{expires} as L{parse_expires} reads it; C{priority} a name of
+        L{llmgw.router.fairness.PRIORITIES} or an integer, C{weight} a
+        number above 0).  201 with the key under C{"key"}: the
         only time it is shown.  400 C{unknown_model} naming the models no
         catalog model or endpoint serves.
         """
@@ -223,6 +248,7 @@ class KeyRoutes:
         admin = body.get("admin", False)
         if not isinstance(admin, bool):
             raise AdminError(400, "admin: expected true or false", "bad_request")
+        order = _order_fields(body)
         integrity_errors = self.store.integrity_errors if self.store else ()
         try:
             key, secret = await keys.create(
@@ -233,6 +259,7 @@ class KeyRoutes:
                 budget_tokens=_optional_count(body, "budget_tokens"),
                 admin=admin,
                 expires=expires,
+                **order,
             )
         except ValueError as e:
             raise AdminError(
@@ -247,8 +274,8 @@ class KeyRoutes:
     async def update_key(self, request: IRequest, name: str) -> bytes:
         """
         Change a key, by name or prefix: any of C{{"models", "rpm", "tpm",
-        "budget_tokens", "expires"}}; C{null} removes a limit (C{models}:
-        all models; C{expires}: never), a field left out stays.  Its
+        "budget_tokens", "expires", "priority", "weight"}}; C{null} removes
+        a limit (C{models}: all models; C{expires}: never), a field left out stays.  Its
         counters (tokens used, the minute's requests) are kept.  The key
         itself, its name and C{admin} do not change.  200 with the key;
         400 for a bad field or an unknown model (C{unknown_model}); 404 no
@@ -259,7 +286,7 @@ class KeyRoutes:
         if key is None:
             raise not_found(f"key {name[:200]!r}")
         body = read_body(request)
-        allowed = ("models", "rpm", "tpm", "budget_tokens", "expires")
+        allowed = KEY_LIMITS
         unknown = sorted(set(body) - set(allowed))
         if unknown or not body:
             raise AdminError(
@@ -279,6 +306,7 @@ class KeyRoutes:
                 changes[field] = _optional_count(body, field)
         if "expires" in body:
             changes["expires"] = parse_expires(body["expires"], self.wall_clock())
+        changes.update(_order_fields(body))
         await keys.update(key, changes)
         self._keys_changed()
         return json_answer(request, key.to_json())

@@ -13,6 +13,12 @@ how long its recent activations took (L{ActivationQueues.typical}) less
 how long the oldest request in the model's queue has waited (the
 activation under way began about then; every request in the queue is let
 go when its replica is ready, so a retry then finds room).
+
+A full queue refuses its lowest priority's newest request
+(L{llmgw.router.fairness}): the newcomer, or one waiting of a lower
+priority, whose wait then ends with the 503 (L{ActivationWait.evicted}).
+Every request waiting is let go when the replica is ready; the overload
+room then orders them, if the replica is behind.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmgw.router.errors import activation_queue_full
+from llmgw.router.fairness import ANONYMOUS, Tenant
 from llmgw.router.interfaces import Activator, Standing
 from llmgw.router.settings import RouterConfig
 
@@ -89,6 +96,41 @@ class ActivationQueues:
     def __init__(self) -> None:
         self._since: dict[str, list[float]] = {}
         self._took: dict[str, deque[float]] = {}
+        self._held: dict[str, list[tuple[Tenant, Callable[[], None]]]] = {}
+
+    def hold(self, model: str, tenant: Tenant, evict: Callable[[], None]) -> None:
+        """
+        A request of C{tenant} waits for C{model}; C{evict} ends its wait
+        when a request of a higher priority needs its place.
+        """
+        self._held.setdefault(model, []).append((tenant, evict))
+
+    def release(self, model: str, evict: Callable[[], None]) -> None:
+        """
+        The request whose C{evict} it is no longer waits.
+        """
+        held = self._held.get(model, [])
+        held[:] = [(t, e) for t, e in held if e != evict]
+        if not held:
+            self._held.pop(model, None)
+
+    def make_room(self, model: str, tenant: Tenant) -> bool:
+        """
+        The queue of C{model} is full and a request of C{tenant} comes:
+        end the wait of the newest of the lowest priority waiting, if it
+        is lower than C{tenant}'s.
+
+        @return: whether a place was made.
+        """
+        held = self._held.get(model)
+        if not held:
+            return False
+        lowest = min(range(len(held)), key=lambda i: (held[i][0].rank, -i))
+        if held[lowest][0].rank >= tenant.rank:
+            return False
+        _, evict = held.pop(lowest)
+        evict()
+        return True
 
     def length(self, model: str) -> int:
         """
@@ -150,6 +192,8 @@ class ActivationWait:
 
     @ivar timed_out: whether C{activation_timeout} passed (the wait was
         then cancelled).
+    @ivar evicted: whether a request of a higher priority took its place
+        in a full queue (the wait was then cancelled).
     """
 
     log = Logger()
@@ -161,9 +205,11 @@ class ActivationWait:
         queues: ActivationQueues,
         activator: Activator,
         model: str,
+        tenant: Tenant = ANONYMOUS,
     ) -> None:
         """
         @param queues: the router's activation queues (shared).
+        @param tenant: whose request waits (its key's priority).
         """
         self._clock = clock
         self._settings = settings
@@ -171,6 +217,9 @@ class ActivationWait:
         self._activator = activator
         self._model = model
         self.timed_out = False
+        self.evicted = False
+        self._tenant = tenant
+        self._ready: Deferred[None] | None = None
         self._since: float | None = None
         self._took: float | None = None
         self._timer: IDelayedCall | None = None
@@ -208,16 +257,19 @@ class ActivationWait:
             waiting with a comment line to write (L{keepalive_line}), or
             L{None}.
         @return: fires when a replica is ready; cancelled at the timeout.
-        @raise APIError: 503 with C{Retry-After}, too many requests already
-            wait for the model.
+        @raise APIError: 503 with C{Retry-After}, too many requests of the
+            same priority or higher already wait for the model.
         """
         settings, queues, model = self._settings, self._queues, self._model
-        if queues.length(model) >= settings.activation_queue:
+        if queues.length(model) >= settings.activation_queue and not (
+            queues.make_room(model, self._tenant)
+        ):
             raise activation_queue_full(model, self.retry_after())
         self._since = self._clock.seconds()
         queues.join(model, self._since)
-        ready = self._activator.activate(model)
-        ready.addCallback(self._ready)
+        ready = self._ready = self._activator.activate(model)
+        ready.addCallback(self._became_ready)
+        queues.hold(model, self._tenant, self._evict)
 
         def time_out() -> None:
             self.timed_out = True
@@ -233,7 +285,12 @@ class ActivationWait:
             self._keepalive.start(settings.activation_keepalive, now=False)
         return ready
 
-    def _ready(self, result: None) -> None:
+    def _evict(self) -> None:
+        self.evicted = True
+        if self._ready is not None:
+            self._ready.cancel()
+
+    def _became_ready(self, result: None) -> None:
         if self._since is not None:
             self._took = self._clock.seconds() - self._since
         return result
@@ -246,6 +303,7 @@ class ActivationWait:
             self._timer.cancel()
         if self._keepalive is not None and self._keepalive.running:
             self._keepalive.stop()
+        self._queues.release(self._model, self._evict)
         if self._since is not None:
             self._queues.leave(self._model, self._since, self._took)
             self._since = None

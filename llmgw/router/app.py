@@ -30,6 +30,7 @@ from llmgw.router.anthropic import (
 )
 from llmgw.router.balancer import Balancer
 from llmgw.router.cors import Cors
+from llmgw.router.decision import wanted
 from llmgw.router.errors import (
     APIError,
     anthropic_error,
@@ -37,6 +38,7 @@ from llmgw.router.errors import (
     model_not_found,
 )
 from llmgw.router.exchange import Exchange, Services
+from llmgw.router.fairness import FairShare
 from llmgw.router.fastpath import ForwardingRoutes
 from llmgw.router.interfaces import Activator, Auth, Key, Readiness, UsageSink
 
@@ -163,6 +165,8 @@ class Router:
             recheck=settings.load_poll_interval / 4,
             retry_after=settings.load_poll_interval,
             count=lambda model, outcome: metrics.overload.labels(model, outcome).inc(),
+            shares=FairShare(clock),
+            fifo=settings.waiting_order == "fifo",
         )
         balancer.metrics = metrics
         self.services = Services(
@@ -277,7 +281,9 @@ class Router:
                 upstream_request_id(rid),
             )
             exchange.trace = trace
+            exchange.explain = wanted(request, self.settings.log_candidates)
             if key is not None:
+                exchange.tenant = key.tenant
                 assert self.auth is not None
                 admitted = self.auth.admit(
                     key, (prepared.requested_model, prepared.model), prepared.reserve
@@ -389,6 +395,8 @@ class Router:
         self._count(record)
         self.balancer.observe(record)
         self.usage.record(record)
+        if exchange is not None:
+            exchange.served(record.prompt_tokens + record.completion_tokens)
         if key is not None and self.auth is not None:
             self.auth.used(
                 key, record.prompt_tokens + record.completion_tokens, reserved

@@ -21,6 +21,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from llmgw.router.errors import APIError
+from llmgw.router.fairness import Tenant, priority_rank
 from llmgw.router.interfaces import Key
 from llmgw.router.limits import OVER_BUDGET, OVER_RPM, OVER_TPM, RedisLimits
 
@@ -76,6 +77,9 @@ class ApiKey:
     @ivar tokens_used: tokens counted so far (stored, plus those not yet
         flushed).
     @ivar expires: POSIX seconds from which it is refused, or L{None}.
+    @ivar priority: where its requests wait, who goes first: a name of
+        L{llmgw.router.fairness.PRIORITIES} or an integer's digits.
+    @ivar weight: its share within its priority, above 0.
     """
 
     id: int
@@ -97,6 +101,15 @@ class ApiKey:
     tokens_in_window: int = 0
     reserved: int = 0
     used_at_start: int = 0
+    priority: str = "standard"
+    weight: float = 1.0
+
+    @property
+    def tenant(self) -> Tenant:
+        """
+        Who its requests are for where they wait (L{llmgw.router.fairness}).
+        """
+        return Tenant(self.name, priority_rank(self.priority), self.weight)
 
     @property
     def limited(self) -> bool:
@@ -137,6 +150,8 @@ class ApiKey:
             "tokens_used": self.tokens_used,
             "revoked": self.revoked,
             "expires": self.expires,
+            "priority": self.priority,
+            "weight": self.weight,
         }
 
 
@@ -222,9 +237,13 @@ class KeyRing:
         """
         models = tuple(row["models"]) if row["models"] is not None else None
         now = (models, row["rpm"], row["tpm"], row["budget_tokens"], row.get("expires"))
-        if now == (key.models, key.rpm, key.tpm, key.budget_tokens, key.expires):
+        order = (str(row.get("priority") or "standard"), float(row.get("weight") or 1))
+        if now == (key.models, key.rpm, key.tpm, key.budget_tokens, key.expires) and (
+            order == (key.priority, key.weight)
+        ):
             return False
         key.models, key.rpm, key.tpm, key.budget_tokens, key.expires = now
+        key.priority, key.weight = order
         return True
 
     def revoked_elsewhere(self, key_id: int, when: float) -> bool:
@@ -257,6 +276,8 @@ class KeyRing:
             tokens_used=row.get("tokens_used") or 0,
             revoked=row.get("revoked"),
             expires=row.get("expires"),
+            priority=str(row.get("priority") or "standard"),
+            weight=float(row.get("weight") or 1),
         )
         key.used_at_start = key.tokens_used
         self._by_hash[key.hash] = key
@@ -295,11 +316,16 @@ class KeyRing:
         budget_tokens: int | None = None,
         admin: bool = False,
         expires: float | None = None,
+        priority: str = "standard",
+        weight: float = 1.0,
     ) -> tuple[ApiKey, str]:
         """
         Make a key.
 
         @param expires: POSIX seconds from which it is refused, or L{None}.
+        @param priority: a name of L{llmgw.router.fairness.PRIORITIES} or
+            an integer's digits (checked by the caller).
+        @param weight: its share within its priority, above 0.
 
         @return: the key and its secret, C{sk-...}: the only time it is
             shown.
@@ -324,6 +350,8 @@ class KeyRing:
             "admin": admin,
             "created": self._wall_clock(),
             "expires": expires,
+            "priority": priority,
+            "weight": weight,
         }
         row["id"] = await self.store.add_key(row)
         return self._add(row), secret

@@ -212,6 +212,12 @@ class Balancer:
         """
         return model in self._by_model
 
+    def replicas_of(self, model: str) -> list[Replica]:
+        """
+        @return: the replicas serving C{model}, ejected ones too.
+        """
+        return list(self._by_model.get(model, ()))
+
     def replicas(self) -> Sequence[Replica]:
         """
         @return: all replicas, in configuration order.

@@ -13,19 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest, IResponse
 
-from llmgw.router.activation import ActivationQueues, ActivationWait
+from llmgw.router.activation import ActivationQueues
 from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.deadlines import Deadlines
+from llmgw.router.decision import candidates
 from llmgw.router.ejection import outcome
 from llmgw.router.errors import (
     APIError,
-    activation_timeout,
     deadline_exceeded,
     engine_error,
     engine_failure,
@@ -34,6 +34,7 @@ from llmgw.router.errors import (
     retry_after,
     upstream_failed,
 )
+from llmgw.router.fairness import ANONYMOUS
 from llmgw.router.interfaces import Activator
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.overload import Overload
@@ -52,6 +53,7 @@ from llmgw.router.upstream import (
     log_engine_failure,
     upstream_headers,
 )
+from llmgw.router.waiting import activate, wait_turn
 
 SSE_HEADERS = (
     (b"content-type", b"text/event-stream"),
@@ -156,6 +158,11 @@ class Exchange:
         self.reader: BodyReader | None = None
         self.cut_reason: str | None = None
         self.native = False  # a Messages API request sent as it came
+        self.tenant = ANONYMOUS
+        self.explain = False  # the log line carries the candidates
+        self.candidates: list[dict[str, Any]] | None = None
+        self.sent = 0.0  # clock time the last attempt was sent
+        self.charged = 0  # tokens counted to the tenant when it went on
 
     def _cancel_waiting(self) -> None:
         if self.waiting is not None:
@@ -164,6 +171,7 @@ class Exchange:
     def _got_bytes(self) -> None:
         if self.first_byte_at is None:
             self.first_byte_at = self.services.clock.seconds()
+            self._replica_took(self.sent)
             self.deadlines.start("idle")
         else:
             self.deadlines.touch()
@@ -180,15 +188,13 @@ class Exchange:
         tried: set[str] = set()
         last_error: APIError | None = None
         balancer = services.balancer
+        clock = services.clock.seconds
         activator = services.activator
         if activator is not None:
             activator.touch(self.model)
             if not balancer.serves(self.model) and activator.resolve(self.model):
-                await self.trace.step("activation", self._activate(activator))
-        overload = services.overload
-        waiting = overload.admit(self.model) if overload is not None else None
-        if waiting is not None:
-            await self.trace.step("overload", waiting)
+                await self.trace.step("activation", activate(self, activator))
+        await wait_turn(self)
         stale: Replica | None = None
         for attempt in range(services.settings.max_retries + 1):
             if self.deadlines.expired:
@@ -200,6 +206,10 @@ class Exchange:
                 replica = balancer.pick(self.model, tried, self.prepared.affinity)
             if replica is None:
                 break
+            if self.explain:
+                self.candidates = candidates(
+                    balancer, self.model, self.prepared.affinity, replica, clock()
+                )
             if attempt:
                 services.metrics.retries.labels(self.model).inc()
             tried.add(replica.id)
@@ -219,40 +229,6 @@ class Exchange:
                 balancer.report(replica, outcome(self.answer_status, expired, gone))
         raise last_error if last_error is not None else no_ready_replica(self.model)
 
-    async def _activate(self, activator: Activator) -> None:
-        """
-        Wait for the control plane to make a replica of the model ready,
-        for at most C{activation_timeout}; a waiting stream gets an SSE
-        comment line every C{activation_keepalive} saying where it stands.
-
-        @raise APIError: 503 with C{Retry-After} from the queue when the
-            wait is over or too many requests already wait for this model.
-        """
-        services = self.services
-        settings = services.settings
-        model = self.model
-        wait = ActivationWait(
-            services.clock, settings, services.activating, activator, model
-        )
-        self.waiting = wait.start(self._keepalive if self.prepared.stream else None)
-        try:
-            await self.waiting
-        except CancelledError:
-            if client_gone(self.request):
-                raise
-            if self.deadlines.expired:
-                raise self.deadlines.error() from None
-            if wait.timed_out:
-                why = activator.why_not(model)
-                after = wait.retry_after()
-                raise activation_timeout(
-                    model, settings.activation_timeout, why, after
-                ) from None
-            raise
-        finally:
-            self.waiting = None
-            wait.end()
-
     def cut(self, why: str) -> None:
         """
         The replica went away (L{Balancer.cut}): stop waiting for it now.
@@ -271,7 +247,11 @@ class Exchange:
         self.services.metrics.upstream_errors.labels("broken").inc()
         return upstream_failed(f"The replica went away: {why}.")
 
-    def _keepalive(self, line: bytes) -> None:
+    def keepalive(self, line: bytes) -> None:
+        """
+        Write an SSE comment line C{line} while the request waits (the
+        stream's headers first).
+        """
         if client_gone(self.request):
             return
         if not self.headers_sent:
@@ -279,6 +259,17 @@ class Exchange:
             for name, value in SSE_HEADERS:
                 self.request.setHeader(name, value)
         self._write(line)
+
+    def served(self, tokens: int) -> None:
+        """
+        The request ended having been served C{tokens} (prompt and
+        completion): counted to its tenant's share where requests wait
+        (L{llmgw.router.fairness}), less what was counted when it went on.
+        """
+        overload = self.services.overload
+        if overload is not None and (tokens or self.charged):
+            overload.shares.served(self.tenant, tokens - self.charged)
+            self.charged = 0
 
     def finish(self) -> None:
         """
@@ -307,6 +298,7 @@ class Exchange:
         self.waiting = services.upstream.post(
             replica.url_bytes, path, headers, body, fresh=fresh
         )
+        sent = self.sent = services.clock.seconds()
         try:
             response = await self.waiting
         except UpstreamConnectError as e:
@@ -321,6 +313,7 @@ class Exchange:
             self.waiting = None
         status: int = response.code
         self.answer_status = status
+        self._replica_took(sent)
         content_type = response.headers.getRawHeaders(b"content-type", [b""])[0]
         if (
             status == 200
@@ -330,12 +323,18 @@ class Exchange:
             await self.trace.step("relay", self._relay_stream(response))
             return None
         body = await self._read_whole(response)
+        self._replica_took(sent)
         wait = retry_after(response.headers)
         if status == 503:
             metrics.upstream_errors.labels("status").inc()
             log_engine_failure(services.log, self.request_id, replica.id, status, body)
             raise _Retry(replica_unavailable(wait))
         return self._answer_whole(status, content_type, body, wait)
+
+    def _replica_took(self, sent: float) -> None:
+        # For Server-Timing (llmgw.router.timing), on the request.
+        took = self.services.clock.seconds() - sent
+        setattr(self.request, "replica_seconds", took)  # noqa: B010
 
     def _not_connected(self, replica: Replica, e: UpstreamConnectError) -> NoReturn:
         """

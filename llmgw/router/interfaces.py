@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 
@@ -95,6 +95,8 @@ class RequestRecord:
         engine's never came.
     @ivar reserved_tokens: tokens held against the key while the request
         ran.
+    @ivar candidates: the replicas weighed for its last attempt and what
+        was weighed (L{llmgw.router.decision}), when asked; else L{None}.
     """
 
     request_id: str
@@ -111,6 +113,7 @@ class RequestRecord:
     key_name: str | None = None
     usage_estimated: bool = False
     reserved_tokens: int = 0
+    candidates: list[dict[str, Any]] | None = None
 
 
 class UsageSink(Protocol):
@@ -122,6 +125,22 @@ class UsageSink(Protocol):
         """
         Take the record of a finished request; must not raise.
         """
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """
+    Who a waiting request is for.
+
+    @ivar name: the key's name; C{""} for a request without a key.
+    @ivar rank: its priority's number, higher goes first
+        (L{llmgw.router.fairness.priority_rank}; 1 is C{standard}).
+    @ivar weight: its weight, above 0.
+    """
+
+    name: str = ""
+    rank: int = 1
+    weight: float = 1.0
 
 
 class Key(Protocol):
@@ -139,6 +158,13 @@ class Key(Protocol):
     def name(self) -> str:
         """
         The key's name, for logs and usage records.
+        """
+
+    @property
+    def tenant(self) -> Tenant:
+        """
+        Who its requests are for where they wait: its name, priority and
+        weight (L{llmgw.router.fairness}).
         """
 
     def allows(self, model: str, resolve: Callable[[str], str | None]) -> bool:

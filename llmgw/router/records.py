@@ -105,4 +105,5 @@ def request_record(
         key_name=key.name if key is not None else None,
         usage_estimated=estimated,
         reserved_tokens=reserved,
+        candidates=exchange.candidates if exchange is not None else None,
     )

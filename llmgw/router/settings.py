@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from llmgw.config_checks import COUNT, DURATION, POSITIVE, SIZE, setting
 
 BALANCE = ("load", "least_in_flight", "round_robin")
+
+ORDERS = ("fair", "fifo")
+"""
+The values of C{waiting_order}: by priority and fair share
+(L{llmgw.router.fairness}), or first come, first served.
+"""
 """
 The C{[router] balance} policies (L{llmgw.router.balancer}).
 """
@@ -214,4 +220,18 @@ class RouterConfig:
         POSITIVE,
         "Requests that may wait per overloaded model (at least 1); more get"
         " 429 at once.",
+    )
+    log_candidates: bool = setting(
+        False,
+        "boolean",
+        "Every request's JSON log line lists the replicas weighed and their"
+        " scores (in flight, waiting, KV use, speed, affinity owner, ejection);"
+        " without it, only a request sent with X-LLMGW-Explain: 1.",
+    )
+    waiting_order: str = setting(
+        "fair",
+        "one of: " + ", ".join(ORDERS),
+        'Who goes first where requests wait: "fair" (the key\'s priority, then'
+        " its weighted share of the tokens served lately; a full room refuses"
+        ' the lowest priority\'s newest) or "fifo" (first come, first served).',
     )

@@ -35,7 +35,7 @@ from llmgw.config_checks import (
     settings_keys,
 )
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.settings import BALANCE, RouterConfig
+from llmgw.router.settings import BALANCE, ORDERS, RouterConfig
 
 ROUTER_TABLE = Table(
     "[router]",
@@ -156,7 +156,9 @@ def _routing_value(key: str, value: object) -> object:
     where = f"router.{key}"
     if key == "balance":
         return check_choice(where, value, BALANCE)
-    if key == "prefix_affinity":
+    if key == "waiting_order":
+        return check_choice(where, value, ORDERS)
+    if key in ("prefix_affinity", "log_candidates"):
         return check_bool(where, value)
     if key == "affinity_epsilon":
         if (

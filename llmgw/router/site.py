@@ -19,6 +19,7 @@ from llmgw.router.connections import EdgeSite
 from llmgw.router.cors import Cors
 from llmgw.router.errors import bad_request, reason_phrase
 from llmgw.router.settings import RouterConfig
+from llmgw.router.timing import server_timing
 
 JSON = b"application/json"
 """
@@ -37,6 +38,10 @@ class LimitedRequest(Request):
     @ivar request_id: the request's X-Request-ID, set when it is processed.
     @ivar cors: the cross-origin policy whose headers every answer
         carries, or L{None}.
+    @ivar clock: the reactor's clock, for C{Server-Timing}.
+    @ivar arrived: clock time the request was processed.
+    @ivar replica_seconds: seconds the replica that answered took
+        (L{llmgw.router.timing}), set by the exchange, or L{None}.
     """
 
     max_body_size = 32 * 1024 * 1024
@@ -44,9 +49,14 @@ class LimitedRequest(Request):
     _received = 0
     request_id = b""
     cors: Cors | None = None
+    clock: IReactorTime | None = None
+    arrived = 0.0
+    replica_seconds: float | None = None
 
     def process(self) -> None:
         # Every answer carries X-Request-ID, errors from routing included.
+        if self.clock is not None:
+            self.arrived = self.clock.seconds()
         self.request_id = request_id(self)
         self.setHeader(b"x-request-id", self.request_id)  # type: ignore[no-untyped-call]
         try:
@@ -56,7 +66,7 @@ class LimitedRequest(Request):
             error = bad_request("The URL path is not valid UTF-8.")
             self.setResponseCode(400)
             self.setHeader(b"content-type", JSON)  # type: ignore[no-untyped-call]
-            self.write(error.body())  # type: ignore[no-untyped-call]
+            self.write(error.body())
             self.finish()  # type: ignore[no-untyped-call]
             return
         if self.cors is not None and self._cors(path):
@@ -89,6 +99,15 @@ class LimitedRequest(Request):
         self.setResponseCode(204)
         self.finish()  # type: ignore[no-untyped-call]
         return True
+
+    def write(self, data: bytes) -> None:
+        # Every answer carries Server-Timing: set as its head goes out.
+        if not self.startedWriting and self.clock is not None:
+            total = self.clock.seconds() - self.arrived
+            self.setHeader(  # type: ignore[no-untyped-call]
+                b"server-timing", server_timing(total, self.replica_seconds)
+            )
+        super().write(data)  # type: ignore[no-untyped-call]
 
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         # twisted.web would send "429 Unknown Status".
@@ -136,6 +155,7 @@ def make_site(
         pass
 
     _Request.max_body_size = settings.max_body_size
+    _Request.clock = reactor
     _Request.cors = cors if cors is not None and cors.enabled else None
     # No form parsing: bodies are JSON, and parsing Content-Type through
     # the email package cost 8% of the router's CPU per request.

@@ -45,6 +45,7 @@ class LogUsageSink:
             f" completion_tokens={record.completion_tokens}"
             f" latency={record.latency:.3f}s"
         )
+        extra = {} if record.candidates is None else {"candidates": record.candidates}
         self.log.info(
             line.replace("{", "{{").replace("}", "}}"),
             request_id=record.request_id,
@@ -60,4 +61,5 @@ class LogUsageSink:
             time_to_first_token=record.time_to_first_token,
             stream=record.stream,
             usage_estimated=record.usage_estimated,
+            **extra,
         )

@@ -57,10 +57,18 @@ class UsageRow:
     estimated: bool = False
 
 
-KEY_LIMITS = ("models", "rpm", "tpm", "budget_tokens", "expires")
+KEY_LIMITS = (
+    "models",
+    "rpm",
+    "tpm",
+    "budget_tokens",
+    "expires",
+    "priority",
+    "weight",
+)
 """
 The columns of a key that L{Store.update_key} may change: what it may use,
-its limits and its expiry.
+its limits, its expiry, and its priority and weight where requests wait.
 """
 
 
@@ -354,7 +362,9 @@ class Store:
         @param changes: some of L{KEY_LIMITS}, each to its new value:
             C{models} a list of names or L{None} (all), C{rpm}, C{tpm} and
             C{budget_tokens} an integer or L{None} (no limit), C{expires}
-            POSIX seconds or L{None} (never).
+            POSIX seconds or L{None} (never), C{priority} a name or an
+            integer's digits (L{llmgw.router.fairness}), C{weight} a
+            number above 0.
         @raise ValueError: a column not in L{KEY_LIMITS} (before any write).
         """
         raise NotImplementedError

@@ -265,7 +265,8 @@ class SQLiteStore(Store):
         def add(cursor: sqlite3.Cursor) -> int:
             cursor.execute(
                 "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created, expires) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                " budget_tokens, admin, created, expires, priority, weight)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     row["name"],
                     row["prefix"],
@@ -277,6 +278,8 @@ class SQLiteStore(Store):
                     int(row["admin"]),
                     row["created"],
                     row.get("expires"),
+                    str(row.get("priority") or "standard"),
+                    float(row.get("weight") or 1.0),
                 ),
             )
             return int(cursor.lastrowid or 0)

@@ -222,6 +222,15 @@ MIGRATIONS: tuple[Migration, ...] = (
         postgres_rewrites="usage",
         procedure="partition_usage",
     ),
+    # Where requests wait in the router, a key's priority (a name or an
+    # integer, llmgw.router.fairness) goes first, then its weighted share.
+    Migration(
+        "keys: a priority and a weight for the router's waiting rooms",
+        """
+        ALTER TABLE api_keys ADD COLUMN priority TEXT NOT NULL DEFAULT 'standard';
+        ALTER TABLE api_keys ADD COLUMN weight REAL NOT NULL DEFAULT 1;
+        """,
+    ),
 )
 
 

@@ -233,8 +233,8 @@ class PostgresStore(Store):
         def add(cursor: psycopg.Cursor[Any]) -> int:
             cursor.execute(
                 "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created, expires)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING id",
+                " budget_tokens, admin, created, expires, priority, weight)"
+                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING id",
                 (
                     row["name"],
                     row["prefix"],
@@ -246,6 +246,8 @@ class PostgresStore(Store):
                     int(row["admin"]),
                     row["created"],
                     row.get("expires"),
+                    str(row.get("priority") or "standard"),
+                    float(row.get("weight") or 1.0),
                 ),
             )
             got = cursor.fetchone()

@@ -31,6 +31,7 @@ def keys_create(
             fields[field] = getattr(args, field)
     if args.expires is not None:
         fields["expires"] = _expires(args.expires)
+    fields.update(_order(args))
     result = client.call("POST", "/api/v1/keys", fields)
     text = (
         f"{result['key']}\nkey {result['name']} created; it is shown only this once.\n"
@@ -69,9 +70,11 @@ def keys_update(
     if args.expires is not None:
         never = args.expires.lower() == "never"
         fields["expires"] = None if never else _expires(args.expires)
+    fields.update(_order(args))
     if not fields:
         raise CtlError(
-            "keys update: give --models, --rpm, --tpm, --budget-tokens or --expires"
+            "keys update: give --models, --rpm, --tpm, --budget-tokens,"
+            " --expires, --priority or --weight"
         )
     k = client.call("PATCH", f"/api/v1/keys/{quote(args.name)}", fields)
     shown = cell(k["models"]) if k["models"] else "all"
@@ -79,9 +82,24 @@ def keys_update(
         f"key {k['name']} ({k['prefix']}...): models {shown},"
         f" rpm {cell(k['rpm'])}, tpm {cell(k['tpm'])},"
         f" budget {cell(k['budget_tokens'])},"
-        f" expires {when(k['expires']) or 'never'}\n"
+        f" expires {when(k['expires']) or 'never'},"
+        f" priority {k.get('priority', 'standard')}, weight {k.get('weight', 1):g}\n"
     )
     return k, text
+
+
+def _order(args: argparse.Namespace) -> dict[str, Any]:
+    """
+    @return: C{--priority} and C{--weight} as the API takes them, those
+        given (the API checks them).
+    """
+    fields: dict[str, Any] = {}
+    if getattr(args, "priority", None) is not None:
+        text = args.priority.strip()
+        fields["priority"] = int(text) if text.lstrip("-").isdigit() else text
+    if getattr(args, "weight", None) is not None:
+        fields["weight"] = args.weight
+    return fields
 
 
 def keys_revoke(
@@ -115,6 +133,8 @@ def keys_list(
             k["tokens_used"],
             when(k.get("expires")),
             when(k["revoked"]),
+            k.get("priority", "standard"),
+            k.get("weight", 1),
         )
         for k in result["keys"]
     ]
@@ -131,6 +151,8 @@ def keys_list(
         "TOKENS USED",
         "EXPIRES",
         "REVOKED",
+        "PRIORITY",
+        "WEIGHT",
     )
     return result, table(rows, header)
 

@@ -178,6 +178,7 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
     create.add_argument("--budget-tokens", type=int, help="tokens in all")
     create.add_argument("--admin", action="store_true", help="may use the admin API")
     create.add_argument("--expires", help=_EXPIRES)
+    _order(create)
     update = key_actions.add_parser(
         "update",
         help="change a key's models, limits or expiry (by name or prefix)",
@@ -206,8 +207,20 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
         help="tokens in all, or none",
     )
     update.add_argument("--expires", help=_EXPIRES + ", or never")
+    _order(update)
     revoke = key_actions.add_parser("revoke", help="revoke a key by name or prefix")
     revoke.add_argument("name")
+
+
+def _order(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--priority",
+        help="where requests wait, who goes first: interactive, standard,"
+        " batch or an integer (higher first)",
+    )
+    parser.add_argument(
+        "--weight", type=float, help="its share within its priority (above 0)"
+    )
 
 
 def _usage(commands: Any, shared: argparse.ArgumentParser) -> None:

@@ -1,0 +1,293 @@
+"""
+Priorities and weighted fair shares where requests wait (issue 22 item
+1), on a clock: the order of L{FairQueue}, the overload room's and the
+activation queue's refusals, and the priority and weight of a key.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.defer import CancelledError
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.admin.http import AdminError
+from llmgw.admin.keys import _order_fields
+from llmgw.control.held_order import held_order
+from llmgw.router.activation import ActivationQueues, ActivationWait
+from llmgw.router.errors import APIError
+from llmgw.router.fairness import (
+    HALF_LIFE,
+    FairQueue,
+    FairShare,
+    Tenant,
+    check_weight,
+    priority_rank,
+    retry_from_rate,
+)
+from llmgw.router.interfaces import Standing
+from llmgw.router.overload import Overload
+from llmgw.router.settings import RouterConfig
+from tests.test_activation import _Activator
+
+BATCH = Tenant("bulk", priority_rank("batch"))
+CHAT = Tenant("chat", priority_rank("interactive"))
+
+
+class PriorityTests(SynchronousTestCase):
+    def test_names_and_numbers(self) -> None:
+        """
+        Names map to numbers, higher first; integers and their digits
+        stand; anything else is a ValueError naming what is expected.
+        """
+        self.assertGreater(priority_rank("interactive"), priority_rank("standard"))
+        self.assertGreater(priority_rank("standard"), priority_rank("batch"))
+        self.assertEqual(priority_rank(None), priority_rank("standard"))
+        self.assertEqual(priority_rank("7"), 7)
+        self.assertEqual(priority_rank(-3), -3)
+        for bad in ("urgent", True, "1.5"):
+            with self.assertRaises(ValueError) as caught:
+                priority_rank(bad)
+            self.assertIn("interactive, standard, batch", str(caught.exception))
+
+    def test_weight(self) -> None:
+        self.assertEqual(check_weight(2), 2.0)
+        for bad in (0, -1, float("inf"), "2", None, True):
+            with self.assertRaises(ValueError):
+                check_weight(bad)
+
+
+class FairQueueTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.shares = FairShare(self.clock)
+
+    def test_priority_then_share_then_arrival(self) -> None:
+        """
+        A higher priority goes first; within one, the key served fewer
+        tokens (per weight); then arrival.
+        """
+        queue: FairQueue[str] = FairQueue(self.shares)
+        heavy, light = Tenant("heavy"), Tenant("light")
+        self.shares.served(heavy, 1000)
+        self.shares.served(light, 100)
+        for tenant, item in ((heavy, "h1"), (heavy, "h2"), (light, "l1")):
+            queue.push(tenant, item)
+        queue.push(BATCH, "b1")
+        queue.push(CHAT, "c1")
+        order = [queue.pop()[1] for _ in range(5)]
+        self.assertEqual(order, ["c1", "l1", "h1", "h2", "b1"])
+
+    def test_same_tenant_oldest_first(self) -> None:
+        """
+        One tenant's requests go oldest first even on a clock that moves
+        while the queue is read (the share's decay read at different
+        instants once made the newest go first).
+        """
+        moving = _MovingClock()
+        shares = FairShare(moving)
+        tenant = Tenant("t")
+        shares.served(tenant, 1000)
+        queue: FairQueue[int] = FairQueue(shares)
+        for n in range(5):
+            queue.push(tenant, n)
+        self.assertEqual([queue.pop()[1] for _ in range(5)], [0, 1, 2, 3, 4])
+
+    def test_weight_scales_share(self) -> None:
+        """
+        A key of weight 10 served 10 times the tokens of a key of weight 1
+        goes before one served more than a tenth of its tokens.
+        """
+        queue: FairQueue[str] = FairQueue(self.shares)
+        big, small = Tenant("big", weight=10), Tenant("small")
+        self.shares.served(big, 900)
+        self.shares.served(small, 100)
+        queue.push(small, "s")
+        queue.push(big, "b")
+        self.assertEqual(queue.pop()[1], "b")
+
+    def test_share_decays(self) -> None:
+        """
+        Tokens served count half after L{HALF_LIFE}.
+        """
+        tenant = Tenant("t")
+        self.shares.served(tenant, 1000)
+        self.clock.advance(HALF_LIFE)
+        self.assertAlmostEqual(self.shares.share(tenant), 500, places=3)
+
+    def test_fifo(self) -> None:
+        queue: FairQueue[str] = FairQueue(self.shares, fifo=True)
+        queue.push(BATCH, "b")
+        queue.push(CHAT, "c")
+        self.assertEqual(queue.pop()[1], "b")
+        self.assertIsNone(queue.victim(CHAT))
+
+    def test_victim_lowest_newest(self) -> None:
+        """
+        The lowest priority's newest request is refused first; a newcomer
+        of the lowest priority is refused itself.
+        """
+        queue: FairQueue[str] = FairQueue(self.shares)
+        queue.push(BATCH, "b1")
+        queue.push(BATCH, "b2")
+        queue.push(Tenant("std"), "s1")
+        self.assertEqual(queue.victim(CHAT), "b2")
+        self.assertIsNone(queue.victim(BATCH))
+        self.assertEqual(queue.ahead(BATCH), 3)
+        self.assertEqual(queue.ahead(CHAT), 0)
+
+    def test_retry_from_rate(self) -> None:
+        """
+        Ten requests let go over 5 s: the fourth in line waits 2 s.
+        """
+        self.assertEqual(retry_from_rate(lambda: (10, 5.0), 3, 9), 2)
+        self.assertEqual(retry_from_rate(lambda: (0, 0.0), 3, 9), 9)
+
+
+class OverloadFairTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.busy = True
+        self.room = Overload(
+            self.clock, lambda m: self.busy, lambda m: 1, 30, 2, 0.25, 1.0
+        )
+
+    def test_higher_priority_takes_place(self) -> None:
+        """
+        A full room of batch requests: an interactive one takes the newest
+        one's place (it fails with 429 and C{Retry-After}) and goes first.
+        """
+        first = self.room.admit("m", BATCH)
+        second = self.room.admit("m", BATCH)
+        chat = self.room.admit("m", CHAT)
+        assert first is not None and second is not None and chat is not None
+        error = self.failureResultOf(second, APIError).value
+        assert isinstance(error, APIError)
+        self.assertEqual((error.status, error.retry_after), (429, 1))
+        with self.assertRaises(APIError):
+            self.room.admit("m", BATCH)
+        self.busy = False
+        self.clock.advance(0.25)
+        self.successResultOf(chat)
+        self.assertNoResult(first)
+        self.clock.advance(0.25)
+        self.successResultOf(first)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_retry_after_from_queue(self) -> None:
+        """
+        The room let a request go every second: a refused request with
+        two ahead of it is told 3 s.
+        """
+        waiting = [self.room.admit("m", BATCH) for _ in range(2)]
+        self.busy = False
+        for _ in range(2):
+            self.clock.advance(0.25)
+            self.busy = True
+            waiting.append(self.room.admit("m", BATCH))
+            self.clock.advance(0.75)
+            self.busy = False
+        self.busy = True
+        with self.assertRaises(APIError) as caught:
+            self.room.admit("m", BATCH)
+        self.assertEqual(caught.exception.retry_after, 3)
+        for d in waiting:
+            assert d is not None
+            d.cancel()
+            d.addErrback(lambda f: None)
+
+
+class ActivationFairTests(SynchronousTestCase):
+    def test_full_queue_evicts_lower(self) -> None:
+        """
+        A full activation queue of batch requests: an interactive one ends
+        the newest batch wait (L{ActivationWait.evicted}) and joins; a
+        batch newcomer is refused.
+        """
+        clock, queues, activator = Clock(), ActivationQueues(), _Activator()
+        activator.standing = Standing("starting", 5.0)
+        settings = RouterConfig(activation_queue=2, activation_keepalive=0)
+
+        def new(tenant: Tenant) -> ActivationWait:
+            return ActivationWait(
+                clock,
+                settings,
+                queues,
+                activator,  # type: ignore[arg-type]
+                "m",
+                tenant,
+            )
+
+        waits = [new(BATCH), new(BATCH)]
+        for wait in waits:
+            wait.start(None).addErrback(_ended, wait)
+        chat = new(CHAT)
+        chat.start(None)
+        self.assertEqual([w.evicted for w in waits], [False, True])
+        self.assertEqual(queues.length("m"), 2)
+        with self.assertRaises(APIError) as caught:
+            new(BATCH).start(None)
+        self.assertEqual(caught.exception.retry_after, 5)
+        for d in activator.asked[:1] + activator.asked[2:]:
+            d.callback(None)
+        waits[0].end()
+        chat.end()
+        self.assertEqual(queues.length("m"), 0)
+
+
+def _ended(failure: Failure, wait: ActivationWait) -> None:
+    failure.trap(CancelledError)
+    wait.end()
+
+
+class _MovingClock(Clock):
+    """
+    A clock one millisecond later at each reading, as a busy reactor's.
+    """
+
+    def seconds(self) -> float:
+        self.advance(0.001)
+        return super().seconds()
+
+
+class HeldOrderTests(SynchronousTestCase):
+    def test_priority_then_oldest(self) -> None:
+        """
+        Models holding requests first; among them the highest priority
+        held, then the oldest; without priorities, today's order.
+        """
+        models = {
+            "idle": held_order(None),
+            "old-batch": held_order(1.0, priority_rank("batch")),
+            "new-chat": held_order(5.0, priority_rank("interactive")),
+            "old-chat": held_order(2.0, priority_rank("interactive")),
+        }
+        self.assertEqual(
+            sorted(models, key=models.__getitem__),
+            ["old-chat", "new-chat", "old-batch", "idle"],
+        )
+        self.assertLess(held_order(1.0), held_order(2.0))
+        self.assertLess(held_order(9.0), held_order(None))
+
+
+class OrderFieldsTests(SynchronousTestCase):
+    def test_bad_priority_or_weight(self) -> None:
+        """
+        The admin API's key fields: a priority that is neither a name nor
+        an integer, or a weight not above 0, is a 400 naming the field.
+        """
+        self.assertEqual(
+            _order_fields({"priority": "batch", "weight": 2}),
+            {"priority": "batch", "weight": 2.0},
+        )
+        self.assertEqual(_order_fields({"priority": 5}), {"priority": "5"})
+        for body, field in (
+            ({"priority": "urgent"}, "priority"),
+            ({"priority": [1]}, "priority"),
+            ({"weight": 0}, "weight"),
+            ({"weight": "x"}, "weight"),
+        ):
+            with self.assertRaises(AdminError) as caught:
+                _order_fields(body)
+            self.assertEqual(caught.exception.status, 400)
+            self.assertIn(field, str(caught.exception.message))

@@ -250,7 +250,7 @@ class ModelCatalog:
                 raise ValueError(f"name {name!r} is served by a static endpoint")
         if model.base is not None:
             try:
-                check_adapter(model, self.model(model.base))
+                check_adapter(model, self.model(model.base) or self.adapter(model.base))
             except ConfigError as e:
                 raise ValueError(str(e)) from None
             self._adapters[model.name] = model

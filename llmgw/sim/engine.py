@@ -578,5 +578,6 @@ class Simulator:
             "connections_open": s.connections_open,
             "last_request_id": s.last_request_id,
             "lora_loads": dict(self.adapters.loads),
+            "lora_load_requests": dict(self.adapters.load_requests),
             **self.sleep.json(),
         }

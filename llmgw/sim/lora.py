@@ -74,11 +74,13 @@ class Adapters:
     The adapters loaded, by name, with their paths, in load order.
 
     @ivar loads: loads accepted per name since the start (not reset).
+    @ivar load_requests: load requests per name, refused ones too.
     """
 
     base: str
     loaded: dict[str, str] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
+    load_requests: dict[str, int] = field(default_factory=dict)
 
     def load(self, body: dict[str, object], base_models: frozenset[str]) -> str:
         """
@@ -87,6 +89,8 @@ class Adapters:
         @raise LoraError: 400 as vLLM's checks (the name's field named).
         """
         name, path = body.get("lora_name"), body.get("lora_path")
+        asked = str(name)
+        self.load_requests[asked] = self.load_requests.get(asked, 0) + 1
         if (
             not isinstance(name, str)
             or not name

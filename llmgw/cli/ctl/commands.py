@@ -351,6 +351,8 @@ def _model_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         model["aliases"] = args.alias
     if args.idle_timeout is not None:
         model["idle_timeout"] = args.idle_timeout
+    if args.max_loras is not None:
+        model["max_loras"] = args.max_loras
     return model
 
 

@@ -22,6 +22,7 @@ C{--lora-load-seconds}.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -82,7 +83,7 @@ class Adapters:
     loads: dict[str, int] = field(default_factory=dict)
     load_requests: dict[str, int] = field(default_factory=dict)
 
-    def load(self, body: dict[str, object], base_models: frozenset[str]) -> str:
+    def load(self, body: Mapping[str, object], base_models: frozenset[str]) -> str:
         """
         @param body: the request's JSON object.
         @return: vLLM's plain-text success message.
@@ -119,7 +120,7 @@ class Adapters:
         self.loads[name] = self.loads.get(name, 0) + 1
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    def unload(self, body: dict[str, object]) -> str:
+    def unload(self, body: Mapping[str, object]) -> str:
         """
         @return: vLLM's plain-text success message.
         @raise LoraError: 400 without a name, 404 for one not loaded.

@@ -151,6 +151,14 @@ class AdapterTests(_Fleet, CtlMixin, SynchronousTestCase):
         )
         self.assertEqual(self.listed(engines[where_a])["ad-a"], "chat")
 
+        def usage() -> dict[str, int]:
+            rows = self.admin("/api/v1/usage?by=model")["usage"]
+            return {r["model"]: r["requests"] for r in rows}
+
+        self.until(
+            lambda: usage() == {"ad-a": 5, "ad-b": 5}, 10, "usage under each adapter"
+        )
+
         added = self.ctl_json(
             "models", "add", "ad-c", "--base", "chat", "--adapter", "/adapters/c"
         )
@@ -196,7 +204,8 @@ class AdapterTests(_Fleet, CtlMixin, SynchronousTestCase):
         (added at run time): ad-b, the least recently used, is unloaded
         before ad-c loads; ad-a stays.
         """
-        self.start_fleet_server(self.config(BASE.format(replicas=1)))
+        config = self.config(BASE.format(replicas=1))
+        self.start_fleet_server(config)
         self.start_agent("gpu-01")
         self.ready(1)
         (url,) = self.engines().values()
@@ -241,3 +250,13 @@ class AdapterTests(_Fleet, CtlMixin, SynchronousTestCase):
             "models", "add", "ad-y", "--base", "ad-a", "--adapter", "/y", ok=False
         )
         self.assertIn("'ad-a' is an adapter itself", bad.stderr)
+
+        # Kept across a restart, as other runtime models: ad-c is back.
+        self.server.stop()
+        self.start_fleet_server(config)
+        back = {
+            m["name"]: m.get("base") for m in self.ctl_json("models", "list")["models"]
+        }
+        self.assertEqual(
+            back, {"chat": None, "ad-a": "chat", "ad-b": "chat", "ad-c": "chat"}
+        )

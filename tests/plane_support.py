@@ -57,7 +57,7 @@ class Agents:
             waiting: Deferred[Any] = Deferred()
             self.unanswered.append(waiting)
             return waiting
-        return succeed(None)
+        return succeed(pb.CommandResult(ok=True))
 
     def starts(self) -> list[tuple[str, pb.StartShard]]:
         return [

@@ -158,9 +158,13 @@ class Process:
         return self.popen.returncode
 
 
-def spawn(argv: list[str], directory: str, name: str) -> Process:
+def spawn(
+    argv: list[str], directory: str, name: str, env: dict[str, str] | None = None
+) -> Process:
     """
     Start C{argv} with its output in C{directory/name.log}.
+
+    @param env: variables set on top of L{hermetic_env}.
     """
     log_path = os.path.join(directory, f"{name}.log")
     with open(log_path, "wb") as log:
@@ -170,7 +174,7 @@ def spawn(argv: list[str], directory: str, name: str) -> Process:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             cwd=directory,
-            env=hermetic_env(),
+            env={**hermetic_env(), **(env or {})},
         )
     return Process(popen, log_path)
 
@@ -318,11 +322,15 @@ def spawn_agent(
     node_id: str,
     tls_dir: str,
     *extra: str,
+    env: dict[str, str] | None = None,
 ) -> Process:
     """
     Start C{twistd -n llmgw-agent} as an operator would: C{config} as its
     TOML file, dialing 127.0.0.1:C{agent_port}, its state in
     C{directory/state-NODE}.
+
+    @param env: variables set on top of L{hermetic_env} (such as
+        L{fake_nvml_env}'s).
     """
     path = os.path.join(directory, f"agent-{node_id}-{time.monotonic_ns()}.toml")
     with open(path, "w") as f:
@@ -347,7 +355,22 @@ def spawn_agent(
         ],
         directory,
         f"agent-{node_id}-{time.monotonic_ns()}",
+        env,
     )
+
+
+def fake_nvml_env(state: str) -> dict[str, str]:
+    """
+    @param state: the JSON file describing the GPUs (see
+        L{tests.fake_nvml.pynvml}).
+    @return: the variables that make a daemon import the fake C{pynvml}.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [os.path.join(here, "fake_nvml"), os.environ.get("PYTHONPATH", "")]
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in path if p),
+        "FAKE_NVML_STATE": state,
+    }
 
 
 class CtlMixin:

@@ -341,14 +341,16 @@ class SleepCommandTests(SynchronousTestCase):
 
 class StateDirectoryTests(SynchronousTestCase):
     """
-    Records in the state directory that the agent cannot use are skipped:
-    they never stop it from starting, nor make it touch other files.
+    Records in the state directory that the agent cannot use are skipped
+    and kept aside (C{ID.json.unreadable}): they never stop it from
+    starting, nor make it touch other files.
     """
 
     def test_bad_records_skipped(self) -> None:
         from twisted.internet import reactor
 
-        from llmgw.agent.supervisor import Supervisor, process_start_time
+        from llmgw.agent.records import process_start_time
+        from llmgw.agent.supervisor import Supervisor
 
         state = tempfile.mkdtemp()
         shards = os.path.join(state, "shards")
@@ -381,6 +383,11 @@ class StateDirectoryTests(SynchronousTestCase):
             self.assertEqual(supervisor.adopt_running(), [])
         self.assertEqual(len(events), 5)
         self.assertTrue(os.path.exists(victim))
+        # Kept aside for the operator, not dropped.
+        self.assertEqual(
+            sorted(os.listdir(shards)),
+            sorted(name + ".unreadable" for name in [*records, "dir.json"]),
+        )
 
 
 class AgentConfigTests(SynchronousTestCase):

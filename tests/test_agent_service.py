@@ -8,6 +8,7 @@ stands in for C{pynvml}, with its names and its error class).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -296,6 +297,66 @@ class GpuMonitorTests(SynchronousTestCase):
         self.assertEqual(
             [formatEvent(e) for e in events], ["reading NVML events: error 999"]
         )
+
+    def test_processes_managed_or_not(self) -> None:
+        """
+        The heartbeat lists NVML's compute and graphics processes on each
+        GPU, one row per pid: those in an engine's session are managed;
+        others (a pid of another namespace too) hold what placement may not
+        use, C{foreign_used_mib}.
+        """
+        engine = os.getpid()  # this process's session stands for an engine's
+        session = os.getsid(engine)
+        listed = {
+            0: [
+                SimpleNamespace(pid=engine, usedGpuMemory=60 * 1024**3),
+                SimpleNamespace(pid=2**22 + 1, usedGpuMemory=30 * 1024**3),
+            ]
+        }
+        self.nvml.nvmlDeviceGetComputeRunningProcesses = lambda h: listed.get(h, [])
+        self.nvml.nvmlDeviceGetGraphicsRunningProcesses = lambda h: [
+            SimpleNamespace(pid=engine, usedGpuMemory=None)
+        ]
+        monitor = GpuMonitor(
+            self.gpus,
+            self.started,
+            self.in_thread,
+            sessions=lambda: frozenset({session}),
+        )
+        monitor.heartbeat()
+        self.run_threads()
+        by_index = {g.index: g for g in monitor.heartbeat().gpus}
+        self.assertEqual(
+            [(p.pid, p.used_mib, p.managed) for p in by_index[0].processes],
+            [(engine, 60 * 1024, True), (2**22 + 1, 30 * 1024, False)],
+        )
+        self.assertEqual(by_index[0].foreign_used_mib, 30 * 1024)
+        self.assertEqual(
+            [(p.pid, p.used_mib) for p in by_index[1].processes], [(engine, 0)]
+        )
+        self.assertEqual(by_index[1].foreign_used_mib, 0)
+        self.assertEqual((by_index[2].processes, by_index[2].foreign_used_mib), ([], 0))
+
+    def test_processes_unreadable_logged_once(self) -> None:
+        """
+        A GPU whose processes NVML cannot list keeps its last list, and the
+        reason is logged once, not at every heartbeat.
+        """
+
+        def broken(handle: int) -> Any:
+            raise _NVMLError(999)
+
+        self.nvml.nvmlDeviceGetComputeRunningProcesses = broken
+        with capturedLogs() as events:
+            for _ in range(3):
+                self.monitor.heartbeat()
+                self.run_threads()
+        lines = [formatEvent(e) for e in events]
+        self.assertEqual(
+            lines,
+            ["nvmlDeviceGetComputeRunningProcesses: error 999"],
+        )
+        self.assertEqual(list(self.monitor.heartbeat().gpus[0].processes), [])
 
     def test_without_nvml(self) -> None:
         """

@@ -256,6 +256,16 @@ class FleetCtlTests(_Fleet, SynchronousTestCase, _Ctl):
         (replica,) = self.ready(1)
         (shard,) = replica["shards"]
         placed, other = shard["node"], ({"gpu-01", "gpu-02"} - {shard["node"]}).pop()
+
+        def held() -> bool:
+            # The sim's 40 GB, from the next heartbeat after it started.
+            (node,) = [
+                n for n in self.admin("/api/v1/nodes")["nodes"] if n["id"] == placed
+            ]
+            used: int = sum(g["memory_used_mib"] for g in node["gpus"])
+            return used == 40 * 1024
+
+        self.until(held, 20, "the sim engine's 40 GB reported in use")
         lines = self.ctl("nodes").stdout.splitlines()
         header = lines[0].split("  ")
         header = [h.strip() for h in header if h.strip()]
@@ -271,14 +281,19 @@ class FleetCtlTests(_Fleet, SynchronousTestCase, _Ctl):
                 "GPU TYPES",
                 "ALLOC GiB",
                 "USED GiB",
+                "OTHERS GiB",
                 "TOTAL GiB",
                 "LAST SEEN",
             ],
         )
         rows = {line.split()[0]: line.split() for line in lines[1:]}
-        # NODE STATE CONNECTED ADDRESS GPUS FREE TYPES ALLOC USED TOTAL ...
-        self.assertEqual(rows[placed][4:10], ["2", "1", "H200", "40.0", "0.0", "282.0"])
-        self.assertEqual(rows[other][4:10], ["2", "2", "H200", "0.0", "0.0", "282.0"])
+        # NODE STATE CONNECTED ADDRESS GPUS FREE TYPES ALLOC USED OTHERS TOTAL
+        self.assertEqual(
+            rows[placed][4:11], ["2", "1", "H200", "40.0", "40.0", "0.0", "282.0"]
+        )
+        self.assertEqual(
+            rows[other][4:11], ["2", "2", "H200", "0.0", "0.0", "0.0", "282.0"]
+        )
         listed = {n["id"]: n for n in self.ctl_json("nodes")["nodes"]}
         gpus = {g["index"]: g for g in listed[placed]["gpus"]}
         self.assertEqual(gpus[shard["gpus"][0]]["memory_allocated_mib"], 40 * 1024)
@@ -293,8 +308,10 @@ class FleetCtlTests(_Fleet, SynchronousTestCase, _Ctl):
             if line[:1].isdigit()
         }
         index = str(shard["gpus"][0])
+        # GPU NAME ALLOC USED OTHERS TOTAL REPLICAS
         self.assertEqual(
-            gpu_rows[index][1:6], ["H200", "40.0", "0.0", "141.0", replica["id"]]
+            gpu_rows[index][1:7],
+            ["H200", "40.0", "40.0", "0.0", "141.0", replica["id"]],
         )
         shard_lines = detail.split("\n\n")[-1].splitlines()
         self.assertEqual(shard_lines[0].split()[:3], ["REPLICA", "MODEL", "STATE"])

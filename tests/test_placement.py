@@ -206,6 +206,26 @@ class PlacementTests(SynchronousTestCase):
         )
         self.check([ONE], [], ["profile one: no nodes"])
 
+    def test_memory_of_others_never_free(self) -> None:
+        """
+        Memory held by processes llmgw does not manage is never free, even
+        where a what-if (an eviction) counts less memory in use than they
+        hold; the explanation names the GPU and what they hold.
+        """
+        others = GpuView(0, "gpu", H100, memory_used_mib=0, foreign_used_mib=30 * 1024)
+        self.assertEqual(others.free_mib, H100 - 30 * 1024)
+        sixty = Profile("sixty", "vllm", "m", gpus=1, gpu_memory_gb=60)
+        self.check(
+            [sixty],
+            [node("gpu-01", others)],
+            [
+                "profile sixty: gpu-01: needs 1 GPUs, 0 usable: 1 with under 60 GB"
+                " free (GPU 0 30.0 GB used by processes llmgw does not manage)"
+            ],
+        )
+        placed: list[tuple[str, tuple[int, ...], int]] = [("gpu-01", (0,), 8000)]
+        self.check([ONE], [node("gpu-01", others)], placed)
+
     def test_explanation_says_free_gpus_are_fragmented(self) -> None:
         """
         Issue 14 case 10: a model that fits nowhere because its free GPUs

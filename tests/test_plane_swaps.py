@@ -296,15 +296,14 @@ class PinAndSleepTests(SwapCase):
         """
         A replica whose shard reports itself asleep is unpublished and
         its GPU is free for placement (the live snapshot and a new one
-        alike); awake again, it holds it.
+        alike); its model still wanting it, it is woken (WakeShard), and
+        awake again, it holds the GPU.
         """
         self.make(big("a"), nodes=("n1",))
         a = self.serve("a")
         self.assertEqual(len(self.endpoints()), 1)
         self.status(a + "-0", pb.SHARD_STATE_SLEEPING)
-        self.plane.reconcile()
         self.assertEqual(self.plane.replicas[a].state, "sleeping")
-        self.assertEqual(self.endpoints(), [])
         for snapshot in (self.plane.snapshot(), self.plane._live_snapshot()):
             (gpu,) = snapshot.fleet.get("n1").gpus
             self.assertFalse(gpu.allocated)
@@ -312,8 +311,22 @@ class PinAndSleepTests(SwapCase):
                 self.plane.replicas[a].shards[0].port,
                 snapshot.fleet.get("n1").ports_in_use,
             )
-        self.status(a + "-0", pb.SHARD_STATE_READY)
+        self.agents.hold = True
         self.plane.reconcile()
+        self.assertEqual(self.plane.replicas[a].state, "waking")
+        self.assertEqual(self.endpoints(), [])
+        self.assertEqual(
+            [
+                m.wake_shard.shard_id
+                for _, m in self.agents.sent
+                if m.HasField("wake_shard")
+            ],
+            [a + "-0"],
+        )
+        self.clock.advance(2)
+        self.agents.unanswered[-1].callback(pb.CommandResult(ok=True))
+        self.plane.reconcile()
+        self.assertEqual(self.plane.counts.wake_seconds, {"a": [2.0]})
         (gpu,) = self.plane._live_snapshot().fleet.get("n1").gpus
         self.assertTrue(gpu.allocated)
         self.assertEqual(len(self.endpoints()), 1)

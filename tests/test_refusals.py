@@ -207,14 +207,14 @@ class ServerRefusalTests(SynchronousTestCase):
 
     def test_refusal_over_the_peers_frame_maximum(self) -> None:
         """
-        A registered peer that said it takes frames of 20 bytes (its
+        A registered peer that said it takes frames of 30 bytes (its
         Welcome fits, a Refused would not) and then breaks the rules is
         closed without a Refused, and without an error.
         """
         link, transport = self.connect()
         with capturedLogs():
             link.dataReceived(
-                _frame(register=pb.Register(node_id="n1", max_frame_size=20))
+                _frame(register=pb.Register(node_id="n1", max_frame_size=30))
             )
         before = transport.value()
         with capturedLogs() as events:

@@ -15,6 +15,7 @@ from twisted.web.iweb import IRequest
 from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
 from llmgw.control.plane import ControlPlane
 from llmgw.tier.watch import Watch
+from llmgw.wire import versions
 
 MAX_ACTIVATION_WAIT = 600.0
 """
@@ -47,14 +48,24 @@ class WatchRoutes:
     watch: Watch | None
     standby: Callable[[], dict[str, Any]] | None
 
-    def _watched(self) -> tuple[ControlPlane, Watch]:
+    def _watched(self, request: IRequest) -> tuple[ControlPlane, Watch]:
         """
-        @raise AdminError: 404 without a control plane; 503 from a standby
+        @raise AdminError: 409 to a router whose protocol version this
+            server does not serve (C{"code": "protocol_version"}, its
+            C{LLMGW-Protocol} header; see L{llmgw.wire.versions}); 404
+            without a control plane; 503 from a standby
             (C{"code": "standby"}, with the C{"leader"}'s agent address),
             and from a leader that took over and is still in its startup
             grace, adopting the agents' engines (its state is not whole
             yet: a router keeps what it had and asks again).
         """
+        request.setHeader(versions.HEADER.encode(), versions.text().encode())
+        said = request.getHeader(versions.HEADER.encode())
+        reason = versions.mismatch(
+            said.decode("ascii", "replace") if said is not None else "", "router"
+        )
+        if reason:
+            raise AdminError(409, reason, "protocol_version")
         if self.plane is None or self.watch is None:
             raise AdminError(404, "no control plane in this server", "not_found")
         if self.standby is not None:
@@ -79,7 +90,7 @@ class WatchRoutes:
         (L{llmgw.tier.watch}); the answer never ends while the server
         runs.
         """
-        _, watch = self._watched()
+        _, watch = self._watched(request)
         return watch.watch(request)
 
     @app.route("/api/v1/models/<path:name>/activate", methods=["POST"])
@@ -90,7 +101,7 @@ class WatchRoutes:
         why not after the body's C{timeout} seconds (default 60, at most
         L{MAX_ACTIVATION_WAIT}).
         """
-        plane, watch = self._watched()
+        plane, watch = self._watched(request)
         model = plane.catalog.resolve(name)
         if model is None:
             raise not_found(f"model {name[:200]!r}")
@@ -127,7 +138,7 @@ class WatchRoutes:
         tier says it in a waiting stream's keep-alive comments and sets
         C{Retry-After} from it.
         """
-        plane, watch = self._watched()
+        plane, watch = self._watched(request)
         model = plane.catalog.resolve(name)
         if model is None:
             raise not_found(f"model {name[:200]!r}")
@@ -148,7 +159,7 @@ class WatchRoutes:
         Requests for the body's C{names} came through a router: the models
         are not idle.
         """
-        plane, _ = self._watched()
+        plane, _ = self._watched(request)
         names: Any = read_body(request).get("names", [])
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise AdminError(400, "names must be a list of strings", "bad_request")

@@ -110,7 +110,7 @@ def check(nvml: Any, out: TextIO) -> int:
             f" {gpu.memory_total_mib} MiB, {gpu.memory_used_mib} MiB used\n"
         )
         handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
-        used, problems = polled.get(gpu.index, (None, []))
+        used, problems, _ = polled.get(gpu.index, (None, [], None))
         for problem in problems:
             out.write(f"  FAILED: {problem}\n")
             failures += 1

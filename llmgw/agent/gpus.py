@@ -43,6 +43,16 @@ exception): not problems of the GPU.
 _MAX_EVENTS = 64
 _XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
 _ERROR_TIMEOUT = 10  # NVML_ERROR_TIMEOUT
+_NOT_SUPPORTED = 3  # NVML_ERROR_NOT_SUPPORTED
+_PROCESS_CALLS = (
+    "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetGraphicsRunningProcesses",
+)
+
+MAX_PROCESSES = 64
+"""
+Processes an agent reports per GPU; the MiB of those left out still count.
+"""
 
 
 def load_nvml() -> Any:
@@ -55,6 +65,29 @@ def load_nvml() -> Any:
     except ImportError as e:
         raise RuntimeError(f"pynvml is not installed: {e}") from None
     return pynvml
+
+
+def _in(pid: int, sessions: frozenset[int]) -> bool:
+    try:
+        return os.getsid(pid) in sessions
+    except OSError:
+        # Gone, or of another pid namespace (a container): not ours.
+        return False
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()[:64]
+    except OSError:
+        return ""
+
+
+def foreign_mib(processes: list[pb.GpuProcess]) -> int:
+    """
+    @return: the MiB that processes llmgw does not manage hold.
+    """
+    return sum(p.used_mib for p in processes if not p.managed)
 
 
 def _text(value: Any) -> str:
@@ -76,6 +109,7 @@ class Nvml:
         # Written by poll() in its thread, logged from the reactor thread
         # (twisted.logger's observers are not for other threads).
         self.warnings: list[str] = []
+        self._warned: set[str] = set()
 
     def start(self) -> list[pb.Gpu]:
         """
@@ -128,26 +162,69 @@ class Nvml:
                     reason=str(e),
                 )
 
-    def poll(self) -> dict[int, tuple[int | None, list[str]]]:
+    def poll(
+        self, sessions: frozenset[int] = frozenset()
+    ) -> dict[int, tuple[int | None, list[str], list[pb.GpuProcess] | None]]:
         """
-        Blocking: read each GPU's memory in use and the Xid events that
-        came since the last call.
+        Blocking: read each GPU's memory in use, its processes, and the Xid
+        events that came since the last call.
 
+        @param sessions: the session ids of the agent's engines (each runs
+            in a session of its own, its workers with it): a process in one
+            of them is managed, any other is not (a notebook, another
+            tool's engine, a pid of another pid namespace).
         @return: per GPU index, its memory used in MiB (L{None} when NVML
-            could not tell) and its problems seen now (each NVML call that
-            failed for it, C{"nvml memory info: REASON"}, and C{"xid N"}).
+            could not tell), its problems seen now (each NVML call that
+            failed for it, C{"nvml memory info: REASON"}, and C{"xid N"}),
+            and its processes (L{None} when NVML could not list them).
         """
         nvml = self._nvml
-        found: dict[int, tuple[int | None, list[str]]] = {}
+        found: dict[int, tuple[int | None, list[str], list[pb.GpuProcess] | None]]
+        found = {}
         for index, handle in self._handles.items():
             try:
                 memory: Any = nvml.nvmlDeviceGetMemoryInfo(handle)
-                found[index] = (int(memory.used) // _MIB, [])
+                used: int | None = int(memory.used) // _MIB
+                problems: list[str] = []
             except nvml.NVMLError as e:
-                found[index] = (None, [f"nvml memory info: {e}"])
+                used, problems = None, [f"nvml memory info: {e}"]
+            found[index] = (used, problems, self._processes(handle, sessions))
         for index, problem in self._xids():
-            found.setdefault(index, (None, []))[1].append(problem)
+            found.setdefault(index, (None, [], None))[1].append(problem)
         return found
+
+    def _processes(
+        self, handle: Any, sessions: frozenset[int]
+    ) -> list[pb.GpuProcess] | None:
+        nvml = self._nvml
+        seen: dict[int, pb.GpuProcess] = {}
+        for name in _PROCESS_CALLS:
+            call = getattr(nvml, name, None)
+            if call is None:
+                continue
+            try:
+                listed = call(handle)
+            except nvml.NVMLError as e:
+                if getattr(e, "value", None) == _NOT_SUPPORTED:
+                    continue
+                warning = f"{name}: {e}"
+                if warning not in self._warned:
+                    # Once: a GPU that cannot list its processes would
+                    # otherwise log a line per heartbeat.
+                    self._warned.add(warning)
+                    self.warnings.append(warning)
+                return None
+            for process in listed:
+                pid = int(process.pid)
+                used = getattr(process, "usedGpuMemory", None)
+                mib = int(used) // _MIB if isinstance(used, int) else 0
+                if pid in seen:
+                    seen[pid].used_mib = max(seen[pid].used_mib, mib)
+                    continue
+                seen[pid] = pb.GpuProcess(
+                    pid=pid, used_mib=mib, managed=_in(pid, sessions), name=_comm(pid)
+                )
+        return list(seen.values())
 
     def engine_memory_gb(self, session: int, indices: list[int]) -> float | None:
         """
@@ -258,6 +335,8 @@ class GpuMonitor:
     @param simulated: per simulated GPU's index, the MiB its sim engines
         hold now (L{llmgw.agent.sleep.simulated_memory_mib}): what the
         heartbeats report for it.
+    @param sessions: the pids of the agent's engines now (each its
+        session's id): NVML's processes in those sessions are managed.
     """
 
     def __init__(
@@ -266,8 +345,11 @@ class GpuMonitor:
         nvml: Nvml | None,
         in_thread: Callable[[Callable[[], Any]], Deferred[Any]],
         simulated: Callable[[], dict[int, int]] = dict,
+        sessions: Callable[[], frozenset[int]] = frozenset,
     ) -> None:
         self._simulated = simulated
+        self._sessions = sessions
+        self._processes: dict[int, list[pb.GpuProcess]] = {}
         self._gpus = {g.index: g for g in gpus}
         self._nvml = nvml
         self._in_thread = in_thread
@@ -290,6 +372,8 @@ class GpuMonitor:
                     index=g.index,
                     memory_used_mib=g.memory_used_mib,
                     new_problems=new.get(g.index, []),
+                    processes=self._processes.get(g.index, [])[:MAX_PROCESSES],
+                    foreign_used_mib=foreign_mib(self._processes.get(g.index, [])),
                 )
                 for g in self._gpus.values()
             ]
@@ -306,7 +390,10 @@ class GpuMonitor:
         """
         if self._nvml is None or self._reading is not None:
             return None
-        reading: Deferred[None] = self._in_thread(self._nvml.poll).addCallbacks(
+        nvml, sessions = self._nvml, self._sessions()
+        reading: Deferred[None] = self._in_thread(
+            lambda: nvml.poll(sessions)
+        ).addCallbacks(
             self._apply,
             lambda failure: log.failure("reading NVML", failure),
         )
@@ -318,17 +405,22 @@ class GpuMonitor:
         reading.addBoth(done)
         return reading
 
-    def _apply(self, found: dict[int, tuple[int | None, list[str]]]) -> None:
+    def _apply(
+        self,
+        found: dict[int, tuple[int | None, list[str], list[pb.GpuProcess] | None]],
+    ) -> None:
         if self._nvml is not None and self._nvml.warnings:
             warnings, self._nvml.warnings = self._nvml.warnings, []
             for warning in warnings:
                 log.warn("{reason}", reason=warning)
-        for index, (used, problems) in found.items():
+        for index, (used, problems, processes) in found.items():
             gpu = self._gpus.get(index)
             if gpu is None:
                 continue
             if used is not None:
                 gpu.memory_used_mib = used
+            if processes is not None:
+                self._processes[index] = processes
             for problem in problems:
                 if problem in gpu.problems or len(gpu.problems) >= MAX_PROBLEMS:
                     continue

@@ -23,6 +23,7 @@ from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.weights import fit_report, remove, scan
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire import versions
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import MessageStream, MessageTooLarge
 from llmgw.wire.refusals import Refusal
@@ -131,12 +132,25 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         interval = welcome.heartbeat_interval_seconds or 5
         self.limit_sent(welcome.max_frame_size)
         self.log.info(
-            "registered with llmgw-server {version}; heartbeat every"
-            " {interval}s; frames up to {max_frame} bytes",
+            "registered with llmgw-server {version} (protocol {protocol}); heartbeat"
+            " every {interval}s; frames up to {max_frame} bytes",
             version=welcome.server_version,
+            protocol=welcome.protocol_version or versions.text(versions.UNSAID),
             interval=interval,
             max_frame=self.max_sent,
         )
+        if versions.mismatch(welcome.protocol_version, "server"):
+            # A server of an older build serves any Register: the agent
+            # says what the rule would.
+            self.log.warn(
+                "llmgw-server {version} speaks protocol {protocol}, this agent"
+                " {ours}: more than one minor version apart; upgrade one minor"
+                " version at a time, {order}",
+                version=welcome.server_version,
+                protocol=welcome.protocol_version or versions.text(versions.UNSAID),
+                ours=versions.text(),
+                order=versions.UPGRADE_ORDER,
+            )
         if self._beat is None:
             self._beat = LoopingCall(self._send_heartbeat)
             self._beat.clock = self._clock  # type: ignore[assignment]
@@ -384,6 +398,8 @@ class AgentFactory(Factory):
             " retrying",
             Refusal.NODE_TAKEN.value: "is another agent running with this node"
             " id? retrying",
+            Refusal.PROTOCOL_VERSION.value: "this agent speaks protocol"
+            f" {versions.text()}; upgrade it or the server; retrying",
         }.get(refusal.code, "retrying")
         self.log.warn(
             "the server at {server} refused this agent: {reason} (certificate"

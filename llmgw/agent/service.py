@@ -40,6 +40,7 @@ from llmgw.agent.state_lock import StateLock, hold_state_dir
 from llmgw.agent.supervisor import Shard
 from llmgw.reactors import IAgentReactor
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire import versions
 
 log = Logger(namespace="llmgw.agent")
 
@@ -275,13 +276,18 @@ def build_agent(
         return deferToThreadPool(reactor, reactor.getThreadPool(), call)
 
     monitor = GpuMonitor(
-        gpus, nvml, in_thread, lambda: simulated_memory_mib(factory.supervisor)
+        gpus,
+        nvml,
+        in_thread,
+        lambda: simulated_memory_mib(factory.supervisor),
+        lambda: frozenset(s.pid for s in factory.supervisor.shards.values() if s.pid),
     )
 
     def register() -> pb.Register:
         return pb.Register(
             node_id=config.node_id,
             agent_version=__version__,
+            protocol_version=versions.text(),
             address=config.address or "127.0.0.1",
             labels=config.labels,
             fabrics=config.fabrics,
@@ -305,6 +311,7 @@ def build_agent(
         factory.supervisor.gpu_memory = _engine_memory(nvml, in_thread)
     # Engines outlive the agent: take back those still running, before the
     # first Register lists them.
+    factory.supervisor.node_id = config.node_id
     adopted = factory.supervisor.adopt_running()
     servers = config.all_servers()
     service = AgentService(factory, dial, servers, reactor, state_lock)

@@ -264,11 +264,20 @@ async def wake_shard(supervisor: Supervisor, shard_id: str) -> None:
     C{ready} after, with a note when the GPU memory it holds then is not
     what placement expects (L{memory_note}).
 
-    @raise CommandRefused: no such shard, not sleeping, or the engine
-        refused (code C{sleep_refused}: the shard is C{sleeping} again) or
-        could not be reached.
+    @raise CommandRefused: no such shard, not sleeping, another engine
+        awake on its GPUs (code C{gpus_in_use}), or the engine refused
+        (code C{sleep_refused}: the shard is C{sleeping} again) or could
+        not be reached.
     """
     shard = _shard(supervisor, shard_id, pb.SHARD_STATE_SLEEPING)
+    for other in supervisor.shards.values():
+        shared = set(other.command.gpu_indices) & set(shard.command.gpu_indices)
+        awake = other.state != pb.SHARD_STATE_SLEEPING and other.exit_code is None
+        if other is not shard and shared and awake:
+            raise CommandRefused(
+                f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
+                "gpus_in_use",
+            )
     routes = _routes(shard)
     shard.set_state(pb.SHARD_STATE_WAKING)
     try:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from twisted.internet import error
 from twisted.internet.defer import Deferred, succeed
@@ -26,6 +26,14 @@ from twisted.web.http_headers import Headers
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
 from llmgw.agent.quiet_pool import QuietConnectionPool
+from llmgw.agent.records import (
+    MARKER,
+    SHARD_ID,
+    command_json,
+    marker,
+    process_start_time,
+    write_record,
+)
 from llmgw.agent.sleep import refusal, without_sleep
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
@@ -39,7 +47,6 @@ KEEP_LOGS = 100
 """
 Output files of ended shards kept in the state directory.
 """
-_SHARD_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # Runs the engine in a new session, so that stopping it signals its whole
 # process group (engines fork workers) and nothing sent to the agent's group
@@ -54,22 +61,6 @@ _LAUNCHER = (
     "os.close(fd)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
-
-
-def process_start_time(pid: int) -> int | None:
-    """
-    @return: the process's start time in clock ticks since boot (field 22
-        of C{/proc/PID/stat}, proc(5)), which with the pid names a process
-        uniquely; L{None} when there is no such process.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name, field 2, is in parentheses and may hold spaces.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])
 
 
 def tail(path: str, lines: int = OUTPUT_LINES) -> list[str]:
@@ -173,7 +164,8 @@ class Shard:
         reactor = self._supervisor.reactor
         log_path = self._supervisor.path(self.id, ".log")
         argv = [sys.executable, "-c", _LAUNCHER, log_path, *self.launch.argv]
-        env = {**os.environ, **self.launch.env}
+        # The marker finds it again should its record be lost.
+        env = {**os.environ, **self.launch.env, MARKER: self._supervisor.marker(self)}
         transport = reactor.spawnProcess(
             _LauncherProcess(self), sys.executable, argv, env=env
         )
@@ -386,6 +378,9 @@ class Supervisor:
         self.gpu_memory: Callable[[Shard], Deferred[float | None]] = lambda shard: (
             succeed(None)
         )
+        # Named in every engine's marker (L{MARKER}); set by the service.
+        self.node_id = ""
+        self._state_dir = state_dir
         self._dir = os.path.join(state_dir, "shards")
         os.makedirs(self._dir, mode=0o700, exist_ok=True)  # OSError for the caller
 
@@ -396,69 +391,67 @@ class Supervisor:
         """
         return os.path.join(self._dir, shard_id + suffix)
 
-    def record(self, shard: Shard) -> None:
-        data = {
-            "command": json.loads(_to_json(shard.command)),
-            "pid": shard.pid,
-            "start_time": shard.start_time,
+    def _fields(self, shard: Shard) -> dict[str, Any]:
+        """
+        @return: C{shard}'s record but its pid and start time.
+        """
+        return {
+            "command": command_json(shard.command),
             # Where it listens: the node's address may change before a
             # restarted agent adopts it.
             "host": shard.launch.host,
             # A sleeping engine is adopted asleep.
             "sleeping": shard.state == pb.SHARD_STATE_SLEEPING,
         }
-        temporary = self.path(shard.id, ".json.tmp")
-        # 0600: the command holds the engine's secret.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w") as f:
-            json.dump(data, f)
-        os.replace(temporary, self.path(shard.id, ".json"))
+
+    def marker(self, shard: Shard) -> str:
+        """
+        @return: the value of L{MARKER} for C{shard}'s engine.
+        """
+        fields = self._fields(shard)
+        fields["sleeping"] = False
+        return marker(self.node_id, self._state_dir, fields)
+
+    def record(self, shard: Shard) -> None:
+        """
+        Write C{shard}'s record atomically (see L{write_record}).
+        """
+        data = {
+            **self._fields(shard),
+            "pid": shard.pid,
+            "start_time": shard.start_time,
+        }
+        write_record(self.path(shard.id, ".json"), data)
 
     def adopt_running(self) -> list[Shard]:
         """
-        Adopt the engines a previous agent recorded that still run (same pid
-        and same process start time); forget the others.
+        Adopt the engines a previous agent started that still run (same pid
+        and same process start time): those its records name, and those
+        whose record is lost, found by their marker (L{MARKER}); forget
+        records of engines gone, and keep aside those unreadable (see
+        L{llmgw.agent.recovery}).
 
         @return: the adopted shards.
         """
-        adopted = []
-        for name in sorted(os.listdir(self._dir)):
-            if not name.endswith(".json"):
-                continue
-            path = os.path.join(self._dir, name)
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-                command = _from_json(json.dumps(data["command"]))
-                pid, start_time = int(data["pid"]), int(data["start_time"])
-                if not _SHARD_ID.match(command.shard_id) or name != (
-                    command.shard_id + ".json"
-                ):
-                    raise ValueError(f"shard id {command.shard_id!r}")
-                launch = build(command, str(data.get("host", self.engine_host)))
-            except Exception as e:
-                # A record this agent cannot use (foreign, corrupt, from
-                # another version) must not keep it from starting.
-                self.log.warn(
-                    "ignoring shard record {path}: {error}", path=path, error=str(e)
-                )
-                continue
-            if process_start_time(pid) != start_time:
-                self.log.info(
-                    "shard {shard} (pid {pid}) is gone", shard=command.shard_id, pid=pid
-                )
-                os.remove(path)
-                continue
-            shard = Shard(self, command, launch)
-            self.shards[shard.id] = shard
-            shard.adopt(pid, start_time, data.get("sleeping") is True)
-            adopted.append(shard)
-            self.log.info(
-                "adopted shard {shard}: engine pid {pid} still running",
-                shard=shard.id,
-                pid=pid,
-            )
-        return adopted
+        from llmgw.agent.recovery import adopt_running
+
+        return adopt_running(self, self._dir, self._state_dir)
+
+    def take(
+        self,
+        command: pb.StartShard,
+        launch: Launch,
+        pid: int,
+        start_time: int,
+        sleeping: bool = False,
+    ) -> Shard:
+        """
+        @return: the shard of the running engine C{pid}, adopted.
+        """
+        shard = Shard(self, command, launch)
+        self.shards[shard.id] = shard
+        shard.adopt(pid, start_time, sleeping)
+        return shard
 
     def start(self, command: pb.StartShard) -> Shard:
         """
@@ -469,7 +462,7 @@ class Supervisor:
             port or GPUs another shard holds (codes C{port_in_use},
             C{gpus_in_use}: facts for placement, not the model's failure).
         """
-        if not _SHARD_ID.match(command.shard_id):
+        if not SHARD_ID.match(command.shard_id):
             # It names files in the state directory.
             raise CommandRefused(
                 f"shard_id: bad value {command.shard_id!r}: letters, digits,"
@@ -488,7 +481,9 @@ class Supervisor:
                     "port_in_use",
                 )
             shared = set(other.command.gpu_indices) & set(command.gpu_indices)
-            if shared:
+            # A sleeping engine gave its GPUs back but for what it keeps
+            # (placement counted that from the memory reported).
+            if shared and other.state != pb.SHARD_STATE_SLEEPING:
                 raise CommandRefused(
                     f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
                     "gpus_in_use",
@@ -572,12 +567,6 @@ class Supervisor:
         return [shard.running() for shard in self.shards.values()]
 
 
-def _to_json(command: pb.StartShard) -> str:
-    from google.protobuf import json_format
-
-    return json_format.MessageToJson(command)
-
-
 def _lists(body: bytes, model: str) -> bool:
     """
     @return: whether C{body} is an OpenAI model list (C{{"data": [{"id":
@@ -590,9 +579,3 @@ def _lists(body: bytes, model: str) -> bool:
     return isinstance(data, list) and any(
         isinstance(m, dict) and m.get("id") == model for m in data
     )
-
-
-def _from_json(text: str) -> pb.StartShard:
-    from google.protobuf import json_format
-
-    return json_format.Parse(text, pb.StartShard())

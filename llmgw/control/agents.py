@@ -27,6 +27,7 @@ from twisted.python.failure import Failure
 from llmgw import __version__
 from llmgw.control.inventory import Inventory, Node
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire import versions
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import CommandingStream, MessageTooLarge
 from llmgw.wire.refusals import Refusal, refused
@@ -230,6 +231,10 @@ class AgentLink(TimeoutMixin, CommandingStream):
                     claim=claim,
                 )
                 return
+        reason = versions.mismatch(register.protocol_version, "agent")
+        if reason:
+            self._refuse(Refusal.PROTOCOL_VERSION, "{reason}", reason=reason)
+            return
         leader = self._hub.redirect()
         if leader is not None:
             # A standby: the agent is told where the leader is, and goes.
@@ -270,6 +275,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
             pb.ControlMessage(
                 welcome=pb.Welcome(
                     server_version=__version__,
+                    protocol_version=versions.text(),
                     heartbeat_interval_seconds=self._hub.heartbeat_interval,
                     max_frame_size=self._hub.max_frame_size,
                 )
@@ -277,11 +283,13 @@ class AgentLink(TimeoutMixin, CommandingStream):
         )
         node = self._hub.registered(register)
         self.log.info(
-            "agent {node} registered from {peer}: {gpus} GPUs, agent {version}",
+            "agent {node} registered from {peer}: {gpus} GPUs, agent {version},"
+            " protocol {protocol}",
             node=claim,
             peer=self._peer(),
             gpus=len(node.gpus),
             version=register.agent_version,
+            protocol=register.protocol_version or versions.text(versions.UNSAID),
         )
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:

@@ -18,7 +18,7 @@ not use.  When even every candidate does not make room, there are none.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from llmgw.control.placement import Fleet, NodeView, Plan, Profile, place
@@ -207,6 +207,37 @@ def choose(
             if isinstance(fewer, Plan):
                 return Eviction(needed, fewer)
         return Eviction(tuple(run), result)
+    return None
+
+
+def choose_in_place(
+    nodes: Sequence[NodeView],
+    candidates: Sequence[Candidate],
+    where: Mapping[str, tuple[int, ...]],
+    fits: Callable[[Fleet], bool],
+) -> tuple[Candidate, ...] | None:
+    """
+    Choose what to evict so that a sleeping replica may wake where it
+    sleeps.
+
+    @param nodes: the fleet as placement sees it now.
+    @param candidates: those that may go, in order (L{eligible}).
+    @param where: per node, the GPU indices the sleeping replica holds.
+    @param fits: whether it may wake in a fleet.
+    @return: the shortest run of those C{candidates} holding one of
+        C{where}'s GPUs, in order, whose room lets it wake; L{None} when
+        even all of them do not.
+    """
+    nodes = list(nodes)
+    there = [
+        c
+        for c in candidates
+        if any(set(p.gpus) & set(where.get(p.node, ())) for p in c.places)
+    ]
+    for count in range(1, len(there) + 1):
+        run = there[:count]
+        if fits(Fleet(freed(nodes, run))):
+            return tuple(run)
     return None
 
 

@@ -46,6 +46,11 @@ class NodeState(StrEnum):
 class GpuInfo:
     """
     One GPU of a node.  Memory in MiB.
+
+    @ivar foreign_used_mib: what processes llmgw does not manage hold on
+        it (from the heartbeats): placement may not use it.
+    @ivar processes: NVML's processes on it, from the last heartbeat:
+        C{{"pid", "used_mib", "managed", "name"}}.
     """
 
     index: int
@@ -55,6 +60,8 @@ class GpuInfo:
     memory_used_mib: int
     problems: list[str] = field(default_factory=list)
     simulated: bool = False
+    foreign_used_mib: int = 0
+    processes: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +137,8 @@ class Node:
                     "memory_used_mib": g.memory_used_mib,
                     "problems": g.problems,
                     "simulated": g.simulated,
+                    "foreign_used_mib": g.foreign_used_mib,
+                    "processes": g.processes,
                 }
                 for g in self.gpus
             ],
@@ -148,6 +157,11 @@ Model files kept per node's report.
 MAX_PROBLEMS = 32
 """
 Problems kept per GPU; more are dropped.
+"""
+
+MAX_PROCESSES = 64
+"""
+NVML processes kept per GPU (the last heartbeat's); more are dropped.
 """
 
 
@@ -249,10 +263,24 @@ class Inventory:
             gpu = by_index.get(usage.index)
             if gpu is None:
                 continue
-            if gpu.memory_used_mib != usage.memory_used_mib:
+            foreign = min(usage.foreign_used_mib, gpu.memory_total_mib)
+            if (gpu.memory_used_mib, gpu.foreign_used_mib) != (
+                usage.memory_used_mib,
+                foreign,
+            ):
                 gpu.memory_used_mib = usage.memory_used_mib
+                gpu.foreign_used_mib = foreign
                 node.version = next(self._versions)
                 self.touched.add(node_id)
+            gpu.processes = [
+                {
+                    "pid": p.pid,
+                    "used_mib": p.used_mib,
+                    "managed": p.managed,
+                    "name": p.name[:64],
+                }
+                for p in usage.processes[:MAX_PROCESSES]
+            ]
             # Bounded: an agent's report must not grow the server's memory
             # or its time per heartbeat without limit.
             known = set(gpu.problems)

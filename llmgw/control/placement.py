@@ -60,6 +60,9 @@ class Profile:
 class GpuView:
     """
     A GPU as placement sees it.  Memory in MiB.
+
+    @ivar foreign_used_mib: held by processes llmgw does not manage: never
+        free, whatever llmgw's own engines release.
     """
 
     index: int
@@ -68,10 +71,12 @@ class GpuView:
     memory_used_mib: int = 0
     problems: tuple[str, ...] = ()
     allocated: bool = False
+    foreign_used_mib: int = 0
 
     @property
     def free_mib(self) -> int:
-        return self.memory_total_mib - self.memory_used_mib
+        used = max(self.memory_used_mib, self.foreign_used_mib)
+        return self.memory_total_mib - used
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,7 @@ def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]
     need_mib = int(profile.gpu_memory_gb * 1024)
     usable: list[GpuView] = []
     allocated = troubled = small = 0
+    others: list[str] = []
     for gpu in node.gpus:
         if gpu.allocated:
             allocated += 1
@@ -156,6 +162,8 @@ def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]
             troubled += 1
         elif gpu.free_mib < need_mib:
             small += 1
+            if gpu.foreign_used_mib:
+                others.append(f"GPU {gpu.index} {gpu.foreign_used_mib / 1024:.1f} GB")
         else:
             usable.append(gpu)
     usable.sort(key=lambda g: (g.free_mib, g.index))
@@ -173,6 +181,8 @@ def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]
         why.append(f"{troubled} with problems")
     if small:
         why.append(f"{small} with under {profile.gpu_memory_gb:g} GB free")
+    if others:
+        why[-1] += f" ({', '.join(others)} used by processes llmgw does not manage)"
     return usable, (
         f"needs {profile.gpus} GPUs, {len(usable)} usable: " + ", ".join(why)
     )

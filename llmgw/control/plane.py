@@ -66,6 +66,7 @@ from llmgw.control.reports import AgentReports
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
 from llmgw.control.settings import ControlConfig
+from llmgw.control.sleeping import Sleeping
 from llmgw.control.snapshot import (
     LiveSnapshot,
     Snapshot,
@@ -92,7 +93,7 @@ def _gone_why(replica: ReplicaRecord) -> str:
     return "it stopped"
 
 
-class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
+class ControlPlane(AgentReports, Publishing, Draining, Sleeping, Swapping, Placing):
     """
     Keeps each catalog model's replicas running.
 
@@ -241,25 +242,6 @@ class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
         self.loop.kick()
         return state.model
 
-    def pin(self, name: str, pinned: bool) -> Model:
-        """
-        Mark a model pinned (never evicted to make room for another) or
-        not; kept until the server restarts.
-
-        @return: the model, changed.
-        @raise KeyError: no such model.
-        """
-        state = self.catalog.get(name)
-        if state is None:
-            raise KeyError(name)
-        state.model = replace(state.model, pinned=pinned)
-        self.log.info(
-            "model {model} {what}", model=name, what="pinned" if pinned else "unpinned"
-        )
-        self._changes.model(name)
-        self.loop.kick()
-        return state.model
-
     def _weights_in_use(self) -> Iterable[tuple[str, str]]:
         for state in self.catalog.states():
             for profile in state.model.profiles:
@@ -331,6 +313,8 @@ class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
                     self._drain(replica, why)
             if replica.draining_since is not None:
                 self._finish_drain(replica, now)
+            elif replica.sleep_at is not None:
+                self._finish_sleep(replica, now)
         self._publish_ready()
         changes.unsettled = {m for m in work if not self._settled(m)}
 
@@ -351,13 +335,22 @@ class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
             or state.wanted > model.min_replicas
         ):
             return False
-        replicas = replicas or {}
-        return len(replicas) == scaling.bounded(model, state.wanted) and all(
-            r.draining_since is None
-            and r.leaving_since is None
-            and r.state == ReplicaState.READY
-            and not self._outstanding(r.id)
-            for r in replicas.values()
+        awake = [r for r in (replicas or {}).values() if not r.dormant]
+        asleep = all(
+            r.asleep and r.sleep_sent_at is not None
+            for r in (replicas or {}).values()
+            if r.dormant
+        )
+        return (
+            asleep
+            and len(awake) == scaling.bounded(model, state.wanted)
+            and all(
+                r.draining_since is None
+                and r.leaving_since is None
+                and r.state == ReplicaState.READY
+                and not self._outstanding(r.id)
+                for r in awake
+            )
         )
 
     def _update_nodes(self, now: float, everything: bool) -> list[str]:
@@ -572,7 +565,8 @@ class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
         snapshot: Snapshot | None,
         replicas: list[ReplicaRecord],
     ) -> Snapshot | None:
-        live = [r for r in replicas if r.draining_since is None]
+        live = [r for r in replicas if r.draining_since is None and not r.dormant]
+        dormant = [r for r in replicas if r.dormant]
         self._follow_load(state, now, live)
         want = self.desired(state, now, replicas)
         # Replicas leaving (L{drains}) serve on until replaced: placement
@@ -583,17 +577,16 @@ class ControlPlane(AgentReports, Publishing, Draining, Swapping, Placing):
         staying = [r for r in live if r.leaving_since is None]
         if len(staying) > want:
             for replica in scaling.surplus(staying, want, self._outstanding):
-                # A stream on it is never cut: it leaves once its last
-                # request ends (up to the router's total_timeout).
-                self._drain(
-                    replica,
-                    f"{len(staying)} replicas, {want} wanted",
-                    self.leave_timeout,
+                # A stream on it is never cut: it sleeps or leaves once its
+                # last request ends (up to the router's total_timeout).
+                self._retire(
+                    replica, f"{len(staying)} replicas, {want} wanted", "idle_sleep"
                 )
         elif len(staying) == want:
             state.no_fit = None
         elif now >= state.retry_at:
-            snapshot = self._place_missing(state, now, snapshot, live, want)
+            snapshot = self._place_or_wake(state, now, snapshot, live, want, dormant)
+        self._dormant_over(state.model, len(staying), dormant)
         if leaving:
             self._let_go(state, want, leaving)
         return snapshot

@@ -72,6 +72,8 @@ class ShardRecord:
         sent them) when it failed or was stopped before it served.
     @ivar misplaced: it failed for where it was placed (its port or GPUs
         were not free), not for its model: replaced at once, no backoff.
+    @ivar sleep_refused: its engine's answer when it refused sleep mode
+        at start (its agent started it without), or C{""}.
     """
 
     id: str
@@ -84,6 +86,7 @@ class ShardRecord:
     error: str = ""
     output: tuple[str, ...] = ()
     misplaced: bool = False
+    sleep_refused: str = ""
 
 
 @dataclass
@@ -112,8 +115,14 @@ class ReplicaRecord:
     @ivar resident_since: reactor seconds when it was last started or
         woken (its model's C{min_resident} counts from then).
     @ivar ready_at: reactor seconds when it was first ready, or L{None}.
-    @ivar sleep_at: reactor seconds when it was told to sleep, or L{None}
-        (awake, or woken).
+    @ivar sleep_at: reactor seconds when it was put to sleep (unpublished,
+        its sleep sent once its last request ends), or L{None} (awake, or
+        woken).
+    @ivar sleep_sent_at: reactor seconds when its shards were told to
+        sleep, or L{None}.
+    @ivar sleep_reason: why it sleeps, for the admin API and the log.
+    @ivar asleep_at: reactor seconds when its agents answered that it
+        sleeps, or L{None}.
     @ivar wake_at: reactor seconds when it was told to wake, or L{None}
         (not waking).
     """
@@ -137,6 +146,28 @@ class ReplicaRecord:
     ready_at: float | None = None
     sleep_at: float | None = None
     wake_at: float | None = None
+    sleep_sent_at: float | None = None
+    sleep_reason: str = ""
+    asleep_at: float | None = None
+
+    @property
+    def dormant(self) -> bool:
+        """
+        Put to sleep (going or gone) and not woken since: it serves
+        nothing and counts as none of its model's replicas.
+        """
+        if self.wake_at is not None or self.draining_since is not None:
+            return False
+        return self.sleep_at is not None or bool(
+            self.shards and all(s.state == ShardState.SLEEPING for s in self.shards)
+        )
+
+    @property
+    def asleep(self) -> bool:
+        """
+        Dormant and every shard asleep: it may be woken.
+        """
+        return self.dormant and all(s.state == ShardState.SLEEPING for s in self.shards)
 
     @property
     def state(self) -> ReplicaState:

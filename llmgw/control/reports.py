@@ -22,6 +22,12 @@ from llmgw.control.snapshot import Strays
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
 
+SLEEP_REFUSED = "sleep refused: "
+"""
+How a C{ShardStatus.note} begins when the engine refused sleep mode at
+start (L{llmgw.agent.supervisor}).
+"""
+
 
 class AgentReports:
     """
@@ -68,6 +74,10 @@ class AgentReports:
             shard.pid = status.pid
         if status.output_tail:
             shard.output = tuple(status.output_tail)
+        if status.note.startswith(SLEEP_REFUSED):
+            # Its agent started it without sleep mode: it is stopped, not
+            # put to sleep (L{llmgw.control.sleeping}).
+            shard.sleep_refused = status.note[len(SLEEP_REFUSED) :]
         if state == ShardState.FAILED:
             shard.error = status.error + output_summary(shard.output)
         self._changes.model(replica.model)

@@ -201,6 +201,7 @@ def _node_view(
                 name=g.name,
                 memory_total_mib=g.memory_total_mib,
                 memory_used_mib=g.memory_used_mib,
+                foreign_used_mib=g.foreign_used_mib,
                 problems=tuple(g.problems),
                 allocated=g.index in used,
             )

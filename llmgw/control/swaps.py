@@ -17,7 +17,7 @@ Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from twisted.internet.interfaces import IReactorTime
@@ -26,8 +26,13 @@ from twisted.logger import Logger
 from llmgw.control import eviction
 from llmgw.control.eviction import Candidate, Place
 from llmgw.control.inventory import Inventory
-from llmgw.control.placement import Fleet, NodeView, NoFit
-from llmgw.control.records import PlaneCounts, ReplicaRecord, ReplicaState
+from llmgw.control.placement import Fleet, NodeView, NoFit, ShardPlan
+from llmgw.control.records import (
+    PlaneCounts,
+    ReplicaRecord,
+    ReplicaState,
+    ShardRecord,
+)
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.scaling import ModelState
 from llmgw.control.settings import ControlConfig
@@ -91,6 +96,15 @@ class Swapping:
     def _drain(self, replica: ReplicaRecord, why: str, patience: float = 0.0) -> bool:
         raise NotImplementedError()
 
+    def why_not_sleep(self, replica: ReplicaRecord) -> str | None:
+        raise NotImplementedError()
+
+    def _retire(self, replica: ReplicaRecord, why: str, reason: str) -> bool:
+        raise NotImplementedError()
+
+    def _wake_room(self, replica: ReplicaRecord, fleet: Fleet) -> str | None:
+        raise NotImplementedError()
+
     def _init_swapping(self) -> None:
         self.swaps: dict[str, Swap] = {}
         self.evicted: dict[str, str] = {}
@@ -140,8 +154,8 @@ class Swapping:
             replica = self.replicas.get(replica_id)
             if replica is not None and not (
                 replica_id in swap.asleep
-                and replica.state == ReplicaState.SLEEPING
-                and replica.sleep_at is None
+                and replica.asleep
+                and replica.sleep_sent_at is not None
             ):
                 return True
         if swap.gone_at is None:
@@ -179,43 +193,98 @@ class Swapping:
         name = state.model.name
         if not self.settings.evict or not state.waiters or name in self.swaps:
             return False
-        oldest = state.oldest_wait()
-        busy_too = (
-            self.settings.swap_max_wait > 0
-            and oldest is not None
-            and now - oldest >= self.settings.swap_max_wait
-        )
         candidates, spare = self._candidates(name, now)
-        ordered = eviction.eligible(candidates, now, spare, busy_too)
+        ordered = eviction.eligible(candidates, now, spare, self._busy_too(state, now))
         fleet = self._fleet_for(name, snapshot)
         chosen = eviction.choose(
             state.model.profiles, fleet.nodes(), self.ports, ordered, spread
         )
         if chosen is None:
             return False
+        why = f"{name} fits nowhere ({'; '.join(no_fit.lines()[:2])})"
+        self._begin_swap(name, now, chosen.victims, chosen.plan.shards, why)
+        return True
+
+    def _evict_for_wake(
+        self, state: ModelState, now: float, snapshot: Snapshot, sleeper: ReplicaRecord
+    ) -> bool:
+        """
+        C{state}'s model has requests held and C{sleeper}, one of its
+        replicas asleep, has no room to wake where it sleeps: evict what
+        makes that room, if anything does (L{eviction.choose_in_place}).
+
+        @return: whether an eviction began.
+        """
+        name = state.model.name
+        if name in self.swaps:
+            return False
+        candidates, spare = self._candidates(name, now)
+        ordered = eviction.eligible(candidates, now, spare, self._busy_too(state, now))
+        where = {s.node: s.gpus for s in sleeper.shards}
+        fleet = self._fleet_for(name, snapshot)
+        victims = eviction.choose_in_place(
+            fleet.nodes(),
+            ordered,
+            where,
+            lambda freed: self._wake_room(sleeper, freed) is None,
+        )
+        if victims is None:
+            return False
+        why = f"replica {sleeper.id} of {name} sleeps where they run"
+        self._begin_swap(name, now, victims, sleeper.shards, why)
+        return True
+
+    def _busy_too(self, state: ModelState, now: float) -> bool:
+        """
+        @return: whether replicas with requests in flight may be evicted
+            for C{state}'s model: its oldest held request was passed over
+            for C{swap_max_wait}.
+        """
+        oldest = state.oldest_wait()
+        return (
+            self.settings.swap_max_wait > 0
+            and oldest is not None
+            and now - oldest >= self.settings.swap_max_wait
+        )
+
+    def _begin_swap(
+        self,
+        name: str,
+        now: float,
+        victims: Sequence[Candidate],
+        room_shards: Iterable[ShardPlan | ShardRecord],
+        why: str,
+    ) -> None:
+        """
+        Evict C{victims} for model C{name}, the GPUs of C{room_shards} kept
+        for it meanwhile: the victims that may sleep are put to sleep, the
+        others drained.
+        """
         parts = []
-        for victim in chosen.victims:
+        for victim in victims:
             idle = now - victim.last_used
             busy = f", {victim.in_flight} in flight" if victim.in_flight else ""
             parts.append(f"{victim.model} (idle {idle:.0f}s{busy})")
         words = "evicting " + ", ".join(parts) + " to make room"
         room: dict[str, set[int]] = {}
-        for shard in chosen.plan.shards:
+        for shard in room_shards:
             room.setdefault(shard.node, set()).update(shard.gpus)
         freed: dict[str, dict[int, int]] = {}
-        for victim in chosen.victims:
+        for victim in victims:
             for held in victim.places:
                 on = freed.setdefault(held.node, {})
                 for index in held.gpus:
                     on[index] = on.get(index, 0) + victim.freed_mib
-        swap = Swap(
-            name, tuple(v.replica for v in chosen.victims), room, freed, now, words
-        )
+        swap = Swap(name, tuple(v.replica for v in victims), room, freed, now, words)
         self.swaps[name] = swap
         self.evicted[name] = words
-        why = f"{name} fits nowhere ({'; '.join(no_fit.lines()[:2])})"
-        for victim in chosen.victims:
+        for victim in victims:
             replica = self.replicas[victim.replica]
+            owner = self.catalog.get(victim.model)
+            if owner is not None:
+                # Its model is not to come back until it is asked for.
+                low, high = owner.model.min_replicas, owner.model.max_replicas
+                owner.wanted = max(low, min(owner.wanted, high) - 1)
             self.log.info(
                 "evicting replica {replica} of {victim} (idle {idle:.0f}s, priority"
                 " {priority}) for {model}: {why}",
@@ -226,16 +295,24 @@ class Swapping:
                 model=name,
                 why=why,
             )
-            self._swap_out(replica, name, victim.sleeps)
-        return True
+            if self._swap_out(replica, name, victim.sleeps):
+                swap.asleep.add(replica.id)
 
-    def _swap_out(self, replica: ReplicaRecord, model: str, sleeps: bool) -> None:
+    def _swap_out(self, replica: ReplicaRecord, model: str, sleeps: bool) -> bool:
         """
         Evict C{replica} to make room for C{model}: it takes no new
-        requests and stops once its last one ends.
+        requests and, once its last one ends, sleeps (C{sleeps}, and it
+        still may) or stops.
+
+        @return: whether it sleeps.
         """
+        why = f"evicted to make room for {model}"
+        if sleeps and self._retire(replica, why, "slept"):
+            return True
         self.counts.swapped(replica.model, "evicted")
-        self._drain(replica, f"evicted to make room for {model}", self.leave_timeout)
+        if replica.draining_since is None:
+            self._drain(replica, why, self.leave_timeout)
+        return False
 
     def _candidates(
         self, holder: str, now: float
@@ -255,10 +332,13 @@ class Swapping:
             ready = [
                 r
                 for r in replicas.values()
-                if r.state == ReplicaState.READY and r.leaving_since is None
+                if r.state == ReplicaState.READY
+                and r.leaving_since is None
+                and r.draining_since is None
             ]
             spare[name] = len(ready) - model.min_replicas
             for replica in ready:
+                sleeps = self.why_not_sleep(replica) is None
                 candidates.append(
                     Candidate(
                         replica=replica.id,
@@ -273,6 +353,10 @@ class Swapping:
                             Place(s.node, s.gpus, s.port) for s in replica.shards
                         ),
                         gpu_memory_gb=replica.profile.gpu_memory_gb,
+                        kept_gpu_memory_gb=(
+                            replica.profile.sleep_gpu_memory_gb if sleeps else 0.0
+                        ),
+                        sleeps=sleeps,
                     )
                 )
         return candidates, spare

@@ -23,6 +23,7 @@ from zope.interface import implementer
 
 from llmgw.config_checks import ConfigError
 from llmgw.reactors import IConnectingReactor
+from llmgw.wire import versions
 
 
 @implementer(IPolicyForHTTPS)
@@ -122,9 +123,17 @@ class AdminClient:
         self, method: bytes, path: str, body: object = None
     ) -> Deferred[IResponse]:
         """
-        One request to the admin API; C{body} is sent as JSON.
+        One request to the admin API; C{body} is sent as JSON, and the
+        protocol version this router speaks in C{LLMGW-Protocol}
+        (L{llmgw.wire.versions}).
         """
-        headers = Headers({b"accept": [b"application/json"]})
+        headers = Headers(
+            {
+                b"accept": [b"application/json"],
+                # The server serves routers one minor version apart at most.
+                versions.HEADER.encode(): [versions.text().encode()],
+            }
+        )
         if self.key:
             headers.addRawHeader(b"authorization", b"Bearer " + self.key.encode())
         producer = None

@@ -138,17 +138,21 @@ class Follower(Service):
         The watch answered C{code}, not 200: a standby's 503 names the
         leader (C{{"error": {"message", "code": "standby", "leader"}}}).
         """
-        leader = ""
+        leader = message = ""
         if isinstance(body, bytes):
             try:
-                leader = str(json.loads(body)["error"].get("leader", ""))
+                error = json.loads(body)["error"]
+                leader = str(error.get("leader", ""))
+                message = str(error.get("message", ""))[:500]
             except (ValueError, KeyError, TypeError, AttributeError):
                 pass
         self.log.warn(
-            "the control plane at {url} refused the watch: HTTP {code}{leader}",
+            "the control plane at {url} refused the watch: HTTP {code}{why}",
             url=self.control.url,
             code=code,
-            leader=f" (a standby; the leader is {leader})" if leader else "",
+            why=f" (a standby; the leader is {leader})"
+            if leader
+            else (f": {message}" if message and code != 503 else ""),
         )
         self._again(leader)
 

@@ -82,7 +82,9 @@ def _gpus(
     @return: per GPU, its memory three ways, GiB: C{total}; C{allocated},
         what the replicas placed on it asked for (their profiles'
         C{gpu_memory_gb}); C{used}, what the agent measured, L{None} for a
-        simulated GPU (nothing to measure: it reports 0).
+        simulated GPU (nothing to measure: it reports 0); C{others_gib},
+        held by processes llmgw does not manage (placement may not use
+        it), C{others_title} naming them.
     """
     out = []
     for gpu in node.gpus:
@@ -90,6 +92,9 @@ def _gpus(
         allocated, shards = allocations.get((node.id, gpu.index), (0.0, 0))
         used = None if gpu.simulated else gpu.memory_used_mib * MIB
         in_use = "simulated" if used is None else f"{used / GIB:.0f} used"
+        others = gpu.foreign_used_mib * MIB
+        if others:
+            in_use += f", {others / GIB:.0f} not llmgw's"
         out.append(
             {
                 # The bar's text, made here: a fleet has hundreds of bars.
@@ -107,6 +112,12 @@ def _gpus(
                 "problems": gpu.problems,
                 "simulated": gpu.simulated,
                 "allocated": shards > 0,
+                "others_gib": others / GIB,
+                "others_title": ", ".join(
+                    f"pid {p['pid']} {p['name'] or '?'} {p['used_mib'] / 1024:.1f} GiB"
+                    for p in gpu.processes
+                    if not p["managed"]
+                ),
             }
         )
     return out

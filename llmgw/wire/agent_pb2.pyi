@@ -63,7 +63,7 @@ class ControlMessage(_message.Message):
     def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., start_shard: _Optional[_Union[StartShard, _Mapping]] = ..., stop_shard: _Optional[_Union[StopShard, _Mapping]] = ..., remove_weights: _Optional[_Union[RemoveWeights, _Mapping]] = ..., redirect: _Optional[_Union[Redirect, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., sleep_shard: _Optional[_Union[SleepShard, _Mapping]] = ..., wake_shard: _Optional[_Union[WakeShard, _Mapping]] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards", "max_frame_size", "agent_instance", "sleep_memory_bytes")
+    __slots__ = ("node_id", "agent_version", "address", "labels", "fabrics", "cpus", "memory_bytes", "gpus", "shards", "max_frame_size", "agent_instance", "sleep_memory_bytes", "protocol_version")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class Register(_message.Message):
     MAX_FRAME_SIZE_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SLEEP_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     agent_version: str
     address: str
@@ -95,7 +96,8 @@ class Register(_message.Message):
     max_frame_size: int
     agent_instance: str
     sleep_memory_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., max_frame_size: _Optional[int] = ..., agent_instance: _Optional[str] = ..., sleep_memory_bytes: _Optional[int] = ...) -> None: ...
+    protocol_version: str
+    def __init__(self, node_id: _Optional[str] = ..., agent_version: _Optional[str] = ..., address: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., fabrics: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., shards: _Optional[_Iterable[_Union[RunningShard, _Mapping]]] = ..., max_frame_size: _Optional[int] = ..., agent_instance: _Optional[str] = ..., sleep_memory_bytes: _Optional[int] = ..., protocol_version: _Optional[str] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("index", "uuid", "name", "memory_total_mib", "memory_used_mib", "problems", "simulated")
@@ -122,14 +124,30 @@ class Heartbeat(_message.Message):
     def __init__(self, gpus: _Optional[_Iterable[_Union[GpuUsage, _Mapping]]] = ...) -> None: ...
 
 class GpuUsage(_message.Message):
-    __slots__ = ("index", "memory_used_mib", "new_problems")
+    __slots__ = ("index", "memory_used_mib", "new_problems", "processes", "foreign_used_mib")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
     NEW_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    FOREIGN_USED_MIB_FIELD_NUMBER: _ClassVar[int]
     index: int
     memory_used_mib: int
     new_problems: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., new_problems: _Optional[_Iterable[str]] = ...) -> None: ...
+    processes: _containers.RepeatedCompositeFieldContainer[GpuProcess]
+    foreign_used_mib: int
+    def __init__(self, index: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., new_problems: _Optional[_Iterable[str]] = ..., processes: _Optional[_Iterable[_Union[GpuProcess, _Mapping]]] = ..., foreign_used_mib: _Optional[int] = ...) -> None: ...
+
+class GpuProcess(_message.Message):
+    __slots__ = ("pid", "used_mib", "managed", "name")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    MANAGED_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    used_mib: int
+    managed: bool
+    name: str
+    def __init__(self, pid: _Optional[int] = ..., used_mib: _Optional[int] = ..., managed: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RunningShard(_message.Message):
     __slots__ = ("shard_id", "replica_id", "model", "profile", "state", "port", "gpu_indices", "rank", "world_size", "pid", "engine", "source")
@@ -212,14 +230,16 @@ class WeightsFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., last_used_unix: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("server_version", "heartbeat_interval_seconds", "max_frame_size")
+    __slots__ = ("server_version", "heartbeat_interval_seconds", "max_frame_size", "protocol_version")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     heartbeat_interval_seconds: int
     max_frame_size: int
-    def __init__(self, server_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[int] = ..., max_frame_size: _Optional[int] = ...) -> None: ...
+    protocol_version: str
+    def __init__(self, server_version: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[int] = ..., max_frame_size: _Optional[int] = ..., protocol_version: _Optional[str] = ...) -> None: ...
 
 class Redirect(_message.Message):
     __slots__ = ("leader",)

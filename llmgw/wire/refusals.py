@@ -24,6 +24,8 @@ class Refusal(StrEnum):
     Register claims another node.  C{BAD_FRAME}: a frame of zero or too
     many bytes, or one that is not a message.  C{REPLACED}: the link was
     silent, and another agent for its node took over.
+    C{PROTOCOL_VERSION}: the agent speaks a protocol version the server
+    does not serve (L{llmgw.wire.versions.mismatch}).
     """
 
     CERTIFICATE_MISMATCH = "certificate_mismatch"
@@ -34,6 +36,7 @@ class Refusal(StrEnum):
     NODE_ID_CHANGED = "node_id_changed"
     BAD_FRAME = "bad_frame"
     REPLACED = "replaced"
+    PROTOCOL_VERSION = "protocol_version"
 
 
 def refused(

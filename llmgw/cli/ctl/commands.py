@@ -17,7 +17,7 @@ from typing import IO, Any
 from llmgw.cli.ctl.client import Client, CtlError, quote
 from llmgw.cli.ctl.keys import keys_create, keys_list, keys_revoke, keys_update, usage
 from llmgw.cli.ctl.show import cell, size, table
-from llmgw.cli.ctl.swaps import models_pin, models_unpin, state_words
+from llmgw.cli.ctl.swaps import models_pin, models_unpin, sleep, state_words, wake
 from llmgw.cli.ctl.weights import weights
 
 Command = Callable[[Client, argparse.Namespace, IO[str]], tuple[Any, str]]
@@ -71,8 +71,9 @@ def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
     """
     C{nodes}: a table of the nodes: state, GPUs (how many, how many free:
     no shard on them and no problem), their memory in GiB (allocated to
-    shards, as their profiles ask; used, as the agent reports; total) and
-    the last report.  C{nodes NODE}: that node in full (L{node_detail}).
+    shards, as their profiles ask; used, as the agent reports; used by
+    processes llmgw does not manage, which placement may not use; total)
+    and the last report.  C{nodes NODE}: that node in full (L{node_detail}).
     """
     result = client.call("GET", "/api/v1/nodes")
     if args.node is not None:
@@ -88,6 +89,7 @@ def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
             ",".join(sorted({g["name"] for g in n["gpus"]})),
             _memory(n, "memory_allocated_mib"),
             _memory(n, "memory_used_mib"),
+            _memory(n, "foreign_used_mib"),
             _memory(n, "memory_total_mib"),
             n["last_seen"][:19],
         )
@@ -103,6 +105,7 @@ def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
         "GPU TYPES",
         "ALLOC GiB",
         "USED GiB",
+        "OTHERS GiB",
         "TOTAL GiB",
         "LAST SEEN",
     )
@@ -145,13 +148,29 @@ def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
             g["name"],
             _gib(g.get("memory_allocated_mib") or 0),
             _gib(g["memory_used_mib"]),
+            _gib(g.get("foreign_used_mib") or 0),
             _gib(g["memory_total_mib"]),
             on_gpu.get(g["index"], []),
             g["problems"],
         )
         for g in node["gpus"]
     ]
-    gpu_header = ("GPU", "NAME", "ALLOC GiB", "USED GiB", "TOTAL GiB", "REPLICAS")
+    gpu_header = (
+        "GPU",
+        "NAME",
+        "ALLOC GiB",
+        "USED GiB",
+        "OTHERS GiB",
+        "TOTAL GiB",
+        "REPLICAS",
+    )
+    others = [
+        f"GPU {g['index']}: pid {p['pid']} ({p['name'] or '?'}),"
+        f" {_gib(p['used_mib'])} GiB, not llmgw's: placement may not use it"
+        for g in node["gpus"]
+        for p in g.get("processes") or ()
+        if not p["managed"]
+    ]
     shards = [
         (s.get("replica"), s.get("model"), s["state"], s["gpus"], s["port"], s["pid"])
         for s in node.get("shards") or ()
@@ -160,6 +179,7 @@ def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
         "\n".join(lines)
         + "\n\n"
         + table(gpus, (*gpu_header, "PROBLEMS"))
+        + "".join(line + "\n" for line in others)
         + "\n"
         + (
             table(shards, ("REPLICA", "MODEL", "STATE", "GPU IDS", "PORT", "PID"))
@@ -448,6 +468,8 @@ COMMANDS: dict[str, Command] = {
     "placement": placement,
     "drain": drain,
     "undrain": undrain,
+    "sleep": sleep,
+    "wake": wake,
     "stop-engines": stop_engines,
     "start-engines": start_engines,
     "keys list": keys_list,

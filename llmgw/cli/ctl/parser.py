@@ -121,6 +121,17 @@ def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> Non
     undrain = commands.add_parser("undrain", help="let placements use a node again")
     undrain.add_argument("kind", choices=("node",))
     undrain.add_argument("id")
+    asleep = commands.add_parser(
+        "sleep",
+        help="put a replica to sleep (its profile's sleep level)",
+        description="The replica takes no new requests and sleeps once its last"
+        " one ends; its model wants one replica fewer.  Refused when its profile"
+        ' has sleep = "off", its engine refused sleep mode, its node\'s'
+        " sleep_memory is full or its model would go below min_replicas.",
+    )
+    asleep.add_argument("id", help="the replica's id (ctl replicas)")
+    awake = commands.add_parser("wake", help="wake a sleeping replica where it sleeps")
+    awake.add_argument("id", help="the replica's id (ctl replicas)")
     for name, doing in (
         ("stop-engines", "stop every engine of NODE (or of every node) on purpose"),
         ("start-engines", "let placements use NODE (or every node) again"),

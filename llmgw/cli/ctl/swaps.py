@@ -1,7 +1,8 @@
 """
 C{llmgw ctl}'s commands for more models than GPUs: C{models pin NAME} and
 C{models unpin NAME} (a pinned model is never evicted to make room for
-another), and the words for a replica's state in C{ctl replicas}.
+another), C{sleep REPLICA} and C{wake REPLICA}, and the words for a
+replica's state in C{ctl replicas}.
 """
 
 from __future__ import annotations
@@ -51,3 +52,24 @@ def models_unpin(
     C{models unpin NAME}: the model may be evicted again.
     """
     return _pin(client, args.name, False)
+
+
+def sleep(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{sleep REPLICA}: the replica sleeps once its last request ends.
+    """
+    result = client.call("POST", f"/api/v1/replicas/{quote(args.id)}/sleep")
+    return result, (
+        f"replica {result['id']} of {result['model']} is {state_words(result)}:"
+        " it takes no new requests and sleeps once its last one ends\n"
+    )
+
+
+def wake(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
+    """
+    C{wake REPLICA}: a sleeping replica is woken where it sleeps.
+    """
+    result = client.call("POST", f"/api/v1/replicas/{quote(args.id)}/wake")
+    return result, (
+        f"replica {result['id']} of {result['model']} is {state_words(result)}\n"
+    )

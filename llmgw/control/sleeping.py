@@ -1,0 +1,503 @@
+"""
+Sleep as a state of a replica (L{llmgw.control.plane}; docs/catalog.md,
+"Sleep"): a replica of a model whose profile says C{sleep} goes to sleep
+instead of stopping when its model scales down or it is evicted, and is
+woken, rather than a replica cold-started, when its model is wanted
+again and its GPUs have room.
+
+A replica put to sleep is unpublished at once and told to sleep once its
+last request ends (bounded by the router's C{total_timeout}, as a
+scale-down is); asleep, its GPUs are free for placement but for what its
+engine keeps (its agent reports the memory), and its host memory counts
+against its node's C{sleep_memory} (C{Register.sleep_memory_bytes}).  A
+replica that may not sleep (its engine refused sleep mode at start, the
+node's budget is full) is stopped instead; one whose sleep or wake fails
+is stopped, and its model placed anew.
+
+Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from twisted.internet.defer import gatherResults
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from llmgw.control.catalog import Model
+from llmgw.control.changes import Changes
+from llmgw.control.commands import ShardCommands
+from llmgw.control.inventory import Inventory, NodeState
+from llmgw.control.loop import Loop
+from llmgw.control.placement import Fleet, Plan, ShardPlan
+from llmgw.control.records import PlaneCounts, ReplicaRecord, ReplicaState
+from llmgw.control.runtime import ModelCatalog
+from llmgw.control.scaling import ModelState
+from llmgw.control.settings import ControlConfig
+from llmgw.control.snapshot import Snapshot
+from llmgw.wire import agent_pb2 as pb
+from llmgw.wire.engines import SLEEP_LEVELS
+
+GB = 1024**3
+
+
+class SleepRefused(Exception):
+    """
+    An operator's sleep or wake of a replica cannot be done now; the
+    message says why.
+    """
+
+
+class Sleeping:
+    """
+    The sleep half of L{llmgw.control.plane.ControlPlane}, which provides
+    the attributes declared here.
+    """
+
+    log: Logger
+    clock: IReactorTime
+    inventory: Inventory
+    settings: ControlConfig
+    catalog: ModelCatalog
+    counts: PlaneCounts
+    replicas: dict[str, ReplicaRecord]
+    leave_timeout: float
+    loop: Loop
+    _by_model: dict[str, dict[str, ReplicaRecord]]
+    _outstanding: Callable[[str], int]
+    _cut: Callable[[str, str], object]
+    _commands: ShardCommands
+    _changes: Changes
+
+    def _republish(self, replica_id: str) -> None:
+        raise NotImplementedError()
+
+    def _publish_ready(self) -> None:
+        raise NotImplementedError()
+
+    def _drain(self, replica: ReplicaRecord, why: str, patience: float = 0.0) -> bool:
+        raise NotImplementedError()
+
+    if TYPE_CHECKING:
+        # Provided by the classes after this one in the plane's bases.
+        def _fleet_for(self, name: str, snapshot: Snapshot) -> Fleet: ...
+
+        def _live_snapshot(self) -> Snapshot: ...
+
+        def _swap_done(self, name: str, placed: bool) -> None: ...
+
+        def _swap_waits(self, name: str, now: float) -> bool: ...
+
+        def _evict_for_wake(
+            self,
+            state: ModelState,
+            now: float,
+            snapshot: Snapshot,
+            sleeper: ReplicaRecord,
+        ) -> bool: ...
+
+        def _place_missing(
+            self,
+            state: ModelState,
+            now: float,
+            snapshot: Snapshot | None,
+            live: list[ReplicaRecord],
+            want: int,
+        ) -> Snapshot: ...
+
+    # Whether, and why not.
+
+    def why_not_sleep(self, replica: ReplicaRecord) -> str | None:
+        """
+        @return: why C{replica} may not be put to sleep now, in words, or
+            L{None} when it may: its profile says C{sleep}, it is ready,
+            its engine did not refuse sleep mode, and each of its nodes'
+            C{sleep_memory} has room for what it would hold there.
+        """
+        profile = replica.profile
+        if profile.sleep == "off":
+            return f'profile {profile.name} of {replica.model} has sleep = "off"'
+        refused = next((s.sleep_refused for s in replica.shards if s.sleep_refused), "")
+        if refused:
+            return f"its engine refused sleep mode ({refused})"
+        if replica.state != ReplicaState.READY:
+            return f"it is {replica.state}"
+        need = profile.sleep_host_memory_gb
+        for node_id in {s.node for s in replica.shards}:
+            node = self.inventory.get(node_id)
+            budget = (node.sleep_memory_bytes if node is not None else 0) / GB
+            held = self._sleeping_host_gb(node_id)
+            if held + need > budget + 1e-9:
+                return (
+                    f"node {node_id}'s sleep_memory ({budget:.1f} GB) holds"
+                    f" {held:.1f} GB of sleeping replicas; {need:.1f} GB more"
+                    " does not fit"
+                )
+        return None
+
+    def _sleeping_host_gb(self, node_id: str) -> float:
+        """
+        @return: GB of host memory the dormant replicas on C{node_id}
+            hold (or will, once asleep).
+        """
+        held = 0.0
+        for replicas in self._by_model.values():
+            for replica in replicas.values():
+                if replica.dormant and any(s.node == node_id for s in replica.shards):
+                    held += replica.profile.sleep_host_memory_gb
+        return held
+
+    # Going to sleep.
+
+    def _retire(self, replica: ReplicaRecord, why: str, reason: str) -> bool:
+        """
+        Take C{replica} out of service without cutting a stream: put to
+        sleep when it may (L{why_not_sleep}), else drained.
+
+        @param reason: the swap reason counted when it sleeps
+            (C{"slept"}, C{"idle_sleep"}).
+        @return: whether it sleeps.
+        """
+        not_sleep = self.why_not_sleep(replica)
+        if not_sleep is None:
+            self._sleep(replica, why, reason)
+            return True
+        if replica.profile.sleep != "off":
+            self.log.info(
+                "replica {replica} of {model} cannot sleep ({because}): stopping it",
+                replica=replica.id,
+                model=replica.model,
+                because=not_sleep,
+            )
+        self._drain(replica, why, self.leave_timeout)
+        return False
+
+    def _sleep(self, replica: ReplicaRecord, why: str, reason: str) -> None:
+        """
+        Put C{replica} to sleep: unpublished now, its shards told to sleep
+        once its last request ends (L{_finish_sleep}).
+        """
+        replica.sleep_at = self.clock.seconds()
+        replica.sleep_sent_at = None
+        replica.sleep_reason = why
+        self.counts.swapped(replica.model, reason)
+        self.log.info(
+            "putting replica {replica} of {model} to sleep ({sleep}): {why}",
+            replica=replica.id,
+            model=replica.model,
+            sleep=replica.profile.sleep,
+            why=why,
+        )
+        self._changes.model(replica.model)
+        self._republish(replica.id)
+        self._publish_ready()
+
+    def _finish_sleep(self, replica: ReplicaRecord, now: float) -> None:
+        """
+        C{replica} was put to sleep: once nothing is in flight to it (or
+        the router's C{total_timeout} passed, when what is left is cut),
+        its shards are told to sleep.
+        """
+        if replica.sleep_at is None or replica.sleep_sent_at is not None:
+            return
+        in_flight = self._outstanding(replica.id)
+        late = now - replica.sleep_at >= self.leave_timeout
+        if in_flight and not late:
+            return
+        if in_flight:
+            self.log.warn(
+                "replica {replica}: {count} requests still in flight after"
+                " {seconds:g}s; putting it to sleep",
+                replica=replica.id,
+                count=in_flight,
+                seconds=self.leave_timeout,
+            )
+            self._cut(replica.id, f"it went to sleep after {self.leave_timeout:g}s")
+        replica.sleep_sent_at = now
+        level = SLEEP_LEVELS[replica.profile.sleep]
+        sent = [
+            self._commands.sleep(shard.node, shard.id, level, shard)
+            for shard in replica.shards
+        ]
+        gatherResults(sent).addCallback(self._slept, replica)
+
+    def _slept(self, results: list[pb.CommandResult], replica: ReplicaRecord) -> None:
+        if self.replicas.get(replica.id) is not replica or not replica.dormant:
+            return
+        failed = next((r for r in results if not r.ok), None)
+        if failed is not None:
+            self.log.warn(
+                "replica {replica} of {model} did not go to sleep ({code}: {error});"
+                " stopping it",
+                replica=replica.id,
+                model=replica.model,
+                code=failed.code or "error",
+                error=failed.error,
+            )
+            replica.sleep_at = None
+            self._drain(replica, "it did not go to sleep", self.leave_timeout)
+        elif replica.sleep_sent_at is not None:
+            replica.asleep_at = self.clock.seconds()
+            seconds = replica.asleep_at - replica.sleep_sent_at
+            self.counts.observed("sleep", replica.model, seconds)
+        self._changes.model(replica.model)
+        self.loop.kick()
+
+    # Waking.
+
+    def _wake_room(self, replica: ReplicaRecord, fleet: Fleet) -> str | None:
+        """
+        @return: why C{replica} cannot be woken where it sleeps in
+            C{fleet}, or L{None} when each of its GPUs has the memory it
+            would take back and no other replica is placed there.  A node
+            not heard since it went to sleep still counts its memory awake.
+        """
+        profile = replica.profile
+        for shard in replica.shards:
+            view = fleet.get(shard.node)
+            if view is None or view.state != NodeState.READY:
+                return f"node {shard.node} is not ready"
+            node = self.inventory.get(shard.node)
+            stale = (
+                node is not None
+                and replica.asleep_at is not None
+                and node.heard <= replica.asleep_at
+            )
+            held = profile.gpu_memory_gb if stale else profile.sleep_gpu_memory_gb
+            need_mib = int((profile.gpu_memory_gb - held) * 1024)
+            for gpu in view.gpus:
+                if gpu.index not in shard.gpus:
+                    continue
+                if gpu.allocated:
+                    return f"GPU {gpu.index} of {shard.node} is in use"
+                if gpu.free_mib < need_mib:
+                    return (
+                        f"GPU {gpu.index} of {shard.node} has"
+                        f" {gpu.free_mib / 1024:.1f} GB free, waking needs"
+                        f" {need_mib / 1024:.1f} GB"
+                    )
+        return None
+
+    def _wake(self, replica: ReplicaRecord, now: float, why: str) -> None:
+        """
+        Wake C{replica}: C{waking} until every shard's engine answered,
+        then published (ready) or, if a wake failed, stopped.
+        """
+        replica.wake_at = now
+        replica.sleep_at = None
+        replica.sleep_sent_at = None
+        replica.asleep_at = None
+        replica.sleep_reason = ""
+        replica.resident_since = now
+        self.log.info(
+            "waking replica {replica} of {model}: {why}",
+            replica=replica.id,
+            model=replica.model,
+            why=why,
+        )
+        sent = [self._commands.wake(s.node, s.id, s) for s in replica.shards]
+        gatherResults(sent).addCallback(self._woken, replica)
+        self._changes.model(replica.model)
+
+    def _woken(self, results: list[pb.CommandResult], replica: ReplicaRecord) -> None:
+        if self.replicas.get(replica.id) is not replica or replica.wake_at is None:
+            return
+        failed = next((r for r in results if not r.ok), None)
+        woke_at, replica.wake_at = replica.wake_at, None
+        if failed is not None:
+            self.log.warn(
+                "replica {replica} of {model} did not wake ({code}: {error});"
+                " stopping it",
+                replica=replica.id,
+                model=replica.model,
+                code=failed.code or "error",
+                error=failed.error,
+            )
+            self._drain(replica, "it did not wake", self.leave_timeout)
+        else:
+            seconds = self.clock.seconds() - woke_at
+            self.counts.observed("wake", replica.model, seconds)
+            self._republish(replica.id)
+        self._changes.model(replica.model)
+        self.loop.kick()
+
+    def _wake_missing(
+        self,
+        state: ModelState,
+        now: float,
+        snapshot: Snapshot,
+        asleep: Sequence[ReplicaRecord],
+        missing: int,
+    ) -> list[ReplicaRecord]:
+        """
+        Wake up to C{missing} of C{asleep} (its model's replicas asleep)
+        where their GPUs have room, the most recently resident first.
+
+        @return: those woken.
+        """
+        woken: list[ReplicaRecord] = []
+        name = state.model.name
+        for replica in sorted(asleep, key=lambda r: -r.resident_since):
+            if len(woken) >= missing:
+                break
+            if self._wake_room(replica, self._fleet_for(name, snapshot)) is not None:
+                continue
+            self._wake(replica, now, "its model is wanted and its GPUs have room")
+            snapshot.take(held_plan(replica))
+            woken.append(replica)
+        if woken:
+            state.no_fit = None
+            self._swap_done(name, placed=True)
+        return woken
+
+    def _place_or_wake(
+        self,
+        state: ModelState,
+        now: float,
+        snapshot: Snapshot | None,
+        live: list[ReplicaRecord],
+        want: int,
+        dormant: list[ReplicaRecord],
+    ) -> Snapshot:
+        """
+        Bring C{state}'s model up to C{want} replicas: wake those asleep
+        whose GPUs have room (preferred to a cold start); with requests
+        held and none of them with room, evict what lets one wake
+        (L{llmgw.control.swaps}); place the rest (L{_place_missing}).
+        """
+        name = state.model.name
+        if self._swap_waits(name, now):
+            return snapshot or self._live_snapshot()
+        if snapshot is None:
+            snapshot = self._live_snapshot()
+        staying = sum(1 for r in live if r.leaving_since is None)
+        asleep = [r for r in dormant if r.asleep]
+        woken = self._wake_missing(state, now, snapshot, asleep, want - staying)
+        if woken:
+            live = live + woken
+        elif asleep and state.waiters and self.settings.evict:
+            latest = max(asleep, key=lambda r: r.resident_since)
+            if self._evict_for_wake(state, now, snapshot, latest):
+                return snapshot
+        if staying + len(woken) >= want:
+            return snapshot
+        return self._place_missing(state, now, snapshot, live, want)
+
+    def _dormant_over(
+        self, model: Model, staying: int, dormant: list[ReplicaRecord]
+    ) -> None:
+        """
+        Stop the dormant replicas beyond what C{model}'s C{max_replicas}
+        leaves room for beside the C{staying} ones.
+        """
+        room = max(0, model.max_replicas - staying)
+        for replica in sorted(dormant, key=lambda r: -r.resident_since)[room:]:
+            self._drain(replica, f"asleep beyond max_replicas {model.max_replicas}")
+
+    # The operator's.
+
+    def sleep_replica(self, replica_id: str) -> ReplicaRecord:
+        """
+        Put a ready replica to sleep (the admin API's); its model's wanted
+        count goes down by one, as a scale-down's.
+
+        @raise KeyError: no such replica.
+        @raise SleepRefused: it may not sleep now (the message says why),
+            or its model would go below C{min_replicas}.
+        """
+        replica = self.replicas[replica_id]
+        state = self.catalog.get(replica.model)
+        why = self.why_not_sleep(replica)
+        if why is not None:
+            raise SleepRefused(f"replica {replica_id} cannot sleep: {why}")
+        awake = self._awake(replica.model)
+        if state is not None and awake - 1 < state.model.min_replicas:
+            raise SleepRefused(
+                f"replica {replica_id} cannot sleep: model {replica.model} would"
+                f" have {awake - 1} replicas awake, under its min_replicas"
+                f" {state.model.min_replicas}"
+            )
+        if state is not None:
+            state.wanted = awake - 1
+        self._sleep(replica, "put to sleep by the operator", "slept")
+        self.loop.kick()
+        return replica
+
+    def wake_replica(self, replica_id: str) -> ReplicaRecord:
+        """
+        Wake a sleeping replica (the admin API's); its model's wanted
+        count goes up by one, and its idle time counts from now.
+
+        @raise KeyError: no such replica.
+        @raise SleepRefused: it is not asleep, its model is at
+            C{max_replicas}, or its GPUs have no room (the message says
+            which).
+        """
+        replica = self.replicas[replica_id]
+        if replica.dormant and not replica.asleep:
+            raise SleepRefused(
+                f"replica {replica_id} is still going to sleep; wake it once asleep"
+            )
+        if not replica.asleep:
+            raise SleepRefused(f"replica {replica_id} is {replica.state}, not asleep")
+        state = self.catalog.get(replica.model)
+        awake = self._awake(replica.model)
+        if state is not None and awake >= state.model.max_replicas:
+            raise SleepRefused(
+                f"model {replica.model} has {awake} replicas awake, its max_replicas"
+            )
+        snapshot = self._live_snapshot()
+        room = self._wake_room(replica, self._fleet_for(replica.model, snapshot))
+        if room is not None:
+            raise SleepRefused(f"replica {replica_id} cannot wake now: {room}")
+        now = self.clock.seconds()
+        if state is not None:
+            state.wanted = awake + 1
+            state.busy_at = max(state.busy_at, now)
+            state.last_used = max(state.last_used, now)
+        self._wake(replica, now, "woken by the operator")
+        snapshot.take(held_plan(replica))
+        self.loop.kick()
+        return replica
+
+    def _awake(self, name: str) -> int:
+        """
+        @return: model C{name}'s replicas neither draining, leaving nor
+            dormant.
+        """
+        return sum(
+            1
+            for r in self._by_model.get(name, {}).values()
+            if r.draining_since is None and r.leaving_since is None and not r.dormant
+        )
+
+    def pin(self, name: str, pinned: bool) -> Model:
+        """
+        Mark a model pinned (never evicted to make room for another) or
+        not; kept until the server restarts.
+
+        @return: the model, changed.
+        @raise KeyError: no such model.
+        """
+        state = self.catalog.get(name)
+        if state is None:
+            raise KeyError(name)
+        state.model = replace(state.model, pinned=pinned)
+        self.log.info(
+            "model {model} {what}", model=name, what="pinned" if pinned else "unpinned"
+        )
+        self._changes.model(name)
+        self.loop.kick()
+        return state.model
+
+
+def held_plan(replica: ReplicaRecord) -> Plan:
+    """
+    @return: C{replica}'s shards as a placement L{Plan} (to count them
+        taken in a snapshot).
+    """
+    shards = tuple(ShardPlan(s.node, s.gpus, s.port, s.rank) for s in replica.shards)
+    return Plan(replica.profile, shards, replica.rendezvous_port)

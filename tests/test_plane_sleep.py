@@ -1,0 +1,251 @@
+"""
+Sleep as a state of a replica (issue 25 item 2) on a control plane on a
+L{Clock} (see L{tests.plane_support}): idle replicas of a model whose
+profile says C{sleep} sleep instead of stopping, evicted ones too, and
+are woken rather than cold-started; the node's C{sleep_memory}, an engine
+that refused sleep mode and a failed sleep stop them instead.  The real
+daemons are in L{tests.test_e2e_sleep}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from llmgw.control.catalog import Model
+from llmgw.control.placement import Profile
+from llmgw.control.settings import ControlConfig
+from llmgw.control.sleeping import SleepRefused
+from llmgw.wire import agent_pb2 as pb
+from tests.plane_support import SETTINGS, register_message
+from tests.test_plane_swaps import SwapCase
+
+GIB = 1024**3
+
+
+def sleepy(name: str, **kwargs: object) -> Model:
+    """
+    @return: a model of 60 GB on one GPU whose replicas sleep (level 1,
+        keeping 1 GB on the GPU and 60 GB of host memory), min_replicas
+        0, max 1, idle after 600 s.
+    """
+    profile = Profile(
+        name="p",
+        engine="sim",
+        source="s",
+        gpus=1,
+        gpu_memory_gb=60,
+        sleep="weights",
+        sleep_gpu_memory_gb=1,
+        sleep_host_memory_gb=60,
+    )
+    model = Model(
+        name=name,
+        aliases=(),
+        min_replicas=0,
+        max_replicas=1,
+        idle_timeout=600,
+        profiles=(profile,),
+        min_resident=5,
+    )
+    return replace(model, **kwargs)  # type: ignore[arg-type]
+
+
+class SleepCase(SwapCase):
+    def node(self, node_id: str = "n1", sleep_gib: int = 200) -> None:
+        message = register_message(node_id)
+        message.sleep_memory_bytes = sleep_gib * GIB
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered(node_id, message)
+
+    def setup(
+        self, *models: Model, sleep_gib: int = 200, settings: ControlConfig = SETTINGS
+    ) -> None:
+        self.make(*models, nodes=(), settings=settings)
+        self.node("n1", sleep_gib)
+
+    def sent(self, kind: str) -> list[str]:
+        return [
+            getattr(m, kind).shard_id for _, m in self.agents.sent if m.HasField(kind)
+        ]
+
+
+class IdleSleepTests(SleepCase):
+    def test_idle_replica_sleeps(self) -> None:
+        """
+        Idle for C{idle_timeout}, the replica is told to sleep at its
+        profile's level, not stopped; unpublished, counted and timed.
+        """
+        self.setup(sleepy("a"))
+        a = self.serve("a")
+        self.tick(601)
+        self.assertEqual(self.sent("sleep_shard"), [a + "-0"])
+        (_, message), *_ = [
+            (n, m) for n, m in self.agents.sent if m.HasField("sleep_shard")
+        ]
+        self.assertEqual(message.sleep_shard.level, 1)
+        self.assertEqual(self.agents.stops(), [])
+        self.assertEqual(self.plane.replicas[a].state, "sleeping")
+        self.assertTrue(self.plane.replicas[a].asleep)
+        self.assertEqual(self.endpoints(), [])
+        self.assertEqual(self.plane.counts.swaps, {("a", "idle_sleep"): 1})
+        self.assertEqual(self.plane.counts.sleep_seconds, {"a": [0.0]})
+        (gpu,) = self.plane._live_snapshot().fleet.get("n1").gpus
+        self.assertFalse(gpu.allocated)
+
+    def test_request_wakes_it(self) -> None:
+        """
+        A request for the model wakes its sleeping replica (no new
+        start); the request is let through once it is ready again.
+        """
+        self.setup(sleepy("a"))
+        a = self.serve("a")
+        self.tick(601)
+        starts = len(self.agents.starts())
+        waiter = self.plane.catalog.activate("a")
+        self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
+        self.assertEqual(len(self.agents.starts()), starts)
+        self.assertEqual(self.plane.replicas[a].state, "ready")
+        self.tick(1)
+        self.assertIsNone(self.successResultOf(waiter))
+        self.assertEqual(len(self.endpoints()), 1)
+        self.assertIn("a", self.plane.counts.wake_seconds)
+
+    def test_no_sleep_memory_stops_it(self) -> None:
+        """
+        A node whose C{sleep_memory} has no room: the idle replica is
+        stopped instead.
+        """
+        self.setup(sleepy("a"), sleep_gib=10)
+        a = self.serve("a")
+        self.tick(601)
+        self.assertEqual(self.sent("sleep_shard"), [])
+        self.assertEqual(self.agents.stops(), [a + "-0"])
+        self.assertEqual(self.plane.counts.swaps, {})
+
+    def test_refused_at_start_stops_it(self) -> None:
+        """
+        Its engine refused sleep mode at start (the agent's note): the
+        idle replica is stopped instead, and the reason is kept.
+        """
+        self.setup(sleepy("a"))
+        waiter = self.plane.catalog.activate("a")
+        self.plane.reconcile()
+        ((_, start),) = self.agents.starts()
+        status = pb.ShardStatus(
+            shard_id=start.shard_id,
+            state=pb.SHARD_STATE_READY,
+            note="sleep refused: Sleep mode is not supported on current platform.",
+        )
+        self.plane.shard_status("n1", status)
+        self.plane.reconcile()
+        self.successResultOf(waiter)
+        replica = self.plane.replicas[start.replica_id]
+        self.assertIn("not supported", self.plane.why_not_sleep(replica) or "")
+        self.tick(601)
+        self.assertEqual(self.sent("sleep_shard"), [])
+        self.assertEqual(self.agents.stops(), [start.shard_id])
+
+    def test_failed_sleep_stops_it(self) -> None:
+        """
+        The agent answers the sleep C{sleep_refused}: the replica is
+        stopped, and not counted asleep.
+        """
+        self.setup(sleepy("a"))
+        a = self.serve("a")
+        self.agents.refuse["n1"] = "sleep_refused"
+        self.tick(601)
+        self.assertEqual(self.sent("sleep_shard"), [a + "-0"])
+        self.tick(1)
+        self.assertEqual(self.agents.stops(), [a + "-0"])
+        self.assertEqual(self.plane.counts.sleep_seconds, {})
+
+
+class SwapSleepTests(SleepCase):
+    def test_evicted_sleeps_and_wakes_back(self) -> None:
+        """
+        C{a} then C{b} on one GPU, then C{a} again: each time the other
+        is put to sleep to make room, and C{a} comes back by a wake, not
+        a second start.
+        """
+        self.setup(sleepy("a"), sleepy("b"))
+        a = self.serve("a")
+        self.tick(10)
+        waiter = self.plane.catalog.activate("b")
+        self.tick(1)
+        self.assertEqual(self.sent("sleep_shard"), [a + "-0"])
+        self.tick(1)
+        self.ready_all()
+        self.tick(1)
+        self.successResultOf(waiter)
+        (b,) = self.of("b")
+        self.tick(10)
+        waiter = self.plane.catalog.activate("a")
+        self.tick(1)
+        self.assertEqual(self.sent("sleep_shard"), [a + "-0", b + "-0"])
+        self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
+        self.tick(1)
+        self.successResultOf(waiter)
+        self.assertEqual(self.of("a"), [a])
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b])
+        self.assertEqual(self.agents.stops(), [])
+        self.assertEqual(
+            self.plane.counts.swaps, {("a", "slept"): 1, ("b", "slept"): 1}
+        )
+
+    def test_busy_victim_sleeps_after_its_stream(self) -> None:
+        """
+        A victim chosen busy (past C{swap_max_wait}) is unpublished at
+        once but told to sleep only when its last request ends.
+        """
+        settings = replace(SETTINGS, evict=True, swap_max_wait=5.0)
+        self.setup(sleepy("a"), sleepy("b"), settings=settings)
+        a = self.serve("a")
+        self.in_flight[a] = 1
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.tick(6)
+        self.tick(1)
+        self.assertEqual(self.plane.replicas[a].state, "sleeping")
+        self.assertEqual(self.endpoints(), [])
+        self.assertEqual(self.sent("sleep_shard"), [])
+        self.assertEqual(self.cuts, [])
+        self.in_flight[a] = 0
+        self.tick(1)
+        self.assertEqual(self.sent("sleep_shard"), [a + "-0"])
+
+
+class OperatorTests(SleepCase):
+    def test_sleep_and_wake(self) -> None:
+        """
+        The operator puts a ready replica to sleep and wakes it; the
+        model does not undo either.
+        """
+        self.setup(sleepy("a"))
+        a = self.serve("a")
+        self.plane.sleep_replica(a)
+        self.tick(1)
+        self.tick(30)
+        self.assertTrue(self.plane.replicas[a].asleep)
+        self.assertEqual(self.sent("wake_shard"), [])
+        self.plane.wake_replica(a)
+        self.tick(1)
+        self.tick(30)
+        self.assertEqual(self.plane.replicas[a].state, "ready")
+        self.assertEqual(self.sent("sleep_shard"), [a + "-0"])
+
+    def test_refusals(self) -> None:
+        """
+        Under C{min_replicas}, not asleep, an unknown id: refused.
+        """
+        self.setup(sleepy("a", min_replicas=1))
+        self.tick(1)
+        self.ready_all()
+        self.tick(1)
+        (a,) = self.of("a")
+        error = self.assertRaises(SleepRefused, self.plane.sleep_replica, a)
+        self.assertIn("under its min_replicas 1", str(error))
+        error = self.assertRaises(SleepRefused, self.plane.wake_replica, a)
+        self.assertIn("not asleep", str(error))
+        self.assertRaises(KeyError, self.plane.sleep_replica, "nope")

@@ -15,6 +15,7 @@ import threading
 import uuid
 from typing import Any
 
+import anthropic
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -225,6 +226,16 @@ class AdapterTests(_Fleet, CtlMixin, SynchronousTestCase):
             self.stats(url)["lora_loads"], {"ad-a": 1, "ad-b": 1, "ad-c": 1}
         )
         self.server.wait_for(r"unloaded adapter ad-b from replica")
+
+        # Anthropic's Messages API reaches the adapter too (translated for
+        # the sim), loaded already: no second load.
+        message = anthropic.Anthropic(
+            base_url=self.api_url, api_key="unused", max_retries=0
+        ).messages.create(
+            model="ad-c", max_tokens=3, messages=[{"role": "user", "content": "hi"}]
+        )
+        self.assertEqual((message.model, message.usage.output_tokens), ("ad-c", 3))
+        self.assertEqual(self.stats(url)["lora_load_requests"]["ad-c"], 1)
 
         # A base added at run time with an adapter is not removed while
         # the adapter is declared; the refusal names it.

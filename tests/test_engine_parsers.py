@@ -25,6 +25,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.engines import build
+from llmgw.control.catalog import parse_models
 from llmgw.wire import agent_pb2 as pb
 from tests.vllm_support import ROOT, SGLANG_PATH, VLLM_PYTHON, require_vllm
 
@@ -78,6 +79,25 @@ def _gang(rank: int, **fields: Any) -> pb.StartShard:
         leader_address="10.0.0.1:20002",
         **fields,
     )
+
+
+def _lora_base() -> pb.StartShard:
+    """
+    @return: the command of a LoRA base's replica: its profile's args and
+        env as the catalog made them (L{llmgw.control.catalog.lora_flags}).
+    """
+    base, _ = parse_models(
+        [
+            {
+                "name": "m",
+                "max_lora_rank": 32,
+                "profiles": [{"name": "p", "engine": "vllm", "source": "/models/m"}],
+            },
+            {"name": "ad", "base": "m", "adapter": "/loras/ad", "rank": 8},
+        ]
+    )
+    profile = base.profiles[0]
+    return _command(gpu_indices=[0], args=list(profile.args), env=dict(profile.env))
 
 
 # Each case: a name, the command, what the parse must hold.
@@ -137,6 +157,11 @@ VLLM_CASES: list[tuple[str, pb.StartShard, dict[str, Any]]] = [
             + ["--max-loras", "2", "--max-lora-rank", "16"],
         ),
         {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16},
+    ),
+    (
+        "a LoRA base: the catalog's flags",
+        _lora_base(),
+        {"enable_lora": True, "max_loras": 4, "max_lora_rank": 32},
     ),
     (
         "KV cache events and prefix caching from the profile",

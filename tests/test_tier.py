@@ -66,6 +66,23 @@ class WatchTests(SynchronousTestCase):
         self.assertLess(second["version"], third["version"])
         self.assertEqual(endpoint_from_json(second["endpoints"][0]), E1)
 
+    def test_endpoint_adapters_round_trip(self) -> None:
+        """
+        A LoRA base's endpoint keeps its adapters and C{max_loras} through
+        the watch's JSON: a tier's routers load adapters as the server's.
+        """
+        base = Endpoint(
+            "r2",
+            "http://10.0.0.2:8000",
+            ("m", "m-sql"),
+            adapters=(("m-sql", "/adapters/sql"),),
+            max_loras=3,
+        )
+        self.assertEqual(
+            endpoint_from_json(json.loads(json.dumps(endpoint_json(base)))), base
+        )
+        self.assertEqual(endpoint_from_json(endpoint_json(E1)).adapters, ())
+
     def test_keepalive_and_unannounced_change(self) -> None:
         """
         An empty line every KEEPALIVE seconds; a catalog change nobody

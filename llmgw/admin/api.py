@@ -247,7 +247,7 @@ class Admin(KeyRoutes, WatchRoutes, DrainRoutes, SwapRoutes):
             raise AdminError(404, "no store in this server", "not_found")
         body = read_body(request)
         try:
-            (model,) = parse_models([body])
+            (model,) = parse_models([body], check_bases=False)
         except ConfigError as e:
             raise AdminError(400, str(e), "bad_model") from None
         try:
@@ -278,12 +278,20 @@ class Admin(KeyRoutes, WatchRoutes, DrainRoutes, SwapRoutes):
         """
         plane = self._plane()
         name = plane.catalog.resolve(name) or name
-        if plane.catalog.model(name) is None:
+        if plane.catalog.model(name) is None and plane.catalog.adapter(name) is None:
             raise not_found(f"model {name[:200]!r}")
         if name in self.config_models:
             raise AdminError(
                 409,
                 f"model {name!r} is declared in the config file: remove it there",
+                "conflict",
+            )
+        uses = plane.catalog.adapters_of(name)
+        if uses:
+            raise AdminError(
+                409,
+                f"model {name!r} is the base of adapters"
+                f" {', '.join(a.name for a in uses)}: remove them first",
                 "conflict",
             )
         assert self.store is not None

@@ -7,7 +7,7 @@ name the model, the profile, the field and the value.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmgw.config_checks import (
@@ -20,7 +20,7 @@ from llmgw.config_checks import (
     parse_duration,
 )
 from llmgw.control.placement import Profile
-from llmgw.wire.engines import ENGINES, SLEEP_LEVELS, SLEEPING_ENGINES
+from llmgw.wire.engines import ENGINES, LORA_ENGINES, SLEEP_LEVELS, SLEEPING_ENGINES
 
 MAX_COUNT = 10_000
 """
@@ -79,10 +79,49 @@ MODELS_TABLE = Table(
         Key(
             "profiles",
             "[[models.profiles]] tables",
-            "Ways to run it, at least one.",
+            "Ways to run it, at least one (none for an adapter).",
+        ),
+        Key(
+            "base",
+            "string",
+            "A LoRA adapter: the catalog model it runs on (no profiles then);"
+            " its requests go to the base's replicas, which load it when needed.",
+            None,
+        ),
+        Key(
+            "adapter",
+            "string",
+            "With base: the adapter's path or hub id, as the engine's"
+            " load_lora_adapter takes it.",
+            None,
+        ),
+        Key(
+            "rank",
+            "integer, 1 to 1024",
+            "With base: the adapter's LoRA rank, at most the base's max_lora_rank.",
+            None,
+        ),
+        Key(
+            "max_loras",
+            "integer, 0 to 1024",
+            "On a base: adapters its replicas keep loaded (vLLM --max-loras);"
+            " the least recently used beyond it is unloaded.  LoRA is on"
+            " (--enable-lora) when it is above 0.",
+            shown="4 when adapters in the file name this model, else 0",
+        ),
+        Key(
+            "max_lora_rank",
+            "integer, 1 to 1024",
+            "On a base: the largest adapter rank (vLLM --max-lora-rank).",
+            16,
         ),
     ),
 )
+
+DEFAULT_MAX_LORAS = 4
+"""
+A base's C{max_loras} when adapters name it and it gives none.
+"""
 
 PROFILES_TABLE = Table(
     "[[models.profiles]]",
@@ -168,6 +207,13 @@ class Model:
     @ivar priority: lower is evicted first.
     @ivar min_resident: seconds a replica started or woken is kept before
         it may be evicted.
+    @ivar base: for a LoRA adapter, the catalog model it runs on (it has
+        no profiles); else L{None}.
+    @ivar adapter: the adapter's path or hub id, with C{base}.
+    @ivar rank: the adapter's rank, 0 when not given.
+    @ivar max_loras: on a base, the adapters each replica keeps loaded;
+        0: LoRA off.
+    @ivar max_lora_rank: on a base, the largest rank.
     """
 
     name: str
@@ -179,6 +225,11 @@ class Model:
     pinned: bool = False
     priority: int = 0
     min_resident: float = 5.0
+    base: str | None = None
+    adapter: str | None = None
+    rank: int = 0
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -330,6 +381,13 @@ def _model(where: str, table: object) -> Model:
         raise ConfigError(f"{where}.pinned: expected true or false, got {pinned!r}")
     priority = _priority(f"{where}.priority", table.get("priority", 0))
     resident = parse_duration(f"{where}.min_resident", table.get("min_resident", "5s"))
+    if "base" in table:
+        return _adapter(where, table, name, tuple(aliases))
+    for key in ("adapter", "rank"):
+        if key in table:
+            raise ConfigError(f"{where}.{key}: only for an adapter (with base)")
+    loras = _small(f"{where}.max_loras", table.get("max_loras", -1), 0, -1)
+    lora_rank = _small(f"{where}.max_lora_rank", table.get("max_lora_rank", 16), 1)
     profiles = table.get("profiles")
     if not isinstance(profiles, list) or not profiles:
         raise ConfigError(
@@ -344,20 +402,153 @@ def _model(where: str, table: object) -> Model:
             raise ConfigError(f"{where}.profiles: duplicate name {profile.name!r}")
         seen.add(profile.name)
     return Model(
-        name, tuple(aliases), low, high, idle, parsed, pinned, priority, resident
+        name,
+        tuple(aliases),
+        low,
+        high,
+        idle,
+        parsed,
+        pinned,
+        priority,
+        resident,
+        max_loras=loras,
+        max_lora_rank=lora_rank,
     )
 
 
-def parse_models(tables: Any) -> tuple[Model, ...]:
+def _small(where: str, value: object, low: int, unset: int | None = None) -> int:
+    if unset is not None and value == unset and not isinstance(value, bool):
+        return unset
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not low <= value <= 1024
+    ):
+        raise ConfigError(
+            f"{where}: expected an integer from {low} to 1024, got {value!r}"
+        )
+    return value
+
+
+def _adapter(
+    where: str, table: Mapping[str, Any], name: str, aliases: tuple[str, ...]
+) -> Model:
+    """
+    A LoRA adapter's table: C{base}, C{adapter}, optional C{rank}; no
+    profiles and no replica bounds (it runs on its base's replicas).
+    """
+    for key in (
+        "profiles",
+        "min_replicas",
+        "max_replicas",
+        "max_loras",
+        "max_lora_rank",
+    ):
+        if key in table:
+            raise ConfigError(
+                f"{where}.{key}: an adapter (base = {table['base']!r}) runs on its"
+                " base's replicas: remove it"
+            )
+    base = _name(f"{where}.base", table["base"])
+    if base == name:
+        raise ConfigError(f"{where}.base: the model itself")
+    if "adapter" not in table:
+        raise ConfigError(f"{where}.adapter: missing: the adapter's path or hub id")
+    source = _name(f"{where}.adapter", table["adapter"])
+    rank = _small(f"{where}.rank", table.get("rank", 0), 1, 0)
+    return Model(name, aliases, 0, 1, 0.0, (), base=base, adapter=source, rank=rank)
+
+
+def lora_flags(model: Model) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """
+    @return: the arguments and environment a LoRA base's engine starts
+        with: C{--enable-lora --max-loras N --max-lora-rank R} and
+        C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True} (vLLM's; the simulator
+        takes the same); nothing when C{max_loras} is 0.
+    """
+    if model.max_loras <= 0:
+        return (), ()
+    args = ("--enable-lora", "--max-loras", str(model.max_loras)) + (
+        "--max-lora-rank",
+        str(model.max_lora_rank),
+    )
+    return args, (("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),)
+
+
+def check_adapter(adapter: Model, base: Model | None) -> None:
+    """
+    @raise ConfigError: C{base} (the model C{adapter.base} names) is
+        missing, an adapter itself, not LoRA-enabled, not run by an engine
+        that loads adapters, or its C{max_lora_rank} is below the rank.
+    """
+    where = f"models ({adapter.name}).base"
+    if base is None:
+        raise ConfigError(f"{where}: no model {adapter.base!r}")
+    if base.base is not None:
+        raise ConfigError(f"{where}: {base.name!r} is an adapter itself")
+    if base.max_loras <= 0:
+        raise ConfigError(
+            f"{where}: {base.name!r} has max_loras = 0: set it above 0 to load adapters"
+        )
+    other = [p.name for p in base.profiles if p.engine not in LORA_ENGINES]
+    if other:
+        raise ConfigError(
+            f"{where}: {base.name!r} profiles {', '.join(other)} run engines that"
+            f" load no adapters (only {', '.join(LORA_ENGINES)})"
+        )
+    if adapter.rank > base.max_lora_rank:
+        raise ConfigError(
+            f"models ({adapter.name}).rank: {adapter.rank} is above"
+            f" {base.name!r}'s max_lora_rank = {base.max_lora_rank}"
+        )
+
+
+def _with_lora(model: Model, named: bool) -> Model:
+    """
+    C{model} with its C{max_loras} settled (L{DEFAULT_MAX_LORAS} when
+    adapters name it and it gave none) and, on a LoRA base, the LoRA
+    flags before each profile's args (which may override them).
+    """
+    loras = model.max_loras
+    if loras < 0:
+        loras = DEFAULT_MAX_LORAS if named else 0
+    model = replace(model, max_loras=loras)
+    args, env = lora_flags(model)
+    if not args:
+        return model
+    profiles = tuple(
+        replace(
+            p,
+            args=(*args, *p.args),
+            env=tuple(sorted({**dict(env), **dict(p.env)}.items())),
+        )
+        for p in model.profiles
+    )
+    return replace(model, profiles=profiles)
+
+
+def parse_models(tables: Any, check_bases: bool = True) -> tuple[Model, ...]:
     """
     Validate the C{models} array of a configuration file.
 
+    @param check_bases: check each adapter's base among these models (not for a
+        model added at run time: L{llmgw.control.runtime} checks it).
+
     @raise ConfigError: one line naming the model, profile, field and value;
-        also for a name or alias used twice.
+        also for a name or alias used twice, and an adapter whose base is
+        missing or cannot load it (L{check_adapter}).
     """
     if not isinstance(tables, list):
         raise ConfigError(f"models: expected [[models]] tables, got {tables!r}")
     models = tuple(_model(f"models[{i}]", t) for i, t in enumerate(tables))
+    bases = {m.base for m in models if m.base is not None}
+    models = tuple(
+        m if m.base is not None else _with_lora(m, m.name in bases) for m in models
+    )
+    by_name = {m.name: m for m in models}
+    for model in models:
+        if model.base is not None and check_bases:
+            check_adapter(model, by_name.get(model.base))
     owner: dict[str, str] = {}
     for model in models:
         for name in model.names:

@@ -56,6 +56,16 @@ class Publishing:
         self._short: dict[str, Shortfall] = {}
         self._short_stale: set[str] | None = None
         self._shortfalls: tuple[Shortfall, ...] | None = None
+        self.catalog.adapters_changed = self._adapters_changed
+
+    def _adapters_changed(self, base: str) -> None:
+        """
+        An adapter of C{base} was added or removed: its replicas' endpoints
+        (which list its adapters) are worked out again.
+        """
+        for replica in self.replicas.values():
+            if replica.model == base:
+                self._republish(replica.id)
 
     def _bounds_changed(self, model: str) -> None:
         """
@@ -80,12 +90,15 @@ class Publishing:
         state = self.catalog.get(replica.model)
         if leader is None or node is None or state is None:
             return None
+        adapters = self.catalog.adapters_of(replica.model)
         endpoint = Endpoint(
             replica.id,
             f"http://{host(node.address)}:{leader.port}",
-            state.model.names,
+            (*state.model.names, *(n for a in adapters for n in a.names)),
             api_key=self._commands.engine_key(leader.id),
             messages=replica.profile.engine in MESSAGES_ENGINES,
+            adapters=tuple((a.name, a.adapter or "") for a in adapters),
+            max_loras=state.model.max_loras,
         )
         return endpoint, replica.model
 

@@ -15,7 +15,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from llmgw.control.catalog import MAX_COUNT, Model
+from llmgw.config_checks import ConfigError
+from llmgw.control.catalog import MAX_COUNT, Model, check_adapter
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.scaling import ModelState
 from llmgw.router.interfaces import Endpoint, Standing
@@ -44,8 +45,25 @@ class ModelCatalog:
     ) -> None:
         self.clock = clock
         self.inventory = inventory
+        adapters = [m for m in models if m.base is not None]
+        models = [m for m in models if m.base is None]
         self._models: dict[str, ModelState] = {m.name: ModelState(m) for m in models}
         self._names: dict[str, str] = {name: m.name for m in models for name in m.names}
+        # LoRA adapters by name: no state of their own (their requests
+        # activate and touch their base); the plane never sees them.
+        self._adapters: dict[str, Model] = {}
+        for adapter in adapters:
+            try:
+                check_adapter(adapter, self.model(adapter.base or ""))
+            except ConfigError as e:
+                self.log.warn(
+                    "adapter {name} is skipped: {error}", name=adapter.name, error=e
+                )
+                continue
+            self._adapters[adapter.name] = adapter
+            self._names.update((name, adapter.name) for name in adapter.names)
+        # Told the base model whose adapters changed (its endpoints list them).
+        self.adapters_changed: Callable[[str], None] = lambda base: None
         self._static = tuple(static)
         self._changed = changed
         # Catalog order, for a pass that looks at some models only.
@@ -75,6 +93,27 @@ class ModelCatalog:
         """
         return sorted(self._names)
 
+    def adapter(self, name: str) -> Model | None:
+        """
+        @return: the LoRA adapter named C{name} (not an alias), if any.
+        """
+        return self._adapters.get(name)
+
+    def adapters_of(self, base: str) -> list[Model]:
+        """
+        @return: the adapters declared on the model named C{base}, in the
+            order they were added.
+        """
+        return [a for a in self._adapters.values() if a.base == base]
+
+    def _base(self, name: str) -> str | None:
+        """
+        @return: the catalog model C{name} leads to: an adapter's base.
+        """
+        model = self._names.get(name)
+        adapter = self._adapters.get(model) if model is not None else None
+        return adapter.base if adapter is not None else model
+
     def static_endpoints(self) -> tuple[Endpoint, ...]:
         """
         @return: the endpoints from the configuration.
@@ -101,7 +140,10 @@ class ModelCatalog:
             alias).
         @raise KeyError: not a catalog name.
         """
-        return self._models[self._names[name]]
+        base = self._base(name)
+        if base is None:
+            raise KeyError(name)
+        return self._models[base]
 
     def position(self, model: str) -> int:
         """
@@ -154,10 +196,10 @@ class ModelCatalog:
 
     def touch(self, name: str) -> None:
         """
-        A request for C{name} came: it is not idle.
+        A request for C{name} came: it is not idle (an adapter's base).
         """
-        model = self._names.get(name)
-        if model is not None:
+        model = self._base(name)
+        if model is not None and model in self._models:
             self._models[model].last_used = self.clock.seconds()
             self.touched(model)
 
@@ -166,7 +208,7 @@ class ModelCatalog:
         @return: why the model has no ready replica, in a few words fit for
             a client (no node names or addresses), or C{""}.
         """
-        model = self._names.get(name)
+        model = self._base(name)
         state = self._models.get(model) if model is not None else None
         if state is None:
             return ""
@@ -185,16 +227,18 @@ class ModelCatalog:
             replica, evicting others, its place in the swap queue) and when
             a replica is expected; C{Standing("")} when nothing is known.
         """
-        model = self._names.get(name)
+        model = self._base(name)
         if model is None:
             return Standing("")
         return self.standing(model)
 
     def add(self, model: Model) -> None:
         """
-        Add a model; its replicas are placed by the next pass.
+        Add a model; its replicas are placed by the next pass.  An
+        adapter is added to its base's replicas' names.
 
-        @raise ValueError: one of its names is taken.
+        @raise ValueError: one of its names is taken; an adapter's base
+            cannot load it (L{check_adapter}'s message).
         """
         static = {name for e in self._static for name in e.models}
         for name in model.names:
@@ -204,6 +248,16 @@ class ModelCatalog:
                 raise ValueError(f"name {name!r} is already {what}")
             if name in static:
                 raise ValueError(f"name {name!r} is served by a static endpoint")
+        if model.base is not None:
+            try:
+                check_adapter(model, self.model(model.base) or self.adapter(model.base))
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+            self._adapters[model.name] = model
+            self._names.update((name, model.name) for name in model.names)
+            self.adapters_changed(model.base)
+            self._changed()
+            return
         self._models[model.name] = ModelState(model)
         self._position[model.name] = next(self._order)
         for name in model.names:
@@ -213,10 +267,24 @@ class ModelCatalog:
     def remove(self, model: str) -> None:
         """
         Remove a model: its replicas drain and stop; requests waiting for
-        it are let go (they find no replica: 503).
+        it are let go (they find no replica: 503).  An adapter leaves its
+        base's replicas' names.
 
         @raise KeyError: no model named C{model}.
+        @raise ValueError: it is the base of adapters (named).
         """
+        adapter = self._adapters.pop(model, None)
+        if adapter is not None:
+            for name in adapter.names:
+                self._names.pop(name, None)
+            self.adapters_changed(adapter.base or "")
+            self._changed()
+            return
+        if model in self._models and (uses := self.adapters_of(model)):
+            raise ValueError(
+                f"model {model!r} is the base of adapters"
+                f" {', '.join(a.name for a in uses)}: remove them first"
+            )
         state = self._models.pop(model)
         del self._position[model]
         for alias in state.model.names:

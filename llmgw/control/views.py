@@ -186,7 +186,9 @@ def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
     """
     @return: each catalog model with its desired, ready and sleeping
         counts, C{pinned}, C{priority} and C{min_resident} (seconds) as
-        they are now, and its C{swaps} by reason (L{swaps_of}).
+        they are now, and its C{swaps} by reason (L{swaps_of}); after a
+        base, each of its LoRA adapters with the base's counts and
+        C{base}, C{adapter}, C{rank}.
     """
     now = plane.clock.seconds()
     out = []
@@ -215,8 +217,23 @@ def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
                 "retry_in": max(0.0, round(state.retry_at - now, 1)),
                 "last_error": state.last_error or None,
                 "profiles": [p.name for p in model.profiles],
+                "max_loras": model.max_loras,
             }
         )
+        base = out[-1]
+        for adapter in plane.catalog.adapters_of(model.name):
+            # An adapter runs on its base's replicas: their counts.
+            out.append(
+                {
+                    **base,
+                    "name": adapter.name,
+                    "aliases": list(adapter.aliases),
+                    "base": model.name,
+                    "adapter": adapter.adapter,
+                    "rank": adapter.rank,
+                    "profiles": [],
+                }
+            )
     return out
 
 

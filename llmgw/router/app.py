@@ -180,6 +180,8 @@ class Router:
             log=self.log,
             overload=overload,
         )
+        loads = metrics.adapter_loads
+        self.services.adapters.count = lambda a, o: loads.labels(a, o).inc()
 
     def resource(self) -> IResource:
         """

@@ -31,6 +31,7 @@ from typing import Protocol
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from llmgw.router.adapters import AdapterLoads
 from llmgw.router.affinity import owner, within_bound
 from llmgw.router.ejection import Health, cooldown, verdict
 from llmgw.router.interfaces import Endpoint, RequestRecord
@@ -130,6 +131,7 @@ class Balancer:
         self._eject_base = settings.eject_base_cooldown
         self.load: LoadReadings | None = None
         self.metrics: RouterMetrics | None = None
+        self.adapters: AdapterLoads | None = None
         self.speeds = Speeds(reactor)
         # Per model: the turn for ties (and for round robin).
         self._turn: dict[str, int] = {}
@@ -166,13 +168,18 @@ class Balancer:
         self._replicas = replicas
         self._by_model = by_model
         self.speeds.forget(set(replicas))
+        if self.adapters is not None:
+            self.adapters.forget(set(replicas))
 
     def observe(self, record: RequestRecord) -> None:
         """
         Learn from a finished request: a streamed answer's decode rate
         feeds its replica's speed factor (L{llmgw.router.speed}).  A few
-        microseconds a request.
+        microseconds a request.  A request for an adapter no longer keeps
+        it loaded there (L{llmgw.router.adapters}).
         """
+        if self.adapters is not None:
+            self.adapters.finished(record.replica, record.model)
         if (
             record.status != 200
             or not record.stream
@@ -272,6 +279,10 @@ class Balancer:
                 return None
             # The one whose cooldown ends first is the likeliest to be back.
             return min(fallback, key=lambda r: r.ejected_until)
+        if self.adapters is not None and ready and ready[0].endpoint.adapters:
+            ready = list(
+                self.adapters.narrow(model, ready, lambda r: self.load_of(r, now))
+            )
         if len(ready) == 1:
             return ready[0]
         balance = self._balance

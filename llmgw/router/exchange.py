@@ -4,23 +4,22 @@ to start, the attempts on replicas and the retries between them, and the
 answer, whole or relayed as a stream.  Orchestration only: the body was
 prepared (L{llmgw.router.prepare}), keys are checked and usage is accounted by
 the routes (L{llmgw.router.app}).
+
+L{Services} is re-exported here for the routes.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IPushProducer, IReactorTime
-from twisted.logger import Logger
+from twisted.internet.interfaces import IPushProducer
 from twisted.web.iweb import IRequest, IResponse
 
-from llmgw.router.activation import ActivationQueues
 from llmgw.router.backpressure import Backpressure, abort_client, unsent_bytes
-from llmgw.router.balancer import Balancer, Replica
+from llmgw.router.balancer import Replica
 from llmgw.router.deadlines import Deadlines
 from llmgw.router.decision import candidates
 from llmgw.router.ejection import outcome
@@ -35,19 +34,15 @@ from llmgw.router.errors import (
     upstream_failed,
 )
 from llmgw.router.fairness import ANONYMOUS
-from llmgw.router.interfaces import Activator
-from llmgw.router.metrics import RouterMetrics
-from llmgw.router.overload import Overload
 from llmgw.router.prepare import Prepared
 from llmgw.router.relay import StreamCut
-from llmgw.router.settings import RouterConfig
+from llmgw.router.services import Services
 from llmgw.router.site import JSON, client_gone
 from llmgw.router.sse import EventTooLarge
 from llmgw.router.tracing import NO_TRACE, NoTrace
 from llmgw.router.upstream import (
     BodyReader,
     NoAnswer,
-    Upstream,
     UpstreamConnectError,
     broken_message,
     log_engine_failure,
@@ -55,33 +50,13 @@ from llmgw.router.upstream import (
 )
 from llmgw.router.waiting import activate, wait_turn
 
+__all__ = ["Exchange", "Services"]
+
 SSE_HEADERS = (
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-
-
-@dataclass(frozen=True)
-class Services:
-    """
-    What every exchange of a router shares.
-
-    @ivar clock: the reactor's clock, for deadlines.
-    @ivar activating: the activation queues (shared, mutable).
-    @ivar log: where failures of replicas are logged.
-    @ivar overload: the waiting room for overloaded models, or L{None}.
-    """
-
-    clock: IReactorTime
-    settings: RouterConfig
-    balancer: Balancer
-    upstream: Upstream
-    metrics: RouterMetrics
-    activator: Activator | None
-    activating: ActivationQueues
-    log: Logger
-    overload: Overload | None = None
 
 
 class AnswerTooLarge(Exception):
@@ -295,8 +270,9 @@ class Exchange:
         # Once a kept connection was found closed, the others may be too.
         fresh = self.stale_retried
         path, body, self.native = self.prepared.for_replica(self.path, replica.endpoint)
-        self.waiting = services.upstream.post(
-            replica.url_bytes, path, headers, body, fresh=fresh
+        # An adapter's first request on a replica loads it there first.
+        self.waiting = services.adapters.post(
+            replica, self.model, path, headers, body, fresh=fresh
         )
         sent = self.sent = services.clock.seconds()
         try:

@@ -37,6 +37,12 @@ class Endpoint:
         itself (C{/v1/messages}, C{/v1/messages/count_tokens}: vLLM), so
         that those requests are forwarded as they are; else the router
         translates them to chat completions.
+    @ivar adapters: the LoRA adapters it may load, as C{(name, path)}: the
+        catalog's adapters of its model (their names are in C{models}
+        too); the router loads one the first time a request for it goes
+        here (L{llmgw.router.adapters}).
+    @ivar max_loras: adapters it keeps loaded; beyond it the least
+        recently used is unloaded.
     """
 
     id: str
@@ -45,6 +51,8 @@ class Endpoint:
     weight: float = 1.0
     api_key: str = field(default="", repr=False)
     messages: bool = False
+    adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,7 @@ class RouterMetrics:
             ["kind"],
             registry=registry,
         )
+        self.adapter_loads = _adapter_loads(registry)
         self.retries = Counter(
             "llmgw_retries",
             "Requests sent again to another replica before the first byte.",
@@ -252,3 +253,13 @@ class RouterMetrics:
             prompt.inc(prompt_tokens)
         if completion_tokens:
             completion.inc(completion_tokens)
+
+
+def _adapter_loads(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "llmgw_adapter_loads",
+        "LoRA adapters loaded on a replica, unloaded (least recently used"
+        " past max_loras) or refused by it, by adapter.",
+        ["model", "outcome"],
+        registry=registry,
+    )

@@ -117,7 +117,7 @@ def _runtime_models(
     added = []
     for name, spec in stored:
         try:
-            (model,) = parse_models([json.loads(spec)])
+            (model,) = parse_models([json.loads(spec)], check_bases=False)
         except (ConfigError, ValueError) as e:
             log.warn("stored model {name} is not valid: {error}", name=name, error=e)
             continue

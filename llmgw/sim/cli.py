@@ -7,6 +7,7 @@ The only module of the simulator that touches the global reactor.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import cast
@@ -21,6 +22,7 @@ from twisted.logger import (
 )
 
 from llmgw.sim.engine import FaultError, SimConfig, Simulator, parse_fault_option
+from llmgw.sim.lora import ENV, LoraConfig
 from llmgw.sim.sleep import UNSUPPORTED, SleepConfig
 from llmgw.sim.web import SimSite
 
@@ -263,6 +265,28 @@ def _sleeping(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _lora(p: argparse.ArgumentParser) -> None:
+    """
+    LoRA adapters, as vLLM's (L{llmgw.sim.lora}).
+    """
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters; with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in"
+        " the environment, POST /v1/load_lora_adapter and /v1/unload_lora_adapter"
+        " as vLLM's",
+    )
+    p.add_argument("--max-loras", type=int, default=1, metavar="N")
+    p.add_argument("--max-lora-rank", type=int, default=16, metavar="RANK")
+    p.add_argument(
+        "--lora-load-seconds",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds a load takes (default 0)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """
     The C{llmgw sim} argument parser.
@@ -272,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="An OpenAI-compatible fake LLM engine with vLLM's metrics, "
         "for tests, benchmarks and config rehearsals.",
     )
-    for add in (_serving, _timing, _capacity, _behaviour, _sleeping):
+    for add in (_serving, _timing, _capacity, _behaviour, _sleeping, _lora):
         add(p)
     return p
 
@@ -306,6 +330,13 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
             wake_seconds=args.wake_seconds,
             gpu_memory_gb=args.gpu_memory_gb,
             sleep_gpu_memory_gb=args.sleep_gpu_memory_gb,
+        ),
+        lora=LoraConfig(
+            enabled=args.enable_lora,
+            runtime=os.environ.get(ENV, "").lower() in ("true", "1"),
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            load_seconds=args.lora_load_seconds,
         ),
     )
 

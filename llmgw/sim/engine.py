@@ -20,6 +20,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
 from llmgw.sim.kvcache import BLOCK_TOKENS, PrefixCache, SequenceBlocks
+from llmgw.sim.lora import Adapters, LoraConfig
 from llmgw.sim.metrics import SimMetrics
 from llmgw.sim.sleep import SleepConfig, SleepMode
 
@@ -402,6 +403,7 @@ class SimConfig:
     @ivar prefix_cache_tokens: tokens of freed or computed blocks the
         prefix cache keeps (rounded down to whole blocks); 0: no cache.
     @ivar sleep: its sleep mode (L{llmgw.sim.sleep}).
+    @ivar lora: its LoRA adapters (L{llmgw.sim.lora}).
     """
 
     models: tuple[str, ...]
@@ -418,6 +420,7 @@ class SimConfig:
     kv_capacity: int = 0
     prefix_cache_tokens: int = 0
     sleep: SleepConfig = SleepConfig()
+    lora: LoraConfig = LoraConfig()
 
 
 @dataclass(slots=True)
@@ -493,6 +496,7 @@ class Simulator:
         self.models = frozenset(config.models)
         self.created = int(reactor.seconds())
         self.sleep = SleepMode(config.sleep, reactor)
+        self.adapters = Adapters(config.models[0])
         self.metrics = SimMetrics(
             config.models[0], self.scheduler, self.cache, self.sleep
         )
@@ -548,6 +552,12 @@ class Simulator:
             return Faults.layered(self.faults, {})
         return Faults.layered(self.faults, validate_faults(request_spec))
 
+    def serves(self, model: str) -> bool:
+        """
+        @return: whether C{model} is a served name or a loaded adapter.
+        """
+        return model in self.models or model in self.adapters.loaded
+
     def stats_json(self) -> dict[str, object]:
         """
         The counters for C{GET /sim/stats}, with the live C{running} and
@@ -572,5 +582,7 @@ class Simulator:
             "connections_open": s.connections_open,
             "last_request_id": s.last_request_id,
             "last_traceparent": s.last_traceparent,
+            "lora_loads": dict(self.adapters.loads),
+            "lora_load_requests": dict(self.adapters.load_requests),
             **self.sleep.json(),
         }

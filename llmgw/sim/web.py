@@ -11,6 +11,11 @@ Routes::
     GET  /v1/models             GET  /health           GET  /metrics
     GET  /sim/stats             POST /sim/stats/reset  POST /sim/fault
 
+with C{--enable-lora} and C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True}
+(L{llmgw.sim.lora})::
+
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter
+
 and with C{--enable-sleep-mode} (L{llmgw.sim.sleep})::
 
     POST /sleep                 POST /wake_up          GET  /is_sleeping
@@ -57,6 +62,7 @@ from llmgw.sim.engine import (
 )
 from llmgw.sim.exchange import JSON, Exchange
 from llmgw.sim.kvcache import SequenceBlocks
+from llmgw.sim.lora import LoraError
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
 from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS
 
@@ -108,6 +114,9 @@ class SimResource(Resource):
             (b"POST", b"/sim/stats/reset"): self._stats_reset,
             (b"POST", b"/sim/fault"): self._fault,
         }
+        if sim.config.lora.enabled and sim.config.lora.runtime:
+            self._routes[(b"POST", b"/v1/load_lora_adapter")] = self._load_lora
+            self._routes[(b"POST", b"/v1/unload_lora_adapter")] = self._unload_lora
         if sim.config.sleep.enabled:
             self._routes.update(
                 {
@@ -192,7 +201,7 @@ class SimResource(Resource):
         sim = self._sim
         try:
             req = parse_generation(kind, _body(request))
-            if req.model not in sim.models:
+            if not sim.serves(req.model):
                 raise model_not_found(req.model)
             faults = self._faults(req.faults)
         except ApiError as e:
@@ -295,7 +304,46 @@ class SimResource(Resource):
             }
             for name in sim.config.models
         ]
+        data += sim.adapters.cards(sim.created)
         return _respond(request, 200, json_body({"object": "list", "data": data}), JSON)
+
+    def _load_lora(self, request: Request) -> bytes | int:
+        sim = self._sim
+        try:
+            text = sim.adapters.load(parse_json_object(_body(request)), sim.models)
+        except ApiError as e:
+            return _error(request, e)
+        except LoraError as e:
+            return _error(
+                request, ApiError(e.status, e.message, type=e.type, param=e.param)
+            )
+        body, plain = text.encode("utf-8"), [b"text/plain; charset=utf-8"]
+        delay = sim.config.lora.load_seconds / sim.config.speed
+        if not delay:
+            return _respond(request, 200, body, plain)
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+
+        def answer() -> None:
+            if not gone:
+                request.write(_respond(request, 200, body, plain))
+                request.finish()
+
+        sim.clock.callLater(delay, answer)
+        return NOT_DONE_YET
+
+    def _unload_lora(self, request: Request) -> bytes:
+        try:
+            text = self._sim.adapters.unload(parse_json_object(_body(request)))
+        except ApiError as e:
+            return _error(request, e)
+        except LoraError as e:
+            return _error(
+                request, ApiError(e.status, e.message, type=e.type, param=e.param)
+            )
+        return _respond(
+            request, 200, text.encode("utf-8"), [b"text/plain; charset=utf-8"]
+        )
 
     def _health(self, request: Request) -> bytes:
         return _respond(request, 200, b"ok", [b"text/plain; charset=utf-8"])

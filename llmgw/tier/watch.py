@@ -50,6 +50,8 @@ def endpoint_json(endpoint: Endpoint) -> dict[str, Any]:
         "weight": endpoint.weight,
         "api_key": endpoint.api_key,
         "messages": endpoint.messages,
+        "adapters": [list(a) for a in endpoint.adapters],
+        "max_loras": endpoint.max_loras,
     }
 
 
@@ -65,6 +67,8 @@ def endpoint_from_json(value: Mapping[str, Any]) -> Endpoint:
         float(value.get("weight", 1.0)),
         api_key=str(value.get("api_key", "")),
         messages=value.get("messages") is True,
+        adapters=tuple((str(n), str(p)) for n, p in value.get("adapters", ())),
+        max_loras=int(value.get("max_loras", 0)),
     )
 
 

@@ -44,3 +44,11 @@ def hub_cache_name(source: str) -> str:
         C{models--ORG--NAME} (huggingface_hub's cache layout).
     """
     return "models--" + source.replace("/", "--")
+
+
+LORA_ENGINES = ("vllm", "sim")
+"""
+The engines that load LoRA adapters at run time (vLLM's C{--enable-lora}
+with C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True}: C{POST /v1/load_lora_adapter}
+and C{/v1/unload_lora_adapter}; the simulator's copy of them).
+"""

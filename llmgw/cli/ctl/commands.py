@@ -287,6 +287,8 @@ def models_add(
     C{models add}: a model from the flags or a TOML file, kept across restarts.
     """
     result = client.call("POST", "/api/v1/models", _model_from_flags(args))
+    if result.get("base"):
+        return result, f"added adapter {result['name']} of model {result['base']}\n"
     return result, f"added model {result['name']} (desired {result['desired']})\n"
 
 
@@ -349,10 +351,22 @@ def _model_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     """
     @return: the model C{models add} sends: the one table of C{--file}, or
         one built from the flags.
-    @raise CtlError: neither a file nor NAME, --engine and --source.
+    @raise CtlError: neither a file nor NAME, --engine and --source (or
+        NAME, --base and --adapter for a LoRA adapter).
     """
     if args.file:
         return _model_from_file(args.file)
+    if args.base is not None or args.adapter is not None:
+        if not (args.name and args.base and args.adapter):
+            raise CtlError(
+                "models add: an adapter needs NAME --base BASE --adapter PATH"
+            )
+        adapter = {"name": args.name, "base": args.base, "adapter": args.adapter}
+        if args.rank is not None:
+            adapter["rank"] = args.rank
+        if args.alias:
+            adapter["aliases"] = args.alias
+        return adapter
     if not (args.name and args.engine and args.source):
         raise CtlError(
             "models add: give NAME --engine E --source S, or --file FILE.toml"
@@ -378,6 +392,8 @@ def _model_from_flags(args: argparse.Namespace) -> dict[str, Any]:
         model["aliases"] = args.alias
     if args.idle_timeout is not None:
         model["idle_timeout"] = args.idle_timeout
+    if args.max_loras is not None:
+        model["max_loras"] = args.max_loras
     return model
 
 

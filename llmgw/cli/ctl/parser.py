@@ -83,6 +83,12 @@ def _models(commands: Any, shared: argparse.ArgumentParser) -> None:
     add.add_argument("--idle-timeout")
     add.add_argument("--alias", action="append")
     add.add_argument("--arg", action="append", help="an engine argument (repeatable)")
+    add.add_argument("--base", help="a LoRA adapter: the catalog model it runs on")
+    add.add_argument("--adapter", help="with --base: the adapter's path or hub id")
+    add.add_argument("--rank", type=int, help="with --base: the adapter's LoRA rank")
+    add.add_argument(
+        "--max-loras", type=int, help="a LoRA base: adapters each replica keeps loaded"
+    )
     remove = actions.add_parser("remove", help="remove a model added at run time")
     remove.add_argument("name")
     scale = actions.add_parser("scale", help="set min/max replicas")

@@ -1,0 +1,50 @@
+"""
+What every exchange of a router shares (L{llmgw.router.exchange}).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from llmgw.router.activation import ActivationQueues
+from llmgw.router.adapters import AdapterLoads
+from llmgw.router.balancer import Balancer
+from llmgw.router.interfaces import Activator
+from llmgw.router.metrics import RouterMetrics
+from llmgw.router.overload import Overload
+from llmgw.router.settings import RouterConfig
+from llmgw.router.upstream import Upstream
+
+
+@dataclass(frozen=True)
+class Services:
+    """
+    What every exchange of a router shares.
+
+    @ivar clock: the reactor's clock, for deadlines.
+    @ivar activating: the activation queues (shared, mutable).
+    @ivar log: where failures of replicas are logged.
+    @ivar overload: the waiting room for overloaded models, or L{None}.
+    @ivar adapters: the LoRA adapters loaded on each replica.
+    """
+
+    clock: IReactorTime
+    settings: RouterConfig
+    balancer: Balancer
+    upstream: Upstream
+    metrics: RouterMetrics
+    activator: Activator | None
+    activating: ActivationQueues
+    log: Logger
+    overload: Overload | None = None
+    adapters: AdapterLoads = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The LoRA adapters' loads go through the same client, and the
+        # balancer narrows an adapter's replicas to those that have it.
+        adapters = AdapterLoads(self.upstream, self.settings.affinity_epsilon)
+        object.__setattr__(self, "adapters", adapters)
+        self.balancer.adapters = adapters

@@ -273,3 +273,48 @@ class BudgetTests(SleepCase):
         self.assertEqual(self.agents.stops(), [a + "-0"])
         self.assertEqual(self.sent("sleep_shard"), [a + "-0", b + "-0"])
         self.assertTrue(self.plane.replicas[b].asleep)
+
+
+class WaitForWakeTests(SleepCase):
+    def test_waits_for_a_busy_gpu_rather_than_cold_start(self) -> None:
+        """
+        Two GPUs: C{a} asleep on GPU 0 under C{c}, which is busy; C{b}
+        idle on GPU 1.  A request for C{a} waits for C{c}'s request to end
+        (less than a cold start so far), then C{c} sleeps and C{a} wakes:
+        no second start of C{a}, C{b} untouched.
+        """
+        self.make(sleepy("a"), sleepy("b"), sleepy("c"), nodes=())
+        message = register_message("n1", gpus=2)
+        message.sleep_memory_bytes = 500 * GIB
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered("n1", message)
+        a = self.serve("a")
+        self.tick(1)
+        replica = self.plane.replicas[a]
+        # a's cold starts take 30 s, on the mean.
+        self.plane.counts.cold_start_seconds["a"] = [30.0]
+        b = self.serve("b")
+        self.tick(10)
+        self.plane.catalog.activate("c")
+        self.tick(1)
+        self.tick(1)
+        self.ready_all()
+        self.tick(1)
+        (c,) = self.of("c")
+        self.assertTrue(replica.asleep)
+        self.in_flight[c] = 1
+        self.tick(10)
+        waiter = self.plane.catalog.activate("a")
+        for _ in range(5):
+            self.tick(1)
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+        self.assertNoResult(waiter)
+        self.in_flight[c] = 0
+        self.tick(1)
+        self.tick(1)
+        self.tick(1)
+        self.successResultOf(waiter)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
+        self.assertTrue(self.plane.replicas[c].asleep)
+        self.assertEqual(self.plane.replicas[b].state, "ready")
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])

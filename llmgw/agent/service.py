@@ -309,8 +309,7 @@ def build_agent(
     )
     if nvml is not None:
         factory.supervisor.gpu_memory = _engine_memory(nvml, in_thread)
-    # Engines outlive the agent: take back those still running, before the
-    # first Register lists them.
+    # Engines outlive the agent: taken back before the first Register.
     factory.supervisor.node_id = config.node_id
     adopted = factory.supervisor.adopt_running()
     servers = config.all_servers()

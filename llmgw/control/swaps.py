@@ -211,27 +211,56 @@ class Swapping:
         C{state}'s model has requests held and C{sleeper}, one of its
         replicas asleep, has no room to wake where it sleeps: evict what
         makes that room, if anything does (L{eviction.choose_in_place}).
+        When only replicas with requests in flight hold it, and the
+        oldest held request has waited less than the model's mean cold
+        start, nothing is evicted and the model waits for them (a wake
+        soon beats a cold start elsewhere).
 
-        @return: whether an eviction began.
+        @return: whether the model waits for an eviction, or for its
+            sleeper's room.
         """
         name = state.model.name
         if name in self.swaps:
             return False
-        candidates, spare = self._candidates(name, now)
-        ordered = eviction.eligible(candidates, now, spare, self._busy_too(state, now))
+        busy_too = self._busy_too(state, now)
+        victims = self._wake_victims(state, now, snapshot, sleeper, busy_too)
+        if victims is None:
+            if busy_too:
+                return False
+            starts = self.counts.cold_start_seconds.get(name)
+            oldest = state.oldest_wait()
+            if not starts or oldest is None:
+                return False
+            if now - oldest >= sum(starts) / len(starts):
+                return False
+            return self._wake_victims(state, now, snapshot, sleeper, True) is not None
+        why = f"replica {sleeper.id} of {name} sleeps where they run"
+        self._begin_swap(name, now, victims, sleeper.shards, why)
+        return True
+
+    def _wake_victims(
+        self,
+        state: ModelState,
+        now: float,
+        snapshot: Snapshot,
+        sleeper: ReplicaRecord,
+        busy_too: bool,
+    ) -> tuple[Candidate, ...] | None:
+        """
+        @return: what to evict so that C{sleeper} may wake where it
+            sleeps, busy replicas too when C{busy_too}; L{None} if nothing
+            makes the room.
+        """
+        candidates, spare = self._candidates(state.model.name, now)
+        ordered = eviction.eligible(candidates, now, spare, busy_too)
         where = {s.node: s.gpus for s in sleeper.shards}
-        fleet = self._fleet_for(name, snapshot)
-        victims = eviction.choose_in_place(
+        fleet = self._fleet_for(state.model.name, snapshot)
+        return eviction.choose_in_place(
             fleet.nodes(),
             ordered,
             where,
             lambda freed: self._wake_room(sleeper, freed) is None,
         )
-        if victims is None:
-            return False
-        why = f"replica {sleeper.id} of {name} sleeps where they run"
-        self._begin_swap(name, now, victims, sleeper.shards, why)
-        return True
 
     def _busy_too(self, state: ModelState, now: float) -> bool:
         """

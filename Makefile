@@ -11,12 +11,20 @@ JOBS ?= 2
 
 .PHONY: run run-vllm test lint typecheck unit e2e bench proto config-docs clean
 
+# llama-cpp-python's llama.cpp built for any x86-64 with AVX2, not for the
+# building CPU (-march=native): a native build on a host whose CPU lists AMX
+# and AVX-512 that its VM does not grant died with SIGSEGV at the first
+# token (a general protection fault in libggml-cpu).
+LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF \
+	-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# compat mode keeps the project root on sys.path, where twistd finds
 	# twisted/plugins/llmgw_plugins.py.
-	$(BIN)/pip install --quiet -e '.[local,test,dev]' --config-settings editable_mode=compat
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e '.[local,test,dev]' \
+		--config-settings editable_mode=compat
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -318,3 +318,79 @@ class WaitForWakeTests(SleepCase):
         self.assertTrue(self.plane.replicas[c].asleep)
         self.assertEqual(self.plane.replicas[b].state, "ready")
         self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+
+
+class ReviewTests(SleepCase):
+    """
+    What a review of the change found (each failed before its fix).
+    """
+
+    def asleep_a(self, **kwargs: object) -> str:
+        self.setup(sleepy("a", **kwargs))
+        a = self.serve("a")
+        self.tick(601)
+        self.assertTrue(self.plane.replicas[a].asleep)
+        return a
+
+    def test_drained_node_stops_its_sleeper(self) -> None:
+        a = self.asleep_a()
+        self.plane.drain_node("n1")
+        self.tick(1)
+        self.assertEqual(self.agents.stops(), [a + "-0"])
+
+    def test_going_to_sleep_holds_its_gpu(self) -> None:
+        """
+        Put to sleep with a request in flight, its engine runs on: its
+        GPU stays allocated until it is asleep.
+        """
+        self.setup(sleepy("a"))
+        a = self.serve("a")
+        self.in_flight[a] = 1
+        self.plane.sleep_replica(a)
+        self.tick(1)
+        (gpu,) = self.plane.snapshot().fleet.get("n1").gpus
+        self.assertTrue(gpu.allocated)
+
+    def test_adopted_asleep_stays_asleep(self) -> None:
+        """
+        A server restarted finds a shard asleep in a Register: adopted, it
+        is not woken without a request.
+        """
+        self.make(sleepy("a"), nodes=())
+        running = pb.RunningShard(
+            shard_id="a-1-0",
+            replica_id="a-1",
+            model="a",
+            profile="p",
+            rank=0,
+            gpu_indices=[0],
+            port=20000,
+            pid=77,
+            state=pb.SHARD_STATE_SLEEPING,
+        )
+        message = register_message("n1", shards=(running,))
+        message.sleep_memory_bytes = 200 * GIB
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered("n1", message)
+        for _ in range(3):
+            self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [])
+        self.assertTrue(self.plane.replicas["a-1"].asleep)
+
+    def test_pinned_sleeper_kept(self) -> None:
+        """
+        sleep_memory holds one sleeper; the one asleep is a pinned
+        model's: the next idle replica stops rather than stop it.
+        """
+        self.setup(sleepy("a", pinned=True), sleepy("b"), sleep_gib=100)
+        message = register_message("n1", gpus=2)
+        message.sleep_memory_bytes = 100 * GIB
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered("n1", message)
+        a = self.serve("a")
+        self.tick(601)
+        self.assertTrue(self.plane.replicas[a].asleep)
+        b = self.serve("b")
+        self.tick(601)
+        self.assertEqual(self.agents.stops(), [b + "-0"])
+        self.assertTrue(self.plane.replicas[a].asleep)

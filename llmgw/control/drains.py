@@ -242,7 +242,8 @@ class Draining:
         room = set()
         for replica in going:
             state = self.catalog.get(replica.model)
-            if state is None:
+            if state is None or replica.dormant:
+                # A sleeper serves nothing: it stops, not replaced.
                 continue
             spread = frozenset(
                 s.node
@@ -264,6 +265,7 @@ class Draining:
                 for r in self._by_model.get(name, {}).values()
                 if r.draining_since is None
                 and r.leaving_since is None
+                and not r.dormant
                 and r.id not in leaving
             )
             kept = staying + sum(1 for r in going if r.model == name and r.id in room)
@@ -284,6 +286,9 @@ class Draining:
         """
         if replica.draining_since is not None or replica.leaving_since is not None:
             return False
+        if replica.dormant:
+            # Asleep, it serves nothing a replacement must take over.
+            return self._drain(replica, why)
         replica.leaving_since = self.clock.seconds()
         replica.leaving_reason = why
         replica.leaving_hold = hold

@@ -200,12 +200,16 @@ class AgentReports:
             now = self.clock.seconds()
             replica = adoption.replica_record(running, profile, now)
             self._record(replica, None)
-            live = sum(
-                1
-                for r in self.replicas.values()
-                if r.model == model.name and r.draining_since is None
-            )
-            counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
+            if running.state != pb.SHARD_STATE_SLEEPING:
+                # One adopted asleep was not wanted awake: it stays asleep.
+                live = sum(
+                    1
+                    for r in self.replicas.values()
+                    if r.model == model.name
+                    and r.draining_since is None
+                    and not r.dormant
+                )
+                counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
             counts.last_used = counts.busy_at = now
         shard = adoption.shard_record(node_id, running)
         replica.shards.append(shard)

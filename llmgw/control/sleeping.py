@@ -32,7 +32,7 @@ from llmgw.control.changes import Changes
 from llmgw.control.commands import ShardCommands
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
-from llmgw.control.placement import Fleet, Plan, ShardPlan
+from llmgw.control.placement import Fleet, Plan, ShardPlan, place
 from llmgw.control.records import PlaneCounts, ReplicaRecord, ReplicaState
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.scaling import ModelState
@@ -64,6 +64,7 @@ class Sleeping:
     catalog: ModelCatalog
     counts: PlaneCounts
     replicas: dict[str, ReplicaRecord]
+    ports: range
     leave_timeout: float
     loop: Loop
     _by_model: dict[str, dict[str, ReplicaRecord]]
@@ -97,6 +98,7 @@ class Sleeping:
             now: float,
             snapshot: Snapshot,
             sleeper: ReplicaRecord,
+            idle_only: bool = False,
         ) -> bool: ...
 
         def _place_missing(
@@ -192,9 +194,12 @@ class Sleeping:
                 r
                 for replicas in self._by_model.values()
                 for r in replicas.values()
-                if r is not replica and r.asleep and {s.node for s in r.shards} & nodes
+                if r is not replica
+                and r.asleep
+                and {s.node for s in r.shards} & nodes
+                and not self._pinned(r.model)
             ),
-            key=lambda r: r.resident_since,
+            key=lambda r: (self._priority(r.model), r.resident_since),
         )
         need = replica.profile.sleep_host_memory_gb
         for node_id in nodes:
@@ -212,6 +217,14 @@ class Sleeping:
                 break
             self._drain(other, f"asleep longest: sleep_memory for {replica.id}")
         return self.why_not_sleep(replica)
+
+    def _pinned(self, name: str) -> bool:
+        state = self.catalog.get(name)
+        return state is not None and state.model.pinned
+
+    def _priority(self, name: str) -> int:
+        state = self.catalog.get(name)
+        return state.model.priority if state is not None else 0
 
     def _sleep(self, replica: ReplicaRecord, why: str, reason: str) -> None:
         """
@@ -420,7 +433,18 @@ class Sleeping:
             live = live + woken
         elif asleep and state.waiters and self.settings.evict:
             latest = max(asleep, key=lambda r: r.resident_since)
-            if self._evict_for_wake(state, now, snapshot, latest):
+            # With a free place, only idle replicas are evicted for a wake,
+            # and the model never waits for busy ones.
+            spread = frozenset(s.node for r in live for s in r.shards)
+            free = place(
+                state.model.profiles,
+                self._fleet_for(name, snapshot),
+                self.ports,
+                spread,
+            )
+            if self._evict_for_wake(
+                state, now, snapshot, latest, idle_only=isinstance(free, Plan)
+            ):
                 return snapshot
         if staying + len(woken) >= want:
             return snapshot

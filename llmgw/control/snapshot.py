@@ -13,7 +13,7 @@ from twisted.logger import Logger
 
 from llmgw.control.inventory import Inventory, Node, NodeState
 from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
-from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+from llmgw.control.records import ReplicaRecord, ShardRecord
 
 SUSPECT_PORT_SECONDS = 600.0
 """
@@ -250,7 +250,8 @@ class Snapshot:
                 if port:
                     ports.setdefault(address.get(node_id, node_id), set()).add(port)
         for replica in replicas:
-            asleep = replica.state == ReplicaState.SLEEPING
+            # Asleep once every shard is: one going to sleep still runs.
+            asleep = replica.asleep
             for shard in replica.shards:
                 if shard.state.gone:
                     continue
@@ -372,7 +373,7 @@ class LiveSnapshot(Snapshot):
                 for replica, shard in shards_on(peer.id):
                     if shard.state.gone:
                         continue
-                    if replica.state != ReplicaState.SLEEPING:
+                    if not replica.asleep:
                         taken.update(shard.gpus)
                     busy.add(shard.port)
                     if shard.rank == 0 and replica.rendezvous_port:

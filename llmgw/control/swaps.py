@@ -205,7 +205,12 @@ class Swapping:
         return True
 
     def _evict_for_wake(
-        self, state: ModelState, now: float, snapshot: Snapshot, sleeper: ReplicaRecord
+        self,
+        state: ModelState,
+        now: float,
+        snapshot: Snapshot,
+        sleeper: ReplicaRecord,
+        idle_only: bool = False,
     ) -> bool:
         """
         C{state}'s model has requests held and C{sleeper}, one of its
@@ -214,7 +219,8 @@ class Swapping:
         When only replicas with requests in flight hold it, and the
         oldest held request has waited less than the model's mean cold
         start, nothing is evicted and the model waits for them (a wake
-        soon beats a cold start elsewhere).
+        soon beats a cold start elsewhere); with C{idle_only} (a free place
+        elsewhere), only idle replicas are evicted and it never waits.
 
         @return: whether the model waits for an eviction, or for its
             sleeper's room.
@@ -222,10 +228,10 @@ class Swapping:
         name = state.model.name
         if name in self.swaps:
             return False
-        busy_too = self._busy_too(state, now)
+        busy_too = self._busy_too(state, now) and not idle_only
         victims = self._wake_victims(state, now, snapshot, sleeper, busy_too)
         if victims is None:
-            if busy_too:
+            if busy_too or idle_only:
                 return False
             starts = self.counts.cold_start_seconds.get(name)
             oldest = state.oldest_wait()

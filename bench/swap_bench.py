@@ -53,6 +53,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -480,6 +481,7 @@ def run_policy(
         wakes = _metric_sum(admin_url, "llmgw_engine_wake_seconds_count")
     finally:
         children.stop_all()
+        _kill_engines(os.path.join(directory, "agent-state", "shards"))
         if not keep:
             subprocess.run(["rm", "-rf", directory], check=False)
     minutes = wall * compress / 60
@@ -509,6 +511,19 @@ def run_policy(
         "simulated_minutes": minutes,
         "wall_seconds": wall,
     }
+
+
+def _kill_engines(folder: str) -> None:
+    """
+    Kill the engines the agent recorded in C{folder}: they outlive it, as
+    llmgw's engines do.
+    """
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        try:
+            with open(os.path.join(folder, name)) as f:
+                os.killpg(int(json.load(f)["pid"]), signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            pass
 
 
 def _percentile(ordered: list[float], fraction: float) -> float:

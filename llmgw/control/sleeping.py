@@ -129,8 +129,7 @@ class Sleeping:
             return f"it is {replica.state}"
         need = profile.sleep_host_memory_gb
         for node_id in {s.node for s in replica.shards}:
-            node = self.inventory.get(node_id)
-            budget = (node.sleep_memory_bytes if node is not None else 0) / GB
+            budget = self._sleep_budget_gb(node_id)
             held = self._sleeping_host_gb(node_id)
             if held + need > budget + 1e-9:
                 return (
@@ -139,6 +138,14 @@ class Sleeping:
                     " does not fit"
                 )
         return None
+
+    def _sleep_budget_gb(self, node_id: str) -> float:
+        """
+        @return: GB of host memory node C{node_id}'s sleeping engines may
+            hold (its C{sleep_memory}); 0 for a node not known.
+        """
+        node = self.inventory.get(node_id)
+        return (node.sleep_memory_bytes if node is not None else 0) / GB
 
     def _sleeping_host_gb(self, node_id: str) -> float:
         """
@@ -203,8 +210,7 @@ class Sleeping:
         )
         need = replica.profile.sleep_host_memory_gb
         for node_id in nodes:
-            node = self.inventory.get(node_id)
-            budget = (node.sleep_memory_bytes if node is not None else 0) / GB
+            budget = self._sleep_budget_gb(node_id)
             freeable = sum(
                 r.profile.sleep_host_memory_gb
                 for r in others

@@ -13,8 +13,9 @@ The policies, as configuration:
   (C{swap_max_wait = "0s"}), as Ollama and llama-swap do;
 - C{sleep}: evict, the replicas evicted sleep (C{sleep = "weights"}), no
   batching;
-- C{batch}: evict, sleep, and swap batching (C{swap_max_wait},
-  C{min_resident}).
+- C{batch}: evict, sleep, and swap batching: a model used in the last 30 s
+  keeps its room for up to 10 s of another model's wait (C{swap_in_use},
+  C{swap_max_wait}).
 
 The engines are C{llmgw sim} replicas started by a real C{twistd -n
 llmgw-agent} with two C{[[simulated_gpus]]} of 80 GB (each model needs
@@ -85,7 +86,8 @@ POLICIES: dict[str, dict[str, Any]] = {
     "batch": {
         "evict": True,
         "sleep": "weights",
-        "swap_max_wait": 30.0,
+        "swap_max_wait": 10.0,
+        "in_use": 30.0,
         "resident": 10.0,
     },
 }
@@ -345,6 +347,8 @@ def _server_config(
     ]
     if policy["swap_max_wait"] is not None:
         control.append(f"swap_max_wait = {d(policy['swap_max_wait'])}")
+    if policy.get("in_use"):
+        control.append(f"swap_in_use = {d(policy['in_use'])}")
     sim_args = [
         "--load-seconds",
         f"{shape.cold / compress:.3f}",

@@ -119,6 +119,10 @@ class ConfigTests(SynchronousTestCase):
             ({"limits": {"routers": 0}}, "limits.routers: expected a whole number"),
             ({"limits": {"routers": True}}, "limits.routers: expected a whole number"),
             ({"limits": {"size": 1}}, "limits"),
+            (
+                {"control": {"swap_in_use": "10s", "swap_max_wait": "0s"}},
+                "control.swap_in_use: 10s needs swap_max_wait over 0s",
+            ),
         ]
         for data, message in cases:
             with self.assertRaises(ConfigError) as raised:

@@ -319,6 +319,82 @@ class WaitForWakeTests(SleepCase):
         self.assertEqual(self.plane.replicas[b].state, "ready")
         self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
 
+    def two_gpus_a_asleep_under_c(self, *models: Model) -> tuple[str, str, str]:
+        """
+        Two GPUs: C{a} started on GPU 0, C{b} on GPU 1, then C{c} evicts
+        C{a} (which sleeps) and runs on GPU 0.
+
+        @return: the replica ids of C{a}, C{b} and C{c}.
+        """
+        self.make(*models, nodes=())
+        message = register_message("n1", gpus=2)
+        message.sleep_memory_bytes = 500 * GIB
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered("n1", message)
+        a = self.serve("a")
+        self.tick(1)
+        # a's cold starts take 30 s, on the mean.
+        self.plane.counts.cold_start_seconds["a"] = [30.0]
+        b = self.serve("b")
+        self.tick(10)
+        self.plane.catalog.activate("c")
+        self.tick(1)
+        self.tick(1)
+        self.ready_all()
+        self.tick(1)
+        (c,) = self.of("c")
+        self.assertTrue(self.plane.replicas[a].asleep)
+        return a, b, c
+
+    def test_waits_for_a_young_resident_rather_than_cold_start(self) -> None:
+        """
+        C{c}, on the GPU where C{a} sleeps, is idle but resident less than
+        its C{min_resident}; C{b} is idle on the other GPU.  A request for
+        C{a} waits for C{c}'s C{min_resident} to pass (less than a cold
+        start), then C{c} sleeps and C{a} wakes where it slept: C{b} is
+        not evicted for a second cold start of C{a}.
+        """
+        a, b, c = self.two_gpus_a_asleep_under_c(
+            sleepy("a"), sleepy("b"), sleepy("c", min_resident=20)
+        )
+        waiter = self.plane.catalog.activate("a")
+        for _ in range(5):
+            self.tick(1)
+        self.assertNoResult(waiter)
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+        for _ in range(20):
+            self.tick(1)
+        self.successResultOf(waiter)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
+        self.assertTrue(self.plane.replicas[c].asleep)
+        self.assertEqual(self.plane.replicas[b].state, "ready")
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+
+    def test_waits_for_its_gpu_though_another_is_free(self) -> None:
+        """
+        C{b} went to sleep idle, so GPU 1 has room; C{c}, on the GPU where
+        C{a} sleeps, is busy.  A request for C{a} waits for C{c} (less than
+        a cold start) rather than starting C{a} cold on GPU 1, and wakes
+        it once C{c}'s request ends.
+        """
+        a, b, c = self.two_gpus_a_asleep_under_c(
+            sleepy("a"), sleepy("b", idle_timeout=15), sleepy("c")
+        )
+        self.in_flight[c] = 1
+        self.tick(10)
+        self.assertTrue(self.plane.replicas[b].asleep)
+        waiter = self.plane.catalog.activate("a")
+        for _ in range(5):
+            self.tick(1)
+        self.assertNoResult(waiter)
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+        self.in_flight[c] = 0
+        for _ in range(3):
+            self.tick(1)
+        self.successResultOf(waiter)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+
 
 class ReviewTests(SleepCase):
     """

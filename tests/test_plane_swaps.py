@@ -243,6 +243,43 @@ class BusyTests(SwapCase):
             self.tick(1)
         self.assertIsNone(self.plane.replicas[a].draining_since)
 
+    def test_recently_used_keeps_its_room_until_swap_max_wait(self) -> None:
+        """
+        C{swap_in_use = "10s"}: C{a}, with nothing in flight but used every
+        few seconds, keeps its room while C{b}'s request waits under
+        swap_max_wait (30 s), then leaves for it; used last 10 s ago or
+        more, it would have gone at once.
+        """
+        settings = replace(SETTINGS, swap_in_use=10.0)
+        self.make(big("a"), big("b"), nodes=("n1",), settings=settings)
+        a = self.serve("a")
+        self.tick(10)
+        self.plane.catalog.touch("a")
+        self.plane.catalog.activate("b")
+        for second in range(29):
+            if second % 5 == 0:
+                self.plane.catalog.touch("a")
+            self.tick(1)
+        self.assertIsNone(self.plane.replicas[a].draining_since)
+        self.tick(1)
+        self.assertIsNotNone(self.plane.replicas[a].draining_since)
+        self.stopped(a)
+        self.plane.reconcile()
+        self.assertEqual(len(self.of("b")), 1)
+
+    def test_swap_in_use_idle_goes_at_once(self) -> None:
+        """
+        C{swap_in_use = "10s"}: C{a} last used 10 s before C{b}'s request
+        is evicted for it at once.
+        """
+        settings = replace(SETTINGS, swap_in_use=10.0)
+        self.make(big("a"), big("b"), nodes=("n1",), settings=settings)
+        a = self.serve("a")
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.plane.reconcile()
+        self.assertIsNotNone(self.plane.replicas[a].draining_since)
+
 
 class QueueTests(SwapCase):
     def test_two_models_waiting_oldest_first(self) -> None:

@@ -102,6 +102,8 @@ def eligible(
     now: float,
     spare: Mapping[str, int],
     busy_too: bool = False,
+    young_too: bool = False,
+    in_use: float = 0.0,
 ) -> list[Candidate]:
     """
     @param now: reactor seconds.
@@ -109,11 +111,20 @@ def eligible(
         going below its C{min_replicas} (missing: none).
     @param busy_too: whether replicas with requests in flight may go
         (the held request was passed over for C{swap_max_wait}).
+    @param young_too: whether replicas resident less than their model's
+        C{min_resident} count too (to ask what may go soon, not now).
+    @param in_use: seconds: a replica whose model was used this recently
+        counts as busy, as one with requests in flight does (C{[control]
+        swap_in_use}).
     @return: the candidates that may be evicted, in the order they are
         taken: those asleep first, the idle before the busy, lower
         C{priority} first, least recently used first, the longest
         resident first.
     """
+
+    def busy(c: Candidate) -> bool:
+        return c.in_flight > 0 or now - c.last_used < in_use
+
     ordered = sorted(
         (
             c
@@ -121,13 +132,13 @@ def eligible(
             if not c.pinned
             and (
                 c.asleep
-                or now - c.resident_since >= c.min_resident
-                and (busy_too or c.in_flight == 0)
+                or (young_too or now - c.resident_since >= c.min_resident)
+                and (busy_too or not busy(c))
             )
         ),
         key=lambda c: (
             not c.asleep,
-            c.in_flight > 0,
+            busy(c),
             c.priority,
             c.last_used,
             c.resident_since,

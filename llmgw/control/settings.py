@@ -53,6 +53,10 @@ class ControlConfig:
         the replicas holding its room are busy; after it they are evicted
         too, leaving once their requests end.  0: a busy replica is never
         evicted.
+    @ivar swap_in_use: seconds: a replica whose model was used this
+        recently counts as busy for C{swap_max_wait}, so the requests held
+        for other models wait for it and are served in a batch.  0: only
+        requests in flight make it busy.
     """
 
     unreachable_after: float = setting(
@@ -127,6 +131,14 @@ class ControlConfig:
         " its room are busy: then they take no new requests and leave once"
         ' their streams end ("0s": a busy replica is never evicted).',
     )
+    swap_in_use: float = setting(
+        0.0,
+        DURATION,
+        "A replica whose model was used this recently counts as busy for"
+        " swap_max_wait: requests held for other models wait for it, up to"
+        " swap_max_wait, and are served in a batch when it goes, rather than"
+        ' one swap each ("0s": only requests in flight make it busy).',
+    )
 
 
 CONTROL_TABLE = Table(
@@ -194,5 +206,10 @@ def parse_control(table: object) -> ControlConfig:
         raise ConfigError(
             f"control.max_backoff: {control.max_backoff:g}s is shorter than"
             f" base_backoff = {control.base_backoff:g}s"
+        )
+    if control.swap_in_use > 0 and control.swap_max_wait <= 0:
+        raise ConfigError(
+            f"control.swap_in_use: {control.swap_in_use:g}s needs swap_max_wait"
+            " over 0s (a model used without pause would keep its room for ever)"
         )
     return control

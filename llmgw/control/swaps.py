@@ -193,7 +193,13 @@ class Swapping:
         if not self.settings.evict or not state.waiters or name in self.swaps:
             return False
         candidates, spare = self._candidates(name, now)
-        ordered = eviction.eligible(candidates, now, spare, self._busy_too(state, now))
+        ordered = eviction.eligible(
+            candidates,
+            now,
+            spare,
+            self._busy_too(state, now),
+            in_use=self.settings.swap_in_use,
+        )
         fleet = self._fleet_for(name, snapshot)
         chosen = eviction.choose(
             state.model.profiles, fleet.nodes(), self.ports, ordered, spread
@@ -216,11 +222,12 @@ class Swapping:
         C{state}'s model has requests held and C{sleeper}, one of its
         replicas asleep, has no room to wake where it sleeps: evict what
         makes that room, if anything does (L{eviction.choose_in_place}).
-        When only replicas with requests in flight hold it, and the
-        oldest held request has waited less than the model's mean cold
-        start, nothing is evicted and the model waits for them (a wake
-        soon beats a cold start elsewhere); with C{idle_only} (a free place
-        elsewhere), only idle replicas are evicted and it never waits.
+        With C{idle_only} (a free place elsewhere), only idle replicas are
+        evicted.  When what holds the room may go only later (it has
+        requests in flight, or has been resident less than its
+        C{min_resident}), and the oldest held request has waited less than
+        the model's mean cold start, nothing is evicted and the model
+        waits for it: a wake soon beats a cold start, here or elsewhere.
 
         @return: whether the model waits for an eviction, or for its
             sleeper's room.
@@ -230,19 +237,18 @@ class Swapping:
             return False
         busy_too = self._busy_too(state, now) and not idle_only
         victims = self._wake_victims(state, now, snapshot, sleeper, busy_too)
-        if victims is None:
-            if busy_too or idle_only:
-                return False
-            starts = self.counts.cold_start_seconds.get(name)
-            oldest = state.oldest_wait()
-            if not starts or oldest is None:
-                return False
-            if now - oldest >= sum(starts) / len(starts):
-                return False
-            return self._wake_victims(state, now, snapshot, sleeper, True) is not None
-        why = f"replica {sleeper.id} of {name} sleeps where they run"
-        self._begin_swap(name, now, victims, sleeper.shards, why)
-        return True
+        if victims is not None:
+            why = f"replica {sleeper.id} of {name} sleeps where they run"
+            self._begin_swap(name, now, victims, sleeper.shards, why)
+            return True
+        if busy_too:
+            return False
+        starts = self.counts.cold_start_seconds.get(name)
+        oldest = state.oldest_wait()
+        if not starts or oldest is None or now - oldest >= sum(starts) / len(starts):
+            return False
+        soon = self._wake_victims(state, now, snapshot, sleeper, True, True)
+        return soon is not None
 
     def _wake_victims(
         self,
@@ -251,14 +257,23 @@ class Swapping:
         snapshot: Snapshot,
         sleeper: ReplicaRecord,
         busy_too: bool,
+        young_too: bool = False,
     ) -> tuple[Candidate, ...] | None:
         """
         @return: what to evict so that C{sleeper} may wake where it
-            sleeps, busy replicas too when C{busy_too}; L{None} if nothing
-            makes the room.
+            sleeps, busy replicas too when C{busy_too}, those resident
+            less than their C{min_resident} too when C{young_too}; L{None}
+            if nothing makes the room.
         """
         candidates, spare = self._candidates(state.model.name, now)
-        ordered = eviction.eligible(candidates, now, spare, busy_too)
+        ordered = eviction.eligible(
+            candidates,
+            now,
+            spare,
+            busy_too,
+            young_too,
+            self.settings.swap_in_use,
+        )
         where = {s.node: s.gpus for s in sleeper.shards}
         fleet = self._fleet_for(state.model.name, snapshot)
         return eviction.choose_in_place(

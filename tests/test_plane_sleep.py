@@ -395,6 +395,70 @@ class WaitForWakeTests(SleepCase):
         self.assertEqual(self.sent("wake_shard"), [a + "-0"])
         self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
 
+    def test_waits_for_its_replica_falling_asleep(self) -> None:
+        """
+        C{c}, evicted busy for C{a}'s wake (past swap_max_wait), is asked
+        for again while its stream runs and it has not slept yet: it
+        waits to fall asleep and then wakes where it slept, rather than
+        evicting C{b} for a cold start on the other GPU.
+        """
+        a, b, c = self.two_gpus_a_asleep_under_c(sleepy("a"), sleepy("b"), sleepy("c"))
+        self.plane.counts.cold_start_seconds["a"] = [100.0]
+        self.plane.counts.cold_start_seconds["c"] = [30.0]
+        self.in_flight[c] = 1
+        self.tick(10)
+        waiter = self.plane.catalog.activate("a")
+        for _ in range(31):
+            self.tick(1)
+        self.assertTrue(self.plane.replicas[c].dormant)
+        self.assertFalse(self.plane.replicas[c].asleep)
+        again = self.plane.catalog.activate("c")
+        for _ in range(3):
+            self.tick(1)
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+        self.assertEqual(self.plane.replicas[b].state, "ready")
+        self.in_flight[c] = 0
+        for _ in range(3):
+            self.tick(1)
+        self.successResultOf(waiter)
+        for _ in range(10):
+            self.tick(1)
+        self.successResultOf(again)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0", c + "-0"])
+        self.assertEqual(self.plane.replicas[b].state, "ready")
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+
+    def test_waits_for_a_waking_resident(self) -> None:
+        """
+        C{a} is waking on the GPU where C{c} sleeps when C{c} is asked for:
+        C{c} waits for C{a} (woken, then its min_resident) and wakes there,
+        rather than evicting C{b} for a cold start on the other GPU.
+        """
+        a, b, c = self.two_gpus_a_asleep_under_c(sleepy("a"), sleepy("b"), sleepy("c"))
+        self.plane.counts.cold_start_seconds["c"] = [30.0]
+        self.tick(10)
+        waiter = self.plane.catalog.activate("a")
+        self.tick(1)
+        self.assertEqual(self.sent("sleep_shard")[-1], c + "-0")
+        self.agents.hold = True
+        self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
+        again = self.plane.catalog.activate("c")
+        for _ in range(3):
+            self.tick(1)
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+        self.agents.hold = False
+        for held in self.agents.unanswered:
+            held.callback(pb.CommandResult(ok=True))
+        self.tick(1)
+        self.successResultOf(waiter)
+        for _ in range(8):
+            self.tick(1)
+        self.successResultOf(again)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0", c + "-0"])
+        self.assertEqual(self.plane.replicas[b].state, "ready")
+        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+
 
 class ReviewTests(SleepCase):
     """

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from statistics import mean
 from typing import TYPE_CHECKING
 
 from twisted.internet.defer import gatherResults
@@ -452,9 +453,30 @@ class Sleeping:
                 state, now, snapshot, latest, idle_only=isinstance(free, Plan)
             ):
                 return snapshot
+        elif (
+            not asleep
+            and dormant
+            and state.waiters
+            and self._falling_asleep(state, now)
+        ):
+            # Going to sleep (evicted, its requests ending): a wake once it
+            # sleeps beats a cold start, as above.
+            return snapshot
         if staying + len(woken) >= want:
             return snapshot
         return self._place_missing(state, now, snapshot, live, want)
+
+    def _falling_asleep(self, state: ModelState, now: float) -> bool:
+        """
+        @return: whether C{state}'s model, whose replicas are dormant but
+            none asleep yet, waits for one to fall asleep: its oldest held
+            request has waited less than the model's mean cold start.
+        """
+        starts = self.counts.cold_start_seconds.get(state.model.name)
+        oldest = state.oldest_wait()
+        if not starts or oldest is None:
+            return False
+        return now - oldest < mean(starts)
 
     def _dormant_over(
         self, model: Model, live: list[ReplicaRecord], dormant: list[ReplicaRecord]

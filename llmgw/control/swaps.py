@@ -265,7 +265,7 @@ class Swapping:
             less than their C{min_resident} too when C{young_too}; L{None}
             if nothing makes the room.
         """
-        candidates, spare = self._candidates(state.model.name, now)
+        candidates, spare = self._candidates(state.model.name, now, young_too)
         ordered = eviction.eligible(
             candidates,
             now,
@@ -367,15 +367,22 @@ class Swapping:
         return False
 
     def _candidates(
-        self, holder: str, now: float
+        self, holder: str, now: float, coming: bool = False
     ) -> tuple[list[Candidate], dict[str, int]]:
         """
+        @param coming: count replicas starting or waking too, as resident
+            from now (to ask what may go soon, not now).
         @return: the ready replicas of models other than C{holder}, not
             leaving, as eviction candidates; and per model how many may go
             (its ready replicas over its C{min_replicas}).
         """
         candidates = []
         spare = {}
+        states = (
+            (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.WAKING)
+            if coming
+            else (ReplicaState.READY,)
+        )
         for name, replicas in self._by_model.items():
             state = self.catalog.get(name)
             if name == holder or state is None:
@@ -384,7 +391,7 @@ class Swapping:
             ready = [
                 r
                 for r in replicas.values()
-                if r.state == ReplicaState.READY
+                if r.state in states
                 and r.leaving_since is None
                 and r.draining_since is None
             ]
@@ -402,7 +409,11 @@ class Swapping:
                         pinned=model.pinned,
                         min_resident=model.min_resident,
                         last_used=state.last_used,
-                        resident_since=replica.resident_since or replica.created,
+                        resident_since=(
+                            replica.resident_since or replica.created
+                            if replica.state == ReplicaState.READY
+                            else now
+                        ),
                         in_flight=self._outstanding(replica.id),
                         places=tuple(
                             Place(s.node, s.gpus, s.port) for s in replica.shards

@@ -28,6 +28,7 @@ class _Activator:
 
     def __init__(self) -> None:
         self.asked: list[Deferred[None]] = []
+        self.priorities: list[int] = []
         self.standing = Standing()
 
     def where(self, name: str) -> Standing:
@@ -38,9 +39,10 @@ class _Activator:
 
     why = ""
 
-    def activate(self, name: str) -> Deferred[None]:
+    def activate(self, name: str, priority: int = 1) -> Deferred[None]:
         d: Deferred[None] = Deferred()
         self.asked.append(d)
+        self.priorities.append(priority)
         return d
 
 

@@ -65,9 +65,19 @@ class _Swaps(_Fleet):
     timeout = 240
 
     def setup_fleet(
-        self, models: str, agent: str = ONE_80GB, wait: str = "30s", **control: str
+        self,
+        models: str,
+        agent: str = ONE_80GB,
+        wait: str = "30s",
+        router: str = "",
+        **control: str,
     ) -> None:
+        """
+        @param router: lines added to the server's C{[router]} table.
+        @param control: C{[control]} settings, each a duration's text.
+        """
         config = self.config(models, activation_timeout=wait)
+        config = config.replace("[router]\n", "[router]\n" + router)
         for key, value in control.items():
             config = re.sub(f"^{key} = .*$", "", config, flags=re.MULTILINE).replace(
                 "[control]\n", f'[control]\n{key} = "{value}"\n'

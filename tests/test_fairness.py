@@ -269,6 +269,20 @@ class HeldOrderTests(SynchronousTestCase):
         self.assertLess(held_order(1.0), held_order(2.0))
         self.assertLess(held_order(9.0), held_order(None))
 
+    def test_passed_over_first(self) -> None:
+        """
+        A model whose request was passed over for C{swap_max_wait} goes
+        before a higher priority, so no request waits unbounded.
+        """
+        self.assertLess(
+            held_order(3.0, priority_rank("batch"), overdue=True),
+            held_order(1.0, priority_rank("interactive")),
+        )
+        self.assertLess(
+            held_order(1.0, priority_rank("batch"), overdue=True),
+            held_order(2.0, priority_rank("interactive"), overdue=True),
+        )
+
 
 class OrderFieldsTests(SynchronousTestCase):
     def test_bad_priority_or_weight(self) -> None:

@@ -311,6 +311,43 @@ class QueueTests(SwapCase):
         self.assertIsNotNone(self.plane.replicas[c].draining_since)
         self.assertEqual(set(self.plane.swaps), {"b"})
 
+    def test_higher_priority_first(self) -> None:
+        """
+        C{c}'s batch request came before C{b}'s interactive one: C{b} gets
+        the room C{a} frees, and C{c} is told it is second, behind C{b}.
+        """
+        self.make(big("a"), big("b"), big("c"), nodes=("n1",))
+        self.serve("a")
+        self.tick(10)
+        self.plane.catalog.activate("c", priority=0)
+        self.clock.advance(1)
+        self.plane.catalog.activate("b", priority=2)
+        self.plane.reconcile()
+        self.assertEqual(set(self.plane.swaps), {"b"})
+        self.assertEqual(
+            self.plane.catalog.where("c").words, "2nd in the swap queue, behind b"
+        )
+
+    def test_passed_over_goes_before_a_higher_priority(self) -> None:
+        """
+        C{c}'s batch request has waited C{swap_max_wait} (5 s here) when an
+        interactive request for C{b} comes: C{c} goes first, so a stream
+        of higher priorities cannot hold a request back unbounded.
+        """
+        settings = replace(SETTINGS, swap_max_wait=5.0)
+        self.make(big("a"), big("b"), big("c"), nodes=("n1",), settings=settings)
+        a = self.serve("a")
+        self.in_flight[a] = 1
+        self.tick(10)
+        self.plane.catalog.activate("c", priority=0)
+        self.tick(4)
+        self.assertEqual(self.plane.swaps, {})
+        self.in_flight[a] = 0
+        self.clock.advance(1)
+        self.plane.catalog.activate("b", priority=2)
+        self.plane.reconcile()
+        self.assertEqual(set(self.plane.swaps), {"c"})
+
 
 class PinAndSleepTests(SwapCase):
     def test_pin_then_unpin(self) -> None:

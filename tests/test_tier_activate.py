@@ -43,6 +43,7 @@ class _Control:
 
     def __init__(self) -> None:
         self.posts: list[Deferred[tuple[int, Any]]] = []
+        self.bodies: list[object] = []
         self.where: dict[str, Any] = {"words": "", "eta_seconds": None}
 
     def post(self, path: str, body: object) -> Deferred[tuple[int, Any]]:
@@ -51,6 +52,7 @@ class _Control:
 
         answer: Deferred[tuple[int, Any]] = Deferred(cancel)
         self.posts.append(answer)
+        self.bodies.append(body)
         return answer
 
     def request(self, method: bytes, path: str, body: object = None) -> Deferred[Any]:
@@ -81,6 +83,22 @@ class RemoteActivatorTests(SynchronousTestCase):
         clock.advance(5)
         self.assertEqual(len(control.posts), 1)
         self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_priority_posted(self) -> None:
+        """
+        Each wait posts its request's priority with the router's wait, for
+        the control plane's swap queue.
+        """
+        clock = Clock()
+        activator, control = _activator(clock)
+        waits = [activator.activate("chat", 0), activator.activate("chat")]
+        self.assertEqual(
+            control.bodies,
+            [{"timeout": 30.0, "priority": 0}, {"timeout": 30.0, "priority": 1}],
+        )
+        for wait in waits:
+            wait.cancel()
+            self.failureResultOf(wait, CancelledError)
 
     def test_where(self) -> None:
         """

@@ -14,6 +14,7 @@ from twisted.web.iweb import IRequest
 
 from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
 from llmgw.control.plane import ControlPlane
+from llmgw.router.fairness import priority_rank
 from llmgw.tier.watch import Watch
 from llmgw.wire import versions
 
@@ -99,7 +100,9 @@ class WatchRoutes:
         A router's request for C{name} found no replica: ask for one and
         answer when one is published (C{{"ready": model}}), or 504 with
         why not after the body's C{timeout} seconds (default 60, at most
-        L{MAX_ACTIVATION_WAIT}).
+        L{MAX_ACTIVATION_WAIT}).  The body's C{priority} (a name such as
+        C{"batch"} or a number, higher first; default C{standard}) is the
+        waiting request's, which the swap queue orders by.
         """
         plane, watch = self._watched(request)
         model = plane.catalog.resolve(name)
@@ -117,8 +120,9 @@ class WatchRoutes:
                 f"timeout must be a number of seconds in (0, {MAX_ACTIVATION_WAIT:g}]",
                 "bad_request",
             )
+        rank = _priority(body)
         if not watch.serves(model):
-            ready = plane.catalog.activate(model)
+            ready = plane.catalog.activate(model, rank)
             ready.addTimeout(float(timeout), watch.clock)
             try:
                 await ready
@@ -166,3 +170,14 @@ class WatchRoutes:
         for name in names[:10000]:
             plane.catalog.touch(name)
         return json_answer(request, {"touched": len(names)})
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """
+    @return: the priority number of an activate body's C{priority}.
+    @raise AdminError: 400, it is neither a priority's name nor an integer.
+    """
+    try:
+        return priority_rank(body.get("priority"))
+    except ValueError as e:
+        raise AdminError(400, str(e)[:300], "bad_request") from None

@@ -161,10 +161,14 @@ class ModelCatalog:
         """
         return list(self._models.values())
 
-    def activate(self, name: str) -> Deferred[None]:
+    def activate(self, name: str, priority: int = 1) -> Deferred[None]:
         """
         A request for C{name} found no ready replica: ask for one.
 
+        @param priority: the waiting request's priority number
+            (L{llmgw.router.fairness}: higher goes first; 1 is
+            C{standard}): the swap queue serves the models holding the
+            highest first.
         @return: fires when a replica of the model is published; cancel it
             to stop waiting.
         @raise KeyError: C{name} is not in the catalog.
@@ -183,12 +187,14 @@ class ModelCatalog:
 
         def waited(result: object) -> object:
             state.arrived.pop(waiter, None)
+            state.ranks.pop(waiter, None)
             self.activation_waits += 1
             self.activation_wait_seconds += self.clock.seconds() - started
             return result
 
         waiter.addBoth(waited)
         state.arrived[waiter] = started
+        state.ranks[waiter] = priority
         state.waiters.append(waiter)
         self.waiting.add(state.model.name)
         self._changed()

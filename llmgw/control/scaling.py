@@ -40,6 +40,8 @@ class ModelState:
     @ivar retry_at: reactor seconds before which nothing is placed.
     @ivar waiters: requests waiting for a ready replica.
     @ivar arrived: reactor seconds each of C{waiters} came at.
+    @ivar ranks: the priority number of each of C{waiters}' requests
+        (L{llmgw.router.fairness}: higher goes first).
     """
 
     model: Model
@@ -53,6 +55,7 @@ class ModelState:
     no_fit: NoFit | None = None
     waiters: list[Deferred[None]] = field(default_factory=list)
     arrived: dict[Deferred[None], float] = field(default_factory=dict)
+    ranks: dict[Deferred[None], int] = field(default_factory=dict)
 
     def oldest_wait(self) -> float | None:
         """
@@ -61,6 +64,14 @@ class ModelState:
         """
         times = [self.arrived[d] for d in self.waiters if d in self.arrived]
         return min(times) if times else None
+
+    def top_rank(self) -> int | None:
+        """
+        @return: the highest priority number among the requests waiting,
+            or L{None} when none waits.
+        """
+        ranks = [self.ranks[d] for d in self.waiters if d in self.ranks]
+        return max(ranks) if ranks else None
 
 
 def bounded(model: Model, wanted: int) -> int:

@@ -129,7 +129,8 @@ class ControlConfig:
         DURATION,
         "The longest a held request is passed over while the replicas holding"
         " its room are busy: then they take no new requests and leave once"
-        ' their streams end ("0s": a busy replica is never evicted).',
+        " their streams end, and its model goes before higher priorities in"
+        ' the swap queue ("0s": a busy replica is never evicted).',
     )
     swap_in_use: float = setting(
         0.0,

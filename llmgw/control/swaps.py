@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from llmgw.control import eviction
 from llmgw.control.catalog import Model
 from llmgw.control.eviction import Candidate, Place
+from llmgw.control.held_order import held_order
 from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Fleet, NodeView, NoFit, ShardPlan
 from llmgw.control.records import (
@@ -427,14 +428,20 @@ class Swapping:
                 )
         return candidates, spare
 
-    def _held_order(self, name: str) -> tuple[float, float]:
+    def _held_order(self, name: str) -> tuple[float, float, float, float]:
         """
-        @return: a sort key for a pass's models: those with requests held
-            first, the oldest held first.
+        @return: a sort key for a pass's models (L{held_order}): those with
+            requests held first, those passed over for C{swap_max_wait}
+            first among them, then the highest priority held, then the
+            oldest held.
         """
         state = self.catalog.get(name)
-        oldest = state.oldest_wait() if state is not None else None
-        return (0.0, oldest) if oldest is not None else (1.0, 0.0)
+        if state is None:
+            return held_order(None)
+        now = self.clock.seconds()
+        return held_order(
+            state.oldest_wait(), state.top_rank(), self._busy_too(state, now)
+        )
 
     def _standing(self, name: str) -> Standing:
         """

@@ -34,7 +34,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from llmgw.router.errors import activation_queue_full
-from llmgw.router.fairness import ANONYMOUS, Tenant
+from llmgw.router.fairness import ANONYMOUS, PRIORITIES, Tenant
 from llmgw.router.interfaces import Activator, Standing
 from llmgw.router.settings import RouterConfig
 
@@ -267,7 +267,11 @@ class ActivationWait:
             raise activation_queue_full(model, self.retry_after())
         self._since = self._clock.seconds()
         queues.join(model, self._since)
-        ready = self._ready = self._activator.activate(model)
+        # The swap queue serves models by the priority they hold, unless
+        # the router waits first come, first served.
+        fifo = settings.waiting_order == "fifo"
+        rank = PRIORITIES["standard"] if fifo else self._tenant.rank
+        ready = self._ready = self._activator.activate(model, rank)
         ready.addCallback(self._became_ready)
         queues.hold(model, self._tenant, self._evict)
 

@@ -249,8 +249,11 @@ class Activator(Protocol):
         @return: every catalog name and alias.
         """
 
-    def activate(self, name: str) -> Deferred[None]:
+    def activate(self, name: str, priority: int = 1) -> Deferred[None]:
         """
+        @param priority: the waiting request's priority number
+            (L{llmgw.router.fairness}: higher goes first; 1 is
+            C{standard}).
         @return: fires once a replica of C{name} is ready; cancellable.
         """
 

@@ -133,8 +133,10 @@ class RemoteActivator(Service):
         left = max(0.0, standing.eta_seconds - (self.clock.seconds() - at))
         return Standing(standing.words, left)
 
-    def activate(self, name: str) -> Deferred[None]:
+    def activate(self, name: str, priority: int = 1) -> Deferred[None]:
         """
+        @param priority: the waiting request's priority number, which the
+            control plane's swap queue orders by.
         @return: fires once the control plane answered that a replica is
             ready and the watch brought its endpoint here; cancel it to
             stop waiting.
@@ -153,7 +155,7 @@ class RemoteActivator(Service):
                 self._standing.pop(model, None)
             return result
 
-        return ensureDeferred(self._activate(model)).addBoth(ended)
+        return ensureDeferred(self._activate(model, priority)).addBoth(ended)
 
     def _ask_where(self, model: str) -> None:
         if model in self._asking:
@@ -184,12 +186,12 @@ class RemoteActivator(Service):
             eta = None
         self._standing[model] = (Standing(words[:200], eta), self.clock.seconds())
 
-    async def _activate(self, model: str) -> None:
+    async def _activate(self, model: str, priority: int) -> None:
         while True:
             try:
                 code, value = await self.control.post(
                     f"/api/v1/models/{quote(model, safe='')}/activate",
-                    {"timeout": self.wait},
+                    {"timeout": self.wait, "priority": priority},
                 )
             except CancelledError:
                 raise

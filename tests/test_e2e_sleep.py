@@ -3,7 +3,7 @@ Sleep on the node through a real link: a C{twistd llmgw-agent} process on
 two simulated GPUs, its engine C{llmgw sim} in sleep mode, and the
 server's L{ShardCommands} sending C{SleepShard} and C{WakeShard}; the
 refused-sleep fallback; a sleeping engine adopted asleep after the agent
-restarts.
+restarts, and asked whether it sleeps when its record is lost or stale.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from twisted.internet import defer, threads
@@ -33,15 +33,19 @@ class SleepOnNodeTests(_LinkedAgent):
     """
 
     @defer.inlineCallbacks
-    def respawn(self, name: str) -> Generator[Any, Any, None]:
+    def respawn(
+        self, name: str, meanwhile: Callable[[], object] = lambda: None
+    ) -> Generator[Any, Any, None]:
         """
-        Stop the agent, and start it again on two simulated GPUs of 80 GB.
+        Stop the agent, call C{meanwhile}, and start the agent again on two
+        simulated GPUs of 80 GB.
         """
         config = os.path.join(self.dir, "agent.toml")
         with open(config, "w") as f:
             f.write('[[simulated_gpus]]\nname = "H100"\nmemory_gb = 80\n' * 2)
         old = self.hub.links.get("gpu-01")
         self.agent.stop()
+        meanwhile()
         self.agent = spawn([*self.agent_argv, "--config", config], self.dir, name)
         yield self.until(lambda: self.hub.links.get("gpu-01") not in (None, old), 30)
 
@@ -161,3 +165,61 @@ class SleepOnNodeTests(_LinkedAgent):
         self.assertEqual((result.ok, result.code), (False, "sleep_refused"))
         self.assertIn("without sleep mode", result.error)
         self.assertEqual(self.states("s3")[-1], "SHARD_STATE_READY")
+
+    @defer.inlineCallbacks
+    def test_adopted_as_the_engine_says(self) -> Generator[Any, Any, None]:
+        """
+        A restarted agent asks an engine in sleep mode whether it sleeps:
+        one asleep whose record was lost (its marker says awake) is listed
+        sleeping, not ready; one recorded asleep but awake (its agent ended
+        during a wake; woken here behind the agent's back) is put back to
+        sleep, as the server counts its GPU memory free.
+        """
+        from twisted.internet import reactor
+
+        yield self.respawn("agent-gpus")
+        commands = ShardCommands(reactor, self.hub, SuspectPorts(), lambda: None)
+        port = free_port()
+        args = ["--sleep-seconds", "0.3", "--wake-seconds", "0.3"]
+        yield self.begin("s4", port, 1, args)
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s4"), 30)
+        result = yield commands.sleep("gpu-01", "s4", 1)
+        self.assertEqual((result.ok, result.error), (True, ""))
+        record = os.path.join(self.dir, "state", "shards", "s4.json")
+
+        self.heard.statuses.clear()
+        yield self.respawn("agent-no-record", lambda: os.remove(record))
+        yield self.until(lambda: "SHARD_STATE_SLEEPING" in self.states("s4"), 30)
+        self.assertNotIn("SHARD_STATE_READY", self.states("s4"))
+        self.assertIn("adopted as awake, its engine sleeps", self.agent.output())
+        yield self.until(lambda: self.asleep(port) is True, 5)
+        with open(record) as f:
+            self.assertIs(json.load(f)["sleeping"], True)
+
+        def wake_behind_its_back() -> None:
+            status, _, _ = http(
+                "POST",
+                f"http://127.0.0.1:{port}/wake_up",
+                b"",
+                {"Authorization": "Bearer engine-key"},
+            )
+            self.assertEqual(status, 200)
+
+        self.heard.statuses.clear()
+        yield self.respawn("agent-stale", wake_behind_its_back)
+        yield self.until(
+            lambda: "recorded asleep, its engine is awake" in self.agent.output(), 30
+        )
+        yield self.until(lambda: self.asleep(port) is True, 10)
+        (node,) = self.inventory.nodes()
+        self.assertEqual([s["state"] for s in node.shards], ["sleeping"])
+        self.assertNotIn("SHARD_STATE_READY", self.states("s4"))
+        result = yield commands.wake("gpu-01", "s4")
+        self.assertEqual((result.ok, result.error), (True, ""))
+
+    def asleep(self, port: int) -> object:
+        """
+        @return: what the engine on C{port} says of C{is_sleeping}.
+        """
+        _, _, body = http("GET", f"http://127.0.0.1:{port}/is_sleeping")
+        return json.loads(body).get("is_sleeping")

@@ -43,6 +43,12 @@ Seconds a sleep or a wake may take before the command fails (vLLM's level
 2 wake reloads the weights from disk).
 """
 
+STOP_GRACE = 30.0
+"""
+Seconds an engine adopted asleep that woke and will not sleep again has to
+stop before it is killed.
+"""
+
 MEMORY_TOLERANCE = 0.10
 """
 The share by which the GPU memory an engine holds after a wake may differ
@@ -193,13 +199,27 @@ class EngineRoutes:
         await self._confirm(False)
 
     async def _confirm(self, sleeping: bool) -> None:
-        answer = await self._call(b"GET", "/is_sleeping")
-        if not isinstance(answer, dict) or answer.get("is_sleeping") is not sleeping:
+        if await self.asleep() is not sleeping:
             raise CommandRefused(
-                f"/is_sleeping: the engine answered {answer!r} after"
+                f"/is_sleeping: the engine answered {not sleeping} after"
                 f" {'/sleep' if sleeping else '/wake_up'}",
                 "sleep_refused",
             )
+
+    async def asleep(self) -> bool:
+        """
+        @return: what the engine's C{GET /is_sleeping} says
+            (C{{"is_sleeping": bool}}; vLLM and the simulator).
+        @raise CommandRefused: it could not be reached, or answered
+            something else.
+        """
+        answer = await self._call(b"GET", "/is_sleeping")
+        sleeping = answer.get("is_sleeping") if isinstance(answer, dict) else None
+        if not isinstance(sleeping, bool):
+            raise CommandRefused(
+                f"/is_sleeping: the engine answered {answer!r}", "sleep_refused"
+            )
+        return sleeping
 
     async def sim_memory_gb(self) -> float | None:
         """
@@ -297,6 +317,69 @@ async def wake_shard(supervisor: Supervisor, shard_id: str) -> None:
         shard.note = memory_note(held, shard.command.gpu_memory_gb)
     shard.set_state(pb.SHARD_STATE_READY)
     supervisor.record(shard)
+
+
+def can_tell(command: pb.StartShard) -> bool:
+    """
+    @return: whether the engine of C{command} runs in sleep mode and can be
+        asked whether it sleeps (vLLM and the simulator; SGLang has no such
+        route).
+    """
+    return bool(command.sleep_level) and command.engine in ("vllm", "sim")
+
+
+async def check_adopted(shard: Shard) -> None:
+    """
+    An engine in sleep mode that a previous agent started, adopted: its
+    record may be stale (that agent ended between the engine's answer to a
+    sleep or a wake and the record written), and its marker says it is
+    awake whatever it is.  The engine's C{GET /is_sleeping} decides (see
+    L{can_tell}).  One taken as awake (C{starting}, its probes passed)
+    becomes C{ready}, or C{sleeping} when it sleeps.  One recorded asleep
+    (the server counts its GPU memory free) that is awake is put back to
+    sleep, or stopped when it will not sleep.  When the engine cannot say,
+    the record (or the marker) stands.
+    """
+    routes = _routes(shard)
+    asleep: bool | None = None
+    try:
+        asleep = await routes.asleep()
+    except CommandRefused as e:
+        shard.log.warn(
+            "shard {shard}: cannot ask its engine whether it sleeps ({error});"
+            " taken as recorded",
+            shard=shard.id,
+            error=str(e),
+        )
+    if shard.state == pb.SHARD_STATE_STARTING:
+        if asleep:
+            shard.log.warn(
+                "shard {shard}: adopted as awake, its engine sleeps: sleeping",
+                shard=shard.id,
+            )
+            shard.set_state(pb.SHARD_STATE_SLEEPING)
+            shard.supervisor.record(shard)
+        else:
+            shard.log.info("shard {shard} is ready", shard=shard.id)
+            shard.set_state(pb.SHARD_STATE_READY)
+        return
+    if shard.state != pb.SHARD_STATE_SLEEPING or asleep is not False:
+        return
+    shard.log.warn(
+        "shard {shard}: recorded asleep, its engine is awake (its agent ended"
+        " during a wake): putting it back to sleep",
+        shard=shard.id,
+    )
+    try:
+        await routes.sleep(shard.command.sleep_level)
+    except CommandRefused as e:
+        if shard.state == pb.SHARD_STATE_SLEEPING:
+            shard.log.warn(
+                "shard {shard}: its engine will not sleep again ({error}): stopping it",
+                shard=shard.id,
+                error=str(e),
+            )
+            shard.stop(STOP_GRACE)
 
 
 def simulated_memory_mib(supervisor: Supervisor) -> dict[int, int]:

@@ -35,7 +35,7 @@ from llmgw.agent.records import (
     process_start_time,
     write_record,
 )
-from llmgw.agent.sleep import refusal, without_sleep
+from llmgw.agent.sleep import can_tell, check_adopted, refusal, without_sleep
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 
@@ -120,6 +120,7 @@ class Shard:
         self._stopping = False
         self._probing = False
         self._served = False
+        self._ask_asleep = False
         # Told the server with the next status (ShardStatus.note).
         self.note = ""
         self.phases = StartPhases(supervisor.reactor)
@@ -142,7 +143,7 @@ class Shard:
             status.phases.extend(
                 self.phases.report(self._supervisor.path(self.id, ".log"))
             )
-        if state == pb.SHARD_STATE_READY:
+        if state in (pb.SHARD_STATE_READY, pb.SHARD_STATE_SLEEPING):
             self._served = True
         self.state = state
         status.note, self.note = self.note, ""
@@ -188,19 +189,32 @@ class Shard:
         """
         Take over an engine a previous agent started: watch its pid, since
         its exit status went to that agent.  One recorded asleep stays so
-        (its probes would pass: a sleeping engine serves /health).
+        (its probes would pass: a sleeping engine serves /health); where
+        the engine can tell, it is asked (L{check_adopted}).
         """
         self.pid = pid
         self.start_time = start_time
         self._watch = LoopingCall(self._still_there)
         self._watch.clock = self._supervisor.reactor
         self._watch.start(1.0, now=False)
+        # Its engine is asked whether it sleeps (L{check_adopted}): at once
+        # when recorded asleep, once its probes pass when taken as awake.
+        self._ask_asleep = can_tell(self.command)
         if sleeping:
             self.state = pb.SHARD_STATE_SLEEPING
             self._served = True
+            if self._ask_asleep:
+                self._check_adopted()
             return
         self.state = pb.SHARD_STATE_STARTING
         self._start_probing()
+
+    def _check_adopted(self) -> None:
+        self._ask_asleep = False
+        d = Deferred.fromCoroutine(check_adopted(self))
+        d.addErrback(
+            lambda f: self.log.failure("checking shard {shard}", f, shard=self.id)
+        )
 
     def _still_there(self) -> None:
         assert self.pid is not None
@@ -225,6 +239,9 @@ class Shard:
             self._probing = False
             if serves and self.state == pb.SHARD_STATE_STARTING:
                 self._stop_probing()
+                if self._ask_asleep:
+                    self._check_adopted()
+                    return
                 self.log.info("shard {shard} is ready", shard=self.id)
                 self.set_state(pb.SHARD_STATE_READY)
 

@@ -4,7 +4,7 @@ More models than GPUs (issue 25 item 6): one node with 2 simulated GPUs,
 served under each swap policy side by side, the same requests for each.
 
     .venv/bin/python bench/swap_bench.py [--minutes 10] [--compress 6]
-        [--policies today,cold,sleep,batch] [--json results.json]
+        [--policies today,cold,sleep,batch[,in-use]] [--json results.json]
 
 The policies, as configuration:
 
@@ -13,9 +13,12 @@ The policies, as configuration:
   (C{swap_max_wait = "0s"}), as Ollama and llama-swap do;
 - C{sleep}: evict, the replicas evicted sleep (C{sleep = "weights"}), no
   batching;
-- C{batch}: evict, sleep, and swap batching: a model used in the last 30 s
-  keeps its room for up to 10 s of another model's wait (C{swap_in_use},
-  C{swap_max_wait}).
+- C{batch}: evict, sleep, and swap batching as shipped: a busy model keeps
+  its room for up to 30 s of another model's wait (C{swap_max_wait}, its
+  default);
+- C{in-use} (only when named): C{batch}, and a model used in the last 30 s
+  counts as busy for up to 10 s of another model's wait (C{swap_in_use},
+  C{swap_max_wait = "10s"}): fewer swaps for a longer wait.
 
 The engines are C{llmgw sim} replicas started by a real C{twistd -n
 llmgw-agent} with two C{[[simulated_gpus]]} of 80 GB (each model needs
@@ -86,11 +89,23 @@ POLICIES: dict[str, dict[str, Any]] = {
     "batch": {
         "evict": True,
         "sleep": "weights",
+        "swap_max_wait": 30.0,
+        "resident": 10.0,
+    },
+    "in-use": {
+        "evict": True,
+        "sleep": "weights",
         "swap_max_wait": 10.0,
         "in_use": 30.0,
         "resident": 10.0,
     },
 }
+
+DEFAULT_POLICIES = ("today", "cold", "sleep", "batch")
+"""
+Those run unless C{--policies} says otherwise (C{in-use} on request: the
+four take under 10 minutes).
+"""
 
 
 @dataclass(frozen=True)
@@ -544,7 +559,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rate", type=float, default=0.5, help="requests per sim second")
     p.add_argument("--burst", type=float, default=60.0, help="mean hot-model seconds")
     p.add_argument("--seed", type=int, default=25)
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help=f"of {', '.join(POLICIES)}",
+    )
     p.add_argument("--json", help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the logs' folder")
     args = p.parse_args(argv)

@@ -77,28 +77,14 @@ REQUEST_TIMEOUT = 600.0
 Wall seconds one request may take at most, queueing included.
 """
 
+_SLEEP = {"evict": True, "sleep": "weights", "resident": 10.0}
+
 POLICIES: dict[str, dict[str, Any]] = {
     "today": {"evict": False, "sleep": "off", "swap_max_wait": None, "resident": 10.0},
     "cold": {"evict": True, "sleep": "off", "swap_max_wait": 0.0, "resident": 10.0},
-    "sleep": {
-        "evict": True,
-        "sleep": "weights",
-        "swap_max_wait": 0.0,
-        "resident": 10.0,
-    },
-    "batch": {
-        "evict": True,
-        "sleep": "weights",
-        "swap_max_wait": 30.0,
-        "resident": 10.0,
-    },
-    "in-use": {
-        "evict": True,
-        "sleep": "weights",
-        "swap_max_wait": 10.0,
-        "in_use": 30.0,
-        "resident": 10.0,
-    },
+    "sleep": {**_SLEEP, "swap_max_wait": 0.0},
+    "batch": {**_SLEEP, "swap_max_wait": 30.0},
+    "in-use": {**_SLEEP, "swap_max_wait": 10.0, "in_use": 30.0},
 }
 
 DEFAULT_POLICIES = ("today", "cold", "sleep", "batch")

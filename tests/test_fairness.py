@@ -283,6 +283,14 @@ class HeldOrderTests(SynchronousTestCase):
             held_order(2.0, priority_rank("interactive"), overdue=True),
         )
 
+    def test_any_integer(self) -> None:
+        """
+        A priority past a float's range (an admin API body may say
+        C{10**400}) orders as any other, and raises nothing.
+        """
+        self.assertLess(held_order(2.0, 10**400), held_order(1.0, 5))
+        self.assertLess(held_order(1.0, 5), held_order(1.0, -(10**400)))
+
 
 class OrderFieldsTests(SynchronousTestCase):
     def test_bad_priority_or_weight(self) -> None:

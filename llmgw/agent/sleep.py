@@ -25,6 +25,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.web.client import FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
@@ -41,6 +42,11 @@ SLEEP_TIMEOUT = 600.0
 """
 Seconds a sleep or a wake may take before the command fails (vLLM's level
 2 wake reloads the weights from disk).
+"""
+
+ASK_TIMEOUT = 10.0
+"""
+Seconds an adopted engine has to answer whether it sleeps.
 """
 
 STOP_GRACE = 30.0
@@ -141,7 +147,13 @@ class EngineRoutes:
         self._base = engine_url(host, command.port)
         self._headers = headers
 
-    async def _call(self, method: bytes, path: str, body: bytes = b"") -> Any:
+    async def _call(
+        self,
+        method: bytes,
+        path: str,
+        body: bytes = b"",
+        timeout: float = SLEEP_TIMEOUT,
+    ) -> Any:
         """
         @return: the engine's JSON answer (L{None} for none).
         @raise CommandRefused: it answered other than 200 (code
@@ -156,7 +168,7 @@ class EngineRoutes:
             d = self._http.request(
                 method, (self._base + path).encode(), headers, producer
             )
-            d.addTimeout(SLEEP_TIMEOUT, self._clock)
+            d.addTimeout(timeout, self._clock)
             response = await d
             answer = await readBody(response)
         except CommandRefused:
@@ -206,14 +218,15 @@ class EngineRoutes:
                 "sleep_refused",
             )
 
-    async def asleep(self) -> bool:
+    async def asleep(self, timeout: float = SLEEP_TIMEOUT) -> bool:
         """
+        @param timeout: seconds the engine has to answer.
         @return: what the engine's C{GET /is_sleeping} says
             (C{{"is_sleeping": bool}}; vLLM and the simulator).
-        @raise CommandRefused: it could not be reached, or answered
-            something else.
+        @raise CommandRefused: it could not be reached in time, or
+            answered something else.
         """
-        answer = await self._call(b"GET", "/is_sleeping")
+        answer = await self._call(b"GET", "/is_sleeping", timeout=timeout)
         sleeping = answer.get("is_sleeping") if isinstance(answer, dict) else None
         if not isinstance(sleeping, bool):
             raise CommandRefused(
@@ -290,6 +303,10 @@ async def wake_shard(supervisor: Supervisor, shard_id: str) -> None:
         not be reached.
     """
     shard = _shard(supervisor, shard_id, pb.SHARD_STATE_SLEEPING)
+    if shard.checking is not None:
+        # Adopted: it may be put back to sleep first (L{check_adopted}).
+        await _checked(shard)
+        shard = _shard(supervisor, shard_id, pb.SHARD_STATE_SLEEPING)
     for other in supervisor.shards.values():
         shared = set(other.command.gpu_indices) & set(shard.command.gpu_indices)
         awake = other.state != pb.SHARD_STATE_SLEEPING and other.exit_code is None
@@ -343,7 +360,7 @@ async def check_adopted(shard: Shard) -> None:
     routes = _routes(shard)
     asleep: bool | None = None
     try:
-        asleep = await routes.asleep()
+        asleep = await routes.asleep(ASK_TIMEOUT)
     except CommandRefused as e:
         shard.log.warn(
             "shard {shard}: cannot ask its engine whether it sleeps ({error});"
@@ -351,6 +368,8 @@ async def check_adopted(shard: Shard) -> None:
             shard=shard.id,
             error=str(e),
         )
+    if shard.stopping or shard.exit_code is not None:
+        return
     if shard.state == pb.SHARD_STATE_STARTING:
         if asleep:
             shard.log.warn(
@@ -373,13 +392,45 @@ async def check_adopted(shard: Shard) -> None:
     try:
         await routes.sleep(shard.command.sleep_level)
     except CommandRefused as e:
-        if shard.state == pb.SHARD_STATE_SLEEPING:
+        if shard.state == pb.SHARD_STATE_SLEEPING and not shard.stopping:
             shard.log.warn(
                 "shard {shard}: its engine will not sleep again ({error}): stopping it",
                 shard=shard.id,
                 error=str(e),
             )
             shard.stop(STOP_GRACE)
+
+
+def begin_check(shard: Shard) -> None:
+    """
+    Run L{check_adopted} for C{shard}, as C{shard.checking} until it ends:
+    meanwhile a wake waits for it (L{wake_shard}) and its GPUs count as
+    held (L{llmgw.agent.supervisor.Supervisor.start}).
+    """
+
+    def ended(result: object) -> None:
+        shard.checking = None
+
+    checking = shard.checking = Deferred.fromCoroutine(check_adopted(shard))
+    checking.addErrback(
+        lambda f: shard.log.failure("checking shard {shard}", f, shard=shard.id)
+    )
+    checking.addBoth(ended)
+
+
+def _checked(shard: Shard) -> Deferred[None]:
+    """
+    @return: fires when C{shard}'s check (L{begin_check}) has ended.
+    """
+    done: Deferred[None] = Deferred()
+
+    def ended(result: object) -> object:
+        done.callback(None)
+        return result
+
+    assert shard.checking is not None
+    shard.checking.addBoth(ended)
+    return done
 
 
 def simulated_memory_mib(supervisor: Supervisor) -> dict[int, int]:

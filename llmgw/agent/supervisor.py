@@ -35,7 +35,7 @@ from llmgw.agent.records import (
     process_start_time,
     write_record,
 )
-from llmgw.agent.sleep import can_tell, check_adopted, refusal, without_sleep
+from llmgw.agent.sleep import begin_check, can_tell, refusal, without_sleep
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 
@@ -121,6 +121,8 @@ class Shard:
         self._probing = False
         self._served = False
         self._ask_asleep = False
+        # The check of an adopted engine's sleep, while it runs.
+        self.checking: Deferred[None] | None = None
         # Told the server with the next status (ShardStatus.note).
         self.note = ""
         self.phases = StartPhases(supervisor.reactor)
@@ -204,17 +206,18 @@ class Shard:
             self.state = pb.SHARD_STATE_SLEEPING
             self._served = True
             if self._ask_asleep:
-                self._check_adopted()
+                self._ask_asleep = False
+                begin_check(self)
             return
         self.state = pb.SHARD_STATE_STARTING
         self._start_probing()
 
-    def _check_adopted(self) -> None:
-        self._ask_asleep = False
-        d = Deferred.fromCoroutine(check_adopted(self))
-        d.addErrback(
-            lambda f: self.log.failure("checking shard {shard}", f, shard=self.id)
-        )
+    @property
+    def stopping(self) -> bool:
+        """
+        Whether it was told to stop.
+        """
+        return self._stopping
 
     def _still_there(self) -> None:
         assert self.pid is not None
@@ -240,7 +243,8 @@ class Shard:
             if serves and self.state == pb.SHARD_STATE_STARTING:
                 self._stop_probing()
                 if self._ask_asleep:
-                    self._check_adopted()
+                    self._ask_asleep = False
+                    begin_check(self)
                     return
                 self.log.info("shard {shard} is ready", shard=self.id)
                 self.set_state(pb.SHARD_STATE_READY)
@@ -510,7 +514,8 @@ class Supervisor:
             shared = set(other.command.gpu_indices) & set(command.gpu_indices)
             # A sleeping engine gave its GPUs back but for what it keeps
             # (placement counted that from the memory reported).
-            if shared and other.state != pb.SHARD_STATE_SLEEPING:
+            asleep = other.state == pb.SHARD_STATE_SLEEPING and other.checking is None
+            if shared and not asleep:
                 raise CommandRefused(
                     f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
                     "gpus_in_use",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 def held_order(
     oldest: float | None, top_rank: int | None = None, overdue: bool = False
-) -> tuple[float, float, float, float]:
+) -> tuple[int, int, int, float]:
     """
     @param oldest: clock time the model's oldest held request began to
         wait, or L{None} when it holds none.
@@ -22,10 +22,11 @@ def held_order(
         or L{None} when unknown (all count as C{standard}, 1).
     @param overdue: its oldest held request was passed over for
         C{swap_max_wait}.
-    @return: a sort key, lower first.
+    @return: a sort key, lower first (the rank kept an integer: a
+        priority may be any integer, past a float's range).
     """
     if oldest is None:
-        return (1.0, 0.0, 0.0, 0.0)
+        return (1, 0, 0, 0.0)
     if overdue:
-        return (0.0, 0.0, 0.0, oldest)
-    return (0.0, 1.0, -float(1 if top_rank is None else top_rank), oldest)
+        return (0, 0, 0, oldest)
+    return (0, 1, -(1 if top_rank is None else top_rank), oldest)

@@ -290,7 +290,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Sleeping, Swapping, Placi
         for name in [m for m in self.failed if m not in self.catalog]:
             del self.failed[name]
         snapshot: Snapshot | None = None
-        # Models with requests held first, the oldest held first (swaps).
+        # Models with requests held first, in swap queue order (held_order).
         for name in sorted(
             (m for m in work if m in self.catalog),
             key=lambda m: (self._held_order(m), self.catalog.position(m)),

@@ -130,7 +130,8 @@ class ControlConfig:
         "The longest a held request is passed over while the replicas holding"
         " its room are busy: then they take no new requests and leave once"
         " their streams end, and its model goes before higher priorities in"
-        ' the swap queue ("0s": a busy replica is never evicted).',
+        ' the swap queue ("0s": a busy replica is never evicted, and the'
+        " swap queue goes by priority alone).",
     )
     swap_in_use: float = setting(
         0.0,

@@ -428,7 +428,7 @@ class Swapping:
                 )
         return candidates, spare
 
-    def _held_order(self, name: str) -> tuple[float, float, float, float]:
+    def _held_order(self, name: str) -> tuple[int, int, int, float]:
         """
         @return: a sort key for a pass's models (L{held_order}): those with
             requests held first, those passed over for C{swap_max_wait}

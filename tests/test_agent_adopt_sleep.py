@@ -1,0 +1,163 @@
+"""
+L{llmgw.agent.sleep.check_adopted} as L{Supervisor.take} starts it for an
+engine in sleep mode a restarted agent adopts: a wake waits for the check
+to put the engine back to sleep, its GPUs count as held meanwhile, and a
+stop during the check reports no C{ready}.  The engine is a fake here (an
+HTTP client answering the sim's routes; C{test_e2e_sleep} runs the real
+sim through a real agent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, cast
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import Agent
+
+from llmgw.agent import sleep
+from llmgw.agent.engines import CommandRefused, build
+from llmgw.agent.records import process_start_time
+from llmgw.agent.supervisor import Supervisor
+from llmgw.reactors import IEngineReactor
+from llmgw.wire import agent_pb2 as pb
+
+
+class _Answer:
+    code = 200
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
+class _Engine:
+    """
+    The sim's sleep routes; C{hold} names a path whose answer waits for
+    the test (L{release}).
+    """
+
+    def __init__(self, sleeping: bool) -> None:
+        self.sleeping = sleeping
+        self.asked: list[str] = []
+        self.hold = ""
+        self.held: Deferred[Any] | None = None
+
+    def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
+        path = "/" + url.decode().split("/", 3)[3]
+        self.asked.append(path)
+        if path.startswith("/sleep"):
+            answer = self._answer(path, lambda: setattr(self, "sleeping", True))
+        elif path == "/wake_up":
+            answer = self._answer(path, lambda: setattr(self, "sleeping", False))
+        else:
+            answer = self._answer(path, lambda: None, {"is_sleeping": self.sleeping})
+        return answer
+
+    def _answer(self, path: str, effect: Any, body: object = None) -> Deferred[Any]:
+        def done(_: object) -> _Answer:
+            effect()
+            return _Answer(json.dumps(body).encode() if body is not None else b"")
+
+        if self.hold and path.startswith(self.hold):
+            self.hold = ""
+            self.held = Deferred()
+            return self.held.addCallback(done)
+        return succeed(None).addCallback(done)
+
+    def release(self) -> None:
+        assert self.held is not None
+        self.held.callback(None)
+
+
+def _command(shard_id: str, gpu: int = 0) -> pb.StartShard:
+    return pb.StartShard(
+        shard_id=shard_id,
+        model="m",
+        engine="sim",
+        source="sim",
+        port=18123 if shard_id == "s1" else 18124,
+        gpu_indices=[gpu],
+        sleep_level=1,
+    )
+
+
+class AdoptedCheckTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.patch(sleep, "readBody", lambda answer: succeed(answer.body))
+        self.reports: list[pb.ShardStatus] = []
+        self.supervisor = Supervisor(
+            cast(IEngineReactor, Clock()), self.reports.append, tempfile.mkdtemp()
+        )
+
+    def adopt(self, engine: _Engine, recorded_asleep: bool) -> Any:
+        self.supervisor.http = cast(Agent, engine)
+        command = _command("s1")
+        pid = os.getpid()
+        start_time = process_start_time(pid)
+        assert start_time is not None
+        return self.supervisor.take(
+            command, build(command), pid, start_time, recorded_asleep
+        )
+
+    def test_wake_waits_for_the_put_back(self) -> None:
+        """
+        Recorded asleep, its engine awake: the server's wake, sent while
+        the engine is put back to sleep, runs after it, and the shard and
+        the engine end awake.
+        """
+        engine = _Engine(sleeping=False)
+        engine.hold = "/sleep"
+        shard = self.adopt(engine, recorded_asleep=True)
+        self.assertIsNotNone(engine.held)
+        woken = Deferred.fromCoroutine(sleep.wake_shard(self.supervisor, "s1"))
+        self.assertNoResult(woken)
+        engine.release()
+        self.successResultOf(woken)
+        self.assertEqual(
+            engine.asked[:5],
+            [
+                "/is_sleeping",
+                "/sleep?level=1",
+                "/is_sleeping",
+                "/wake_up",
+                "/is_sleeping",
+            ],
+        )
+        self.assertEqual(shard.state, pb.SHARD_STATE_READY)
+        self.assertFalse(engine.sleeping)
+
+    def test_gpus_held_while_checked(self) -> None:
+        """
+        While the check runs, the engine may be awake on its GPUs: no
+        engine starts on them; once it sleeps again, one may.
+        """
+        engine = _Engine(sleeping=False)
+        engine.hold = "/sleep"
+        self.adopt(engine, recorded_asleep=True)
+        with self.assertRaises(CommandRefused) as refused:
+            self.supervisor.start(_command("s2"))
+        self.assertEqual(refused.exception.code, "gpus_in_use")
+        engine.release()
+        self.patch(type(self.supervisor.shards["s1"]), "spawn", lambda shard: None)
+        self.supervisor.start(_command("s2"))
+        self.assertIn("s2", self.supervisor.shards)
+
+    def test_stopped_during_the_check(self) -> None:
+        """
+        Taken as awake, told to stop while its engine is asked whether it
+        sleeps: no C{ready} is reported.
+        """
+        engine = _Engine(sleeping=False)
+        shard = self.adopt(engine, recorded_asleep=False)
+        self.patch(shard, "_signal", lambda number: None)
+        engine.hold = "/is_sleeping"
+        sleep.begin_check(shard)
+        shard.stop(30.0)
+        engine.release()
+        states = [r.state for r in self.reports]
+        self.assertNotIn(pb.SHARD_STATE_READY, states)
+        self.assertIsNone(shard.checking)

@@ -75,6 +75,24 @@ class SleepOnNodeTests(_LinkedAgent):
         )
         return d
 
+    @defer.inlineCallbacks
+    def ready_sleeper(self, shard_id: str) -> Generator[Any, Any, Any]:
+        """
+        On an agent with two simulated GPUs, a sim engine in sleep mode
+        (level 1, 0.3 s to sleep or wake), ready.
+
+        @return: the server's L{ShardCommands} and the engine's port.
+        """
+        from twisted.internet import reactor
+
+        yield self.respawn("agent-gpus")
+        commands = ShardCommands(reactor, self.hub, SuspectPorts(), lambda: None)
+        port = free_port()
+        args = ["--sleep-seconds", "0.3", "--wake-seconds", "0.3"]
+        yield self.begin(shard_id, port, 1, args)
+        yield self.until(lambda: "SHARD_STATE_READY" in self.states(shard_id), 30)
+        return commands, port
+
     def notes(self, shard_id: str) -> list[str]:
         return [
             s.note for _, s in self.heard.statuses if s.shard_id == shard_id and s.note
@@ -89,14 +107,7 @@ class SleepOnNodeTests(_LinkedAgent):
         lists it sleeping and can wake it, back to 20 GB, ready.  One whose
         memory after the wake is not the expected one carries a note.
         """
-        from twisted.internet import reactor
-
-        yield self.respawn("agent-gpus")
-        commands = ShardCommands(reactor, self.hub, SuspectPorts(), lambda: None)
-        port = free_port()
-        args = ["--sleep-seconds", "0.3", "--wake-seconds", "0.3"]
-        yield self.begin("s1", port, 1, args)
-        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s1"), 30)
+        commands, port = yield self.ready_sleeper("s1")
         yield self.until(lambda: self.used_mib() == [20 * GIB_MIB, 0], 15)
         record = ShardRecord("s1", "gpu-01", (0,), port, 0, ShardState.READY)
         result = yield commands.sleep("gpu-01", "s1", 1, record)
@@ -175,14 +186,7 @@ class SleepOnNodeTests(_LinkedAgent):
         during a wake; woken here behind the agent's back) is put back to
         sleep, as the server counts its GPU memory free.
         """
-        from twisted.internet import reactor
-
-        yield self.respawn("agent-gpus")
-        commands = ShardCommands(reactor, self.hub, SuspectPorts(), lambda: None)
-        port = free_port()
-        args = ["--sleep-seconds", "0.3", "--wake-seconds", "0.3"]
-        yield self.begin("s4", port, 1, args)
-        yield self.until(lambda: "SHARD_STATE_READY" in self.states("s4"), 30)
+        commands, port = yield self.ready_sleeper("s4")
         result = yield commands.sleep("gpu-01", "s4", 1)
         self.assertEqual((result.ok, result.error), (True, ""))
         record = os.path.join(self.dir, "state", "shards", "s4.json")

@@ -283,25 +283,7 @@ class WaitForWakeTests(SleepCase):
         (less than a cold start so far), then C{c} sleeps and C{a} wakes:
         no second start of C{a}, C{b} untouched.
         """
-        self.make(sleepy("a"), sleepy("b"), sleepy("c"), nodes=())
-        message = register_message("n1", gpus=2)
-        message.sleep_memory_bytes = 500 * GIB
-        self.inventory.register(message, 0.0, self.clock.seconds())
-        self.plane.node_registered("n1", message)
-        a = self.serve("a")
-        self.tick(1)
-        replica = self.plane.replicas[a]
-        # a's cold starts take 30 s, on the mean.
-        self.plane.counts.cold_start_seconds["a"] = [30.0]
-        b = self.serve("b")
-        self.tick(10)
-        self.plane.catalog.activate("c")
-        self.tick(1)
-        self.tick(1)
-        self.ready_all()
-        self.tick(1)
-        (c,) = self.of("c")
-        self.assertTrue(replica.asleep)
+        a, b, c = self.two_gpus_a_asleep_under_c(sleepy("a"), sleepy("b"), sleepy("c"))
         self.in_flight[c] = 1
         self.tick(10)
         waiter = self.plane.catalog.activate("a")
@@ -314,6 +296,13 @@ class WaitForWakeTests(SleepCase):
         self.tick(1)
         self.tick(1)
         self.successResultOf(waiter)
+        self.woke_a_in_place(a, b, c)
+
+    def woke_a_in_place(self, a: str, b: str, c: str) -> None:
+        """
+        C{a} was woken where it slept, C{c} put to sleep for it; C{b}
+        served on, and nothing was started cold after the first three.
+        """
         self.assertEqual(self.sent("wake_shard"), [a + "-0"])
         self.assertTrue(self.plane.replicas[c].asleep)
         self.assertEqual(self.plane.replicas[b].state, "ready")
@@ -365,10 +354,7 @@ class WaitForWakeTests(SleepCase):
         for _ in range(20):
             self.tick(1)
         self.successResultOf(waiter)
-        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
-        self.assertTrue(self.plane.replicas[c].asleep)
-        self.assertEqual(self.plane.replicas[b].state, "ready")
-        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+        self.woke_a_in_place(a, b, c)
 
     def test_waits_for_its_gpu_though_another_is_free(self) -> None:
         """
@@ -424,6 +410,13 @@ class WaitForWakeTests(SleepCase):
         for _ in range(10):
             self.tick(1)
         self.successResultOf(again)
+        self.woke_in_place(a, b, c)
+
+    def woke_in_place(self, a: str, b: str, c: str) -> None:
+        """
+        C{a}, then C{c}, were woken where they slept; C{b} served on, and
+        nothing was started cold after the first three.
+        """
         self.assertEqual(self.sent("wake_shard"), [a + "-0", c + "-0"])
         self.assertEqual(self.plane.replicas[b].state, "ready")
         self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
@@ -455,9 +448,7 @@ class WaitForWakeTests(SleepCase):
         for _ in range(8):
             self.tick(1)
         self.successResultOf(again)
-        self.assertEqual(self.sent("wake_shard"), [a + "-0", c + "-0"])
-        self.assertEqual(self.plane.replicas[b].state, "ready")
-        self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
+        self.woke_in_place(a, b, c)
 
 
 class ReviewTests(SleepCase):

@@ -125,3 +125,9 @@ class SwapPriorityTests(_Swaps, SynchronousTestCase, CtlMixin):
             self.assertIn(
                 "expected interactive, standard, batch", answer["error"]["message"]
             )
+        body = json.dumps({"timeout": 1, "waited": -1}).encode()
+        status, _, raw = http(
+            "POST", f"{self.admin_url}/api/v1/models/c/activate", body
+        )
+        self.assertEqual(status, 400)
+        self.assertIn("waited must be", json.loads(raw)["error"]["message"])

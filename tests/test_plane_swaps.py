@@ -348,6 +348,20 @@ class QueueTests(SwapCase):
         self.plane.reconcile()
         self.assertEqual(set(self.plane.swaps), {"c"})
 
+    def test_waited_elsewhere_counts(self) -> None:
+        """
+        A request a router of a tier asks for again, having waited 40 s
+        already, is past swap_max_wait (30 s) at once: C{a}, busy, takes
+        no new requests and leaves for it.
+        """
+        self.make(big("a"), big("b"), nodes=("n1",))
+        a = self.serve("a")
+        self.in_flight[a] = 1
+        self.tick(10)
+        self.plane.catalog.activate("b", waited=40.0)
+        self.plane.reconcile()
+        self.assertIsNotNone(self.plane.replicas[a].draining_since)
+
 
 class PinAndSleepTests(SwapCase):
     def test_pin_then_unpin(self) -> None:

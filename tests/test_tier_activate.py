@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone, ResponseNeverReceived
 
 from llmgw.router.interfaces import Standing
-from llmgw.tier.activate import RemoteActivator
+from llmgw.tier.activate import RETRY_AFTER, RemoteActivator
 from llmgw.tier.admin_client import AdminClient
 
 
@@ -94,11 +94,33 @@ class RemoteActivatorTests(SynchronousTestCase):
         waits = [activator.activate("chat", 0), activator.activate("chat")]
         self.assertEqual(
             control.bodies,
-            [{"timeout": 30.0, "priority": 0}, {"timeout": 30.0, "priority": 1}],
+            [
+                {"timeout": 30.0, "priority": 0, "waited": 0.0},
+                {"timeout": 30.0, "priority": 1, "waited": 0.0},
+            ],
         )
         for wait in waits:
             wait.cancel()
             self.failureResultOf(wait, CancelledError)
+
+    def test_waited_posted_again(self) -> None:
+        """
+        Asked again after the control plane's 504, a wait says how long
+        it has waited since it began, so that the plane counts from its
+        arrival.
+        """
+        clock = Clock()
+        activator, control = _activator(clock)
+        waiting = activator.activate("chat", 2)
+        clock.advance(30)
+        control.posts[0].callback((504, {"error": {"message": "no room"}}))
+        clock.advance(RETRY_AFTER)
+        self.assertEqual(
+            control.bodies[1],
+            {"timeout": 30.0, "priority": 2, "waited": 30 + RETRY_AFTER},
+        )
+        waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)
 
     def test_where(self) -> None:
         """

@@ -6,6 +6,7 @@ it reports.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -102,7 +103,9 @@ class WatchRoutes:
         why not after the body's C{timeout} seconds (default 60, at most
         L{MAX_ACTIVATION_WAIT}).  The body's C{priority} (a name such as
         C{"batch"} or a number, higher first; default C{standard}) is the
-        waiting request's, which the swap queue orders by.
+        waiting request's, which the swap queue orders by; C{waited} the
+        seconds it has waited already (a router of a tier posts again
+        after each C{timeout}), counted as though it arrived that long ago.
         """
         plane, watch = self._watched(request)
         model = plane.catalog.resolve(name)
@@ -121,8 +124,17 @@ class WatchRoutes:
                 "bad_request",
             )
         rank = _priority(body)
+        waited = body.get("waited", 0.0)
+        if (
+            not isinstance(waited, (int, float))
+            or isinstance(waited, bool)
+            or not 0 <= waited < math.inf
+        ):
+            raise AdminError(
+                400, "waited must be a number of seconds, 0 or more", "bad_request"
+            )
         if not watch.serves(model):
-            ready = plane.catalog.activate(model, rank)
+            ready = plane.catalog.activate(model, rank, float(waited))
             ready.addTimeout(float(timeout), watch.clock)
             try:
                 await ready

@@ -161,7 +161,9 @@ class ModelCatalog:
         """
         return list(self._models.values())
 
-    def activate(self, name: str, priority: int = 1) -> Deferred[None]:
+    def activate(
+        self, name: str, priority: int = 1, waited: float = 0.0
+    ) -> Deferred[None]:
         """
         A request for C{name} found no ready replica: ask for one.
 
@@ -169,6 +171,9 @@ class ModelCatalog:
             (L{llmgw.router.fairness}: higher goes first; 1 is
             C{standard}): the swap queue serves the models holding the
             highest first.
+        @param waited: seconds the request has waited already elsewhere
+            (a router of a tier asking again): its arrival, for the swap
+            queue's order and C{swap_max_wait}, is that long ago.
         @return: fires when a replica of the model is published; cancel it
             to stop waiting.
         @raise KeyError: C{name} is not in the catalog.
@@ -185,15 +190,15 @@ class ModelCatalog:
         )
         started = self.clock.seconds()
 
-        def waited(result: object) -> object:
+        def ended(result: object) -> object:
             state.arrived.pop(waiter, None)
             state.ranks.pop(waiter, None)
             self.activation_waits += 1
             self.activation_wait_seconds += self.clock.seconds() - started
             return result
 
-        waiter.addBoth(waited)
-        state.arrived[waiter] = started
+        waiter.addBoth(ended)
+        state.arrived[waiter] = started - max(0.0, waited)
         state.ranks[waiter] = priority
         state.waiters.append(waiter)
         self.waiting.add(state.model.name)

@@ -187,11 +187,16 @@ class RemoteActivator(Service):
         self._standing[model] = (Standing(words[:200], eta), self.clock.seconds())
 
     async def _activate(self, model: str, priority: int) -> None:
+        began = self.clock.seconds()
         while True:
+            # Each post says how long the request has waited already, so
+            # that the swap queue's order and swap_max_wait count from its
+            # arrival, not from this post.
+            waited = round(self.clock.seconds() - began, 3)
             try:
                 code, value = await self.control.post(
                     f"/api/v1/models/{quote(model, safe='')}/activate",
-                    {"timeout": self.wait, "priority": priority},
+                    {"timeout": self.wait, "priority": priority, "waited": waited},
                 )
             except CancelledError:
                 raise

@@ -14,7 +14,7 @@ import time
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import http
+from tests.support import CtlMixin, http
 from tests.test_e2e_control import _alive
 from tests.test_e2e_swap import _Swaps
 
@@ -55,7 +55,7 @@ def model(name: str, idle: str = "600s", *extra: str) -> str:
     return MODEL.format(name=name, idle=idle, args=json.dumps(args))
 
 
-class SleepSwapTests(_Swaps, SynchronousTestCase):
+class SleepSwapTests(_Swaps, SynchronousTestCase, CtlMixin):
     def state(self, name: str) -> list[tuple[str, str, int]]:
         """
         @return: C{name}'s replicas: id, state (C{asleep} once its shard
@@ -104,6 +104,43 @@ class SleepSwapTests(_Swaps, SynchronousTestCase):
         text = body.decode()
         self.assertIn('llmgw_swaps_total{model="a",reason="slept"} 1.0', text)
         self.assertIn('llmgw_engine_wake_seconds_count{model="a"} 1.0', text)
+
+    def test_going_to_sleep_while_its_stream_ends(self) -> None:
+        """
+        C{a} streams (300 chunks, 6 s) when C{b} is asked for; past
+        swap_max_wait (1 s) C{a} is told to sleep but its stream ends
+        first: meanwhile C{ctl replicas} says C{going to sleep} (the API's
+        C{leaving} why), then C{sleeping}; C{ctl placement b} names the
+        eviction, with C{a}'s request in flight, and how long ago.
+        """
+        self.setup_fleet(model("a") + model("b"), agent=AGENT, swap_max_wait="1s")
+        self.assertTrue(self.chat("a"))
+        ((a, _, _),) = self.state("a")
+        thread, seen = self.stream("a", 300)
+        self.until(lambda: len(seen["chunks"]) >= 5, 10, "a's stream started")
+        self.stream("b", 2)
+
+        def ctl_state() -> str:
+            line = next(
+                row for row in self.ctl("replicas").stdout.splitlines() if a in row
+            )
+            return line
+
+        going = self.until(lambda: "going to sleep" in ctl_state(), 10, "going")
+        self.assertIsNone(seen["done"], going)
+        (listed,) = self.replicas("a")
+        self.assertEqual(
+            listed["leaving"], "goes to sleep once its requests in flight end"
+        )
+        thread.join(30)
+        self.assertEqual((seen["errors"], len(seen["chunks"])), ([], 300))
+        self.until(lambda: "sleeping " in ctl_state(), 10, "sleeping")
+        placement = self.ctl("placement", "b").stdout
+        self.assertRegex(
+            placement,
+            r"last eviction for it \([0-9.]+s ago\): evicting a \(1 in flight,"
+            r" last request [0-9]+s ago\) to make room",
+        )
 
     def test_idle_sleeps_and_the_operator_wakes(self) -> None:
         """

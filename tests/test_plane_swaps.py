@@ -92,7 +92,7 @@ class EvictionTests(SwapCase):
         self.plane.reconcile()
         self.successResultOf(waiter)
         self.assertEqual(self.plane.swaps, {})
-        self.assertEqual(self.plane.evicted["b"], words)
+        self.assertEqual(self.plane.evicted["b"][0], words)
 
     def test_memory_reported_used_is_counted_freed(self) -> None:
         """
@@ -206,7 +206,8 @@ class BusyTests(SwapCase):
         """
         C{a} has a stream: it keeps its room while C{b}'s request waits
         under swap_max_wait (30 s); then it is unpublished and leaves once
-        its stream ends, nothing cut; C{b} is placed after.
+        its stream ends, nothing cut; C{b} is placed after.  The eviction
+        names C{a}'s request in flight, not an idle time.
         """
         self.make(big("a"), big("b"), nodes=("n1",))
         a = self.serve("a")
@@ -218,6 +219,10 @@ class BusyTests(SwapCase):
         self.assertIsNone(self.plane.replicas[a].draining_since)
         self.tick(1)
         self.assertIsNotNone(self.plane.replicas[a].draining_since)
+        self.assertEqual(
+            self.plane.evicted["b"],
+            ("evicting a (1 in flight, last request 40s ago) to make room", 1040.0),
+        )
         self.assertEqual(self.endpoints(), [])
         for _ in range(100):
             self.tick(1)

@@ -68,6 +68,17 @@ class Swap:
     asleep: set[str] = field(default_factory=set)
 
 
+def _use(victim: Candidate, now: float) -> str:
+    """
+    @return: how C{victim} was in use, for the log and the explanation:
+        C{"idle 12s"}, or C{"1 in flight, last request 3s ago"}.
+    """
+    since = now - victim.last_used
+    if victim.in_flight:
+        return f"{victim.in_flight} in flight, last request {since:.0f}s ago"
+    return f"idle {since:.0f}s"
+
+
 def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10)
     return f"{n}{suffix or 'th'}"
@@ -109,7 +120,8 @@ class Swapping:
 
     def _init_swapping(self) -> None:
         self.swaps: dict[str, Swap] = {}
-        self.evicted: dict[str, str] = {}
+        # Per held model, the last eviction made for it and when.
+        self.evicted: dict[str, tuple[str, float]] = {}
         self.catalog.standing = self._standing
 
     def _fleet_for(self, name: str, snapshot: Snapshot) -> Fleet:
@@ -310,12 +322,11 @@ class Swapping:
         for it meanwhile: the victims that may sleep are put to sleep, the
         others drained.
         """
-        parts = []
-        for victim in victims:
-            idle = now - victim.last_used
-            busy = f", {victim.in_flight} in flight" if victim.in_flight else ""
-            parts.append(f"{victim.model} (idle {idle:.0f}s{busy})")
-        words = "evicting " + ", ".join(parts) + " to make room"
+        words = (
+            "evicting "
+            + ", ".join(f"{v.model} ({_use(v, now)})" for v in victims)
+            + " to make room"
+        )
         room: dict[str, set[int]] = {}
         for shard in room_shards:
             room.setdefault(shard.node, set()).update(shard.gpus)
@@ -327,7 +338,7 @@ class Swapping:
                     on[index] = on.get(index, 0) + victim.freed_mib
         swap = Swap(name, tuple(v.replica for v in victims), room, freed, now, words)
         self.swaps[name] = swap
-        self.evicted[name] = words
+        self.evicted[name] = (words, now)
         for victim in victims:
             replica = self.replicas[victim.replica]
             owner = self.catalog.get(victim.model)
@@ -336,11 +347,11 @@ class Swapping:
                 low, high = owner.model.min_replicas, owner.model.max_replicas
                 owner.wanted = max(low, min(owner.wanted, high) - 1)
             self.log.info(
-                "evicting replica {replica} of {victim} (idle {idle:.0f}s, priority"
+                "evicting replica {replica} of {victim} ({use}, priority"
                 " {priority}) for {model}: {why}",
                 replica=replica.id,
                 victim=victim.model,
-                idle=now - victim.last_used,
+                use=_use(victim, now),
                 priority=victim.priority,
                 model=name,
                 why=why,

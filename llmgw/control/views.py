@@ -48,7 +48,8 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         none shown.
     @return: id, model, profile, engine, state, adopted, last_error (why
         it failed, or L{None}), leaving (why it drains once a replacement
-        is ready, or L{None}), C{sleeping_seconds} (how long since it was
+        is ready, or that it goes to sleep once its requests end, or
+        L{None}: L{_leaving}), C{sleeping_seconds} (how long since it was
         told to sleep, while C{sleeping}; else L{None}),
         C{waking_seconds} (since told to wake, while C{waking}),
         C{start_seconds} (placement to ready, or L{None}) and C{phases}
@@ -68,13 +69,24 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         "state": state,
         "adopted": replica.adopted,
         "last_error": replica.error or None,
-        "leaving": replica.leaving_reason
-        if replica.leaving_since is not None and replica.draining_since is None
-        else None,
+        "leaving": _leaving(replica, state),
         "start_seconds": start_seconds(replica),
         "phases": start_phases(replica),
         "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
     }
+
+
+def _leaving(replica: ReplicaRecord, state: ReplicaState) -> str | None:
+    """
+    @return: why it drains once a replacement is ready, or, told to
+        sleep, that its requests in flight end first (its engine is not
+        asleep yet); else L{None}.
+    """
+    if state == ReplicaState.SLEEPING and replica.sleep_sent_at is None:
+        return "goes to sleep once its requests in flight end"
+    if replica.leaving_since is not None and replica.draining_since is None:
+        return replica.leaving_reason
+    return None
 
 
 def _since(at: float | None, now: float | None) -> float | None:
@@ -241,21 +253,25 @@ def explain(plane: ControlPlane, name: str) -> dict[str, Any]:
     """
     @return: where a replica of the model would go now, or why it cannot
         go anywhere: one line per profile and node; under C{"eviction"},
-        what was last evicted to make room for it and why (C{""}: none).
+        what was last evicted to make room for it and why (C{""}: none),
+        and C{"eviction_seconds_ago"} how long ago (L{None}: none).
     @raise KeyError: not a catalog name.
     """
     model = plane.catalog[name].model
     result = place(model.profiles, plane.snapshot().fleet, plane.ports)
-    evicted = plane.evicted.get(model.name, "")
+    evicted, at = plane.evicted.get(model.name, ("", None))
+    ago = _since(at, plane.clock.seconds())
     if isinstance(result, NoFit):
         return {
             "model": model.name,
             "fits": False,
             "reasons": result.lines(),
             "eviction": evicted,
+            "eviction_seconds_ago": ago,
         }
     return {
         "eviction": evicted,
+        "eviction_seconds_ago": ago,
         "model": model.name,
         "fits": True,
         "profile": result.profile.name,

@@ -401,18 +401,24 @@ def placement(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
     """
-    C{placement}: where a model would go, or each node's reason why not.
+    C{placement}: where a model would go, or each node's reason why not,
+    and the last eviction made for it.
     """
     result = client.call("GET", "/api/v1/placement/" + quote(args.model))
+    evicted = ""
+    if result.get("eviction"):
+        ago = result.get("eviction_seconds_ago")
+        when = f" ({ago:g}s ago)" if isinstance(ago, (int, float)) else ""
+        evicted = f"last eviction for it{when}: {result['eviction']}\n"
     if result["fits"]:
         where = ", ".join(
             f"{s['node']} GPU ids {cell(s['gpus'])} port {s['port']}"
             for s in result["shards"]
         )
         text = f"{result['model']}: fits, profile {result['profile']}: {where}\n"
-        return result, text
+        return result, text + evicted
     reasons = "".join(f"  {line}\n" for line in result["reasons"])
-    return result, f"{result['model']}: fits nowhere\n" + reasons
+    return result, f"{result['model']}: fits nowhere\n" + reasons + evicted
 
 
 def drain(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:

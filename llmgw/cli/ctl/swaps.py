@@ -16,9 +16,13 @@ from llmgw.cli.ctl.client import Client, quote
 def state_words(replica: dict[str, Any]) -> str:
     """
     @return: the replica's state, with how long it has slept or been
-        waking (C{"sleeping 12s"}, C{"waking 1.5s"}).
+        waking (C{"sleeping 12s"}, C{"waking 1.5s"}), or C{"going to
+        sleep"} while its requests in flight end.
     """
     state = str(replica["state"])
+    if state == "sleeping" and replica.get("leaving"):
+        # Told to sleep; its requests in flight end first.
+        return "going to sleep"
     seconds = replica.get(f"{state}_seconds")
     if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
         return f"{state} {seconds:g}s"

@@ -131,3 +131,12 @@ class SwapPriorityTests(_Swaps, SynchronousTestCase, CtlMixin):
         )
         self.assertEqual(status, 400)
         self.assertIn("waited must be", json.loads(raw)["error"]["message"])
+        body = json.dumps({"timeout": 0}).encode()
+        status, _, raw = http(
+            "POST", f"{self.admin_url}/api/v1/models/c/activate", body
+        )
+        self.assertEqual(status, 400)
+        self.assertEqual(
+            json.loads(raw)["error"]["message"],
+            "timeout must be a number of seconds in (0, 600]",
+        )

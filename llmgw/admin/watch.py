@@ -112,30 +112,18 @@ class WatchRoutes:
         if model is None:
             raise not_found(f"model {name[:200]!r}")
         body = read_body(request)
-        timeout = body.get("timeout", 60.0)
-        if (
-            not isinstance(timeout, (int, float))
-            or isinstance(timeout, bool)
-            or not 0 < timeout <= MAX_ACTIVATION_WAIT
-        ):
-            raise AdminError(
-                400,
-                f"timeout must be a number of seconds in (0, {MAX_ACTIVATION_WAIT:g}]",
-                "bad_request",
-            )
+        timeout = _seconds(
+            body,
+            "timeout",
+            60.0,
+            lambda n: 0 < n <= MAX_ACTIVATION_WAIT,
+            f"in (0, {MAX_ACTIVATION_WAIT:g}]",
+        )
+        waited = _seconds(body, "waited", 0.0, lambda n: 0 <= n < math.inf, "0 or more")
         rank = _priority(body)
-        waited = body.get("waited", 0.0)
-        if (
-            not isinstance(waited, (int, float))
-            or isinstance(waited, bool)
-            or not 0 <= waited < math.inf
-        ):
-            raise AdminError(
-                400, "waited must be a number of seconds, 0 or more", "bad_request"
-            )
         if not watch.serves(model):
-            ready = plane.catalog.activate(model, rank, float(waited))
-            ready.addTimeout(float(timeout), watch.clock)
+            ready = plane.catalog.activate(model, rank, waited)
+            ready.addTimeout(timeout, watch.clock)
             try:
                 await ready
             except TimeoutError:
@@ -182,6 +170,28 @@ class WatchRoutes:
         for name in names[:10000]:
             plane.catalog.touch(name)
         return json_answer(request, {"touched": len(names)})
+
+
+def _seconds(
+    body: dict[str, Any],
+    key: str,
+    default: float,
+    within: Callable[[float], bool],
+    expected: str,
+) -> float:
+    """
+    @return: the number of seconds C{body[key]} says (C{default} when
+        absent).
+    @raise AdminError: 400 when it is not a number for which C{within}
+        holds: C{"KEY must be a number of seconds EXPECTED"}.
+    """
+    value = body.get(key, default)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not within(value):
+        raise AdminError(
+            400, f"{key} must be a number of seconds {expected}", "bad_request"
+        )
+    return float(value)
 
 
 def _priority(body: dict[str, Any]) -> int:

@@ -201,14 +201,13 @@ class Shard:
         self._watch.start(1.0, now=False)
         # Its engine is asked whether it sleeps (L{check_adopted}): at once
         # when recorded asleep, once its probes pass when taken as awake.
-        self._ask_asleep = can_tell(self.command)
         if sleeping:
             self.state = pb.SHARD_STATE_SLEEPING
             self._served = True
-            if self._ask_asleep:
-                self._ask_asleep = False
+            if can_tell(self.command):
                 begin_check(self)
             return
+        self._ask_asleep = can_tell(self.command)
         self.state = pb.SHARD_STATE_STARTING
         self._start_probing()
 

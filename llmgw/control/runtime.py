@@ -191,15 +191,13 @@ class ModelCatalog:
         started = self.clock.seconds()
 
         def ended(result: object) -> object:
-            state.arrived.pop(waiter, None)
-            state.ranks.pop(waiter, None)
+            state.held.pop(waiter, None)
             self.activation_waits += 1
             self.activation_wait_seconds += self.clock.seconds() - started
             return result
 
         waiter.addBoth(ended)
-        state.arrived[waiter] = started - max(0.0, waited)
-        state.ranks[waiter] = priority
+        state.held[waiter] = (started - max(0.0, waited), priority)
         state.waiters.append(waiter)
         self.waiting.add(state.model.name)
         self._changed()

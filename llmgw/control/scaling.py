@@ -39,9 +39,9 @@ class ModelState:
     @ivar failures: replicas failed in a row.
     @ivar retry_at: reactor seconds before which nothing is placed.
     @ivar waiters: requests waiting for a ready replica.
-    @ivar arrived: reactor seconds each of C{waiters} came at.
-    @ivar ranks: the priority number of each of C{waiters}' requests
-        (L{llmgw.router.fairness}: higher goes first).
+    @ivar held: per one of C{waiters}, the reactor seconds its request
+        came at and its priority number (L{llmgw.router.fairness}: higher
+        goes first).
     """
 
     model: Model
@@ -54,15 +54,14 @@ class ModelState:
     last_error: str = ""
     no_fit: NoFit | None = None
     waiters: list[Deferred[None]] = field(default_factory=list)
-    arrived: dict[Deferred[None], float] = field(default_factory=dict)
-    ranks: dict[Deferred[None], int] = field(default_factory=dict)
+    held: dict[Deferred[None], tuple[float, int]] = field(default_factory=dict)
 
     def oldest_wait(self) -> float | None:
         """
         @return: reactor seconds when the oldest request waiting came, or
             L{None} when none waits.
         """
-        times = [self.arrived[d] for d in self.waiters if d in self.arrived]
+        times = [self.held[d][0] for d in self.waiters if d in self.held]
         return min(times) if times else None
 
     def top_rank(self) -> int | None:
@@ -70,7 +69,7 @@ class ModelState:
         @return: the highest priority number among the requests waiting,
             or L{None} when none waits.
         """
-        ranks = [self.ranks[d] for d in self.waiters if d in self.ranks]
+        ranks = [self.held[d][1] for d in self.waiters if d in self.held]
         return max(ranks) if ranks else None
 
 

@@ -130,6 +130,8 @@ class ReplicaRecord:
         sleeps, or L{None}.
     @ivar wake_at: reactor seconds when it was told to wake, or L{None}
         (not waking).
+    @ivar adopted_wanted: what its adoption as awake added to its model's
+        C{wanted} (0 or 1), taken back if its agent then finds it asleep.
     """
 
     id: str
@@ -154,6 +156,7 @@ class ReplicaRecord:
     sleep_sent_at: float | None = None
     sleep_reason: str = ""
     asleep_at: float | None = None
+    adopted_wanted: int = 0
 
     @property
     def dormant(self) -> bool:

@@ -82,6 +82,8 @@ class AgentReports:
         state = ShardState.from_pb(status.state) or shard.state
         if shard.state.gone:
             return
+        if replica.adopted_wanted and state != shard.state:
+            self._adopted_checked(replica, state)
         shard.state = state
         if status.pid:
             shard.pid = status.pid
@@ -101,6 +103,21 @@ class AgentReports:
         self._changes.model(replica.model)
         self._changes.nodes.add(node_id)
         self.loop.kick()
+
+    def _adopted_checked(self, replica: ReplicaRecord, state: ShardState) -> None:
+        """
+        A replica adopted as awake, whose agent has asked its engine: one
+        found asleep (its marker said awake) gives back what its adoption
+        added to its model's C{wanted}, so it is not woken (or replaced)
+        for nothing; one found ready keeps it.
+        """
+        if state == ShardState.SLEEPING and replica.sleep_at is None:
+            counts = self.catalog.get(replica.model)
+            if counts is not None:
+                counts.wanted = max(
+                    counts.model.min_replicas, counts.wanted - replica.adopted_wanted
+                )
+        replica.adopted_wanted = 0
 
     def _late_output(self, node_id: str, status: pb.ShardStatus) -> None:
         """
@@ -209,7 +226,9 @@ class AgentReports:
                     and r.draining_since is None
                     and not r.dormant
                 )
+                before = counts.wanted
                 counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
+                replica.adopted_wanted = counts.wanted - before
             counts.last_used = counts.busy_at = now
         shard = adoption.shard_record(node_id, running)
         replica.shards.append(shard)

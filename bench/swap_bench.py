@@ -36,17 +36,17 @@ The workload (the same for every policy, from C{--seed}): Poisson arrivals
 at C{--rate} requests per simulated second; a "hot" model changes after
 an exponential burst (mean C{--burst} simulated seconds) and takes 70 % of
 the requests, the rest spread over all four.  Each request is a streamed
-chat completion of 16 tokens; its time to first token is from sending to
-the first content event.
+chat completion of C{--tokens} tokens (16); its time to first token is
+from sending to the first content event.
 
 Reported per policy: time to first token p50, p95, p99 (simulated
 seconds, of the requests answered), requests failed (any status but 200,
-or a stream without C{[DONE]}), swaps per simulated minute (from the
-server's C{llmgw_swaps_total}, plus replicas started beyond the first
-two for C{today}), and GPU-seconds idle: simulated GPU-seconds in which a
-GPU held a ready replica with none of its model's requests outstanding
-while a request for a model without a ready replica waited (sampled from
-the admin API every 0.25 s of wall time).
+or a stream without C{[DONE]}), swaps per simulated minute (the server's
+C{llmgw_swaps_total} but C{idle_sleep}, or, for C{today}, replicas
+started beyond the first two), and GPU-seconds idle: simulated
+GPU-seconds in which a GPU held a ready replica with none of its model's
+requests outstanding while a request for a model without a ready replica
+waited (sampled from the admin API every 0.25 s of wall time).
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ class Shape:
     sleep: float = 1.0
     ttft: float = 0.3
     itl: float = 0.03
+    tokens: int = 16
     activation_timeout: float = 120.0
     idle_timeout: float = 600.0
 
@@ -160,7 +161,7 @@ async def _stream(
         {
             "model": model,
             "messages": [{"role": "user", "content": "hello"}],
-            "max_tokens": 16,
+            "max_tokens": shape.tokens,
             "stream": True,
         }
     ).encode()
@@ -238,13 +239,15 @@ def _get(url: str) -> Any:
         return json.loads(answer.read())
 
 
-def _metric_sum(admin: str, name: str) -> float:
+def _metric_sum(admin: str, name: str, but: str = "") -> float:
+    """The sum of C{name}'s samples but those whose labels hold C{but}."""
     with urllib.request.urlopen(admin + "/metrics", timeout=5) as answer:
         text = answer.read().decode()
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
+            if not but or but not in line:
+                total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -481,7 +484,8 @@ def run_policy(
         started = time.monotonic()
         tally = asyncio.run(_drive(api, admin_url, requests, compress, shape))
         wall = time.monotonic() - started
-        swaps = _metric_sum(admin_url, "llmgw_swaps_total")
+        # Asleep after idle_timeout is no swap, as cold's idle stops are not.
+        swaps = _metric_sum(admin_url, "llmgw_swaps_total", 'reason="idle_sleep"')
         starts = _metric_sum(admin_url, "llmgw_engine_starts_total")
         wakes = _metric_sum(admin_url, "llmgw_engine_wake_seconds_count")
     finally:
@@ -545,6 +549,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rate", type=float, default=0.5, help="requests per sim second")
     p.add_argument("--burst", type=float, default=60.0, help="mean hot-model seconds")
     p.add_argument("--seed", type=int, default=25)
+    p.add_argument("--tokens", type=int, default=16, help="tokens per answer")
     p.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
@@ -553,7 +558,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the logs' folder")
     args = p.parse_args(argv)
-    shape = Shape()
+    shape = Shape(tokens=args.tokens)
     requests = workload(args.seed, args.minutes, args.rate, args.burst)
     results = []
     for name in args.policies.split(","):

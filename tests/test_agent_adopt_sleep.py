@@ -45,6 +45,8 @@ class _Engine:
         self.asked: list[str] = []
         self.hold = ""
         self.held: Deferred[Any] | None = None
+        # Answers to /is_sleeping left before a turn already under way ends.
+        self.turn_in = 0
 
     def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
         path = "/" + url.decode().split("/", 3)[3]
@@ -55,6 +57,10 @@ class _Engine:
             answer = self._answer(path, lambda: setattr(self, "sleeping", False))
         else:
             answer = self._answer(path, lambda: None, {"is_sleeping": self.sleeping})
+            if self.turn_in:
+                self.turn_in -= 1
+                if not self.turn_in:
+                    self.sleeping = not self.sleeping
         return answer
 
     def _answer(self, path: str, effect: Any, body: object = None) -> Deferred[Any]:
@@ -85,7 +91,7 @@ def _command(shard_id: str, gpu: int = 0) -> pb.StartShard:
     )
 
 
-class AdoptedCheckTests(SynchronousTestCase):
+class _AdoptCase(SynchronousTestCase):
     def setUp(self) -> None:
         self.patch(sleep, "readBody", lambda answer: succeed(answer.body))
         self.reports: list[pb.ShardStatus] = []
@@ -93,16 +99,34 @@ class AdoptedCheckTests(SynchronousTestCase):
             cast(IEngineReactor, Clock()), self.reports.append, tempfile.mkdtemp()
         )
 
-    def adopt(self, engine: _Engine, recorded_asleep: bool) -> Any:
+    def adopt(self, engine: _Engine, recorded_asleep: bool, turning: str = "") -> Any:
         self.supervisor.http = cast(Agent, engine)
         command = _command("s1")
         pid = os.getpid()
         start_time = process_start_time(pid)
         assert start_time is not None
         return self.supervisor.take(
-            command, build(command), pid, start_time, recorded_asleep
+            command, build(command), pid, start_time, recorded_asleep, turning
         )
 
+    def record(self) -> dict[str, Any]:
+        with open(self.supervisor.path("s1", ".json")) as f:
+            return cast(dict[str, Any], json.load(f))
+
+    def states(self) -> list[int]:
+        return [r.state for r in self.reports]
+
+    def probes_passed(self, shard: Any) -> None:
+        """
+        What L{Shard._probe} does once an adopted engine's probes pass
+        (the fake engine does not serve the probes): the check begins.
+        """
+        shard._stop_probing()
+        shard._ask_asleep = False
+        sleep.begin_check(shard)
+
+
+class AdoptedCheckTests(_AdoptCase):
     def test_wake_waits_for_the_put_back(self) -> None:
         """
         Recorded asleep, its engine awake: the server's wake, sent while
@@ -161,3 +185,97 @@ class AdoptedCheckTests(SynchronousTestCase):
         states = [r.state for r in self.reports]
         self.assertNotIn(pb.SHARD_STATE_READY, states)
         self.assertIsNone(shard.checking)
+
+
+class TurningTests(_AdoptCase):
+    """
+    An agent that ends while its engine's sleep or wake route runs leaves
+    a record saying so; its successor asks the engine until it has turned
+    (engines answer the state they leave until the turn is done).
+    """
+
+    def test_recorded_while_the_route_runs(self) -> None:
+        """
+        The record says C{turning} while the engine's sleep and wake
+        routes run, and no longer once they answered.
+        """
+        engine = _Engine(sleeping=False)
+        shard = self.adopt(engine, recorded_asleep=False)
+        self.probes_passed(shard)
+        self.assertEqual(shard.state, pb.SHARD_STATE_READY)
+        engine.hold = "/sleep"
+        slept = Deferred.fromCoroutine(sleep.sleep_shard(self.supervisor, "s1", 1))
+        self.assertEqual(
+            (self.record()["turning"], self.record()["sleeping"]), ("sleep", False)
+        )
+        engine.release()
+        self.successResultOf(slept)
+        self.assertEqual(
+            (self.record()["turning"], self.record()["sleeping"]), ("", True)
+        )
+        engine.hold = "/wake_up"
+        woken = Deferred.fromCoroutine(sleep.wake_shard(self.supervisor, "s1"))
+        self.assertEqual(
+            (self.record()["turning"], self.record()["sleeping"]), ("wake", False)
+        )
+        engine.release()
+        self.successResultOf(woken)
+        self.assertEqual(
+            (self.record()["turning"], self.record()["sleeping"]), ("", False)
+        )
+
+    def test_adopted_during_a_wake(self) -> None:
+        """
+        Adopted while its wake runs, the engine still answers asleep: it
+        is asked again until awake, then C{ready}; never C{sleeping} (its
+        GPU memory would count free while it takes it back).
+        """
+        engine = _Engine(sleeping=True)
+        engine.turn_in = 3
+        shard = self.adopt(engine, recorded_asleep=False, turning="wake")
+        self.assertEqual(shard.state, pb.SHARD_STATE_STARTING)
+        self.probes_passed(shard)
+        clock = cast(Clock, self.supervisor.reactor)
+        for _ in range(3):
+            self.assertNotIn(pb.SHARD_STATE_READY, self.states())
+            clock.advance(sleep.TURN_POLL)
+        self.assertNotIn(pb.SHARD_STATE_SLEEPING, self.states())
+        self.assertEqual(shard.state, pb.SHARD_STATE_READY)
+        self.assertEqual(self.record()["turning"], "")
+        self.assertIsNone(shard.checking)
+
+    def test_adopted_during_a_sleep(self) -> None:
+        """
+        Adopted while its sleep runs, the engine still answers awake: it
+        is asked again until asleep, then C{sleeping}; never C{ready} (the
+        router would send requests to an engine going to sleep).
+        """
+        engine = _Engine(sleeping=False)
+        engine.turn_in = 2
+        shard = self.adopt(engine, recorded_asleep=False, turning="sleep")
+        self.probes_passed(shard)
+        for _ in range(2):
+            self.assertEqual(shard.state, pb.SHARD_STATE_STARTING)
+            cast(Clock, self.supervisor.reactor).advance(sleep.TURN_POLL)
+        self.assertNotIn(pb.SHARD_STATE_READY, self.states())
+        self.assertEqual(shard.state, pb.SHARD_STATE_SLEEPING)
+        self.assertEqual(
+            (self.record()["turning"], self.record()["sleeping"]), ("", True)
+        )
+
+    def test_a_turn_that_never_ends(self) -> None:
+        """
+        An engine that never turns is asked for at most L{SLEEP_TIMEOUT};
+        then what it says stands.
+        """
+        engine = _Engine(sleeping=True)
+        shard = self.adopt(engine, recorded_asleep=False, turning="wake")
+        self.probes_passed(shard)
+        clock = cast(Clock, self.supervisor.reactor)
+        clock.pump([sleep.TURN_POLL] * int(sleep.SLEEP_TIMEOUT / sleep.TURN_POLL - 1))
+        self.assertEqual(shard.state, pb.SHARD_STATE_STARTING)
+        clock.pump([sleep.TURN_POLL] * 2)
+        self.assertEqual(shard.state, pb.SHARD_STATE_SLEEPING)
+        asked = engine.asked.count("/is_sleeping")
+        clock.pump([sleep.TURN_POLL] * 5)
+        self.assertEqual(engine.asked.count("/is_sleeping"), asked)

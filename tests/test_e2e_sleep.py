@@ -3,7 +3,8 @@ Sleep on the node through a real link: a C{twistd llmgw-agent} process on
 two simulated GPUs, its engine C{llmgw sim} in sleep mode, and the
 server's L{ShardCommands} sending C{SleepShard} and C{WakeShard}; the
 refused-sleep fallback; a sleeping engine adopted asleep after the agent
-restarts, and asked whether it sleeps when its record is lost or stale.
+restarts, and asked whether it sleeps when its record is lost or stale,
+or until it has turned when its agent was killed during a sleep or a wake.
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ class SleepOnNodeTests(_LinkedAgent):
         return d
 
     @defer.inlineCallbacks
-    def ready_sleeper(self, shard_id: str) -> Generator[Any, Any, Any]:
+    def ready_sleeper(
+        self, shard_id: str, seconds: float = 0.3
+    ) -> Generator[Any, Any, Any]:
         """
         On an agent with two simulated GPUs, a sim engine in sleep mode
-        (level 1, 0.3 s to sleep or wake), ready.
+        (level 1, C{seconds} to sleep or wake), ready.
 
         @return: the server's L{ShardCommands} and the engine's port.
         """
@@ -88,7 +91,7 @@ class SleepOnNodeTests(_LinkedAgent):
         yield self.respawn("agent-gpus")
         commands = ShardCommands(reactor, self.hub, SuspectPorts(), lambda: None)
         port = free_port()
-        args = ["--sleep-seconds", "0.3", "--wake-seconds", "0.3"]
+        args = ["--sleep-seconds", f"{seconds}", "--wake-seconds", f"{seconds}"]
         yield self.begin(shard_id, port, 1, args)
         yield self.until(lambda: "SHARD_STATE_READY" in self.states(shard_id), 30)
         return commands, port
@@ -182,9 +185,9 @@ class SleepOnNodeTests(_LinkedAgent):
         """
         A restarted agent asks an engine in sleep mode whether it sleeps:
         one asleep whose record was lost (its marker says awake) is listed
-        sleeping, not ready; one recorded asleep but awake (its agent ended
-        during a wake; woken here behind the agent's back) is put back to
-        sleep, as the server counts its GPU memory free.
+        sleeping, not ready; one recorded asleep but awake (woken behind
+        the agent's back) is put back to sleep, as the server counts its
+        GPU memory free.
         """
         commands, port = yield self.ready_sleeper("s4")
         result = yield commands.sleep("gpu-01", "s4", 1)
@@ -220,6 +223,50 @@ class SleepOnNodeTests(_LinkedAgent):
         self.assertNotIn("SHARD_STATE_READY", self.states("s4"))
         result = yield commands.wake("gpu-01", "s4")
         self.assertEqual((result.ok, result.error), (True, ""))
+
+    @defer.inlineCallbacks
+    def test_agent_killed_while_it_turns(self) -> Generator[Any, Any, None]:
+        """
+        An agent killed while its engine wakes (then while it sleeps)
+        leaves a record saying so; its successor asks the engine until it
+        has turned, and lists it as it ends: ready once awake, never
+        sleeping while it takes its GPU memory back (and the other way).
+        """
+        commands, port = yield self.ready_sleeper("s5", seconds=3.0)
+        result = yield commands.sleep("gpu-01", "s5", 1)
+        self.assertEqual((result.ok, result.error), (True, ""))
+        commands.wake("gpu-01", "s5")
+        yield self.killed_while("s5", "wake", "SHARD_STATE_READY")
+        self.assertIs(self.asleep(port), False)
+        commands.sleep("gpu-01", "s5", 1)
+        yield self.killed_while("s5", "sleep", "SHARD_STATE_SLEEPING")
+        self.assertIs(self.asleep(port), True)
+
+    @defer.inlineCallbacks
+    def killed_while(
+        self, shard_id: str, route: str, ends: str
+    ) -> Generator[Any, Any, None]:
+        """
+        Once C{shard_id}'s record says its engine's C{route} runs, kill the
+        agent and start it again: the shard's first state but C{starting}
+        from the new agent is C{ends}, and its record no longer says
+        C{turning}.
+        """
+        record = os.path.join(self.dir, "state", "shards", f"{shard_id}.json")
+
+        def turning() -> object:
+            with open(record) as f:
+                return json.load(f).get("turning")
+
+        yield self.until(lambda: turning() == route, 10)
+        self.agent.popen.kill()
+        self.agent.popen.wait()
+        self.heard.statuses.clear()
+        yield self.respawn(f"agent-killed-{route}")
+        yield self.until(lambda: ends in self.states(shard_id), 30)
+        self.assertEqual(self.states(shard_id)[-1], ends)
+        self.assertEqual(set(self.states(shard_id)) - {"SHARD_STATE_STARTING"}, {ends})
+        self.assertEqual(turning(), "")
 
     def asleep(self, port: int) -> object:
         """

@@ -187,3 +187,26 @@ def marked(state_dir: str, proc: str = "/proc") -> Iterator[Marked]:
                 break
             yield Marked(pid, int(fields[19]), record)
             break
+
+
+OUTPUT_LINES = 50
+"""
+Lines of an engine's output file sent with its status.
+"""
+
+
+def tail(path: str, lines: int = OUTPUT_LINES) -> list[str]:
+    """
+    @return: the last C{lines} lines of the file at C{path} (at most the
+        last 64 KiB read), or none when it cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 65536))
+            data = f.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace").splitlines()
+    return [line.rstrip("\r") for line in text[-lines:]]

@@ -98,8 +98,14 @@ def _by_record(supervisor: Supervisor, path: str) -> Shard | None:
         log.info("shard {shard} (pid {pid}) is gone", shard=command.shard_id, pid=pid)
         os.remove(path)
         return None
+    turning = data.get("turning")
     shard = supervisor.take(
-        command, launch, pid, start_time, data.get("sleeping") is True
+        command,
+        launch,
+        pid,
+        start_time,
+        data.get("sleeping") is True,
+        turning if turning in ("sleep", "wake") else "",
     )
     log.info(
         "adopted shard {shard}: engine pid {pid} still running", shard=shard.id, pid=pid

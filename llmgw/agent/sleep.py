@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import deferLater
 from twisted.web.client import FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
@@ -47,6 +48,12 @@ Seconds a sleep or a wake may take before the command fails (vLLM's level
 ASK_TIMEOUT = 10.0
 """
 Seconds an adopted engine has to answer whether it sleeps.
+"""
+
+TURN_POLL = 1.0
+"""
+Seconds between the questions to an adopted engine recorded turning (its
+agent ended during a sleep or a wake) until it has turned.
 """
 
 STOP_GRACE = 30.0
@@ -286,9 +293,26 @@ async def sleep_shard(supervisor: Supervisor, shard_id: str, level: int) -> None
         )
     if level not in (1, 2):
         raise CommandRefused(f"level: expected 1 or 2, got {level}")
-    await _routes(shard).sleep(level)
+    _turning(shard, "sleep")
+    try:
+        await _routes(shard).sleep(level)
+    except CommandRefused:
+        _turning(shard, "")
+        raise
+    shard.turning = ""
     shard.set_state(pb.SHARD_STATE_SLEEPING)
     supervisor.record(shard)
+
+
+def _turning(shard: Shard, turning: str) -> None:
+    """
+    Record that C{shard}'s engine is C{turning} (C{"sleep"}, C{"wake"}),
+    or no longer (C{""}): an agent that ends while the engine's route runs
+    leaves its successor a record that says so (L{check_adopted}).
+    """
+    shard.turning = turning
+    if shard.exit_code is None and not shard.stopping:
+        shard.supervisor.record(shard)
 
 
 async def wake_shard(supervisor: Supervisor, shard_id: str) -> None:
@@ -317,12 +341,15 @@ async def wake_shard(supervisor: Supervisor, shard_id: str) -> None:
             )
     routes = _routes(shard)
     shard.set_state(pb.SHARD_STATE_WAKING)
+    _turning(shard, "wake")
     try:
         await routes.wake()
     except CommandRefused:
         if shard.state == pb.SHARD_STATE_WAKING:
             shard.set_state(pb.SHARD_STATE_SLEEPING)
+        _turning(shard, "")
         raise
+    shard.turning = ""
     if shard.state != pb.SHARD_STATE_WAKING:
         # Stopped or ended meanwhile.
         return
@@ -348,10 +375,13 @@ def can_tell(command: pb.StartShard) -> bool:
 async def check_adopted(shard: Shard) -> None:
     """
     An engine in sleep mode that a previous agent started, adopted: its
-    record may be stale (that agent ended between the engine's answer to a
-    sleep or a wake and the record written), and its marker says it is
-    awake whatever it is.  The engine's C{GET /is_sleeping} decides (see
-    L{can_tell}).  One taken as awake (C{starting}, its probes passed)
+    record may be stale (woken or put to sleep behind its agent's back, or
+    written by an agent that recorded only once the engine answered), and
+    its marker says it is awake whatever it is.  The engine's C{GET
+    /is_sleeping} decides (see L{can_tell}); one recorded C{turning} (that
+    agent ended while the engine's sleep or wake route ran; it is adopted
+    as awake, C{starting}, holding its GPUs) is asked until it has turned
+    (L{_turned}).  One taken as awake (C{starting}, its probes passed)
     becomes C{ready}, or C{sleeping} when it sleeps.  One recorded asleep
     (the server counts its GPU memory free) that is awake is put back to
     sleep, or stopped when it will not sleep.  When the engine cannot say,
@@ -360,7 +390,7 @@ async def check_adopted(shard: Shard) -> None:
     routes = _routes(shard)
     asleep: bool | None = None
     try:
-        asleep = await routes.asleep(ASK_TIMEOUT)
+        asleep = await _turned(shard, routes)
     except CommandRefused as e:
         shard.log.warn(
             "shard {shard}: cannot ask its engine whether it sleeps ({error});"
@@ -370,6 +400,8 @@ async def check_adopted(shard: Shard) -> None:
         )
     if shard.stopping or shard.exit_code is not None:
         return
+    if shard.turning:
+        _turning(shard, "")
     if shard.state == pb.SHARD_STATE_STARTING:
         if asleep:
             shard.log.warn(
@@ -385,8 +417,8 @@ async def check_adopted(shard: Shard) -> None:
     if shard.state != pb.SHARD_STATE_SLEEPING or asleep is not False:
         return
     shard.log.warn(
-        "shard {shard}: recorded asleep, its engine is awake (its agent ended"
-        " during a wake): putting it back to sleep",
+        "shard {shard}: recorded asleep, its engine is awake (woken behind"
+        " its agent's back): putting it back to sleep",
         shard=shard.id,
     )
     try:
@@ -399,6 +431,28 @@ async def check_adopted(shard: Shard) -> None:
                 error=str(e),
             )
             shard.stop(STOP_GRACE)
+
+
+async def _turned(shard: Shard, routes: EngineRoutes) -> bool:
+    """
+    @return: whether C{shard}'s engine sleeps.  One recorded C{turning}
+        (its agent ended while the engine's sleep or wake route ran) is
+        asked every L{TURN_POLL} seconds until it has turned, for at most
+        L{SLEEP_TIMEOUT}: engines answer the state they leave until the
+        turn is done (vLLM's executor flag; the simulator).
+    @raise CommandRefused: the engine could not say.
+    """
+    asleep = await routes.asleep(ASK_TIMEOUT)
+    if not shard.turning:
+        return asleep
+    clock = shard.supervisor.reactor
+    deadline = clock.seconds() + SLEEP_TIMEOUT
+    while asleep != (shard.turning == "sleep") and clock.seconds() < deadline:
+        await deferLater(clock, TURN_POLL)
+        if shard.stopping or shard.exit_code is not None:
+            break
+        asleep = await routes.asleep(ASK_TIMEOUT)
+    return asleep
 
 
 def begin_check(shard: Shard) -> None:

@@ -33,13 +33,13 @@ from llmgw.agent.records import (
     command_json,
     marker,
     process_start_time,
+    tail,
     write_record,
 )
 from llmgw.agent.sleep import begin_check, can_tell, refusal, without_sleep
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 
-OUTPUT_LINES = 50
 PROBE_TIMEOUT = 10.0
 """
 Seconds a readiness probe (all of a launch's requests) may take.
@@ -62,23 +62,6 @@ _LAUNCHER = (
     "os.close(fd)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
-
-
-def tail(path: str, lines: int = OUTPUT_LINES) -> list[str]:
-    """
-    @return: the last C{lines} lines of the file at C{path} (at most the
-        last 64 KiB read), or none when it cannot be read.
-    """
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 65536))
-            data = f.read()
-    except OSError:
-        return []
-    text = data.decode("utf-8", "replace").splitlines()
-    return [line.rstrip("\r") for line in text[-lines:]]
 
 
 class _LauncherProcess(ProcessProtocol):
@@ -123,6 +106,9 @@ class Shard:
         self._ask_asleep = False
         # The check of an adopted engine's sleep, while it runs.
         self.checking: Deferred[None] | None = None
+        # "sleep" or "wake" while its engine's route runs (recorded: an
+        # agent that restarts meanwhile asks until it has turned).
+        self.turning = ""
         # Told the server with the next status (ShardStatus.note).
         self.note = ""
         self.phases = StartPhases(supervisor.reactor)
@@ -130,7 +116,8 @@ class Shard:
     @property
     def output(self) -> list[str]:
         """
-        The engine's last L{OUTPUT_LINES} output lines, stdout and stderr.
+        The engine's last L{llmgw.agent.records.OUTPUT_LINES} output lines,
+        stdout and stderr.
         """
         return tail(self._supervisor.path(self.id, ".log"))
 
@@ -187,13 +174,17 @@ class Shard:
         self.set_state(pb.SHARD_STATE_STARTING)
         self._start_probing()
 
-    def adopt(self, pid: int, start_time: int, sleeping: bool = False) -> None:
+    def adopt(
+        self, pid: int, start_time: int, sleeping: bool = False, turning: str = ""
+    ) -> None:
         """
         Take over an engine a previous agent started: watch its pid, since
         its exit status went to that agent.  One recorded asleep stays so
         (its probes would pass: a sleeping engine serves /health); where
-        the engine can tell, it is asked (L{check_adopted}).
+        the engine can tell, it is asked (L{check_adopted}), until it has
+        turned when it was recorded C{turning} (C{"sleep"}, C{"wake"}).
         """
+        self.turning = turning
         self.pid = pid
         self.start_time = start_time
         self._watch = LoopingCall(self._still_there)
@@ -432,6 +423,7 @@ class Supervisor:
             "host": shard.launch.host,
             # A sleeping engine is adopted asleep.
             "sleeping": shard.state == pb.SHARD_STATE_SLEEPING,
+            "turning": shard.turning,
         }
 
     def marker(self, shard: Shard) -> str:
@@ -439,7 +431,7 @@ class Supervisor:
         @return: the value of L{MARKER} for C{shard}'s engine.
         """
         fields = self._fields(shard)
-        fields["sleeping"] = False
+        fields["sleeping"], fields["turning"] = False, ""
         return marker(self.node_id, self._state_dir, fields)
 
     def record(self, shard: Shard) -> None:
@@ -474,13 +466,15 @@ class Supervisor:
         pid: int,
         start_time: int,
         sleeping: bool = False,
+        turning: str = "",
     ) -> Shard:
         """
-        @return: the shard of the running engine C{pid}, adopted.
+        @return: the shard of the running engine C{pid}, adopted (see
+            L{Shard.adopt}).
         """
         shard = Shard(self, command, launch)
         self.shards[shard.id] = shard
-        shard.adopt(pid, start_time, sleeping)
+        shard.adopt(pid, start_time, sleeping, turning)
         return shard
 
     def start(self, command: pb.StartShard) -> Shard:

@@ -125,6 +125,18 @@ class SwapPriorityTests(_Swaps, SynchronousTestCase, CtlMixin):
             self.assertIn(
                 "expected interactive, standard, batch", answer["error"]["message"]
             )
+        # The keys' routes read a priority the same way.
+        for refused in ("urgent", True, 1.5, None, [2]):
+            body = json.dumps({"name": "k-bad", "priority": refused}).encode()
+            status, _, raw = http("POST", f"{self.admin_url}/api/v1/keys", body)
+            self.assertEqual(status, 400, refused)
+            self.assertRegex(
+                json.loads(raw)["error"]["message"],
+                "^priority: .*expected (interactive, standard, batch|a name)",
+            )
+        body = json.dumps({"name": "k-good", "priority": " batch "}).encode()
+        status, _, raw = http("POST", f"{self.admin_url}/api/v1/keys", body)
+        self.assertEqual((status, json.loads(raw)["priority"]), (201, "batch"))
         body = json.dumps({"timeout": 1, "waited": -1}).encode()
         status, _, raw = http(
             "POST", f"{self.admin_url}/api/v1/models/c/activate", body

@@ -11,6 +11,8 @@ from typing import Any
 from klein import Klein
 from twisted.web.iweb import IRequest
 
+from llmgw.router.fairness import priority_rank
+
 app = Klein()
 """
 The admin API's routes, from L{llmgw.admin.api} and
@@ -46,6 +48,21 @@ def not_found(what: str) -> AdminError:
     @return: a 404 saying there is no C{what}.
     """
     return AdminError(404, f"no {what}", "not_found")
+
+
+def priority_number(value: Any) -> int:
+    """
+    @param value: a body's C{priority}: a name of
+        L{llmgw.router.fairness.PRIORITIES}, an integer (or its digits), or
+        L{None} for C{standard}.
+    @return: its number, higher goes first.
+    @raise AdminError: 400, it is none of those (the message names what is
+        expected).
+    """
+    try:
+        return priority_rank(value)
+    except ValueError as e:
+        raise AdminError(400, str(e)[:300], "bad_request") from None
 
 
 def read_body(request: IRequest) -> dict[str, Any]:

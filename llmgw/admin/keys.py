@@ -18,11 +18,18 @@ from typing import Any
 
 from twisted.web.iweb import IRequest
 
-from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
+from llmgw.admin.http import (
+    AdminError,
+    app,
+    json_answer,
+    not_found,
+    priority_number,
+    read_body,
+)
 from llmgw.config_checks import ConfigError, parse_duration
 from llmgw.control.plane import ControlPlane
 from llmgw.router.auth import ApiKey, KeyRing
-from llmgw.router.fairness import check_weight, priority_rank
+from llmgw.router.fairness import check_weight
 from llmgw.store.base import KEY_LIMITS
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
@@ -45,17 +52,19 @@ def _order_fields(body: dict[str, Any]) -> dict[str, Any]:
     @raise AdminError: 400 for a priority or weight that is not one.
     """
     order: dict[str, Any] = {}
-    try:
-        if "priority" in body:
-            value = body["priority"]
-            if not isinstance(value, str | int):
-                raise ValueError(f"priority: {value!r}: expected a name or an integer")
-            priority_rank(value)
-            order["priority"] = str(value).strip()
-        if "weight" in body:
+    if "priority" in body:
+        value = body["priority"]
+        if value is None:
+            raise AdminError(
+                400, "priority: null: expected a name or an integer", "bad_request"
+            )
+        priority_number(value)
+        order["priority"] = str(value).strip()
+    if "weight" in body:
+        try:
             order["weight"] = check_weight(body["weight"])
-    except ValueError as e:
-        raise AdminError(400, str(e)[:300], "bad_request") from None
+        except ValueError as e:
+            raise AdminError(400, str(e)[:300], "bad_request") from None
     return order
 
 

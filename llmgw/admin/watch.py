@@ -13,9 +13,15 @@ from typing import Any
 from twisted.internet.defer import Deferred, TimeoutError
 from twisted.web.iweb import IRequest
 
-from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
+from llmgw.admin.http import (
+    AdminError,
+    app,
+    json_answer,
+    not_found,
+    priority_number,
+    read_body,
+)
 from llmgw.control.plane import ControlPlane
-from llmgw.router.fairness import priority_rank
 from llmgw.tier.watch import Watch
 from llmgw.wire import versions
 
@@ -120,7 +126,7 @@ class WatchRoutes:
             f"in (0, {MAX_ACTIVATION_WAIT:g}]",
         )
         waited = _seconds(body, "waited", 0.0, lambda n: 0 <= n < math.inf, "0 or more")
-        rank = _priority(body)
+        rank = priority_number(body.get("priority"))
         if not watch.serves(model):
             ready = plane.catalog.activate(model, rank, waited)
             ready.addTimeout(timeout, watch.clock)
@@ -192,14 +198,3 @@ def _seconds(
             400, f"{key} must be a number of seconds {expected}", "bad_request"
         )
     return float(value)
-
-
-def _priority(body: dict[str, Any]) -> int:
-    """
-    @return: the priority number of an activate body's C{priority}.
-    @raise AdminError: 400, it is neither a priority's name nor an integer.
-    """
-    try:
-        return priority_rank(body.get("priority"))
-    except ValueError as e:
-        raise AdminError(400, str(e)[:300], "bad_request") from None

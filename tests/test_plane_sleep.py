@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from llmgw.control.catalog import Model
+from llmgw.control.operating import SleepRefused
 from llmgw.control.placement import Profile
 from llmgw.control.settings import ControlConfig
-from llmgw.control.sleeping import SleepRefused
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import SETTINGS, register_message
 from tests.test_plane_swaps import SwapCase

@@ -11,8 +11,8 @@ from typing import Any
 from twisted.web.iweb import IRequest
 
 from llmgw.admin.http import AdminError, app, json_answer, not_found
+from llmgw.control.operating import SleepRefused
 from llmgw.control.plane import ControlPlane
-from llmgw.control.sleeping import SleepRefused
 from llmgw.control.views import replica_json
 
 

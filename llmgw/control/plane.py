@@ -53,6 +53,7 @@ from llmgw.control.commands import Commands, ShardCommands
 from llmgw.control.drains import Draining
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.loop import Loop
+from llmgw.control.operating import Operating
 from llmgw.control.placement import NodeView
 from llmgw.control.placing import Placing
 from llmgw.control.publishing import Publishing
@@ -66,7 +67,6 @@ from llmgw.control.reports import AgentReports
 from llmgw.control.runtime import ModelCatalog, check_bounds
 from llmgw.control.scaling import ModelState
 from llmgw.control.settings import ControlConfig
-from llmgw.control.sleeping import Sleeping
 from llmgw.control.snapshot import (
     LiveSnapshot,
     Snapshot,
@@ -93,7 +93,7 @@ def _gone_why(replica: ReplicaRecord) -> str:
     return "it stopped"
 
 
-class ControlPlane(AgentReports, Publishing, Draining, Sleeping, Swapping, Placing):
+class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Placing):
     """
     Keeps each catalog model's replicas running.
 

@@ -20,7 +20,6 @@ Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from statistics import mean
 from typing import TYPE_CHECKING
 
@@ -43,13 +42,6 @@ from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.engines import SLEEP_LEVELS
 
 GB = 1024**3
-
-
-class SleepRefused(Exception):
-    """
-    An operator's sleep or wake of a replica cannot be done now; the
-    message says why.
-    """
 
 
 class Sleeping:
@@ -492,102 +484,6 @@ class Sleeping:
             if model.max_replicas == 0 or places & taken:
                 self._drain(replica, "asleep where it is not needed")
             taken |= places
-
-    # The operator's.
-
-    def sleep_replica(self, replica_id: str) -> ReplicaRecord:
-        """
-        Put a ready replica to sleep (the admin API's); its model's wanted
-        count goes down by one, as a scale-down's.
-
-        @raise KeyError: no such replica.
-        @raise SleepRefused: it may not sleep now (the message says why),
-            or its model would go below C{min_replicas}.
-        """
-        replica = self.replicas[replica_id]
-        state = self.catalog.get(replica.model)
-        why = self.why_not_sleep(replica)
-        if why is not None:
-            raise SleepRefused(f"replica {replica_id} cannot sleep: {why}")
-        awake = self._awake(replica.model)
-        if state is not None and awake - 1 < state.model.min_replicas:
-            raise SleepRefused(
-                f"replica {replica_id} cannot sleep: model {replica.model} would"
-                f" have {awake - 1} replicas awake, under its min_replicas"
-                f" {state.model.min_replicas}"
-            )
-        if state is not None:
-            state.wanted = awake - 1
-        self._sleep(replica, "put to sleep by the operator", "slept")
-        self.loop.kick()
-        return replica
-
-    def wake_replica(self, replica_id: str) -> ReplicaRecord:
-        """
-        Wake a sleeping replica (the admin API's); its model's wanted
-        count goes up by one, and its idle time counts from now.
-
-        @raise KeyError: no such replica.
-        @raise SleepRefused: it is not asleep, its model is at
-            C{max_replicas}, or its GPUs have no room (the message says
-            which).
-        """
-        replica = self.replicas[replica_id]
-        if replica.dormant and not replica.asleep:
-            raise SleepRefused(
-                f"replica {replica_id} is still going to sleep; wake it once asleep"
-            )
-        if not replica.asleep:
-            raise SleepRefused(f"replica {replica_id} is {replica.state}, not asleep")
-        state = self.catalog.get(replica.model)
-        awake = self._awake(replica.model)
-        if state is not None and awake >= state.model.max_replicas:
-            raise SleepRefused(
-                f"model {replica.model} has {awake} replicas awake, its max_replicas"
-            )
-        snapshot = self._live_snapshot()
-        room = self._wake_room(replica, self._fleet_for(replica.model, snapshot))
-        if room is not None:
-            raise SleepRefused(f"replica {replica_id} cannot wake now: {room}")
-        now = self.clock.seconds()
-        if state is not None:
-            state.wanted = awake + 1
-            state.busy_at = max(state.busy_at, now)
-            state.last_used = max(state.last_used, now)
-        self._wake(replica, now, "woken by the operator")
-        snapshot.take(held_plan(replica))
-        self.loop.kick()
-        return replica
-
-    def _awake(self, name: str) -> int:
-        """
-        @return: model C{name}'s replicas neither draining, leaving nor
-            dormant.
-        """
-        return sum(
-            1
-            for r in self._by_model.get(name, {}).values()
-            if r.draining_since is None and r.leaving_since is None and not r.dormant
-        )
-
-    def pin(self, name: str, pinned: bool) -> Model:
-        """
-        Mark a model pinned (never evicted to make room for another) or
-        not; kept until the server restarts.
-
-        @return: the model, changed.
-        @raise KeyError: no such model.
-        """
-        state = self.catalog.get(name)
-        if state is None:
-            raise KeyError(name)
-        state.model = replace(state.model, pinned=pinned)
-        self.log.info(
-            "model {model} {what}", model=name, what="pinned" if pinned else "unpinned"
-        )
-        self._changes.model(name)
-        self.loop.kick()
-        return state.model
 
 
 def held_plan(replica: ReplicaRecord) -> Plan:

@@ -132,6 +132,31 @@ class IdleSleepTests(SleepCase):
         self.assertEqual(len(self.endpoints()), 1)
         self.assertIn("a", self.plane.counts.wake_seconds)
 
+    def test_wake_refused_gpus_in_use_sleeps_on(self) -> None:
+        """
+        The agent refuses the wake with C{gpus_in_use} (another engine
+        still holds the GPUs there: a fact for placement, not the
+        replica's failure): the replica is not stopped, it sleeps on and
+        is woken when the model tries again, after its backoff.
+        """
+        self.setup(sleepy("a"))
+        a = self.serve("a")
+        self.tick(601)
+        waiter = self.plane.catalog.activate("a")
+        self.agents.refuse["n1"] = "gpus_in_use"
+        self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
+        self.assertEqual(self.agents.stops(), [])
+        self.assertTrue(self.plane.replicas[a].asleep)
+        self.assertIsNone(self.plane.replicas[a].draining_since)
+        del self.agents.refuse["n1"]
+        for _ in range(5):
+            self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [a + "-0"] * 2)
+        self.assertEqual(self.agents.stops(), [])
+        self.assertEqual(len(self.agents.starts()), 1)
+        self.assertIsNone(self.successResultOf(waiter))
+
     def test_no_sleep_memory_stops_it(self) -> None:
         """
         A node whose C{sleep_memory} has no room: the idle replica is

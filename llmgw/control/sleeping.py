@@ -12,7 +12,8 @@ engine keeps (its agent reports the memory), and its host memory counts
 against its node's C{sleep_memory} (C{Register.sleep_memory_bytes}).  A
 replica that may not sleep (its engine refused sleep mode at start, the
 node's budget is full) is stopped instead; one whose sleep or wake fails
-is stopped, and its model placed anew.
+is stopped, and its model placed anew, but for a wake refused because
+another engine still holds its GPUs (it sleeps on).
 
 Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
 """
@@ -367,7 +368,9 @@ class Sleeping:
             return
         failed = next((r for r in results if not r.ok), None)
         woke_at, replica.wake_at = replica.wake_at, None
-        if failed is not None:
+        if failed is not None and failed.code == "gpus_in_use" and replica.asleep:
+            self._sleeps_on(replica, failed.error)
+        elif failed is not None:
             self._stop_failed(replica, "wake", failed)
         else:
             seconds = self.clock.seconds() - woke_at
@@ -375,6 +378,26 @@ class Sleeping:
             self._republish(replica.id)
         self._changes.model(replica.model)
         self.loop.kick()
+
+    def _sleeps_on(self, replica: ReplicaRecord, error: str) -> None:
+        """
+        C{replica}'s wake was refused for C{gpus_in_use} (another engine
+        still holds its GPUs on the node: a fact for placement, not the
+        replica's failure) and every shard still sleeps: it stays asleep,
+        and its model tries again after C{base_backoff}.
+        """
+        now = self.clock.seconds()
+        replica.asleep_at = now
+        replica.sleep_reason = "its wake was refused: " + error
+        self.log.info(
+            "replica {replica} of {model} not woken ({error}); it sleeps on",
+            replica=replica.id,
+            model=replica.model,
+            error=error,
+        )
+        state = self.catalog.get(replica.model)
+        if state is not None:
+            state.retry_at = now + self.settings.base_backoff
 
     def _wake_missing(
         self,

@@ -224,25 +224,35 @@ class TurningTests(_AdoptCase):
             (self.record()["turning"], self.record()["sleeping"]), ("", False)
         )
 
+    def turned(self, turning: str, asks: int) -> Any:
+        """
+        Adopt an engine recorded C{turning} whose turn ends after C{asks}
+        answers of the state it leaves: the shard stays C{starting}, with
+        nothing reported, until the engine has turned; then the check has
+        ended and the record no longer says C{turning}.
+
+        @return: the shard.
+        """
+        engine = _Engine(sleeping=turning == "wake")
+        engine.turn_in = asks
+        shard = self.adopt(engine, recorded_asleep=False, turning=turning)
+        self.probes_passed(shard)
+        for _ in range(asks):
+            self.assertEqual(shard.state, pb.SHARD_STATE_STARTING)
+            self.assertEqual(self.states(), [])
+            cast(Clock, self.supervisor.reactor).advance(sleep.TURN_POLL)
+        self.assertEqual(self.record()["turning"], "")
+        self.assertIsNone(shard.checking)
+        return shard
+
     def test_adopted_during_a_wake(self) -> None:
         """
         Adopted while its wake runs, the engine still answers asleep: it
         is asked again until awake, then C{ready}; never C{sleeping} (its
         GPU memory would count free while it takes it back).
         """
-        engine = _Engine(sleeping=True)
-        engine.turn_in = 3
-        shard = self.adopt(engine, recorded_asleep=False, turning="wake")
-        self.assertEqual(shard.state, pb.SHARD_STATE_STARTING)
-        self.probes_passed(shard)
-        clock = cast(Clock, self.supervisor.reactor)
-        for _ in range(3):
-            self.assertNotIn(pb.SHARD_STATE_READY, self.states())
-            clock.advance(sleep.TURN_POLL)
-        self.assertNotIn(pb.SHARD_STATE_SLEEPING, self.states())
-        self.assertEqual(shard.state, pb.SHARD_STATE_READY)
-        self.assertEqual(self.record()["turning"], "")
-        self.assertIsNone(shard.checking)
+        self.turned("wake", 3)
+        self.assertEqual(self.states(), [pb.SHARD_STATE_READY])
 
     def test_adopted_during_a_sleep(self) -> None:
         """
@@ -250,18 +260,9 @@ class TurningTests(_AdoptCase):
         is asked again until asleep, then C{sleeping}; never C{ready} (the
         router would send requests to an engine going to sleep).
         """
-        engine = _Engine(sleeping=False)
-        engine.turn_in = 2
-        shard = self.adopt(engine, recorded_asleep=False, turning="sleep")
-        self.probes_passed(shard)
-        for _ in range(2):
-            self.assertEqual(shard.state, pb.SHARD_STATE_STARTING)
-            cast(Clock, self.supervisor.reactor).advance(sleep.TURN_POLL)
-        self.assertNotIn(pb.SHARD_STATE_READY, self.states())
-        self.assertEqual(shard.state, pb.SHARD_STATE_SLEEPING)
-        self.assertEqual(
-            (self.record()["turning"], self.record()["sleeping"]), ("", True)
-        )
+        self.turned("sleep", 2)
+        self.assertEqual(self.states(), [pb.SHARD_STATE_SLEEPING])
+        self.assertIs(self.record()["sleeping"], True)
 
     def test_a_turn_that_never_ends(self) -> None:
         """

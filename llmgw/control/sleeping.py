@@ -20,7 +20,7 @@ Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from statistics import mean
 from typing import TYPE_CHECKING
 
@@ -106,8 +106,12 @@ class Sleeping:
 
     # Whether, and why not.
 
-    def why_not_sleep(self, replica: ReplicaRecord) -> str | None:
+    def why_not_sleep(
+        self, replica: ReplicaRecord, host: Mapping[str, float] | None = None
+    ) -> str | None:
         """
+        @param host: L{_sleeping_host} now, when the caller has it (asking
+            of many replicas at once: one pass over the replicas).
         @return: why C{replica} may not be put to sleep now, in words, or
             L{None} when it may: its profile says C{sleep}, it is ready,
             its engine did not refuse sleep mode, and each of its nodes'
@@ -122,9 +126,11 @@ class Sleeping:
         if replica.state != ReplicaState.READY:
             return f"it is {replica.state}"
         need = profile.sleep_host_memory_gb
+        if host is None:
+            host = self._sleeping_host()
         for node_id in {s.node for s in replica.shards}:
             budget = self._sleep_budget_gb(node_id)
-            held = self._sleeping_host_gb(node_id)
+            held = host.get(node_id, 0.0)
             if held + need > budget + 1e-9:
                 return (
                     f"node {node_id}'s sleep_memory ({budget:.1f} GB) holds"
@@ -141,16 +147,18 @@ class Sleeping:
         node = self.inventory.get(node_id)
         return (node.sleep_memory_bytes if node is not None else 0) / GB
 
-    def _sleeping_host_gb(self, node_id: str) -> float:
+    def _sleeping_host(self) -> dict[str, float]:
         """
-        @return: GB of host memory the dormant replicas on C{node_id}
-            hold (or will, once asleep).
+        @return: per node, GB of host memory its dormant replicas hold (or
+            will, once asleep); nodes with none are left out.
         """
-        held = 0.0
+        held: dict[str, float] = {}
         for replicas in self._by_model.values():
             for replica in replicas.values():
-                if replica.dormant and any(s.node == node_id for s in replica.shards):
-                    held += replica.profile.sleep_host_memory_gb
+                if replica.dormant:
+                    for node_id in {s.node for s in replica.shards}:
+                        gb = replica.profile.sleep_host_memory_gb
+                        held[node_id] = held.get(node_id, 0.0) + gb
         return held
 
     # Going to sleep.
@@ -203,6 +211,7 @@ class Sleeping:
             key=lambda r: (self._priority(r.model), r.resident_since),
         )
         need = replica.profile.sleep_host_memory_gb
+        host = self._sleeping_host()
         for node_id in nodes:
             budget = self._sleep_budget_gb(node_id)
             freeable = sum(
@@ -210,7 +219,7 @@ class Sleeping:
                 for r in others
                 if any(s.node == node_id for s in r.shards)
             )
-            if self._sleeping_host_gb(node_id) - freeable + need > budget + 1e-9:
+            if host.get(node_id, 0.0) - freeable + need > budget + 1e-9:
                 return f"node {node_id}'s sleep_memory ({budget:.1f} GB) is too small"
         for other in others:
             if self.why_not_sleep(replica) is None:

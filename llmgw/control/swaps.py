@@ -17,7 +17,7 @@ Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from twisted.internet.interfaces import IReactorTime
@@ -109,7 +109,12 @@ class Swapping:
     def _drain(self, replica: ReplicaRecord, why: str, patience: float = 0.0) -> bool:
         raise NotImplementedError()
 
-    def why_not_sleep(self, replica: ReplicaRecord) -> str | None:
+    def why_not_sleep(
+        self, replica: ReplicaRecord, host: Mapping[str, float] | None = None
+    ) -> str | None:
+        raise NotImplementedError()
+
+    def _sleeping_host(self) -> dict[str, float]:
         raise NotImplementedError()
 
     def _retire(self, replica: ReplicaRecord, why: str, reason: str) -> bool:
@@ -390,6 +395,7 @@ class Swapping:
         """
         candidates = []
         spare = {}
+        host = self._sleeping_host()
         states = (
             (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.WAKING)
             if coming
@@ -412,7 +418,7 @@ class Swapping:
                 if replica.asleep and replica.draining_since is None:
                     candidates.append(_asleep(replica, model, state.last_used))
             for replica in ready:
-                sleeps = self.why_not_sleep(replica) is None
+                sleeps = self.why_not_sleep(replica, host) is None
                 candidates.append(
                     Candidate(
                         replica=replica.id,

@@ -68,27 +68,6 @@ class SleepCase(SwapCase):
             getattr(m, kind).shard_id for _, m in self.agents.sent if m.HasField(kind)
         ]
 
-    def adopt(self, state: int) -> None:
-        """
-        Node C{n1} registers with shard C{a-1-0} of model C{a} running on
-        its GPU 0, listed in C{state}.
-        """
-        running = pb.RunningShard(
-            shard_id="a-1-0",
-            replica_id="a-1",
-            model="a",
-            profile="p",
-            rank=0,
-            gpu_indices=[0],
-            port=20000,
-            pid=77,
-        )
-        running.state = state  # type: ignore[assignment]
-        message = register_message("n1", shards=(running,))
-        message.sleep_memory_bytes = 200 * GIB
-        self.inventory.register(message, 0.0, self.clock.seconds())
-        self.plane.node_registered("n1", message)
-
 
 class IdleSleepTests(SleepCase):
     def test_idle_replica_sleeps(self) -> None:
@@ -527,51 +506,6 @@ class ReviewTests(SleepCase):
         self.tick(1)
         (gpu,) = self.plane.snapshot().fleet.get("n1").gpus
         self.assertTrue(gpu.allocated)
-
-    def test_adopted_asleep_stays_asleep(self) -> None:
-        """
-        A server restarted finds a shard asleep in a Register: adopted, it
-        is not woken without a request.
-        """
-        self.make(sleepy("a"), nodes=())
-        self.adopt(pb.SHARD_STATE_SLEEPING)
-        for _ in range(3):
-            self.tick(1)
-        self.assertEqual(self.sent("wake_shard"), [])
-        self.assertTrue(self.plane.replicas["a-1"].asleep)
-
-    def test_adopted_by_its_marker_found_asleep(self) -> None:
-        """
-        A shard adopted as starting (its agent had only the marker, which
-        says awake) that its agent then finds asleep is not counted as
-        wanted awake: it is not woken without a request, and no replica is
-        started in its place.
-        """
-        self.make(sleepy("a"), nodes=())
-        self.adopt(pb.SHARD_STATE_STARTING)
-        self.tick(1)
-        self.status("a-1-0", pb.SHARD_STATE_SLEEPING, "n1")
-        for _ in range(3):
-            self.tick(1)
-        self.assertEqual(self.sent("wake_shard"), [])
-        self.assertEqual(self.sent("start_shard"), [])
-        self.assertTrue(self.plane.replicas["a-1"].asleep)
-        self.assertEqual(self.plane.catalog["a"].wanted, 0)
-
-    def test_adopted_by_its_marker_found_asleep_min_replicas(self) -> None:
-        """
-        The same with C{min_replicas = 1}: the model wants one awake
-        whatever its adoption added, so the sleeper found is woken, and no
-        other replica is started.
-        """
-        self.make(sleepy("a", min_replicas=1), nodes=())
-        self.adopt(pb.SHARD_STATE_STARTING)
-        self.tick(1)
-        self.status("a-1-0", pb.SHARD_STATE_SLEEPING, "n1")
-        for _ in range(3):
-            self.tick(1)
-        self.assertEqual(self.sent("wake_shard"), ["a-1-0"])
-        self.assertEqual(self.sent("start_shard"), [])
 
     def test_pinned_sleeper_kept(self) -> None:
         """

@@ -109,13 +109,28 @@ class AgentReports:
         A replica adopted as awake, whose agent has asked its engine: one
         found asleep (its marker said awake) gives back what its adoption
         added to its model's C{wanted}, so it is not woken (or replaced)
-        for nothing; one found ready keeps it.
+        for nothing, but never below the model's replicas still awake nor
+        for one already put to sleep or drained; one found ready keeps
+        it.
         """
-        if state == ShardState.SLEEPING and replica.sleep_at is None:
+        leaving = replica.sleep_at is not None or replica.draining_since is not None
+        if state == ShardState.SLEEPING and not leaving:
             counts = self.catalog.get(replica.model)
             if counts is not None:
+                # Never below what stays awake: another replica's adoption
+                # may have added nothing for being over max_replicas.
+                awake = sum(
+                    1
+                    for r in self.replicas.values()
+                    if r.model == replica.model
+                    and r is not replica
+                    and r.draining_since is None
+                    and not r.dormant
+                )
                 counts.wanted = max(
-                    counts.model.min_replicas, counts.wanted - replica.adopted_wanted
+                    counts.model.min_replicas,
+                    counts.wanted - replica.adopted_wanted,
+                    min(counts.wanted, awake),
                 )
         replica.adopted_wanted = 0
 
@@ -198,6 +213,9 @@ class AgentReports:
             return
         state = adoption.relisted(shard, running)
         if state is not None:
+            if replica.adopted_wanted and state != shard.state:
+                # Its check answered while the link was down.
+                self._adopted_checked(replica, state)
             shard.state = state
             shard.pid = running.pid or shard.pid
         if replica.stop_sent_at is not None and not adoption.listed_state(running).gone:

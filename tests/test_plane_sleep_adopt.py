@@ -1,0 +1,121 @@
+"""
+Engines in sleep mode adopted by a restarted control plane (issue 25 item
+2, with L{tests.test_plane_sleep}'s set-ups): one listed asleep stays
+asleep; one listed starting (its agent had only the marker, which says
+awake) and then found asleep gives back what its adoption added to its
+model's C{wanted}, as the agent's status or a later Register says, never
+below what stays awake.  The real agent's check is in
+L{tests.test_e2e_sleep}.
+"""
+
+from __future__ import annotations
+
+from llmgw.wire import agent_pb2 as pb
+from tests.plane_support import register_message
+from tests.test_plane_sleep import GIB, SleepCase, sleepy
+
+
+class AdoptedSleeperTests(SleepCase):
+    def adopt(self, state: int, *more: tuple[int, int]) -> None:
+        """
+        Node C{n1} registers with shard C{a-1-0} of model C{a} running on
+        its GPU 0, listed in C{state}; and, for each C{(gpu, state)} of
+        C{more}, shard C{a-N-0} of replica C{a-N} (N from 2) on that GPU.
+        """
+        shards = []
+        for n, (gpu, listed) in enumerate(((0, state), *more), 1):
+            running = pb.RunningShard(
+                shard_id=f"a-{n}-0",
+                replica_id=f"a-{n}",
+                model="a",
+                profile="p",
+                rank=0,
+                gpu_indices=[gpu],
+                port=20000 + gpu,
+                pid=77 + gpu,
+            )
+            running.state = listed  # type: ignore[assignment]
+            shards.append(running)
+        message = register_message("n1", gpus=1 + len(more), shards=tuple(shards))
+        message.sleep_memory_bytes = 200 * GIB
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered("n1", message)
+
+    def test_adopted_asleep_stays_asleep(self) -> None:
+        """
+        A server restarted finds a shard asleep in a Register: adopted, it
+        is not woken without a request.
+        """
+        self.make(sleepy("a"), nodes=())
+        self.adopt(pb.SHARD_STATE_SLEEPING)
+        for _ in range(3):
+            self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [])
+        self.assertTrue(self.plane.replicas["a-1"].asleep)
+
+    def test_adopted_by_its_marker_found_asleep(self) -> None:
+        """
+        A shard adopted as starting (its agent had only the marker, which
+        says awake) that its agent then finds asleep is not counted as
+        wanted awake: it is not woken without a request, and no replica is
+        started in its place.
+        """
+        self.make(sleepy("a"), nodes=())
+        self.adopt(pb.SHARD_STATE_STARTING)
+        self.tick(1)
+        self.status("a-1-0", pb.SHARD_STATE_SLEEPING, "n1")
+        for _ in range(3):
+            self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [])
+        self.assertEqual(self.sent("start_shard"), [])
+        self.assertTrue(self.plane.replicas["a-1"].asleep)
+        self.assertEqual(self.plane.catalog["a"].wanted, 0)
+
+    def test_adopted_by_its_marker_found_asleep_over_max(self) -> None:
+        """
+        Two replicas adopted where C{max_replicas} is 1: the one listed
+        starting raised C{wanted} to 1, the ready one added nothing, and
+        the first is drained as the surplus.  Found asleep meanwhile, it
+        gives nothing back: the one still awake is wanted and is not put
+        to sleep.
+        """
+        self.make(sleepy("a"), nodes=())
+        self.adopt(pb.SHARD_STATE_STARTING, (1, pb.SHARD_STATE_READY))
+        self.tick(1)
+        self.assertEqual(self.agents.stops(), ["a-1-0"])
+        self.status("a-1-0", pb.SHARD_STATE_SLEEPING, "n1")
+        for _ in range(5):
+            self.tick(1)
+        self.assertEqual(self.sent("sleep_shard"), [])
+        self.assertEqual(self.plane.catalog["a"].wanted, 1)
+        self.assertEqual(self.plane.replicas["a-2"].state, "ready")
+
+    def test_adopted_by_its_marker_found_asleep_listed_again(self) -> None:
+        """
+        The agent's link went down before the check's answer reached the
+        server: the agent registers again listing the shard asleep, and
+        that answer counts as the status would.
+        """
+        self.make(sleepy("a"), nodes=())
+        self.adopt(pb.SHARD_STATE_STARTING)
+        self.tick(1)
+        self.adopt(pb.SHARD_STATE_SLEEPING)
+        for _ in range(3):
+            self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), [])
+        self.assertEqual(self.plane.catalog["a"].wanted, 0)
+
+    def test_adopted_by_its_marker_found_asleep_min_replicas(self) -> None:
+        """
+        The same with C{min_replicas = 1}: the model wants one awake
+        whatever its adoption added, so the sleeper found is woken, and no
+        other replica is started.
+        """
+        self.make(sleepy("a", min_replicas=1), nodes=())
+        self.adopt(pb.SHARD_STATE_STARTING)
+        self.tick(1)
+        self.status("a-1-0", pb.SHARD_STATE_SLEEPING, "n1")
+        for _ in range(3):
+            self.tick(1)
+        self.assertEqual(self.sent("wake_shard"), ["a-1-0"])
+        self.assertEqual(self.sent("start_shard"), [])

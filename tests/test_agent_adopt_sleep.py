@@ -14,7 +14,7 @@ import os
 import tempfile
 from typing import Any, cast
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import Agent
@@ -47,6 +47,9 @@ class _Engine:
         self.held: Deferred[Any] | None = None
         # Answers to /is_sleeping left before a turn already under way ends.
         self.turn_in = 0
+        # Which questions to /is_sleeping (1 the first) go unanswered.
+        self.lost: set[int] = set()
+        self.questions = 0
 
     def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
         path = "/" + url.decode().split("/", 3)[3]
@@ -56,6 +59,9 @@ class _Engine:
         elif path == "/wake_up":
             answer = self._answer(path, lambda: setattr(self, "sleeping", False))
         else:
+            self.questions += 1
+            if self.questions in self.lost:
+                return fail(ConnectionError("connection reset"))
             answer = self._answer(path, lambda: None, {"is_sleeping": self.sleeping})
             if self.turn_in:
                 self.turn_in -= 1
@@ -263,6 +269,22 @@ class TurningTests(_AdoptCase):
         self.turned("sleep", 2)
         self.assertEqual(self.states(), [pb.SHARD_STATE_SLEEPING])
         self.assertIs(self.record()["sleeping"], True)
+
+    def test_answers_lost_during_a_turn(self) -> None:
+        """
+        Questions the engine leaves unanswered while it turns (the first
+        and the third here) are asked again: adopted mid-sleep, it is
+        never C{ready}, and is C{sleeping} once it says so.
+        """
+        engine = _Engine(sleeping=False)
+        engine.turn_in = 2
+        engine.lost = {1, 3}
+        shard = self.adopt(engine, recorded_asleep=False, turning="sleep")
+        self.probes_passed(shard)
+        for _ in range(5):
+            cast(Clock, self.supervisor.reactor).advance(sleep.TURN_POLL)
+        self.assertEqual(self.states(), [pb.SHARD_STATE_SLEEPING])
+        self.assertEqual(engine.questions, 5)
 
     def test_a_turn_that_never_ends(self) -> None:
         """

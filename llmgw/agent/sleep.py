@@ -439,20 +439,27 @@ async def _turned(shard: Shard, routes: EngineRoutes) -> bool:
         (its agent ended while the engine's sleep or wake route ran) is
         asked every L{TURN_POLL} seconds until it has turned, for at most
         L{SLEEP_TIMEOUT}: engines answer the state they leave until the
-        turn is done (vLLM's executor flag; the simulator).
-    @raise CommandRefused: the engine could not say.
+        turn is done (vLLM's executor flag; the simulator).  Meanwhile a
+        question it does not answer is asked again.
+    @raise CommandRefused: the engine could not say (the last question,
+        for one recorded C{turning}).
     """
-    asleep = await routes.asleep(ASK_TIMEOUT)
     if not shard.turning:
-        return asleep
+        return await routes.asleep(ASK_TIMEOUT)
     clock = shard.supervisor.reactor
     deadline = clock.seconds() + SLEEP_TIMEOUT
-    while asleep != (shard.turning == "sleep") and clock.seconds() < deadline:
+    while True:
+        try:
+            asleep = await routes.asleep(ASK_TIMEOUT)
+        except CommandRefused:
+            if clock.seconds() >= deadline:
+                raise
+        else:
+            if asleep == (shard.turning == "sleep") or clock.seconds() >= deadline:
+                return asleep
         await deferLater(clock, TURN_POLL)
         if shard.stopping or shard.exit_code is not None:
-            break
-        asleep = await routes.asleep(ASK_TIMEOUT)
-    return asleep
+            return False
 
 
 def begin_check(shard: Shard) -> None:

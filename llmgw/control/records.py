@@ -130,6 +130,9 @@ class ReplicaRecord:
         sleeps, or L{None}.
     @ivar wake_at: reactor seconds when it was told to wake, or L{None}
         (not waking).
+    @ivar wake_refusals: its wakes refused in a row for C{gpus_in_use}.
+    @ivar wake_refused_until: reactor seconds before which it is not woken
+        again after such a refusal.
     @ivar adopted_wanted: what its adoption as awake added to its model's
         C{wanted} (0 or 1), taken back if its agent then finds it asleep.
     """
@@ -157,6 +160,8 @@ class ReplicaRecord:
     sleep_reason: str = ""
     asleep_at: float | None = None
     adopted_wanted: int = 0
+    wake_refusals: int = 0
+    wake_refused_until: float = 0.0
 
     @property
     def dormant(self) -> bool:

@@ -36,7 +36,7 @@ from llmgw.control.loop import Loop
 from llmgw.control.placement import Fleet, Plan, ShardPlan, place
 from llmgw.control.records import PlaneCounts, ReplicaRecord, ReplicaState
 from llmgw.control.runtime import ModelCatalog
-from llmgw.control.scaling import ModelState
+from llmgw.control.scaling import ModelState, backoff
 from llmgw.control.settings import ControlConfig
 from llmgw.control.snapshot import Snapshot
 from llmgw.wire import agent_pb2 as pb
@@ -375,13 +375,19 @@ class Sleeping:
     def _woken(self, results: list[pb.CommandResult], replica: ReplicaRecord) -> None:
         if self.replicas.get(replica.id) is not replica or replica.wake_at is None:
             return
-        failed = next((r for r in results if not r.ok), None)
+        failures = [r for r in results if not r.ok]
         woke_at, replica.wake_at = replica.wake_at, None
-        if failed is not None and failed.code == "gpus_in_use" and replica.asleep:
-            self._sleeps_on(replica, failed.error)
-        elif failed is not None:
-            self._stop_failed(replica, "wake", failed)
+        if (
+            failures
+            and replica.asleep
+            and {r.code for r in failures} == {"gpus_in_use"}
+            and replica.wake_refusals < WAKE_REFUSALS
+        ):
+            self._sleeps_on(replica, failures[0].error)
+        elif failures:
+            self._stop_failed(replica, "wake", failures[0])
         else:
+            replica.wake_refusals = 0
             seconds = self.clock.seconds() - woke_at
             self.counts.observed("wake", replica.model, seconds)
             self._republish(replica.id)
@@ -393,20 +399,28 @@ class Sleeping:
         C{replica}'s wake was refused for C{gpus_in_use} (another engine
         still holds its GPUs on the node: a fact for placement, not the
         replica's failure) and every shard still sleeps: it stays asleep,
-        and its model tries again after C{base_backoff}.
+        and is not woken again for a backoff that doubles with each such
+        refusal in a row (C{base_backoff} to C{max_backoff}).  Meanwhile its
+        model may wake another sleeper, but starts none (the GPUs placement
+        would see free are the ones refused).  After L{WAKE_REFUSALS} in a
+        row, a refusal stops it as any failed wake does.
         """
         now = self.clock.seconds()
-        replica.asleep_at = now
+        replica.sleep_at = replica.sleep_sent_at = replica.asleep_at = now
         replica.sleep_reason = "its wake was refused: " + error
+        replica.wake_refusals += 1
+        wait = backoff(
+            self.settings.base_backoff, self.settings.max_backoff, replica.wake_refusals
+        )
+        replica.wake_refused_until = now + wait
         self.log.info(
-            "replica {replica} of {model} not woken ({error}); it sleeps on",
+            "replica {replica} of {model} not woken ({error}); it sleeps on, not"
+            " woken for {wait:g}s",
             replica=replica.id,
             model=replica.model,
             error=error,
+            wait=wait,
         )
-        state = self.catalog.get(replica.model)
-        if state is not None:
-            state.retry_at = now + self.settings.base_backoff
 
     def _wake_missing(
         self,
@@ -458,7 +472,9 @@ class Sleeping:
         if snapshot is None:
             snapshot = self._live_snapshot()
         staying = sum(1 for r in live if r.leaving_since is None)
-        asleep = [r for r in dormant if r.asleep]
+        # Those whose last wake was refused (gpus_in_use) wait their turn.
+        refused = [r for r in dormant if r.asleep and now < r.wake_refused_until]
+        asleep = [r for r in dormant if r.asleep and r not in refused]
         woken = self._wake_missing(state, now, snapshot, asleep, want - staying)
         if woken:
             live = live + woken
@@ -479,12 +495,16 @@ class Sleeping:
                 return snapshot
         elif (
             not asleep
-            and dormant
+            and any(not r.asleep for r in dormant)
             and state.waiters
             and self._falling_asleep(state, now)
         ):
             # Going to sleep (evicted, its requests ending): a wake once it
             # sleeps beats a cold start, as above.
+            return snapshot
+        elif refused and not woken:
+            # Its GPUs are held by an engine placement does not see: a start
+            # would go there and be refused too; its wake is tried again.
             return snapshot
         if staying + len(woken) >= want:
             return snapshot
@@ -516,6 +536,13 @@ class Sleeping:
             if model.max_replicas == 0 or places & taken:
                 self._drain(replica, "asleep where it is not needed")
             taken |= places
+
+
+WAKE_REFUSALS = 3
+"""
+Wakes of one sleeper refused in a row for C{gpus_in_use} after which the
+next refusal stops it (another engine holds its GPUs for good).
+"""
 
 
 def held_plan(replica: ReplicaRecord) -> Plan:

@@ -4,7 +4,8 @@ More models than GPUs (issue 25 item 6): one node with 2 simulated GPUs,
 served under each swap policy side by side, the same requests for each.
 
     .venv/bin/python bench/swap_bench.py [--minutes 10] [--compress 6]
-        [--policies today,cold,sleep,batch[,in-use]] [--json results.json]
+        [--tokens 16] [--policies today,cold,sleep,batch[,in-use]]
+        [--json results.json]
 
 The policies, as configuration:
 

@@ -15,7 +15,6 @@ from llmgw.control.catalog import Model
 from llmgw.control.operating import SleepRefused
 from llmgw.control.placement import Profile
 from llmgw.control.settings import ControlConfig
-from llmgw.control.sleeping import WAKE_REFUSALS
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import SETTINGS, register_message
 from tests.test_plane_swaps import SwapCase
@@ -111,89 +110,6 @@ class IdleSleepTests(SleepCase):
         self.assertIsNone(self.successResultOf(waiter))
         self.assertEqual(len(self.endpoints()), 1)
         self.assertIn("a", self.plane.counts.wake_seconds)
-
-    def test_wake_refused_gpus_in_use_sleeps_on(self) -> None:
-        """
-        The agent refuses the wake with C{gpus_in_use} (another engine
-        still holds the GPUs there: a fact for placement, not the
-        replica's failure): the replica is not stopped, it sleeps on and
-        is woken when the model tries again, after its backoff.
-        """
-        self.setup(sleepy("a"))
-        a = self.serve("a")
-        self.tick(601)
-        waiter = self.plane.catalog.activate("a")
-        self.agents.refuse["n1"] = "gpus_in_use"
-        self.tick(1)
-        self.assertEqual(self.sent("wake_shard"), [a + "-0"])
-        self.assertEqual(self.agents.stops(), [])
-        self.assertTrue(self.plane.replicas[a].asleep)
-        self.assertIsNone(self.plane.replicas[a].draining_since)
-        del self.agents.refuse["n1"]
-        for _ in range(5):
-            self.tick(1)
-        self.assertEqual(self.sent("wake_shard"), [a + "-0"] * 2)
-        self.assertEqual(self.agents.stops(), [])
-        self.assertEqual(len(self.agents.starts()), 1)
-        self.assertIsNone(self.successResultOf(waiter))
-
-    def test_wake_refused_for_good_stops_it(self) -> None:
-        """
-        Refused every time, with room on another node: after
-        C{WAKE_REFUSALS} refusals in a row (each waited out, the backoff
-        doubling) the next stops it, as a failed wake, and a replica is
-        started on the free node for the held request.
-        """
-        self.setup(sleepy("a"))
-        a = self.serve("a")
-        self.tick(601)
-        self.node("n2")
-        self.tick(1)
-        waiter = self.plane.catalog.activate("a")
-        self.agents.refuse["n1"] = "gpus_in_use"
-        for _ in range(60):
-            self.tick(1)
-            self.ready_all()
-        self.assertEqual(self.sent("wake_shard"), [a + "-0"] * (WAKE_REFUSALS + 1))
-        self.assertEqual(self.agents.stops(), [a + "-0"])
-        self.assertEqual([n for n, _ in self.agents.starts()], ["n1", "n2"])
-        self.assertIsNone(self.successResultOf(waiter))
-
-    def test_wake_refused_another_sleeper_woken(self) -> None:
-        """
-        Two sleepers of the model, the wake of the first refused: the
-        other is woken meanwhile, and the held request goes to it.
-        """
-        self.make(sleepy("a", max_replicas=2), nodes=())
-        for n, node in enumerate(("n1", "n2"), 1):
-            running = pb.RunningShard(
-                shard_id=f"a-{n}-0",
-                replica_id=f"a-{n}",
-                model="a",
-                profile="p",
-                rank=0,
-                gpu_indices=[0],
-                port=20000,
-                pid=77,
-                state=pb.SHARD_STATE_SLEEPING,
-            )
-            message = register_message(node, shards=(running,))
-            message.sleep_memory_bytes = 200 * GIB
-            self.inventory.register(message, 0.0, self.clock.seconds())
-            self.plane.node_registered(node, message)
-        self.tick(1)
-        self.assertTrue(all(r.asleep for r in self.plane.replicas.values()))
-        self.agents.refuse = {"n1": "gpus_in_use", "n2": "gpus_in_use"}
-        waiter = self.plane.catalog.activate("a")
-        self.tick(1)
-        tried = self.sent("wake_shard")
-        self.assertEqual(len(tried), 1)
-        self.agents.refuse.clear()
-        self.tick(1)
-        self.assertEqual(len(self.sent("wake_shard")), 2)
-        self.assertNotEqual(self.sent("wake_shard")[1], tried[0])
-        self.assertIsNone(self.successResultOf(waiter))
-        self.assertEqual(self.agents.stops(), [])
 
     def test_no_sleep_memory_stops_it(self) -> None:
         """

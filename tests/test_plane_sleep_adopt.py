@@ -119,3 +119,21 @@ class AdoptedSleeperTests(SleepCase):
             self.tick(1)
         self.assertEqual(self.sent("wake_shard"), ["a-1-0"])
         self.assertEqual(self.sent("start_shard"), [])
+
+    def test_both_adopted_over_max_both_asleep(self) -> None:
+        """
+        Two replicas adopted as starting where C{max_replicas} is 1, the
+        first drained as the surplus, both found asleep (in either order):
+        neither is woken, and C{wanted} is 0.
+        """
+        for order in (("a-1-0", "a-2-0"), ("a-2-0", "a-1-0")):
+            self.make(sleepy("a"), nodes=())
+            self.adopt(pb.SHARD_STATE_STARTING, (1, pb.SHARD_STATE_STARTING))
+            self.tick(1)
+            self.assertEqual(self.agents.stops(), ["a-1-0"])
+            for shard in order:
+                self.status(shard, pb.SHARD_STATE_SLEEPING, "n1")
+            for _ in range(5):
+                self.tick(1)
+            self.assertEqual(self.sent("wake_shard"), [])
+            self.assertEqual(self.plane.catalog["a"].wanted, 0)

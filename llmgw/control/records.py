@@ -133,8 +133,9 @@ class ReplicaRecord:
     @ivar wake_refusals: its wakes refused in a row for C{gpus_in_use}.
     @ivar wake_refused_until: reactor seconds before which it is not woken
         again after such a refusal.
-    @ivar adopted_wanted: what its adoption as awake added to its model's
-        C{wanted} (0 or 1), taken back if its agent then finds it asleep.
+    @ivar adopt_unsettled: adopted as awake (its shards listed starting
+        or ready) and its agent's check of the engine not answered yet:
+        found asleep, it no longer counts in its model's C{wanted}.
     """
 
     id: str
@@ -159,7 +160,7 @@ class ReplicaRecord:
     sleep_sent_at: float | None = None
     sleep_reason: str = ""
     asleep_at: float | None = None
-    adopted_wanted: int = 0
+    adopt_unsettled: bool = False
     wake_refusals: int = 0
     wake_refused_until: float = 0.0
 

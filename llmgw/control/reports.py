@@ -82,7 +82,7 @@ class AgentReports:
         state = ShardState.from_pb(status.state) or shard.state
         if shard.state.gone:
             return
-        if replica.adopted_wanted and state != shard.state:
+        if replica.adopt_unsettled and state != shard.state:
             self._adopted_checked(replica, state)
         shard.state = state
         if status.pid:
@@ -107,32 +107,28 @@ class AgentReports:
     def _adopted_checked(self, replica: ReplicaRecord, state: ShardState) -> None:
         """
         A replica adopted as awake, whose agent has asked its engine: one
-        found asleep (its marker said awake) gives back what its adoption
-        added to its model's C{wanted}, so it is not woken (or replaced)
-        for nothing, but never below the model's replicas still awake nor
-        for one already put to sleep or drained; one found ready keeps
-        it.
+        found asleep (its marker said awake; the plane did not put it to
+        sleep) no longer counts in its model's C{wanted}, which the
+        adoption had raised for the replicas awake: C{wanted} falls to
+        those of its other replicas still awake (or staying starting),
+        never below C{min_replicas}, never up.  One found ready is as
+        adopted.
         """
-        leaving = replica.sleep_at is not None or replica.draining_since is not None
-        if state == ShardState.SLEEPING and not leaving:
-            counts = self.catalog.get(replica.model)
-            if counts is not None:
-                # Never below what stays awake: another replica's adoption
-                # may have added nothing for being over max_replicas.
-                awake = sum(
-                    1
-                    for r in self.replicas.values()
-                    if r.model == replica.model
-                    and r is not replica
-                    and r.draining_since is None
-                    and not r.dormant
-                )
-                counts.wanted = max(
-                    counts.model.min_replicas,
-                    counts.wanted - replica.adopted_wanted,
-                    min(counts.wanted, awake),
-                )
-        replica.adopted_wanted = 0
+        replica.adopt_unsettled = False
+        if state != ShardState.SLEEPING or replica.sleep_at is not None:
+            return
+        counts = self.catalog.get(replica.model)
+        if counts is None:
+            return
+        awake = sum(
+            1
+            for r in self.replicas.values()
+            if r.model == replica.model
+            and r is not replica
+            and r.draining_since is None
+            and not r.dormant
+        )
+        counts.wanted = max(counts.model.min_replicas, min(counts.wanted, awake))
 
     def _late_output(self, node_id: str, status: pb.ShardStatus) -> None:
         """
@@ -213,7 +209,7 @@ class AgentReports:
             return
         state = adoption.relisted(shard, running)
         if state is not None:
-            if replica.adopted_wanted and state != shard.state:
+            if replica.adopt_unsettled and state != shard.state:
                 # Its check answered while the link was down.
                 self._adopted_checked(replica, state)
             shard.state = state
@@ -244,9 +240,8 @@ class AgentReports:
                     and r.draining_since is None
                     and not r.dormant
                 )
-                before = counts.wanted
                 counts.wanted = scaling.kept_after_adoption(model, counts.wanted, live)
-                replica.adopted_wanted = counts.wanted - before
+                replica.adopt_unsettled = True
             counts.last_used = counts.busy_at = now
         shard = adoption.shard_record(node_id, running)
         replica.shards.append(shard)

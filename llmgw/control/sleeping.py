@@ -357,6 +357,7 @@ class Sleeping:
         then published (ready) or, if a wake failed, stopped.
         """
         replica.wake_at = now
+        replica.wake_refused_until = 0.0
         replica.sleep_at = None
         replica.sleep_sent_at = None
         replica.asleep_at = None
@@ -401,9 +402,10 @@ class Sleeping:
         replica's failure) and every shard still sleeps: it stays asleep,
         and is not woken again for a backoff that doubles with each such
         refusal in a row (C{base_backoff} to C{max_backoff}).  Meanwhile its
-        model may wake another sleeper, but starts none (the GPUs placement
-        would see free are the ones refused).  After L{WAKE_REFUSALS} in a
-        row, a refusal stops it as any failed wake does.
+        model may wake another sleeper, or start a replica where placement
+        puts it elsewhere (not on the GPUs refused, which look free to it).
+        After L{WAKE_REFUSALS} in a row, a refusal stops it as any failed
+        wake does.
         """
         now = self.clock.seconds()
         replica.sleep_at = replica.sleep_sent_at = replica.asleep_at = now
@@ -502,13 +504,37 @@ class Sleeping:
             # Going to sleep (evicted, its requests ending): a wake once it
             # sleeps beats a cold start, as above.
             return snapshot
-        elif refused and not woken:
+        elif refused and not woken and self._refused_in_the_way(state, snapshot, live):
             # Its GPUs are held by an engine placement does not see: a start
-            # would go there and be refused too; its wake is tried again.
+            # going there would be refused too; its wake is tried again.
             return snapshot
         if staying + len(woken) >= want:
             return snapshot
         return self._place_missing(state, now, snapshot, live, want)
+
+    def _refused_in_the_way(
+        self, state: ModelState, snapshot: Snapshot, live: list[ReplicaRecord]
+    ) -> bool:
+        """
+        @return: whether a replica of C{state}'s model placed now would go
+            on GPUs of one of its sleepers whose wake was refused (they
+            look free to placement), or has no place: then the model waits
+            for that sleeper's next try rather than start one.
+        """
+        now = self.clock.seconds()
+        held = {
+            (s.node, g)
+            for r in self._by_model.get(state.model.name, {}).values()
+            if r.asleep and now < r.wake_refused_until
+            for s in r.shards
+            for g in s.gpus
+        }
+        spread = frozenset(s.node for r in live for s in r.shards)
+        fleet = self._fleet_for(state.model.name, snapshot)
+        plan = place(state.model.profiles, fleet, self.ports, spread)
+        if not isinstance(plan, Plan):
+            return True
+        return any((s.node, g) in held for s in plan.shards for g in s.gpus)
 
     def _falling_asleep(self, state: ModelState, now: float) -> bool:
         """

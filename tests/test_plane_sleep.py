@@ -50,9 +50,38 @@ def sleepy(name: str, **kwargs: object) -> Model:
     return replace(model, **kwargs)  # type: ignore[arg-type]
 
 
+def running_a(n: int, gpu: int, state: int) -> pb.RunningShard:
+    """
+    @return: shard C{a-N-0} of replica C{a-N} of model C{a} (profile
+        C{p}) on GPU C{gpu}, as a Register lists it in C{state}.
+    """
+    running = pb.RunningShard(
+        shard_id=f"a-{n}-0",
+        replica_id=f"a-{n}",
+        model="a",
+        profile="p",
+        rank=0,
+        gpu_indices=[gpu],
+        port=20000 + gpu,
+        pid=77 + gpu,
+    )
+    running.state = state  # type: ignore[assignment]
+    return running
+
+
 class SleepCase(SwapCase):
-    def node(self, node_id: str = "n1", sleep_gib: int = 200) -> None:
-        message = register_message(node_id)
+    def node(
+        self,
+        node_id: str = "n1",
+        sleep_gib: int = 200,
+        shards: tuple[pb.RunningShard, ...] = (),
+        gpus: int = 1,
+    ) -> None:
+        """
+        Node C{node_id} registers with C{gpus} GPUs, C{sleep_gib} of
+        C{sleep_memory}, listing C{shards}.
+        """
+        message = register_message(node_id, gpus=gpus, shards=shards)
         message.sleep_memory_bytes = sleep_gib * GIB
         self.inventory.register(message, 0.0, self.clock.seconds())
         self.plane.node_registered(node_id, message)

@@ -11,8 +11,7 @@ L{tests.test_e2e_sleep}.
 from __future__ import annotations
 
 from llmgw.wire import agent_pb2 as pb
-from tests.plane_support import register_message
-from tests.test_plane_sleep import GIB, SleepCase, sleepy
+from tests.test_plane_sleep import SleepCase, running_a, sleepy
 
 
 class AdoptedSleeperTests(SleepCase):
@@ -22,24 +21,9 @@ class AdoptedSleeperTests(SleepCase):
         its GPU 0, listed in C{state}; and, for each C{(gpu, state)} of
         C{more}, shard C{a-N-0} of replica C{a-N} (N from 2) on that GPU.
         """
-        shards = []
-        for n, (gpu, listed) in enumerate(((0, state), *more), 1):
-            running = pb.RunningShard(
-                shard_id=f"a-{n}-0",
-                replica_id=f"a-{n}",
-                model="a",
-                profile="p",
-                rank=0,
-                gpu_indices=[gpu],
-                port=20000 + gpu,
-                pid=77 + gpu,
-            )
-            running.state = listed  # type: ignore[assignment]
-            shards.append(running)
-        message = register_message("n1", gpus=1 + len(more), shards=tuple(shards))
-        message.sleep_memory_bytes = 200 * GIB
-        self.inventory.register(message, 0.0, self.clock.seconds())
-        self.plane.node_registered("n1", message)
+        listed = ((0, state), *more)
+        shards = tuple(running_a(n, gpu, st) for n, (gpu, st) in enumerate(listed, 1))
+        self.node("n1", shards=shards, gpus=len(listed))
 
     def test_adopted_asleep_stays_asleep(self) -> None:
         """

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from llmgw.control.sleeping import WAKE_REFUSALS
 from llmgw.wire import agent_pb2 as pb
-from tests.plane_support import register_message
-from tests.test_plane_sleep import GIB, SleepCase, sleepy
+from tests.test_plane_sleep import SleepCase, running_a, sleepy
 
 
 class WakeRefusedTests(SleepCase):
@@ -70,21 +69,7 @@ class WakeRefusedTests(SleepCase):
         """
         self.make(sleepy("a", max_replicas=2), nodes=())
         for n, node in enumerate(("n1", "n2"), 1):
-            running = pb.RunningShard(
-                shard_id=f"a-{n}-0",
-                replica_id=f"a-{n}",
-                model="a",
-                profile="p",
-                rank=0,
-                gpu_indices=[0],
-                port=20000,
-                pid=77,
-                state=pb.SHARD_STATE_SLEEPING,
-            )
-            message = register_message(node, shards=(running,))
-            message.sleep_memory_bytes = 200 * GIB
-            self.inventory.register(message, 0.0, self.clock.seconds())
-            self.plane.node_registered(node, message)
+            self.node(node, shards=(running_a(n, 0, pb.SHARD_STATE_SLEEPING),))
         self.tick(1)
         self.assertTrue(all(r.asleep for r in self.plane.replicas.values()))
         self.agents.refuse = {"n1": "gpus_in_use", "n2": "gpus_in_use"}

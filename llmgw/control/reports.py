@@ -82,9 +82,7 @@ class AgentReports:
         state = ShardState.from_pb(status.state) or shard.state
         if shard.state.gone:
             return
-        if replica.adopt_unsettled and state != shard.state:
-            self._adopted_checked(replica, state)
-        shard.state = state
+        self._settle(replica, shard, state)
         if status.pid:
             shard.pid = status.pid
         if status.output_tail:
@@ -103,6 +101,18 @@ class AgentReports:
         self._changes.model(replica.model)
         self._changes.nodes.add(node_id)
         self.loop.kick()
+
+    def _settle(
+        self, replica: ReplicaRecord, shard: ShardRecord, state: ShardState
+    ) -> None:
+        """
+        C{shard} of C{replica} is in C{state} now, as its agent says (a
+        status or a Register): the first change after an adoption as
+        awake settles what the adoption counted (L{_adopted_checked}).
+        """
+        if replica.adopt_unsettled and state != shard.state:
+            self._adopted_checked(replica, state)
+        shard.state = state
 
     def _adopted_checked(self, replica: ReplicaRecord, state: ShardState) -> None:
         """
@@ -209,10 +219,8 @@ class AgentReports:
             return
         state = adoption.relisted(shard, running)
         if state is not None:
-            if replica.adopt_unsettled and state != shard.state:
-                # Its check answered while the link was down.
-                self._adopted_checked(replica, state)
-            shard.state = state
+            # Its check may have answered while the link was down.
+            self._settle(replica, shard, state)
             shard.pid = running.pid or shard.pid
         if replica.stop_sent_at is not None and not adoption.listed_state(running).gone:
             # The stop may have been lost with the old link.

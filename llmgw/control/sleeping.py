@@ -504,7 +504,11 @@ class Sleeping:
             # Going to sleep (evicted, its requests ending): a wake once it
             # sleeps beats a cold start, as above.
             return snapshot
-        elif refused and not woken and self._refused_in_the_way(state, snapshot, live):
+        elif (
+            refused
+            and not woken
+            and self._refused_in_the_way(state, snapshot, live, refused)
+        ):
             # Its GPUs are held by an engine placement does not see: a start
             # going there would be refused too; its wake is tried again.
             return snapshot
@@ -513,22 +517,21 @@ class Sleeping:
         return self._place_missing(state, now, snapshot, live, want)
 
     def _refused_in_the_way(
-        self, state: ModelState, snapshot: Snapshot, live: list[ReplicaRecord]
+        self,
+        state: ModelState,
+        snapshot: Snapshot,
+        live: list[ReplicaRecord],
+        refused: list[ReplicaRecord],
     ) -> bool:
         """
-        @return: whether a replica of C{state}'s model placed now would go
-            on GPUs of one of its sleepers whose wake was refused (they
-            look free to placement), or has no place: then the model waits
-            for that sleeper's next try rather than start one.
+        @param refused: C{state}'s model's sleepers whose wake was refused
+            and who wait to be tried again.
+        @return: whether a replica of the model placed now would go on
+            GPUs of one of C{refused} (they look free to placement), or
+            has no place: then the model waits for their next try rather
+            than start one.
         """
-        now = self.clock.seconds()
-        held = {
-            (s.node, g)
-            for r in self._by_model.get(state.model.name, {}).values()
-            if r.asleep and now < r.wake_refused_until
-            for s in r.shards
-            for g in s.gpus
-        }
+        held = {(s.node, g) for r in refused for s in r.shards for g in s.gpus}
         spread = frozenset(s.node for r in live for s in r.shards)
         fleet = self._fleet_for(state.model.name, snapshot)
         plan = place(state.model.profiles, fleet, self.ports, spread)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -78,6 +78,9 @@ from llmgw.control.swaps import Swapping
 from llmgw.control.weights import WeightsCollector
 from llmgw.router.interfaces import Endpoint, Shortfall
 from llmgw.wire.states import ShardState
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 
 def _gone_why(replica: ReplicaRecord) -> str:
@@ -123,6 +126,8 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         eviction or sleep waits for its requests in flight to end (the
         router's C{total_timeout}; 0: no bound); an operator's drain
         waits C{[control] drain_timeout}.
+    @param tracer: the control plane's spans (L{llmgw.control.spans}),
+        or L{None} without C{[tracing]}.
     @ivar catalog: the catalog at run time, and the router's side.
     @ivar replicas: the records, by replica id; read-only outside.
     @ivar failed: each model's last failed replica, with its error and
@@ -148,8 +153,10 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         touched: bool = False,
         publish_shortfalls: Callable[[tuple[Shortfall, ...]], None] = lambda s: None,
         leave_timeout: float = 1800.0,
+        tracer: Tracer | None = None,
     ) -> None:
         self.clock = clock
+        self.tracer = tracer
         self.leave_timeout = leave_timeout if leave_timeout > 0 else float("inf")
         self.inventory = inventory
         self.commands = commands
@@ -191,6 +198,15 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         self.counts = PlaneCounts()
         self._init_publishing()
         self._init_swapping()
+
+    def begin_grace(self) -> None:
+        """
+        The start-up grace begins afresh now (a standby taking the lead):
+        no placements and no scale-down for C{[control] startup_grace},
+        while the agents' Registers adopt their engines.
+        """
+        self.started = self.clock.seconds()
+        self.grace_over = self.settings.startup_grace <= 0
 
     def _catalog_changed(self) -> None:
         self._changes.all()

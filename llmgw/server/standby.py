@@ -313,8 +313,7 @@ def leading_services(
         return [plane.loop]
 
     def lead() -> None:
-        plane.started = reactor.seconds()
-        plane.grace_over = plane.settings.startup_grace <= 0
+        plane.begin_grace()
 
         def accept(_: object) -> None:
             hub.redirect = lambda: None

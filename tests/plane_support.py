@@ -6,6 +6,7 @@ is in C{test_e2e_control}).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
@@ -17,7 +18,7 @@ from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
 from llmgw.control.settings import ControlConfig
-from llmgw.router.interfaces import Endpoint
+from llmgw.router.interfaces import Endpoint, Shortfall
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.protocol import CommandFailed
 
@@ -113,6 +114,7 @@ class PlaneCase(SynchronousTestCase):
         settings: ControlConfig = SETTINGS,
         touched: bool = False,
         leave_timeout: float = 1800.0,
+        publish_shortfalls: Callable[[tuple[Shortfall, ...]], None] = lambda s: None,
     ) -> None:
         self.clock = Clock()
         self.clock.advance(1000)
@@ -128,13 +130,21 @@ class PlaneCase(SynchronousTestCase):
             models or (make_model(),),
             settings,
             self.published.append,
-            outstanding=lambda rid: self.in_flight.get(rid, 0),
+            outstanding=lambda rid: self.outstanding(rid),
             cut=lambda rid, why: self.cuts.append((rid, why)),
             touched=touched,
             leave_timeout=leave_timeout,
+            publish_shortfalls=publish_shortfalls,
         )
         for node in nodes:
             self.register(node)
+
+    def outstanding(self, replica_id: str) -> int:
+        """
+        @return: the requests in flight to C{replica_id}, as the router
+            would count them (L{in_flight}).
+        """
+        return self.in_flight.get(replica_id, 0)
 
     def register(self, node_id: str, **kwargs: Any) -> None:
         message = register_message(node_id, **kwargs)
@@ -150,7 +160,7 @@ class PlaneCase(SynchronousTestCase):
 
     def ready_all(self) -> None:
         for _, start in self.agents.starts():
-            found = self.plane._shards.get(start.shard_id)
+            found = self.plane.ledger.shard(start.shard_id)
             if found is not None and found[1].state == "pending":
                 self.status(start.shard_id, pb.SHARD_STATE_READY)
 

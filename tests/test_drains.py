@@ -326,9 +326,8 @@ class StopEnginesTests(_Case):
 
 class ShortfallTests(_Case):
     def make(self, *models: Model, **kwargs: Any) -> None:
-        super().make(*models, **kwargs)
         self.shortfalls: list[tuple[Shortfall, ...]] = []
-        self.plane._publish_shortfalls = self.shortfalls.append
+        super().make(*models, publish_shortfalls=self.shortfalls.append, **kwargs)
 
     def test_below_min_published(self) -> None:
         """

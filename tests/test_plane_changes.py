@@ -41,7 +41,7 @@ class SettledTests(PlaneCase):
             asked.append(replica_id)
             return 0
 
-        self.plane._outstanding = outstanding
+        self.outstanding = outstanding  # type: ignore[method-assign]
         self.clock.advance(1)
         self.heartbeat("n1", "n2")
         self.plane.reconcile()
@@ -275,7 +275,7 @@ class SameAsEverythingTests(SynchronousTestCase):
                             engine=replica.profile.engine,
                             source=replica.profile.source,
                         )
-                        for replica, shard in plane._shards.values()
+                        for replica, shard in plane.ledger.shards()
                         if shard.node == node and not shard.state.gone
                     )
                     twin.register(node, gpus=2, shards=running)
@@ -288,11 +288,11 @@ class SameAsEverythingTests(SynchronousTestCase):
             for twin in twins:
                 twin.clock.advance(1)
                 twin.heartbeat(*(n for n in nodes if n not in silent))
-            twins[1].plane._changes.all()
+            twins[1].plane.ledger.changes.all()
             for twin in twins:
                 twin.plane.reconcile()
             if twins[0].plane.grace_over:
-                live = twins[0].plane._live_snapshot()
+                live = twins[0].plane.live_snapshot()
                 fresh = twins[0].plane.snapshot()
                 self.assertEqual(live.fleet.nodes(), fresh.fleet.nodes(), (seed, step))
             self.assertEqual(twins[0].seen(), twins[1].seen(), (seed, step))

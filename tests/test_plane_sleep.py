@@ -118,7 +118,7 @@ class IdleSleepTests(SleepCase):
         self.assertEqual(self.endpoints(), [])
         self.assertEqual(self.plane.counts.swaps, {("a", "idle_sleep"): 1})
         self.assertEqual(self.plane.counts.sleep_seconds, {"a": [0.0]})
-        (gpu,) = self.plane._live_snapshot().fleet.get("n1").gpus
+        (gpu,) = self.plane.live_snapshot().fleet.get("n1").gpus
         self.assertFalse(gpu.allocated)
 
     def test_request_wakes_it(self) -> None:

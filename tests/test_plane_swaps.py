@@ -51,11 +51,11 @@ class SwapCase(PlaneCase):
         self.ready_all()
         self.plane.reconcile()
         self.assertIsNone(self.successResultOf(waiter))
-        (replica,) = self.plane._by_model[name]
+        (replica,) = [r.id for r in self.plane.ledger.of_model(name)]
         return replica
 
     def of(self, name: str) -> list[str]:
-        return sorted(self.plane._by_model.get(name, {}))
+        return sorted(r.id for r in self.plane.ledger.of_model(name))
 
     def stopped(self, replica: str) -> None:
         """
@@ -397,7 +397,7 @@ class PinAndSleepTests(SwapCase):
         self.assertEqual(len(self.endpoints()), 1)
         self.status(a + "-0", pb.SHARD_STATE_SLEEPING)
         self.assertEqual(self.plane.replicas[a].state, "sleeping")
-        for snapshot in (self.plane.snapshot(), self.plane._live_snapshot()):
+        for snapshot in (self.plane.snapshot(), self.plane.live_snapshot()):
             (gpu,) = snapshot.fleet.get("n1").gpus
             self.assertFalse(gpu.allocated)
             self.assertIn(
@@ -420,6 +420,6 @@ class PinAndSleepTests(SwapCase):
         self.agents.unanswered[-1].callback(pb.CommandResult(ok=True))
         self.plane.reconcile()
         self.assertEqual(self.plane.counts.wake_seconds, {"a": [2.0]})
-        (gpu,) = self.plane._live_snapshot().fleet.get("n1").gpus
+        (gpu,) = self.plane.live_snapshot().fleet.get("n1").gpus
         self.assertTrue(gpu.allocated)
         self.assertEqual(len(self.endpoints()), 1)

@@ -103,7 +103,7 @@ class _Gateway(SynchronousTestCase):
 
     def ready_all(self) -> None:
         for node, start in self.agents.starts():
-            found = self.plane._shards.get(start.shard_id)
+            found = self.plane.ledger.shard(start.shard_id)
             if found is not None and found[1].state == "pending":
                 status = pb.ShardStatus(shard_id=start.shard_id, pid=4242)
                 status.state = pb.SHARD_STATE_READY

@@ -13,42 +13,34 @@ shard on a node found draining later (a drain kept across a restart, a
 node back with engines) leaves the same way, but is not held up when
 there is no room: its drain was checked when it was asked.
 
-A drain proper: the replica unpublished at once, and stopped once the
-router counts no request in flight to it, or after C{[control]
-drain_timeout} (or its own, longer patience), when what is still in
-flight is cut.  The operator's actions and the reconciler's (surplus, a
-model gone, a node's engines stopped) all end there.
+A drain proper (L{llmgw.control.actions.ReplicaActions.drain}): the
+replica unpublished at once, and stopped once the router counts no request
+in flight to it, or after C{[control] drain_timeout}.  The operator's
+actions and the reconciler's (surplus, a model gone, a node's engines
+stopped) all end there.
 
-Stopping a node's engines (L{Draining.stop_engines}) drains every replica
+Stopping a node's engines (L{Drains.stop_engines}) drains every replica
 on it at once and places nothing there until they are started again or
 the server restarts; unlike a drain it is not kept in the store.
 
-Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
+The layer above the replica actions (L{llmgw.control.actions}).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from llmgw.control.changes import Changes
-from llmgw.control.commands import STOP_GRACE, ShardCommands
+from llmgw.control.actions import ReplicaActions
 from llmgw.control.inventory import Inventory, Node
-from llmgw.control.loop import Loop
+from llmgw.control.ledger import Ledger
 from llmgw.control.placement import NoFit, Plan, place
-from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
+from llmgw.control.records import ReplicaRecord, ReplicaState
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.scaling import ModelState
-from llmgw.control.settings import ControlConfig
-from llmgw.control.snapshot import Snapshot
-from llmgw.control.spans import trace_drain
-from llmgw.wire.states import ShardState
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Tracer
+from llmgw.control.snapshot import Snapshot, Snapshots
 
 
 class DrainRefused(Exception):
@@ -75,53 +67,57 @@ class DrainRefused(Exception):
         )
 
 
-class Draining:
+class Drains:
     """
-    The drain half of L{llmgw.control.plane.ControlPlane}, which provides
-    the attributes declared here.
+    The operator's drains and engines stopped on purpose, and what a pass
+    does with leaving replicas.  The layer above the replica actions,
+    which drain what it lets go; it calls nothing above it.
+
+    @param clock: the reactor's clock.
+    @param inventory: the nodes.
+    @param catalog: the catalog at run time.
+    @param ledger: the records.
+    @param actions: drains replicas.
+    @param snapshots: the placement snapshot a drain's check places
+        replacements on.
+    @param ports: ports engines may listen on.
+    @param kick: asks for one more pass.
     """
 
-    log: Logger
-    clock: IReactorTime
-    inventory: Inventory
-    settings: ControlConfig
-    replicas: dict[str, ReplicaRecord]
-    loop: Loop
-    ports: range
-    grace_over: bool
-    _commands: ShardCommands
-    tracer: Tracer | None
-    _outstanding: Callable[[str], int]
-    _cut: Callable[[str, str], object]
-    _changes: Changes
-    _by_model: dict[str, dict[str, ReplicaRecord]]
-    _seq: dict[str, int]
-    catalog: ModelCatalog
+    log = Logger()
 
-    def _publish_ready(self) -> None:
-        raise NotImplementedError()
+    def __init__(
+        self,
+        clock: IReactorTime,
+        inventory: Inventory,
+        catalog: ModelCatalog,
+        ledger: Ledger,
+        actions: ReplicaActions,
+        snapshots: Snapshots,
+        ports: range,
+        kick: Callable[[], None],
+    ) -> None:
+        self._clock = clock
+        self._inventory = inventory
+        self._catalog = catalog
+        self._ledger = ledger
+        self._actions = actions
+        self._snapshots = snapshots
+        self._ports = ports
+        self._kick = kick
 
-    def _republish(self, replica_id: str) -> None:
-        raise NotImplementedError()
-
-    def _shards_on(self, node_id: str) -> Iterable[tuple[ReplicaRecord, ShardRecord]]:
-        raise NotImplementedError()
-
-    def snapshot(self) -> Snapshot:
-        raise NotImplementedError()
-
-    def _drain_due(self, replica: ReplicaRecord) -> str | None:
+    def drain_due(self, replica: ReplicaRecord) -> str | None:
         """
         @return: why C{replica}, not draining, must drain now (its model
             left the catalog, or it has a shard on a node whose engines are
             stopped: adopted after the stop, when the node's link came
             back), or L{None}.  One on a draining node leaves instead
-            (L{_leaving}).
+            (L{leaving}).
         """
-        if replica.model not in self.catalog:
+        if replica.model not in self._catalog:
             return "its model left the catalog"
         for shard in replica.shards:
-            node = self.inventory.get(shard.node)
+            node = self._inventory.get(shard.node)
             if node is not None and node.engines_stopped:
                 return f"the engines of node {shard.node} are stopped"
         return None
@@ -131,10 +127,10 @@ class Draining:
         @return: the replicas with a shard on C{node_id}, not draining, in
             the order they were made.
         """
-        found = {r.id: r for r, _ in self._shards_on(node_id)}
+        found = {r.id: r for r, _ in self._ledger.shards_on(node_id)}
         return sorted(
             (r for r in found.values() if r.draining_since is None),
-            key=lambda r: self._seq.get(r.id, 0),
+            key=lambda r: self._ledger.order(r.id),
         )
 
     # Drains an operator asks for.
@@ -152,7 +148,7 @@ class Draining:
         @raise DrainRefused: a model would be left below its
             C{min_replicas}, and not C{force}; nothing changed.
         """
-        node = self.inventory.get(node_id)
+        node = self._inventory.get(node_id)
         if node is None:
             raise KeyError(node_id)
         going = self._on(node_id)
@@ -165,16 +161,16 @@ class Draining:
         except DrainRefused:
             node.draining = was
             raise
-        self.inventory.drained.add(node_id)
-        self._changes.nodes.add(node_id)
+        self._inventory.drained.add(node_id)
+        self._ledger.changes.nodes.add(node_id)
         why = f"node {node_id} is draining"
         now = "; forced" if force else "; no room for a replacement"
         for replica in going:
             if replica.id in room:
                 self._leave(replica, why, hold=True)
             else:
-                self._drain(replica, why + now)
-        self.loop.kick()
+                self._actions.drain(replica, why + now)
+        self._kick()
         return [r.id for r in going]
 
     def undrain_node(self, node_id: str) -> None:
@@ -185,20 +181,20 @@ class Draining:
 
         @raise KeyError: no such node.
         """
-        node = self.inventory.get(node_id)
+        node = self._inventory.get(node_id)
         if node is None:
             raise KeyError(node_id)
         node.draining = False
-        self.inventory.drained.discard(node_id)
+        self._inventory.drained.discard(node_id)
         node.version += 1
-        self._changes.nodes.add(node_id)
+        self._ledger.changes.nodes.add(node_id)
         for replica in self._on(node_id):
             # Those leaving for this node's drain; not those drained by id.
             if replica.leaving_reason == f"node {node_id} is draining":
                 replica.leaving_since = None
                 replica.leaving_reason = ""
-                self._changes.model(replica.model)
-        self.loop.kick()
+                self._ledger.changes.model(replica.model)
+        self._kick()
 
     def drain_replica(self, replica_id: str, force: bool = False) -> bool:
         """
@@ -211,7 +207,7 @@ class Draining:
         @raise DrainRefused: its model would be left below its
             C{min_replicas}, and not C{force}.
         """
-        replica = self.replicas[replica_id]
+        replica = self._ledger.replicas[replica_id]
         if replica.draining_since is not None or replica.leaving_since is not None:
             return False
         room = self._check_drain(f"draining replica {replica_id}", [replica], force)
@@ -220,8 +216,8 @@ class Draining:
             started = self._leave(replica, why, hold=True)
         else:
             now = "; forced" if force else "; no room for a replacement"
-            started = self._drain(replica, why + now)
-        self.loop.kick()
+            started = self._actions.drain(replica, why + now)
+        self._kick()
         return started
 
     def _check_drain(
@@ -238,31 +234,29 @@ class Draining:
         """
         if force:
             return set()
-        snapshot = self.snapshot()
+        snapshot = self._snapshots.snapshot()
         room = set()
         for replica in going:
-            state = self.catalog.get(replica.model)
+            state = self._catalog.get(replica.model)
             if state is None or replica.dormant:
                 # A sleeper serves nothing: it stops, not replaced.
                 continue
             spread = frozenset(
-                s.node
-                for r in self._by_model.get(replica.model, {}).values()
-                for s in r.shards
+                s.node for r in self._ledger.of_model(replica.model) for s in r.shards
             )
-            plan = _place(state, snapshot, self.ports, spread)
+            plan = _place(state, snapshot, self._ports, spread)
             if plan is not None:
                 snapshot.take(plan)
                 room.add(replica.id)
         leaving = {r.id for r in going}
         short = []
-        for name in sorted({r.model for r in going}, key=self.catalog.position):
-            state = self.catalog.get(name)
+        for name in sorted({r.model for r in going}, key=self._catalog.position):
+            state = self._catalog.get(name)
             if state is None:
                 continue
             staying = sum(
                 1
-                for r in self._by_model.get(name, {}).values()
+                for r in self._ledger.of_model(name)
                 if r.draining_since is None
                 and r.leaving_since is None
                 and not r.dormant
@@ -288,11 +282,11 @@ class Draining:
             return False
         if replica.dormant:
             # Asleep, it serves nothing a replacement must take over.
-            return self._drain(replica, why)
-        replica.leaving_since = self.clock.seconds()
+            return self._actions.drain(replica, why)
+        replica.leaving_since = self._clock.seconds()
         replica.leaving_reason = why
         replica.leaving_hold = hold
-        self._changes.model(replica.model)
+        self._ledger.changes.model(replica.model)
         self.log.info(
             "replica {replica} of {model} leaves once a replacement is ready: {why}",
             replica=replica.id,
@@ -303,7 +297,7 @@ class Draining:
 
     # What a pass does with leaving replicas.
 
-    def _leaving(self, live: Sequence[ReplicaRecord]) -> list[ReplicaRecord]:
+    def leaving(self, live: Sequence[ReplicaRecord]) -> list[ReplicaRecord]:
         """
         Those of C{live} (a model's replicas not draining) with a shard on
         a draining node leave, if not already.
@@ -312,15 +306,15 @@ class Draining:
         """
         for replica in live:
             if replica.leaving_since is None:
-                node = _draining_node(self.inventory, replica)
+                node = _draining_node(self._inventory, replica)
                 if node is not None:
                     self._leave(replica, f"node {node} is draining", hold=False)
         return sorted(
             (r for r in live if r.leaving_since is not None),
-            key=lambda r: self._seq.get(r.id, 0),
+            key=lambda r: self._ledger.order(r.id),
         )
 
-    def _let_go(
+    def let_go(
         self, state: ModelState, want: int, leaving: Sequence[ReplicaRecord]
     ) -> None:
         """
@@ -332,7 +326,7 @@ class Draining:
         """
         ready = sum(
             1
-            for r in self._by_model.get(state.model.name, {}).values()
+            for r in self._ledger.of_model(state.model.name)
             if r.draining_since is None
             and r.leaving_since is None
             and r.state == ReplicaState.READY
@@ -354,7 +348,7 @@ class Draining:
                 why = "its replacement is ready"
             else:
                 why = "no room for a replacement"
-            self._drain(replica, f"{replica.leaving_reason}; {why}")
+            self._actions.drain(replica, f"{replica.leaving_reason}; {why}")
 
     # Engines stopped on purpose.
 
@@ -372,13 +366,15 @@ class Draining:
         stopping = []
         for node in nodes:
             node.engines_stopped = True
-            self.inventory.stopped.add(node.id)
-            self._changes.nodes.add(node.id)
+            self._inventory.stopped.add(node.id)
+            self._ledger.changes.nodes.add(node.id)
             self.log.info("node {node}: stopping its engines", node=node.id)
             for replica in self._on(node.id):
-                self._drain(replica, f"the engines of node {node.id} are stopped")
+                self._actions.drain(
+                    replica, f"the engines of node {node.id} are stopped"
+                )
                 stopping.append(replica.id)
-        self.loop.kick()
+        self._kick()
         return stopping
 
     def start_engines(self, node_ids: Sequence[str]) -> None:
@@ -391,84 +387,21 @@ class Draining:
         nodes = [self._node(node_id) for node_id in node_ids]
         for node in nodes:
             node.engines_stopped = False
-            self.inventory.stopped.discard(node.id)
+            self._inventory.stopped.discard(node.id)
             node.version += 1
-            self._changes.nodes.add(node.id)
+            self._ledger.changes.nodes.add(node.id)
         # New capacity: models waiting for a place try again now.
-        for state in self.catalog.states():
+        for state in self._catalog.states():
             if state.no_fit is not None:
                 state.retry_at = 0.0
-        self._changes.all()
-        self.loop.kick()
+        self._ledger.changes.all()
+        self._kick()
 
     def _node(self, node_id: str) -> Node:
-        node = self.inventory.get(node_id)
+        node = self._inventory.get(node_id)
         if node is None:
             raise KeyError(node_id)
         return node
-
-    # The drain proper.
-
-    def _drain(self, replica: ReplicaRecord, why: str, patience: float = 0.0) -> bool:
-        """
-        Unpublish C{replica} now and stop it once nothing is in flight to
-        it.
-
-        @param patience: seconds its requests in flight may take, when
-            more than C{[control] drain_timeout} (a scale-down or an
-            eviction waits up to the router's C{total_timeout} rather than
-            cut a stream).
-        @return: whether it started draining (was not already).
-        """
-        if replica.draining_since is not None:
-            return False
-        replica.draining_since = self.clock.seconds()
-        replica.drain_reason = why
-        replica.drain_patience = patience
-        self._changes.model(replica.model)
-        self._republish(replica.id)
-        self.log.info(
-            "draining replica {replica} of {model}: {why}",
-            replica=replica.id,
-            model=replica.model,
-            why=why,
-        )
-        # No new requests from now on.
-        self._publish_ready()
-        return True
-
-    def _finish_drain(self, replica: ReplicaRecord, now: float) -> None:
-        assert replica.draining_since is not None
-        if replica.stop_sent_at is not None:
-            if now - replica.stop_sent_at > STOP_GRACE + 10:
-                # Not gone after SIGKILL's time: the stop was lost (a link
-                # down); again.
-                replica.stop_sent_at = now
-                for shard in replica.shards:
-                    if not shard.state.gone:
-                        self._commands.stop(shard.node, shard.id)
-            return
-        in_flight = self._outstanding(replica.id)
-        timeout = max(self.settings.drain_timeout, replica.drain_patience)
-        late = now - replica.draining_since >= timeout
-        if in_flight and not late:
-            return
-        if in_flight:
-            self.log.warn(
-                "replica {replica}: {count} requests still in flight after"
-                " {seconds:g}s of draining; stopping it",
-                replica=replica.id,
-                count=in_flight,
-                seconds=timeout,
-            )
-            # Its engine may never close them (a lost node sends no FIN).
-            self._cut(replica.id, f"its drain ran out of time ({timeout:g}s)")
-        trace_drain(self.tracer, replica, now, in_flight)
-        replica.stop_sent_at = now
-        for shard in replica.shards:
-            if not shard.state.gone:
-                shard.state = ShardState.DRAINING
-                self._commands.stop(shard.node, shard.id)
 
 
 def _draining_node(inventory: Inventory, replica: ReplicaRecord) -> str | None:

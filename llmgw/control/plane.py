@@ -14,12 +14,8 @@ what it lacks and drained what it has too many of; draining replicas are
 stopped once their requests in flight are done; the ready replicas are
 published to the router.
 
-A drain is the server's alone: the replica is unpublished at once (no new
-requests), and its shards are told C{StopShard} once the router counts
-no request in flight to it, or after C{[control] drain_timeout}; only
-the server knows what is in flight.  An operator's drain first lets the
-replica I{leave} (L{drains}): it serves until a replacement placed
-elsewhere is ready.
+A drain is the server's alone (L{actions}): only it knows what is in
+flight.  An operator's drain first lets the replica I{leave} (L{drains}).
 
 A pass looks at what changed, not at everything (L{changes}): the models
 events named (a shard status, a drain, a scale, a request touching the
@@ -34,49 +30,48 @@ Shard statuses and registrations arrive from the agent links between
 passes (L{ControlPlane.shard_status}, L{ControlPlane.node_registered}) and
 kick a pass.  Nothing here blocks: commands to agents are sent and their
 results handled when they come.
+
+The plane is built of parts, each constructed here with exactly the parts
+it calls, in one-way layers (docs/architecture.md, "The control plane's
+layers"; C{tests/test_architecture.py} checks the imports): the records
+(L{ledger}), the publisher (L{publishing}) and what sleepers take
+(L{sleeping}); the replica actions (L{actions}); making room (L{swaps});
+bringing a model up (L{placing}); the operator's drains (L{drains}) and
+sleep, wake and pin (L{operating}), and the agents' reports
+(L{reports}).  This module is the wiring and the pass.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control import scaling
+from llmgw.control.actions import ReplicaActions
 from llmgw.control.catalog import Model
-from llmgw.control.changes import Changes
 from llmgw.control.commands import Commands, ShardCommands
-from llmgw.control.drains import Draining
+from llmgw.control.drains import Drains
 from llmgw.control.inventory import Inventory, NodeState
+from llmgw.control.ledger import Grace, Ledger
 from llmgw.control.loop import Loop
-from llmgw.control.operating import Operating
-from llmgw.control.placement import NodeView
-from llmgw.control.placing import Placing
-from llmgw.control.publishing import Publishing
-from llmgw.control.records import (
-    PlaneCounts,
-    ReplicaRecord,
-    ReplicaState,
-    ShardRecord,
-)
+from llmgw.control.operating import Operator
+from llmgw.control.placing import ScaleUp
+from llmgw.control.publishing import Publisher
+from llmgw.control.records import PlaneCounts, ReplicaRecord, ReplicaState
 from llmgw.control.reports import AgentReports
-from llmgw.control.runtime import ModelCatalog, check_bounds
+from llmgw.control.runtime import ModelCatalog
+from llmgw.control.scaler import Scaler
 from llmgw.control.scaling import ModelState
 from llmgw.control.settings import ControlConfig
-from llmgw.control.snapshot import (
-    LiveSnapshot,
-    Snapshot,
-    Strays,
-    SuspectPorts,
-    warn_ephemeral,
-)
-from llmgw.control.swaps import Swapping
+from llmgw.control.sleeping import SleepRoom
+from llmgw.control.snapshot import Snapshot, Snapshots, warn_ephemeral
+from llmgw.control.swaps import Swap, Swaps
 from llmgw.control.weights import WeightsCollector
-from llmgw.router.interfaces import Endpoint, Shortfall
+from llmgw.router.interfaces import Endpoint, Shortfall, Standing
+from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
 
 if TYPE_CHECKING:
@@ -96,7 +91,7 @@ def _gone_why(replica: ReplicaRecord) -> str:
     return "it stopped"
 
 
-class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Placing):
+class ControlPlane:
     """
     Keeps each catalog model's replicas running.
 
@@ -128,6 +123,10 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         waits C{[control] drain_timeout}.
     @param tracer: the control plane's spans (L{llmgw.control.spans}),
         or L{None} without C{[tracing]}.
+    The wiring of its parts (docs/architecture.md, "The control plane's
+    layers"), each built here with the parts it calls, plus the pass
+    (L{reconcile}); its public methods are those of its parts.
+
     @ivar catalog: the catalog at run time, and the router's side.
     @ivar replicas: the records, by replica id; read-only outside.
     @ivar failed: each model's last failed replica, with its error and
@@ -156,48 +155,177 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         tracer: Tracer | None = None,
     ) -> None:
         self.clock = clock
-        self.tracer = tracer
-        self.leave_timeout = leave_timeout if leave_timeout > 0 else float("inf")
         self.inventory = inventory
         self.commands = commands
         self.settings = settings
-        self._publish = publish
-        self._publish_shortfalls = publish_shortfalls
+        self.tracer = tracer
         self._outstanding = outstanding
         self._cut = cut
-        self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
-        self._changes = Changes()
-        self.catalog = ModelCatalog(
-            clock, inventory, models, static, self._catalog_changed
-        )
         self._touched = touched
-        self.catalog.touched = self._changes.model
-        self.replicas: dict[str, ReplicaRecord] = {}
-        # Indexes of the records: by model, by node, and the order they
-        # were made in.
-        self._by_model: dict[str, dict[str, ReplicaRecord]] = {}
-        self._on_node: dict[str, dict[str, tuple[ReplicaRecord, ShardRecord]]] = {}
-        self._seq: dict[str, int] = {}
-        self._counter = itertools.count()
-        self._live: LiveSnapshot | None = None
-        self.failed: dict[str, ReplicaRecord] = {}
-        self._shards: dict[str, tuple[ReplicaRecord, ShardRecord]] = {}
-        self._published: tuple[Endpoint, ...] | None = None
-        self._suspect = SuspectPorts()
-        self._strays = Strays()
-        self._commands = ShardCommands(
-            clock, commands, self._suspect, self.loop.kick, strays=self._strays
+        self.ledger = ledger = Ledger(Grace(clock.seconds(), settings.startup_grace))
+        self.loop = Loop(clock, settings.interval, self.reconcile, name="reconciler")
+        self.catalog = catalog = ModelCatalog(
+            clock,
+            inventory,
+            models,
+            static,
+            self._catalog_changed,
+            touched=ledger.changes.model,
+            adapters_changed=self._adapters_changed,
+            standing=self._standing,
         )
-        self._commands.engine_key = keys
-        self._views: dict[str, tuple[Any, NodeView]] = {}
+        self._snapshots = snapshots = Snapshots(clock, inventory, ledger)
+        self._commands = shard_commands = ShardCommands(
+            clock,
+            commands,
+            snapshots.suspect,
+            self.loop.kick,
+            engine_key=keys,
+            strays=snapshots.strays,
+        )
         self.ports = range(settings.port_range[0], settings.port_range[1] + 1)
         warn_ephemeral(self.ports)
-        self.started = clock.seconds()
-        self.grace_over = settings.startup_grace <= 0
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
-        self.counts = PlaneCounts()
-        self._init_publishing()
-        self._init_swapping()
+        self._publisher = publisher = Publisher(
+            inventory,
+            catalog,
+            ledger,
+            keys,
+            publish,
+            publish_shortfalls,
+        )
+        self._build_parts(
+            shard_commands, publisher, outstanding, cut, leave_timeout, tracer
+        )
+
+    def _build_parts(
+        self,
+        shard_commands: ShardCommands,
+        publisher: Publisher,
+        outstanding: Callable[[str], int],
+        cut: Callable[[str, str], object],
+        leave_timeout: float,
+        tracer: Tracer | None,
+    ) -> None:
+        """
+        Build the parts above the records and the publisher, lowest first,
+        each with the parts it calls (docs/architecture.md, "The control
+        plane's layers").
+        """
+        clock, settings, inventory = self.clock, self.settings, self.inventory
+        catalog, ledger, snapshots = self.catalog, self.ledger, self._snapshots
+        self._room = room = SleepRoom(inventory, ledger)
+        self._actions = actions = ReplicaActions(
+            clock,
+            settings,
+            inventory,
+            catalog,
+            ledger,
+            publisher,
+            shard_commands,
+            room,
+            self.loop.kick,
+            outstanding,
+            cut,
+            leave_timeout if leave_timeout > 0 else float("inf"),
+            tracer,
+        )
+        self._swaps = swaps = Swaps(
+            clock,
+            settings,
+            inventory,
+            catalog,
+            ledger,
+            self.ports,
+            actions,
+            room,
+            outstanding,
+        )
+        self._scale_up = ScaleUp(
+            settings, ledger, self.ports, actions, swaps, room, snapshots
+        )
+        self._drains = Drains(
+            clock,
+            inventory,
+            catalog,
+            ledger,
+            actions,
+            snapshots,
+            self.ports,
+            self.loop.kick,
+        )
+        self._scaler = Scaler(
+            clock,
+            settings,
+            catalog,
+            ledger,
+            publisher,
+            actions,
+            self._scale_up,
+            self._drains,
+            outstanding,
+            self.loop.kick,
+        )
+        self._operator = Operator(
+            clock, catalog, ledger, room, actions, swaps, snapshots, self.loop.kick
+        )
+        self._reports = AgentReports(
+            clock,
+            catalog,
+            ledger,
+            shard_commands,
+            snapshots.strays,
+            self.loop.kick,
+            tracer,
+        )
+
+    # What the parts keep, read outside.
+
+    @property
+    def replicas(self) -> dict[str, ReplicaRecord]:
+        """The records, by replica id; read-only outside."""
+        return self.ledger.replicas
+
+    @property
+    def failed(self) -> dict[str, ReplicaRecord]:
+        """
+        Each model's last failed replica (L{Ledger.failed}); read-only
+        outside.
+        """
+        return self.ledger.failed
+
+    @property
+    def counts(self) -> PlaneCounts:
+        """What the plane did since it started."""
+        return self.ledger.counts
+
+    @property
+    def swaps(self) -> dict[str, Swap]:
+        """The evictions under way, by held model (L{Swaps.swaps})."""
+        return self._swaps.swaps
+
+    @property
+    def evicted(self) -> dict[str, tuple[str, float]]:
+        """Per held model, the words of its last eviction and when."""
+        return self._swaps.evicted
+
+    @property
+    def started(self) -> float:
+        """Reactor seconds when the start-up grace began."""
+        return self.ledger.grace.started
+
+    @property
+    def grace_over(self) -> bool:
+        """Whether the start-up grace is over."""
+        return self.ledger.grace.over
+
+    @property
+    def leave_timeout(self) -> float:
+        """
+        Seconds a replica leaving by scale-down, eviction or sleep waits for
+        its requests in flight to end.
+        """
+        return self._actions.leave_timeout
 
     def begin_grace(self) -> None:
         """
@@ -205,64 +333,92 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         no placements and no scale-down for C{[control] startup_grace},
         while the agents' Registers adopt their engines.
         """
-        self.started = self.clock.seconds()
-        self.grace_over = self.settings.startup_grace <= 0
+        self.ledger.grace.begin(self.clock.seconds())
 
-    def _catalog_changed(self) -> None:
-        self._changes.all()
-        self.loop.kick()
+    # The parts' public methods.
 
-    def _record(self, replica: ReplicaRecord, shard: ShardRecord | None) -> None:
-        """
-        Index C{replica} (and C{shard}, one of its shards) as recorded.
-        """
-        self.replicas[replica.id] = replica
-        self._by_model.setdefault(replica.model, {})[replica.id] = replica
-        if replica.id not in self._seq:
-            self._seq[replica.id] = next(self._counter)
-        self._changes.model(replica.model)
-        if shard is not None:
-            self._shards[shard.id] = (replica, shard)
-            self._on_node.setdefault(shard.node, {})[shard.id] = (replica, shard)
-            self._changes.nodes.add(shard.node)
+    def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
+        """See L{AgentReports.shard_status}."""
+        self._reports.shard_status(node_id, status)
 
-    def _shards_on(self, node_id: str) -> Iterable[tuple[ReplicaRecord, ShardRecord]]:
-        return self._on_node.get(node_id, {}).values()
+    def node_registered(self, node_id: str, register: pb.Register) -> None:
+        """See L{AgentReports.node_registered}."""
+        self._reports.node_registered(node_id, register)
 
-    # The catalog at run time.
+    def drain_node(self, node_id: str, force: bool = False) -> list[str]:
+        """See L{Drains.drain_node}."""
+        return self._drains.drain_node(node_id, force)
+
+    def undrain_node(self, node_id: str) -> None:
+        """See L{Drains.undrain_node}."""
+        self._drains.undrain_node(node_id)
+
+    def drain_replica(self, replica_id: str, force: bool = False) -> bool:
+        """See L{Drains.drain_replica}."""
+        return self._drains.drain_replica(replica_id, force)
+
+    def stop_engines(self, node_ids: Sequence[str]) -> list[str]:
+        """See L{Drains.stop_engines}."""
+        return self._drains.stop_engines(node_ids)
+
+    def start_engines(self, node_ids: Sequence[str]) -> None:
+        """See L{Drains.start_engines}."""
+        self._drains.start_engines(node_ids)
+
+    def sleep_replica(self, replica_id: str) -> ReplicaRecord:
+        """See L{Operator.sleep_replica}."""
+        return self._operator.sleep_replica(replica_id)
+
+    def wake_replica(self, replica_id: str) -> ReplicaRecord:
+        """See L{Operator.wake_replica}."""
+        return self._operator.wake_replica(replica_id)
+
+    def pin(self, name: str, pinned: bool) -> Model:
+        """See L{Operator.pin}."""
+        return self._operator.pin(name, pinned)
 
     def scale(self, name: str, min_replicas: int, max_replicas: int) -> Model:
-        """
-        Change a model's replica bounds.
+        """See L{Scaler.scale}."""
+        return self._scaler.scale(name, min_replicas, max_replicas)
 
-        @raise KeyError: no such model.
-        @raise ValueError: bounds out of order.
+    def desired(self, state: ModelState, now: float) -> int:
+        """See L{Scaler.desired}."""
+        return self._scaler.desired(state, now)
+
+    def why_not_sleep(self, replica: ReplicaRecord) -> str | None:
+        """See L{SleepRoom.why_not_sleep}."""
+        return self._room.why_not_sleep(replica)
+
+    def snapshot(self) -> Snapshot:
+        """@return: the inventory as placement sees it now."""
+        return self._snapshots.snapshot()
+
+    def live_snapshot(self) -> Snapshot:
         """
-        state = self.catalog.get(name)
-        if state is None:
-            raise KeyError(name)
-        check_bounds(min_replicas, max_replicas)
-        before = self.desired(state, self.clock.seconds())
-        state.model = replace(
-            state.model, min_replicas=min_replicas, max_replicas=max_replicas
-        )
-        # A lower min lets the model idle down (after idle_timeout); it
-        # does not stop replicas in use now.  A lower max does.
-        state.wanted = min(max(state.wanted, before), max_replicas)
-        now = self.clock.seconds()
-        # Idle time counts from the change.
-        state.busy_at = max(state.busy_at, now)
-        state.last_used = max(state.last_used, now)
-        self._changes.model(name)
-        self._bounds_changed(name)
+        @return: the snapshot the passes keep, refreshed for what changed
+            (L{Snapshots.live}).
+        """
+        return self._snapshots.live()
+
+    # Hooks the catalog was built with.
+
+    def _catalog_changed(self) -> None:
+        self.ledger.changes.all()
         self.loop.kick()
-        return state.model
+
+    def _adapters_changed(self, base: str) -> None:
+        self._publisher.adapters_changed(base)
+
+    def _standing(self, name: str) -> Standing:
+        return self._swaps.standing(name)
+
+    # The catalog at run time.
 
     def _weights_in_use(self) -> Iterable[tuple[str, str]]:
         for state in self.catalog.states():
             for profile in state.model.profiles:
                 yield profile.source, state.model.name
-        for replica in self.replicas.values():
+        for replica in self.ledger.replicas.values():
             yield replica.profile.source, replica.id
 
     # The pass.
@@ -274,96 +430,62 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         L{llmgw.control.changes}).
         """
         now = self.clock.seconds()
-        changes = self._changes
-        if not self.grace_over and now - self.started >= self.settings.startup_grace:
-            self.grace_over = True
+        ledger = self.ledger
+        changes = ledger.changes
+        if ledger.grace.ends(now):
             changes.all()
         everything, changes.everything = changes.everything, False
         work, changes.models = changes.models | changes.unsettled, set()
         if everything:
-            work.update(self._by_model)
+            work.update(ledger.models())
             work.update(s.model.name for s in self.catalog.states())
-            self._live = None
-            self._unpublished = None
+            self._snapshots.forget()
+            self._publisher.republish_all()
         for node_id in self._update_nodes(now, everything):
-            work.update(r.model for r, _ in self._shards_on(node_id))
+            work.update(r.model for r, _ in ledger.shards_on(node_id))
         if not self._touched:
             work.update(
-                r.model for r in self.replicas.values() if self._outstanding(r.id)
+                r.model for r in ledger.replicas.values() if self._outstanding(r.id)
             )
-        replicas = sorted(
-            (r for m in work for r in self._by_model.get(m, {}).values()),
-            key=lambda r: self._seq[r.id],
-        )
+        replicas = ledger.in_order(r for m in work for r in ledger.of_model(m))
         for replica in replicas:
             changes.nodes.update(s.node for s in replica.shards)
-            self._republish(replica.id)
+            self._publisher.republish(replica.id)
             try:
                 self._check(replica, now)
             except Exception:
                 # One bad record must not stall every model.
                 self.log.failure("checking replica {replica}", replica=replica.id)
-        for name in [m for m in self.failed if m not in self.catalog]:
-            del self.failed[name]
+        for name in [m for m in ledger.failed if m not in self.catalog]:
+            del ledger.failed[name]
         snapshot: Snapshot | None = None
         # Models with requests held first, in swap queue order (held_order).
         for name in sorted(
             (m for m in work if m in self.catalog),
-            key=lambda m: (self._held_order(m), self.catalog.position(m)),
+            key=lambda m: (self._swaps.order_key(m), self.catalog.position(m)),
         ):
             state = self.catalog[name]
             try:
-                snapshot = self._scale(
-                    state, now, snapshot, list(self._by_model.get(name, {}).values())
+                snapshot = self._scaler.scale_model(
+                    state, now, snapshot, list(ledger.of_model(name))
                 )
             except Exception:
                 self.log.failure("scaling model {model}", model=state.model.name)
                 snapshot = None
-                self._live = None
+                self._snapshots.forget()
         for replica in replicas:
-            if self.replicas.get(replica.id) is not replica:
+            if ledger.replicas.get(replica.id) is not replica:
                 continue
             if replica.draining_since is None:
-                why = self._drain_due(replica)
+                why = self._drains.drain_due(replica)
                 if why is not None:
-                    self._drain(replica, why)
+                    self._actions.drain(replica, why)
             if replica.draining_since is not None:
-                self._finish_drain(replica, now)
+                self._actions.finish_drain(replica, now)
             elif replica.sleep_at is not None:
-                self._finish_sleep(replica, now)
-        self._publish_ready()
-        changes.unsettled = {m for m in work if not self._settled(m)}
-
-    def _settled(self, name: str) -> bool:
-        """
-        @return: whether a pass would leave model C{name} as it is while
-            nothing happens to it (L{llmgw.control.changes}).
-        """
-        state = self.catalog.get(name)
-        replicas = self._by_model.get(name)
-        if state is None:
-            return not replicas
-        model = state.model
-        if (
-            not self.grace_over
-            or state.waiters
-            or state.no_fit is not None
-            or state.wanted > model.min_replicas
-        ):
-            return False
-        awake = [r for r in (replicas or {}).values() if not r.dormant]
-        asleep = all(r.asleep for r in (replicas or {}).values() if r.dormant)
-        return (
-            asleep
-            and len(awake) == scaling.bounded(model, state.wanted)
-            and all(
-                r.draining_since is None
-                and r.leaving_since is None
-                and r.state == ReplicaState.READY
-                and not self._outstanding(r.id)
-                for r in awake
-            )
-        )
+                self._actions.finish_sleep(replica, now)
+        self._publisher.publish_ready()
+        changes.unsettled = {m for m in work if not self._scaler.settled(m)}
 
     def _update_nodes(self, now: float, everything: bool) -> list[str]:
         """
@@ -374,7 +496,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         """
         settings = self.settings
         touched, self.inventory.touched = self.inventory.touched, set()
-        self._changes.nodes.update(touched)
+        self.ledger.changes.nodes.update(touched)
         if everything:
             nodes = self.inventory.nodes()
         else:
@@ -405,7 +527,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
                 )
                 node.state = state
                 changed.append(node.id)
-                self._changes.nodes.add(node.id)
+                self.ledger.changes.nodes.add(node.id)
         return changed
 
     def _check(self, replica: ReplicaRecord, now: float) -> None:
@@ -416,7 +538,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
                 shard.error = f"node {shard.node} is lost"
         if replica.draining_since is not None:
             if all(s.state.gone for s in replica.shards):
-                self._forget(replica, _gone_why(replica))
+                self._actions.forget(replica, _gone_why(replica))
             return
         model = self.catalog.get(replica.model)
         if replica.state == ReplicaState.READY:
@@ -424,13 +546,13 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
                 replica.ready_at = now
                 if not replica.adopted:
                     seconds = now - replica.created
-                    self.counts.observed("cold_start", replica.model, seconds)
+                    self.ledger.counts.observed("cold_start", replica.model, seconds)
             if model is not None:
                 scaling.recovered(model, replica.created)
-            gone = self.failed.get(replica.model)
+            gone = self.ledger.failed.get(replica.model)
             if gone is not None and gone.created <= replica.created:
                 # Replaced: the failure is history.
-                del self.failed[replica.model]
+                del self.ledger.failed[replica.model]
             return
         error, lost = replica.fault(now, self.settings.start_timeout)
         if not error:
@@ -441,7 +563,7 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
             model=replica.model,
             error=error,
         )
-        self.counts.failed(replica.model)
+        self.ledger.counts.failed(replica.model)
         if model is not None:
             scaling.failed(
                 model, now, f"replica {replica.id}: {error}", lost, self.settings
@@ -449,156 +571,8 @@ class ControlPlane(AgentReports, Publishing, Draining, Operating, Swapping, Plac
         for shard in replica.shards:
             if not shard.state.gone:
                 self._commands.stop(shard.node, shard.id, shard)
-        self._forget(replica, _gone_why(replica))
+        self._actions.forget(replica, _gone_why(replica))
         # Shown with its error and output until the model is served again.
         replica.error = error
         if model is not None:
-            self.failed[replica.model] = replica
-
-    def _forget(self, replica: ReplicaRecord, why: str = "it stopped") -> None:
-        if self._outstanding(replica.id):
-            # Its engine is gone or going: what is in flight to it ends
-            # now, not at the router's idle deadline.
-            self._cut(replica.id, why)
-        self.replicas.pop(replica.id, None)
-        models = self._by_model.get(replica.model, {})
-        if models.get(replica.id) is replica:
-            del models[replica.id]
-            if not models:
-                del self._by_model[replica.model]
-            self._seq.pop(replica.id, None)
-        self._changes.model(replica.model)
-        self._republish(replica.id)
-        for shard in replica.shards:
-            self._changes.nodes.add(shard.node)
-            if self._shards.get(shard.id, (None, None))[1] is shard:
-                del self._shards[shard.id]
-                self._on_node.get(shard.node, {}).pop(shard.id, None)
-
-    def desired(
-        self,
-        state: ModelState,
-        now: float,
-        replicas: Sequence[ReplicaRecord] | None = None,
-    ) -> int:
-        """
-        @param replicas: the model's replicas, when the caller has them.
-        @return: the replicas C{state}'s model should have now (see
-            L{scaling}); a model gone idle falls back to C{min_replicas}.
-        """
-        model = state.model
-        if state.wanted > model.min_replicas and not state.waiters:
-            if replicas is None:
-                replicas = [r for r in self.replicas.values() if r.model == model.name]
-            busy = any(self._outstanding(r.id) for r in replicas)
-            if scaling.gone_idle(state, now, busy):
-                self.log.info(
-                    "model {model} idle for {seconds:g}s: scaling down to {count}",
-                    model=model.name,
-                    seconds=model.idle_timeout,
-                    count=model.min_replicas,
-                )
-                state.wanted = 0
-        return scaling.bounded(model, state.wanted)
-
-    def _follow_load(
-        self, state: ModelState, now: float, live: list[ReplicaRecord]
-    ) -> None:
-        model = state.model
-        ready = sum(1 for r in live if r.state == ReplicaState.READY)
-        in_flight = sum(self._outstanding(r.id) for r in live)
-        step = scaling.follow_load(
-            state,
-            now,
-            self.started,
-            self.settings.scale_up_in_flight,
-            len(live),
-            ready,
-            in_flight,
-        )
-        state.wanted, state.busy_at = step.wanted, step.busy_at
-        if step.change > 0:
-            self.log.info(
-                "model {model}: {in_flight} requests in flight on {ready} replicas:"
-                " scaling up to {count}",
-                model=model.name,
-                in_flight=in_flight,
-                ready=ready,
-                count=state.wanted,
-            )
-        elif step.change < 0:
-            self.log.info(
-                "model {model}: light load for {seconds:g}s: scaling down to {count}",
-                model=model.name,
-                seconds=model.idle_timeout,
-                count=max(model.min_replicas, state.wanted),
-            )
-
-    def snapshot(self) -> Snapshot:
-        """
-        @return: the inventory as placement sees it now.
-        """
-        return Snapshot(
-            self.inventory.nodes(),
-            self.replicas.values(),
-            self._suspect.current(self.clock.seconds()),
-            self._views,
-            self._strays.held(self.clock.seconds()),
-        )
-
-    def _live_snapshot(self) -> Snapshot:
-        """
-        @return: the snapshot kept from pass to pass, its nodes that
-            changed worked out again (L{LiveSnapshot}).
-        """
-        now = self.clock.seconds()
-        changed, self._changes.nodes = self._changes.nodes, set()
-        # Before they expire: a node whose mark expires changes too.
-        changed |= self._suspect.nodes() | self._strays.nodes()
-        suspect = self._suspect.current(now)
-        strays = self._strays.held(now)
-        live = self._live
-        if live is None or not live.refresh(
-            self.inventory, changed, self._shards_on, suspect, strays, self._views
-        ):
-            live = self._live = LiveSnapshot(
-                self.inventory.nodes(),
-                self.replicas.values(),
-                suspect,
-                self._views,
-                strays,
-            )
-        return live
-
-    def _scale(
-        self,
-        state: ModelState,
-        now: float,
-        snapshot: Snapshot | None,
-        replicas: list[ReplicaRecord],
-    ) -> Snapshot | None:
-        live = [r for r in replicas if r.draining_since is None and not r.dormant]
-        dormant = [r for r in replicas if r.dormant]
-        self._follow_load(state, now, live)
-        want = self.desired(state, now, replicas)
-        # Replicas leaving (L{drains}) serve on until replaced: placement
-        # counts without them, and lets them go once it may.
-        leaving = self._leaving(live)
-        if not self.grace_over:
-            return snapshot
-        staying = [r for r in live if r.leaving_since is None]
-        if len(staying) > want:
-            for replica in scaling.surplus(staying, want, self._outstanding):
-                # A stream on it is never cut: it sleeps or leaves once its
-                # last request ends (up to the router's total_timeout).
-                self._retire(
-                    replica, f"{len(staying)} replicas, {want} wanted", "idle_sleep"
-                )
-        elif len(staying) == want:
-            state.no_fit = None
-        elif now >= state.retry_at:
-            snapshot = self._place_or_wake(state, now, snapshot, live, want, dormant)
-        self._dormant_over(state.model, live, dormant)
-        if leaving:
-            self._let_go(state, want, leaving)
-        return snapshot
+            self.ledger.failed[replica.model] = replica

@@ -1,29 +1,22 @@
 """
 What the agents say (L{llmgw.control.plane}): shard statuses and
 registrations, as they arrive between passes, change the records (a
-Register's shards are adopted, see L{adoption}) and kick a pass.  Part of
-L{llmgw.control.plane.ControlPlane}, kept apart by job.
+Register's shards are adopted, see L{adoption}) and kick a pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control import adoption, scaling
-from llmgw.control.changes import Changes
 from llmgw.control.commands import ShardCommands
-from llmgw.control.loop import Loop
+from llmgw.control.ledger import Ledger
 from llmgw.control.phases import agent_phases, observe
-from llmgw.control.records import (
-    PlaneCounts,
-    ReplicaRecord,
-    ShardRecord,
-    output_summary,
-)
+from llmgw.control.records import ReplicaRecord, ShardRecord, output_summary
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.snapshot import Strays
 from llmgw.control.spans import trace_start
@@ -41,41 +34,50 @@ if TYPE_CHECKING:
 
 class AgentReports:
     """
-    The agents' half of L{llmgw.control.plane.ControlPlane}, which
-    provides the attributes declared here.
+    What the agents say, taken into the records.  The layer above the
+    records; it calls nothing above them but the shards' commands (a
+    stray is stopped).
+
+    @param clock: the reactor's clock.
+    @param catalog: the catalog at run time.
+    @param ledger: the records.
+    @param commands: stops shards no model claims.
+    @param strays: where engines that may run unrecorded are kept.
+    @param kick: asks for one more pass.
+    @param tracer: the control plane's spans (L{llmgw.control.spans}),
+        or L{None}.
     """
 
-    log: Logger
-    clock: IReactorTime
-    catalog: ModelCatalog
-    loop: Loop
-    replicas: dict[str, ReplicaRecord]
-    counts: PlaneCounts
-    # [tracing]: the control plane's spans (llmgw.control.spans).
-    tracer: Tracer | None = None
-    failed: dict[str, ReplicaRecord]
-    grace_over: bool
-    _shards: dict[str, tuple[ReplicaRecord, ShardRecord]]
-    _strays: Strays
-    _changes: Changes
-    _commands: ShardCommands
+    log = Logger()
 
-    def _record(self, replica: ReplicaRecord, shard: ShardRecord | None) -> None:
-        raise NotImplementedError()
-
-    def _shards_on(self, node_id: str) -> Iterable[tuple[ReplicaRecord, ShardRecord]]:
-        raise NotImplementedError()
+    def __init__(
+        self,
+        clock: IReactorTime,
+        catalog: ModelCatalog,
+        ledger: Ledger,
+        commands: ShardCommands,
+        strays: Strays,
+        kick: Callable[[], None],
+        tracer: Tracer | None,
+    ) -> None:
+        self._clock = clock
+        self._catalog = catalog
+        self._ledger = ledger
+        self._commands = commands
+        self._strays = strays
+        self._kick = kick
+        self._tracer = tracer
 
     def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
         """
         Record a shard's transition; unknown shards are ignored here (a
         Register lists them all).
         """
-        found = self._shards.get(status.shard_id)
+        found = self._ledger.shard(status.shard_id)
         if found is None or found[1].node != node_id:
             if (ShardState.from_pb(status.state) or ShardState.PENDING).gone:
                 self._strays.gone(node_id, status.shard_id)
-                self._changes.nodes.add(node_id)
+                self._ledger.changes.nodes.add(node_id)
             self._late_output(node_id, status)
             return
         replica, shard = found
@@ -93,14 +95,14 @@ class AgentReports:
             shard.sleep_refused = status.note[len(SLEEP_REFUSED) :]
         if status.phases and not shard.phases:
             shard.phases = agent_phases(status)
-            observe(self.counts.start_phase_seconds, replica, shard)
+            observe(self._ledger.counts.start_phase_seconds, replica, shard)
             if shard is replica.leader:
-                trace_start(self.tracer, replica, self.clock.seconds())
+                trace_start(self._tracer, replica, self._clock.seconds())
         if state == ShardState.FAILED:
             shard.error = status.error + output_summary(shard.output)
-        self._changes.model(replica.model)
-        self._changes.nodes.add(node_id)
-        self.loop.kick()
+        self._ledger.changes.model(replica.model)
+        self._ledger.changes.nodes.add(node_id)
+        self._kick()
 
     def _settle(
         self, replica: ReplicaRecord, shard: ShardRecord, state: ShardState
@@ -127,12 +129,12 @@ class AgentReports:
         replica.adopt_unsettled = False
         if state != ShardState.SLEEPING or replica.sleep_at is not None:
             return
-        counts = self.catalog.get(replica.model)
+        counts = self._catalog.get(replica.model)
         if counts is None:
             return
         awake = sum(
             1
-            for r in self.replicas.values()
+            for r in self._ledger.replicas.values()
             if r.model == replica.model
             and r is not replica
             and r.draining_since is None
@@ -148,18 +150,18 @@ class AgentReports:
         """
         if not status.output_tail:
             return
-        for replica in self.failed.values():
+        for replica in self._ledger.failed.values():
             for shard in replica.shards:
                 if shard.id == status.shard_id and shard.node == node_id:
                     if shard.output:
                         return
                     shard.output = tuple(status.output_tail)
-                    state = self.catalog.get(replica.model)
+                    state = self._catalog.get(replica.model)
                     if state is not None and state.last_error.startswith(
                         f"replica {replica.id}: "
                     ):
                         state.last_error += output_summary(shard.output)
-                    self._changes.model(replica.model)
+                    self._ledger.changes.model(replica.model)
                     return
 
     def node_registered(self, node_id: str, register: pb.Register) -> None:
@@ -171,26 +173,30 @@ class AgentReports:
         listed = {s.shard_id for s in register.shards}
         # Its description (address, GPUs) and its shards change: the models
         # of those (publishing, replacing) and its view (placement).
-        self._changes.nodes.add(node_id)
+        self._ledger.changes.nodes.add(node_id)
         self._strays.listed(node_id, listed)
-        for replica, shard in list(self._shards_on(node_id)):
-            self._changes.model(replica.model)
+        for replica, shard in list(self._ledger.shards_on(node_id)):
+            self._ledger.changes.model(replica.model)
             if shard.id not in listed:
                 if not shard.state.gone:
                     shard.state = ShardState.FAILED
                     shard.error = f"not running on {node_id} after its agent registered"
         models = (
-            {s.model.name: s.model for s in self.catalog.states()}
+            {s.model.name: s.model for s in self._catalog.states()}
             if register.shards
             else {}
         )
         for running in register.shards:
-            found = self._shards.get(running.shard_id)
+            found = self._ledger.shard(running.shard_id)
             if found is not None and found[1].node == node_id:
                 self._relisted(found[0], found[1], running)
                 continue
             reason = adoption.claim(
-                running, models, self._shard_node, self.replicas, self.grace_over
+                running,
+                models,
+                self._shard_node,
+                self._ledger.replicas,
+                self._ledger.grace.over,
             )
             if reason:
                 self.log.info(
@@ -200,17 +206,17 @@ class AgentReports:
                     reason=reason,
                 )
                 self._commands.stop(node_id, running.shard_id)
-                now = self.clock.seconds()
+                now = self._clock.seconds()
                 self._strays.add(node_id, running.shard_id, (), running.port, now)
                 continue
             self._adopt(node_id, running)
         # New capacity: models waiting for a place (never settled, see
         # L{llmgw.control.changes}) try again now.
-        for name in self._changes.unsettled:
-            waiting = self.catalog.get(name)
+        for name in self._ledger.changes.unsettled:
+            waiting = self._catalog.get(name)
             if waiting is not None and waiting.no_fit is not None:
                 waiting.retry_at = 0.0
-        self.loop.kick()
+        self._kick()
 
     def _relisted(
         self, replica: ReplicaRecord, shard: ShardRecord, running: pb.RunningShard
@@ -227,23 +233,23 @@ class AgentReports:
             self._commands.stop(shard.node, shard.id)
 
     def _shard_node(self, shard_id: str) -> str | None:
-        found = self._shards.get(shard_id)
+        found = self._ledger.shard(shard_id)
         return found[1].node if found is not None else None
 
     def _adopt(self, node_id: str, running: pb.RunningShard) -> None:
-        counts = self.catalog[running.model]
+        counts = self._catalog[running.model]
         model = counts.model
         profile = next(p for p in model.profiles if p.name == running.profile)
-        replica = self.replicas.get(running.replica_id)
+        replica = self._ledger.replicas.get(running.replica_id)
         if replica is None:
-            now = self.clock.seconds()
+            now = self._clock.seconds()
             replica = adoption.replica_record(running, profile, now)
-            self._record(replica, None)
+            self._ledger.record(replica, None)
             if running.state != pb.SHARD_STATE_SLEEPING:
                 # One adopted asleep was not wanted awake: it stays asleep.
                 live = sum(
                     1
-                    for r in self.replicas.values()
+                    for r in self._ledger.replicas.values()
                     if r.model == model.name
                     and r.draining_since is None
                     and not r.dormant
@@ -253,7 +259,7 @@ class AgentReports:
             counts.last_used = counts.busy_at = now
         shard = adoption.shard_record(node_id, running)
         replica.shards.append(shard)
-        self._record(replica, shard)
+        self._ledger.record(replica, shard)
         self.log.info(
             "adopted shard {shard} of model {model} on {node} (engine pid {pid})",
             shard=shard.id,

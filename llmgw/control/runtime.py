@@ -31,6 +31,12 @@ class ModelCatalog:
         serve cannot be taken by a catalog model.
     @param changed: called when what the reconciler reads changed: kicks
         a pass.
+    @param touched: told each model touched (the control plane's dirty
+        set, L{llmgw.control.changes}).
+    @param adapters_changed: told the base model whose adapters changed
+        (its endpoints list them).
+    @param standing: where a request held for a model stands (the control
+        plane's swap queue, L{llmgw.control.swaps}).
     """
 
     log = Logger()
@@ -42,6 +48,9 @@ class ModelCatalog:
         models: Sequence[Model],
         static: Sequence[Endpoint],
         changed: Callable[[], None],
+        touched: Callable[[str], None] = lambda model: None,
+        adapters_changed: Callable[[str], None] = lambda base: None,
+        standing: Callable[[str], Standing] = lambda model: Standing(""),
     ) -> None:
         self.clock = clock
         self.inventory = inventory
@@ -62,8 +71,7 @@ class ModelCatalog:
                 continue
             self._adapters[adapter.name] = adapter
             self._names.update((name, adapter.name) for name in adapter.names)
-        # Told the base model whose adapters changed (its endpoints list them).
-        self.adapters_changed: Callable[[str], None] = lambda base: None
+        self.adapters_changed = adapters_changed
         self._static = tuple(static)
         self._changed = changed
         # Catalog order, for a pass that looks at some models only.
@@ -71,14 +79,12 @@ class ModelCatalog:
         self._position = {m.name: next(self._order) for m in models}
         # Models a request waits for (some may no longer have waiters).
         self.waiting: set[str] = set()
-        # Told each model touched (the control plane's dirty set).
-        self.touched: Callable[[str], None] = lambda model: None
+        self.touched = touched
         # Requests that waited for an activation, and their seconds waited
         # (the fleet metrics' summary).
         self.activation_waits = 0
         self.activation_wait_seconds = 0.0
-        # Where a held request stands, by model (the control plane's).
-        self.standing: Callable[[str], Standing] = lambda model: Standing("")
+        self._standing = standing
 
     def resolve(self, name: str) -> str | None:
         """
@@ -239,7 +245,7 @@ class ModelCatalog:
         model = self._base(name)
         if model is None:
             return Standing("")
-        return self.standing(model)
+        return self._standing(model)
 
     def add(self, model: Model) -> None:
         """

@@ -9,9 +9,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control.inventory import Inventory, Node, NodeState
+from llmgw.control.ledger import Ledger
 from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
 from llmgw.control.records import ReplicaRecord, ShardRecord
 
@@ -385,3 +387,78 @@ class LiveSnapshot(Snapshot):
                 if view is not self.fleet.get(peer.id):
                     self.fleet.replace(view)
         return True
+
+
+class Snapshots:
+    """
+    The inventory as placement sees it, for the plane's parts: a fresh
+    L{Snapshot} when asked, and the L{LiveSnapshot} kept from pass to
+    pass, refreshed for the nodes that changed (L{Ledger.changes}).
+
+    @param clock: the reactor's clock (suspect ports and strays expire).
+    @param inventory: the nodes.
+    @param ledger: the records.
+    @ivar suspect: ports where a shard could not start, left alone a while.
+    @ivar strays: engines that may run unrecorded.
+    """
+
+    def __init__(
+        self, clock: IReactorTime, inventory: Inventory, ledger: Ledger
+    ) -> None:
+        self._clock = clock
+        self._inventory = inventory
+        self._ledger = ledger
+        self.suspect = SuspectPorts()
+        self.strays = Strays()
+        self._views: dict[str, tuple[Any, NodeView]] = {}
+        self._live: LiveSnapshot | None = None
+
+    def snapshot(self) -> Snapshot:
+        """
+        @return: the inventory as placement sees it now.
+        """
+        now = self._clock.seconds()
+        return Snapshot(
+            self._inventory.nodes(),
+            self._ledger.replicas.values(),
+            self.suspect.current(now),
+            self._views,
+            self.strays.held(now),
+        )
+
+    def live(self) -> LiveSnapshot:
+        """
+        @return: the snapshot kept from pass to pass, its nodes that
+            changed worked out again (L{LiveSnapshot}).
+        """
+        now = self._clock.seconds()
+        changes = self._ledger.changes
+        changed, changes.nodes = changes.nodes, set()
+        # Before they expire: a node whose mark expires changes too.
+        changed |= self.suspect.nodes() | self.strays.nodes()
+        suspect = self.suspect.current(now)
+        strays = self.strays.held(now)
+        live = self._live
+        if live is None or not live.refresh(
+            self._inventory,
+            changed,
+            self._ledger.shards_on,
+            suspect,
+            strays,
+            self._views,
+        ):
+            live = self._live = LiveSnapshot(
+                self._inventory.nodes(),
+                self._ledger.replicas.values(),
+                suspect,
+                self._views,
+                strays,
+            )
+        return live
+
+    def forget(self) -> None:
+        """
+        The next L{live} is built anew (a pass over everything, a pass
+        whose scaling failed).
+        """
+        self._live = None

@@ -12,32 +12,31 @@ held counted free until their node's next report says so.  Held models
 are served in the order their oldest requests came (the pass places them
 first, oldest first).
 
-Part of L{llmgw.control.plane.ControlPlane}, kept apart by job.
+The layer above the replica actions (L{llmgw.control.actions}); bringing
+a model up (L{llmgw.control.placing}) calls it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control import eviction
+from llmgw.control.actions import ReplicaActions
 from llmgw.control.catalog import Model
 from llmgw.control.eviction import Candidate, Place
 from llmgw.control.held_order import held_order
 from llmgw.control.inventory import Inventory
+from llmgw.control.ledger import Ledger
 from llmgw.control.placement import Fleet, NodeView, NoFit, ShardPlan
-from llmgw.control.records import (
-    PlaneCounts,
-    ReplicaRecord,
-    ReplicaState,
-    ShardRecord,
-)
+from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.scaling import ModelState
 from llmgw.control.settings import ControlConfig
+from llmgw.control.sleeping import SleepRoom
 from llmgw.control.snapshot import Snapshot
 from llmgw.router.interfaces import Standing
 
@@ -84,52 +83,54 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix or 'th'}"
 
 
-class Swapping:
+class Swaps:
     """
-    The swap half of L{llmgw.control.plane.ControlPlane}, which provides
-    the attributes declared here and calls L{_init_swapping}.
+    Makes room for held models: the swap queue (docs/catalog.md,
+    "Eviction").  The layer above the replica actions, which it calls to
+    put its victims to sleep or drain them; it calls nothing above it.
 
+    @param clock: the reactor's clock.
+    @param settings: the C{[control]} table.
+    @param inventory: the nodes.
+    @param catalog: the catalog at run time.
+    @param ledger: the records.
+    @param ports: ports engines may listen on.
+    @param actions: puts victims to sleep or drains them.
+    @param room: whether a replica may sleep, and a sleeper wake.
+    @param outstanding: requests in flight to a replica id, by the
+        router's count.
     @ivar swaps: the evictions under way, by held model.
-    @ivar evicted: per model, the words of its last eviction (kept for
-        the placement's explanation after it is placed).
+    @ivar evicted: per held model, the words of its last eviction and
+        when (kept for the placement's explanation after it is placed).
     """
 
-    log: Logger
-    clock: IReactorTime
-    inventory: Inventory
-    settings: ControlConfig
-    catalog: ModelCatalog
-    counts: PlaneCounts
-    ports: range
-    replicas: dict[str, ReplicaRecord]
-    leave_timeout: float
-    _by_model: dict[str, dict[str, ReplicaRecord]]
-    _outstanding: Callable[[str], int]
+    log = Logger()
 
-    def _drain(self, replica: ReplicaRecord, why: str, patience: float = 0.0) -> bool:
-        raise NotImplementedError()
-
-    def why_not_sleep(
-        self, replica: ReplicaRecord, host: Mapping[str, float] | None = None
-    ) -> str | None:
-        raise NotImplementedError()
-
-    def _sleeping_host(self) -> dict[str, float]:
-        raise NotImplementedError()
-
-    def _retire(self, replica: ReplicaRecord, why: str, reason: str) -> bool:
-        raise NotImplementedError()
-
-    def _wake_room(self, replica: ReplicaRecord, fleet: Fleet) -> str | None:
-        raise NotImplementedError()
-
-    def _init_swapping(self) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        settings: ControlConfig,
+        inventory: Inventory,
+        catalog: ModelCatalog,
+        ledger: Ledger,
+        ports: range,
+        actions: ReplicaActions,
+        room: SleepRoom,
+        outstanding: Callable[[str], int],
+    ) -> None:
+        self._clock = clock
+        self._settings = settings
+        self._inventory = inventory
+        self._catalog = catalog
+        self._ledger = ledger
+        self._ports = ports
+        self._actions = actions
+        self._room = room
+        self._outstanding = outstanding
         self.swaps: dict[str, Swap] = {}
-        # Per held model, the last eviction made for it and when.
         self.evicted: dict[str, tuple[str, float]] = {}
-        self.catalog.standing = self._standing
 
-    def _fleet_for(self, name: str, snapshot: Snapshot) -> Fleet:
+    def fleet_for(self, name: str, snapshot: Snapshot) -> Fleet:
         """
         @return: the fleet as placement sees it for model C{name}: the
             room kept for another model's eviction allocated; its own,
@@ -148,7 +149,7 @@ class Swapping:
         if own is not None and own.gone_at is not None:
             views = []
             for view in nodes:
-                found = self.inventory.get(view.id)
+                found = self._inventory.get(view.id)
                 freed = own.freed_mib.get(view.id)
                 if freed and found is not None and found.heard <= own.gone_at:
                     views.append(_discounted(view, freed))
@@ -157,7 +158,7 @@ class Swapping:
             nodes = views
         return Fleet(nodes)
 
-    def _swap_waits(self, name: str, now: float) -> bool:
+    def waits(self, name: str, now: float) -> bool:
         """
         @return: whether model C{name} waits for its eviction's victims
             to go (not yet gone or asleep); sets the swap's C{gone_at}
@@ -166,11 +167,11 @@ class Swapping:
         swap = self.swaps.get(name)
         if swap is None:
             return False
-        if name not in self.catalog:
+        if name not in self._catalog:
             del self.swaps[name]
             return False
         for replica_id in swap.victims:
-            replica = self.replicas.get(replica_id)
+            replica = self._ledger.replicas.get(replica_id)
             if replica is not None and not (
                 replica_id in swap.asleep and replica.asleep
             ):
@@ -179,7 +180,7 @@ class Swapping:
             swap.gone_at = now
         return False
 
-    def _swap_done(self, name: str, placed: bool) -> None:
+    def done(self, name: str, placed: bool) -> None:
         """
         Model C{name} was placed (C{placed}) or found no room even in
         what its eviction freed: its swap ends.
@@ -193,7 +194,7 @@ class Swapping:
                 words=swap.words,
             )
 
-    def _evict_for(
+    def evict_for(
         self,
         state: ModelState,
         now: float,
@@ -208,7 +209,7 @@ class Swapping:
         @return: whether an eviction began.
         """
         name = state.model.name
-        if not self.settings.evict or not state.waiters or name in self.swaps:
+        if not self._settings.evict or not state.waiters or name in self.swaps:
             return False
         candidates, spare = self._candidates(name, now)
         ordered = eviction.eligible(
@@ -216,11 +217,11 @@ class Swapping:
             now,
             spare,
             self._busy_too(state, now),
-            in_use=self.settings.swap_in_use,
+            in_use=self._settings.swap_in_use,
         )
-        fleet = self._fleet_for(name, snapshot)
+        fleet = self.fleet_for(name, snapshot)
         chosen = eviction.choose(
-            state.model.profiles, fleet.nodes(), self.ports, ordered, spread
+            state.model.profiles, fleet.nodes(), self._ports, ordered, spread
         )
         if chosen is None:
             return False
@@ -228,7 +229,7 @@ class Swapping:
         self._begin_swap(name, now, chosen.victims, chosen.plan.shards, why)
         return True
 
-    def _evict_for_wake(
+    def evict_for_wake(
         self,
         state: ModelState,
         now: float,
@@ -261,7 +262,7 @@ class Swapping:
             return True
         if busy_too:
             return False
-        starts = self.counts.cold_start_seconds.get(name)
+        starts = self._ledger.counts.cold_start_seconds.get(name)
         oldest = state.oldest_wait()
         if not starts or oldest is None or now - oldest >= sum(starts) / len(starts):
             return False
@@ -290,15 +291,15 @@ class Swapping:
             spare,
             busy_too,
             young_too,
-            self.settings.swap_in_use,
+            self._settings.swap_in_use,
         )
         where = {s.node: s.gpus for s in sleeper.shards}
-        fleet = self._fleet_for(state.model.name, snapshot)
+        fleet = self.fleet_for(state.model.name, snapshot)
         return eviction.choose_in_place(
             fleet.nodes(),
             ordered,
             where,
-            lambda freed: self._wake_room(sleeper, freed) is None,
+            lambda freed: self._room.wake_room(sleeper, freed) is None,
         )
 
     def _busy_too(self, state: ModelState, now: float) -> bool:
@@ -309,9 +310,9 @@ class Swapping:
         """
         oldest = state.oldest_wait()
         return (
-            self.settings.swap_max_wait > 0
+            self._settings.swap_max_wait > 0
             and oldest is not None
-            and now - oldest >= self.settings.swap_max_wait
+            and now - oldest >= self._settings.swap_max_wait
         )
 
     def _begin_swap(
@@ -345,8 +346,8 @@ class Swapping:
         self.swaps[name] = swap
         self.evicted[name] = (words, now)
         for victim in victims:
-            replica = self.replicas[victim.replica]
-            owner = self.catalog.get(victim.model)
+            replica = self._ledger.replicas[victim.replica]
+            owner = self._catalog.get(victim.model)
             if owner is not None:
                 # Its model is not to come back until it is asked for.
                 low, high = owner.model.min_replicas, owner.model.max_replicas
@@ -363,7 +364,7 @@ class Swapping:
             )
             if victim.asleep:
                 # Stopped for what its engine keeps: not a swap.
-                self._drain(replica, f"stopped asleep to make room for {name}")
+                self._actions.drain(replica, f"stopped asleep to make room for {name}")
             elif self._swap_out(replica, name, victim.sleeps):
                 swap.asleep.add(replica.id)
 
@@ -376,11 +377,11 @@ class Swapping:
         @return: whether it sleeps.
         """
         why = f"evicted to make room for {model}"
-        if sleeps and self._retire(replica, why, "slept"):
+        if sleeps and self._actions.retire(replica, why, "slept"):
             return True
-        self.counts.swapped(replica.model, "evicted")
+        self._ledger.counts.swapped(replica.model, "evicted")
         if replica.draining_since is None:
-            self._drain(replica, why, self.leave_timeout)
+            self._actions.drain(replica, why, self._actions.leave_timeout)
         return False
 
     def _candidates(
@@ -395,30 +396,31 @@ class Swapping:
         """
         candidates = []
         spare = {}
-        host = self._sleeping_host()
+        host = self._room.sleeping_host()
         states = (
             (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.WAKING)
             if coming
             else (ReplicaState.READY,)
         )
-        for name, replicas in self._by_model.items():
-            state = self.catalog.get(name)
+        for name, replicas in self._ledger.by_model():
+            state = self._catalog.get(name)
             if name == holder or state is None:
                 continue
             model = state.model
+            replicas = list(replicas)
             ready = [
                 r
-                for r in replicas.values()
+                for r in replicas
                 if r.state in states
                 and r.leaving_since is None
                 and r.draining_since is None
             ]
             spare[name] = len(ready) - model.min_replicas
-            for replica in replicas.values():
+            for replica in replicas:
                 if replica.asleep and replica.draining_since is None:
                     candidates.append(_asleep(replica, model, state.last_used))
             for replica in ready:
-                sleeps = self.why_not_sleep(replica, host) is None
+                sleeps = self._room.why_not_sleep(replica, host) is None
                 candidates.append(
                     Candidate(
                         replica=replica.id,
@@ -445,37 +447,37 @@ class Swapping:
                 )
         return candidates, spare
 
-    def _held_order(self, name: str) -> tuple[int, int, int, float]:
+    def order_key(self, name: str) -> tuple[int, int, int, float]:
         """
         @return: a sort key for a pass's models (L{held_order}): those with
             requests held first, those passed over for C{swap_max_wait}
             first among them, then the highest priority held, then the
             oldest held.
         """
-        state = self.catalog.get(name)
+        state = self._catalog.get(name)
         if state is None:
             return held_order(None)
-        now = self.clock.seconds()
+        now = self._clock.seconds()
         return held_order(
             state.oldest_wait(), state.top_rank(), self._busy_too(state, now)
         )
 
-    def _standing(self, name: str) -> Standing:
+    def standing(self, name: str) -> Standing:
         """
         @return: where a request held for model C{name} stands (see
             L{ModelCatalog.where}).
         """
-        state = self.catalog.get(name)
+        state = self._catalog.get(name)
         if state is None:
             return Standing("")
-        starts = self.counts.cold_start_seconds.get(name)
+        starts = self._ledger.counts.cold_start_seconds.get(name)
         eta = sum(starts) / len(starts) if starts else None
         swap = self.swaps.get(name)
         if swap is not None:
             return Standing(swap.words, eta)
-        for replica in self._by_model.get(name, {}).values():
+        for replica in self._ledger.of_model(name):
             if replica.state == ReplicaState.WAKING:
-                wakes = self.counts.wake_seconds.get(name)
+                wakes = self._ledger.counts.wake_seconds.get(name)
                 return Standing(
                     f"waking replica {replica.id}",
                     sum(wakes) / len(wakes) if wakes else None,
@@ -485,11 +487,11 @@ class Swapping:
         if state.no_fit is not None and state.waiters:
             ahead = [
                 s.model.name
-                for s in self.catalog.states()
+                for s in self._catalog.states()
                 if s is not state
                 and s.waiters
                 and s.no_fit is not None
-                and self._held_order(s.model.name) < self._held_order(name)
+                and self.order_key(s.model.name) < self.order_key(name)
             ]
             if ahead:
                 return Standing(

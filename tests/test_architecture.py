@@ -251,10 +251,12 @@ class ImportRuleTests(SynchronousTestCase):
         C{from a import b}, a relative import or inside a function.
         """
         cases = {
-            "import llmgw.router.app\n": "llmgw.router.app",
-            "from llmgw.router import app\n": "llmgw.router.app",
-            "from ..router.app import Router\n": "llmgw.router.app",
-            "def f():\n    from llmgw.router.app import Router\n": "llmgw.router.app",
+            "import llmgw.router.api.app\n": "llmgw.router.api.app",
+            "from llmgw.router.api import app\n": "llmgw.router.api.app",
+            "from ..router.api.app import Router\n": "llmgw.router.api.app",
+            "def f():\n    from llmgw.router.api.app import Router\n": (
+                "llmgw.router.api.app"
+            ),
         }
         path = self.mktemp()
         for source, target in cases.items():
@@ -278,7 +280,7 @@ class ImportRuleTests(SynchronousTestCase):
         wire, a package imports itself.
         """
         edges = {
-            "llmgw.server.tap": {"llmgw.router.app", "llmgw.control.plane"},
+            "llmgw.server.tap": {"llmgw.router.api.app", "llmgw.control.plane"},
             "llmgw.control.plane": {"llmgw.router.interfaces", "llmgw.wire.states"},
             "llmgw.store.usage": {"llmgw.store.db"},
             "llmgw.agent.link": {"llmgw.wire.protocol", "llmgw"},
@@ -306,13 +308,13 @@ class ImportRuleTests(SynchronousTestCase):
         edges = {
             "llmgw.control.plane": {
                 "llmgw.router.interfaces",
-                "llmgw.router.balancer",
+                "llmgw.router.routing.balancer",
             }
         }
         self.assertEqual(
             violations(edges),
             [
-                "llmgw.control.plane imports llmgw.router.balancer: only"
+                "llmgw.control.plane imports llmgw.router.routing.balancer: only"
                 " llmgw.router.interfaces of router is for control"
             ],
         )
@@ -322,12 +324,12 @@ class ImportRuleTests(SynchronousTestCase):
         The home of Twisted's private names imports nothing from llmgw,
         not even llmgw itself.
         """
-        edges = {"llmgw.twisted_private": {"llmgw.router.edge", "llmgw"}}
+        edges = {"llmgw.twisted_private": {"llmgw.router.edge.channel", "llmgw"}}
         why = "Twisted's private names are a leaf every process uses"
         self.assertEqual(
             violations(edges),
             [
-                f"llmgw.twisted_private imports llmgw.router.edge: {why}",
+                f"llmgw.twisted_private imports llmgw.router.edge.channel: {why}",
                 f"llmgw.twisted_private imports llmgw: {why}",
             ],
         )

@@ -38,8 +38,8 @@ from llmgw.control.inventory import Inventory
 from llmgw.control.placement import Profile
 from llmgw.control.plane import ControlPlane
 from llmgw.control.settings import ControlConfig
-from llmgw.router.auth import KeyRing
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, Point
 from llmgw.web.pages import CookieCsrf, Dashboard

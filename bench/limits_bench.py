@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from twisted.internet import defer, reactor
 from twisted.internet.task import react
 
-from llmgw.router.auth import KeyRing
-from llmgw.router.limits import RedisLimits
+from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.accounting.limits import RedisLimits
 
 
 class _NoStore:

@@ -12,10 +12,10 @@ What it serves, for what llmgw asks of a static (C{--endpoint}) replica:
     whatever the request (nginx discards the body).
   - C{GET /metrics}: the three vLLM V1 load gauges at 0, as the simulator
     serves them, since the router polls each replica's C{/metrics} for
-    engine load (L{llmgw.router.load}; a 404 would only be logged and asked
+    engine load (L{llmgw.router.routing.load}; a 404 would only be logged and asked
     again less often).
   - C{GET /v1/models}, C{/health}: answered, though llmgw's static
-    endpoints are not probed (failures are passive, L{llmgw.router.ejection}).
+    endpoints are not probed (failures are passive, L{llmgw.router.routing.ejection}).
 
 Source for the directives: nginx's documentation, "Core functionality"
 (C{daemon}, C{master_process}, C{worker_processes}, C{pid}) and

@@ -18,19 +18,19 @@ the same in both.  26.10 is the floor in setup.cfg because of the HTTP/2
 rapid-reset defence (C{_resetTokenBurst}, C{_resetTokenRate}: a token
 bucket on peer stream resets, ending the connection with GOAWAY
 C{ENHANCE_YOUR_CALM}, the CVE-2023-44487 defence), which 26.4.0 does not
-have and L{llmgw.router.connections} relies on.
+have and L{llmgw.router.edge.connections} relies on.
 
 Imported names:
 
   - L{H2Connection} (C{twisted.web._http2}): Twisted's HTTP/2 server
-    connection.  L{llmgw.router.connections.EdgeH2Connection} subclasses it
+    connection.  L{llmgw.router.edge.connections.EdgeH2Connection} subclasses it
     to drop answers to streams a client reset and to hold request bodies to
     C{min_body_rate}.  If it moves: the router does not import, no daemon
     with a router starts.
   - L{GenericHTTPChannelProtocol} (C{twisted.web.http._GenericHTTPChannelProtocol}):
     the protocol a L{twisted.web.server.Site} builds per connection, which
     switches from HTTP/1.1 to HTTP/2 when ALPN chose C{h2}.
-    L{llmgw.router.connections.EdgeProtocol} subclasses it to count the
+    L{llmgw.router.edge.connections.EdgeProtocol} subclasses it to count the
     connection against the caps and to switch to C{EdgeH2Connection}
     instead.  If it moves: as above.
   - L{HTTP11ClientFactory} (C{twisted.web.client._HTTP11ClientFactory}):
@@ -81,11 +81,11 @@ it):
     factory class; the override is ignored and the agent logs two lines
     per engine health probe again.
 
-Not Twisted's, but as private: L{llmgw.router.connections} reads h2's
+Not Twisted's, but as private: L{llmgw.router.edge.connections} reads h2's
 connection state machine (C{H2Connection.conn.state_machine.state}) and a
 stream's C{closed}, neither documented by h2; C{tests.test_e2e_edge_h2}
 covers them.  Twisted's public but lightly documented C{HTTPChannel} hooks
-that L{llmgw.router.edge} overrides (C{lineReceived}, C{rawDataReceived},
+that L{llmgw.router.edge.channel} overrides (C{lineReceived}, C{rawDataReceived},
 C{allHeadersReceived}, C{allContentReceived}, C{requestDone},
 C{setTimeout}, C{totalHeadersSize}, C{maxHeaders}) are public names and
 are not listed.
@@ -142,8 +142,8 @@ class PrivateUse:
     source_sha256: str = ""
 
 
-_CONNECTIONS = "llmgw.router.connections"
-_EDGE = "llmgw.router.edge"
+_CONNECTIONS = "llmgw.router.edge.connections"
+_EDGE = "llmgw.router.edge.channel"
 _QUIET_POOL = "llmgw.agent.quiet_pool"
 
 PRIVATE_USES: tuple[PrivateUse, ...] = (

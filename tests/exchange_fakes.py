@@ -1,6 +1,6 @@
 """
 Fakes for in-process router tests: an engine client (the router's
-L{llmgw.router.upstream.Upstream}) whose answers a test gives, a response
+L{llmgw.router.upstream.base.Upstream}) whose answers a test gives, a response
 whose body a test writes, and a client request.
 """
 
@@ -98,9 +98,9 @@ class Sent:
 
 class FakeAgent:
     """
-    An L{llmgw.router.upstream.Upstream} that records each request; its
+    An L{llmgw.router.upstream.base.Upstream} that records each request; its
     answer waits for the test (a L{FakeResponse}, or a failure such as
-    L{llmgw.router.upstream.NoAnswer}).
+    L{llmgw.router.upstream.base.NoAnswer}).
     """
 
     def __init__(self) -> None:

@@ -1,5 +1,5 @@
 """
-A scripted raw-TCP server on loopback for L{llmgw.router.http1}'s tests: it
+A scripted raw-TCP server on loopback for L{llmgw.router.upstream.http1}'s tests: it
 records the requests it reads and answers each with exact bytes, in as many
 writes as the test asks for; and the test case that posts to it.
 """
@@ -20,8 +20,8 @@ from twisted.trial.unittest import TestCase
 from twisted.web.iweb import IResponse
 from zope.interface import directlyProvides, providedBy
 
-from llmgw.router.engine_client import EngineClient
-from llmgw.router.upstream import BodyReader
+from llmgw.router.upstream.base import BodyReader
+from llmgw.router.upstream.engine_client import EngineClient
 from tests.typing_support import tcp_port
 
 Answer = bytes | Sequence[bytes] | Callable[["ServerConnection"], None] | None

@@ -1,5 +1,5 @@
 """
-L{llmgw.router.activation}: one request's wait for a replica to start, on
+L{llmgw.router.routing.activation}: one request's wait for a replica to start, on
 a L{Clock}.
 """
 
@@ -9,14 +9,14 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.activation import (
+from llmgw.router.errors import APIError
+from llmgw.router.interfaces import Standing
+from llmgw.router.routing.activation import (
     ActivationQueues,
     ActivationWait,
     keepalive_line,
     retry_seconds,
 )
-from llmgw.router.errors import APIError
-from llmgw.router.interfaces import Standing
 from llmgw.router.settings import RouterConfig
 
 

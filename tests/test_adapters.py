@@ -1,5 +1,5 @@
 """
-L{llmgw.router.adapters}: one load per replica and adapter however many
+L{llmgw.router.routing.adapters}: one load per replica and adapter however many
 requests wait, the least recently used idle adapter unloaded past
 C{max_loras}, a refused load answered with the engine's own error, and the
 balancer's narrowing to the replicas that have an adapter within the load
@@ -14,10 +14,10 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IResponse
 
-from llmgw.router.adapters import LOAD_PATH, UNLOAD_PATH, AdapterLoads
-from llmgw.router.balancer import Replica
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.upstream import BodyReader
+from llmgw.router.routing.adapters import LOAD_PATH, UNLOAD_PATH, AdapterLoads
+from llmgw.router.routing.balancer import Replica
+from llmgw.router.upstream.base import BodyReader
 from tests.exchange_fakes import FakeAgent, FakeResponse
 
 URL = "http://127.0.0.1:20001"

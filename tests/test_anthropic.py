@@ -1,6 +1,6 @@
 """
 Anthropic's Messages API translated to and from chat completions
-(L{llmgw.router.anthropic}, L{llmgw.router.anthropic_stream}), pure.
+(L{llmgw.router.api.anthropic}, L{llmgw.router.api.anthropic_stream}), pure.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.anthropic import (
+from llmgw.router.api.anthropic import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
     Invalid,
@@ -18,10 +18,10 @@ from llmgw.router.anthropic import (
     to_chat,
     to_message,
 )
-from llmgw.router.anthropic_stream import MessagesStream, NativeStream, chat_usage
+from llmgw.router.api.anthropic_stream import MessagesStream, NativeStream, chat_usage
 from llmgw.router.errors import APIError, anthropic_error, anthropic_event
-from llmgw.router.relay import StreamCut
-from llmgw.router.sse import SSEParser
+from llmgw.router.upstream.relay import StreamCut
+from llmgw.router.upstream.sse import SSEParser
 
 
 def _events(data: bytes) -> list[tuple[str, dict[str, Any]]]:

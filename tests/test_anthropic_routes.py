@@ -15,13 +15,13 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
+from llmgw.router.api.app import Router
+from llmgw.router.api.prepare import MEDIA_ITEM_TOKENS, prepare, prepare_messages
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.metrics import RouterMetrics
-from llmgw.router.prepare import MEDIA_ITEM_TOKENS, prepare, prepare_messages
+from llmgw.router.routing.balancer import Balancer
 from llmgw.router.settings import RouterConfig
+from llmgw.router.telemetry.metrics import RouterMetrics
 from tests.exchange_fakes import FakeAgent, FakeResponse
 from tests.test_router import FakeAuth, Records
 from tests.typing_support import Response, stub_treq

@@ -3,7 +3,9 @@ The module layout's rules (docs/architecture.md, "Packages"):
 which package of llmgw may import which.  Processes are the boundaries:
 the control plane and the agent meet only through C{wire}; the router
 defines the interfaces others implement and imports none of them; C{store},
-C{wire} and C{sim} are leaves.
+C{wire} and C{sim} are leaves.  Inside the router, its rooms (C{edge},
+C{api}, C{routing}, C{upstream}, C{accounting}, C{telemetry}) import one
+way (docs/architecture.md, "The router's rooms").
 
 Imports are read from the source with L{ast}, so a function-level import or
 one under C{TYPE_CHECKING} counts as much as one at the top.
@@ -121,6 +123,33 @@ SETTINGS_MODULES = (
 )
 
 
+# The router's rooms (docs/architecture.md, "The router's rooms"): the
+# folders of llmgw/router, named by the path a request takes, each with the
+# rooms it may import and why.  A module at the router's top (interfaces,
+# settings, settings_toml, errors) is open to every room and imports none,
+# so that what other packages import of the router drags no room in.
+ROOMS: dict[str, tuple[tuple[str, ...], str]] = {
+    "edge": ((), "the edge takes the connection and knows no room past the site"),
+    "upstream": ((), "the engines' side knows no room that asked for the exchange"),
+    "telemetry": ((), "every room counts into telemetry, which knows none of them"),
+    "routing": (
+        ("upstream", "telemetry"),
+        "routing chooses a replica below the routes: it reads the engines"
+        " (load, adapters) and counts, nothing of the edge, api or accounting",
+    ),
+    "accounting": (
+        ("routing",),
+        "a key knows its priority (routing.fairness), nothing of the routes",
+    ),
+    "api": (
+        ("edge", "routing", "upstream", "telemetry"),
+        "the routes reach accounting only through the interfaces (Auth, UsageSink)",
+    ),
+}
+
+TOP_WHY = "the router's top imports no room: importing it drags no room in"
+
+
 def modules() -> Iterator[tuple[str, str]]:
     """
     @return: (dotted module name, file path) of every module of llmgw.
@@ -219,6 +248,48 @@ def violations(
     return sorted(set(found))
 
 
+def room_of(module: str) -> str | None:
+    """
+    @return: the room of a module of the router (C{"edge"} for
+        C{llmgw.router.edge.site} and for C{llmgw.router.edge} itself),
+        C{""} for a module at the router's top (C{llmgw.router.errors}, or
+        C{llmgw.router}), or L{None} for a module outside the router.
+    """
+    parts = module.split(".")
+    if parts[:2] != ["llmgw", "router"]:
+        return None
+    if len(parts) > 3 or (len(parts) == 3 and parts[2] in ROOMS):
+        return parts[2]
+    return ""
+
+
+def room_violations(
+    edges: dict[str, set[str]],
+    rooms: dict[str, tuple[tuple[str, ...], str]] = ROOMS,
+) -> list[str]:
+    """
+    @param edges: module name -> the llmgw modules it imports.
+    @return: one line per import of the router's modules from one room into
+        another that L{ROOMS} does not allow, or from the router's top into
+        a room, sorted.  A room without a rule allows nothing.
+    """
+    found = []
+    for module, imported in edges.items():
+        source = room_of(module)
+        if source is None:
+            continue
+        allowed, why = rooms.get(source, ((), f"{source} is a room without a rule"))
+        for target in sorted(imported):
+            destination = room_of(target)
+            if destination in (None, "", source):
+                continue
+            if source == "":
+                found.append(f"{module} imports {target}: {TOP_WHY}")
+            elif destination not in allowed:
+                found.append(f"{module} imports {target}: {why}")
+    return sorted(found)
+
+
 def all_edges() -> dict[str, set[str]]:
     return {module: imports_of(module, path) for module, path in modules()}
 
@@ -251,10 +322,12 @@ class ImportRuleTests(SynchronousTestCase):
         C{from a import b}, a relative import or inside a function.
         """
         cases = {
-            "import llmgw.router.app\n": "llmgw.router.app",
-            "from llmgw.router import app\n": "llmgw.router.app",
-            "from ..router.app import Router\n": "llmgw.router.app",
-            "def f():\n    from llmgw.router.app import Router\n": "llmgw.router.app",
+            "import llmgw.router.api.app\n": "llmgw.router.api.app",
+            "from llmgw.router.api import app\n": "llmgw.router.api.app",
+            "from ..router.api.app import Router\n": "llmgw.router.api.app",
+            "def f():\n    from llmgw.router.api.app import Router\n": (
+                "llmgw.router.api.app"
+            ),
         }
         path = self.mktemp()
         for source, target in cases.items():
@@ -278,7 +351,7 @@ class ImportRuleTests(SynchronousTestCase):
         wire, a package imports itself.
         """
         edges = {
-            "llmgw.server.tap": {"llmgw.router.app", "llmgw.control.plane"},
+            "llmgw.server.tap": {"llmgw.router.api.app", "llmgw.control.plane"},
             "llmgw.control.plane": {"llmgw.router.interfaces", "llmgw.wire.states"},
             "llmgw.store.usage": {"llmgw.store.db"},
             "llmgw.agent.link": {"llmgw.wire.protocol", "llmgw"},
@@ -306,13 +379,13 @@ class ImportRuleTests(SynchronousTestCase):
         edges = {
             "llmgw.control.plane": {
                 "llmgw.router.interfaces",
-                "llmgw.router.balancer",
+                "llmgw.router.routing.balancer",
             }
         }
         self.assertEqual(
             violations(edges),
             [
-                "llmgw.control.plane imports llmgw.router.balancer: only"
+                "llmgw.control.plane imports llmgw.router.routing.balancer: only"
                 " llmgw.router.interfaces of router is for control"
             ],
         )
@@ -322,12 +395,12 @@ class ImportRuleTests(SynchronousTestCase):
         The home of Twisted's private names imports nothing from llmgw,
         not even llmgw itself.
         """
-        edges = {"llmgw.twisted_private": {"llmgw.router.edge", "llmgw"}}
+        edges = {"llmgw.twisted_private": {"llmgw.router.edge.channel", "llmgw"}}
         why = "Twisted's private names are a leaf every process uses"
         self.assertEqual(
             violations(edges),
             [
-                f"llmgw.twisted_private imports llmgw.router.edge: {why}",
+                f"llmgw.twisted_private imports llmgw.router.edge.channel: {why}",
                 f"llmgw.twisted_private imports llmgw: {why}",
             ],
         )
@@ -345,6 +418,91 @@ class ImportRuleTests(SynchronousTestCase):
                 " an interface module is a leaf"
             ],
         )
+
+
+class RoomRuleTests(SynchronousTestCase):
+    """
+    The router's rooms import one way (L{ROOMS}).
+    """
+
+    def test_rooms_import_one_way(self) -> None:
+        """
+        No module of the router imports a room its own room may not.
+        """
+        self.assertEqual(room_violations(all_edges()), [])
+
+    def test_every_room_has_a_rule(self) -> None:
+        """
+        Each folder of llmgw/router is a room of L{ROOMS}, and each room of
+        L{ROOMS} is a folder with modules the walk reads, so that no room is
+        left out of the rules and no rule passes on nothing read.
+        """
+        router = os.path.join(ROOT, "router")
+        folders = {
+            name
+            for name in os.listdir(router)
+            if os.path.exists(os.path.join(router, name, "__init__.py"))
+        }
+        self.assertEqual(folders, set(ROOMS))
+        read = {room_of(module) for module in MODULES}
+        self.assertTrue(set(ROOMS) <= read)
+
+    def test_detects_a_backwards_import(self) -> None:
+        """
+        A room importing one above it (the edge importing the routes,
+        upstream importing routing), a room importing one beside it that
+        its rule leaves out, and the router's top importing a room, are
+        each reported with the importer's reason.
+        """
+        edges = {
+            "llmgw.router.edge.site": {"llmgw.router.api.app"},
+            "llmgw.router.upstream.http1": {"llmgw.router.routing.balancer"},
+            "llmgw.router.routing.balancer": {"llmgw.router.accounting.auth"},
+            "llmgw.router.errors": {"llmgw.router.edge.site"},
+        }
+        self.assertEqual(
+            room_violations(edges),
+            [
+                "llmgw.router.edge.site imports llmgw.router.api.app: "
+                + ROOMS["edge"][1],
+                f"llmgw.router.errors imports llmgw.router.edge.site: {TOP_WHY}",
+                "llmgw.router.routing.balancer imports"
+                " llmgw.router.accounting.auth: " + ROOMS["routing"][1],
+                "llmgw.router.upstream.http1 imports"
+                " llmgw.router.routing.balancer: " + ROOMS["upstream"][1],
+            ],
+        )
+
+    def test_allowed_room_edges_pass(self) -> None:
+        """
+        A room importing one its rule allows, its own modules, the router's
+        top or a package outside the router is not reported; nor is a
+        package outside the router importing any room.
+        """
+        edges = {
+            "llmgw.router.api.app": {
+                "llmgw.router.edge.site",
+                "llmgw.router.api.exchange",
+                "llmgw.router.errors",
+                "llmgw.reactors",
+            },
+            "llmgw.router.accounting.auth": {"llmgw.router.routing.fairness"},
+            "llmgw.router.settings": {"llmgw.config_checks"},
+            "llmgw.server.tap": {"llmgw.router.api.app"},
+        }
+        self.assertEqual(room_violations(edges), [])
+
+    def test_room_of(self) -> None:
+        """
+        A room's modules and the room's package are in the room; the
+        router's own modules and package are at its top; others are not
+        the router's.
+        """
+        self.assertEqual(room_of("llmgw.router.edge.site"), "edge")
+        self.assertEqual(room_of("llmgw.router.edge"), "edge")
+        self.assertEqual(room_of("llmgw.router.errors"), "")
+        self.assertEqual(room_of("llmgw.router"), "")
+        self.assertIsNone(room_of("llmgw.control.plane"))
 
 
 MAX_LINES = 600

@@ -10,8 +10,8 @@ from collections import Counter
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
+from llmgw.router.routing.balancer import Balancer
 
 
 def balancer(*endpoints: Endpoint, cooldown: float = 10.0) -> tuple[Balancer, Clock]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.cors import Cors
+from llmgw.router.edge.cors import Cors
 
 EXPOSE = (b"access-control-expose-headers", b"X-Request-ID, Retry-After")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.deadlines import Deadlines
+from llmgw.router.upstream.deadlines import Deadlines
 
 
 class DeadlinesTests(SynchronousTestCase):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from twisted.trial.unittest import SynchronousTestCase
 
 import llmgw
-from tests.test_architecture import all_edges, package_of
+from tests.test_architecture import ROOMS, all_edges, package_of, room_of
 
 PACKAGE = os.path.dirname(os.path.abspath(llmgw.__file__))
 ROOT = os.path.dirname(PACKAGE)
@@ -106,16 +106,69 @@ def unnamed_modules(text: str) -> list[str]:
             if row is None:
                 missing.append(f"llmgw.{entry}")
                 continue
-            for name in sorted(os.listdir(path)):
-                module = name[: -len(".py")]
-                if name.endswith(".py") and module != "__init__":
-                    if f"`{module}`" not in row:
-                        missing.append(f"llmgw.{entry}.{module}")
+            missing.extend(_unnamed_in(rows, path, entry, row))
         elif entry.endswith(".py") and entry != "__init__.py":
             module = entry[: -len(".py")]
             if module not in top:
                 missing.append(f"llmgw.{module}")
     return missing
+
+
+def _unnamed_in(rows: dict[str, str], path: str, relative: str, row: str) -> list[str]:
+    """
+    @param rows: L{package_rows} of the docs.
+    @param path: the folder of a package of llmgw.
+    @param relative: its path below llmgw (C{"router"}, C{"router/edge"}).
+    @param row: the row that names its modules when it has none of its
+        own: its parent package's.
+    @return: the dotted name of each module of the package and of the
+        packages inside it that the row naming it leaves out: a package's
+        own row (C{"router/edge/"}, the router's rooms) where the docs have
+        one, else its parent's.
+    """
+    row = rows.get(relative + "/", row)
+    missing = []
+    for name in sorted(os.listdir(path)):
+        inner = os.path.join(path, name)
+        if os.path.exists(os.path.join(inner, "__init__.py")):
+            missing.extend(_unnamed_in(rows, inner, f"{relative}/{name}", row))
+        elif name.endswith(".py") and name != "__init__.py":
+            module = name[: -len(".py")]
+            if f"`{module}`" not in row:
+                missing.append("llmgw." + relative.replace("/", ".") + "." + module)
+    return missing
+
+
+def documented_rooms(text: str) -> dict[str, set[str]]:
+    """
+    @return: each room of the router's rooms table in C{text} (C{"edge"} for
+        its row C{router/edge/}) -> the rooms its last cell says it imports
+        (names in parentheses are modules of the name before them; C{none}
+        is no room).
+    """
+    said: dict[str, set[str]] = {}
+    table = text.split("\n## The router's rooms\n", 1)[-1].split("\n## ", 1)[0]
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("| `router/") or len(cells) < 3:
+            continue
+        room = cells[0].strip("`").split("/")[1]
+        said[room] = set(re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", cells[-1])))
+    return said
+
+
+def actual_rooms() -> dict[str, set[str]]:
+    """
+    @return: each room of the router -> the other rooms whose modules its
+        modules import.
+    """
+    found: dict[str, set[str]] = {room: set() for room in ROOMS}
+    for module, imported in all_edges().items():
+        source = room_of(module)
+        if source:
+            targets = {room_of(t) for t in imported} - {None, "", source}
+            found.setdefault(source, set()).update(t for t in targets if t)
+    return found
 
 
 def documented_imports(text: str) -> dict[str, set[str]]:
@@ -259,6 +312,40 @@ class ArchitectureTests(SynchronousTestCase):
         self.assertIn(
             "llmgw.config_docs",
             unnamed_modules(text.replace("`config`, `config_docs`, ", "`config`, ")),
+        )
+
+
+class RoomsTests(SynchronousTestCase):
+    """
+    C{docs/architecture.md}'s table of the router's rooms keeps up with
+    the code.
+    """
+
+    def test_rooms_import_as_the_code_does(self) -> None:
+        """
+        Each room has a row, and its last cell names the rooms its modules
+        import, no more and no fewer.
+        """
+        with open(os.path.join(DOCS, "architecture.md"), encoding="utf-8") as f:
+            said = documented_rooms(f.read())
+        self.assertEqual(said, actual_rooms())
+        self.assertEqual(set(said), set(ROOMS))
+
+    def test_detects_a_room_import_left_out(self) -> None:
+        """
+        A room's row that leaves out a room it imports is told apart from
+        the code, and a room's module its row leaves out is reported.
+        """
+        with open(os.path.join(DOCS, "architecture.md"), encoding="utf-8") as f:
+            text = f.read()
+        said = documented_rooms(
+            text.replace("| `upstream`, `telemetry` |", "| `upstream` |")
+        )
+        self.assertEqual(said["routing"], {"upstream"})
+        self.assertNotEqual(said["routing"], actual_rooms()["routing"])
+        self.assertIn(
+            "llmgw.router.edge.channel",
+            unnamed_modules(text.replace("`channel` an HTTP/1.1", "an HTTP/1.1")),
         )
 
 

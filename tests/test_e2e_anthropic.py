@@ -22,7 +22,7 @@ import anthropic
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.prepare import MEDIA_ITEM_TOKENS
+from llmgw.router.api.prepare import MEDIA_ITEM_TOKENS
 from tests.support import CtlMixin, Process, Processes
 
 HELLO: list[Any] = [{"role": "user", "content": "say hello"}]

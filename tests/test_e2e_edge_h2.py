@@ -3,7 +3,7 @@ End to end, the hostile-client suite over HTTP/2 (TLS with ALPN C{h2}): a
 rapid-reset flood (CVE-2023-44487) and more concurrent streams than the
 server allows, each against a real C{twistd -n llmgw-server} with the C{h2}
 library as the client, while a normal client keeps being served.  Both
-defences are Twisted's and the C{h2} library's (see L{llmgw.router.edge});
+defences are Twisted's and the C{h2} library's (see L{llmgw.router.edge.channel});
 these tests hold them to bounds on the server's CPU time.
 """
 

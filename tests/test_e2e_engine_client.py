@@ -1,6 +1,6 @@
 """
-End to end: the router's engine client (L{llmgw.router.engine_client},
-L{llmgw.router.http1}) as C{twistd -n llmgw-server} wires it, in front of
+End to end: the router's engine client (L{llmgw.router.upstream.engine_client},
+L{llmgw.router.upstream.http1}) as C{twistd -n llmgw-server} wires it, in front of
 L{RawEngine}, an engine written on raw sockets that answers exact bytes,
 talked to with the official C{openai} client.  What held when tried this
 way (chunks split at every byte or many per read, chunk extensions and

@@ -5,7 +5,7 @@ running C{twistd -n llmgw-server}: the activation queue of a catalog model
 full, a wait for an activation past C{activation_timeout} (in the server
 and through a C{twistd llmgw-router} of a tier), the edge's connection caps
 (per client and global).  An activation's C{Retry-After} is computed from
-the queue (L{llmgw.router.activation.retry_seconds}), never a fixed
+the queue (L{llmgw.router.routing.activation.retry_seconds}), never a fixed
 number; a waiting stream's keep-alive comments say where it stands.
 """
 

@@ -1,5 +1,5 @@
 """
-The connection edge (L{llmgw.router.edge}) on a L{Clock}: which deadline
+The connection edge (L{llmgw.router.edge.channel}) on a L{Clock}: which deadline
 runs in which phase of a connection, what is answered when one passes, and
 the connection caps' counting and log line; and the open-file limit
 raised at start (L{llmgw.daemon.fdlimit}).  The same behaviours through a
@@ -21,8 +21,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.static import Data
 
-from llmgw.router.connections import EdgeSite
-from llmgw.router.edge import LINGER
+from llmgw.router.edge.channel import LINGER
+from llmgw.router.edge.connections import EdgeSite
 from llmgw.router.settings import RouterConfig
 from tests.typing_support import collect
 

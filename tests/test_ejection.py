@@ -9,9 +9,9 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.balancer import Balancer, Replica
-from llmgw.router.ejection import MAX_DOUBLINGS, cooldown, outcome
 from llmgw.router.interfaces import Endpoint
+from llmgw.router.routing.balancer import Balancer, Replica
+from llmgw.router.routing.ejection import MAX_DOUBLINGS, cooldown, outcome
 from llmgw.router.settings import RouterConfig
 
 A = Endpoint("a", "http://a", ("m",))

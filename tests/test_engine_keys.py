@@ -2,7 +2,7 @@
 Engine secrets, unit by unit: each engine's flag and the probe's header
 (L{llmgw.agent.engines.build}), the server's derivation
 (L{llmgw.server.engine_keys.EngineKeys}), the headers the router sends
-(L{llmgw.router.upstream.upstream_headers}), and the sim's C{--api-key}.
+(L{llmgw.router.upstream.base.upstream_headers}), and the sim's C{--api-key}.
 The whole path through real processes is L{tests.test_e2e_engine_keys}.
 """
 
@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.engines import build
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.upstream import upstream_headers
+from llmgw.router.upstream.base import upstream_headers
 from llmgw.server.engine_keys import SECRET_FILE, EngineKeys
 from llmgw.wire import agent_pb2 as pb
 

@@ -15,15 +15,15 @@ from twisted.logger import Logger
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 
-from llmgw.router.activation import ActivationQueues
-from llmgw.router.balancer import Balancer
+from llmgw.router.api.exchange import Exchange, Services
+from llmgw.router.api.prepare import prepare
 from llmgw.router.errors import APIError
-from llmgw.router.exchange import Exchange, Services
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.metrics import RouterMetrics
-from llmgw.router.prepare import prepare
+from llmgw.router.routing.activation import ActivationQueues
+from llmgw.router.routing.balancer import Balancer
 from llmgw.router.settings import RouterConfig
-from llmgw.router.upstream import NoAnswer, UpstreamConnectError
+from llmgw.router.telemetry.metrics import RouterMetrics
+from llmgw.router.upstream.base import NoAnswer, UpstreamConnectError
 from tests.exchange_fakes import FakeAgent, FakeRequest, FakeResponse
 from tests.typing_support import collect
 

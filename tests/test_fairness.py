@@ -14,9 +14,10 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.admin.http import AdminError
 from llmgw.admin.keys import _order_fields
 from llmgw.control.held_order import held_order
-from llmgw.router.activation import ActivationQueues, ActivationWait
 from llmgw.router.errors import APIError
-from llmgw.router.fairness import (
+from llmgw.router.interfaces import Standing
+from llmgw.router.routing.activation import ActivationQueues, ActivationWait
+from llmgw.router.routing.fairness import (
     HALF_LIFE,
     FairQueue,
     FairShare,
@@ -25,8 +26,7 @@ from llmgw.router.fairness import (
     priority_rank,
     retry_from_rate,
 )
-from llmgw.router.interfaces import Standing
-from llmgw.router.overload import Overload
+from llmgw.router.routing.overload import Overload
 from llmgw.router.settings import RouterConfig
 from tests.test_activation import _Activator
 

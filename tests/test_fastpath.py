@@ -1,5 +1,5 @@
 """
-L{llmgw.router.fastpath.ForwardingRoutes}: which requests skip Klein, and
+L{llmgw.router.api.fastpath.ForwardingRoutes}: which requests skip Klein, and
 what it keeps of Klein's handling (the answer written and the request
 finished, the handler cancelled when the client goes away, an unexpected
 failure logged and answered 500).
@@ -26,8 +26,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET
 from twisted.web.test.requesthelper import DummyRequest
 
-from llmgw.router.app import FORWARDED_PATHS, Router
-from llmgw.router.fastpath import ForwardingRoutes
+from llmgw.router.api.app import FORWARDED_PATHS, Router
+from llmgw.router.api.fastpath import ForwardingRoutes
 from tests.typing_support import as_request, collect, stub_treq
 
 PATHS = {

@@ -1,5 +1,5 @@
 """
-L{llmgw.router.http1.EngineClient} against a scripted server on real
+L{llmgw.router.upstream.http1.EngineClient} against a scripted server on real
 loopback sockets: the bytes it sends, the framings it reads, which
 connections it keeps, how it fails, cancels and applies backpressure.
 """
@@ -13,8 +13,8 @@ from twisted.internet.defer import CancelledError
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
 
-from llmgw.router.http1 import AnswerBroken
-from llmgw.router.upstream import BadAnswer, NoAnswer, UpstreamConnectError
+from llmgw.router.upstream.base import BadAnswer, NoAnswer, UpstreamConnectError
+from llmgw.router.upstream.http1 import AnswerBroken
 from tests.http1_support import (
     Answer,
     EngineClientTestCase,

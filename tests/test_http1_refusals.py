@@ -1,5 +1,5 @@
 """
-L{llmgw.router.http1.EngineClient} against a scripted server on real
+L{llmgw.router.upstream.http1.EngineClient} against a scripted server on real
 loopback sockets: the answers that once passed its parser (a bare LF after
 chunk data, chunk data not followed by CRLF, a negative length, a 101) are
 refused, the connection closed.
@@ -7,7 +7,7 @@ refused, the connection closed.
 
 from __future__ import annotations
 
-from llmgw.router.http1 import BadAnswer
+from llmgw.router.upstream.http1 import BadAnswer
 from tests.http1_support import Answer, EngineClientTestCase, Reader
 from tests.test_http1 import OK, _bytes
 

@@ -17,7 +17,7 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
 from llmgw.accounts.keysync import key_events
-from llmgw.router.auth import KeyRing
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.store.pg import KeyEvents, PostgresStore
 from tests.pg_support import fresh_database

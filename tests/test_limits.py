@@ -14,10 +14,10 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from llmgw.router import limits as limits_module
-from llmgw.router.auth import KeyRing
+from llmgw.router.accounting import limits as limits_module
+from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.accounting.limits import RedisLimits
 from llmgw.router.errors import APIError
-from llmgw.router.limits import RedisLimits
 from tests.redis_support import start_redis
 from tests.support import closed_port
 

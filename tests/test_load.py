@@ -1,5 +1,5 @@
 """
-Engine load polling (L{llmgw.router.load}): the parser on each engine's
+Engine load polling (L{llmgw.router.routing.load}): the parser on each engine's
 names, and the board's loop on a L{Clock}.
 """
 
@@ -14,7 +14,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import (
+from llmgw.router.routing.load import (
     HIT_RATE_POLLS,
     NO_METRICS_RETRY,
     EngineLoad,

@@ -1,5 +1,5 @@
 """
-L{llmgw.router.metrics.MetricsRegistry} and L{RouterMetrics.refresh}: the
+L{llmgw.router.telemetry.metrics.MetricsRegistry} and L{RouterMetrics.refresh}: the
 scrape of llmgw's registry without C{_created} samples (and only its own),
 and labelled children made at 0 for what became known.
 """
@@ -11,7 +11,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.metrics import MetricsRegistry, RouterMetrics
+from llmgw.router.telemetry.metrics import MetricsRegistry, RouterMetrics
 
 
 def scrape(

@@ -9,7 +9,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.errors import APIError
-from llmgw.router.overload import Overload
+from llmgw.router.routing.overload import Overload
 
 
 class OverloadTests(SynchronousTestCase):

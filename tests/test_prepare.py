@@ -8,7 +8,7 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.prepare import (
+from llmgw.router.api.prepare import (
     DEFAULT_RESERVED_COMPLETION,
     Refused,
     estimate_prompt_tokens,

@@ -15,11 +15,11 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
+from llmgw.router.api.app import Router
 from llmgw.router.interfaces import Endpoint, Readiness, RequestRecord, Shortfall
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.routing.balancer import Balancer
 from llmgw.router.settings import RouterConfig
+from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.tier.follow import Follower
 from llmgw.tier.watch import Watch
 from tests.exchange_fakes import FakeAgent

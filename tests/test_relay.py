@@ -11,8 +11,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.relay import StreamCut, UsageFilter
-from llmgw.router.sse import EventTooLarge
+from llmgw.router.upstream.relay import StreamCut, UsageFilter
+from llmgw.router.upstream.sse import EventTooLarge
 
 COMMENT = b": c\n\n"
 CHUNK = b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'

@@ -1,5 +1,5 @@
 """
-L{llmgw.router.response_parser}, without sockets: every framing fed whole
+L{llmgw.router.upstream.response_parser}, without sockets: every framing fed whole
 and one byte at a time, Hypothesis splits, the refusals, the limits, and a
 differential oracle against h11 (python-hyper) on generated valid and
 invalid answers (L{tests.test_response_parser_h11}).
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.response_parser import (
+from llmgw.router.upstream.response_parser import (
     MAX_CHUNK_LINE,
     MAX_HEAD,
     MAX_TRAILERS,

@@ -1,5 +1,5 @@
 """
-L{llmgw.router.response_parser} cross-checked against h11 (python-hyper)
+L{llmgw.router.upstream.response_parser} cross-checked against h11 (python-hyper)
 as a differential oracle: on generated valid answers, on mutations that
 both must refuse, and on random bytes inserted anywhere, the two agree but
 where the lists below say why they do not.

@@ -14,12 +14,12 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
+from llmgw.router.api.app import Router
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint, Key, RequestRecord, Tenant
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.routing.balancer import Balancer
 from llmgw.router.settings import RouterConfig
+from llmgw.router.telemetry.metrics import RouterMetrics
 from tests.exchange_fakes import FakeAgent, FakeResponse
 from tests.typing_support import Response, stub_treq
 

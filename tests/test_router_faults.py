@@ -18,11 +18,11 @@ from twisted.web.client import ResponseFailed
 
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
+from llmgw.router.api.app import Router
 from llmgw.router.interfaces import Endpoint, RequestRecord
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.routing.balancer import Balancer
 from llmgw.router.settings import RouterConfig
+from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.wire import agent_pb2 as pb
 from tests.exchange_fakes import FakeAgent, FakeResponse
 from tests.plane_support import SETTINGS, Agents, make_model, register_message

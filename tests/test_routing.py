@@ -15,12 +15,12 @@ from prometheus_client import CollectorRegistry
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.affinity import AffinityRule, leading_content, owner
-from llmgw.router.balancer import Balancer, Replica
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import STALE_POLLS, EngineLoad
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.routing.affinity import AffinityRule, leading_content, owner
+from llmgw.router.routing.balancer import Balancer, Replica
+from llmgw.router.routing.load import STALE_POLLS, EngineLoad
 from llmgw.router.settings import RouterConfig
+from llmgw.router.telemetry.metrics import RouterMetrics
 
 A = Endpoint("a", "http://a", ("m",))
 B = Endpoint("b", "http://b", ("m",))

@@ -1,5 +1,5 @@
 """
-The C{/metrics} client (L{llmgw.router.scrape}): framing of answers fed in
+The C{/metrics} client (L{llmgw.router.upstream.scrape}): framing of answers fed in
 pieces, one byte at a time included, over a L{StringTransport}; and the
 load poller over loopback sockets refusing answers that are not HTTP/1.1.
 """
@@ -16,8 +16,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.reactors import IConnectingReactor
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
-from llmgw.router.scrape import PageProtocol, ScrapeError, build_request
+from llmgw.router.routing.load import LoadBoard, LoadCollector, make_scraper
+from llmgw.router.upstream.scrape import PageProtocol, ScrapeError, build_request
 from tests.http1_support import ScriptedServer, until
 from tests.typing_support import collect
 

@@ -12,7 +12,7 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.load import parse_load
+from llmgw.router.routing.load import parse_load
 from llmgw.sim.cli import build_parser, sim_config
 from llmgw.sim.engine import Scheduler, SimConfig, Simulator, completion_tokens
 from llmgw.sim.kvcache import BLOCK_TOKENS, PrefixCache, SequenceBlocks, block_hashes

@@ -1,5 +1,5 @@
 """
-Replica speed learnt from answers (L{llmgw.router.speed}) and its use by
+Replica speed learnt from answers (L{llmgw.router.routing.speed}) and its use by
 the balancer: shares of fresh picks, prefix key ownership and the
 bounded-load capacity, recovery.
 """
@@ -12,10 +12,10 @@ from collections import Counter
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint, RequestRecord
+from llmgw.router.routing.balancer import Balancer
+from llmgw.router.routing.speed import HALF_LIFE
 from llmgw.router.settings import RouterConfig
-from llmgw.router.speed import HALF_LIFE
 
 ITL = 0.01
 """

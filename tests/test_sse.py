@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.sse import Event, SSEParser, usage_of
+from llmgw.router.upstream.sse import Event, SSEParser, usage_of
 
 STREAM = (
     'data: {"choices":[{"delta":{"content":'
@@ -200,7 +200,7 @@ class LimitTests(SynchronousTestCase):
         An event that grows past max_event_size, by one long line or by
         many data lines, raises EventTooLarge.
         """
-        from llmgw.router.sse import EventTooLarge
+        from llmgw.router.upstream.sse import EventTooLarge
 
         parser = SSEParser(max_event_size=1000)
         parser.feed(b"data: " + b"x" * 900)

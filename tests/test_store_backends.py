@@ -353,7 +353,7 @@ class PostgresKeyRingTests(test_store.KeyRingTests):
     """
 
     def setUp(self) -> None:
-        from llmgw.router.auth import KeyRing
+        from llmgw.router.accounting.auth import KeyRing
         from llmgw.store.pg import PostgresStore
 
         self.now = 1000.0

@@ -1,5 +1,5 @@
 """
-L{llmgw.router.usage_log}: the per-request log line, formatted once and
+L{llmgw.router.accounting.usage_log}: the per-request log line, formatted once and
 logged as a format with no fields, and the fields on its event.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 from twisted.logger import LogEvent, Logger, formatEvent
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.router.accounting.usage_log import LogUsageSink, UsageSinks
 from llmgw.router.interfaces import RequestRecord
-from llmgw.router.usage_log import LogUsageSink, UsageSinks
 from tests.typing_support import collect
 
 

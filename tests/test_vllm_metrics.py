@@ -13,7 +13,7 @@ import os
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.load import parse_load
+from llmgw.router.routing.load import parse_load
 from llmgw.sim.metrics import SimMetrics
 
 PAGE = os.path.join(os.path.dirname(__file__), "data", "vllm-0.32.0-metrics.txt")

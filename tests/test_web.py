@@ -20,8 +20,8 @@ from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 
 from llmgw.control.plane import ControlPlane
-from llmgw.router.auth import KeyRing, hash_key
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.accounting.auth import KeyRing, hash_key
+from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, sparkline
 from llmgw.web.login import SESSION_COOKIE, LoginGate, Mount, Sessions, Split

@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.control.inventory import Inventory
 from llmgw.control.metrics import FleetCollector
 from llmgw.control.views import gpu_allocations
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import History, chart, nice_top
 from llmgw.web.traffic import KEPT, OTHER, RATIO, SLOT, Traffic, bucket, percentile

@@ -18,8 +18,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.accounts.settings import AuthConfig, LimitsConfig
-from llmgw.router.auth import KeyRing
-from llmgw.router.limits import RedisLimits
+from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.accounting.limits import RedisLimits
 from llmgw.store.base import Store
 
 log = Logger()

@@ -1,6 +1,6 @@
 """
 The router's usage records into the store: the L{UsageSink} the server
-wires between L{llmgw.router.app.Router} and L{llmgw.store.usage.UsageWriter}.
+wires between L{llmgw.router.api.app.Router} and L{llmgw.store.usage.UsageWriter}.
 """
 
 from __future__ import annotations

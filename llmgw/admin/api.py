@@ -37,7 +37,7 @@ from llmgw.control.views import (
     nodes_json,
     replicas_json,
 )
-from llmgw.router.auth import KeyRing
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
 from llmgw.tier.watch import Watch

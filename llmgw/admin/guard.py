@@ -15,7 +15,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
 from llmgw.admin.http import json_answer
-from llmgw.router.auth import KeyRing
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.errors import APIError
 
 

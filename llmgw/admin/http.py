@@ -11,7 +11,7 @@ from typing import Any
 from klein import Klein
 from twisted.web.iweb import IRequest
 
-from llmgw.router.fairness import priority_rank
+from llmgw.router.routing.fairness import priority_rank
 
 app = Klein()
 """
@@ -53,7 +53,7 @@ def not_found(what: str) -> AdminError:
 def priority_number(value: Any) -> int:
     """
     @param value: a body's C{priority}: a name of
-        L{llmgw.router.fairness.PRIORITIES}, an integer (or its digits), or
+        L{llmgw.router.routing.fairness.PRIORITIES}, an integer (or its digits), or
         L{None} for C{standard}.
     @return: its number, higher goes first.
     @raise AdminError: 400, it is none of those (the message names what is

@@ -28,8 +28,8 @@ from llmgw.admin.http import (
 )
 from llmgw.config_checks import ConfigError, parse_duration
 from llmgw.control.plane import ControlPlane
-from llmgw.router.auth import ApiKey, KeyRing
-from llmgw.router.fairness import check_weight
+from llmgw.router.accounting.auth import ApiKey, KeyRing
+from llmgw.router.routing.fairness import check_weight
 from llmgw.store.base import KEY_LIMITS
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
@@ -241,7 +241,7 @@ class KeyRoutes:
         Make a key: C{{"name", "models"?, "rpm"?, "tpm"?,
         "budget_tokens"?, "admin"?, "expires"?, "priority"?, "weight"?}}
         (C{expires} as L{parse_expires} reads it; C{priority} a name of
-        L{llmgw.router.fairness.PRIORITIES} or an integer, C{weight} a
+        L{llmgw.router.routing.fairness.PRIORITIES} or an integer, C{weight} a
         number above 0).  201 with the key under C{"key"}: the
         only time it is shown.  400 C{unknown_model} naming the models no
         catalog model or endpoint serves.

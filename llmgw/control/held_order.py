@@ -4,7 +4,7 @@ L{llmgw.control.swaps}' C{_held_order} to sort by: models holding requests
 first; among them, those whose oldest request was passed over for
 C{swap_max_wait} (oldest first, whatever their priority, so that no
 request waits unbounded), then the highest priority held
-(L{llmgw.router.fairness}: a priority's number, higher goes first, which
+(L{llmgw.router.routing.fairness}: a priority's number, higher goes first, which
 the waiting request carries in L{ModelCatalog.activate}), then the oldest
 held.  Pure: the control plane imports nothing of the router.
 """

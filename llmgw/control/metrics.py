@@ -7,7 +7,7 @@ fixed words (node states, placement failure kinds).  Never a secret, a
 key, a user field or a request id.
 
 Registered on the server's one registry (L{llmgw.server.tap}), served on
-the same C{/metrics} as the traffic figures (L{llmgw.router.metrics}).
+the same C{/metrics} as the traffic figures (L{llmgw.router.telemetry.metrics}).
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class ControlPlane:
         count; a draining replica is stopped when it reaches 0.
     @param keys: a shard id's engine secret (L{ShardCommands}), "" for none.
     @param cut: ends the router's requests in flight to a replica id now,
-        with a reason (L{llmgw.router.balancer.Balancer.cut}): called when
+        with a reason (L{llmgw.router.routing.balancer.Balancer.cut}): called when
         the replica is gone (its node lost, its engine exited) or its drain
         ran out of time.
     @param touched: whether the router touches a model

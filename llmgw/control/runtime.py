@@ -174,7 +174,7 @@ class ModelCatalog:
         A request for C{name} found no ready replica: ask for one.
 
         @param priority: the waiting request's priority number
-            (L{llmgw.router.fairness}: higher goes first; 1 is
+            (L{llmgw.router.routing.fairness}: higher goes first; 1 is
             C{standard}): the swap queue serves the models holding the
             highest first.
         @param waited: seconds the request has waited already elsewhere

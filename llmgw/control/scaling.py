@@ -40,7 +40,7 @@ class ModelState:
     @ivar retry_at: reactor seconds before which nothing is placed.
     @ivar waiters: requests waiting for a ready replica.
     @ivar held: per one of C{waiters}, the reactor seconds its request
-        came at and its priority number (L{llmgw.router.fairness}: higher
+        came at and its priority number (L{llmgw.router.routing.fairness}: higher
         goes first).
     """
 

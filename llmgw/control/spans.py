@@ -1,5 +1,5 @@
 """
-The control plane's OpenTelemetry spans (C{[tracing]}, L{llmgw.router.tracing}
+The control plane's OpenTelemetry spans (C{[tracing]}, L{llmgw.router.telemetry.tracing}
 makes the tracer): C{llmgw.start} for each replica started, placement to
 ready, with a child span per phase (C{llmgw.placement} for its placement,
 then the agent's C{launched}, C{port_open}, C{model_listed}, C{ready}, from

@@ -197,7 +197,7 @@ class PoolService(Service):
     """
     Closes an HTTP connection pool's idle connections on stop (a
     L{twisted.web.client.HTTPConnectionPool} or the router's
-    L{llmgw.router.engine_client.EngineClient}).
+    L{llmgw.router.upstream.engine_client.EngineClient}).
     """
 
     def __init__(self, pool: _Pool) -> None:

@@ -309,7 +309,7 @@ def error_message(body: bytes) -> str | None:
 def activation_queue_full(model: str, retry_after: int) -> APIError:
     """
     @param retry_after: seconds for C{Retry-After}, from the queue
-        (L{llmgw.router.activation.retry_seconds}).
+        (L{llmgw.router.routing.activation.retry_seconds}).
     @return: a 503: too many requests already wait for C{model} to start.
     """
     return APIError(
@@ -329,7 +329,7 @@ def activation_timeout(
     @param seconds: how long the request waited.
     @param why: why no replica is ready, for the client, or C{""}.
     @param retry_after: seconds for C{Retry-After}, from the queue
-        (L{llmgw.router.activation.retry_seconds}).
+        (L{llmgw.router.routing.activation.retry_seconds}).
     @return: a 503: no replica of C{model} became ready in time.
     """
     return APIError(

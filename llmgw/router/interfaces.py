@@ -40,7 +40,7 @@ class Endpoint:
     @ivar adapters: the LoRA adapters it may load, as C{(name, path)}: the
         catalog's adapters of its model (their names are in C{models}
         too); the router loads one the first time a request for it goes
-        here (L{llmgw.router.adapters}).
+        here (L{llmgw.router.routing.adapters}).
     @ivar max_loras: adapters it keeps loaded; beyond it the least
         recently used is unloaded.
     """
@@ -104,7 +104,7 @@ class RequestRecord:
     @ivar reserved_tokens: tokens held against the key while the request
         ran.
     @ivar candidates: the replicas weighed for its last attempt and what
-        was weighed (L{llmgw.router.decision}), when asked; else L{None}.
+        was weighed (L{llmgw.router.routing.decision}), when asked; else L{None}.
     """
 
     request_id: str
@@ -142,7 +142,7 @@ class Tenant:
 
     @ivar name: the key's name; C{""} for a request without a key.
     @ivar rank: its priority's number, higher goes first
-        (L{llmgw.router.fairness.priority_rank}; 1 is C{standard}).
+        (L{llmgw.router.routing.fairness.priority_rank}; 1 is C{standard}).
     @ivar weight: its weight, above 0.
     """
 
@@ -172,7 +172,7 @@ class Key(Protocol):
     def tenant(self) -> Tenant:
         """
         Who its requests are for where they wait: its name, priority and
-        weight (L{llmgw.router.fairness}).
+        weight (L{llmgw.router.routing.fairness}).
         """
 
     def allows(self, model: str, resolve: Callable[[str], str | None]) -> bool:
@@ -185,7 +185,7 @@ class Key(Protocol):
 
 class Auth(Protocol):
     """
-    API keys and their limits (L{llmgw.router.auth.KeyRing}).
+    API keys and their limits (L{llmgw.router.accounting.auth.KeyRing}).
     """
 
     def authenticate(self, header: bytes | None) -> Key | None:
@@ -252,7 +252,7 @@ class Activator(Protocol):
     def activate(self, name: str, priority: int = 1) -> Deferred[None]:
         """
         @param priority: the waiting request's priority number
-            (L{llmgw.router.fairness}: higher goes first; 1 is
+            (L{llmgw.router.routing.fairness}: higher goes first; 1 is
             C{standard}).
         @return: fires once a replica of C{name} is ready; cancellable.
         """

@@ -18,10 +18,10 @@ BALANCE = ("load", "least_in_flight", "round_robin")
 ORDERS = ("fair", "fifo")
 """
 The values of C{waiting_order}: by priority and fair share
-(L{llmgw.router.fairness}), or first come, first served.
+(L{llmgw.router.routing.fairness}), or first come, first served.
 """
 """
-The C{[router] balance} policies (L{llmgw.router.balancer}).
+The C{[router] balance} policies (L{llmgw.router.routing.balancer}).
 """
 
 

@@ -287,7 +287,7 @@ def parse_endpoints(tables: object) -> tuple[Endpoint, ...]:
 class TracingConfig:
     """
     The C{[tracing]} table: OpenTelemetry spans exported over OTLP/HTTP
-    (L{llmgw.router.tracing}).
+    (L{llmgw.router.telemetry.tracing}).
 
     @ivar otlp_endpoint: the collector's URL (C{http://host:4318}, the
         exporter adds C{/v1/traces}); empty: tracing off, no exporter.

@@ -35,12 +35,12 @@ from llmgw.control.settings import ControlConfig
 from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
+from llmgw.router.accounting.usage_log import UsageSinks
+from llmgw.router.api.app import Router
+from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
-from llmgw.router.load import LoadBoard
-from llmgw.router.site import make_site
-from llmgw.router.usage_log import UsageSinks
+from llmgw.router.routing.balancer import Balancer
+from llmgw.router.routing.load import LoadBoard
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.local import (
     LocalEngines,

@@ -41,10 +41,10 @@ from llmgw.daemon.lifecycle import (
 )
 from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
-from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
+from llmgw.router.api.app import Router
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.tracing import tracing_service
+from llmgw.router.routing.balancer import Balancer
+from llmgw.router.telemetry.tracing import tracing_service
 from llmgw.server.build import (
     PROGRAM,
     Listeners,

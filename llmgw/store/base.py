@@ -363,7 +363,7 @@ class Store:
             C{models} a list of names or L{None} (all), C{rpm}, C{tpm} and
             C{budget_tokens} an integer or L{None} (no limit), C{expires}
             POSIX seconds or L{None} (never), C{priority} a name or an
-            integer's digits (L{llmgw.router.fairness}), C{weight} a
+            integer's digits (L{llmgw.router.routing.fairness}), C{weight} a
             number above 0.
         @raise ValueError: a column not in L{KEY_LIMITS} (before any write).
         """

@@ -223,7 +223,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         procedure="partition_usage",
     ),
     # Where requests wait in the router, a key's priority (a name or an
-    # integer, llmgw.router.fairness) goes first, then its weighted share.
+    # integer, llmgw.router.routing.fairness) goes first, then its weighted share.
     Migration(
         "keys: a priority and a weight for the router's waiting rooms",
         """

@@ -20,15 +20,15 @@ from llmgw.accounts.settings import AuthConfig, LimitsConfig
 from llmgw.accounts.usage import StoreUsageSink
 from llmgw.config import ServerConfig
 from llmgw.reactors import IConnectingReactor, IDaemonReactor
-from llmgw.router.app import Router
-from llmgw.router.auth import KeyRing
-from llmgw.router.balancer import Balancer
-from llmgw.router.engine_client import EngineClient
+from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.accounting.usage_log import LogUsageSink, UsageSinks
+from llmgw.router.api.app import Router
 from llmgw.router.interfaces import Activator, Readiness
-from llmgw.router.load import LoadBoard, LoadCollector, make_scraper
-from llmgw.router.metrics import MetricsRegistry, RouterMetrics
+from llmgw.router.routing.balancer import Balancer
+from llmgw.router.routing.load import LoadBoard, LoadCollector, make_scraper
 from llmgw.router.settings import RouterConfig
-from llmgw.router.usage_log import LogUsageSink, UsageSinks
+from llmgw.router.telemetry.metrics import MetricsRegistry, RouterMetrics
+from llmgw.router.upstream.engine_client import EngineClient
 from llmgw.store.base import Store
 from llmgw.store.usage import UsageWriter
 

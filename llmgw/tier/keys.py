@@ -11,7 +11,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from llmgw.router.auth import KeyRing
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.store.base import Store
 
 log = Logger(namespace="llmgw.tier.keys")

@@ -44,10 +44,10 @@ from llmgw.daemon.listen import ListenError
 from llmgw.daemon.listen import listen as _listen
 from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
-from llmgw.router.balancer import Balancer
+from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness
-from llmgw.router.site import make_site
-from llmgw.router.tracing import tracing_service
+from llmgw.router.routing.balancer import Balancer
+from llmgw.router.telemetry.tracing import tracing_service
 from llmgw.store.base import Store
 from llmgw.store.db import StoreError, open_store
 from llmgw.tier.activate import RemoteActivator

@@ -16,7 +16,7 @@ from llmgw.control.phases import start_phases, start_seconds
 from llmgw.control.plane import ControlPlane
 from llmgw.control.records import ReplicaRecord
 from llmgw.control.views import count_states, explain, gpu_allocations, models_json
-from llmgw.router.auth import KeyRing
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.web.history import FailureTap, History, Point, chart
 from llmgw.web.traffic import SLOT, WINDOWS, Figures, Series, Traffic, percentile
 
@@ -26,7 +26,7 @@ GIB = 1024 * MIB
 
 class EngineLoad(Protocol):
     """
-    One engine load reading (C{llmgw.router.load.EngineLoad}).
+    One engine load reading (C{llmgw.router.routing.load.EngineLoad}).
     """
 
     @property

@@ -23,8 +23,8 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from llmgw.control.plane import ControlPlane
-from llmgw.router.auth import KeyRing
-from llmgw.router.metrics import RouterMetrics
+from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire.states import ShardState
 

@@ -24,7 +24,7 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
-from llmgw.router.auth import KeyRing
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.web.pages import TEMPLATES, form
 

@@ -1,6 +1,6 @@
 """
-End to end: the forwarding fast path (L{llmgw.router.fastpath}) and the
-per-request log line (L{llmgw.router.usage_log.LogUsageSink}) as
+End to end: the forwarding fast path (L{llmgw.router.api.fastpath}) and the
+per-request log line (L{llmgw.router.accounting.usage_log.LogUsageSink}) as
 C{twistd -n llmgw-server} wires them: what the fast path passes on is
 still served by Klein, and a line holding braces prints them literally,
 as text and as C{--log-format json}.

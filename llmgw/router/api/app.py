@@ -1,0 +1,600 @@
+"""
+The data plane: the OpenAI API in front of engine replicas (the path of one
+request: docs/architecture.md, "One request").
+The routes, API keys and usage accounting; each request's trip to the
+replicas is an L{llmgw.router.api.exchange.Exchange}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from klein import Klein
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+from llmgw.router.api.anthropic import (
+    CHAT_PATH,
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    MESSAGES_PATHS,
+)
+from llmgw.router.api.exchange import Exchange, Services
+from llmgw.router.api.fastpath import ForwardingRoutes
+from llmgw.router.api.prepare import (
+    USAGE_STREAM_PATHS,
+    Prepared,
+    Refused,
+    prepare,
+    prepare_messages,
+)
+from llmgw.router.api.records import request_record
+from llmgw.router.edge.cors import Cors
+from llmgw.router.edge.site import JSON, client_gone, request_id, upstream_request_id
+from llmgw.router.errors import (
+    APIError,
+    anthropic_error,
+    body_too_large,
+    model_not_found,
+)
+from llmgw.router.interfaces import Activator, Auth, Key, Readiness, UsageSink
+
+# Named here too for the modules that import them from the routes.
+from llmgw.router.interfaces import RequestRecord as RequestRecord
+from llmgw.router.routing.activation import ActivationQueues
+from llmgw.router.routing.affinity import AffinityRule
+from llmgw.router.routing.balancer import Balancer
+from llmgw.router.routing.decision import wanted
+from llmgw.router.routing.fairness import FairShare
+from llmgw.router.routing.load import LoadBoard
+from llmgw.router.routing.overload import Overload
+from llmgw.router.settings import RouterConfig
+from llmgw.router.telemetry.metrics import RouterMetrics
+from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace, Tracing
+from llmgw.router.upstream.base import Upstream
+
+FORWARDED_PATHS = {
+    path: path
+    for path in (
+        b"/v1/chat/completions",
+        b"/v1/completions",
+        b"/v1/embeddings",
+        b"/v1/rerank",
+        b"/v1/score",
+        b"/v1/responses",
+        b"/tokenize",
+        b"/detokenize",
+        MESSAGES_PATH,
+        COUNT_TOKENS_PATH,
+    )
+}
+"""
+The paths whose POSTs go to a replica, each to the same path there.  Each
+has a Klein route too, for the requests L{ForwardingRoutes} passes on (a
+percent-encoded spelling of the path).
+"""
+
+
+def _no_alias(name: str) -> str | None:
+    return None
+
+
+class Router:
+    """
+    The client-facing OpenAI API.
+
+    @param clock: the reactor's clock, for deadlines.
+    @param balancer: the replicas and the choice among them.
+    @param upstream: the HTTP client for engine traffic (the servers give
+        an L{llmgw.router.upstream.engine_client.EngineClient}).
+    @param settings: deadlines, retries and limits.
+    @param metrics: where traffic is counted.
+    @param usage: receives a record per finished request.
+    @param wall_clock: the time of day, seconds since the epoch (the
+        C{created} field of model objects).
+    @param activator: scale from zero, or L{None}.
+    @param auth: API keys, or L{None} for an open gateway.
+    @param readiness: the catalog models below their C{min_replicas}, as
+        the control plane publishes them (C{/readyz}).
+    @ivar load: each replica's engine load, when the server polls it
+        (set by the server's wiring).
+    """
+
+    app = Klein()
+    # werkzeug would answer //v1//models with an HTML redirect built from
+    # the Host header; without merging, it is an unknown path (404).
+    app.url_map.merge_slashes = False
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        balancer: Balancer,
+        upstream: Upstream,
+        settings: RouterConfig,
+        metrics: RouterMetrics,
+        usage: UsageSink,
+        wall_clock: Callable[[], float],
+        activator: Activator | None = None,
+        auth: Auth | None = None,
+        readiness: Readiness | None = None,
+    ) -> None:
+        self.clock = clock
+        self.auth = auth
+        self.readiness = readiness if readiness is not None else Readiness()
+        self.activator = activator
+        self.balancer = balancer
+        self.settings = settings
+        self.metrics = metrics
+        self.usage = usage
+        self.created = int(wall_clock())
+        self.in_flight = 0
+        # Models whose engines sent no usage in a stream (warned once).
+        self._no_stream_usage: set[str] = set()
+        self.load: LoadBoard | None = None
+        self.tracing: Tracing | None = None  # [tracing] on: telemetry.tracing
+        self._idle_waiters: list[Deferred[None]] = []
+        self._resolve = activator.resolve if activator is not None else _no_alias
+        routes = self.app.url_map.bind("gateway")
+        self.cors = Cors(
+            settings.cors_allow_origins,
+            lambda path: sorted(set(routes.allowed_methods(path)) - {"HEAD"}),
+        )
+        self.affinity = (
+            AffinityRule(
+                settings.prefix_bytes,
+                settings.prefix_min_tokens,
+                settings.session_header.lower().encode("ascii"),
+            )
+            if balancer.affinity
+            else None
+        )
+        overload = Overload(
+            clock,
+            lambda model: balancer.overloaded(model, settings.overload_queue_depth),
+            balancer.count,
+            settings.overload_wait,
+            settings.overload_queue_size,
+            recheck=settings.load_poll_interval / 4,
+            retry_after=settings.load_poll_interval,
+            count=lambda model, outcome: metrics.overload.labels(model, outcome).inc(),
+            shares=FairShare(clock),
+            fifo=settings.waiting_order == "fifo",
+        )
+        balancer.metrics = metrics
+        self.services = Services(
+            clock=clock,
+            settings=settings,
+            balancer=balancer,
+            upstream=upstream,
+            metrics=metrics,
+            activator=activator,
+            activating=ActivationQueues(),
+            log=self.log,
+            overload=overload,
+        )
+        loads = metrics.adapter_loads
+        self.services.adapters.count = lambda a, o: loads.labels(a, o).inc()
+
+    def resource(self) -> IResource:
+        """
+        @return: the client API as a resource: the forwarding routes
+            (L{FORWARDED_PATHS}) served directly, the rest by Klein.
+        """
+        return ForwardingRoutes(self._forward, FORWARDED_PATHS, self.app.resource())
+
+    def knows(self, model: str) -> bool:
+        """
+        @return: whether C{model} is served by a replica now or is in the
+            catalog.
+        """
+        if self.balancer.serves(model):
+            return True
+        return self.activator is not None and self.activator.resolve(model) is not None
+
+    def models(self) -> list[str]:
+        """
+        @return: the names clients may send, sorted.
+        """
+        names = set(self.balancer.models())
+        if self.activator is not None:
+            names.update(self.activator.names())
+        return sorted(names)
+
+    def drain(self, timeout: float) -> Deferred[None]:
+        """
+        Wait for the requests in flight to finish, for at most C{timeout}
+        seconds; call once the listener stopped accepting new ones.
+
+        @return: fires with L{None} when none is left or the time is up.
+        """
+        if self.in_flight == 0:
+            return succeed(None)
+        waiter: Deferred[None] = Deferred()
+        self._idle_waiters.append(waiter)
+        timer = self.clock.callLater(timeout, self._stop_waiting, waiter)
+        waiter.addBoth(lambda result: timer.cancel() if timer.active() else None)
+        self.log.info(
+            "draining: waiting up to {timeout}s for {count} requests in flight",
+            timeout=timeout,
+            count=self.in_flight,
+        )
+        return waiter
+
+    def _stop_waiting(self, waiter: Deferred[None]) -> None:
+        if waiter in self._idle_waiters:
+            self._idle_waiters.remove(waiter)
+            self.log.warn(
+                "drain timed out with {count} requests in flight", count=self.in_flight
+            )
+            waiter.callback(None)
+
+    def _error(
+        self, request: IRequest, error: APIError, anthropic: bool = False
+    ) -> bytes:
+        """
+        @param anthropic: answer in Anthropic's shape (the Messages API's
+            routes), else OpenAI's.
+        @return: the body of C{error}, its status and headers set.
+        """
+        status, body = anthropic_error(error) if anthropic else (error.status, None)
+        request.setResponseCode(status)
+        request.setHeader(b"content-type", JSON)
+        if error.retry_after is not None:
+            request.setHeader(b"retry-after", str(error.retry_after).encode("ascii"))
+        return body if body is not None else error.body()
+
+    async def _forward(self, request: IRequest, path: bytes) -> bytes | None:
+        started = self.clock.seconds()
+        rid: bytes = getattr(request, "request_id", None) or request_id(request)
+        metrics = self.metrics
+        metrics.in_flight.inc()
+        self.in_flight += 1
+        status = 500
+        key: Key | None = None
+        prepared: Prepared | None = None
+        exchange: Exchange | None = None
+        reserved = 0
+        # What the record says before the body is prepared (or if it is not).
+        model, stream = "", False
+        anthropic = path in MESSAGES_PATHS
+        trace = self._trace(request, path)
+        try:
+            key = self._key_for(request)
+            try:
+                prepared = self._prepare(request, path)
+            except Refused as refused:
+                model, stream = refused.model, refused.stream
+                raise refused.error from None
+            model, stream = prepared.model, prepared.stream
+            exchange = Exchange(
+                self.services,
+                request,
+                CHAT_PATH if anthropic else path,
+                prepared,
+                rid,
+                upstream_request_id(rid),
+            )
+            exchange.trace = trace
+            exchange.explain = wanted(request, self.settings.log_candidates)
+            if key is not None:
+                exchange.tenant = key.tenant
+                assert self.auth is not None
+                admitted = self.auth.admit(
+                    key, (prepared.requested_model, prepared.model), prepared.reserve
+                )
+                if admitted is not None:
+                    await admitted
+                reserved = prepared.reserve
+            result = await exchange.run()
+            status = exchange.status
+            return result
+        except APIError as error:
+            status = anthropic_error(error)[0] if anthropic else error.status
+            if exchange is not None and exchange.headers_sent:
+                # A stream already started (activation's keep-alives):
+                # the error goes as its last event.
+                request.write(exchange.prepared.error_event(error))
+                return None
+            return self._error(request, error, anthropic)
+        except Exception:
+            if client_gone(request):
+                # The client went away (nginx's 499), unless it had the
+                # whole stream: the official client closes at [DONE].
+                status = 200 if exchange is not None and exchange.done else 499
+                return None
+            self.log.failure(
+                "request {request_id} failed", request_id=rid.decode("ascii")
+            )
+            return self._error(
+                request,
+                APIError(500, "Internal error in the gateway.", "api_error"),
+                anthropic,
+            )
+        finally:
+            if exchange is not None:
+                exchange.finish()
+            metrics.in_flight.dec()
+            self.in_flight -= 1
+            if self.activator is not None and prepared is not None:
+                # Idle time counts from the last completion, not arrival.
+                self.activator.touch(prepared.model)
+            trace.end(
+                self._account(
+                    (rid, started, status, model, stream), key, reserved, exchange
+                )
+            )
+
+    def _trace(self, request: IRequest, path: bytes) -> NoTrace:
+        """
+        @return: the request's spans, or L{NO_TRACE} when tracing is off.
+        """
+        if self.tracing is None:
+            return NO_TRACE
+        return self.tracing.request(path, request.getHeader(b"traceparent"))
+
+    def _prepare(self, request: IRequest, path: bytes) -> Prepared:
+        """
+        @return: the request's body parsed, checked and rewritten.
+        @raise APIError: a 413 for a body past C{max_body_size}.
+        @raise Refused: the body is malformed, or names no model served.
+        """
+        if getattr(request, "body_too_large", False):
+            raise body_too_large(self.settings.max_body_size)
+        content = request.content
+        assert content is not None
+        content.seek(0)
+        rule = self.affinity
+        parse = prepare_messages if path in MESSAGES_PATHS else prepare
+        return parse(
+            content.read(),
+            path,
+            self.knows,
+            self._resolve,
+            rule,
+            request.getHeader(rule.session_header)
+            if rule is not None and rule.session_header
+            else None,
+        )
+
+    def _account(
+        self,
+        what: tuple[bytes, float, int, str, bool],
+        key: Key | None,
+        reserved: int,
+        exchange: Exchange | None,
+    ) -> RequestRecord:
+        """
+        A request's end, however it ended: its record counted, to the
+        balancer and the usage sinks, its tokens to its key, and a drain
+        waiting for the last request released.
+
+        @param what: its id, the clock time it came, the status answered,
+            its model and whether it streams.
+        @return: its record.
+        """
+        rid, started, status, model, stream = what
+        record = request_record(
+            rid,
+            started,
+            self.clock.seconds(),
+            status,
+            model,
+            self.knows(model),
+            stream,
+            key,
+            reserved,
+            exchange,
+        )
+        self._note_usage(status, exchange)
+        self._count(record)
+        self.balancer.observe(record)
+        self.usage.record(record)
+        if exchange is not None:
+            exchange.served(record.prompt_tokens + record.completion_tokens)
+        if key is not None and self.auth is not None:
+            self.auth.used(
+                key, record.prompt_tokens + record.completion_tokens, reserved
+            )
+        # Last: a drain released here goes straight on to the stop's
+        # next steps, "usage flushed" among them, which must find this
+        # request's record and its key's tokens.
+        if self.in_flight == 0 and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for waiter in waiters:
+                waiter.callback(None)
+        return record
+
+    def _note_usage(self, status: int, exchange: Exchange | None) -> None:
+        """
+        Warn once per model whose engine ended a stream cleanly without
+        the usage the router asked for (llama-cpp-python's server ignores
+        C{stream_options}): its usage is estimated, and the operator
+        should know.
+        """
+        if (
+            exchange is None
+            or status != 200
+            or exchange.usage is not None
+            or not exchange.prepared.stream
+            or exchange.path not in USAGE_STREAM_PATHS
+            or exchange.answer_status != 200
+            or exchange.model in self._no_stream_usage
+            or not self.knows(exchange.model)
+        ):
+            return
+        self._no_stream_usage.add(exchange.model)
+        self.log.warn(
+            "model {model}: its engine (replica {replica}) sends no usage in"
+            " streams though asked (stream_options.include_usage); its streams'"
+            " usage is estimated from the events relayed",
+            model=exchange.model,
+            replica=exchange.replica.id if exchange.replica is not None else None,
+        )
+
+    def _count(self, record: RequestRecord) -> None:
+        # Only configured names become labels: a client must not be able
+        # to grow the metrics without bound by inventing model names.
+        self.metrics.finished(
+            record.model if self.knows(record.model) else None,
+            record.status,
+            record.latency,
+            record.time_to_first_token if record.stream else None,
+            record.prompt_tokens,
+            record.completion_tokens,
+        )
+
+    @app.route("/v1/chat/completions", methods=["POST"])
+    async def chat_completions(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, b"/v1/chat/completions")
+
+    @app.route("/v1/completions", methods=["POST"])
+    async def completions(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, b"/v1/completions")
+
+    @app.route("/v1/embeddings", methods=["POST"])
+    async def embeddings(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, b"/v1/embeddings")
+
+    # Engine endpoints passed through when the engine has them (docs/server.md).
+    @app.route("/v1/rerank", methods=["POST"])
+    @app.route("/v1/score", methods=["POST"])
+    @app.route("/v1/responses", methods=["POST"])
+    @app.route("/tokenize", methods=["POST"])
+    @app.route("/detokenize", methods=["POST"])
+    async def passthrough(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, request.path)
+
+    # Anthropic's Messages API (docs/anthropic.md).
+    @app.route("/v1/messages", methods=["POST"])
+    async def messages(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, MESSAGES_PATH)
+
+    @app.route("/v1/messages/count_tokens", methods=["POST"])
+    async def count_tokens(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, COUNT_TOKENS_PATH)
+
+    def _model_object(self, model: str) -> dict[str, Any]:
+        return {
+            "id": model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "llmgw",
+        }
+
+    def _key_for(self, request: IRequest) -> Key | None:
+        """
+        The key comes in C{Authorization: Bearer sk-...} (OpenAI's
+        clients, and Anthropic's with C{auth_token}), in C{api-key: sk-...}
+        (Azure OpenAI's, which the OpenAI SDK's C{AzureOpenAI} sends) or in
+        C{x-api-key: sk-...} (Anthropic's clients); when several come,
+        C{Authorization} is the one checked, then C{api-key}.
+
+        @return: the request's API key, or L{None} when none is needed.
+        @raise APIError: 401.
+        """
+        if self.auth is None:
+            return None
+        header = request.getHeader(b"authorization")
+        for name in (b"api-key", b"x-api-key"):
+            api_key = request.getHeader(name) if header is None else None
+            if api_key is not None and api_key.strip():
+                header = b"Bearer " + api_key.strip()
+        return self.auth.authenticate(header)
+
+    def _visible(self, key: Key | None, model: str) -> bool:
+        return key is None or key.allows(model, self._resolve)
+
+    @app.route("/v1/models", methods=["GET"])
+    def list_models(self, request: IRequest) -> bytes:
+        try:
+            key = self._key_for(request)
+        except APIError as error:
+            return self._error(request, error)
+        request.setHeader(b"content-type", JSON)
+        return json.dumps(
+            {
+                "object": "list",
+                "data": [
+                    self._model_object(m)
+                    for m in self.models()
+                    if self._visible(key, m)
+                ],
+            }
+        ).encode("utf-8")
+
+    @app.route("/v1/models/<path:model>", methods=["GET"])
+    def get_model(self, request: IRequest, model: str) -> bytes:
+        try:
+            key = self._key_for(request)
+        except APIError as error:
+            return self._error(request, error)
+        if not self.knows(model) or not self._visible(key, model):
+            return self._error(request, model_not_found(model))
+        request.setHeader(b"content-type", JSON)
+        return json.dumps(self._model_object(model)).encode("utf-8")
+
+    @app.route("/healthz", methods=["GET"])
+    def healthz(self, request: IRequest) -> bytes:
+        request.setHeader(b"content-type", JSON)
+        return b'{"status":"ok"}'
+
+    @app.route("/readyz", methods=["GET"])
+    def readyz(self, request: IRequest) -> bytes:
+        """
+        Ready when every configured model has a replica not in ejection
+        cooldown and as many ready as its C{min_replicas}; the body lists
+        the models that have not (C{unavailable}), those below their
+        minimum with their counts too (C{below_min_replicas}).
+        """
+        unavailable = [
+            m for m in self.balancer.models() if not self.balancer.available(m)
+        ]
+        short = [vars(s) for s in self.readiness.below_min]
+        unavailable += [s["model"] for s in short if s["model"] not in unavailable]
+        ready = bool(self.models()) and not unavailable
+        request.setResponseCode(200 if ready else 503)
+        request.setHeader(b"content-type", JSON)
+        return json.dumps(
+            {
+                "status": "ready" if ready else "not ready",
+                "unavailable": unavailable,
+                "below_min_replicas": short,
+            }
+        ).encode("utf-8")
+
+    @app.handle_errors(NotFound)
+    def not_found(self, request: IRequest, failure: Failure) -> bytes:
+        path = request.path.decode("utf-8", "replace")
+        return self._error(
+            request,
+            APIError(
+                404, f"Unknown path {path}.", "invalid_request_error", "unknown_url"
+            ),
+            request.path.startswith(MESSAGES_PATH),
+        )
+
+    @app.handle_errors(MethodNotAllowed)
+    def method_not_allowed(self, request: IRequest, failure: Failure) -> bytes:
+        method = request.method.decode("ascii", "replace")
+        path = request.path.decode("utf-8", "replace")
+        allowed = getattr(failure.value, "valid_methods", None)
+        if allowed:
+            request.setHeader(b"allow", ", ".join(allowed).encode("ascii"))
+        return self._error(
+            request,
+            APIError(
+                405,
+                f"Method {method} is not allowed on {path}.",
+                "invalid_request_error",
+                "method_not_allowed",
+            ),
+            request.path in MESSAGES_PATHS,
+        )

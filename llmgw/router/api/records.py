@@ -1,0 +1,109 @@
+"""
+The record of one finished request (L{RequestRecord}), built from what its
+exchange saw: the engine's usage when it came, else the router's estimate.
+"""
+
+from __future__ import annotations
+
+from llmgw.router.api.exchange import Exchange
+from llmgw.router.edge.site import upstream_request_id
+from llmgw.router.interfaces import Key, RequestRecord
+
+
+def loggable(text: str, limit: int = 200) -> str:
+    """
+    @return: C{text} safe for a log line: at most C{limit} characters,
+        control characters and lone surrogates escaped.
+    """
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if text.isprintable():
+        try:
+            text.encode("utf-8")
+            return text
+        except UnicodeEncodeError:
+            pass
+    return text.encode("unicode_escape").decode("ascii")
+
+
+def _began(exchange: Exchange) -> bool:
+    """
+    @return: whether the replica began a successful answer (the engine
+        took the request and did work) before the exchange ended.
+    """
+    status = exchange.answer_status
+    return status is not None and 200 <= status < 300
+
+
+def request_record(
+    rid: bytes,
+    started: float,
+    now: float,
+    status: int,
+    model: str,
+    known: bool,
+    stream: bool,
+    key: Key | None,
+    reserved: int,
+    exchange: Exchange | None,
+) -> RequestRecord:
+    """
+    @param rid: the request id, ASCII.
+    @param started: clock time of the request's receipt, seconds.
+    @param now: clock time of its end.
+    @param status: the status answered (499: the client left).
+    @param model: the model name, as far as it was read.
+    @param known: whether C{model} is a name served (else it goes to the
+        record cut short and escaped).
+    @param key: the request's key, or L{None}.
+    @param reserved: the tokens held for it against its key.
+    @param exchange: its trip to the replicas, or L{None} when it was
+        refused before one.
+    """
+    usage = (exchange.usage if exchange is not None else None) or {}
+    # Chat and completions name them so; the Responses API input and
+    # output.
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    estimated = False
+    replica = exchange.replica if exchange is not None else None
+    if (
+        exchange is not None
+        and exchange.usage is None
+        and replica is not None
+        and (status in (200, 499) or _began(exchange))
+        and exchange.prepared.body
+    ):
+        # The engine's count never came (the client left mid-stream,
+        # the stream broke, or the engine sends none): estimated,
+        # whatever the status, so that neither leaving early nor a
+        # fault is free.  One token per event relayed.
+        estimated = True
+        prompt = exchange.prepared.estimate
+        completion = exchange.events_relayed
+    first_byte_at = exchange.first_byte_at if exchange is not None else None
+    upstream_id = (
+        exchange.upstream_id if exchange is not None else upstream_request_id(rid)
+    )
+    return RequestRecord(
+        request_id=rid.decode("ascii"),
+        upstream_request_id=upstream_id.decode("ascii"),
+        # A name no replica serves came from the client: it goes to
+        # logs cut short and escaped (it could be 32 MiB, or hold
+        # newlines and lone surrogates).
+        model=model if known else loggable(model),
+        replica=replica.id if replica is not None else None,
+        status=status,
+        stream=stream,
+        prompt_tokens=prompt if isinstance(prompt, int) else 0,
+        completion_tokens=completion if isinstance(completion, int) else 0,
+        latency=now - started,
+        time_to_first_token=(
+            first_byte_at - started if first_byte_at is not None else None
+        ),
+        key_id=key.id if key is not None else None,
+        key_name=key.name if key is not None else None,
+        usage_estimated=estimated,
+        reserved_tokens=reserved,
+        candidates=exchange.candidates if exchange is not None else None,
+    )

@@ -1,0 +1,209 @@
+"""
+The router's listening side: the L{Site} whose requests cap their body size,
+and the request ids every answer carries.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+from urllib.parse import unquote_to_bytes
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+from twisted.web.server import Request, Site
+
+from llmgw.router.edge.connections import EdgeSite
+from llmgw.router.edge.cors import Cors
+from llmgw.router.edge.timing import server_timing
+from llmgw.router.errors import bad_request, reason_phrase
+from llmgw.router.settings import RouterConfig
+
+JSON = b"application/json"
+"""
+The content type of the router's own answers.
+"""
+
+
+class LimitedRequest(Request):
+    """
+    A request that keeps at most C{max_body_size} bytes of its body, so an
+    oversized upload costs no memory and is answered with a 413 after it is
+    read (answering before would reset clients still sending).
+
+    @ivar body_too_large: whether the body passed C{max_body_size}; its
+        bytes were dropped.
+    @ivar request_id: the request's X-Request-ID, set when it is processed.
+    @ivar cors: the cross-origin policy whose headers every answer
+        carries, or L{None}.
+    @ivar clock: the reactor's clock, for C{Server-Timing}.
+    @ivar arrived: clock time the request was processed.
+    @ivar replica_seconds: seconds the replica that answered took
+        (L{llmgw.router.edge.timing}), set by the exchange, or L{None}.
+    """
+
+    max_body_size = 32 * 1024 * 1024
+    body_too_large = False
+    _received = 0
+    request_id = b""
+    cors: Cors | None = None
+    clock: IReactorTime | None = None
+    arrived = 0.0
+    replica_seconds: float | None = None
+
+    def process(self) -> None:
+        # Every answer carries X-Request-ID, errors from routing included.
+        if self.clock is not None:
+            self.arrived = self.clock.seconds()
+        self.request_id = request_id(self)
+        self.setHeader(b"x-request-id", self.request_id)  # type: ignore[no-untyped-call]
+        try:
+            path = unquote_to_bytes(self.path).decode("utf-8")
+        except UnicodeDecodeError:
+            # Klein would answer in HTML and log a traceback.
+            error = bad_request("The URL path is not valid UTF-8.")
+            self.setResponseCode(400)
+            self.setHeader(b"content-type", JSON)  # type: ignore[no-untyped-call]
+            self.write(error.body())
+            self.finish()  # type: ignore[no-untyped-call]
+            return
+        if self.cors is not None and self._cors(path):
+            return
+        super().process()  # type: ignore[no-untyped-call]
+
+    def _cors(self, path: str) -> bool:
+        """
+        Add the CORS headers, on every answer, errors included (a script
+        must be able to read a 401), and answer a preflight.
+
+        @return: whether the request was answered (a preflight).
+        """
+        assert self.cors is not None
+        origin = self.getHeader(b"origin")
+        for name, value in self.cors.answer_headers(origin):
+            self.setHeader(name, value)  # type: ignore[no-untyped-call]
+        if self.method != b"OPTIONS":
+            return False
+        preflight = self.cors.preflight(
+            path,
+            origin,
+            self.getHeader(b"access-control-request-method"),
+            self.getHeader(b"access-control-request-headers"),
+        )
+        if preflight is None:
+            return False
+        for name, value in preflight:
+            self.setHeader(name, value)  # type: ignore[no-untyped-call]
+        self.setResponseCode(204)
+        self.finish()  # type: ignore[no-untyped-call]
+        return True
+
+    def write(self, data: bytes) -> None:
+        # Every answer carries Server-Timing: set as its head goes out.
+        if not self.startedWriting and self.clock is not None:
+            total = self.clock.seconds() - self.arrived
+            self.setHeader(  # type: ignore[no-untyped-call]
+                b"server-timing", server_timing(total, self.replica_seconds)
+            )
+        super().write(data)  # type: ignore[no-untyped-call]
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        # twisted.web would send "429 Unknown Status".
+        super().setResponseCode(
+            code, reason_phrase(code) if message is None else message
+        )
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > self.max_body_size:
+            self.body_too_large = True
+            self.content = io.BytesIO()
+        else:
+            super().gotLength(length)  # type: ignore[no-untyped-call]
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.body_too_large:
+            return
+        self._received += len(data)
+        if self._received > self.max_body_size:
+            self.body_too_large = True
+            self.content = io.BytesIO()
+            return
+        assert self.content is not None
+        self.content.write(data)
+
+
+def make_site(
+    resource: IResource,
+    settings: RouterConfig,
+    reactor: IReactorTime,
+    cors: Cors | None = None,
+) -> Site:
+    """
+    @param settings: the router's settings: C{max_body_size}, bytes of body
+        a request may hold, and the bounds of the connection edge (see
+        L{llmgw.router.edge.channel}).
+    @param reactor: the reactor its connections' deadlines run on.
+    @param cors: the cross-origin policy, or L{None} for none.
+    @return: an L{EdgeSite} for C{resource} whose requests are
+        L{LimitedRequest}s, without twisted.web's access log (the router
+        logs each request itself).
+    """
+
+    class _Request(LimitedRequest):
+        pass
+
+    _Request.max_body_size = settings.max_body_size
+    _Request.clock = reactor
+    _Request.cors = cors if cors is not None and cors.enabled else None
+    # No form parsing: bodies are JSON, and parsing Content-Type through
+    # the email package cost 8% of the router's CPU per request.
+    site = EdgeSite(
+        resource,
+        settings,
+        reactor,
+        requestFactory=_Request,
+        parsePOSTFormSubmission=False,
+    )
+    site.log = lambda request: None  # type: ignore[method-assign]
+    return site
+
+
+def client_gone(request: IRequest) -> bool:
+    """
+    @return: whether the client's connection is gone.  Read from the
+        request, which sets it before notifying anyone (Klein cancels the
+        handler from such a notification, so a flag set by another would
+        come too late).
+    """
+    return bool(getattr(request, "_disconnected", False))
+
+
+def request_id(request: IRequest) -> bytes:
+    """
+    @return: the id of C{request}: its own X-Request-ID when that is at
+        most 200 printable ASCII characters without spaces, otherwise 32
+        new hex digits; ASCII.
+    """
+    given = request.getHeader(b"x-request-id")
+    if given and len(given) <= 200 and all(0x21 <= c <= 0x7E for c in given):
+        return bytes(given)
+    return os.urandom(16).hex().encode("ascii")
+
+
+def upstream_request_id(request_id: bytes) -> bytes:
+    """
+    The X-Request-ID to send to the engine: the request's own when it is a
+    UUID, otherwise a new UUID (logged beside the client's).
+    llama-cpp-python's server answers any other value with an empty 400
+    (its starlette-context request-id plugin validates UUIDs); vLLM and
+    SGLang take any string.
+
+    @param request_id: the request's id, ASCII.
+    """
+    try:
+        uuid.UUID(request_id.decode("ascii"))
+    except ValueError:
+        return os.urandom(16).hex().encode("ascii")
+    return request_id

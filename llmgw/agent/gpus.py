@@ -333,8 +333,9 @@ class GpuMonitor:
     @param in_thread: runs a blocking call in a thread; returns a Deferred
         of its result (L{twisted.internet.threads.deferToThread}).
     @param simulated: per simulated GPU's index, the MiB its sim engines
-        hold now (L{llmgw.agent.sleep.simulated_memory_mib}): what the
-        heartbeats report for it.
+        hold now
+        (L{llmgw.agent.supervisor.Supervisor.simulated_memory_mib}): what
+        the heartbeats report for it.
     @param sessions: the pids of the agent's engines now (each its
         session's id): NVML's processes in those sessions are managed.
     """

@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.agent.engines import CommandRefused
-from llmgw.agent.sleep import sleep_shard, wake_shard
+from llmgw.agent.shard import Shard
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.weights import fit_report, remove, scan
 from llmgw.reactors import IEngineReactor
@@ -242,14 +242,15 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
 
     def _sleep_or_wake(self, kind: str, command: Any) -> None:
         """
-        Sleep or wake a shard's engine (L{llmgw.agent.sleep}): answered once
-        the engine did, on this link if it is still up.
+        Sleep or wake a shard's engine (L{Supervisor.sleep},
+        L{Supervisor.wake}): answered once the engine did, on this link if
+        it is still up.
         """
         supervisor = self.factory.supervisor
         if kind == "sleep_shard":
-            work = sleep_shard(supervisor, command.shard_id, command.level)
+            work = supervisor.sleep(command.shard_id, command.level)
         else:
-            work = wake_shard(supervisor, command.shard_id)
+            work = supervisor.wake(command.shard_id)
 
         def answer(reason: Failure | None) -> None:
             error = code = ""
@@ -331,7 +332,18 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
 
 class AgentFactory(Factory):
     """
-    Builds the L{AgentProtocol} of each connection the agent dials.
+    Builds the L{AgentProtocol} of each connection the agent dials, and
+    holds what outlives a connection: the L{Supervisor} of the node's
+    engines, and which server to dial next.
+
+    @param state_dir: the agent's state directory (the supervisor's
+        records).
+    @param engine_host: the interface engines listen on.
+    @param weights_dirs: the weights directories, scanned and reported.
+    @param in_thread: runs blocking work off the reactor thread.
+    @param node_id: named in every engine's marker.
+    @param gpu_memory: the GB an engine holds on each of its GPUs (NVML),
+        for the supervisor; L{None} without NVML.
     """
 
     log = Logger()
@@ -345,6 +357,8 @@ class AgentFactory(Factory):
         engine_host: str = "127.0.0.1",
         weights_dirs: tuple[str, ...] = (),
         in_thread: Callable[[Callable[[], Any]], Deferred[Any]] | None = None,
+        node_id: str = "",
+        gpu_memory: Callable[[Shard], Deferred[float | None]] | None = None,
     ) -> None:
         self.weights_dirs = weights_dirs
         # Runs blocking work (the weights scan) off the reactor thread; by
@@ -369,7 +383,12 @@ class AgentFactory(Factory):
         # The refusals warned of since the last Welcome: each once.
         self._refusals_told: set[tuple[str, str, str]] = set()
         self.supervisor = Supervisor(
-            clock, self.send_status, state_dir, engine_host=engine_host
+            clock,
+            self.send_status,
+            state_dir,
+            engine_host=engine_host,
+            node_id=node_id,
+            gpu_memory=gpu_memory,
         )
 
     def send_status(self, status: pb.ShardStatus) -> None:

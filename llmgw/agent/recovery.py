@@ -29,7 +29,8 @@ from llmgw.agent.records import (
 from llmgw.wire import agent_pb2 as pb
 
 if TYPE_CHECKING:
-    from llmgw.agent.supervisor import Shard, Supervisor
+    from llmgw.agent.shard import Shard
+    from llmgw.agent.supervisor import Supervisor
 
 log = Logger()
 

@@ -19,6 +19,7 @@ from twisted.web.client import Agent
 from llmgw.agent.engines import CommandRefused, Launch, build, check
 from llmgw.agent.quiet_pool import QuietConnectionPool
 from llmgw.agent.records import SHARD_ID, command_json, marker, write_record
+from llmgw.agent.recovery import Recovery
 from llmgw.agent.shard import Shard
 from llmgw.agent.sleep import flag_value
 from llmgw.reactors import IEngineReactor
@@ -72,6 +73,9 @@ class Supervisor:
         self._state_dir = state_dir
         self._dir = os.path.join(state_dir, "shards")
         os.makedirs(self._dir, mode=0o700, exist_ok=True)  # OSError for the caller
+        self._recovery = Recovery(
+            self._dir, state_dir, engine_host, self.take, self.shards.get, self.record
+        )
 
     def path(self, shard_id: str, suffix: str) -> str:
         """
@@ -123,9 +127,7 @@ class Supervisor:
 
         @return: the adopted shards.
         """
-        from llmgw.agent.recovery import adopt_running
-
-        return adopt_running(self, self._dir, self._state_dir)
+        return self._recovery.adopt_running()
 
     def take(
         self,

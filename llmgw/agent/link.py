@@ -126,8 +126,6 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         if not self.registered.called:
             self.welcomed = True
             self.factory.welcomed()
-            # Back to this server first when the link is lost.
-            self.factory.server_hint = self.factory.dialing
             self.registered.callback(None)
         interval = welcome.heartbeat_interval_seconds or 5
         self.limit_sent(welcome.max_frame_size)
@@ -164,8 +162,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         # A standby: dial the leader it names next (or, when it names
         # none, the next server of the list).
         leader = redirect.leader
-        self.factory.server_hint = leader or None
-        self.factory.redirected = True
+        self.factory.redirect_to(leader)
         self.log.info(
             "the server is a standby; the leader is {leader}",
             leader=leader or "not chosen yet",
@@ -309,8 +306,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 loop.stop()
         self._beat = self._weights = None
         factory = self.factory
-        if isinstance(factory, AgentFactory) and factory.current is self:
-            factory.current = None
+        if isinstance(factory, AgentFactory):
+            factory.lost(self)
         if not self.registered.called:
             # Connected but never welcomed (a refused certificate or node
             # id): the uplink counts a failed attempt, its backoff grows.
@@ -448,11 +445,46 @@ class AgentFactory(Factory):
             what=what,
         )
 
+    def dialed(self, server: str) -> None:
+        """
+        The uplink dials C{server} (C{HOST:PORT}): warnings name it, and it
+        is dialed first again once it welcomes this agent.
+        """
+        self.dialing = server
+
+    def take_hint(self) -> str | None:
+        """
+        @return: the server to dial first (the one last registered with, or
+            the leader a standby named), or L{None} for the next of the
+            list; taken once, and a standby's redirect with it.
+        """
+        hint, self.server_hint = self.server_hint, None
+        self.redirected = False
+        return hint
+
+    def redirect_to(self, leader: str) -> None:
+        """
+        A standby redirected this agent to C{leader} (C{HOST:PORT}, or
+        C{""} when none is chosen yet: the next server of the list): dialed
+        next, at once.
+        """
+        self.server_hint = leader or None
+        self.redirected = True
+
     def welcomed(self) -> None:
         """
-        The server welcomed this agent: a later refusal is warned of again.
+        The server welcomed this agent: a later refusal is warned of again,
+        and this server is dialed first when the link is lost.
         """
         self._refusals_told.clear()
+        self.server_hint = self.dialing
+
+    def lost(self, protocol: AgentProtocol) -> None:
+        """
+        The link of C{protocol} is lost: commands no longer reach it.
+        """
+        if self.current is protocol:
+            self.current = None
 
     def note_truncation(self, report: pb.WeightsReport) -> None:
         """

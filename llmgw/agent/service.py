@@ -111,16 +111,14 @@ class _Uplink:
         self._agents = agents
 
     def connect(self, factory: Any) -> Deferred[Any]:
-        server = self._agents.server_hint
-        self._agents.server_hint = None
-        self._agents.redirected = False
+        server = self._agents.take_hint()
         if server in self._servers:
             # Should it fail, the turn goes on from the server after it.
             self._next = self._servers.index(server) + 1
         elif server is None:
             server = self._servers[self._next % len(self._servers)]
             self._next += 1
-        self._agents.dialing = server
+        self._agents.dialed(server)
 
         def failed(reason: Failure) -> Failure:
             log.warn(

@@ -1,5 +1,5 @@
 """
-L{llmgw.agent.sleep.check_adopted} as L{Supervisor.take} starts it for an
+L{llmgw.agent.turns.Turns}'s check as L{Supervisor.take} starts it for an
 engine in sleep mode a restarted agent adopts: a wake waits for the check
 to put the engine back to sleep, its GPUs count as held meanwhile, and a
 stop during the check reports no C{ready}.  The engine is a fake here (an
@@ -129,7 +129,7 @@ class _AdoptCase(SynchronousTestCase):
         """
         shard._stop_probing()
         shard._ask_asleep = False
-        sleep.begin_check(shard)
+        shard.turns.begin_check()
 
 
 class AdoptedCheckTests(_AdoptCase):
@@ -143,7 +143,7 @@ class AdoptedCheckTests(_AdoptCase):
         engine.hold = "/sleep"
         shard = self.adopt(engine, recorded_asleep=True)
         self.assertIsNotNone(engine.held)
-        woken = Deferred.fromCoroutine(sleep.wake_shard(self.supervisor, "s1"))
+        woken = Deferred.fromCoroutine(self.supervisor.wake("s1"))
         self.assertNoResult(woken)
         engine.release()
         self.successResultOf(woken)
@@ -185,12 +185,12 @@ class AdoptedCheckTests(_AdoptCase):
         shard = self.adopt(engine, recorded_asleep=False)
         self.patch(shard, "_signal", lambda number: None)
         engine.hold = "/is_sleeping"
-        sleep.begin_check(shard)
+        shard.turns.begin_check()
         shard.stop(30.0)
         engine.release()
         states = [r.state for r in self.reports]
         self.assertNotIn(pb.SHARD_STATE_READY, states)
-        self.assertIsNone(shard.checking)
+        self.assertFalse(shard.turns.checking)
 
 
 class TurningTests(_AdoptCase):
@@ -210,7 +210,7 @@ class TurningTests(_AdoptCase):
         self.probes_passed(shard)
         self.assertEqual(shard.state, pb.SHARD_STATE_READY)
         engine.hold = "/sleep"
-        slept = Deferred.fromCoroutine(sleep.sleep_shard(self.supervisor, "s1", 1))
+        slept = Deferred.fromCoroutine(self.supervisor.sleep("s1", 1))
         self.assertEqual(
             (self.record()["turning"], self.record()["sleeping"]), ("sleep", False)
         )
@@ -220,7 +220,7 @@ class TurningTests(_AdoptCase):
             (self.record()["turning"], self.record()["sleeping"]), ("", True)
         )
         engine.hold = "/wake_up"
-        woken = Deferred.fromCoroutine(sleep.wake_shard(self.supervisor, "s1"))
+        woken = Deferred.fromCoroutine(self.supervisor.wake("s1"))
         self.assertEqual(
             (self.record()["turning"], self.record()["sleeping"]), ("wake", False)
         )
@@ -248,7 +248,7 @@ class TurningTests(_AdoptCase):
             self.assertEqual(self.states(), [])
             cast(Clock, self.supervisor.reactor).advance(sleep.TURN_POLL)
         self.assertEqual(self.record()["turning"], "")
-        self.assertIsNone(shard.checking)
+        self.assertFalse(shard.turns.checking)
         return shard
 
     def test_adopted_during_a_wake(self) -> None:

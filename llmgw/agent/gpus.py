@@ -108,8 +108,16 @@ class Nvml:
         self._events: Any = None
         # Written by poll() in its thread, logged from the reactor thread
         # (twisted.logger's observers are not for other threads).
-        self.warnings: list[str] = []
+        self._warnings: list[str] = []
         self._warned: set[str] = set()
+
+    def take_warnings(self) -> list[str]:
+        """
+        @return: the warnings L{poll} found since the last call, to be
+            logged from the reactor thread; forgotten here.
+        """
+        warnings, self._warnings = self._warnings, []
+        return warnings
 
     def start(self) -> list[pb.Gpu]:
         """
@@ -212,7 +220,7 @@ class Nvml:
                     # Once: a GPU that cannot list its processes would
                     # otherwise log a line per heartbeat.
                     self._warned.add(warning)
-                    self.warnings.append(warning)
+                    self._warnings.append(warning)
                 return None
             for process in listed:
                 pid = int(process.pid)
@@ -264,7 +272,7 @@ class Nvml:
                 data = wait(self._events, 0)
             except nvml.NVMLError as e:
                 if getattr(e, "value", None) != _ERROR_TIMEOUT:
-                    self.warnings.append(f"reading NVML events: {e}")
+                    self._warnings.append(f"reading NVML events: {e}")
                 break
             xid = int(data.eventData)
             if xid in APPLICATION_XIDS:
@@ -333,8 +341,9 @@ class GpuMonitor:
     @param in_thread: runs a blocking call in a thread; returns a Deferred
         of its result (L{twisted.internet.threads.deferToThread}).
     @param simulated: per simulated GPU's index, the MiB its sim engines
-        hold now (L{llmgw.agent.sleep.simulated_memory_mib}): what the
-        heartbeats report for it.
+        hold now
+        (L{llmgw.agent.supervisor.Supervisor.simulated_memory_mib}): what
+        the heartbeats report for it.
     @param sessions: the pids of the agent's engines now (each its
         session's id): NVML's processes in those sessions are managed.
     """
@@ -409,9 +418,8 @@ class GpuMonitor:
         self,
         found: dict[int, tuple[int | None, list[str], list[pb.GpuProcess] | None]],
     ) -> None:
-        if self._nvml is not None and self._nvml.warnings:
-            warnings, self._nvml.warnings = self._nvml.warnings, []
-            for warning in warnings:
+        if self._nvml is not None:
+            for warning in self._nvml.take_warnings():
                 log.warn("{reason}", reason=warning)
         for index, (used, problems, processes) in found.items():
             gpu = self._gpus.get(index)

@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.agent.engines import CommandRefused
-from llmgw.agent.sleep import sleep_shard, wake_shard
+from llmgw.agent.shard import Shard
 from llmgw.agent.supervisor import Supervisor
 from llmgw.agent.weights import fit_report, remove, scan
 from llmgw.reactors import IEngineReactor
@@ -126,8 +126,6 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         if not self.registered.called:
             self.welcomed = True
             self.factory.welcomed()
-            # Back to this server first when the link is lost.
-            self.factory.server_hint = self.factory.dialing
             self.registered.callback(None)
         interval = welcome.heartbeat_interval_seconds or 5
         self.limit_sent(welcome.max_frame_size)
@@ -164,8 +162,7 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
         # A standby: dial the leader it names next (or, when it names
         # none, the next server of the list).
         leader = redirect.leader
-        self.factory.server_hint = leader or None
-        self.factory.redirected = True
+        self.factory.redirect_to(leader)
         self.log.info(
             "the server is a standby; the leader is {leader}",
             leader=leader or "not chosen yet",
@@ -242,14 +239,15 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
 
     def _sleep_or_wake(self, kind: str, command: Any) -> None:
         """
-        Sleep or wake a shard's engine (L{llmgw.agent.sleep}): answered once
-        the engine did, on this link if it is still up.
+        Sleep or wake a shard's engine (L{Supervisor.sleep},
+        L{Supervisor.wake}): answered once the engine did, on this link if
+        it is still up.
         """
         supervisor = self.factory.supervisor
         if kind == "sleep_shard":
-            work = sleep_shard(supervisor, command.shard_id, command.level)
+            work = supervisor.sleep(command.shard_id, command.level)
         else:
-            work = wake_shard(supervisor, command.shard_id)
+            work = supervisor.wake(command.shard_id)
 
         def answer(reason: Failure | None) -> None:
             error = code = ""
@@ -308,8 +306,8 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
                 loop.stop()
         self._beat = self._weights = None
         factory = self.factory
-        if isinstance(factory, AgentFactory) and factory.current is self:
-            factory.current = None
+        if isinstance(factory, AgentFactory):
+            factory.lost(self)
         if not self.registered.called:
             # Connected but never welcomed (a refused certificate or node
             # id): the uplink counts a failed attempt, its backoff grows.
@@ -331,7 +329,18 @@ class AgentProtocol(MessageStream[pb.ControlMessage]):
 
 class AgentFactory(Factory):
     """
-    Builds the L{AgentProtocol} of each connection the agent dials.
+    Builds the L{AgentProtocol} of each connection the agent dials, and
+    holds what outlives a connection: the L{Supervisor} of the node's
+    engines, and which server to dial next.
+
+    @param state_dir: the agent's state directory (the supervisor's
+        records).
+    @param engine_host: the interface engines listen on.
+    @param weights_dirs: the weights directories, scanned and reported.
+    @param in_thread: runs blocking work off the reactor thread.
+    @param node_id: named in every engine's marker.
+    @param gpu_memory: the GB an engine holds on each of its GPUs (NVML),
+        for the supervisor; L{None} without NVML.
     """
 
     log = Logger()
@@ -345,6 +354,8 @@ class AgentFactory(Factory):
         engine_host: str = "127.0.0.1",
         weights_dirs: tuple[str, ...] = (),
         in_thread: Callable[[Callable[[], Any]], Deferred[Any]] | None = None,
+        node_id: str = "",
+        gpu_memory: Callable[[Shard], Deferred[float | None]] | None = None,
     ) -> None:
         self.weights_dirs = weights_dirs
         # Runs blocking work (the weights scan) off the reactor thread; by
@@ -369,7 +380,12 @@ class AgentFactory(Factory):
         # The refusals warned of since the last Welcome: each once.
         self._refusals_told: set[tuple[str, str, str]] = set()
         self.supervisor = Supervisor(
-            clock, self.send_status, state_dir, engine_host=engine_host
+            clock,
+            self.send_status,
+            state_dir,
+            engine_host=engine_host,
+            node_id=node_id,
+            gpu_memory=gpu_memory,
         )
 
     def send_status(self, status: pb.ShardStatus) -> None:
@@ -429,11 +445,46 @@ class AgentFactory(Factory):
             what=what,
         )
 
+    def dialed(self, server: str) -> None:
+        """
+        The uplink dials C{server} (C{HOST:PORT}): warnings name it, and it
+        is dialed first again once it welcomes this agent.
+        """
+        self.dialing = server
+
+    def take_hint(self) -> str | None:
+        """
+        @return: the server to dial first (the one last registered with, or
+            the leader a standby named), or L{None} for the next of the
+            list; taken once, and a standby's redirect with it.
+        """
+        hint, self.server_hint = self.server_hint, None
+        self.redirected = False
+        return hint
+
+    def redirect_to(self, leader: str) -> None:
+        """
+        A standby redirected this agent to C{leader} (C{HOST:PORT}, or
+        C{""} when none is chosen yet: the next server of the list): dialed
+        next, at once.
+        """
+        self.server_hint = leader or None
+        self.redirected = True
+
     def welcomed(self) -> None:
         """
-        The server welcomed this agent: a later refusal is warned of again.
+        The server welcomed this agent: a later refusal is warned of again,
+        and this server is dialed first when the link is lost.
         """
         self._refusals_told.clear()
+        self.server_hint = self.dialing
+
+    def lost(self, protocol: AgentProtocol) -> None:
+        """
+        The link of C{protocol} is lost: commands no longer reach it.
+        """
+        if self.current is protocol:
+            self.current = None
 
     def note_truncation(self, report: pb.WeightsReport) -> None:
         """

@@ -6,6 +6,7 @@ record was cut short, deleted or unreadable.  Every engine taken back is
 listed in the next Register, and the server adopts it when the catalog
 still wants it, or stops it (L{llmgw.control.adoption}); meanwhile the
 supervisor holds its port and GPUs, so no second engine starts on them.
+The supervisor owns the L{Recovery} and hands it what it calls.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from twisted.logger import Logger
 
@@ -26,131 +28,157 @@ from llmgw.agent.records import (
     process_start_time,
     set_aside,
 )
+from llmgw.agent.shard import Shard
 from llmgw.wire import agent_pb2 as pb
 
-if TYPE_CHECKING:
-    from llmgw.agent.supervisor import Shard, Supervisor
 
-log = Logger()
-
-
-def adopt_running(
-    supervisor: Supervisor, shards_dir: str, state_dir: str
-) -> list[Shard]:
+class Recovery:
     """
+    The engines a previous agent started, taken back: by record, then by
+    marker.
+
     @param shards_dir: where the records are (C{STATE/shards}).
     @param state_dir: the agent's state directory, as markers name it.
-    @return: the shards adopted, by record and by marker.
+    @param engine_host: the interface engines listen on, for a record that
+        does not name it.
+    @param take: adopts a running engine: its command, launch, pid,
+        process start time, whether recorded asleep, and the turn recorded
+        (L{llmgw.agent.supervisor.Supervisor.take}).
+    @param held: the shard of an id already held, or L{None}.
+    @param record: writes a shard's record again.
     """
-    adopted = []
-    for name in sorted(os.listdir(shards_dir)):
-        if name.endswith(".json"):
-            shard = _by_record(supervisor, os.path.join(shards_dir, name))
+
+    log = Logger()
+
+    def __init__(
+        self,
+        shards_dir: str,
+        state_dir: str,
+        engine_host: str,
+        take: Callable[[pb.StartShard, Launch, int, int, bool, str], Shard],
+        held: Callable[[str], Shard | None],
+        record: Callable[[Shard], None],
+    ) -> None:
+        self._shards_dir = shards_dir
+        self._state_dir = state_dir
+        self._engine_host = engine_host
+        self._take = take
+        self._held = held
+        self._record = record
+
+    def adopt_running(self) -> list[Shard]:
+        """
+        @return: the shards adopted, by record and by marker.
+        """
+        adopted = []
+        for name in sorted(os.listdir(self._shards_dir)):
+            if name.endswith(".json"):
+                shard = self._by_record(os.path.join(self._shards_dir, name))
+                if shard is not None:
+                    adopted.append(shard)
+        try:
+            found = list(marked(self._state_dir))
+        except OSError as e:
+            self.log.warn("cannot look for engines by marker: {error}", error=str(e))
+            found = []
+        for engine in found:
+            shard = self._by_marker(engine)
             if shard is not None:
                 adopted.append(shard)
-    try:
-        found = list(marked(state_dir))
-    except OSError as e:
-        log.warn("cannot look for engines by marker: {error}", error=str(e))
-        found = []
-    for engine in found:
-        shard = _by_marker(supervisor, engine)
-        if shard is not None:
-            adopted.append(shard)
-    return adopted
+        return adopted
 
+    def _usable(self, data: Any, name: str) -> tuple[pb.StartShard, Launch]:
+        """
+        @param data: a record's JSON value (or a marker's C{record}).
+        @param name: the record's file name, C{ID.json}.
+        @raise Exception: C{data} is not a record of that shard this agent
+            can launch (a bad command, shard id, engine).
+        """
+        command = command_from_json(data["command"])
+        if not SHARD_ID.match(command.shard_id) or name != command.shard_id + ".json":
+            raise ValueError(f"shard id {command.shard_id!r}")
+        return command, build(command, str(data.get("host", self._engine_host)))
 
-def usable(
-    supervisor: Supervisor, data: Any, name: str
-) -> tuple[pb.StartShard, Launch]:
-    """
-    @param data: a record's JSON value (or a marker's C{record}).
-    @param name: the record's file name, C{ID.json}.
-    @raise Exception: C{data} is not a record of that shard this agent can
-        launch (a bad command, shard id, engine).
-    """
-    command = command_from_json(data["command"])
-    if not SHARD_ID.match(command.shard_id) or name != command.shard_id + ".json":
-        raise ValueError(f"shard id {command.shard_id!r}")
-    return command, build(command, str(data.get("host", supervisor.engine_host)))
-
-
-def _by_record(supervisor: Supervisor, path: str) -> Shard | None:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        command, launch = usable(supervisor, data, os.path.basename(path))
-        pid, start_time = int(data["pid"]), int(data["start_time"])
-    except Exception as e:
-        # A record this agent cannot use (cut short, foreign, from another
-        # version) must not keep it from starting, nor be lost: the
-        # operator finds it aside, and its engine is found by its marker.
-        aside = set_aside(path)
-        log.warn(
-            "unreadable shard record {path} ({error}): kept as {aside}; its"
-            " engine, if running, is found by its marker",
-            path=path,
-            error=str(e),
-            aside=aside or "(cannot rename it)",
-        )
-        return None
-    if process_start_time(pid) != start_time:
-        log.info("shard {shard} (pid {pid}) is gone", shard=command.shard_id, pid=pid)
-        os.remove(path)
-        return None
-    turning = data.get("turning")
-    shard = supervisor.take(
-        command,
-        launch,
-        pid,
-        start_time,
-        data.get("sleeping") is True,
-        turning if turning in ("sleep", "wake") else "",
-    )
-    log.info(
-        "adopted shard {shard}: engine pid {pid} still running", shard=shard.id, pid=pid
-    )
-    return shard
-
-
-def _by_marker(supervisor: Supervisor, engine: Marked) -> Shard | None:
-    """
-    Adopt an engine found by its marker that no record named, and record
-    it again.  A second engine of a shard already adopted is stopped.
-    """
-    try:
-        shard_id = str(engine.record["command"]["shardId"])
-        command, launch = usable(supervisor, engine.record, shard_id + ".json")
-    except Exception as e:
-        log.warn(
-            "engine pid {pid} carries a marker this agent cannot use ({error});"
-            " left alone",
-            pid=engine.pid,
-            error=str(e),
-        )
-        return None
-    held = supervisor.shards.get(command.shard_id)
-    if held is not None:
-        if held.pid != engine.pid:
-            log.warn(
-                "engine pid {pid} is a second engine of shard {shard} (pid"
-                " {held}): stopping it",
-                pid=engine.pid,
-                shard=command.shard_id,
-                held=held.pid,
+    def _by_record(self, path: str) -> Shard | None:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            command, launch = self._usable(data, os.path.basename(path))
+            pid, start_time = int(data["pid"]), int(data["start_time"])
+        except Exception as e:
+            # A record this agent cannot use (cut short, foreign, from another
+            # version) must not keep it from starting, nor be lost: the
+            # operator finds it aside, and its engine is found by its marker.
+            aside = set_aside(path)
+            self.log.warn(
+                "unreadable shard record {path} ({error}): kept as {aside}; its"
+                " engine, if running, is found by its marker",
+                path=path,
+                error=str(e),
+                aside=aside or "(cannot rename it)",
             )
-            try:
-                os.killpg(engine.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        return None
-    shard = supervisor.take(command, launch, engine.pid, engine.start_time)
-    supervisor.record(shard)
-    log.warn(
-        "adopted shard {shard} of replica {replica} by its engine's marker (pid"
-        " {pid}): its record was lost, and is written again",
-        shard=shard.id,
-        replica=command.replica_id,
-        pid=engine.pid,
-    )
-    return shard
+            return None
+        if process_start_time(pid) != start_time:
+            self.log.info(
+                "shard {shard} (pid {pid}) is gone", shard=command.shard_id, pid=pid
+            )
+            os.remove(path)
+            return None
+        turning = data.get("turning")
+        shard = self._take(
+            command,
+            launch,
+            pid,
+            start_time,
+            data.get("sleeping") is True,
+            turning if turning in ("sleep", "wake") else "",
+        )
+        self.log.info(
+            "adopted shard {shard}: engine pid {pid} still running",
+            shard=shard.id,
+            pid=pid,
+        )
+        return shard
+
+    def _by_marker(self, engine: Marked) -> Shard | None:
+        """
+        Adopt an engine found by its marker that no record named, and record
+        it again.  A second engine of a shard already adopted is stopped.
+        """
+        try:
+            shard_id = str(engine.record["command"]["shardId"])
+            command, launch = self._usable(engine.record, shard_id + ".json")
+        except Exception as e:
+            self.log.warn(
+                "engine pid {pid} carries a marker this agent cannot use ({error});"
+                " left alone",
+                pid=engine.pid,
+                error=str(e),
+            )
+            return None
+        held = self._held(command.shard_id)
+        if held is not None:
+            if held.pid != engine.pid:
+                self.log.warn(
+                    "engine pid {pid} is a second engine of shard {shard} (pid"
+                    " {held}): stopping it",
+                    pid=engine.pid,
+                    shard=command.shard_id,
+                    held=held.pid,
+                )
+                try:
+                    os.killpg(engine.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            return None
+        # Markers are written awake and not turning (Supervisor.marker).
+        shard = self._take(command, launch, engine.pid, engine.start_time, False, "")
+        self._record(shard)
+        self.log.warn(
+            "adopted shard {shard} of replica {replica} by its engine's marker (pid"
+            " {pid}): its record was lost, and is written again",
+            shard=shard.id,
+            replica=command.replica_id,
+            pid=engine.pid,
+        )
+        return shard

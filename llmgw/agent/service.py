@@ -35,9 +35,8 @@ from llmgw.agent.settings import (
     node_ram_bytes,
     sleep_memory_bytes,
 )
-from llmgw.agent.sleep import simulated_memory_mib
+from llmgw.agent.shard import Shard
 from llmgw.agent.state_lock import StateLock, hold_state_dir
-from llmgw.agent.supervisor import Shard
 from llmgw.reactors import IAgentReactor
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire import versions
@@ -112,16 +111,14 @@ class _Uplink:
         self._agents = agents
 
     def connect(self, factory: Any) -> Deferred[Any]:
-        server = self._agents.server_hint
-        self._agents.server_hint = None
-        self._agents.redirected = False
+        server = self._agents.take_hint()
         if server in self._servers:
             # Should it fail, the turn goes on from the server after it.
             self._next = self._servers.index(server) + 1
         elif server is None:
             server = self._servers[self._next % len(self._servers)]
             self._next += 1
-        self._agents.dialing = server
+        self._agents.dialed(server)
 
         def failed(reason: Failure) -> Failure:
             log.warn(
@@ -279,7 +276,7 @@ def build_agent(
         gpus,
         nvml,
         in_thread,
-        lambda: simulated_memory_mib(factory.supervisor),
+        lambda: factory.supervisor.simulated_memory_mib(),
         lambda: frozenset(s.pid for s in factory.supervisor.shards.values() if s.pid),
     )
 
@@ -306,11 +303,10 @@ def build_agent(
         engine_host=config.address or "127.0.0.1",
         weights_dirs=config.weights_dirs,
         in_thread=in_thread,
+        node_id=config.node_id,
+        gpu_memory=_engine_memory(nvml, in_thread) if nvml is not None else None,
     )
-    if nvml is not None:
-        factory.supervisor.gpu_memory = _engine_memory(nvml, in_thread)
     # Engines outlive the agent: taken back before the first Register.
-    factory.supervisor.node_id = config.node_id
     adopted = factory.supervisor.adopt_running()
     servers = config.all_servers()
     service = AgentService(factory, dial, servers, reactor, state_lock)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,7 +24,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from llmgw.admin.api import Admin
-from llmgw.admin.guard import AdminGuard, is_loopback
+from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import metrics_site
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
@@ -219,7 +220,6 @@ class Plane:
     The control plane and what it publishes to.
 
     @ivar watch: the state routers of the tier follow.
-    @ivar failures: the engine failures' tap the dashboard shows.
     @ivar readiness: the models below their C{min_replicas}, for the
         router's C{/readyz}.
     """
@@ -228,7 +228,6 @@ class Plane:
     hub: AgentHub
     plane: ControlPlane
     watch: Watch
-    failures: FailureTap
     readiness: Readiness
 
 
@@ -297,9 +296,7 @@ def control_plane(
         # router lets one run.
         leave_timeout=config.router.total_timeout,
     )
-    failures = FailureTap(plane, time.time)
-    hub.listener = failures
-    return Plane(inventory, hub, plane, watch, failures, readiness)
+    return Plane(inventory, hub, plane, watch, readiness)
 
 
 @dataclass(frozen=True)
@@ -345,7 +342,12 @@ def pages(
         watch=parts.watch,
     )
     history = History(reactor, router.metrics, parts.plane, keys, wall_clock=time.time)
-    parts.failures.changed = lambda: history.record_states(time.time())
+    failures = FailureTap(
+        parts.plane, time.time, lambda: history.record_states(time.time())
+    )
+    # AgentHub takes no listener at construction yet: llmgw/control is
+    # another change's.  No link is heard before the reactor runs.
+    parts.hub.listener = failures
     # Every finished request also to the dashboard's figures per model and
     # replica (the metrics' counters name no replica).
     traffic = Traffic(reactor.seconds, parts.plane.catalog.resolve)
@@ -355,7 +357,7 @@ def pages(
         parts.plane,
         keys,
         history,
-        parts.failures,
+        failures,
         router.load,
         traffic,
         wall_clock=time.time,
@@ -416,12 +418,19 @@ def listeners(
     listeners now, so that a port in use ends the process at start.
     """
     workers = metrics_port = agent_port = None
+    # The bearer token the server's own router workers follow its admin
+    # API with: they hold no admin key.
+    token = secrets.token_urlsafe(32) if config.router_workers else None
     try:
         if config.router_workers:
             router_port = reserve_port(config.listen)
         else:
             router_port = listen(reactor, "listen", config.listen, served.router_site)
-        guard = AdminGuard(served.admin_resource, account.keys)
+        guard = AdminGuard(
+            served.admin_resource,
+            account.keys,
+            internal=token.encode("ascii") if token is not None else None,
+        )
         admin_site = Site(guard)
         admin_site.log = lambda request: None  # type: ignore[method-assign]
         admin_port = listen(reactor, "admin_listen", config.admin_listen, admin_site)
@@ -430,12 +439,10 @@ def listeners(
             metrics_port = listen(
                 reactor, "metrics_listen", config.metrics_listen, metrics
             )
-        admin_host = getattr(admin_port.getHost(), "host", "127.0.0.1")
-        # A UNIX socket is reached through the file system's permissions.
-        guarded = guard.enabled = not is_loopback(admin_host, True)
-        if config.router_workers:
+        guarded = guard.bound(getattr(admin_port.getHost(), "host", "127.0.0.1"))
+        if token is not None:
             ports = (router_port, admin_port)
-            workers = make_workers(reactor, config_path, config, ports, guard)
+            workers = make_workers(reactor, config_path, config, ports, token)
         if config.accepts_agents:
             factory = _agent_factory(config, hub)
             agent_port = listen(reactor, "agent_listen", config.agent_listen, factory)

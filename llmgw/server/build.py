@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -217,11 +218,13 @@ def open_state(config: ServerConfig, models: tuple[Model, ...]) -> State:
 @dataclass(frozen=True)
 class Plane:
     """
-    The control plane and what it publishes to.
+    The control plane, what it publishes to, and its agents' listener.
 
     @ivar watch: the state routers of the tier follow.
     @ivar readiness: the models below their C{min_replicas}, for the
         router's C{/readyz}.
+    @ivar agents: the agent listener, open, unless agents are not
+        accepted.
     """
 
     inventory: Inventory
@@ -229,6 +232,7 @@ class Plane:
     plane: ControlPlane
     watch: Watch
     readiness: Readiness
+    agents: IListeningPort | None
 
 
 def control_plane(
@@ -243,7 +247,9 @@ def control_plane(
     @return: the control plane, publishing its endpoints (and the static
         ones) to C{balancer}, C{load} and the tier's watch, and the models
         below their C{min_replicas} to the router's readiness and the
-        watch.
+        watch; and its agents' listener, open now (before the other
+        listeners: a standby names its address), so that a port in use
+        ends the process at start.
     """
 
     def publish(endpoints: list[Endpoint]) -> None:
@@ -296,7 +302,26 @@ def control_plane(
         # router lets one run.
         leave_timeout=config.router.total_timeout,
     )
-    return Plane(inventory, hub, plane, watch, readiness)
+    agents = _agent_listener(reactor, config, hub)
+    return Plane(inventory, hub, plane, watch, readiness, agents)
+
+
+def _agent_listener(
+    reactor: IDaemonReactor, config: ServerConfig, hub: AgentHub
+) -> IListeningPort | None:
+    """
+    @return: the agent listener, open, or L{None} when agents are not
+        accepted.
+    """
+    if not config.accepts_agents:
+        return None
+    try:
+        factory = _agent_factory(config, hub)
+        return listen(reactor, "agent_listen", config.agent_listen, factory)
+    except ListenError as e:
+        fail(PROGRAM, str(e), 1)
+    except ConfigError as e:
+        fail(PROGRAM, f"config error: {e}", 2)
 
 
 @dataclass(frozen=True)
@@ -323,8 +348,11 @@ def pages(
     account: Accounts,
     state: State,
     router: Router,
+    standby: Callable[[], dict[str, object]] | None,
 ) -> Pages:
     """
+    @param standby: with standbys, whether this server leads and the
+        leader, for the admin API's status.
     @return: the admin API, the dashboards' history, the client listener's
         site (the router, the dashboard at C{/admin} behind a login) and
         the admin listener's resource.
@@ -340,6 +368,7 @@ def pages(
         config_models=state.config_names,
         wall_clock=time.time,
         watch=parts.watch,
+        standby=standby,
     )
     history = History(reactor, router.metrics, parts.plane, keys, wall_clock=time.time)
     failures = FailureTap(
@@ -385,12 +414,12 @@ def pages(
 @dataclass(frozen=True)
 class Listeners:
     """
-    The server's listeners, open.
+    The server's client and admin listeners, open (the agents' is the
+    plane's: L{Plane.agents}).
 
     @ivar router: the client API's port (reserved for the workers with
         C{--router-workers}).
     @ivar metrics: the metrics-only listener, if configured.
-    @ivar agents: the agent listener, unless agents are not accepted.
     @ivar workers: the router workers, with C{--router-workers}.
     @ivar admin_guarded: whether the admin API asks for an admin key (not
         on loopback).
@@ -399,7 +428,6 @@ class Listeners:
     router: Any
     admin: IListeningPort
     metrics: IListeningPort | None
-    agents: IListeningPort | None
     workers: Workers | None
     admin_guarded: bool
 
@@ -411,13 +439,12 @@ def listeners(
     served: Pages,
     account: Accounts,
     registry: CollectorRegistry,
-    hub: AgentHub,
 ) -> Listeners:
     """
-    Open the client API's, the admin's, the metrics' and the agents'
-    listeners now, so that a port in use ends the process at start.
+    Open the client API's, the admin's and the metrics' listeners now, so
+    that a port in use ends the process at start.
     """
-    workers = metrics_port = agent_port = None
+    workers = metrics_port = None
     # The bearer token the server's own router workers follow its admin
     # API with: they hold no admin key.
     token = secrets.token_urlsafe(32) if config.router_workers else None
@@ -443,16 +470,11 @@ def listeners(
         if token is not None:
             ports = (router_port, admin_port)
             workers = make_workers(reactor, config_path, config, ports, token)
-        if config.accepts_agents:
-            factory = _agent_factory(config, hub)
-            agent_port = listen(reactor, "agent_listen", config.agent_listen, factory)
     except ListenError as e:
         fail(PROGRAM, str(e), 1)
     except ConfigError as e:
         fail(PROGRAM, f"config error: {e}", 2)
-    return Listeners(
-        router_port, admin_port, metrics_port, agent_port, workers, guarded
-    )
+    return Listeners(router_port, admin_port, metrics_port, workers, guarded)
 
 
 @dataclass(frozen=True)

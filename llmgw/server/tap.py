@@ -59,7 +59,7 @@ from llmgw.server.build import (
     pages,
 )
 from llmgw.server.local import local_node_id
-from llmgw.server.standby import leading_services
+from llmgw.server.standby import Leading, leading_services
 from llmgw.store.base import Store
 from llmgw.tier.build import Accounts, Engines, accounts, engines
 from llmgw.tier.build import router as build_router
@@ -193,6 +193,7 @@ def _stop_sequence(
     served: Pages,
     router: Router,
     store: Store,
+    leading: Leading,
 ) -> None:
     """
     Put each service in its step of L{llmgw.daemon.lifecycle.STOP_STEPS}.
@@ -201,18 +202,15 @@ def _stop_sequence(
         top.add(LISTENERS, ports.workers)
     else:
         top.add(LISTENERS, ListeningService(ports.router))
-    if ports.agents is not None:
-        top.add(LISTENERS, ListeningService(ports.agents))
+    if parts.agents is not None:
+        top.add(LISTENERS, ListeningService(parts.agents))
     top.add(LISTENERS, ListeningService(ports.admin))
     if ports.metrics is not None:
         top.add(LISTENERS, ListeningService(ports.metrics))
         host, port = host_and_port(ports.metrics.getHost())
         log.info("metrics-only listener on {host}:{port}", host=host, port=port)
     top.add(DRAIN, DrainService(router, config.router.drain_timeout))
-    leading = leading_services(
-        reactor, config, parts.hub, parts.plane, ports.agents, served.admin
-    )
-    top.add(RECONCILER, *leading, built.load, served.history, parts.watch)
+    top.add(RECONCILER, *leading.services, built.load, served.history, parts.watch)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *agent.uplink)
@@ -250,6 +248,7 @@ def _log_agents(config: ServerConfig, agents: IListeningPort | None) -> None:
 def _log_started(
     config: ServerConfig,
     ports: Listeners,
+    agents: IListeningPort | None,
     router: Router,
     account: Accounts,
     store: Store,
@@ -257,7 +256,7 @@ def _log_started(
     """
     Tell what the server serves, where and to whom.
     """
-    _log_agents(config, ports.agents)
+    _log_agents(config, agents)
     # The bound addresses, not the configured strings: with port 0 this is
     # the only place the port is told (tests and scripts read this line).
     host, port = host_and_port(ports.router.getHost())
@@ -325,9 +324,14 @@ def makeService(options: Options) -> IService:
     if settings.load_poll_interval > 0:
         balancer.load = built.load
     raise_open_file_limit(settings.max_connections)
-    served = pages(reactor, built.registry, parts, account, state, router)
+    leading = leading_services(
+        reactor, config, parts.hub, parts.plane, parts.agents, state.store
+    )
+    served = pages(
+        reactor, built.registry, parts, account, state, router, leading.standby
+    )
     ports = listeners(
-        reactor, options["config"], config, served, account, built.registry, parts.hub
+        reactor, options["config"], config, served, account, built.registry
     )
     agent = local(reactor, config, parts.hub)
     parent = getattr(options, "parent", None)
@@ -349,6 +353,7 @@ def makeService(options: Options) -> IService:
         served,
         router,
         state.store,
+        leading,
     )
-    _log_started(config, ports, router, account, state.store)
+    _log_started(config, ports, parts.agents, router, account, state.store)
     return top

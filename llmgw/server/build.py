@@ -38,11 +38,8 @@ from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
 from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
-from llmgw.router.load import LoadBoard
 from llmgw.router.site import make_site
-from llmgw.router.usage_log import UsageSinks
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.local import (
     LocalEngines,
@@ -55,7 +52,7 @@ from llmgw.server.local import (
 from llmgw.store.base import Store
 from llmgw.store.db import SQLiteStore, StoreError, open_store
 from llmgw.store.migrations import MigrationPending
-from llmgw.tier.build import Accounts
+from llmgw.tier.build import Accounts, ClientAPI
 from llmgw.tier.watch import Watch
 from llmgw.tier.workers import Workers, make_workers, reserve_port
 from llmgw.web.fleet import Fleet
@@ -240,17 +237,18 @@ def control_plane(
     config: ServerConfig,
     control: ControlConfig,
     state: State,
-    balancer: Balancer,
-    load: LoadBoard,
+    api: ClientAPI,
 ) -> Plane:
     """
     @return: the control plane, publishing its endpoints (and the static
-        ones) to C{balancer}, C{load} and the tier's watch, and the models
-        below their C{min_replicas} to the router's readiness and the
-        watch; and its agents' listener, open now (before the other
-        listeners: a standby names its address), so that a port in use
-        ends the process at start.
+        ones) to C{api}'s balancer and engine load and to the tier's
+        watch, and the models below their C{min_replicas} to the router's
+        readiness and the watch, tracing with C{api}'s tracer; and its
+        agents' listener, open now (before the other listeners: a standby
+        names its address), so that a port in use ends the process at
+        start.
     """
+    balancer, load = api.balancer, api.load
 
     def publish(endpoints: list[Endpoint]) -> None:
         balancer.set_endpoints(endpoints)
@@ -301,6 +299,7 @@ def control_plane(
         # Scale-down, eviction and sleep wait for streams as long as the
         # router lets one run.
         leave_timeout=config.router.total_timeout,
+        tracer=api.tracing.tracing.tracer if api.tracing is not None else None,
     )
     agents = _agent_listener(reactor, config, hub)
     return Plane(inventory, hub, plane, watch, readiness, agents)
@@ -348,9 +347,12 @@ def pages(
     account: Accounts,
     state: State,
     router: Router,
+    traffic: Traffic,
     standby: Callable[[], dict[str, object]] | None,
 ) -> Pages:
     """
+    @param traffic: the dashboard's figures per model and replica, which
+        C{router} counts each finished request into.
     @param standby: with standbys, whether this server leads and the
         leader, for the admin API's status.
     @return: the admin API, the dashboards' history, the client listener's
@@ -377,10 +379,6 @@ def pages(
     # AgentHub takes no listener at construction yet: llmgw/control is
     # another change's.  No link is heard before the reactor runs.
     parts.hub.listener = failures
-    # Every finished request also to the dashboard's figures per model and
-    # replica (the metrics' counters name no replica).
-    traffic = Traffic(reactor.seconds, parts.plane.catalog.resolve)
-    router.usage = UsageSinks(router.usage, traffic)
     fleet = Fleet(
         parts.inventory,
         parts.plane,

@@ -22,7 +22,6 @@ from llmgw.config import (
 )
 from llmgw.config_checks import ConfigError
 from llmgw.control.metrics import FleetCollector
-from llmgw.daemon.fdlimit import raise_open_file_limit
 from llmgw.daemon.lifecycle import (
     AGENT_LINKS,
     DRAIN,
@@ -42,9 +41,7 @@ from llmgw.daemon.lifecycle import (
 from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.app import Router
-from llmgw.router.balancer import Balancer
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.tracing import tracing_service
 from llmgw.server.build import (
     PROGRAM,
     Listeners,
@@ -61,9 +58,9 @@ from llmgw.server.build import (
 from llmgw.server.local import local_node_id
 from llmgw.server.standby import Leading, leading_services
 from llmgw.store.base import Store
-from llmgw.tier.build import Accounts, Engines, accounts, engines
-from llmgw.tier.build import router as build_router
+from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
 from llmgw.tier.settings import check_router_workers
+from llmgw.web.traffic import Traffic
 
 log = Logger(namespace="llmgw.server")
 
@@ -188,7 +185,7 @@ def _stop_sequence(
     ports: Listeners,
     agent: LocalAgent,
     parts: Plane,
-    built: Engines,
+    api: ClientAPI,
     account: Accounts,
     served: Pages,
     router: Router,
@@ -210,7 +207,7 @@ def _stop_sequence(
         host, port = host_and_port(ports.metrics.getHost())
         log.info("metrics-only listener on {host}:{port}", host=host, port=port)
     top.add(DRAIN, DrainService(router, config.router.drain_timeout))
-    top.add(RECONCILER, *leading.services, built.load, served.history, parts.watch)
+    top.add(RECONCILER, *leading.services, api.load, served.history, parts.watch)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *agent.uplink)
@@ -222,7 +219,7 @@ def _stop_sequence(
         USAGE, account.usage, UsageRetention(store, reactor, config.usage_retention)
     )
     top.add(LOCAL_ENGINES, *agent.engines)
-    top.add(POOLS, PoolService(built.pool))
+    top.add(POOLS, PoolService(api.pool))
     top.add(POOLS, *account.services)
     top.add(STORE, StoreService(store))
 
@@ -303,44 +300,37 @@ def makeService(options: Options) -> IService:
     """
     reactor = global_reactor()
     config: ServerConfig = options.config
-    settings = config.router
     models, control = control_settings(config)
     state = open_state(config, models)
-    account = accounts(reactor, state.store, config, state.key_rows)
-    built = engines(reactor, settings)
-    balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
-    parts = control_plane(reactor, config, control, state, balancer, built.load)
-    built.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
-    account.keys.resolve = parts.plane.catalog.resolve
-    router = build_router(
+    api = client_api(reactor, config, PROGRAM)
+    parts = control_plane(reactor, config, control, state, api)
+    catalog = parts.plane.catalog
+    # Every finished request also to the dashboard's figures per model and
+    # replica (the metrics' counters name no replica).
+    traffic = Traffic(reactor.seconds, catalog.resolve)
+    account, router = serve(
         reactor,
-        settings,
-        balancer,
-        built,
-        account,
-        parts.plane.catalog,
+        api,
+        config,
+        state.store,
+        state.key_rows,
+        catalog,
         parts.readiness,
+        (traffic,),
     )
-    if settings.load_poll_interval > 0:
-        balancer.load = built.load
-    raise_open_file_limit(settings.max_connections)
+    api.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
     leading = leading_services(
         reactor, config, parts.hub, parts.plane, parts.agents, state.store
     )
     served = pages(
-        reactor, built.registry, parts, account, state, router, leading.standby
+        reactor, api.registry, parts, account, state, router, traffic, leading.standby
     )
-    ports = listeners(
-        reactor, options["config"], config, served, account, built.registry
-    )
+    ports = listeners(reactor, options["config"], config, served, account, api.registry)
     agent = local(reactor, config, parts.hub)
     parent = getattr(options, "parent", None)
     top = top_service(reactor, PROGRAM, config.log_format, parent)
-    tracing = tracing_service(config.tracing, PROGRAM)
-    if tracing is not None:
-        router.tracing = tracing.tracing
-        parts.plane.tracer = tracing.tracing.tracer
-        top.add("connection pools closed", tracing)
+    if api.tracing is not None:
+        top.add(POOLS, api.tracing)
     _stop_sequence(
         top,
         reactor,
@@ -348,7 +338,7 @@ def makeService(options: Options) -> IService:
         ports,
         agent,
         parts,
-        built,
+        api,
         account,
         served,
         router,

@@ -5,7 +5,7 @@ the server that touches the global reactor.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from twisted.application.service import IService
 from twisted.internet.interfaces import IListeningPort
@@ -178,23 +178,30 @@ class Options(usage.Options):
         return finish_config(config)
 
 
-def _stop_sequence(
-    top: Lifecycle,
-    reactor: IDaemonReactor,
-    config: ServerConfig,
-    ports: Listeners,
-    agent: LocalAgent,
-    parts: Plane,
-    api: ClientAPI,
-    account: Accounts,
-    served: Pages,
-    router: Router,
-    store: Store,
-    leading: Leading,
-) -> None:
+@dataclass(frozen=True)
+class _Server:
+    """
+    What L{makeService} built, for its stop steps and its start's log.
+    """
+
+    config: ServerConfig
+    store: Store
+    api: ClientAPI
+    parts: Plane
+    account: Accounts
+    router: Router
+    leading: Leading
+    served: Pages
+    ports: Listeners
+    agent: LocalAgent
+
+
+def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> None:
     """
     Put each service in its step of L{llmgw.daemon.lifecycle.STOP_STEPS}.
     """
+    config, store, api, parts = built.config, built.store, built.api, built.parts
+    ports, agent, account = built.ports, built.agent, built.account
     if ports.workers is not None:
         top.add(LISTENERS, ports.workers)
     else:
@@ -206,8 +213,9 @@ def _stop_sequence(
         top.add(LISTENERS, ListeningService(ports.metrics))
         host, port = host_and_port(ports.metrics.getHost())
         log.info("metrics-only listener on {host}:{port}", host=host, port=port)
-    top.add(DRAIN, DrainService(router, config.router.drain_timeout))
-    top.add(RECONCILER, *leading.services, api.load, served.history, parts.watch)
+    top.add(DRAIN, DrainService(built.router, config.router.drain_timeout))
+    leading = built.leading.services
+    top.add(RECONCILER, *leading, api.load, built.served.history, parts.watch)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *agent.uplink)
@@ -242,18 +250,12 @@ def _log_agents(config: ServerConfig, agents: IListeningPort | None) -> None:
         log.info("no [agent_tls]: not listening for agents")
 
 
-def _log_started(
-    config: ServerConfig,
-    ports: Listeners,
-    agents: IListeningPort | None,
-    router: Router,
-    account: Accounts,
-    store: Store,
-) -> None:
+def _log_started(built: _Server) -> None:
     """
     Tell what the server serves, where and to whom.
     """
-    _log_agents(config, agents)
+    config, ports, store = built.config, built.ports, built.store
+    _log_agents(config, built.parts.agents)
     # The bound addresses, not the configured strings: with port 0 this is
     # the only place the port is told (tests and scripts read this line).
     host, port = host_and_port(ports.router.getHost())
@@ -265,7 +267,7 @@ def _log_started(
         port=port,
         admin_host=admin_host,
         admin_port=admin_port,
-        models=", ".join(router.models()),
+        models=", ".join(built.router.models()),
     )
     if config.local:
         log.info(
@@ -273,7 +275,7 @@ def _log_started(
             node=local_node_id(),
             state=config.state_dir,
         )
-    keys = account.keys
+    keys = built.account.keys
     if keys.required:
         log.info(
             "API keys required: {count} keys in {store}",
@@ -327,23 +329,14 @@ def makeService(options: Options) -> IService:
     )
     ports = listeners(reactor, options["config"], config, served, account, api.registry)
     agent = local(reactor, config, parts.hub)
-    parent = getattr(options, "parent", None)
-    top = top_service(reactor, PROGRAM, config.log_format, parent)
+    top = top_service(
+        reactor, PROGRAM, config.log_format, getattr(options, "parent", None)
+    )
     if api.tracing is not None:
         top.add(POOLS, api.tracing)
-    _stop_sequence(
-        top,
-        reactor,
-        config,
-        ports,
-        agent,
-        parts,
-        api,
-        account,
-        served,
-        router,
-        state.store,
-        leading,
+    built = _Server(
+        config, state.store, api, parts, account, router, leading, served, ports, agent
     )
-    _log_started(config, ports, parts.agents, router, account, state.store)
+    _stop_sequence(top, reactor, built)
+    _log_started(built)
     return top

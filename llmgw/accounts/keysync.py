@@ -10,6 +10,7 @@ reconnects.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from twisted.application.service import IService, Service
@@ -47,10 +48,13 @@ def key_ring(
     limits_table: LimitsConfig,
     auth: AuthConfig,
     reactor: IReactorFromThreads,
+    resolve: Callable[[str], str | None] = lambda name: None,
 ) -> tuple[KeyRing, list[IService]]:
     """
     The server's key ring on C{store}, with C{[limits]} (C{limits_table})
     and C{[auth] require_api_key} (C{auth}).
+
+    @param resolve: the catalog's model for a name or alias, or L{None}.
 
     @return: the ring (its keys not loaded yet), and the services to stop
         before the store closes: the listener of key changes (PostgreSQL)
@@ -65,6 +69,7 @@ def key_ring(
         required=auth.require_api_key,
         limits=limits,
         share=limits_table.routers,
+        resolve=resolve,
     )
     services: list[IService] = []
     events = key_events(store, keys, reactor)

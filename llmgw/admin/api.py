@@ -80,6 +80,8 @@ class Admin(KeyRoutes, WatchRoutes, DrainRoutes, SwapRoutes):
     @param wall_clock: POSIX seconds now (C{time.time}).
     @param watch: what a router tier follows, when there is a control
         plane.
+    @param standby: with standbys (L{llmgw.server.standby}), whether this
+        server leads and the leader's agent address; L{None} alone.
     """
 
     app = admin_app
@@ -97,6 +99,7 @@ class Admin(KeyRoutes, WatchRoutes, DrainRoutes, SwapRoutes):
         *,
         wall_clock: Callable[[], float],
         watch: Watch | None = None,
+        standby: Callable[[], dict[str, object]] | None = None,
     ) -> None:
         self.watch = watch
         self.registry = registry
@@ -108,9 +111,7 @@ class Admin(KeyRoutes, WatchRoutes, DrainRoutes, SwapRoutes):
         self.config_models = config_models
         self.wall_clock = wall_clock
         self.started = wall_clock()
-        # With standbys (llmgw.server.standby): whether this server leads,
-        # and the leader's agent address; None for a server alone.
-        self.standby: Callable[[], dict[str, Any]] | None = None
+        self.standby = standby
 
     @app.handle_errors(AdminError)
     def _admin_error(self, request: IRequest, failure: Any) -> bytes:

@@ -106,20 +106,34 @@ class AdminGuard(Resource):
 
     @param inner: the admin app's resource.
     @param keys: where admin keys are found.
-    @ivar enabled: set once the listener's address is known (on by
-        default: closed until then).
+    @param internal: the bearer token of the server's own router workers
+        (C{--router-workers}), which hold no admin key; L{None} without.
+    @ivar enabled: whether keys are asked: closed until the listener's
+        address is known (L{bound}).
     """
 
     isLeaf = True
 
-    def __init__(self, inner: Resource, keys: KeyRing) -> None:
+    def __init__(
+        self, inner: Resource, keys: KeyRing, internal: bytes | None = None
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._inner = inner
         self._keys = keys
         self.enabled = True
-        # The bearer token of the server's own router workers
-        # (--router-workers), which hold no admin key.
-        self.internal: bytes | None = None
+        self.internal = internal
+
+    def bound(self, host: str) -> bool:
+        """
+        The admin listener is bound to C{host}: keys are asked unless it is
+        a loopback address.  A UNIX socket (no IP address) is reached
+        through the file system's permissions: no key either.
+
+        @param host: the listener's C{getHost()} host.
+        @return: whether keys are asked.
+        """
+        self.enabled = not is_loopback(host, True)
+        return self.enabled
 
     def render(self, request: IRequest) -> Any:
         peer = getattr(request.getClientAddress(), "host", "")

@@ -65,16 +65,21 @@ class Lifecycle(MultiService):
 
     @param clock: times the steps (C{seconds()}); by default the monotonic
         clock.
-    @ivar log_observer: when set, given to the twistd application this
-        service joins as its log observer (twistd's C{AppLogger.start}
-        reads the application's L{ILogObserver} component).
+    @param log_observer: the log observer of the twistd application this
+        service joins, or L{None} for twistd's own (twistd's
+        C{AppLogger.start} reads the application's L{ILogObserver}
+        component).
     """
 
-    log_observer: ILogObserver | None = None
     _signal_reactor: ISignalReactor | None = None
 
-    def __init__(self, clock: IReactorTime | None = None) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime | None = None,
+        log_observer: ILogObserver | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.log_observer = log_observer
         self._seconds: Callable[[], float] = (
             clock.seconds if clock is not None else time.monotonic
         )

@@ -39,14 +39,15 @@ def top_service(
     @return: an empty L{Lifecycle} whose stop a second signal does not
         interrupt.
     """
-    top = Lifecycle()
-    top.stop_once_on_signals(reactor)
     check_twistd_files(program, twistd_options)
+    observer = None
     if log_format == "json":
         try:
-            top.log_observer = json_observer(twistd_options)
+            observer = json_observer(twistd_options)
         except OSError as e:
             fail(program, f"config error: --logfile: cannot open it: {e}", 2)
+    top = Lifecycle(log_observer=observer)
+    top.stop_once_on_signals(reactor)
     return top
 
 

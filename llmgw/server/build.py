@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +25,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import Site
 
 from llmgw.admin.api import Admin
-from llmgw.admin.guard import AdminGuard, is_loopback
+from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import metrics_site
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
@@ -35,12 +37,9 @@ from llmgw.control.settings import ControlConfig
 from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
-from llmgw.router.accounting.usage_log import UsageSinks
 from llmgw.router.api.app import Router
 from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
-from llmgw.router.routing.balancer import Balancer
-from llmgw.router.routing.load import LoadBoard
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.local import (
     LocalEngines,
@@ -53,7 +52,7 @@ from llmgw.server.local import (
 from llmgw.store.base import Store
 from llmgw.store.db import SQLiteStore, StoreError, open_store
 from llmgw.store.migrations import MigrationPending
-from llmgw.tier.build import Accounts
+from llmgw.tier.build import Accounts, ClientAPI
 from llmgw.tier.watch import Watch
 from llmgw.tier.workers import Workers, make_workers, reserve_port
 from llmgw.web.fleet import Fleet
@@ -216,20 +215,21 @@ def open_state(config: ServerConfig, models: tuple[Model, ...]) -> State:
 @dataclass(frozen=True)
 class Plane:
     """
-    The control plane and what it publishes to.
+    The control plane, what it publishes to, and its agents' listener.
 
     @ivar watch: the state routers of the tier follow.
-    @ivar failures: the engine failures' tap the dashboard shows.
     @ivar readiness: the models below their C{min_replicas}, for the
         router's C{/readyz}.
+    @ivar agents: the agent listener, open, unless agents are not
+        accepted.
     """
 
     inventory: Inventory
     hub: AgentHub
     plane: ControlPlane
     watch: Watch
-    failures: FailureTap
     readiness: Readiness
+    agents: IListeningPort | None
 
 
 def control_plane(
@@ -237,15 +237,18 @@ def control_plane(
     config: ServerConfig,
     control: ControlConfig,
     state: State,
-    balancer: Balancer,
-    load: LoadBoard,
+    api: ClientAPI,
 ) -> Plane:
     """
     @return: the control plane, publishing its endpoints (and the static
-        ones) to C{balancer}, C{load} and the tier's watch, and the models
-        below their C{min_replicas} to the router's readiness and the
-        watch.
+        ones) to C{api}'s balancer and engine load and to the tier's
+        watch, and the models below their C{min_replicas} to the router's
+        readiness and the watch, tracing with C{api}'s tracer; and its
+        agents' listener, open now (before the other listeners: a standby
+        names its address), so that a port in use ends the process at
+        start.
     """
+    balancer, load = api.balancer, api.load
 
     def publish(endpoints: list[Endpoint]) -> None:
         balancer.set_endpoints(endpoints)
@@ -296,10 +299,28 @@ def control_plane(
         # Scale-down, eviction and sleep wait for streams as long as the
         # router lets one run.
         leave_timeout=config.router.total_timeout,
+        tracer=api.tracing.tracing.tracer if api.tracing is not None else None,
     )
-    failures = FailureTap(plane, time.time)
-    hub.listener = failures
-    return Plane(inventory, hub, plane, watch, failures, readiness)
+    agents = _agent_listener(reactor, config, hub)
+    return Plane(inventory, hub, plane, watch, readiness, agents)
+
+
+def _agent_listener(
+    reactor: IDaemonReactor, config: ServerConfig, hub: AgentHub
+) -> IListeningPort | None:
+    """
+    @return: the agent listener, open, or L{None} when agents are not
+        accepted.
+    """
+    if not config.accepts_agents:
+        return None
+    try:
+        factory = _agent_factory(config, hub)
+        return listen(reactor, "agent_listen", config.agent_listen, factory)
+    except ListenError as e:
+        fail(PROGRAM, str(e), 1)
+    except ConfigError as e:
+        fail(PROGRAM, f"config error: {e}", 2)
 
 
 @dataclass(frozen=True)
@@ -326,8 +347,14 @@ def pages(
     account: Accounts,
     state: State,
     router: Router,
+    traffic: Traffic,
+    standby: Callable[[], dict[str, object]] | None,
 ) -> Pages:
     """
+    @param traffic: the dashboard's figures per model and replica, which
+        C{router} counts each finished request into.
+    @param standby: with standbys, whether this server leads and the
+        leader, for the admin API's status.
     @return: the admin API, the dashboards' history, the client listener's
         site (the router, the dashboard at C{/admin} behind a login) and
         the admin listener's resource.
@@ -343,19 +370,21 @@ def pages(
         config_models=state.config_names,
         wall_clock=time.time,
         watch=parts.watch,
+        standby=standby,
     )
     history = History(reactor, router.metrics, parts.plane, keys, wall_clock=time.time)
-    parts.failures.changed = lambda: history.record_states(time.time())
-    # Every finished request also to the dashboard's figures per model and
-    # replica (the metrics' counters name no replica).
-    traffic = Traffic(reactor.seconds, parts.plane.catalog.resolve)
-    router.usage = UsageSinks(router.usage, traffic)
+    failures = FailureTap(
+        parts.plane, time.time, lambda: history.record_states(time.time())
+    )
+    # AgentHub takes no listener at construction yet: llmgw/control is
+    # another change's.  No link is heard before the reactor runs.
+    parts.hub.listener = failures
     fleet = Fleet(
         parts.inventory,
         parts.plane,
         keys,
         history,
-        parts.failures,
+        failures,
         router.load,
         traffic,
         wall_clock=time.time,
@@ -383,12 +412,12 @@ def pages(
 @dataclass(frozen=True)
 class Listeners:
     """
-    The server's listeners, open.
+    The server's client and admin listeners, open (the agents' is the
+    plane's: L{Plane.agents}).
 
     @ivar router: the client API's port (reserved for the workers with
         C{--router-workers}).
     @ivar metrics: the metrics-only listener, if configured.
-    @ivar agents: the agent listener, unless agents are not accepted.
     @ivar workers: the router workers, with C{--router-workers}.
     @ivar admin_guarded: whether the admin API asks for an admin key (not
         on loopback).
@@ -397,7 +426,6 @@ class Listeners:
     router: Any
     admin: IListeningPort
     metrics: IListeningPort | None
-    agents: IListeningPort | None
     workers: Workers | None
     admin_guarded: bool
 
@@ -409,19 +437,25 @@ def listeners(
     served: Pages,
     account: Accounts,
     registry: CollectorRegistry,
-    hub: AgentHub,
 ) -> Listeners:
     """
-    Open the client API's, the admin's, the metrics' and the agents'
-    listeners now, so that a port in use ends the process at start.
+    Open the client API's, the admin's and the metrics' listeners now, so
+    that a port in use ends the process at start.
     """
-    workers = metrics_port = agent_port = None
+    workers = metrics_port = None
+    # The bearer token the server's own router workers follow its admin
+    # API with: they hold no admin key.
+    token = secrets.token_urlsafe(32) if config.router_workers else None
     try:
         if config.router_workers:
             router_port = reserve_port(config.listen)
         else:
             router_port = listen(reactor, "listen", config.listen, served.router_site)
-        guard = AdminGuard(served.admin_resource, account.keys)
+        guard = AdminGuard(
+            served.admin_resource,
+            account.keys,
+            internal=token.encode("ascii") if token is not None else None,
+        )
         admin_site = Site(guard)
         admin_site.log = lambda request: None  # type: ignore[method-assign]
         admin_port = listen(reactor, "admin_listen", config.admin_listen, admin_site)
@@ -430,22 +464,15 @@ def listeners(
             metrics_port = listen(
                 reactor, "metrics_listen", config.metrics_listen, metrics
             )
-        admin_host = getattr(admin_port.getHost(), "host", "127.0.0.1")
-        # A UNIX socket is reached through the file system's permissions.
-        guarded = guard.enabled = not is_loopback(admin_host, True)
-        if config.router_workers:
+        guarded = guard.bound(getattr(admin_port.getHost(), "host", "127.0.0.1"))
+        if token is not None:
             ports = (router_port, admin_port)
-            workers = make_workers(reactor, config_path, config, ports, guard)
-        if config.accepts_agents:
-            factory = _agent_factory(config, hub)
-            agent_port = listen(reactor, "agent_listen", config.agent_listen, factory)
+            workers = make_workers(reactor, config_path, config, ports, token)
     except ListenError as e:
         fail(PROGRAM, str(e), 1)
     except ConfigError as e:
         fail(PROGRAM, f"config error: {e}", 2)
-    return Listeners(
-        router_port, admin_port, metrics_port, agent_port, workers, guarded
-    )
+    return Listeners(router_port, admin_port, metrics_port, workers, guarded)
 
 
 @dataclass(frozen=True)

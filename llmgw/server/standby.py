@@ -23,6 +23,7 @@ import atexit
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -35,7 +36,6 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.admin.api import Admin
 from llmgw.config import ServerConfig
 from llmgw.control.agents import AgentHub
 from llmgw.control.inventory import Inventory
@@ -118,7 +118,7 @@ class Leadership(Service):
     @param on_lead: called on the reactor thread when this server leads.
     @param on_lost: called on the reactor thread when it stops leading:
         its connection failed or was not shown alive for C{lease} seconds.
-    @ivar loop: a service run only while leading (the reconciler): stopped
+    @param loop: a service run only while leading (the reconciler): stopped
         when leadership is lost and when this service stops.
     @ivar leading: whether this server leads now.
     @ivar lost: whether it led and lost the lead: then it never leads
@@ -137,6 +137,7 @@ class Leadership(Service):
         on_lost: Callable[[str], None],
         retry: float = 1.0,
         lease: float = 5.0,
+        loop: IService | None = None,
     ) -> None:
         self._clock = clock
         self._in_thread = in_thread
@@ -151,10 +152,17 @@ class Leadership(Service):
         self._loop: LoopingCall | None = None
         self._last_alive = 0.0
         self._warned = False
-        self.loop: IService | None = None
+        self.loop = loop
         self.leading = False
         self.lost = False
         self.leader = ""
+
+    def status(self) -> dict[str, object]:
+        """
+        @return: C{{"leading": bool, "leader": "HOST:PORT"}}, as the admin
+            API's status tells it (the leader empty while unknown).
+        """
+        return {"leading": self.leading, "leader": self.leader}
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
@@ -286,14 +294,29 @@ def advertised(configured: str, port: Any) -> str:
     return f"{host}:{getattr(address, 'port', 0)}"
 
 
+@dataclass(frozen=True)
+class Leading:
+    """
+    What runs in the server's reconciler step, and what its admin API
+    tells of it.
+
+    @ivar services: the reconciler, or the L{Leadership} that starts it.
+    @ivar standby: with standbys, the L{Leadership}'s status; L{None} for
+        a server alone.
+    """
+
+    services: list[IService]
+    standby: Callable[[], dict[str, object]] | None = None
+
+
 def leading_services(
     reactor: ILeaderReactor,
     config: ServerConfig,
     hub: AgentHub,
     plane: ControlPlane,
     agent_port: Any,
-    admin: Admin,
-) -> list[IService]:
+    store: Store | None,
+) -> Leading:
     """
     What runs in the server's reconciler step: the reconciler itself when
     no PostgreSQL chooses a leader (no C{leader_lock_url}), else a L{Leadership}
@@ -302,15 +325,16 @@ def leading_services(
     A standby refuses each agent's Register with a Redirect naming the
     leader.  On taking the lock the startup grace starts afresh, so that
     the agents' Registers adopt their running engines before anything is
-    placed (L{llmgw.control.adoption}).  The admin API's status tells
-    whether this server leads, and the leader.  On losing it the server stops
-    leading at once (its agent links closed, Registers refused) and its
-    process ends with status 75, for systemd to start it again as a
-    standby (C{Restart=on-failure}).
+    placed (L{llmgw.control.adoption}), and the drains the old leader kept
+    are read again from C{store}.  The admin API's status tells whether
+    this server leads, and the leader (L{Leading.standby}).  On losing it
+    the server stops leading at once (its agent links closed, Registers
+    refused) and its process ends with status 75, for systemd to start it
+    again as a standby (C{Restart=on-failure}).
     """
     url, settings = config.leader_lock_url, config.standby
     if not url:
-        return [plane.loop]
+        return Leading([plane.loop])
 
     def lead() -> None:
         plane.begin_grace()
@@ -319,7 +343,7 @@ def leading_services(
             hub.redirect = lambda: None
 
         # Registers once the drains the old leader kept are known.
-        relearn_drains(admin.store, plane.inventory).addBoth(accept)
+        relearn_drains(store, plane.inventory).addBoth(accept)
 
     def lost(why: str) -> None:
         hub.redirect = lambda: ""
@@ -341,18 +365,14 @@ def leading_services(
         lost,
         retry=settings.retry,
         lease=settings.lease,
+        loop=plane.loop,
     )
-    leadership.loop = plane.loop
-    admin.standby = lambda: {
-        "leading": leadership.leading,
-        "leader": leadership.leader,
-    }
     hub.redirect = lambda: leadership.leader
     log.info(
         "standby: leader chosen by an advisory lock on {url}",
         url=_without_password(url),
     )
-    return [leadership]
+    return Leading([leadership], leadership.status)
 
 
 def relearn_drains(store: Store | None, inventory: Inventory) -> Deferred[None]:

@@ -5,7 +5,7 @@ the server that touches the global reactor.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from twisted.application.service import IService
 from twisted.internet.interfaces import IListeningPort
@@ -22,7 +22,6 @@ from llmgw.config import (
 )
 from llmgw.config_checks import ConfigError
 from llmgw.control.metrics import FleetCollector
-from llmgw.daemon.fdlimit import raise_open_file_limit
 from llmgw.daemon.lifecycle import (
     AGENT_LINKS,
     DRAIN,
@@ -43,8 +42,6 @@ from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.api.app import Router
 from llmgw.router.interfaces import Endpoint
-from llmgw.router.routing.balancer import Balancer
-from llmgw.router.telemetry.tracing import tracing_service
 from llmgw.server.build import (
     PROGRAM,
     Listeners,
@@ -59,11 +56,11 @@ from llmgw.server.build import (
     pages,
 )
 from llmgw.server.local import local_node_id
-from llmgw.server.standby import leading_services
+from llmgw.server.standby import Leading, leading_services
 from llmgw.store.base import Store
-from llmgw.tier.build import Accounts, Engines, accounts, engines
-from llmgw.tier.build import router as build_router
+from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
 from llmgw.tier.settings import check_router_workers
+from llmgw.web.traffic import Traffic
 
 log = Logger(namespace="llmgw.server")
 
@@ -181,38 +178,44 @@ class Options(usage.Options):
         return finish_config(config)
 
 
-def _stop_sequence(
-    top: Lifecycle,
-    reactor: IDaemonReactor,
-    config: ServerConfig,
-    ports: Listeners,
-    agent: LocalAgent,
-    parts: Plane,
-    built: Engines,
-    account: Accounts,
-    served: Pages,
-    router: Router,
-    store: Store,
-) -> None:
+@dataclass(frozen=True)
+class _Server:
+    """
+    What L{makeService} built, for its stop steps and its start's log.
+    """
+
+    config: ServerConfig
+    store: Store
+    api: ClientAPI
+    parts: Plane
+    account: Accounts
+    router: Router
+    leading: Leading
+    served: Pages
+    ports: Listeners
+    agent: LocalAgent
+
+
+def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> None:
     """
     Put each service in its step of L{llmgw.daemon.lifecycle.STOP_STEPS}.
     """
+    config, store, api, parts = built.config, built.store, built.api, built.parts
+    ports, agent, account = built.ports, built.agent, built.account
     if ports.workers is not None:
         top.add(LISTENERS, ports.workers)
     else:
         top.add(LISTENERS, ListeningService(ports.router))
-    if ports.agents is not None:
-        top.add(LISTENERS, ListeningService(ports.agents))
+    if parts.agents is not None:
+        top.add(LISTENERS, ListeningService(parts.agents))
     top.add(LISTENERS, ListeningService(ports.admin))
     if ports.metrics is not None:
         top.add(LISTENERS, ListeningService(ports.metrics))
         host, port = host_and_port(ports.metrics.getHost())
         log.info("metrics-only listener on {host}:{port}", host=host, port=port)
-    top.add(DRAIN, DrainService(router, config.router.drain_timeout))
-    leading = leading_services(
-        reactor, config, parts.hub, parts.plane, ports.agents, served.admin
-    )
-    top.add(RECONCILER, *leading, built.load, served.history, parts.watch)
+    top.add(DRAIN, DrainService(built.router, config.router.drain_timeout))
+    leading = built.leading.services
+    top.add(RECONCILER, *leading, api.load, built.served.history, parts.watch)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *agent.uplink)
@@ -224,7 +227,7 @@ def _stop_sequence(
         USAGE, account.usage, UsageRetention(store, reactor, config.usage_retention)
     )
     top.add(LOCAL_ENGINES, *agent.engines)
-    top.add(POOLS, PoolService(built.pool))
+    top.add(POOLS, PoolService(api.pool))
     top.add(POOLS, *account.services)
     top.add(STORE, StoreService(store))
 
@@ -247,17 +250,12 @@ def _log_agents(config: ServerConfig, agents: IListeningPort | None) -> None:
         log.info("no [agent_tls]: not listening for agents")
 
 
-def _log_started(
-    config: ServerConfig,
-    ports: Listeners,
-    router: Router,
-    account: Accounts,
-    store: Store,
-) -> None:
+def _log_started(built: _Server) -> None:
     """
     Tell what the server serves, where and to whom.
     """
-    _log_agents(config, ports.agents)
+    config, ports, store = built.config, built.ports, built.store
+    _log_agents(config, built.parts.agents)
     # The bound addresses, not the configured strings: with port 0 this is
     # the only place the port is told (tests and scripts read this line).
     host, port = host_and_port(ports.router.getHost())
@@ -269,7 +267,7 @@ def _log_started(
         port=port,
         admin_host=admin_host,
         admin_port=admin_port,
-        models=", ".join(router.models()),
+        models=", ".join(built.router.models()),
     )
     if config.local:
         log.info(
@@ -277,7 +275,7 @@ def _log_started(
             node=local_node_id(),
             state=config.state_dir,
         )
-    keys = account.keys
+    keys = built.account.keys
     if keys.required:
         log.info(
             "API keys required: {count} keys in {store}",
@@ -304,51 +302,41 @@ def makeService(options: Options) -> IService:
     """
     reactor = global_reactor()
     config: ServerConfig = options.config
-    settings = config.router
     models, control = control_settings(config)
     state = open_state(config, models)
-    account = accounts(reactor, state.store, config, state.key_rows)
-    built = engines(reactor, settings)
-    balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
-    parts = control_plane(reactor, config, control, state, balancer, built.load)
-    built.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
-    account.keys.resolve = parts.plane.catalog.resolve
-    router = build_router(
+    api = client_api(reactor, config, PROGRAM)
+    parts = control_plane(reactor, config, control, state, api)
+    catalog = parts.plane.catalog
+    # Every finished request also to the dashboard's figures per model and
+    # replica (the metrics' counters name no replica).
+    traffic = Traffic(reactor.seconds, catalog.resolve)
+    account, router = serve(
         reactor,
-        settings,
-        balancer,
-        built,
-        account,
-        parts.plane.catalog,
-        parts.readiness,
-    )
-    if settings.load_poll_interval > 0:
-        balancer.load = built.load
-    raise_open_file_limit(settings.max_connections)
-    served = pages(reactor, built.registry, parts, account, state, router)
-    ports = listeners(
-        reactor, options["config"], config, served, account, built.registry, parts.hub
-    )
-    agent = local(reactor, config, parts.hub)
-    parent = getattr(options, "parent", None)
-    top = top_service(reactor, PROGRAM, config.log_format, parent)
-    tracing = tracing_service(config.tracing, PROGRAM)
-    if tracing is not None:
-        router.tracing = tracing.tracing
-        parts.plane.tracer = tracing.tracing.tracer
-        top.add("connection pools closed", tracing)
-    _stop_sequence(
-        top,
-        reactor,
+        api,
         config,
-        ports,
-        agent,
-        parts,
-        built,
-        account,
-        served,
-        router,
         state.store,
+        state.key_rows,
+        catalog,
+        parts.readiness,
+        (traffic,),
     )
-    _log_started(config, ports, router, account, state.store)
+    api.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
+    leading = leading_services(
+        reactor, config, parts.hub, parts.plane, parts.agents, state.store
+    )
+    served = pages(
+        reactor, api.registry, parts, account, state, router, traffic, leading.standby
+    )
+    ports = listeners(reactor, options["config"], config, served, account, api.registry)
+    agent = local(reactor, config, parts.hub)
+    top = top_service(
+        reactor, PROGRAM, config.log_format, getattr(options, "parent", None)
+    )
+    if api.tracing is not None:
+        top.add(POOLS, api.tracing)
+    built = _Server(
+        config, state.store, api, parts, account, router, leading, served, ports, agent
+    )
+    _stop_sequence(top, reactor, built)
+    _log_started(built)
     return top

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from twisted.application.service import IService, Service
@@ -27,7 +27,6 @@ from twisted.web.server import Site
 
 from llmgw.config import ServerConfig, load_config, shared_flags
 from llmgw.config_checks import ConfigError
-from llmgw.daemon.fdlimit import raise_open_file_limit
 from llmgw.daemon.lifecycle import (
     DRAIN,
     LISTENERS,
@@ -46,14 +45,11 @@ from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness
-from llmgw.router.routing.balancer import Balancer
-from llmgw.router.telemetry.tracing import tracing_service
 from llmgw.store.base import Store
 from llmgw.store.db import StoreError, open_store
 from llmgw.tier.activate import RemoteActivator
 from llmgw.tier.admin_client import AdminClient
-from llmgw.tier.build import Accounts, Engines, accounts, engines
-from llmgw.tier.build import router as build_router
+from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
 from llmgw.tier.follow import Follower
 from llmgw.tier.keys import KeyFollower
 from llmgw.tier.workers import reuse_port_socket, tcp_address
@@ -194,48 +190,50 @@ class _Orphan(Service):
             self._stop()
 
 
-@dataclass(frozen=True)
-class _Following:
-    """
-    A router's view of its control plane.
-
-    @ivar follower: the watch of endpoints, names and key changes.
-    @ivar activator: activations forwarded to the control plane.
-    @ivar readiness: the models below their C{min_replicas}, from the
-        watch.
-    """
-
-    follower: Follower
-    activator: RemoteActivator
-    readiness: Readiness
-
-
 def _follow(
     reactor: IDaemonReactor,
     control: AdminClient,
-    balancer: Balancer,
-    built: Engines,
+    api: ClientAPI,
+    activator: RemoteActivator,
     account: Accounts,
     store: Store,
-    activation_timeout: float,
-) -> _Following:
+    readiness: Readiness,
+) -> Follower:
     """
-    @return: the watch that feeds C{balancer}, the load board, the names and
-        the key changes, and the activator forwarding to C{control}.
+    @return: the watch that feeds the balancer, the load board, the
+        activator's names, the key changes and C{readiness}.
     """
-    activator = RemoteActivator(reactor, control, balancer.serves, activation_timeout)
     key_follower = KeyFollower(account.keys, store)
 
     def apply(endpoints: list[Endpoint], names: dict[str, str], counter: int) -> None:
-        balancer.set_endpoints(endpoints)
-        built.load.set_endpoints(endpoints)
+        api.balancer.set_endpoints(endpoints)
+        api.load.set_endpoints(endpoints)
         activator.set_names(names)
         key_follower.saw(counter)
 
-    readiness = Readiness()
-    follower = Follower(reactor, control, apply, readiness.set)
-    account.keys.resolve = activator.resolve
-    return _Following(follower, activator, readiness)
+    return Follower(reactor, control, apply, readiness.set)
+
+
+def _open(
+    reactor: IDaemonReactor, options: Options
+) -> tuple[AdminClient, Store, list[dict[str, Any]]]:
+    """
+    @return: the client of the control planes' admin APIs, the store, and
+        the keys' rows read from it.
+    """
+    config: ServerConfig = options.config
+    try:
+        control = AdminClient.make(
+            reactor,
+            options["control"],
+            os.environ.get(CONTROL_KEY_ENV, ""),
+            options["control-ca"],
+        )
+        store = open_store(config.store_url, config.state_dir)
+        key_rows, _ = store.prepare()
+    except (ConfigError, StoreError, OSError, ValueError) as e:
+        fail(PROGRAM, f"config error: {e}", 2)
+    return control, store, key_rows
 
 
 def _listener(
@@ -272,50 +270,27 @@ def makeService(options: Options) -> IService:
     reactor = global_reactor()
     config: ServerConfig = options.config
     settings = config.router
-    try:
-        control = AdminClient.make(
-            reactor,
-            options["control"],
-            os.environ.get(CONTROL_KEY_ENV, ""),
-            options["control-ca"],
-        )
-        store = open_store(config.store_url, config.state_dir)
-        key_rows, _ = store.prepare()
-    except (ConfigError, StoreError, OSError, ValueError) as e:
-        fail(PROGRAM, f"config error: {e}", 2)
-    account = accounts(reactor, store, config, key_rows)
-    built = engines(reactor, settings)
-    balancer = Balancer(reactor, settings.eject_cooldown, settings=settings)
+    control, store, key_rows = _open(reactor, options)
+    api = client_api(reactor, config, PROGRAM)
     timeout = settings.activation_timeout or 60.0
-    following = _follow(reactor, control, balancer, built, account, store, timeout)
-    router = build_router(
-        reactor,
-        settings,
-        balancer,
-        built,
-        account,
-        following.activator,
-        following.readiness,
-    )
-    if settings.load_poll_interval > 0:
-        balancer.load = built.load
-    raise_open_file_limit(settings.max_connections)
+    activator = RemoteActivator(reactor, control, api.balancer.serves, timeout)
+    readiness = Readiness()
+    account, router = serve(reactor, api, config, store, key_rows, activator, readiness)
+    follower = _follow(reactor, control, api, activator, account, store, readiness)
     site = make_site(router.resource(), settings, reactor, router.cors)
-    port = _listener(reactor, options, site, following.follower)
+    port = _listener(reactor, options, site, follower)
     top = top_service(
         reactor, PROGRAM, config.log_format, getattr(options, "parent", None)
     )
     top.add(LISTENERS, ListeningService(port))
     top.add(DRAIN, DrainService(router, settings.drain_timeout))
-    top.add(RECONCILER, following.follower, following.activator, built.load)
+    top.add(RECONCILER, follower, activator, api.load)
     if options["parent-pid"]:
         top.add(RECONCILER, _Orphan(reactor, reactor.stop, options["parent-pid"]))
     top.add(USAGE, account.usage)
-    top.add(POOLS, PoolService(built.pool), *account.services)
-    tracing = tracing_service(config.tracing, PROGRAM)
-    if tracing is not None:
-        router.tracing = tracing.tracing
-        top.add(POOLS, tracing)
+    top.add(POOLS, PoolService(api.pool), *account.services)
+    if api.tracing is not None:
+        top.add(POOLS, api.tracing)
     top.add(STORE, StoreService(store))
     host, port_number = host_and_port(port.getHost())
     log.info(

@@ -8,7 +8,6 @@ back-off when it keeps failing), and all are stopped with the server.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -300,19 +299,18 @@ def make_workers(
     config_path: str | None,
     config: ServerConfig,
     ports: tuple[Any, Any],
-    guard: Any,
+    token: str,
 ) -> Workers:
     """
     The router workers of C{--router-workers}.
 
     @param ports: the client port L{reserve_port} reserved, and the admin
-        listener the workers follow, whose C{guard} lets them in with a
-        token made here.
+        listener the workers follow.
+    @param token: the bearer token the admin listener's guard lets them in
+        with (L{llmgw.admin.guard.AdminGuard}'s C{internal}).
 
     @raise ConfigError: the admin listener is not on TCP.
     """
-    token = secrets.token_urlsafe(32)
-    guard.internal = token.encode("ascii")
     reserved, admin = ports
     argv = worker_argv(config_path, config, reserved, admin)
     grace = config.router.drain_timeout + 5

@@ -96,14 +96,19 @@ class FailureTap:
 
     @param inner: the control plane.
     @param wall_clock: POSIX seconds now.
-    @ivar changed: called after each shard status has reached the plane
+    @param changed: called after each shard status has reached the plane
         (the server notes replica states then, not only every few seconds).
     """
 
-    def __init__(self, inner: LinkListener, wall_clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        inner: LinkListener,
+        wall_clock: Callable[[], float],
+        changed: Callable[[], None] = lambda: None,
+    ) -> None:
         self._inner = inner
         self._wall_clock = wall_clock
-        self.changed: Callable[[], None] = lambda: None
+        self.changed = changed
         self.failures: deque[Failure] = deque(maxlen=FAILURES_KEPT)
         self.tails: dict[str, tuple[str, ...]] = {}
 

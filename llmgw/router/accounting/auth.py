@@ -176,6 +176,9 @@ class KeyRing:
         while it cannot be reached): this one admits its equal share,
         C{ceil(limit / share)} per window, and of each budget what was
         left at start divided likewise.
+    @param resolve: the catalog's model for a name or alias, or L{None}
+        (the server's catalog, or a router's copy of it): a key allowed a
+        model is allowed its aliases.
     """
 
     log = Logger()
@@ -189,6 +192,7 @@ class KeyRing:
         required: bool = False,
         limits: RedisLimits | None = None,
         share: int = 1,
+        resolve: Callable[[str], str | None] = lambda name: None,
     ) -> None:
         self.store = store
         self.limits = limits
@@ -201,8 +205,7 @@ class KeyRing:
         self._wall_clock = wall_clock
         self._by_hash: dict[str, ApiKey] = {}
         self._by_id: dict[int, ApiKey] = {}
-        # The catalog's name for a model name or alias (set by the server).
-        self.resolve: Callable[[str], str | None] = lambda name: None
+        self.resolve = resolve
 
     def load(self, rows: Sequence[dict[str, Any]]) -> None:
         """

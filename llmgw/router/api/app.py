@@ -103,8 +103,8 @@ class Router:
     @param auth: API keys, or L{None} for an open gateway.
     @param readiness: the catalog models below their C{min_replicas}, as
         the control plane publishes them (C{/readyz}).
-    @ivar load: each replica's engine load, when the server polls it
-        (set by the server's wiring).
+    @param load: each replica's engine load, when the server polls it.
+    @param tracing: the requests' spans (C{[tracing]} on), or L{None}.
     """
 
     app = Klein()
@@ -125,6 +125,8 @@ class Router:
         activator: Activator | None = None,
         auth: Auth | None = None,
         readiness: Readiness | None = None,
+        load: LoadBoard | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.clock = clock
         self.auth = auth
@@ -138,8 +140,8 @@ class Router:
         self.in_flight = 0
         # Models whose engines sent no usage in a stream (warned once).
         self._no_stream_usage: set[str] = set()
-        self.load: LoadBoard | None = None
-        self.tracing: Tracing | None = None  # [tracing] on: telemetry.tracing
+        self.load = load
+        self.tracing = tracing
         self._idle_waiters: list[Deferred[None]] = []
         self._resolve = activator.resolve if activator is not None else _no_alias
         routes = self.app.url_map.bind("gateway")
@@ -168,7 +170,6 @@ class Router:
             shares=FairShare(clock),
             fifo=settings.waiting_order == "fifo",
         )
-        balancer.metrics = metrics
         self.services = Services(
             clock=clock,
             settings=settings,
@@ -180,8 +181,6 @@ class Router:
             log=self.log,
             overload=overload,
         )
-        loads = metrics.adapter_loads
-        self.services.adapters.count = lambda a, o: loads.labels(a, o).inc()
 
     def resource(self) -> IResource:
         """

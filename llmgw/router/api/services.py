@@ -28,7 +28,8 @@ class Services:
     @ivar activating: the activation queues (shared, mutable).
     @ivar log: where failures of replicas are logged.
     @ivar overload: the waiting room for overloaded models, or L{None}.
-    @ivar adapters: the LoRA adapters loaded on each replica.
+    @ivar adapters: the LoRA adapters loaded on each replica: the
+        balancer's, which narrows an adapter's replicas by them.
     """
 
     clock: IReactorTime
@@ -43,8 +44,14 @@ class Services:
     adapters: AdapterLoads = field(init=False)
 
     def __post_init__(self) -> None:
-        # The LoRA adapters' loads go through the same client, and the
-        # balancer narrows an adapter's replicas to those that have it.
-        adapters = AdapterLoads(self.upstream, self.settings.affinity_epsilon)
+        adapters = self.balancer.adapters
+        if adapters is None:
+            # A balancer built without them (a router alone, in tests)
+            # narrows nothing; the exchanges still load adapters, counted.
+            loads = self.metrics.adapter_loads
+            adapters = AdapterLoads(
+                self.upstream,
+                self.settings.affinity_epsilon,
+                lambda adapter, outcome: loads.labels(adapter, outcome).inc(),
+            )
         object.__setattr__(self, "adapters", adapters)
-        self.balancer.adapters = adapters

@@ -89,16 +89,21 @@ class AdapterLoads:
 
     @param upstream: the client to the replicas.
     @param epsilon: the bounded-load test's slack (C{affinity_epsilon}).
-    @ivar count: called with the adapter and C{"loaded"}, C{"unloaded"} or
+    @param count: called with the adapter and C{"loaded"}, C{"unloaded"} or
         C{"failed"} for each load and unload (the router's metrics).
     """
 
     log = Logger()
 
-    def __init__(self, upstream: Upstream, epsilon: float = 0.25) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        epsilon: float = 0.25,
+        count: Callable[[str, str], None] = lambda adapter, outcome: None,
+    ) -> None:
         self.upstream = upstream
         self.epsilon = epsilon
-        self.count: Callable[[str, str], None] = lambda adapter, outcome: None
+        self.count = count
         self._loaded: dict[str, OrderedDict[str, None]] = {}
         self._loading: set[tuple[str, str]] = set()
         self._waiting: dict[tuple[str, str], list[Deferred[IResponse | None]]] = {}

@@ -106,9 +106,12 @@ class Balancer:
     @param eject_cooldown: seconds a replica that refused a connection is
         passed over.
     @param settings: the policy, affinity and ejection settings.
-    @ivar load: the engines' load readings, when the server polls them.
-    @ivar metrics: where affinity outcomes and ejections are counted (set by
-        the router), or L{None}.
+    @param metrics: where affinity outcomes and ejections are counted, or
+        L{None}.
+    @param load: the engines' load readings, when the server polls them.
+    @param adapters: the LoRA adapters loaded on each replica, which
+        narrow an adapter's replicas to those that have it; the router's
+        exchanges load adapters through the same one.
     """
 
     log = Logger()
@@ -119,6 +122,10 @@ class Balancer:
         eject_cooldown: float,
         rng: random.Random | None = None,
         settings: RouterConfig | None = None,
+        *,
+        metrics: RouterMetrics | None = None,
+        load: LoadReadings | None = None,
+        adapters: AdapterLoads | None = None,
     ) -> None:
         self._clock = reactor
         self._cooldown = eject_cooldown
@@ -129,9 +136,9 @@ class Balancer:
         self._epsilon = settings.affinity_epsilon
         self._eject_after = settings.eject_after
         self._eject_base = settings.eject_base_cooldown
-        self.load: LoadReadings | None = None
-        self.metrics: RouterMetrics | None = None
-        self.adapters: AdapterLoads | None = None
+        self.load = load
+        self.metrics = metrics
+        self.adapters = adapters
         self.speeds = Speeds(reactor)
         # Per model: the turn for ties (and for round robin).
         self._turn: dict[str, int] = {}

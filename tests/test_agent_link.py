@@ -327,7 +327,7 @@ class SleepCommandTests(SynchronousTestCase):
             def shard_status(self, node_id: str, status: pb.ShardStatus) -> None:
                 heard.append(status)
 
-        self.hub.listener = Listener()
+        self.hub.listen(Listener())
         note = "sleep refused: Sleep mode is not supported on current platform."
         status = pb.ShardStatus(
             shard_id="r-0", state=pb.SHARD_STATE_STARTING, note=note

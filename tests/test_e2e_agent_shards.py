@@ -78,7 +78,7 @@ class _LinkedAgent(TestCase):
         self.inventory = Inventory()
         self.hub = AgentHub(reactor, self.inventory)
         self.heard = _Heard()
-        self.hub.listener = self.heard
+        self.hub.listen(self.heard)
         factory = TLSMemoryBIOFactory(
             server_options(f"{ca}/ca.pem", f"{ca}/server.pem", f"{ca}/server-key.pem"),
             False,

@@ -76,7 +76,7 @@ class LinkCurrentTests(TestCase):
         # Silent for 6 heartbeats of 1 s: the link times out.
         self.hub = AgentHub(reactor, self.inventory, heartbeat_interval=1)
         self.heard = _Heard()
-        self.hub.listener = self.heard
+        self.hub.listen(self.heard)
         ca = self.ca
         factory = TLSMemoryBIOFactory(
             server_options(f"{ca}/ca.pem", f"{ca}/server.pem", f"{ca}/server-key.pem"),

@@ -341,8 +341,7 @@ class StandbyHubTests(SynchronousTestCase):
         leads, the next Register is welcomed.
         """
         hub = AgentHub(Clock(), Inventory(), insecure=True)
-        leader: list[str | None] = ["a:1"]
-        hub.redirect = lambda: leader[0]
+        hub.follow(lambda: "a:1")
         register = encode_frame(
             pb.AgentMessage(register=pb.Register(node_id="n1")).SerializeToString()
         )
@@ -356,7 +355,7 @@ class StandbyHubTests(SynchronousTestCase):
         self.assertEqual(message.redirect.leader, "a:1")
         self.assertTrue(transport.disconnecting)
         self.assertEqual(hub.inventory.nodes(), [])
-        leader[0] = None
+        hub.lead()
         link = hub.buildProtocol(None)
         transport = StringTransport()
         link.makeConnection(transport)

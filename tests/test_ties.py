@@ -34,11 +34,6 @@ PACKAGES = (llmgw.server, llmgw.tier, llmgw.daemon)
 
 LEFT: list[tuple[str, str, str]] = [
     ("server/build.py", "admin_site.log", "Site.log overridden, Twisted's idiom"),
-    ("server/build.py", "parts.hub.listener", "AgentHub is llmgw.control's"),
-    ("server/standby.py", "hub.redirect", "AgentHub is llmgw.control's"),
-    ("server/standby.py", "hub.redirect", "AgentHub is llmgw.control's"),
-    ("server/standby.py", "hub.redirect", "AgentHub is llmgw.control's"),
-    ("server/standby.py", "inventory.drained", "Inventory is llmgw.control's"),
     ("server/standby.py", "self._loop.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/activate.py", "self._flush.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/keys.py", "key.revoked", "ApiKey is a dataclass record"),

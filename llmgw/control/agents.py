@@ -330,9 +330,9 @@ class AgentHub(Factory):
         unreachable_after}: the node gets no new placements by then).
     @param wall_clock: POSIX seconds now, for the inventory's
         C{last_seen} and C{weights_at}.
-    @ivar redirect: asked at each Register: C{None} to accept it (this
-        server leads), else the leader's C{HOST:PORT} (empty: unknown),
-        sent in a Redirect before the link closes.
+    @param listener: told each Register and shard status (the control
+        plane, through the dashboard's failure tap), or L{None} until
+        L{listen} names one.
     """
 
     log = Logger()
@@ -347,11 +347,12 @@ class AgentHub(Factory):
         heartbeat_interval: int = HEARTBEAT_INTERVAL,
         wall_clock: Callable[[], float] = time.time,
         unreachable_after: float = 15.0,
+        listener: LinkListener | None = None,
     ) -> None:
         self.clock = clock
         self.unreachable_after = unreachable_after
         self.heartbeat_interval = max(1, heartbeat_interval)
-        self.listener: LinkListener | None = None
+        self.listener = listener
         self.inventory = inventory
         self.insecure = insecure
         self.register_timeout = register_timeout
@@ -363,7 +364,44 @@ class AgentHub(Factory):
         # None while this server leads (or stands alone); on a standby, the
         # leader's agent address to send a registering agent to ("" when
         # none leads yet).
-        self.redirect: Callable[[], str | None] = lambda: None
+        self._leader: Callable[[], str | None] = lambda: None
+
+    def listen(self, listener: LinkListener) -> None:
+        """
+        Tell C{listener} each Register and shard status from now on (one
+        built after the hub, as the control plane that sends through it is).
+        """
+        self.listener = listener
+
+    def redirect(self) -> str | None:
+        """
+        Asked at each Register.
+
+        @return: L{None} to accept it (this server leads), else the
+            leader's C{HOST:PORT} (empty: unknown), sent in a Redirect
+            before the link closes.
+        """
+        return self._leader()
+
+    def follow(self, leader: Callable[[], str]) -> None:
+        """
+        A standby: each agent that registers is sent to C{leader()}, the
+        leader's agent address (C{""} while none is known).
+        """
+        self._leader = leader
+
+    def lead(self) -> None:
+        """
+        This server leads: Registers are accepted.
+        """
+        self._leader = lambda: None
+
+    def stop_leading(self) -> None:
+        """
+        This server no longer leads and knows no leader: each agent that
+        registers is sent away with an empty Redirect.
+        """
+        self._leader = lambda: ""
 
     def registered(self, register: pb.Register) -> Node:
         """

@@ -193,6 +193,13 @@ class Inventory:
         # instant came out of order, until heard_by sorts them again.
         self._by_heard: OrderedDict[str, None] | None = OrderedDict()
 
+    def relearn_drained(self, drained: Iterable[str]) -> None:
+        """
+        The drained nodes are C{drained}, as the store says now (a
+        standby taking the lead reads what the old leader drained).
+        """
+        self.drained = set(drained)
+
     def register(self, message: pb.Register, now: float, heard: float = 0.0) -> Node:
         """
         Replace what is known of C{message.node_id} with C{message}; a node

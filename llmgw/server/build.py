@@ -376,9 +376,9 @@ def pages(
     failures = FailureTap(
         parts.plane, time.time, lambda: history.record_states(time.time())
     )
-    # AgentHub takes no listener at construction yet: llmgw/control is
-    # another change's.  No link is heard before the reactor runs.
-    parts.hub.listener = failures
+    # The tap is built on the plane, which sends through the hub: the hub
+    # is told of it once it is.  No link is heard before the reactor runs.
+    parts.hub.listen(failures)
     fleet = Fleet(
         parts.inventory,
         parts.plane,

@@ -340,13 +340,13 @@ def leading_services(
         plane.begin_grace()
 
         def accept(_: object) -> None:
-            hub.redirect = lambda: None
+            hub.lead()
 
         # Registers once the drains the old leader kept are known.
         relearn_drains(store, plane.inventory).addBoth(accept)
 
     def lost(why: str) -> None:
-        hub.redirect = lambda: ""
+        hub.stop_leading()
         for link in list(hub.links.values()):
             link.close()
         log.error("this server stops: it no longer leads (exit status 75)")
@@ -367,7 +367,7 @@ def leading_services(
         lease=settings.lease,
         loop=plane.loop,
     )
-    hub.redirect = lambda: leadership.leader
+    hub.follow(lambda: leadership.leader)
     log.info(
         "standby: leader chosen by an advisory lock on {url}",
         url=_without_password(url),
@@ -388,7 +388,7 @@ def relearn_drains(store: Store | None, inventory: Inventory) -> Deferred[None]:
         return succeed(None)
 
     def learnt(drained: dict[str, float]) -> None:
-        inventory.drained = set(drained)
+        inventory.relearn_drained(drained)
 
     def failed(failure: Failure) -> None:
         log.warn(

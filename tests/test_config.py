@@ -390,7 +390,7 @@ class RoutingConfigTests(SynchronousTestCase):
             ),
             (
                 {"overload_queue_size": 0},
-                "router.overload_queue_size: must be at least 1",
+                "router.overload_queue_size: expected a whole number of at least 1",
             ),
             ({"eject_after": -2}, "router.eject_after: expected a non-negative"),
         ]

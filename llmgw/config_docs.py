@@ -36,7 +36,10 @@ is `python -m llmgw.config_docs`): do not edit by hand;
 code prints.
 
 An unknown key, a missing one or a bad value stops the daemon with one
-line naming the key and the value.  Types:
+line naming the key and the value.  A key's type is the check its value
+passes, declared once with the setting: its bounds (`duration >= 10ms`,
+`integer, 0 to 64`) and allowed values are those the daemon enforces.
+Types:
 
 - duration: a number of seconds, or a string with a unit, `ms`, `s`, `m`,
   `h` or `d`: `"250ms"`, `"5s"`, `"2m"`.

@@ -343,7 +343,8 @@ class Text(Kind[str]):
     @ivar shape: what it is, for the reference and the messages: C{"path"},
         C{"Twisted server endpoint"}, C{"header name"}.
     @ivar empty: whether C{""} is allowed (it means none).
-    @ivar pattern: what the string must match, when anything will not do.
+    @ivar pattern: what the whole string must match (C{fullmatch}), when
+        anything will not do.
     @ivar secret: whether a message leaves the value out (a key, a token).
     """
 

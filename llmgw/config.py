@@ -8,8 +8,10 @@ L{llmgw.control.settings}, C{[[models]]} by L{llmgw.control.catalog},
 C{[standby]} and C{[agent_tls]} by L{llmgw.server.settings}, C{[store]},
 C{[limits]} and C{[auth]} by L{llmgw.accounts.settings}; the top-level keys
 are L{ServerConfig}'s own.  Every table says its keys as a
-L{llmgw.config_checks.Table}, which L{llmgw.config_docs} prints as the
-configuration reference.
+L{llmgw.config_checks.Table}, each key declared once with the kind that
+reads and checks it: L{llmgw.config_checks.Table.read} parses every table
+with them, and L{llmgw.config_docs} prints them as the configuration
+reference.
 
 A configuration error is raised as L{llmgw.config_checks.ConfigError} carrying one
 line that names the key and the offending value, so that C{twistd} can print
@@ -35,12 +37,12 @@ from llmgw.accounts.settings import (
     parse_store,
 )
 from llmgw.config_checks import (
+    BOOLEAN,
+    Choice,
     ConfigError,
     Table,
-    check_bool,
+    Text,
     check_choice,
-    check_keys,
-    check_string,
     setting,
     settings_keys,
 )
@@ -68,9 +70,11 @@ from llmgw.server.settings import (
     parse_agent_tls,
     parse_standby,
 )
-from llmgw.tier.settings import MAX_ROUTER_WORKERS, check_router_workers
+from llmgw.tier.settings import ROUTER_WORKERS
 
 LOG_FORMATS = ("text", "json")
+
+_ENDPOINT = Text("Twisted server endpoint")
 
 
 @dataclass(frozen=True)
@@ -94,52 +98,52 @@ class ServerConfig:
 
     listen: str = setting(
         "tcp:8080",
-        "Twisted server endpoint",
+        _ENDPOINT,
         "The client API (--listen); ssl:PORT:privateKey=...:certKey=... serves"
         " TLS and offers HTTP/2 over ALPN; a backlog of 1024 unless the string"
         " sets backlog=.",
     )
     admin_listen: str = setting(
         "tcp:9090:interface=127.0.0.1",
-        "Twisted server endpoint",
+        _ENDPOINT,
         "The admin API, dashboard, /metrics and /healthz (--admin-listen).",
     )
     metrics_listen: str = setting(
         "",
-        "Twisted server endpoint",
+        _ENDPOINT,
         "A listener serving GET /metrics only, safe to open to a Prometheus"
         " server on another machine (--metrics-listen); by default none.",
         shown="none",
     )
     log_format: str = setting(
         "text",
-        "one of: " + ", ".join(LOG_FORMATS),
+        Choice(LOG_FORMATS),
         'Log lines (--log-format): "text" (twistd\'s) or "json" (one JSON'
         " object a line).",
     )
     router_workers: int = setting(
         0,
-        f"integer, 0 to {MAX_ROUTER_WORKERS}",
+        ROUTER_WORKERS,
         "llmgw-router children serving the client API on the listen port"
         " (SO_REUSEPORT, a tcp: listener only) (--router-workers); 0: this"
         " process serves it.",
     )
     agent_listen: str = setting(
         "tcp:7443",
-        "Twisted server endpoint",
+        _ENDPOINT,
         "The agent listener (--agent-listen), with [agent_tls] or insecure_agents.",
     )
     agent_tls: AgentTLSConfig | None = None
     insecure_agents: bool = setting(
         False,
-        "boolean",
+        BOOLEAN,
         "Instead of [agent_tls]: agents over plaintext, any node id accepted;"
         " trusted networks only.",
     )
     local: bool = False
     state_dir: str = setting(
         "~/.local/state/llmgw",
-        "path",
+        Text("path"),
         "Where the server keeps its state: the SQLite store by default, the"
         " engines' secret, --local's certificates and engines (--state-dir).",
     )
@@ -204,18 +208,6 @@ Every table the server's file takes, in the reference's order.
 """
 
 
-def _string(key: str) -> Callable[[ServerConfig, object], ServerConfig]:
-    """
-    @return: what reads the top-level key C{key}, a non-empty string.
-    """
-
-    def read(config: ServerConfig, value: object) -> ServerConfig:
-        values: dict[str, Any] = {key: check_string(key, value)}
-        return replace(config, **values)
-
-    return read
-
-
 def _store(config: ServerConfig, table: object) -> ServerConfig:
     store = parse_store(table)
     return replace(
@@ -237,47 +229,34 @@ def _cors(config: ServerConfig, table: object) -> ServerConfig:
     return replace(config, router=replace(config.router, cors_allow_origins=origins))
 
 
-_READERS: dict[str, Callable[[ServerConfig, Any], ServerConfig]] = {
+_TABLES: dict[str, Callable[[ServerConfig, Any], ServerConfig]] = {
     # In this order, so that of two mistakes the same one is told first.
     "standby": lambda c, v: replace(c, standby=parse_standby(v)),
-    "router_workers": lambda c, v: replace(c, router_workers=check_router_workers(v)),
-    "state_dir": _string("state_dir"),
     "control": lambda c, v: replace(c, control=parse_control(v)),
     "store": _store,
     "limits": _limits,
     "auth": lambda c, v: replace(c, require_api_key=parse_auth(v).require_api_key),
     "models": lambda c, v: replace(c, models=parse_models(v)),
-    "agent_listen": _string("agent_listen"),
-    "insecure_agents": lambda c, v: replace(
-        c, insecure_agents=check_bool("insecure_agents", v)
-    ),
     "agent_tls": lambda c, v: replace(c, agent_tls=parse_agent_tls(v)),
-    "listen": _string("listen"),
-    "admin_listen": _string("admin_listen"),
-    "metrics_listen": _string("metrics_listen"),
-    "log_format": lambda c, v: replace(
-        c, log_format=check_choice("log_format", v, LOG_FORMATS)
-    ),
     "router": lambda c, v: replace(c, router=parse_router(v)),
     "cors": _cors,
     "endpoints": lambda c, v: replace(c, endpoints=parse_endpoints(v)),
     "tracing": lambda c, v: replace(c, tracing=parse_tracing(v)),
 }
 """
-What each key of the server's file sets: the top-level keys and one
-parser per table.
+What each table of the server's file sets, by its parser.
 """
 
 
 def parse_config(data: Mapping[str, Any]) -> ServerConfig:
     """
-    Validate a parsed TOML document.
+    Validate a parsed TOML document: the top-level keys (L{SERVER_TABLE}),
+    then each table.
 
     @raise ConfigError: an unknown key, a missing field or a bad value.
     """
-    check_keys("", data, _READERS)
-    config = ServerConfig()
-    for key, read in _READERS.items():
+    config = ServerConfig(**SERVER_TABLE.read(dict(data), others=_TABLES))
+    for key, read in _TABLES.items():
         if key in data:
             config = read(config, data[key])
     return config

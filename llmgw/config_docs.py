@@ -13,14 +13,13 @@ while the checked-in file differs from what this prints.)
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from collections.abc import Sequence
 
 from llmgw.agent.settings import AGENT_TABLES
 from llmgw.config import SERVER_TABLES
-from llmgw.config_checks import DURATION, REQUIRED, SIZE, Key, Table
+from llmgw.config_checks import REQUIRED, Key, Table, spelled
 
 PATH = os.path.join("docs", "configuration.md")
 """
@@ -37,7 +36,10 @@ is `python -m llmgw.config_docs`): do not edit by hand;
 code prints.
 
 An unknown key, a missing one or a bad value stops the daemon with one
-line naming the key and the value.  Types:
+line naming the key and the value.  A key's type is the check its value
+passes, declared once with the setting: its bounds (`duration >= 10ms`,
+`integer, 0 to 64`) and allowed values are those the daemon enforces.
+Types:
 
 - duration: a number of seconds, or a string with a unit, `ms`, `s`, `m`,
   `h` or `d`: `"250ms"`, `"5s"`, `"2m"`.
@@ -51,15 +53,12 @@ the setting is off (or taken from elsewhere, as its meaning says) unless
 the key is given.
 """
 
-_DURATION_UNITS = (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0))
-_SIZE_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
-
 
 def render_default(key: Key) -> str:
     """
     @return: C{key}'s default as the reference shows it: a TOML value a
         file could give (C{"5s"}, C{"32MiB"}, C{true}, C{[20000, 20999]}),
-        C{key.shown}, C{required} or C{none}.
+        as its kind spells it, C{key.shown}, C{required} or C{none}.
     """
     if key.shown:
         return key.shown
@@ -68,45 +67,9 @@ def render_default(key: Key) -> str:
         return "required"
     if value is None:
         return "none"
-    if key.kind == DURATION and isinstance(value, (int, float)):
-        return f'"{_duration(float(value))}"'
-    if key.kind == SIZE and isinstance(value, int):
-        return _size(value)
-    return _toml(value)
-
-
-def _duration(seconds: float) -> str:
-    if seconds == 0:
-        return "0s"
-    for unit, length in _DURATION_UNITS:
-        count = seconds / length
-        if count >= 1 and math.isclose(count, round(count)):
-            return f"{round(count)}{unit}"
-    return f"{round(seconds * 1000)}ms"
-
-
-def _size(size: int) -> str:
-    for unit, length in _SIZE_UNITS:
-        if size >= length and size % length == 0:
-            return f'"{size // length}{unit}"'
-    return str(size)
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
-    if isinstance(value, float):
-        return f"{value:g}" if value != int(value) else f"{value:.1f}"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, (tuple, list)):
-        return "[" + ", ".join(_toml(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    raise ValueError(f"no TOML for the default {value!r}")
+    if isinstance(key.kind, str):
+        return spelled(value, literal=False)
+    return key.kind.spell(value)
 
 
 def _cell(text: str) -> str:
@@ -124,13 +87,13 @@ def _table(table: Table, top: str) -> list[str]:
         where = f"{table.name or top}: {key.name}"
         if not key.doc.strip():
             raise ValueError(f"{where}: a key without a meaning")
-        if not key.kind.strip():
+        if not key.words.strip():
             raise ValueError(f"{where}: a key without a type")
         default = render_default(key)
         if default not in ("required", "none"):
             default = f"`{default}`"
         lines.append(
-            f"| `{key.name}` | {_cell(key.kind)} | {_cell(default)}"
+            f"| `{key.name}` | {_cell(key.words)} | {_cell(default)}"
             f" | {_cell(key.doc)} |"
         )
     return [*lines, ""]

@@ -421,7 +421,7 @@ class AgentConfigTests(SynchronousTestCase):
             ("", ["--server", "nohost", "--node-id", "n1", "--insecure"], "HOST:PORT"),
             ('sleep_memory = "lots"\n', base, "sleep_memory: bad size 'lots'"),
             ('sleep_memory = "150%"\n', base, "at most 100% of the node's RAM"),
-            ("sleep_memory = true\n", base, "sleep_memory: bad value True"),
+            ("sleep_memory = true\n", base, "sleep_memory: bad value true"),
             (
                 'sleep_memory = "999999999GiB"\n',
                 base,

@@ -21,18 +21,27 @@ from llmgw.config_checks import ConfigError, check_keys, parse_duration, parse_s
 class ConfigTests(SynchronousTestCase):
     def test_durations(self) -> None:
         """
-        Durations take ms, s, m and h, or plain seconds.
+        Durations take ms, s, m and h, or plain seconds; a bad one is named
+        with its key and its value as TOML writes it (C{true}, not Python's
+        C{True}).
         """
         self.assertEqual(parse_duration("k", "250ms"), 0.25)
         self.assertEqual(parse_duration("k", "5s"), 5.0)
         self.assertEqual(parse_duration("k", "2m"), 120.0)
         self.assertEqual(parse_duration("k", "1h"), 3600.0)
         self.assertEqual(parse_duration("k", 3), 3.0)
-        for bad in ("5", "5x", "-1s", "", True, [1]):
+        for bad, shown in [
+            ("5", "'5'"),
+            ("5x", "'5x'"),
+            ("-1s", "'-1s'"),
+            ("", "''"),
+            (True, "true"),
+            ([1], "[1]"),
+        ]:
             with self.assertRaises(ConfigError) as raised:
                 parse_duration("router.idle_timeout", bad)
             self.assertIn("router.idle_timeout", str(raised.exception))
-            self.assertIn(repr(bad), str(raised.exception))
+            self.assertIn(f"duration {shown}:", str(raised.exception))
 
     def test_sizes(self) -> None:
         """
@@ -381,7 +390,7 @@ class RoutingConfigTests(SynchronousTestCase):
             ),
             (
                 {"overload_queue_size": 0},
-                "router.overload_queue_size: must be at least 1",
+                "router.overload_queue_size: expected a whole number of at least 1",
             ),
             ({"eject_after": -2}, "router.eject_after: expected a non-negative"),
         ]

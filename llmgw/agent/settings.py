@@ -1,9 +1,9 @@
 """
 The agent's configuration: L{AgentConfig}, its TOML file's parser, and
 the checks of the file and flags together (L{check_agent_config}); each
-key's kind, default and meaning given with its field.  C{twistd
-llmgw-agent}'s options (L{llmgw.agent.tap}) read the file and the flags
-through these.
+key's kind (which reads and checks it), default and meaning given with its
+field.  C{twistd llmgw-agent}'s options (L{llmgw.agent.tap}) read the file
+and the flags through these.
 """
 
 from __future__ import annotations
@@ -15,17 +15,75 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmgw.config_checks import (
+    BOOLEAN,
+    ArrayOfTables,
     ConfigError,
     Key,
+    Kind,
+    ListOf,
+    Number,
+    StringTable,
     Table,
-    check_keys,
+    Text,
     parse_size,
     setting,
     settings_keys,
+    spelled,
 )
 from llmgw.wire.tls import client_options
 
 DEFAULT_STATE_DIR = "~/.local/state/llmgw/agent"
+
+_STRING = Text(empty=True)
+_PATH = Text("path", empty=True)
+_SHARE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+@dataclass(frozen=True)
+class AbsolutePath(Kind[str]):
+    """
+    An absolute path, C{~} allowed; read with C{~} expanded.
+    """
+
+    @property
+    def words(self) -> str:
+        return "absolute path"
+
+    def read(self, where: str, value: object) -> str:
+        if isinstance(value, str) and os.path.isabs(os.path.expanduser(value)):
+            return os.path.expanduser(value)
+        raise ConfigError(f"{where}: expected an absolute path, got {spelled(value)}")
+
+
+@dataclass(frozen=True)
+class SleepMemory(Kind[str]):
+    """
+    C{sleep_memory}: a size or a share of the node's RAM, read as given:
+    its syntax is checked here, its size against the node's RAM at start
+    (L{sleep_memory_bytes}).
+    """
+
+    @property
+    def words(self) -> str:
+        return 'size ("64GiB") or share of the node\'s RAM ("50%")'
+
+    def read(self, where: str, value: object) -> str:
+        sleep_memory_bytes(value, 1 << 62)
+        return str(value)
+
+
+SIMULATED_GPUS_TABLE = Table(
+    "[[simulated_gpus]]",
+    "One simulated GPU each, in the agent's file.",
+    (
+        Key("name", Text(), "The GPU's name, as NVML would report it."),
+        Key(
+            "memory_gb",
+            Number(positive=True, most=1_000_000, unit="GB"),
+            "Its memory.",
+        ),
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -43,72 +101,72 @@ class AgentConfig:
 
     server: str = setting(
         "",
-        "HOST:PORT",
+        Text("HOST:PORT", empty=True),
         "The server's agent listener (--server; a flag replaces server and"
         " servers); this or servers is required.",
         shown="none",
     )
     servers: tuple[str, ...] = setting(
         (),
-        "list of HOST:PORT",
+        ListOf(_STRING, "list of HOST:PORT"),
         "More servers (standbys on one PostgreSQL): the agent dials them in"
         " turn, stays with the one that leads, and follows the leader a"
         " standby names.",
     )
     node_id: str = setting(
         "",
-        "string",
+        _STRING,
         "This node's id, the CN of its certificate (--node-id); required.",
         shown="none",
     )
     tls_dir: str = setting(
         "",
-        "path",
+        _PATH,
         "A folder as llmgw certs agent writes it: ca.pem, agent.pem,"
         " agent-key.pem (--tls-dir); required unless insecure.",
         shown="none",
     )
     state_dir: str = setting(
         "",
-        "path",
+        _PATH,
         "The agent's state, its engines' records and output in shards/ (--state-dir).",
         shown=f'"{DEFAULT_STATE_DIR}"',
     )
     insecure: bool = setting(
         False,
-        "boolean",
+        BOOLEAN,
         "A plaintext link, no TLS (--insecure): trusted networks only.",
     )
     address: str = setting(
         "",
-        "host or IP address",
+        Text("host or IP address", empty=True),
         "How engines on this node are reached, and where they listen (set"
         " the node's address for a fleet).",
         shown='"127.0.0.1"',
     )
     labels: dict[str, str] = setting(
-        {}, "table of strings", "The node's labels, reported to the server."
+        {}, StringTable(), "The node's labels, reported to the server."
     )
     fabrics: tuple[str, ...] = setting(
         (),
-        "list of strings",
+        ListOf(_STRING, "list of strings"),
         "Interconnects this node is on, for multi-node profiles' fabric.",
     )
     simulated_gpus: tuple[tuple[str, float], ...] = setting(
         (),
-        "[[simulated_gpus]] tables",
+        ArrayOfTables(SIMULATED_GPUS_TABLE, lambda t: (t["name"], t["memory_gb"])),
         "GPUs that are not there, reported as simulated, so that the sim"
         " engine can be placed on machines without GPUs.",
     )
     weights_dirs: tuple[str, ...] = setting(
         (),
-        "list of absolute paths",
+        ListOf(AbsolutePath(), "list of absolute paths"),
         "Folders of model weights the agent reports, and may delete unused"
         " ones from (llmgw ctl weights); none: it removes nothing.",
     )
     sleep_memory: str = setting(
         "50%",
-        'size ("64GiB") or share of the node\'s RAM ("50%")',
+        SleepMemory(),
         "Host memory sleeping engines may hold on this node (weights kept by"
         ' vLLM\'s sleep level 1), reported to the server; "0%": nothing'
         " sleeps here; more than the node's RAM is refused at start.",
@@ -129,15 +187,6 @@ AGENT_TABLE = Table(
     settings_keys(AgentConfig),
 )
 
-SIMULATED_GPUS_TABLE = Table(
-    "[[simulated_gpus]]",
-    "One simulated GPU each, in the agent's file.",
-    (
-        Key("name", "string", "The GPU's name, as NVML would report it."),
-        Key("memory_gb", "number of GB, up to 1000000", "Its memory (more than 0)."),
-    ),
-)
-
 
 def agent_state_dir(config: AgentConfig) -> str:
     """
@@ -152,50 +201,7 @@ def parse_agent_config(data: dict[str, Any]) -> AgentConfig:
 
     @raise ConfigError: an unknown key or a bad value, named.
     """
-    check_keys("", data, AGENT_TABLE.names)
-    values: dict[str, Any] = {}
-    for key in ("server", "node_id", "tls_dir", "state_dir", "address"):
-        if key in data:
-            if not isinstance(data[key], str):
-                raise ConfigError(f"{key}: expected a string, got {data[key]!r}")
-            values[key] = data[key]
-    if "insecure" in data:
-        if not isinstance(data["insecure"], bool):
-            raise ConfigError(
-                f"insecure: expected true or false, got {data['insecure']!r}"
-            )
-        values["insecure"] = data["insecure"]
-    servers = data.get("servers", [])
-    if not isinstance(servers, list) or not all(isinstance(v, str) for v in servers):
-        raise ConfigError(f"servers: expected a list of HOST:PORT, got {servers!r}")
-    values["servers"] = tuple(servers)
-    labels = data.get("labels", {})
-    if not isinstance(labels, dict) or not all(
-        isinstance(v, str) for v in labels.values()
-    ):
-        raise ConfigError(f"labels: expected a table of strings, got {labels!r}")
-    values["labels"] = dict(labels)
-    fabrics = data.get("fabrics", [])
-    if not isinstance(fabrics, list) or not all(isinstance(f, str) for f in fabrics):
-        raise ConfigError(f"fabrics: expected a list of strings, got {fabrics!r}")
-    values["fabrics"] = tuple(fabrics)
-    dirs = data.get("weights_dirs", [])
-    if not isinstance(dirs, list) or not all(
-        isinstance(d, str) and os.path.isabs(os.path.expanduser(d)) for d in dirs
-    ):
-        raise ConfigError(
-            f"weights_dirs: expected a list of absolute paths, got {dirs!r}"
-        )
-    values["weights_dirs"] = tuple(os.path.expanduser(d) for d in dirs)
-    values["simulated_gpus"] = _simulated_gpus(data.get("simulated_gpus", []))
-    if "sleep_memory" in data:
-        # Its syntax now; its size against the node's RAM at start.
-        sleep_memory_bytes(data["sleep_memory"], 1 << 62)
-        values["sleep_memory"] = str(data["sleep_memory"])
-    return AgentConfig(**values)
-
-
-_SHARE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+    return AgentConfig(**AGENT_TABLE.read(data))
 
 
 def sleep_memory_bytes(value: object, ram_bytes: int) -> int:
@@ -213,18 +219,19 @@ def sleep_memory_bytes(value: object, ram_bytes: int) -> int:
         share = float(match.group(1))
         if share > 100:
             raise ConfigError(
-                f"sleep_memory: bad share {value!r}: at most 100% of the node's RAM"
+                f"sleep_memory: bad share {spelled(value)}: at most 100% of the"
+                " node's RAM"
             )
         return int(ram_bytes * share / 100)
     if not isinstance(value, (str, int)) or isinstance(value, bool):
         raise ConfigError(
-            f'sleep_memory: bad value {value!r}: use a size ("64GiB") or a share'
+            f'sleep_memory: bad value {spelled(value)}: use a size ("64GiB") or a share'
             ' of RAM ("50%")'
         )
     size = parse_size("sleep_memory", value)
     if size > ram_bytes:
         raise ConfigError(
-            f"sleep_memory: {value!r} is more than this node's RAM"
+            f"sleep_memory: {spelled(value)} is more than this node's RAM"
             f" ({ram_bytes / 1024**3:.1f} GiB)"
         )
     return size
@@ -235,38 +242,6 @@ def node_ram_bytes() -> int:
     @return: this machine's RAM, bytes (C{sysconf}'s pages times page size).
     """
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _simulated_gpus(tables: object) -> tuple[tuple[str, float], ...]:
-    """
-    @return: C{(name, memory_gb)} per C{[[simulated_gpus]]} table.
-    @raise ConfigError: not an array of tables, or a bad table, named.
-    """
-    if not isinstance(tables, list):
-        raise ConfigError(
-            f"simulated_gpus: expected an array of tables ([[simulated_gpus]]),"
-            f" got {tables!r}"
-        )
-    gpus = []
-    for i, table in enumerate(tables):
-        where = f"simulated_gpus[{i}]"
-        if not isinstance(table, dict):
-            raise ConfigError(f"{where}: expected a table, got {table!r}")
-        check_keys(where, table, SIMULATED_GPUS_TABLE.names)
-        name, memory = table.get("name"), table.get("memory_gb")
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where}.name: expected a name, got {name!r}")
-        if (
-            isinstance(memory, bool)
-            or not isinstance(memory, (int, float))
-            or not 0 < memory <= 1_000_000
-        ):
-            raise ConfigError(
-                f"{where}.memory_gb: expected a number of GB, 0 to 1000000,"
-                f" got {memory!r}"
-            )
-        gpus.append((name, float(memory)))
-    return tuple(gpus)
 
 
 def load_agent_config(path: str) -> AgentConfig:

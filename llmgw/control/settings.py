@@ -1,26 +1,54 @@
 """
 The control plane's settings, the C{[control]} table of the server's
-configuration: the reconciler's timers and limits, each key's kind,
-default and meaning given with its field.  Here, beside the control plane
-that reads them, so that the control plane needs nothing of
-L{llmgw.config}, which composes the server's file out of every table.
+configuration: the reconciler's timers and limits, each key's kind (which
+reads and checks it), default and meaning given with its field.  Here,
+beside the control plane that reads them, so that the control plane needs
+nothing of L{llmgw.config}, which composes the server's file out of every
+table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 from llmgw.config_checks import (
+    BOOLEAN,
     DURATION,
     ConfigError,
+    Duration,
+    Kind,
+    Number,
     Table,
-    check_bool,
-    check_keys,
-    parse_duration,
     setting,
     settings_keys,
+    spelled,
 )
+
+_LOWEST_PORT = 1024
+
+
+@dataclass(frozen=True)
+class PortRange(Kind[tuple[int, int]]):
+    """
+    C{[first, last]}: ports engines may listen on, 1024 to 65535.
+    """
+
+    @property
+    def words(self) -> str:
+        return f"[first, last] ports, {_LOWEST_PORT} to 65535"
+
+    def read(self, where: str, value: object) -> tuple[int, int]:
+        if (
+            not isinstance(value, list)
+            or len(value) != 2
+            or not all(isinstance(p, int) and not isinstance(p, bool) for p in value)
+            or not _LOWEST_PORT <= value[0] <= value[1] < 65536
+        ):
+            raise ConfigError(
+                f"{where}: expected [first, last], ports {_LOWEST_PORT} to 65535,"
+                f" got {spelled(value)}"
+            )
+        return (value[0], value[1])
 
 
 @dataclass(frozen=True)
@@ -61,7 +89,7 @@ class ControlConfig:
 
     unreachable_after: float = setting(
         15.0,
-        DURATION,
+        Duration(positive=True),
         "A node silent this long gets no new placements, and another agent"
         " for it may take over its link (before, one is refused).",
     )
@@ -73,7 +101,7 @@ class ControlConfig:
     )
     base_backoff: float = setting(
         5.0,
-        DURATION,
+        Duration(positive=True),
         "A failed replica's model waits this long before the next one,"
         " doubling per failure in a row up to max_backoff.",
     )
@@ -82,13 +110,13 @@ class ControlConfig:
     )
     port_range: tuple[int, int] = setting(
         (20000, 20999),
-        "[first, last] ports",
-        "Ports engines listen on, 1024 to 65535; keep them outside the"
+        PortRange(),
+        "Ports engines listen on; keep them outside the"
         " kernel's ephemeral ports (warned at start).",
     )
     start_timeout: float = setting(
         900.0,
-        DURATION,
+        Duration(positive=True),
         "A shard not ready this long after it was placed is stopped and"
         " counted as a failure.",
     )
@@ -107,18 +135,18 @@ class ControlConfig:
     )
     interval: float = setting(
         1.0,
-        DURATION,
-        "Between reconciler passes when nothing kicks one (at least 10ms).",
+        Duration(least=0.01),
+        "Between reconciler passes when nothing kicks one.",
     )
     scale_up_in_flight: float = setting(
         8.0,
-        "number, 1 to 100000",
+        Number(least=1, most=100_000),
         "Requests in flight per ready replica above which a model gets one"
         " more replica (up to its max_replicas).",
     )
     evict: bool = setting(
         True,
-        "boolean",
+        BOOLEAN,
         "A request held for a model that fits nowhere frees room: idle"
         " replicas of other models are stopped, or put to sleep where their"
         " profile says so (never a pinned model's, never below min_replicas,"
@@ -157,48 +185,7 @@ def parse_control(table: object) -> ControlConfig:
     @raise ConfigError: an unknown key, a bad value, or two that disagree
         (such as C{lost_after} shorter than C{unreachable_after}).
     """
-    if not isinstance(table, dict):
-        raise ConfigError(f"control: expected a table, got {table!r}")
-    durations = CONTROL_TABLE.of_kind(DURATION)
-    check_keys("control", table, CONTROL_TABLE.names)
-    values: dict[str, Any] = {}
-    if "scale_up_in_flight" in table:
-        level = table["scale_up_in_flight"]
-        if (
-            isinstance(level, bool)
-            or not isinstance(level, (int, float))
-            or not 1 <= level <= 100_000
-        ):
-            raise ConfigError(
-                f"control.scale_up_in_flight: expected a number from 1, got {level!r}"
-            )
-        values["scale_up_in_flight"] = float(level)
-    if "evict" in table:
-        values["evict"] = check_bool("control.evict", table["evict"])
-    for key, value in table.items():
-        if key in durations:
-            values[key] = parse_duration(f"control.{key}", value)
-    if "port_range" in table:
-        ports = table["port_range"]
-        if (
-            not isinstance(ports, list)
-            or len(ports) != 2
-            or not all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
-            or not 1024 <= ports[0] <= ports[1] < 65536
-        ):
-            raise ConfigError(
-                f"control.port_range: expected [first, last], ports 1024 to 65535,"
-                f" got {ports!r}"
-            )
-        values["port_range"] = (ports[0], ports[1])
-    control = replace(ControlConfig(), **values)
-    if control.interval < 0.01:
-        raise ConfigError(
-            f"control.interval: {control.interval:g}s is under the least, 10ms"
-        )
-    for key in ("unreachable_after", "start_timeout", "base_backoff"):
-        if getattr(control, key) <= 0:
-            raise ConfigError(f"control.{key}: must be more than 0s")
+    control = ControlConfig(**CONTROL_TABLE.read(table))
     if control.lost_after < control.unreachable_after:
         raise ConfigError(
             f"control.lost_after: {control.lost_after:g}s is shorter than"

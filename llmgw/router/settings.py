@@ -2,27 +2,49 @@
 The router's settings, the C{[router]} table of the server's configuration
 (read by L{llmgw.router.settings_toml}).  Here, in the router, so that the
 router needs nothing of the configuration module, which also knows the
-control plane's catalog.  Each key's kind, default and meaning is given
-with its field (L{llmgw.config_checks.setting}), for the parser and the
-configuration reference alike.
+control plane's catalog.  Each key's kind (which reads and checks it),
+default and meaning is given with its field
+(L{llmgw.config_checks.setting}), for the parser and the configuration
+reference alike.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from llmgw.config_checks import COUNT, DURATION, POSITIVE, SIZE, setting
+from llmgw.config_checks import (
+    BOOLEAN,
+    COUNT,
+    DURATION,
+    POSITIVE,
+    SIZE,
+    Choice,
+    Duration,
+    Number,
+    Size,
+    Text,
+    setting,
+)
 
 BALANCE = ("load", "least_in_flight", "round_robin")
+"""
+The C{[router] balance} policies (L{llmgw.router.routing.balancer}).
+"""
 
 ORDERS = ("fair", "fifo")
 """
 The values of C{waiting_order}: by priority and fair share
 (L{llmgw.router.routing.fairness}), or first come, first served.
 """
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]*$")
 """
-The C{[router] balance} policies (L{llmgw.router.routing.balancer}).
+A header name, an RFC 9110 token (or nothing).
 """
+
+_OFF_OR_100MS = Duration(least=0.1, off=True)
+_ONE_KIB = Size(least=1024)
 
 
 @dataclass(frozen=True)
@@ -94,14 +116,13 @@ class RouterConfig:
     activation_queue: int = setting(
         256,
         POSITIVE,
-        "Requests that may wait per model for a replica (at least 1); more get"
-        " 503 at once.",
+        "Requests that may wait per model for a replica; more get 503 at once.",
     )
     activation_keepalive: float = setting(
         15.0,
-        DURATION,
+        _OFF_OR_100MS,
         "A waiting stream gets an SSE comment line (a keep-alive for proxies)"
-        ' this often; at least 100ms, "0s" turns it off.',
+        ' this often; "0s" turns it off.',
     )
     cors_allow_origins: tuple[str, ...] = ()
     header_timeout: float = setting(
@@ -112,7 +133,7 @@ class RouterConfig:
     )
     min_body_rate: int = setting(
         1024,
-        SIZE,
+        Size(off=True),
         "Bytes a second a request body must keep up over each"
         " body_rate_window: else 408 (HTTP/2: the stream reset); 0 turns the"
         " check off.",
@@ -129,10 +150,10 @@ class RouterConfig:
         "A connection idle between requests (or before its first) is closed.",
     )
     max_request_line: int = setting(
-        16 * 1024, SIZE, "Longer request lines get 414 (at least 1KiB)."
+        16 * 1024, _ONE_KIB, "Longer request lines get 414."
     )
     max_header_size: int = setting(
-        32 * 1024, SIZE, "Larger headers, or over 500 lines, get 431 (at least 1KiB)."
+        32 * 1024, _ONE_KIB, "Larger headers, or over 500 lines, get 431."
     )
     max_connections: int = setting(
         16384,
@@ -149,13 +170,13 @@ class RouterConfig:
     )
     load_poll_interval: float = setting(
         1.0,
-        DURATION,
-        "Each replica's /metrics (engine load) is read this often; at least"
-        ' 100ms, "0s" turns the poller off.',
+        _OFF_OR_100MS,
+        "Each replica's /metrics (engine load) is read this often;"
+        ' "0s" turns the poller off.',
     )
     balance: str = setting(
         "load",
-        "one of: " + ", ".join(BALANCE),
+        Choice(BALANCE),
         'Replica choice: "load" (in flight plus the engine\'s waiting'
         " requests, weighted by each replica's weight and learnt speed),"
         ' "least_in_flight" (the router\'s own count, random ties) or'
@@ -163,7 +184,7 @@ class RouterConfig:
     )
     prefix_affinity: bool = setting(
         True,
-        "boolean",
+        BOOLEAN,
         'With balance = "load": sessions and long shared prompts stay on one'
         " replica while its load is within (1 + affinity_epsilon) times the"
         " model's average; false: no affinity of any kind.",
@@ -181,12 +202,12 @@ class RouterConfig:
     )
     affinity_epsilon: float = setting(
         0.25,
-        "number, 0 to 100",
+        Number(least=0, most=100),
         "The affinity bound's slack (HAProxy's hash-balance-factor 125 is 0.25).",
     )
     session_header: str = setting(
         "X-Session-ID",
-        "header name",
+        Text("header name", empty=True, pattern=_HEADER_NAME),
         'A request with this header, else with the OpenAI "user" field, keeps'
         ' its replica (within the same bound); "" for none.',
     )
@@ -218,19 +239,18 @@ class RouterConfig:
     overload_queue_size: int = setting(
         256,
         POSITIVE,
-        "Requests that may wait per overloaded model (at least 1); more get"
-        " 429 at once.",
+        "Requests that may wait per overloaded model; more get 429 at once.",
     )
     log_candidates: bool = setting(
         False,
-        "boolean",
+        BOOLEAN,
         "Every request's JSON log line lists the replicas weighed and their"
         " scores (in flight, waiting, KV use, speed, affinity owner, ejection);"
         " without it, only a request sent with X-LLMGW-Explain: 1.",
     )
     waiting_order: str = setting(
         "fair",
-        "one of: " + ", ".join(ORDERS),
+        Choice(ORDERS),
         'Who goes first where requests wait: "fair" (the key\'s priority, then'
         " its weighted share of the tokens served lately; a full room refuses"
         ' the lowest priority\'s newest) or "fifo" (first come, first served).',

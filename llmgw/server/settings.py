@@ -1,27 +1,29 @@
 """
 The server process's own tables of its configuration file: C{[standby]}
 (leadership among servers on one PostgreSQL, L{llmgw.server.standby}) and
-C{[agent_tls]} (the agent listener's certificates), each key's kind,
-default and meaning given with its field.  A leaf beside the modules that
-read them: it imports only L{llmgw.config_checks}, so that reading the
-file pulls in none of the server's wiring.
+C{[agent_tls]} (the agent listener's certificates), each key's kind (which
+reads and checks it), default and meaning given with its field.  A leaf
+beside the modules that read them: it imports only L{llmgw.config_checks},
+so that reading the file pulls in none of the server's wiring.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from llmgw.config_checks import (
-    DURATION,
+    Address,
     ConfigError,
+    Duration,
     Key,
     Table,
-    check_keys,
-    check_string,
-    parse_duration,
+    Text,
+    Url,
     setting,
     settings_keys,
 )
+
+_PATH = Text("path")
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,9 @@ AGENT_TLS_TABLE = Table(
     " certs writes them.  Without it (and without insecure_agents) the server"
     " accepts no agents.",
     (
-        Key("ca", "path", "The fleet's CA certificate (ca.pem)."),
-        Key("cert", "path", "The server's certificate (server.pem)."),
-        Key("key", "path", "The server's private key (server-key.pem)."),
+        Key("ca", _PATH, "The fleet's CA certificate (ca.pem)."),
+        Key("cert", _PATH, "The server's certificate (server.pem)."),
+        Key("key", _PATH, "The server's private key (server-key.pem)."),
     ),
 )
 
@@ -53,15 +55,7 @@ def parse_agent_tls(table: object) -> AgentTLSConfig:
     @return: the C{[agent_tls]} table's paths.
     @raise ConfigError: an unknown key, a missing one or a bad value, named.
     """
-    if not isinstance(table, dict):
-        raise ConfigError(f"agent_tls: expected a table, got {table!r}")
-    check_keys("agent_tls", table, AGENT_TLS_TABLE.names)
-    for required in ("ca", "cert", "key"):
-        if required not in table:
-            raise ConfigError(f"agent_tls.{required}: missing")
-    return AgentTLSConfig(
-        *(check_string(f"agent_tls.{k}", table[k]) for k in ("ca", "cert", "key"))
-    )
+    return AgentTLSConfig(**AGENT_TLS_TABLE.read(table))
 
 
 @dataclass(frozen=True)
@@ -84,14 +78,14 @@ class StandbyConfig:
 
     url: str = setting(
         "",
-        "postgresql:// URL",
+        Url(("postgresql", "postgres"), "postgresql://user@host:port/db", host=False),
         "The PostgreSQL whose advisory lock chooses the leader; by default"
         " [store] url when it is PostgreSQL, else this server leads alone.",
         shown="none",
     )
     advertise: str = setting(
         "",
-        "HOST:PORT",
+        Address(),
         "What agents dial to reach this server's agent listener, recorded for"
         " the standbys to name; by default the listener's address, the host's"
         " name for 0.0.0.0.",
@@ -99,13 +93,13 @@ class StandbyConfig:
     )
     retry: float = setting(
         1.0,
-        DURATION,
+        Duration(least=0.1, most=60.0),
         "A standby's tries of the lock, and a leader's checks of its"
-        " connection, this often (100ms to 60s).",
+        " connection, this often.",
     )
     lease: float = setting(
         5.0,
-        DURATION,
+        Duration(),
         "A leader that cannot show its connection alive this long stops"
         " leading and exits (status 75); at least twice retry.",
     )
@@ -125,35 +119,7 @@ def parse_standby(table: object) -> StandbyConfig:
     @raise ConfigError: an unknown key, a bad value, or a lease under twice
         the retry.
     """
-    if not isinstance(table, dict):
-        raise ConfigError(f"standby: expected a table, got {table!r}")
-    check_keys("standby", table, STANDBY_TABLE.names)
-    standby = StandbyConfig()
-    if "url" in table:
-        url = check_string("standby.url", table["url"])
-        if not url.startswith(("postgresql://", "postgres://")):
-            raise ConfigError(
-                f"standby.url: {url!r}: expected postgresql://user@host:port/db"
-            )
-        standby = replace(standby, url=url)
-    if "advertise" in table:
-        address = check_string("standby.advertise", table["advertise"])
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError(
-                f"standby.advertise: bad value {address!r}: expected HOST:PORT"
-            )
-        standby = replace(standby, advertise=address)
-    if "retry" in table:
-        standby = replace(
-            standby, retry=parse_duration("standby.retry", table["retry"])
-        )
-    if "lease" in table:
-        standby = replace(
-            standby, lease=parse_duration("standby.lease", table["lease"])
-        )
-    if not 0.1 <= standby.retry <= 60:
-        raise ConfigError(f"standby.retry: {standby.retry:g}s is not 100ms to 60s")
+    standby = StandbyConfig(**STANDBY_TABLE.read(table))
     if standby.lease < 2 * standby.retry:
         raise ConfigError(
             f"standby.lease: {standby.lease:g}s is under twice retry"

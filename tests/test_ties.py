@@ -33,7 +33,6 @@ from llmgw.router.routing.balancer import Balancer
 PACKAGES = (llmgw.server, llmgw.tier, llmgw.daemon)
 
 LEFT: list[tuple[str, str, str]] = [
-    ("server/build.py", "admin_site.log", "Site.log overridden, Twisted's idiom"),
     ("server/standby.py", "self._loop.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/activate.py", "self._flush.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/keys.py", "key.revoked", "ApiKey is a dataclass record"),

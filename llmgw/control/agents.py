@@ -87,6 +87,12 @@ class AgentLink(TimeoutMixin, CommandingStream):
         self.instance = ""
         self._claim: str | None = None
 
+    def attached(self, now: float) -> None:
+        """
+        Its hub took it as its node's link at C{now} (reactor seconds).
+        """
+        self.attached_at = now
+
     def connectionMade(self) -> None:
         self.heard_at = self._hub.clock.seconds()
         self._register_timer = self._hub.clock.callLater(
@@ -501,7 +507,7 @@ class AgentHub(Factory):
 
     def attach(self, link: AgentLink) -> None:
         assert link.node_id is not None
-        link.attached_at = self.clock.seconds()
+        link.attached(self.clock.seconds())
         old = self.links.get(link.node_id)
         self.links[link.node_id] = link
         if old is not None and old is not link:

@@ -193,6 +193,14 @@ class Inventory:
         # instant came out of order, until heard_by sorts them again.
         self._by_heard: OrderedDict[str, None] | None = OrderedDict()
 
+    def take_touched(self) -> set[str]:
+        """
+        @return: the ids of the nodes whose description changed since the
+            last call (L{touched}), which starts empty again.
+        """
+        touched, self.touched = self.touched, set()
+        return touched
+
     def relearn_drained(self, drained: Iterable[str]) -> None:
         """
         The drained nodes are C{drained}, as the store says now (a

@@ -495,7 +495,7 @@ class ControlPlane:
         @return: the ids of the nodes whose state changed.
         """
         settings = self.settings
-        touched, self.inventory.touched = self.inventory.touched, set()
+        touched = self.inventory.take_touched()
         self.ledger.changes.nodes.update(touched)
         if everything:
             nodes = self.inventory.nodes()

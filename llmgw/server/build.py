@@ -26,7 +26,7 @@ from twisted.web.server import Site
 
 from llmgw.admin.api import Admin
 from llmgw.admin.guard import AdminGuard
-from llmgw.admin.metrics_site import metrics_site
+from llmgw.admin.metrics_site import QuietSite, metrics_site
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
@@ -456,8 +456,7 @@ def listeners(
             account.keys,
             internal=token.encode("ascii") if token is not None else None,
         )
-        admin_site = Site(guard)
-        admin_site.log = lambda request: None  # type: ignore[method-assign]
+        admin_site = QuietSite(guard)
         admin_port = listen(reactor, "admin_listen", config.admin_listen, admin_site)
         if config.metrics_listen:
             metrics = metrics_site(registry)

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IAddress
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
@@ -481,7 +481,9 @@ class SimChannel(HTTPChannel):
     algorithm, so each write leaves at once (C{byte_writes} relies on it).
     """
 
-    simulator: Simulator
+    def __init__(self, simulator: Simulator) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.simulator = simulator
 
     def connectionMade(self) -> None:
         super().connectionMade()  # type: ignore[no-untyped-call]
@@ -501,7 +503,6 @@ class SimSite(Site):
     connections, and an access log only when verbose.
     """
 
-    protocol = SimChannel  # type: ignore[assignment]
     log_requests = False
     _log = Logger()
 
@@ -513,12 +514,10 @@ class SimSite(Site):
             SimResource(sim), reactor=sim.clock
         )
         self.simulator = sim
+        # Each channel built with the simulator it counts its connections
+        # in (Factory.buildProtocol calls protocol()).
+        self.protocol = partial(SimChannel, sim)  # type: ignore[assignment]
         self.log_requests = sim.config.verbose
-
-    def buildProtocol(self, addr: IAddress) -> SimChannel:  # type: ignore[override]
-        channel: SimChannel = super().buildProtocol(addr)  # type: ignore[no-untyped-call]
-        channel.simulator = self.simulator
-        return channel
 
     def log(self, request: Request) -> None:  # type: ignore[override]
         """

@@ -38,6 +38,7 @@ from twisted.internet.interfaces import (
 )
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.http import Request
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
@@ -58,10 +59,13 @@ class EdgeProtocol(GenericHTTPChannelProtocol):
     because the channel is replaced when HTTP/2 is negotiated.
     """
 
-    _edge: EdgeSite
     _host: str | None = None
     _refused = False
     _goaway_abort: IDelayedCall | None = None
+
+    def __init__(self, channel: EdgeChannel, edge: EdgeSite) -> None:
+        super().__init__(channel)
+        self._edge = edge
 
     def makeConnection(self, transport: Any) -> None:
         host = client_host(transport.getPeer())
@@ -262,9 +266,7 @@ def client_host(address: IAddress) -> str:
 
 
 def _edge_protocol(factory: EdgeSite) -> EdgeProtocol:
-    protocol = EdgeProtocol(EdgeChannel(factory.settings))
-    protocol._edge = factory
-    return protocol
+    return EdgeProtocol(EdgeChannel(factory.settings), factory)
 
 
 class EdgeSite(Site):
@@ -278,6 +280,11 @@ class EdgeSite(Site):
     # Not "log": Site.log is its access log.
     logger = Logger()
     protocol = _edge_protocol
+
+    def log(self, request: Request) -> None:
+        """
+        No access log: the router logs each request itself.
+        """
 
     def __init__(
         self,

@@ -43,7 +43,7 @@ import math
 import re
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -219,19 +219,20 @@ class HitRate:
         return min(1.0, max(0.0, sum(h for _, h in self._steps) / queries))
 
 
+@dataclass
 class _Target:
     """
-    The poll state of one endpoint.
+    The poll state of one endpoint: a record of L{LoadBoard}'s, kept in
+    its table and changed only by it.
     """
 
-    def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self.reading: EngineLoad | None = None
-        self.hit_rate = HitRate()
-        self.has_metrics: bool | None = None
-        self.in_flight: Deferred[None] | None = None
-        self.skip = 0
-        self.failing = False
+    endpoint: Endpoint
+    reading: EngineLoad | None = None
+    hit_rate: HitRate = field(default_factory=HitRate)
+    has_metrics: bool | None = None
+    in_flight: Deferred[None] | None = None
+    skip: int = 0
+    failing: bool = False
 
 
 class LoadBoard(Service):

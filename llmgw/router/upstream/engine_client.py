@@ -215,7 +215,7 @@ class EngineClient:
         idle = self._idle.setdefault(connection.key, [])
         if len(idle) >= self.max_idle_connections:
             idle.pop(0).abort()
-        connection.idle_since = self._clock.seconds()
+        connection.went_idle(self._clock.seconds())
         idle.append(connection)
         if self._sweep is None:
             self._sweep = self._clock.callLater(

@@ -201,6 +201,7 @@ class EngineConnection(Protocol):
         self._pool = pool
         self.key = key
         self.state = _IDLE
+        # Reactor seconds since when it waits in its pool (went_idle).
         self.idle_since = 0.0
         self.answer_count = 0
         self.answer: Deferred[IResponse] | None = None
@@ -209,6 +210,12 @@ class EngineConnection(Protocol):
         self._parser = ResponseParser()
         self._keep = True
         self._paused = False
+
+    def went_idle(self, now: float) -> None:
+        """
+        It went back to its pool at C{now} (reactor seconds), idle.
+        """
+        self.idle_since = now
 
     def send(
         self, head: bytes, body: bytes, answer: Deferred[IResponse], reused: bool

@@ -96,6 +96,14 @@ class PageProtocol(Protocol):
         self._body: list[bytes] = []
         self._received = 0
 
+    def close(self) -> None:
+        """
+        Close the connection; no request follows on it.
+        """
+        self.reusable = False
+        if self.transport is not None:
+            self.transport.loseConnection()
+
     def connectionMade(self) -> None:
         self.reusable = True
 
@@ -218,7 +226,7 @@ class Scraper:
         """
         kept = self._protocols.pop(key, None)
         if kept is not None and (kept[0] != url or not kept[1].reusable):
-            _close(kept[1])
+            kept[1].close()
             kept = None
         scheme, host, port, request = self._request(url, bearer)
         protocol = (
@@ -227,12 +235,12 @@ class Scraper:
         try:
             result = await protocol.get(request)
         except BaseException:
-            _close(protocol)
+            protocol.close()
             raise
         if self.keep_alive and protocol.reusable:
             self._protocols[key] = (url, protocol)
         else:
-            _close(protocol)
+            protocol.close()
         return result
 
     def _request(self, url: str, bearer: str | None) -> tuple[str, str, int, bytes]:
@@ -265,7 +273,7 @@ class Scraper:
         """
         kept = self._protocols.pop(key, None)
         if kept is not None:
-            _close(kept[1])
+            kept[1].close()
 
     def close_all(self) -> None:
         """
@@ -273,9 +281,3 @@ class Scraper:
         """
         for key in list(self._protocols):
             self.forget(key)
-
-
-def _close(protocol: PageProtocol) -> None:
-    protocol.reusable = False
-    if protocol.transport is not None:
-        protocol.transport.loseConnection()

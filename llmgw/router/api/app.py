@@ -52,7 +52,7 @@ from llmgw.router.routing.activation import ActivationQueues
 from llmgw.router.routing.affinity import AffinityRule
 from llmgw.router.routing.balancer import Balancer
 from llmgw.router.routing.decision import wanted
-from llmgw.router.routing.fairness import FairShare
+from llmgw.router.routing.fairness import ANONYMOUS, FairShare
 from llmgw.router.routing.load import LoadBoard
 from llmgw.router.routing.overload import Overload
 from llmgw.router.settings import RouterConfig
@@ -280,11 +280,11 @@ class Router:
                 prepared,
                 rid,
                 upstream_request_id(rid),
+                tenant=key.tenant if key is not None else ANONYMOUS,
+                explain=wanted(request, self.settings.log_candidates),
+                trace=trace,
             )
-            exchange.trace = trace
-            exchange.explain = wanted(request, self.settings.log_candidates)
             if key is not None:
-                exchange.tenant = key.tenant
                 assert self.auth is not None
                 admitted = self.auth.admit(
                     key, (prepared.requested_model, prepared.model), prepared.reserve

@@ -20,7 +20,7 @@ from twisted.web.iweb import IRequest, IResponse
 
 from llmgw.router.api.prepare import Prepared
 from llmgw.router.api.services import Services
-from llmgw.router.api.waiting import activate, wait_turn
+from llmgw.router.api.waiting import Waits
 from llmgw.router.edge.site import JSON, client_gone
 from llmgw.router.errors import (
     APIError,
@@ -32,6 +32,7 @@ from llmgw.router.errors import (
     retry_after,
     upstream_failed,
 )
+from llmgw.router.interfaces import Tenant
 from llmgw.router.routing.balancer import Replica
 from llmgw.router.routing.decision import candidates
 from llmgw.router.routing.ejection import outcome
@@ -80,6 +81,14 @@ class Exchange:
     """
     One prepared request, from its first attempt to its last byte.
 
+    What it saw is read by the routes and the request's record
+    (L{llmgw.router.api.records}) and written by its own methods only.
+
+    @param tenant: whose request it is, for the waits
+        (L{llmgw.router.api.waiting}); anonymous by default.
+    @param explain: whether the log line carries the candidates each
+        attempt chose among.
+    @param trace: its spans (L{llmgw.router.telemetry.tracing}), by default none.
     @ivar status: the status answered (200 for a stream, also when it ended
         with an error event that was not a deadline).
     @ivar replica: the replica tried last, or L{None}.
@@ -90,10 +99,8 @@ class Exchange:
     @ivar events_relayed: C{data:} fields written to the client.
     @ivar headers_sent: whether the client got any byte of the answer.
     @ivar done: whether the stream's last event relayed was C{[DONE]}.
-    @ivar trace: its spans (L{llmgw.router.telemetry.tracing}), by default none.
+    @ivar candidates: the candidates of the last attempt, when C{explain}.
     """
-
-    trace: NoTrace = NO_TRACE
 
     def __init__(
         self,
@@ -103,6 +110,9 @@ class Exchange:
         prepared: Prepared,
         request_id: bytes,
         upstream_id: bytes,
+        tenant: Tenant = ANONYMOUS,
+        explain: bool = False,
+        trace: NoTrace = NO_TRACE,
     ) -> None:
         self.services = services
         self.request = request
@@ -111,7 +121,7 @@ class Exchange:
         self.request_id = request_id
         self.upstream_id = upstream_id
         settings = services.settings
-        self.deadlines = Deadlines(
+        self._deadlines = deadlines = Deadlines(
             services.clock,
             self._cancel_waiting,
             settings.connect_timeout,
@@ -119,7 +129,10 @@ class Exchange:
             settings.idle_timeout,
             settings.total_timeout,
         )
-        self.model = prepared.model
+        self.model = model = prepared.model
+        self._trace = trace
+        self._explain = explain
+        self._waits = Waits(services, request, deadlines, model, tenant, trace)
         self.status = 200
         self.replica: Replica | None = None
         self.usage: dict[str, Any] | None = None
@@ -128,28 +141,29 @@ class Exchange:
         self.events_relayed = 0
         self.headers_sent = False
         self.done = False
-        self.stale_retried = False
-        self.waiting: Deferred[Any] | None = None
-        self.reader: BodyReader | None = None
-        self.cut_reason: str | None = None
-        self.native = False  # a Messages API request sent as it came
-        self.tenant = ANONYMOUS
-        self.explain = False  # the log line carries the candidates
         self.candidates: list[dict[str, Any]] | None = None
-        self.sent = 0.0  # clock time the last attempt was sent
-        self.charged = 0  # tokens counted to the tenant when it went on
+        self._stale_retried = False
+        # What an attempt awaits now (the replica's head, then its body),
+        # for a deadline or a cut to cancel.
+        self._waiting: Deferred[Any] | None = None
+        self._reader: BodyReader | None = None
+        self._cut_reason: str | None = None
+        self._native = False  # a Messages API request sent as it came
+        self._sent = 0.0  # clock time the last attempt was sent
 
     def _cancel_waiting(self) -> None:
-        if self.waiting is not None:
-            self.waiting.cancel()
+        if self._waiting is not None:
+            self._waiting.cancel()
+        else:  # an activation, if any: attempts come after it
+            self._waits.cancel()
 
     def _got_bytes(self) -> None:
         if self.first_byte_at is None:
             self.first_byte_at = self.services.clock.seconds()
-            self._replica_took(self.sent)
-            self.deadlines.start("idle")
+            self._replica_took(self._sent)
+            self._deadlines.start("idle")
         else:
-            self.deadlines.touch()
+            self._deadlines.touch()
 
     async def run(self) -> bytes | None:
         """
@@ -159,29 +173,33 @@ class Exchange:
         @raise APIError: for a failure to answer as an error object.
         """
         services = self.services
-        self.deadlines.start_total()
+        self._deadlines.start_total()
         tried: set[str] = set()
         last_error: APIError | None = None
         balancer = services.balancer
         clock = services.clock.seconds
         activator = services.activator
+        waits = self._waits
         if activator is not None:
             activator.touch(self.model)
             if not balancer.serves(self.model) and activator.resolve(self.model):
-                await self.trace.step("activation", activate(self, activator))
-        await wait_turn(self)
+                keepalive = self.keepalive if self.prepared.stream else None
+                await self._trace.step(
+                    "activation", waits.activate(activator, keepalive)
+                )
+        await waits.turn(self.prepared.reserve)
         stale: Replica | None = None
         for attempt in range(services.settings.max_retries + 1):
-            if self.deadlines.expired:
+            if self._deadlines.expired:
                 # The total deadline passed between two attempts.
-                raise self.deadlines.error()
+                raise self._deadlines.error()
             replica = balancer.pick(self.model, tried, self.prepared.affinity)
             if replica is None and stale is not None:  # none other left
                 tried.discard(stale.id)
                 replica = balancer.pick(self.model, tried, self.prepared.affinity)
             if replica is None:
                 break
-            if self.explain:
+            if self._explain:
                 self.candidates = candidates(
                     balancer, self.model, self.prepared.affinity, replica, clock()
                 )
@@ -193,14 +211,14 @@ class Exchange:
             replica.exchanges.add(self.cut)
             self.answer_status = None
             try:
-                return await self.trace.attempt(replica.id, self._attempt(replica))
+                return await self._trace.attempt(replica.id, self._attempt(replica))
             except _Retry as retry:
                 last_error = retry.error
                 stale = replica if retry.stale else None
             finally:
                 replica.outstanding -= 1
                 replica.exchanges.discard(self.cut)
-                gone, expired = client_gone(self.request), bool(self.deadlines.expired)
+                gone, expired = client_gone(self.request), bool(self._deadlines.expired)
                 balancer.report(replica, outcome(self.answer_status, expired, gone))
         raise last_error if last_error is not None else no_ready_replica(self.model)
 
@@ -212,11 +230,11 @@ class Exchange:
 
         @param why: the reason, for the client.
         """
-        self.cut_reason = why
+        self._cut_reason = why
         self._cancel_waiting()
 
     def _cut_error(self) -> APIError | None:
-        why, self.cut_reason = self.cut_reason, None
+        why, self._cut_reason = self._cut_reason, None
         if why is None:
             return None
         self.services.metrics.upstream_errors.labels("broken").inc()
@@ -241,42 +259,40 @@ class Exchange:
         completion): counted to its tenant's share where requests wait
         (L{llmgw.router.routing.fairness}), less what was counted when it went on.
         """
-        overload = self.services.overload
-        if overload is not None and (tokens or self.charged):
-            overload.shares.served(self.tenant, tokens - self.charged)
-            self.charged = 0
+        self._waits.served(tokens)
 
     def finish(self) -> None:
         """
         Release timers and the upstream connection; called however the
         request ended.
         """
-        self.deadlines.stop()
-        if self.reader is not None:
-            self.reader.abort()
+        self._deadlines.stop()
+        if self._reader is not None:
+            self._reader.abort()
 
     async def _attempt(self, replica: Replica) -> bytes | None:
         services = self.services
         metrics = services.metrics
-        self.deadlines.start("first_byte")
+        self._deadlines.start("first_byte")
         headers = (
             upstream_headers(
                 self.request.getHeader(b"accept"),
                 self.upstream_id,
                 replica.endpoint.api_key,
             )
-            + self.trace.headers()
+            + self._trace.headers()
         )
         # Once a kept connection was found closed, the others may be too.
-        fresh = self.stale_retried
-        path, body, self.native = self.prepared.for_replica(self.path, replica.endpoint)
+        fresh = self._stale_retried
+        endpoint = replica.endpoint
+        path, body, self._native = self.prepared.for_replica(self.path, endpoint)
         # An adapter's first request on a replica loads it there first.
-        self.waiting = services.adapters.post(
+        self._waiting = services.adapters.post(
             replica, self.model, path, headers, body, fresh=fresh
         )
-        sent = self.sent = services.clock.seconds()
+        sent = self._sent = services.clock.seconds()
         try:
-            response = await self.waiting
+            response = await self._waiting
         except UpstreamConnectError as e:
             if client_gone(self.request):
                 raise
@@ -286,7 +302,7 @@ class Exchange:
                 raise
             self._broken(replica, e)
         finally:
-            self.waiting = None
+            self._waiting = None
         status: int = response.code
         self.answer_status = status
         self._replica_took(sent)
@@ -296,7 +312,7 @@ class Exchange:
             and self.prepared.stream
             and content_type.startswith(b"text/event-stream")
         ):
-            await self.trace.step("relay", self._relay_stream(response))
+            await self._trace.step("relay", self._relay_stream(response))
             return None
         body = await self._read_whole(response)
         self._replica_took(sent)
@@ -318,8 +334,8 @@ class Exchange:
         @raise _Retry: on another replica, C{replica} ejected.
         """
         services = self.services
-        if self.deadlines.expired:
-            raise self.deadlines.error() from None
+        if self._deadlines.expired:
+            raise self._deadlines.error() from None
         services.balancer.eject(replica)
         services.metrics.upstream_errors.labels("connect").inc()
         services.log.warn(
@@ -347,9 +363,9 @@ class Exchange:
         """
         services = self.services
         metrics = services.metrics
-        if self.deadlines.expired:
+        if self._deadlines.expired:
             metrics.upstream_errors.labels("timeout").inc()
-            raise self.deadlines.error() from None
+            raise self._deadlines.error() from None
         gone = self._cut_error()
         if gone is not None:
             raise _Retry(gone) from None
@@ -358,7 +374,7 @@ class Exchange:
             broken_message(e, "The replica closed the connection before answering.")
         )
         if isinstance(e, NoAnswer):
-            if e.reused and not self.stale_retried:
+            if e.reused and not self._stale_retried:
                 # No byte of an answer on a connection taken from the
                 # pool: most likely one the engine closed (or died on)
                 # while it sat idle.  Another replica gets the request,
@@ -367,7 +383,7 @@ class Exchange:
                 # and broke: that is not retried (a prompt that crashes
                 # engines must not crash them all), and the replica
                 # sits out.
-                self.stale_retried = True
+                self._stale_retried = True
                 services.log.warn(
                     "request {request_id}: replica {replica} closed a pooled"
                     " connection before answering; trying again",
@@ -419,7 +435,7 @@ class Exchange:
         @raise APIError: a deadline passed (504), the answer passed a limit
             or the exchange broke (502).
         """
-        self.reader = reader = BodyReader(on_data)
+        self._reader = reader = BodyReader(on_data)
         response.deliverBody(reader)
         request = self.request
         metrics = self.services.metrics
@@ -430,14 +446,14 @@ class Exchange:
             backpressure = Backpressure(
                 self.services.clock,
                 IPushProducer(reader.transport),
-                self.deadlines,
+                self._deadlines,
                 self.services.settings.client_stall_timeout,
                 lambda: unsent_bytes(channel),
                 self._client_stalled,
             )
             request.registerProducer(backpressure, True)  # type: ignore[attr-defined]
             producing = True
-        self.waiting = reader.done
+        self._waiting = reader.done
         try:
             await reader.done
         except (AnswerTooLarge, EventTooLarge) as e:
@@ -446,17 +462,17 @@ class Exchange:
         except Exception as e:
             if client_gone(request):
                 raise
-            if self.deadlines.expired:
+            if self._deadlines.expired:
                 metrics.upstream_errors.labels("timeout").inc()
-                raise self.deadlines.error() from None
+                raise self._deadlines.error() from None
             gone = self._cut_error()
             if gone is not None:
                 raise gone from None
             metrics.upstream_errors.labels("broken").inc()
             raise upstream_failed(broken_message(e, broken)) from None
         finally:
-            self.waiting = None
-            self.reader = None
+            self._waiting = None
+            self._reader = None
             if backpressure is not None:
                 backpressure.stop()
             if producing and not client_gone(request):
@@ -479,7 +495,7 @@ class Exchange:
     ) -> bytes:
         if 200 <= status < 300:
             if self.prepared.messages is not None:
-                body, self.usage = self.prepared.messages.whole(body, self.native)
+                body, self.usage = self.prepared.messages.whole(body, self._native)
                 content_type = JSON
             elif content_type.startswith(JSON):
                 try:
@@ -518,10 +534,10 @@ class Exchange:
             for name, value in SSE_HEADERS:
                 request.setHeader(name, value)
         size = self.services.settings.max_event_size
-        relay = self.prepared.relay(size, self.path, self.native)
+        relay = self.prepared.relay(size, self.path, self._native)
         write = self._write
         got_bytes = self._got_bytes
-        touch = self.deadlines.touch
+        touch = self._deadlines.touch
         feed = relay.feed
 
         def on_data(data: bytes) -> None:

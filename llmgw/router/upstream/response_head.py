@@ -2,16 +2,17 @@
 The head of an HTTP/1.1 answer: its status line and header fields read
 into a L{Head}, with the body's framing they say, by the rules that
 L{llmgw.router.upstream.response_parser} lists; that module reads the rest.
+
+The parser's events (L{Event}: a L{Head}, body bytes, an L{End}) are
+declared here, below the parser, because L{InvalidResponse} carries
+them: the parser imports this module and this module imports nothing of
+it.
 """
 
 from __future__ import annotations
 
 import re
 from enum import Enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from llmgw.router.upstream.response_parser import Event
 
 MAX_LENGTH_DIGITS = 18
 """
@@ -89,6 +90,31 @@ class Head:
             f"<Head {self.status} {self.framing.value} length={self.length}"
             f" keep_alive={self.keep_alive}>"
         )
+
+
+class End:
+    """
+    The end of an answer's body.
+
+    @ivar keep_alive: whether the connection may carry another request:
+        the head allowed it, the body was not ended by the close, and no
+        byte came after the answer.
+    """
+
+    __slots__ = ("keep_alive",)
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.keep_alive = keep_alive
+
+    def __repr__(self) -> str:
+        return f"<End keep_alive={self.keep_alive}>"
+
+
+Event = Head | bytes | End
+"""
+What L{ResponseParser.feed} returns, in order: one L{Head}, body data
+(never empty), one L{End}.
+"""
 
 
 TOKEN_CHARS = rb"!#$%&'*+\-.^_`|~0-9A-Za-z"

@@ -60,6 +60,8 @@ import re
 
 from llmgw.router.upstream.response_head import (
     TOKEN_CHARS,
+    End,
+    Event,
     Framing,
     Head,
     InvalidResponse,
@@ -95,30 +97,6 @@ MAX_TRAILERS = 16 * 1024
 Bytes all the trailer lines of a chunked body may take together.
 """
 
-
-class End:
-    """
-    The end of an answer's body.
-
-    @ivar keep_alive: whether the connection may carry another request:
-        the head allowed it, the body was not ended by the close, and no
-        byte came after the answer.
-    """
-
-    __slots__ = ("keep_alive",)
-
-    def __init__(self, keep_alive: bool) -> None:
-        self.keep_alive = keep_alive
-
-    def __repr__(self) -> str:
-        return f"<End keep_alive={self.keep_alive}>"
-
-
-Event = Head | bytes | End
-"""
-What L{ResponseParser.feed} returns, in order: one L{Head}, body data
-(never empty), one L{End}.
-"""
 
 _QUOTED = rb'"(?:[\t !#-\[\]-~\x80-\xff]|\\[\t \x21-\x7e\x80-\xff])*"'
 _CHUNK_LINE = re.compile(

@@ -24,6 +24,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 import llmgw.daemon
+import llmgw.router.api
 import llmgw.server
 import llmgw.tier
 from llmgw.router.api.app import Router
@@ -42,6 +43,16 @@ LEFT: list[tuple[str, str, str]] = [
 """
 (path below llmgw, the target as written, why it stays), once per
 assignment.
+"""
+
+LEFT_API: list[tuple[str, str, str]] = [
+    ("router/api/app.py", "app.url_map.merge_slashes", "werkzeug's map, Klein's idiom"),
+    ("router/api/exchange.py", "replica.outstanding", "the balancer's count, +1"),
+    ("router/api/exchange.py", "replica.outstanding", "the balancer's count, -1"),
+]
+"""
+The same for the router's C{api} room, where a request's exchange and its
+waits keep their own state (L{llmgw.router.api.waiting.Waits}).
 """
 
 
@@ -72,14 +83,17 @@ def foreign_assignments(source: str) -> list[str]:
     return found
 
 
-def package_assignments() -> list[tuple[str, str]]:
+def package_assignments(
+    packages: Iterable[Any] = PACKAGES,
+) -> list[tuple[str, str]]:
     """
+    @param packages: the packages read, modules.
     @return: C{(path below llmgw, target)} of each assignment to another
-        object's attribute in L{PACKAGES}, sorted.
+        object's attribute in C{packages} (by default L{PACKAGES}), sorted.
     """
     top = os.path.dirname(os.path.dirname(os.path.abspath(llmgw.server.__file__)))
     found = []
-    for package in PACKAGES:
+    for package in packages:
         folder = os.path.dirname(os.path.abspath(package.__file__ or ""))
         for where, _, files in os.walk(folder):
             for name in files:
@@ -105,6 +119,18 @@ class TiesTests(SynchronousTestCase):
         """
         self.assertEqual(
             package_assignments(), sorted((path, target) for path, target, _ in LEFT)
+        )
+
+    def test_exchange_assigns_no_other_object(self) -> None:
+        """
+        The router's C{api} room (the routes, the exchange, its waits, the
+        request's record) assigns no attribute of another object beyond
+        those listed in L{LEFT_API}: the exchange's state is set by its
+        constructor and its own methods, its waits' by theirs.
+        """
+        self.assertEqual(
+            package_assignments([llmgw.router.api]),
+            sorted((path, target) for path, target, _ in LEFT_API),
         )
 
     def test_constructors_tie_nothing(self) -> None:

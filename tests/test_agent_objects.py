@@ -9,12 +9,13 @@ offers a method that says what happens (C{factory.redirect_to(leader)}).
 
 from __future__ import annotations
 
-import ast
 import os
 
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.test_architecture import ROOT, all_edges
+from tests.test_import_circles import circles
+from tests.test_ties import foreign_assignments
 
 AGENT = "llmgw.agent"
 
@@ -39,46 +40,6 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """
-    @param edges: module name -> the modules it imports.
-    @return: each import circle (a strongly connected component of more
-        than one module, or a module importing itself), its modules
-        sorted; the circles sorted.
-    """
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(module: str) -> None:
-        index[module] = low[module] = len(index)
-        stack.append(module)
-        on_stack.add(module)
-        for target in sorted(edges.get(module, ())):
-            if target not in index:
-                visit(target)
-                low[module] = min(low[module], low[target])
-            elif target in on_stack:
-                low[module] = min(low[module], index[target])
-        if low[module] == index[module]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == module:
-                    break
-            if len(component) > 1 or module in edges.get(module, ()):
-                found.append(sorted(component))
-
-    for module in sorted(edges):
-        if module not in index:
-            visit(module)
-    return sorted(found)
-
-
 def agent_edges() -> dict[str, set[str]]:
     """
     @return: each module of llmgw.agent -> the modules of llmgw.agent it
@@ -87,33 +48,6 @@ def agent_edges() -> dict[str, set[str]]:
     edges = all_edges()
     inside = {m for m in edges if m.startswith(AGENT + ".")}
     return {m: edges[m] & inside for m in inside}
-
-
-def outside_assignments(source: str) -> list[str]:
-    """
-    @return: every assignment target C{obj.attr} in C{source} whose C{obj}
-        is not C{self} or C{cls} (C{self.x.attr} counts: C{self.x} is
-        another object), as written.
-    """
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-            targets = [node.target]
-        else:
-            continue
-        for target in targets:
-            for part in ast.walk(target):
-                if not (
-                    isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store)
-                ):
-                    continue
-                owner = part.value
-                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
-                    continue
-                found.append(ast.unparse(part))
-    return sorted(found)
 
 
 class ImportCircleTests(SynchronousTestCase):
@@ -129,7 +63,7 @@ class ImportCircleTests(SynchronousTestCase):
         edges = agent_edges()
         self.assertIn("llmgw.agent.supervisor", edges)
         self.assertIn("llmgw.agent.shard", edges["llmgw.agent.supervisor"])
-        self.assertEqual(cycles(edges), [])
+        self.assertEqual(circles(edges), [])
 
     def test_detects_a_circle(self) -> None:
         """
@@ -147,7 +81,7 @@ class ImportCircleTests(SynchronousTestCase):
             "h": {"i"},
             "i": set(),
         }
-        self.assertEqual(cycles(edges), [["a", "b", "c"], ["e"]])
+        self.assertEqual(circles(edges), [["a", "b", "c"], ["e"]])
 
     def test_type_only_imports_count(self) -> None:
         """
@@ -178,7 +112,7 @@ class TiesAtConstructionTests(SynchronousTestCase):
             if not name.endswith(".py") or name.endswith("_pb2.py"):
                 continue
             with open(os.path.join(folder, name), encoding="utf-8") as f:
-                for target in outside_assignments(f.read()):
+                for target in foreign_assignments(f.read()):
                     counts[name, target] = counts.get((name, target), 0) + 1
         return counts
 
@@ -213,7 +147,7 @@ class TiesAtConstructionTests(SynchronousTestCase):
             "    self.own = 4\n"
         )
         self.assertEqual(
-            outside_assignments(source),
+            sorted(foreign_assignments(source)),
             sorted(
                 [
                     "factory.hint",

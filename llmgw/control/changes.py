@@ -53,3 +53,29 @@ class Changes:
         The next pass looks at everything.
         """
         self.everything = True
+
+    def take(self) -> tuple[bool, set[str]]:
+        """
+        A pass begins: what it is to look at.
+
+        @return: whether it looks at everything, and the models events
+            named or the last pass left unsettled; both start afresh.
+        """
+        everything, self.everything = self.everything, False
+        work, self.models = self.models | self.unsettled, set()
+        return everything, work
+
+    def settled(self, unsettled: set[str]) -> None:
+        """
+        A pass ends: C{unsettled} are the models the next one looks at
+        again even if nothing names them.
+        """
+        self.unsettled = unsettled
+
+    def take_nodes(self) -> set[str]:
+        """
+        @return: the nodes whose view is to be worked out again, which
+            start afresh.
+        """
+        nodes, self.nodes = self.nodes, set()
+        return nodes

@@ -434,8 +434,7 @@ class ControlPlane:
         changes = ledger.changes
         if ledger.grace.ends(now):
             changes.all()
-        everything, changes.everything = changes.everything, False
-        work, changes.models = changes.models | changes.unsettled, set()
+        everything, work = changes.take()
         if everything:
             work.update(ledger.models())
             work.update(s.model.name for s in self.catalog.states())
@@ -485,7 +484,7 @@ class ControlPlane:
             elif replica.sleep_at is not None:
                 self._actions.finish_sleep(replica, now)
         self._publisher.publish_ready()
-        changes.unsettled = {m for m in work if not self._scaler.settled(m)}
+        changes.settled({m for m in work if not self._scaler.settled(m)})
 
     def _update_nodes(self, now: float, everything: bool) -> list[str]:
         """

@@ -433,7 +433,7 @@ class Snapshots:
         """
         now = self._clock.seconds()
         changes = self._ledger.changes
-        changed, changes.nodes = changes.nodes, set()
+        changed = changes.take_nodes()
         # Before they expire: a node whose mark expires changes too.
         changed |= self.suspect.nodes() | self.strays.nodes()
         suspect = self.suspect.current(now)

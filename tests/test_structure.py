@@ -1,11 +1,11 @@
 """
-One object, one job (docs/architecture.md, "Objects"): the shape of llmgw's
-classes and modules read from the source with L{ast}.
+One object, one job (docs/architecture.md, "The control plane's layers"):
+the shape of llmgw's classes and modules read from the source with L{ast}.
+(No import circle: C{tests/test_import_circles.py}; no tie made after
+construction: C{tests/test_ties.py}.)
 
   - The control plane's parts import one way, in layers
     (L{CONTROL_LAYERS}): each is built with the parts below it it calls.
-  - No import circle in llmgw, type-only imports (under C{TYPE_CHECKING})
-    included.
   - No class has more than one base that is an llmgw class with methods
     or state (one object in several files); Twisted's interfaces, its
     C{Protocol} and C{Service} bases and one behaviour mixin with its own
@@ -21,7 +21,6 @@ import importlib
 import inspect
 import os
 import re
-from collections.abc import Iterator
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -89,63 +88,6 @@ def layer_violations(
                     f"{module} (layer {level[module]}) imports {target}"
                     f" (layer {level[target]})"
                 )
-    return sorted(found)
-
-
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """
-    @param edges: module name -> the llmgw modules it imports.
-    @return: each import circle (a strongly connected set of two or more
-        modules, or one that imports itself), its modules sorted.
-    """
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    counter = iter(range(1 << 30))
-
-    def visit(module: str) -> None:
-        # Tarjan's algorithm, iteratively: a module's walk is a stack of
-        # (module, the imports left to look at).
-        work: list[tuple[str, Iterator[str]]] = []
-
-        def enter(node: str) -> None:
-            index[node] = low[node] = next(counter)
-            stack.append(node)
-            on_stack.add(node)
-            work.append((node, iter(sorted(edges.get(node, ())))))
-
-        enter(module)
-        while work:
-            node, targets = work[-1]
-            for target in targets:
-                if target not in edges:
-                    continue
-                if target not in index:
-                    enter(target)
-                    break
-                if target in on_stack:
-                    low[node] = min(low[node], index[target])
-            else:
-                work.pop()
-                if work:
-                    parent = work[-1][0]
-                    low[parent] = min(low[parent], low[node])
-                if low[node] == index[node]:
-                    group = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        group.append(member)
-                        if member == node:
-                            break
-                    if len(group) > 1 or node in edges.get(node, ()):
-                        found.append(sorted(group))
-
-    for module in sorted(edges):
-        if module not in index:
-            visit(module)
     return sorted(found)
 
 

@@ -20,12 +20,16 @@ from llmgw.accounts.settings import AuthConfig, LimitsConfig, StoreConfig
 from llmgw.agent.settings import AGENT_TABLES, AgentConfig, parse_agent_config
 from llmgw.config import SERVER_TABLE, SERVER_TABLES, ServerConfig, parse_config
 from llmgw.config_checks import (
+    BOOLEAN,
     DURATION,
     REQUIRED,
     ConfigError,
+    Integer,
     Key,
     Kind,
+    StringTable,
     Table,
+    Text,
     setting,
     settings_keys,
 )
@@ -41,7 +45,7 @@ class _Settings:
     timeout: float = setting(5.0, DURATION, "How long.")
     # Filled from elsewhere (a flag, another table): no key of the table.
     derived: int = 3
-    names: dict[str, str] = setting({}, "table of strings", "Which names.")
+    names: dict[str, str] = setting({}, StringTable(), "Which names.")
 
 
 class SettingsKeysTests(SynchronousTestCase):
@@ -55,7 +59,7 @@ class SettingsKeysTests(SynchronousTestCase):
             settings_keys(_Settings),
             (
                 Key("timeout", DURATION, "How long.", 5.0),
-                Key("names", "table of strings", "Which names.", {}),
+                Key("names", StringTable(), "Which names.", {}),
             ),
         )
 
@@ -76,7 +80,7 @@ class SettingsKeysTests(SynchronousTestCase):
             "A table.",
             (
                 Key("a", DURATION, "A."),
-                Key("b", "boolean", "B.", False),
+                Key("b", BOOLEAN, "B.", False),
                 Key("c", DURATION, "C.", 1.0),
             ),
         )
@@ -187,9 +191,9 @@ class ReferenceTests(SynchronousTestCase):
 
         @dataclass(frozen=True)
         class Bare:
-            x: int = setting(1, "integer", " ")
+            x: int = setting(1, Integer(), " ")
 
-        for keys in (settings_keys(Bare), (Key("x", "", "X."),)):
+        for keys in (settings_keys(Bare), (Key("x", Text(""), "X."),)):
             with self.assertRaises(ValueError) as raised:
                 reference([Table("[t]", "T.", keys)], [])
             self.assertIn("[t]: x", str(raised.exception))

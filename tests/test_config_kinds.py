@@ -27,6 +27,7 @@ from llmgw.config_checks import (
     ListOf,
     Number,
     Size,
+    StringTable,
     Table,
     Text,
     Url,
@@ -203,7 +204,7 @@ class TextTests(_Case):
 class _Settings:
     first: float = setting(5.0, Duration(), "First.")
     second: int = setting(1, Integer(least=1), "Second.")
-    names: dict[str, str] = setting({}, "table of strings", "Words only.")
+    names: dict[str, str] = setting({}, StringTable(), "Names.")
 
 
 _TABLE = Table(
@@ -250,17 +251,19 @@ class TableReadTests(_Case):
             _TABLE.read({}, "t[0]")
         self.assertEqual(str(raised.exception), "t[0].need: missing")
 
-    def test_words_only_kind_reads_nothing(self) -> None:
+    def test_settings_table(self) -> None:
         """
-        A key whose kind is in words only (its table has a parser of its
-        own) cannot be read by L{Table.read}.
+        A table of a settings class's keys reads them by their kinds; a
+        key without a default is required.
         """
         table = Table("[s]", "S.", settings_keys(_Settings))
-        self.assertEqual(table.read({"first": "1m"})["first"], 60.0)
+        self.assertEqual(
+            table.read({"first": "1m", "names": {"a": "b"}}),
+            {"first": 60.0, "second": 1, "names": {"a": "b"}},
+        )
         self.assertIs(
             Table("[r]", "R.", (Key("a", Text(), "A."),)).keys[0].default, REQUIRED
         )
-        self.assertRaises(TypeError, table.read, {"names": {}})
 
     def test_named_by(self) -> None:
         """

@@ -37,9 +37,8 @@ class Key:
     One key of a TOML table.
 
     @ivar name: the key, as written in the file.
-    @ivar kind: what value it takes: a L{Kind}, which reads it; or, for a
-        table read by a parser of its own (the catalog's), the kind in
-        words only.
+    @ivar kind: what value it takes: the L{Kind} that reads it and says it
+        in the reference.
     @ivar doc: what it means: one or more sentences, never empty.
     @ivar default: its value when the table leaves it out (as the settings
         hold it: seconds for a duration, bytes for a size), L{REQUIRED}, or
@@ -50,7 +49,7 @@ class Key:
     """
 
     name: str
-    kind: Kind[Any] | str
+    kind: Kind[Any]
     doc: str
     default: object = REQUIRED
     shown: str = ""
@@ -60,7 +59,7 @@ class Key:
         """
         The kind as the reference's Type column says it.
         """
-        return self.kind if isinstance(self.kind, str) else self.kind.words
+        return self.kind.words
 
 
 Check = Callable[[str, Mapping[str, Any], dict[str, Any]], None]
@@ -103,7 +102,7 @@ class Table:
         """
         return frozenset(key.name for key in self.keys)
 
-    def of_kind(self, kind: Kind[Any] | str) -> frozenset[str]:
+    def of_kind(self, kind: Kind[Any]) -> frozenset[str]:
         """
         @return: the keys of the given kind, such as L{DURATION}.
         """
@@ -127,7 +126,6 @@ class Table:
         @raise ConfigError: not a table, an unknown key, a required key
             missing, a bad value, or keys that disagree (L{check}), naming
             the table, the key and the value.
-        @raise TypeError: a key given whose kind is in words only.
         """
         if where is None:
             where = self.name.strip("[]")
@@ -140,8 +138,6 @@ class Table:
         for key in self.keys:
             name = f"{where}.{key.name}" if where else key.name
             if key.name in data:
-                if isinstance(key.kind, str):
-                    raise TypeError(f"{name}: a kind in words cannot read a value")
                 values[key.name] = key.kind.read(name, data[key.name])
             elif key.default is REQUIRED:
                 raise ConfigError(f"{name}: missing")
@@ -162,8 +158,6 @@ class Table:
         name = f"{where}.{key.name}"
         if key.name not in data:
             raise ConfigError(f"{name}: missing")
-        if isinstance(key.kind, str):
-            raise TypeError(f"{name}: a kind in words cannot read a value")
         return str(key.kind.read(name, data[key.name]))
 
 
@@ -196,7 +190,7 @@ class ArrayOfTables(Kind[tuple[_T, ...]]):
         )
 
 
-def setting(default: _T, kind: Kind[_T] | str, doc: str, shown: str = "") -> _T:
+def setting(default: _T, kind: Kind[_T], doc: str, shown: str = "") -> _T:
     """
     A field of a settings dataclass that is a key of its TOML table, of the
     same name: L{settings_keys} reads it back.

@@ -454,18 +454,8 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
         self.assertIn("config", listed)
         # A value out of its key's declared range is refused, naming the
         # model and the key, and nothing is added.
-        refused = self.ctl(
-            "models",
-            "add",
-            "bad",
-            "--engine",
-            "sim",
-            "--source",
-            "sim",
-            "--max-loras",
-            "-1",
-            ok=False,
-        )
+        bad = "models add bad --engine sim --source sim --max-loras -1"
+        refused = self.ctl(*bad.split(), ok=False)
         self.assertEqual(refused.returncode, 1, refused.stderr)
         self.assertIn(
             "models[0] (bad).max_loras: expected a whole number from 0 to 1024,"

@@ -95,7 +95,8 @@ class ControlConfig:
     )
     lost_after: float = setting(
         60.0,
-        DURATION,
+        # More than 0s: it is at least unreachable_after, which is.
+        Duration(positive=True),
         "A node silent this long has its replicas placed elsewhere (at least"
         " unreachable_after).",
     )
@@ -106,7 +107,10 @@ class ControlConfig:
         " doubling per failure in a row up to max_backoff.",
     )
     max_backoff: float = setting(
-        300.0, DURATION, "The longest wait after failures (at least base_backoff)."
+        300.0,
+        # More than 0s: it is at least base_backoff, which is.
+        Duration(positive=True),
+        "The longest wait after failures (at least base_backoff).",
     )
     port_range: tuple[int, int] = setting(
         (20000, 20999),

@@ -99,7 +99,8 @@ class StandbyConfig:
     )
     lease: float = setting(
         5.0,
-        Duration(),
+        # At least twice the shortest retry, 100ms.
+        Duration(least=0.2),
         "A leader that cannot show its connection alive this long stops"
         " leading and exits (status 75); at least twice retry.",
     )

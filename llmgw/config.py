@@ -303,7 +303,11 @@ def load_config(path: str | None) -> ServerConfig:
     Read and validate the configuration file, or the defaults when C{path}
     is L{None}.
 
-    @raise ConfigError: the file cannot be read, is not TOML, or is invalid.
+    @raise ConfigError: the file cannot be read, is not TOML, or is invalid;
+        a mistake in the file is told after its path, as in
+        C{"/etc/llmgw/server.toml: control.lost_after: ..."}, since the
+        server, its router workers and a tier's routers may each read
+        another file.
     """
     if path is None:
         return ServerConfig()
@@ -314,7 +318,10 @@ def load_config(path: str | None) -> ServerConfig:
         raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config: {path!r} is not valid TOML: {e}") from None
-    return parse_config(data)
+    try:
+        return parse_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def finish_config(config: ServerConfig) -> ServerConfig:

@@ -337,6 +337,49 @@ class StartupErrorTests(SynchronousTestCase):
                     "in use",
                 )
 
+    def test_file_named(self) -> None:
+        """
+        A mistake in a daemon's configuration file is told after the
+        file's path (issue 37, item 4), with the value as TOML writes it:
+        the server's, a router's (the same file) and the agent's.
+        """
+        server = self.file("named.toml", '[control]\nlost_after = "0s"\n')
+        self.refused(
+            _server("--config", server, *self.state()),
+            2,
+            f"llmgw-server: config error: {server}: control.lost_after:",
+            "'0s'",
+        )
+        spelled = self.file("spelled.toml", "log_format = true\n")
+        self.refused(
+            _server("--config", spelled, *self.state()),
+            2,
+            f"llmgw-server: config error: {spelled}: log_format:",
+            "got true",
+        )
+        router = self.file("router.toml", "[router]\nmax_retries = -1\n")
+        self.refused(
+            _router(
+                "--listen",
+                LOOPBACK,
+                "--control",
+                "http://127.0.0.1:1",
+                "--config",
+                router,
+            ),
+            2,
+            f"llmgw-router: config error: {router}: router.max_retries:",
+            "got -1",
+        )
+        agent = self.file(
+            "agent.toml", '[[simulated_gpus]]\nname = "g0"\nmemory_gb = 0\n'
+        )
+        self.refused(
+            _agent("--insecure", "--config", agent, *self.state()),
+            2,
+            f"llmgw-agent: config error: {agent}: simulated_gpus[0].memory_gb:",
+        )
+
     def test_certs_and_ctl(self) -> None:
         """
         llmgw certs with a CA folder whose files are not PEM (a message

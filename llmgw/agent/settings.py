@@ -248,15 +248,21 @@ def load_agent_config(path: str) -> AgentConfig:
     """
     Read and validate the agent's file.
 
-    @raise ConfigError: the file cannot be read, is not TOML, or is invalid.
+    @raise ConfigError: the file cannot be read, is not TOML, or is invalid;
+        a mistake in the file is told after its path, as in
+        C{"/etc/llmgw/agent.toml: simulated_gpus[0].memory_gb: ..."}.
     """
     try:
         with open(path, "rb") as f:
-            return parse_agent_config(tomllib.load(f))
+            data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config: not valid TOML: {e}") from None
+        raise ConfigError(f"--config: {path!r} is not valid TOML: {e}") from None
+    try:
+        return parse_agent_config(data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def server_address(value: str) -> tuple[str, int]:

@@ -376,3 +376,65 @@ class OutsideReferenceTests(SynchronousTestCase):
             if name in f.read():
                 found.append("README.md")
         self.assertEqual(sorted(found), [])
+
+
+_MIGRATION_ROW = re.compile(r"^\| (\d+) \| (.+) \| (.+) \|$")
+
+
+def migration_rows(text: str) -> list[tuple[int, str]]:
+    """
+    @param text: C{docs/store.md}.
+    @return: C{(number, kind)} of each row of its table of migrations, in
+        order; the kind is C{"additive"} or begins with C{"rewrites"}.
+    """
+    rows = []
+    for line in text.splitlines():
+        match = _MIGRATION_ROW.match(line.strip())
+        if match is not None:
+            rows.append((int(match.group(1)), match.group(3)))
+    return rows
+
+
+class StoreDocsTests(SynchronousTestCase):
+    """
+    C{docs/store.md} lists every migration of the schema, as
+    C{llmgw store migrate --dry-run} would, and the README links to it.
+    """
+
+    def test_every_migration_listed(self) -> None:
+        """
+        The table has one row per migration, numbered 1 to the schema's
+        version, each additive or rewriting as the migration is, and the
+        text names the version.
+        """
+        from llmgw.store.migrations import MIGRATIONS
+
+        with open(os.path.join(DOCS, "store.md"), encoding="utf-8") as f:
+            text = f.read()
+        rows = migration_rows(text)
+        self.assertEqual(
+            [number for number, _ in rows], list(range(1, len(MIGRATIONS) + 1))
+        )
+        for (number, kind), migration in zip(rows, MIGRATIONS, strict=True):
+            rewrites = migration.rewritten(False) or migration.rewritten(True)
+            self.assertEqual(
+                kind.startswith("rewrites"), rewrites is not None, (number, kind)
+            )
+        self.assertIn(f"The schema is at version {len(MIGRATIONS)}", text)
+
+    def test_detects_a_migration_left_out(self) -> None:
+        """
+        A table that stops before the last migration is told apart.
+        """
+        rows = migration_rows("| 1 | a | additive |\n| 2 | b | rewrites `usage` |\n")
+        self.assertEqual(rows, [(1, "additive"), (2, "rewrites `usage`")])
+
+    def test_linked_from_the_readme(self) -> None:
+        """
+        The README links to the store's page and to the changelog.
+        """
+        links = {
+            target for _, target in relative_links(os.path.join(ROOT, "README.md"))
+        }
+        self.assertIn("docs/store.md", links)
+        self.assertIn("CHANGELOG.md", links)

@@ -3,9 +3,10 @@ C{llmgw ctl} as an operator's first week uses it (issue 20, finding 7),
 against C{twistd -n llmgw-server} processes: keys changed after creation
 (models, limits, expiry) and unknown model names refused; the usage
 report's means over the same requests; the status saying when placement
-waits for the start-up grace; with agents over mutual TLS and simulated
-GPUs, C{nodes} with memory and free GPUs and C{nodes NODE}, C{models scale}
-saying when a change is temporary, and C{weights --collect} asking first.
+waits for the start-up grace, and the protocol's version; with agents over
+mutual TLS and simulated GPUs, C{nodes} with memory and free GPUs and
+C{nodes NODE}, C{models scale} saying when a change is temporary, and
+C{weights --collect} asking first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.wire import versions
 from tests.support import BIN, Processes, hermetic_env
 from tests.test_e2e_control import MODELS, _Fleet
 from tests.test_e2e_store import CHAT, WEIGHTS_AGENT, _Ctl
@@ -217,6 +219,29 @@ class StatusGraceTests(SynchronousTestCase, Processes, _Ctl):
         # One line per field: the placement's words, not a second line too.
         self.assertEqual(status.count("placement:"), 1, status)
         self.assertEqual(self.ctl_json("status")["placement"], {"waiting_for": None})
+
+    def test_status_says_protocol(self) -> None:
+        """
+        ctl status and the admin API's status say the wire protocol's
+        version the server speaks and the oldest and newest it serves
+        (issue 37, item 8: it was only in log lines), one line.
+        """
+        _, sim = self.start_sim()
+        self.server, _, self.admin_url = self.start_server(
+            "--endpoint", f"s={sim}=sim-model"
+        )
+        speaks = versions.text()
+        oldest, newest = versions.served()
+        self.assertEqual(
+            self.ctl_json("status")["protocol"],
+            {"speaks": speaks, "serves": [oldest, newest]},
+        )
+        status = self.ctl("status").stdout
+        self.assertIn(
+            f"protocol: {speaks} (serves agents and routers of {oldest} to {newest})\n",
+            status,
+        )
+        self.assertEqual(status.count("protocol:"), 1, status)
 
 
 def _ctl_on_terminal(admin_url: str, answer: bytes, *args: str) -> tuple[int, str]:

@@ -19,6 +19,7 @@ from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
 from llmgw.control.views import count_states, explain, nodes_json, replicas_json
 from llmgw.router.accounting.auth import KeyRing
+from llmgw.wire import versions
 
 
 def _placement_state(plane: ControlPlane | None) -> dict[str, Any] | None:
@@ -81,6 +82,9 @@ class StatusRoutes:
         Version, uptime (seconds), node and replica counts by state,
         catalog size, key count, whether clients need a key, with
         standbys C{{"leading": bool, "leader": "HOST:PORT"}} (else null),
+        C{protocol}: C{{"speaks": "1.1", "serves": ["1.0", "1.2"]}}, the
+        wire protocol's version this server speaks and the oldest and
+        newest an agent or router may speak (L{llmgw.wire.versions}),
         and C{placement}: C{{"waiting_for": "startup_grace",
         "seconds_left": S, "startup_grace": S}} while the start-up grace
         holds every placement and scale-down back (C{[control]
@@ -98,6 +102,10 @@ class StatusRoutes:
             request,
             {
                 "version": __version__,
+                "protocol": {
+                    "speaks": versions.text(),
+                    "serves": list(versions.served()),
+                },
                 "uptime_seconds": round(self._wall_clock() - self._started, 1),
                 "nodes": nodes,
                 "replicas": replicas,

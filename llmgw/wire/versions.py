@@ -50,6 +50,14 @@ def text(version: tuple[int, int] = PROTOCOL) -> str:
     return f"{version[0]}.{version[1]}"
 
 
+def served(ours: tuple[int, int] = PROTOCOL) -> tuple[str, str]:
+    """
+    @return: the oldest and newest versions a server speaking C{ours}
+        serves (L{mismatch}'s rule), as peers say them: C{("1.0", "1.2")}.
+    """
+    return text((ours[0], max(ours[1] - 1, 0))), text((ours[0], ours[1] + 1))
+
+
 def parse(said: str) -> tuple[int, int]:
     """
     @param said: a version as a peer said it; C{""} for none.

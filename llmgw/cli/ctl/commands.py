@@ -29,14 +29,22 @@ JSON, the text for a person).  Raises L{CtlError} to fail with one line.
 
 def status(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{status}: each field of the status on a line, counts by state; what
-    holds placements back, if anything, in words.
+    C{status}: each field of the status on a line, counts by state; the
+    protocol version the server speaks and those it serves; what holds
+    placements back, if anything, in words.
     """
     result = client.call("GET", "/api/v1/status")
     lines = []
     for name, value in result.items():
         if name == "placement":
             lines.append(f"placement: {_placement_words(value)}\n")
+            continue
+        if name == "protocol" and isinstance(value, dict):
+            oldest, newest = value["serves"]
+            lines.append(
+                f"protocol: {value['speaks']} (serves agents and routers of"
+                f" {oldest} to {newest})\n"
+            )
             continue
         if isinstance(value, dict):
             shown = ", ".join(f"{n} {c}" for n, c in value.items()) or "-"

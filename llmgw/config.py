@@ -87,6 +87,8 @@ class ServerConfig:
         without C{insecure_agents}) the server accepts no agents.
     @ivar local: C{--local}: an agent for this machine runs inside the
         server.
+    @ivar simulated_gpus: C{--simulated-gpus}: C{(name, memory_gb)} per
+        GPU the local agent reports as simulated.
     @ivar store_url: C{[store] url}.
     @ivar usage_flush_interval: C{[store] flush_interval}, seconds.
     @ivar record_usage: C{[store] record_usage}.
@@ -141,6 +143,7 @@ class ServerConfig:
         " trusted networks only.",
     )
     local: bool = False
+    simulated_gpus: tuple[tuple[str, float], ...] = ()
     state_dir: str = setting(
         "~/.local/state/llmgw",
         Text("path"),
@@ -335,6 +338,11 @@ def finish_config(config: ServerConfig) -> ServerConfig:
         if endpoint.id in seen:
             raise ConfigError(f"endpoints: duplicate id {endpoint.id!r}")
         seen.add(endpoint.id)
+    if config.simulated_gpus and not config.local:
+        raise ConfigError(
+            "--simulated-gpus: only with --local (an agent's own GPUs are its"
+            " file's [[simulated_gpus]])"
+        )
     if config.local and config.leader_lock_url:
         raise ConfigError(
             "standby: a server with --local leads alone; remove [standby] url"

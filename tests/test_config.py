@@ -16,6 +16,7 @@ from llmgw.config import (
     parse_endpoint_flag,
 )
 from llmgw.config_checks import ConfigError, check_keys, parse_duration, parse_size
+from llmgw.server.local import parse_simulated_gpus, simulated_catalog
 
 
 class ConfigTests(SynchronousTestCase):
@@ -398,3 +399,57 @@ class RoutingConfigTests(SynchronousTestCase):
             with self.assertRaises(ConfigError) as raised:
                 parse_config({"router": table})
             self.assertIn(message, str(raised.exception))
+
+
+class SimulatedGpusTests(SynchronousTestCase):
+    """
+    C{llmgw-server --local --simulated-gpus COUNTxGB[,COUNTxGB]}.
+    """
+
+    def test_read(self) -> None:
+        """
+        Groups joined by commas, the unit optional, one GPU per count.
+        """
+        self.assertEqual(
+            parse_simulated_gpus("1x80GB, 2x24"),
+            (("sim-80GB", 80.0), ("sim-24GB", 24.0), ("sim-24GB", 24.0)),
+        )
+
+    def test_refused(self) -> None:
+        """
+        Another shape, no GPU, more than 64, or a size out of the agent's
+        range: one line naming the flag.
+        """
+        for spec, text in (
+            ("two", "expected COUNTxGB"),
+            ("2x24GiB", "expected COUNTxGB"),
+            ("0x24GB", "makes 0 GPUs"),
+            ("65x1GB", "makes 65 GPUs"),
+            ("1x0GB", "memory over 0"),
+            ("1x2000000GB", "at most 1000000 GB"),
+        ):
+            with self.assertRaises(ConfigError) as raised:
+                parse_simulated_gpus(spec)
+            self.assertIn("--simulated-gpus", str(raised.exception))
+            self.assertIn(text, str(raised.exception))
+
+    def test_only_with_local(self) -> None:
+        """
+        Without --local there is no agent in the server to report them.
+        """
+        config = ServerConfig(insecure_agents=True, simulated_gpus=(("g", 8.0),))
+        with self.assertRaises(ConfigError) as raised:
+            finish_config(config)
+        self.assertIn("--simulated-gpus: only with --local", str(raised.exception))
+
+    def test_catalog(self) -> None:
+        """
+        One model more than there are GPUs, each taking three quarters of
+        the smallest GPU, so no two share one; every other one sleeps.
+        """
+        models = simulated_catalog(parse_simulated_gpus("1x80GB,1x24GB"))
+        self.assertEqual([m.name for m in models], ["sim-1", "sim-2", "sim-3"])
+        self.assertEqual(
+            [(m.profiles[0].gpu_memory_gb, m.profiles[0].sleep) for m in models],
+            [(18.0, "off"), (18.0, "weights"), (18.0, "off")],
+        )

@@ -140,6 +140,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
     ServerConfig: {
         "agent_tls",
         "local",
+        "simulated_gpus",
         "store_url",
         "usage_flush_interval",
         "record_usage",

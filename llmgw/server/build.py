@@ -48,6 +48,7 @@ from llmgw.server.local import (
     local_certificates,
     local_listener_factory,
     local_node_id,
+    simulated_catalog,
 )
 from llmgw.store.base import Store
 from llmgw.store.db import SQLiteStore, StoreError, open_store
@@ -151,10 +152,13 @@ def _agent_factory(config: ServerConfig, hub: AgentHub) -> IProtocolFactory:
 def control_settings(config: ServerConfig) -> tuple[tuple[Model, ...], ControlConfig]:
     """
     @return: the configured models (with C{--local} and none configured,
-        the bundled one) and the control plane's settings.
+        the bundled one, or with C{--simulated-gpus} the sim models of
+        L{simulated_catalog}) and the control plane's settings.
     """
     control, models = config.control, config.models
-    if config.local and not models:
+    if config.local and not models and config.simulated_gpus:
+        models = simulated_catalog(config.simulated_gpus)
+    elif config.local and not models:
         try:
             models = default_catalog()
         except ConfigError as e:
@@ -513,6 +517,7 @@ def local(reactor: IDaemonReactor, config: ServerConfig, hub: AgentHub) -> Local
             node_id,
             getattr(port.getHost(), "port", 0),
             agent_folder,
+            config.simulated_gpus,
         )
     except ListenError as e:
         fail(PROGRAM, str(e), 1)

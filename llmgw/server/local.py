@@ -9,8 +9,10 @@ the bundled Gemma 3 270M GGUF on llama.cpp, on the CPU, from zero replicas.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
+import tomllib
 from typing import Any
 
 from twisted.application.service import Service
@@ -23,7 +25,7 @@ from llmgw.agent.link import AgentFactory
 from llmgw.agent.service import build_agent
 from llmgw.agent.settings import AgentConfig
 from llmgw.config_checks import ConfigError
-from llmgw.control.catalog import Model
+from llmgw.control.catalog import Model, parse_models
 from llmgw.control.placement import Profile
 from llmgw.reactors import IAgentReactor
 from llmgw.wire.certs import NODE_ID, init_ca, issue_agent, issue_server
@@ -64,6 +66,77 @@ def default_catalog() -> tuple[Model, ...]:
             profiles=(Profile(name="cpu", engine="llamacpp", source=path, args=args),),
         ),
     )
+
+
+_GPUS = re.compile(r"^(\d{1,3})x(\d{1,7}(?:\.\d+)?)(?:GB)?$")
+
+
+def parse_simulated_gpus(spec: str) -> tuple[tuple[str, float], ...]:
+    """
+    Read C{--simulated-gpus}: C{COUNTxGB} groups joined by commas, such as
+    C{"2x24GB"} or C{"1x80GB,2x24GB"} (the unit may be left out).
+
+    @return: C{(name, memory_gb)} per GPU, as the agent's
+        C{[[simulated_gpus]]} gives them: named C{"sim-24GB"}.
+    @raise ConfigError: not that shape, no GPU, more than 64, or a size
+        out of the agent's range (over 0, at most 1000000 GB).
+    """
+    gpus: list[tuple[str, float]] = []
+    for group in spec.split(","):
+        match = _GPUS.match(group.strip())
+        if match is None:
+            raise ConfigError(
+                f"--simulated-gpus: bad value {spec!r}: expected COUNTxGB[,COUNTxGB],"
+                " such as 2x24GB"
+            )
+        count, memory = int(match.group(1)), float(match.group(2))
+        if not 0 < memory <= 1_000_000:
+            raise ConfigError(
+                f"--simulated-gpus: {group.strip()}: memory over 0, at most 1000000 GB"
+            )
+        gpus += [(f"sim-{match.group(2)}GB", memory)] * count
+    if not 0 < len(gpus) <= 64:
+        raise ConfigError(f"--simulated-gpus: {spec!r} makes {len(gpus)} GPUs: 1 to 64")
+    return tuple(gpus)
+
+
+_SIM_MODEL = """
+[[models]]
+name = "{name}"
+max_replicas = 1
+idle_timeout = "10m"
+[[models.profiles]]
+name = "sim"
+engine = "sim"
+source = "sim"
+gpus = 1
+gpu_memory_gb = {memory:g}
+sleep = "{sleep}"
+sleep_host_memory_gb = 0.5
+args = ["--itl", "0.02", "--load-seconds", "1"]
+"""
+
+
+def simulated_catalog(gpus: tuple[tuple[str, float], ...]) -> tuple[Model, ...]:
+    """
+    The catalog of C{--local --simulated-gpus} without a config file's
+    C{[[models]]}: one model more than there are GPUs (C{sim-1},
+    C{sim-2}, ...), each on sim engines that take one GPU and three
+    quarters of the smallest one's memory, so that no two share a GPU and
+    a request for the last model started must free one: the even ones
+    sleep (C{sleep = "weights"}), the odd ones stop.  No replica until a
+    request comes; back to none after 10 idle minutes.
+
+    @param gpus: as L{parse_simulated_gpus} gives them.
+    """
+    memory = round(min(gb for _, gb in gpus) * 0.75, 1)
+    text = "".join(
+        _SIM_MODEL.format(
+            name=f"sim-{i}", memory=memory, sleep="weights" if i % 2 == 0 else "off"
+        )
+        for i in range(1, len(gpus) + 2)
+    )
+    return parse_models(tomllib.loads(text)["models"])
 
 
 def local_node_id() -> str:
@@ -138,10 +211,17 @@ class LocalEngines(Service):
 
 
 def local_agent(
-    reactor: IAgentReactor, state_dir: str, node_id: str, port: int, agent_folder: str
+    reactor: IAgentReactor,
+    state_dir: str,
+    node_id: str,
+    port: int,
+    agent_folder: str,
+    simulated_gpus: tuple[tuple[str, float], ...] = (),
 ) -> tuple[Service, AgentFactory]:
     """
     @param port: the loopback port of the local agent listener.
+    @param simulated_gpus: C{(name, memory_gb)} per GPU the agent reports
+        as simulated (C{--simulated-gpus}), after this machine's own.
     @return: the agent's uplink service and its factory.
     @raise ConfigError: its state directory cannot be made, or another
         agent holds it (a C{twistd llmgw-agent} on
@@ -153,6 +233,7 @@ def local_agent(
         tls_dir=agent_folder,
         state_dir=os.path.join(state_dir, "agent"),
         address="127.0.0.1",
+        simulated_gpus=simulated_gpus,
     )
     try:
         os.makedirs(os.path.join(config.state_dir, "shards"), mode=0o700, exist_ok=True)

@@ -55,7 +55,7 @@ from llmgw.server.build import (
     open_state,
     pages,
 )
-from llmgw.server.local import local_node_id
+from llmgw.server.local import local_node_id, parse_simulated_gpus
 from llmgw.server.standby import Leading, leading_services
 from llmgw.store.base import Store
 from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
@@ -118,6 +118,15 @@ class Options(usage.Options):
             " (SO_REUSEPORT), restarted when they exit (default 0: this process).",
         ],
         [
+            "simulated-gpus",
+            None,
+            None,
+            "With --local: GPUs that are not there, reported as simulated,"
+            " COUNTxGB[,COUNTxGB] such as 2x24GB; without [[models]], sim"
+            " models sim-1 ... sim-N+1 that do not all fit, for trying"
+            " placement, eviction and sleep (docs/sim.md).",
+        ],
+        [
             "state-dir",
             None,
             None,
@@ -170,6 +179,9 @@ class Options(usage.Options):
             if self["listen"] is None and config.listen == ServerConfig().listen:
                 # A laptop's server is not for the network unless asked.
                 config = replace(config, listen="tcp:8080:interface=127.0.0.1")
+        if self["simulated-gpus"] is not None:
+            gpus = parse_simulated_gpus(self["simulated-gpus"])
+            config = replace(config, simulated_gpus=gpus)
         if self["endpoint"]:
             endpoints: list[Endpoint] = [
                 parse_endpoint_flag(spec) for spec in self["endpoint"]

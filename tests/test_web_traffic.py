@@ -38,6 +38,7 @@ class _Record:
     status: int = 200
     stream: bool = True
     time_to_first_token: float | None = 0.1
+    usage_estimated: bool = False
 
 
 def _resolve(name: str) -> str | None:

@@ -219,6 +219,20 @@ class Fleet:
         series = self.traffic.models.get(model) if self.traffic else None
         return self._traffic(series)
 
+    def _estimated(self, model: str) -> dict[str, int]:
+        """
+        @return: C{{"requests": N, "answered": M}}: the model's requests
+            since the start with estimated usage, and those of them
+            answered whole (its engine sends no usage in streams); zeros
+            without a traffic record.
+        """
+        if self.traffic is None:
+            return {"requests": 0, "answered": 0}
+        return {
+            "requests": self.traffic.estimated.get(model, 0),
+            "answered": self.traffic.answered_estimated.get(model, 0),
+        }
+
     def replica_traffic(self, replica_id: str) -> list[dict[str, Any]]:
         """
         @return: a replica's figures over each of L{WINDOWS} (the
@@ -290,6 +304,7 @@ class Fleet:
         models = models_json(self.plane) if self.plane is not None else []
         for row in models:
             row["traffic"] = self.model_traffic(row["name"])
+            row["usage_estimated"] = self._estimated(row["name"])
         return {
             "nodes": nodes,
             "node_states": count_states(
@@ -494,6 +509,7 @@ class Fleet:
             ],
             "placement": explain(plane, model.name),
             "traffic": self.model_traffic(model.name),
+            "usage_estimated": self._estimated(model.name),
             "charts": self._charts(
                 self.traffic.models.get(model.name) if self.traffic else None
             ),

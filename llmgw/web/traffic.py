@@ -78,6 +78,9 @@ class Finished(Protocol):
     @property
     def time_to_first_token(self) -> float | None: ...
 
+    @property
+    def usage_estimated(self) -> bool: ...
+
 
 @dataclass
 class Slot:
@@ -242,6 +245,14 @@ class Traffic:
     @param clock: seconds now (the reactor's C{seconds}).
     @param resolve: a name's catalog model (aliases resolved), or
         L{None}: those requests count under L{OTHER}.
+
+    @ivar estimated: per model, the requests since the start whose token
+        counts are the router's estimate (the engine's never came: a client
+        that left mid-stream, a broken stream, or an engine that sends no
+        usage in streams).
+    @ivar answered_estimated: those of them answered 200: streams that
+        ended whole without the engine's usage, which only an engine that
+        ignores C{stream_options.include_usage} gives.
     """
 
     def __init__(
@@ -255,6 +266,11 @@ class Traffic:
         self.fleet = Series()
         self.models: dict[str, Series] = {}
         self.replicas: dict[str, Series] = {}
+        # Per catalog model since the start, not per slot: an engine that
+        # sends no usage in streams (llama-cpp-python's server) is a fact
+        # about the model's engine, to be seen whenever one looks.
+        self.estimated: dict[str, int] = {}
+        self.answered_estimated: dict[str, int] = {}
 
     def record(self, record: Finished) -> None:
         """
@@ -274,6 +290,12 @@ class Traffic:
             self._forget(index)
         _count(fleet.slot(index), error, ttft)
         model = self._resolve(record.model) or OTHER
+        if record.usage_estimated:
+            self.estimated[model] = self.estimated.get(model, 0) + 1
+            if record.status == 200:
+                # Answered whole, yet no count: the engine sends none.
+                count = self.answered_estimated.get(model, 0) + 1
+                self.answered_estimated[model] = count
         series = self.models.get(model)
         if series is None:
             series = self.models[model] = Series()

@@ -273,7 +273,7 @@ def server_address(value: str) -> tuple[str, int]:
     """
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"server: bad value {value!r}: expected HOST:PORT")
+        raise ConfigError(f"server: bad value {spelled(value)}: expected HOST:PORT")
     return host.strip("[]"), int(port)
 
 

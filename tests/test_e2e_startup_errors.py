@@ -337,11 +337,10 @@ class StartupErrorTests(SynchronousTestCase):
                     "in use",
                 )
 
-    def test_file_named(self) -> None:
+    def test_server_file_named(self) -> None:
         """
-        A mistake in a daemon's configuration file is told after the
-        file's path (issue 37, item 4), with the value as TOML writes it:
-        the server's, a router's (the same file) and the agent's.
+        A mistake in the server's configuration file is told after the
+        file's path (issue 37, item 4), with the value as TOML writes it.
         """
         server = self.file("named.toml", '[control]\nlost_after = "0s"\n')
         self.refused(
@@ -357,6 +356,12 @@ class StartupErrorTests(SynchronousTestCase):
             f"llmgw-server: config error: {spelled}: log_format:",
             "got true",
         )
+
+    def test_router_file_named(self) -> None:
+        """
+        llmgw-router reads the server's file: a mistake there is told after
+        the file's path too.
+        """
         router = self.file("router.toml", "[router]\nmax_retries = -1\n")
         self.refused(
             _router(
@@ -371,6 +376,11 @@ class StartupErrorTests(SynchronousTestCase):
             f"llmgw-router: config error: {router}: router.max_retries:",
             "got -1",
         )
+
+    def test_agent_file_named(self) -> None:
+        """
+        A mistake in the agent's file is told after the file's path.
+        """
         agent = self.file(
             "agent.toml", '[[simulated_gpus]]\nname = "g0"\nmemory_gb = 0\n'
         )

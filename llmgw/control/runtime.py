@@ -117,6 +117,12 @@ class ModelCatalog:
         """
         return self._adapters.get(name)
 
+    def adapter_names(self) -> list[str]:
+        """
+        @return: the LoRA adapters' model names, sorted.
+        """
+        return sorted(self._adapters)
+
     def adapters_of(self, base: str) -> list[Model]:
         """
         @return: the adapters declared on the model named C{base}, in the

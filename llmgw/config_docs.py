@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from llmgw.agent.settings import AGENT_TABLES
 from llmgw.config import SERVER_TABLES
-from llmgw.config_checks import REQUIRED, Key, Table, spelled
+from llmgw.config_checks import REQUIRED, Key, Table
 
 PATH = os.path.join("docs", "configuration.md")
 """
@@ -67,8 +67,6 @@ def render_default(key: Key) -> str:
         return "required"
     if value is None:
         return "none"
-    if isinstance(key.kind, str):
-        return spelled(value, literal=False)
     return key.kind.spell(value)
 
 

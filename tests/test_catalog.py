@@ -5,12 +5,13 @@ the profile, the field and the value.
 
 from __future__ import annotations
 
+import re
 import tomllib
 
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.config_checks import ConfigError
-from llmgw.control.catalog import Model, parse_models
+from llmgw.control.catalog import MODELS_TABLE, PROFILES_TABLE, Model, parse_models
 
 GOOD = """
 [[models]]
@@ -125,8 +126,8 @@ class CatalogTests(SynchronousTestCase):
             ),
             (
                 '[[models]]\nname = "m"\n' + profile + "gpus = -1\n",
-                "models[0] (m).profiles[0] (p).gpus: expected an integer from 0"
-                " to 10000, got -1",
+                "models[0] (m).profiles[0] (p).gpus: expected a whole number"
+                " from 0 to 10000, got -1",
             ),
             (
                 '[[models]]\nname = "m"\n' + profile + "gpus = 8\nnodes = 2\n",
@@ -162,7 +163,8 @@ class CatalogTests(SynchronousTestCase):
             ),
             (
                 '[[models]]\nname = "m"\npriority = 1.5\n' + profile,
-                "models[0] (m).priority: expected an integer, got 1.5",
+                "models[0] (m).priority: expected a whole number from -1000000"
+                " to 1000000, got 1.5",
             ),
             (
                 '[[models]]\nname = "m"\nmin_resident = "a while"\n' + profile,
@@ -182,8 +184,8 @@ class CatalogTests(SynchronousTestCase):
             ),
             (
                 '[[models]]\nname = "m"\n' + profile + "sleep_gpu_memory_gb = -1\n",
-                "models[0] (m).profiles[0] (p).sleep_gpu_memory_gb: expected GB"
-                " >= 0, got -1",
+                "models[0] (m).profiles[0] (p).sleep_gpu_memory_gb: expected a"
+                " number from 0 to 100000, got -1",
             ),
         ]
         for text, message in cases:
@@ -192,3 +194,126 @@ class CatalogTests(SynchronousTestCase):
                     models(text)
                 self.assertIn(message, str(raised.exception))
                 self.assertNotIn("\n", str(raised.exception))
+
+
+# A value of the wrong shape for each key of a model, of an adapter and of
+# a profile, at or just past the bound its kind declares where it has one.
+_PROFILE = {"name": "p", "engine": "vllm", "source": "s"}
+_WRONG_MODEL: list[tuple[str, object]] = [
+    ("name", ""),
+    ("name", "x" * 201),
+    ("aliases", [" "]),
+    ("aliases", "chat"),
+    ("min_replicas", -1),
+    ("max_replicas", 0),
+    ("max_replicas", 10_001),
+    ("idle_timeout", "soon"),
+    ("pinned", "yes"),
+    ("priority", 1_000_001),
+    ("min_resident", -1),
+    ("profiles", {"name": "p"}),
+    ("max_loras", -1),
+    ("max_loras", 1025),
+    ("max_lora_rank", 0),
+    ("max_lora_rank", 1025),
+]
+_WRONG_ADAPTER: list[tuple[str, object]] = [
+    ("base", ""),
+    ("adapter", " "),
+    ("rank", 0),
+    ("rank", 1025),
+    ("rank", "8"),
+]
+_WRONG_PROFILE: list[tuple[str, object]] = [
+    ("name", " "),
+    ("engine", "tgi"),
+    ("source", ""),
+    ("args", ["--x", 1]),
+    ("env", {"A=B": "x"}),
+    ("env", {"A": 1}),
+    ("gpus", -1),
+    ("gpus", 10_001),
+    ("gpu_memory_gb", -1),
+    ("gpu_memory_gb", True),
+    ("nodes", 0),
+    ("fabric", ""),
+    ("priority", 1.5),
+    ("sleep", "deep"),
+    ("sleep_gpu_memory_gb", -0.5),
+    ("sleep_host_memory_gb", 100_001),
+]
+
+
+class KeyShapeTests(SynchronousTestCase):
+    def refused(self, tables: list[dict[str, object]], where: str) -> str:
+        """
+        @return: the message C{tables} are refused with, which names
+            C{where} (a key, C{"models[0] (m).rank"}, or an item of its
+            list, C{"models[0] (m).aliases[0]"}) first.
+        """
+        with self.assertRaises(ConfigError) as raised:
+            parse_models(tables)
+        message = str(raised.exception)
+        self.assertRegex(message, rf"^{re.escape(where)}(\[\d+\])?: ")
+        self.assertNotIn("\n", message)
+        return message
+
+    def test_every_key_refuses_a_wrong_shape(self) -> None:
+        """
+        Each key of a model, of an adapter and of a profile refuses a value
+        of the wrong type or out of the range its declaration states, in
+        one line naming the model, the profile and the key; every key of
+        both tables is tried.
+        """
+        tried: set[tuple[str, str]] = set()
+        for key, value in _WRONG_MODEL:
+            with self.subTest(key=key, value=value):
+                where = "models[0]" if key == "name" else "models[0] (m)"
+                self.refused(
+                    [{"name": "m", "profiles": [_PROFILE], key: value}],
+                    f"{where}.{key}",
+                )
+            tried.add(("model", key))
+        for key, value in _WRONG_ADAPTER:
+            with self.subTest(key=key, value=value):
+                self.refused(
+                    [
+                        {"name": "m", "profiles": [_PROFILE]},
+                        {"name": "a", "base": "m", "adapter": "/a", key: value},
+                    ],
+                    f"models[1] (a).{key}",
+                )
+            tried.add(("model", key))
+        for key, value in _WRONG_PROFILE:
+            with self.subTest(key=key, value=value):
+                where = "models[0] (m).profiles[0]"
+                if key != "name":
+                    where += " (p)"
+                profile = {**_PROFILE, "gpus": 1, key: value}
+                self.refused([{"name": "m", "profiles": [profile]}], f"{where}.{key}")
+            tried.add(("profile", key))
+        self.assertEqual(
+            tried,
+            {("model", k) for k in MODELS_TABLE.names}
+            | {("profile", k) for k in PROFILES_TABLE.names},
+        )
+
+    def test_lora_bounds_enforced(self) -> None:
+        """
+        An adapter's C{rank} and a base's C{max_loras} hold to the ranges
+        the reference states (1 to 1024, 0 to 1024): C{rank = 0} and
+        C{max_loras = -1} were once read as "not given".
+        """
+        message = self.refused(
+            [
+                {"name": "m", "profiles": [_PROFILE]},
+                {"name": "a", "base": "m", "adapter": "/a", "rank": 0},
+            ],
+            "models[1] (a).rank",
+        )
+        self.assertIn("from 1 to 1024, got 0", message)
+        message = self.refused(
+            [{"name": "m", "profiles": [_PROFILE], "max_loras": -1}],
+            "models[0] (m).max_loras",
+        )
+        self.assertIn("from 0 to 1024, got -1", message)

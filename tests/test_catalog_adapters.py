@@ -120,7 +120,7 @@ class AdapterCatalogTests(SynchronousTestCase):
             ),
             (
                 ADAPTER.format(name="sql", extra='rank = "8"') + BASE.format(extra=""),
-                "models[0] (sql).rank: expected an integer from 1 to 1024, got '8'",
+                "models[0] (sql).rank: expected a whole number from 1 to 1024, got '8'",
             ),
         ]
         for text, message in cases:

@@ -27,6 +27,7 @@ from llmgw.config_checks import (
     ListOf,
     Number,
     Size,
+    StringTable,
     Table,
     Text,
     Url,
@@ -203,7 +204,7 @@ class TextTests(_Case):
 class _Settings:
     first: float = setting(5.0, Duration(), "First.")
     second: int = setting(1, Integer(least=1), "Second.")
-    names: dict[str, str] = setting({}, "table of strings", "Words only.")
+    names: dict[str, str] = setting({}, StringTable(), "Names.")
 
 
 _TABLE = Table(
@@ -250,17 +251,72 @@ class TableReadTests(_Case):
             _TABLE.read({}, "t[0]")
         self.assertEqual(str(raised.exception), "t[0].need: missing")
 
-    def test_words_only_kind_reads_nothing(self) -> None:
+    def test_settings_table(self) -> None:
         """
-        A key whose kind is in words only (its table has a parser of its
-        own) cannot be read by L{Table.read}.
+        A table of a settings class's keys reads them by their kinds; a
+        key without a default is required.
         """
         table = Table("[s]", "S.", settings_keys(_Settings))
-        self.assertEqual(table.read({"first": "1m"})["first"], 60.0)
+        self.assertEqual(
+            table.read({"first": "1m", "names": {"a": "b"}}),
+            {"first": 60.0, "second": 1, "names": {"a": "b"}},
+        )
         self.assertIs(
             Table("[r]", "R.", (Key("a", Text(), "A."),)).keys[0].default, REQUIRED
         )
-        self.assertRaises(TypeError, table.read, {"names": {}})
+
+    def test_named_by(self) -> None:
+        """
+        A table named by one of its keys is called by it in messages about
+        the others, once that key is read; the key itself, missing or bad,
+        is named by the table's place.
+        """
+        table = Table("[[t]]", "T.", _TABLE.keys, named_by="need")
+        for data, message in [
+            ({"need": "x", "after": 1.5}, "t[0] (x).after: expected an integer"),
+            ({"need": "x", "zz": 1}, "t[0] (x).zz: unknown key"),
+            ({"after": 1}, "t[0].need: missing"),
+            ({"need": ""}, "t[0].need: expected a non-empty string"),
+        ]:
+            with self.assertRaises(ConfigError) as raised:
+                table.read(data, "t[0]")
+            self.assertTrue(str(raised.exception).startswith(message), message)
+
+    def test_check_after_the_read(self) -> None:
+        """
+        A table's check runs once every key is read, given the table's name
+        in messages, the table as given and the values read; what it raises
+        is what the read raises.
+        """
+        seen: list[tuple[str, object, dict[str, Any]]] = []
+
+        def check(where: str, given: Any, values: dict[str, Any]) -> None:
+            seen.append((where, dict(given), dict(values)))
+            if values["after"] > len(values["many"]):
+                raise ConfigError(f"{where}.after: more than many")
+
+        table = Table("[[t]]", "T.", _TABLE.keys, named_by="need", check=check)
+        self.assertEqual(
+            table.read({"need": "x", "many": ["a"], "after": 1})["after"], 1
+        )
+        self.assertEqual(
+            seen,
+            [
+                (
+                    "t (x)",
+                    {"need": "x", "many": ["a"], "after": 1},
+                    {"need": "x", "many": ("a",), "after": 1},
+                )
+            ],
+        )
+        with self.assertRaises(ConfigError) as raised:
+            table.read({"need": "x", "after": 1})
+        self.assertEqual(str(raised.exception), "t (x).after: more than many")
+        # A bad key is told before the check runs.
+        with self.assertRaises(ConfigError) as raised:
+            table.read({"need": "x", "after": "1"})
+        self.assertIn("t (x).after: expected an integer", str(raised.exception))
+        self.assertEqual(len(seen), 2)
 
     def test_array_of_tables(self) -> None:
         """

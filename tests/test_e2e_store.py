@@ -418,6 +418,7 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
         A model added with llmgw ctl models add is placed and serves; it is
         still there after a server restart (its replica adopted); models
         remove stops its replica.  A config file model cannot be removed.
+        A model with a key out of its range is refused, naming the key.
         """
         config = self.config(
             MODELS.format(min_replicas=0, idle="0s"), startup_grace="2s"
@@ -451,6 +452,19 @@ class FleetStoreTests(_Fleet, SynchronousTestCase, _Ctl):
         listed = self.ctl("models").stdout
         self.assertIn("runtime", listed)
         self.assertIn("config", listed)
+        # A value out of its key's declared range is refused, naming the
+        # model and the key, and nothing is added.
+        bad = "models add bad --engine sim --source sim --max-loras -1"
+        refused = self.ctl(*bad.split(), ok=False)
+        self.assertEqual(refused.returncode, 1, refused.stderr)
+        self.assertIn(
+            "models[0] (bad).max_loras: expected a whole number from 0 to 1024,"
+            " got -1 (HTTP 400)",
+            refused.stderr,
+        )
+        self.assertNotIn(
+            "bad", [m["name"] for m in self.admin("/api/v1/models")["models"]]
+        )
 
         self.server.stop()
         self.start_fleet_server(config)

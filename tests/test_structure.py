@@ -210,6 +210,42 @@ class ControlLayerTests(SynchronousTestCase):
         )
 
 
+class ClassShapeTests(SynchronousTestCase):
+    """
+    One object is one class: no object spread over several bases, no stubs
+    of a sibling's methods.
+    """
+
+    def test_no_object_in_several_bases(self) -> None:
+        self.assertEqual(spread_classes(classes()), [])
+
+    def test_no_stub(self) -> None:
+        self.assertEqual(stub_lines(classes()), [])
+
+    def test_finds_a_spread_object_and_its_stubs(self) -> None:
+        """
+        A class made of two llmgw classes with methods is found, and the
+        stub one of them holds for the other; an interface base and a
+        mixin of L{MIXINS} are not counted.
+        """
+        source = (
+            "class A:\n    def f(self):\n        raise NotImplementedError()\n"
+            "class B:\n    def g(self):\n        return 1\n"
+            "class IThing:\n    def h(self):\n        pass\n"
+            "class TimeoutMixin:\n    def t(self):\n        pass\n"
+            "class C(A, B):\n    pass\n"
+            "class D(B, IThing, TimeoutMixin):\n    pass\n"
+        )
+        tree = ast.parse(source)
+        found = [
+            ClassInfo("llmgw/x.py", n)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ClassDef)
+        ]
+        self.assertEqual(spread_classes(found), ["llmgw/x.py: C(A, B)"])
+        self.assertEqual(stub_lines(found), ["llmgw/x.py: A.f"])
+
+
 def documented_layers(text: str) -> tuple[tuple[str, ...], ...]:
     """
     @param text: C{docs/architecture.md}.

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from klein import Klein
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from llmgw.admin.http import AdminError, app, json_answer, not_found, read_body
+from llmgw.admin.http import (
+    AdminError,
+    error_answers,
+    json_answer,
+    need_plane,
+    not_found,
+    read_body,
+)
 from llmgw.control.drains import DrainRefused
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
@@ -21,17 +29,31 @@ from llmgw.store.db import Store
 
 class DrainRoutes:
     """
-    Mixed into L{llmgw.admin.api.Admin}; needs its C{plane}, C{inventory},
-    C{store} and C{wall_clock}.
+    C{/api/v1/nodes/<node>/drain} and C{undrain},
+    C{/api/v1/replicas/<replica>/drain}, and the C{stop-engines} and
+    C{start-engines} of one node or all.
+
+    @param plane: the control plane, when there is one.
+    @param inventory: the nodes.
+    @param store: the database, where drains are kept, when there is one.
+    @param wall_clock: POSIX seconds now (C{time.time}), kept with a drain.
     """
 
-    log: Logger
-    inventory: Inventory
-    store: Store | None
-    wall_clock: Callable[[], float]
+    app = error_answers(Klein())
+    log = Logger()
 
-    def _plane(self) -> ControlPlane:
-        raise NotImplementedError()
+    def __init__(
+        self,
+        plane: ControlPlane | None,
+        inventory: Inventory,
+        store: Store | None,
+        *,
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self._plane = plane
+        self._inventory = inventory
+        self._store = store
+        self._wall_clock = wall_clock
 
     @app.route("/api/v1/nodes/<node_id>/drain", methods=["POST"])
     async def drain_node(self, request: IRequest, node_id: str) -> bytes:
@@ -51,7 +73,7 @@ class DrainRoutes:
         node is draining, until this server restarts).
         """
         force = _force(request)
-        plane = self._plane()
+        plane = need_plane(self._plane)
         try:
             drained = plane.drain_node(node_id, force)
         except KeyError:
@@ -73,7 +95,7 @@ class DrainRoutes:
         C{store_busy} as for a drain.
         """
         try:
-            self._plane().undrain_node(node_id)
+            need_plane(self._plane).undrain_node(node_id)
         except KeyError:
             raise not_found(f"node {node_id[:200]!r}") from None
         await self._kept(await self.keep_drain(node_id, False))
@@ -86,14 +108,15 @@ class DrainRoutes:
 
         @return: whether the store kept it (L{False}: it refused, logged).
         """
-        if self.store is None:
+        store = self._store
+        if store is None:
             return True
         try:
             if draining:
-                await self.store.set_drain(node_id, self.wall_clock())
+                await store.set_drain(node_id, self._wall_clock())
             else:
-                await self.store.clear_drain(node_id)
-        except self.store.database_errors as e:
+                await store.clear_drain(node_id)
+        except store.database_errors as e:
             self.log.warn(
                 "node {node}: the store cannot keep its drain now: {error}",
                 node=node_id,
@@ -122,7 +145,7 @@ class DrainRoutes:
         node; C{{"force": true}} drains it at once, unchecked.
         """
         force = _force(request)
-        plane = self._plane()
+        plane = need_plane(self._plane)
         try:
             started = plane.drain_replica(replica_id, force)
         except KeyError:
@@ -154,11 +177,11 @@ class DrainRoutes:
         """
         Stop every engine of every node known now, as for one node.
         """
-        return self._stop_engines(request, [n.id for n in self.inventory.nodes()])
+        return self._stop_engines(request, [n.id for n in self._inventory.nodes()])
 
     def _stop_engines(self, request: IRequest, node_ids: list[str]) -> bytes:
         try:
-            stopping = self._plane().stop_engines(node_ids)
+            stopping = need_plane(self._plane).stop_engines(node_ids)
         except KeyError as e:
             raise not_found(f"node {str(e.args[0])[:200]!r}") from None
         return json_answer(request, {"nodes": node_ids, "stopping_replicas": stopping})
@@ -175,11 +198,11 @@ class DrainRoutes:
         """
         Let placements use every node again, after C{stop-engines}.
         """
-        return self._start_engines(request, [n.id for n in self.inventory.nodes()])
+        return self._start_engines(request, [n.id for n in self._inventory.nodes()])
 
     def _start_engines(self, request: IRequest, node_ids: list[str]) -> bytes:
         try:
-            self._plane().start_engines(node_ids)
+            need_plane(self._plane).start_engines(node_ids)
         except KeyError as e:
             raise not_found(f"node {str(e.args[0])[:200]!r}") from None
         return json_answer(request, {"nodes": node_ids, "engines_stopped": False})

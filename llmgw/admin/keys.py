@@ -1,6 +1,6 @@
 """
 The admin API's keys and usage routes (C{/api/v1/keys},
-C{/api/v1/usage}), mixed into L{llmgw.admin.api.Admin}.
+C{/api/v1/usage}).
 
 A key's changes (made, changed, revoked) reach the other processes that
 check keys: a router tier's through the watch's keys counter
@@ -16,23 +16,25 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from klein import Klein
 from twisted.web.iweb import IRequest
 
 from llmgw.admin.http import (
     AdminError,
-    app,
+    error_answers,
     json_answer,
     not_found,
     priority_number,
     read_body,
 )
 from llmgw.config_checks import ConfigError, parse_duration
-from llmgw.control.plane import ControlPlane
+from llmgw.control.runtime import ModelCatalog
 from llmgw.router.accounting.auth import ApiKey, KeyRing
 from llmgw.router.routing.fairness import check_weight
 from llmgw.store.base import KEY_LIMITS
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
+from llmgw.tier.watch import Watch
 
 _MAX_LIMIT = 2**53
 
@@ -184,31 +186,48 @@ class KeyRoutes:
     """
     Keys and usage.
 
-    @ivar keys: the API keys, when there is a store.
-    @ivar store: the database.
-    @ivar usage: the usage writer, flushed before usage is read.
-    @ivar wall_clock: POSIX seconds now.
+    @param keys: the API keys, when there is a store.
+    @param store: the database.
+    @param usage: the usage writer, flushed before usage is read.
+    @param catalog: the control plane's catalog, when there is one: a
+        key's models must be among its names.
+    @param wall_clock: POSIX seconds now.
+    @param watch: what a router tier follows, told of each key's change,
+        when there is a control plane.
     """
 
-    keys: KeyRing | None
-    plane: ControlPlane | None
-    store: Store | None
-    usage: UsageWriter | None
-    wall_clock: Callable[[], float]
+    app = error_answers(Klein())
+
+    def __init__(
+        self,
+        keys: KeyRing | None,
+        store: Store | None,
+        usage: UsageWriter | None,
+        catalog: ModelCatalog | None,
+        *,
+        wall_clock: Callable[[], float],
+        watch: Watch | None,
+    ) -> None:
+        self._key_ring = keys
+        self._store = store
+        self._usage = usage
+        self._catalog = catalog
+        self._wall_clock = wall_clock
+        self._watch = watch
 
     def _keys(self) -> KeyRing:
-        if self.keys is None or self.store is None:
+        if self._key_ring is None or self._store is None:
             raise AdminError(404, "no store in this server", "not_found")
-        return self.keys
+        return self._key_ring
 
     def _check_models(self, models: list[str] | None) -> None:
         """
         @raise AdminError: 400 naming the names no catalog model, alias
             or static endpoint serves (a key for them could never be used).
         """
-        if models is None or self.plane is None:
+        catalog = self._catalog
+        if models is None or catalog is None:
             return
-        catalog = self.plane.catalog
         known = set(catalog.names())
         for endpoint in catalog.static_endpoints():
             known.update(endpoint.models)
@@ -222,9 +241,8 @@ class KeyRoutes:
             )
 
     def _keys_changed(self) -> None:
-        watch = getattr(self, "watch", None)
-        if watch is not None:
-            watch.keys_changed()
+        if self._watch is not None:
+            self._watch.keys_changed()
 
     @app.route("/api/v1/keys", methods=["GET"])
     def list_keys(self, request: IRequest) -> bytes:
@@ -253,12 +271,12 @@ class KeyRoutes:
             raise AdminError(400, "name: expected a string", "bad_request")
         models = _models_field(body)
         self._check_models(models)
-        expires = parse_expires(body.get("expires"), self.wall_clock())
+        expires = parse_expires(body.get("expires"), self._wall_clock())
         admin = body.get("admin", False)
         if not isinstance(admin, bool):
             raise AdminError(400, "admin: expected true or false", "bad_request")
         order = _order_fields(body)
-        integrity_errors = self.store.integrity_errors if self.store else ()
+        integrity_errors = self._store.integrity_errors if self._store else ()
         try:
             key, secret = await keys.create(
                 name,
@@ -314,7 +332,7 @@ class KeyRoutes:
             if field in body:
                 changes[field] = _optional_count(body, field)
         if "expires" in body:
-            changes["expires"] = parse_expires(body["expires"], self.wall_clock())
+            changes["expires"] = parse_expires(body["expires"], self._wall_clock())
         changes.update(_order_fields(body))
         await keys.update(key, changes)
         self._keys_changed()
@@ -359,7 +377,8 @@ class KeyRoutes:
         Answers within about 2 s: 503 C{store_busy} when the store cannot be
         read then.
         """
-        if self.store is None:
+        store = self._store
+        if store is None:
             raise AdminError(404, "no store in this server", "not_found")
         args = request.args or {}
 
@@ -372,7 +391,7 @@ class KeyRoutes:
             raise AdminError(
                 400, f"by: expected key or model, got {by!r}", "bad_request"
             )
-        now = self.wall_clock()
+        now = self._wall_clock()
         since = parse_since(arg(b"since", "24h"), now)
         until_text = arg(b"until", "")
         until = parse_since(until_text, now) if until_text else None
@@ -381,17 +400,16 @@ class KeyRoutes:
         pending = 0
         # Records still buffered count too, once written; a write waiting
         # for the lock is not waited for past USAGE_FLUSH_WAIT.
-        if self.usage is not None and not await self.usage.flush_within(
-            USAGE_FLUSH_WAIT
-        ):
-            pending = self.usage.pending
+        usage = self._usage
+        if usage is not None and not await usage.flush_within(USAGE_FLUSH_WAIT):
+            pending = usage.pending
         # Without an end: up to now, and the records of this second (a
         # record's time is when its request finished).
         try:
-            groups = await self.store.usage(
+            groups = await store.usage(
                 by, since, until if until is not None else now + 1
             )
-        except self.store.database_errors as e:
+        except store.database_errors as e:
             raise AdminError(
                 503, f"the store cannot be read now ({e}); try again", "store_busy"
             ) from None

@@ -6,11 +6,17 @@ replica put to sleep or woken.
 
 from __future__ import annotations
 
-from typing import Any
-
+from klein import Klein
 from twisted.web.iweb import IRequest
 
-from llmgw.admin.http import AdminError, app, json_answer, not_found
+from llmgw.admin.http import (
+    AdminError,
+    error_answers,
+    json_answer,
+    need_plane,
+    not_found,
+)
+from llmgw.admin.models import model_json
 from llmgw.control.operating import SleepRefused
 from llmgw.control.plane import ControlPlane
 from llmgw.control.views import replica_json
@@ -18,18 +24,24 @@ from llmgw.control.views import replica_json
 
 class SwapRoutes:
     """
-    Mixed into L{llmgw.admin.api.Admin}; needs its C{_plane} and
-    C{_model_json}.
+    C{/api/v1/models/<name>/pin} and C{unpin},
+    C{/api/v1/replicas/<replica>/sleep} and C{wake}.
+
+    @param plane: the control plane, when there is one.
+    @param config_models: names of the config file's models, for the
+        model's C{runtime} in a pin's answer.
     """
 
-    def _plane(self) -> ControlPlane:
-        raise NotImplementedError()
+    app = error_answers(Klein())
 
-    def _model_json(self, name: str) -> dict[str, Any]:
-        raise NotImplementedError()
+    def __init__(
+        self, plane: ControlPlane | None, config_models: frozenset[str]
+    ) -> None:
+        self._plane = plane
+        self._config_models = config_models
 
     def _pin(self, request: IRequest, name: str, pinned: bool) -> bytes:
-        plane = self._plane()
+        plane = need_plane(self._plane)
         model = plane.catalog.resolve(name)
         if model is None:
             raise not_found(f"model {name[:200]!r}")
@@ -38,7 +50,7 @@ class SwapRoutes:
         except KeyError:
             # Removed meanwhile by another request.
             raise not_found(f"model {name[:200]!r}") from None
-        return json_answer(request, self._model_json(model))
+        return json_answer(request, model_json(plane, self._config_models, model))
 
     @app.route("/api/v1/models/<path:name>/pin", methods=["POST"])
     def pin(self, request: IRequest, name: str) -> bytes:
@@ -82,7 +94,7 @@ class SwapRoutes:
         return self._sleep_or_wake(request, replica_id, False)
 
     def _sleep_or_wake(self, request: IRequest, replica_id: str, sleep: bool) -> bytes:
-        plane = self._plane()
+        plane = need_plane(self._plane)
         try:
             if sleep:
                 replica = plane.sleep_replica(replica_id)

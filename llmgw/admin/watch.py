@@ -10,12 +10,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from klein import Klein
 from twisted.internet.defer import Deferred, TimeoutError
 from twisted.web.iweb import IRequest
 
 from llmgw.admin.http import (
     AdminError,
-    app,
+    error_answers,
     json_answer,
     not_found,
     priority_number,
@@ -49,12 +50,29 @@ class StandbyError(AdminError):
 
 class WatchRoutes:
     """
-    Mixed into L{llmgw.admin.api.Admin}; needs its C{plane} and C{watch}.
+    C{/api/v1/watch}, C{/api/v1/models/<name>/activate} and
+    C{/api/v1/touch}.
+
+    @param plane: the control plane, when there is one.
+    @param watch: what a router tier follows, when there is a control
+        plane.
+    @param standby: with standbys (L{llmgw.server.standby}), whether this
+        server leads and the leader's agent address (C{{"leading": bool,
+        "leader": "HOST:PORT"}}); L{None} for a server alone.
     """
 
-    plane: ControlPlane | None
-    watch: Watch | None
-    standby: Callable[[], dict[str, Any]] | None
+    app = error_answers(Klein())
+
+    def __init__(
+        self,
+        plane: ControlPlane | None,
+        watch: Watch | None,
+        *,
+        standby: Callable[[], dict[str, object]] | None,
+    ) -> None:
+        self._plane = plane
+        self._watch = watch
+        self._standby = standby
 
     def _watched(self, request: IRequest) -> tuple[ControlPlane, Watch]:
         """
@@ -74,21 +92,22 @@ class WatchRoutes:
         )
         if reason:
             raise AdminError(409, reason, "protocol_version")
-        if self.plane is None or self.watch is None:
+        plane, watch = self._plane, self._watch
+        if plane is None or watch is None:
             raise AdminError(404, "no control plane in this server", "not_found")
-        if self.standby is not None:
-            state = self.standby()
+        if self._standby is not None:
+            state = self._standby()
             if not state.get("leading"):
                 leader = str(state.get("leader") or "")
                 raise StandbyError(leader)
-            if not self.plane.grace_over:
+            if not plane.grace_over:
                 raise AdminError(
                     503,
                     "this server has just taken over and is adopting the"
                     " agents' engines; ask again in a few seconds",
                     "adopting",
                 )
-        return self.plane, self.watch
+        return plane, watch
 
     @app.route("/api/v1/watch", methods=["GET"])
     def watch_state(self, request: IRequest) -> Deferred[None]:

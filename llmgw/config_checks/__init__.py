@@ -42,6 +42,7 @@ from llmgw.config_checks.kinds import (
 from llmgw.config_checks.tables import (
     REQUIRED,
     ArrayOfTables,
+    Check,
     Key,
     Table,
     check_keys,
@@ -69,6 +70,7 @@ __all__ = [
     "SIZE",
     "Address",
     "Boolean",
+    "Check",
     "Choice",
     "ConfigError",
     "Duration",

@@ -9,7 +9,8 @@ L{Table.read} refuses an unknown key (L{check_keys}) and a missing
 required one, reads each key through its kind, and gives the values by
 name; a table whose keys must agree with each other checks that after,
 in its own parser (such as C{[control]}'s C{lost_after >=
-unreachable_after}).
+unreachable_after}) or, for each table of an array, in its L{Table.check}
+(the catalog's profiles: a gang needs its C{fabric}).
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ class Key:
     One key of a TOML table.
 
     @ivar name: the key, as written in the file.
-    @ivar kind: what value it takes: a L{Kind}, which reads it; or, for a
-        table read by a parser of its own (the catalog's), the kind in
-        words only.
+    @ivar kind: what value it takes: the L{Kind} that reads it and says it
+        in the reference.
     @ivar doc: what it means: one or more sentences, never empty.
     @ivar default: its value when the table leaves it out (as the settings
         hold it: seconds for a duration, bytes for a size), L{REQUIRED}, or
@@ -49,7 +49,7 @@ class Key:
     """
 
     name: str
-    kind: Kind[Any] | str
+    kind: Kind[Any]
     doc: str
     default: object = REQUIRED
     shown: str = ""
@@ -59,7 +59,16 @@ class Key:
         """
         The kind as the reference's Type column says it.
         """
-        return self.kind if isinstance(self.kind, str) else self.kind.words
+        return self.kind.words
+
+
+Check = Callable[[str, Mapping[str, Any], dict[str, Any]], None]
+"""
+What a table's keys must agree on (L{Table.check}), called with the
+table's name in messages (C{"models[0] (chat)"}), the table as the file
+gives it (to tell a key given from one left to its default) and the
+values L{Table.read} read; raises L{ConfigError} naming the key.
+"""
 
 
 @dataclass(frozen=True)
@@ -72,11 +81,19 @@ class Table:
     @ivar doc: what the table is for, one or more sentences.
     @ivar keys: its keys, in the order the reference lists them and
         L{read} reads them.
+    @ivar named_by: the key whose value names the table in messages, read
+        first: C{"name"} turns C{models[0]} into C{models[0] (chat)}, so
+        that a message names the model, not only its place in the file;
+        empty for none.
+    @ivar check: what the keys must agree on, run once each is read
+        (L{Check}); L{None} for nothing.
     """
 
     name: str
     doc: str
     keys: tuple[Key, ...]
+    named_by: str = ""
+    check: Check | None = None
 
     @property
     def names(self) -> frozenset[str]:
@@ -85,7 +102,7 @@ class Table:
         """
         return frozenset(key.name for key in self.keys)
 
-    def of_kind(self, kind: Kind[Any] | str) -> frozenset[str]:
+    def of_kind(self, kind: Kind[Any]) -> frozenset[str]:
         """
         @return: the keys of the given kind, such as L{DURATION}.
         """
@@ -100,33 +117,48 @@ class Table:
 
         @param data: the table as C{tomllib} reads it.
         @param where: the table's name in messages, such as
-            C{"endpoints[0]"}; by default its C{name} without brackets.
+            C{"endpoints[0]"}; by default its C{name} without brackets;
+            followed by the value of C{named_by}, C{"models[0] (chat)"}.
         @param others: keys the table may also hold, read elsewhere (the
             tables of the file's top level).
         @return: each key's value, as the settings hold it: the value read,
             else the default (a copy), for every key of the table.
         @raise ConfigError: not a table, an unknown key, a required key
-            missing, or a bad value, naming the table, the key and the
-            value.
-        @raise TypeError: a key given whose kind is in words only.
+            missing, a bad value, or keys that disagree (L{check}), naming
+            the table, the key and the value.
         """
         if where is None:
             where = self.name.strip("[]")
         if not isinstance(data, dict):
             raise ConfigError(f"{where}: expected a table, got {spelled(data)}")
+        if self.named_by:
+            where = f"{where} ({self._title(where, data)})"
         check_keys(where, data, self.names | set(others))
         values: dict[str, Any] = {}
         for key in self.keys:
             name = f"{where}.{key.name}" if where else key.name
             if key.name in data:
-                if isinstance(key.kind, str):
-                    raise TypeError(f"{name}: a kind in words cannot read a value")
                 values[key.name] = key.kind.read(name, data[key.name])
             elif key.default is REQUIRED:
                 raise ConfigError(f"{name}: missing")
             else:
                 values[key.name] = copy.copy(key.default)
+        if self.check is not None:
+            self.check(where, data, values)
         return values
+
+    def _title(self, where: str, data: Mapping[str, Any]) -> str:
+        """
+        @return: the value of the key L{named_by}, read by its kind, for
+            the messages about the table's other keys.
+        @raise ConfigError: it is missing or bad, named by the table's
+            place (C{"models[0].name: missing"}).
+        """
+        (key,) = (key for key in self.keys if key.name == self.named_by)
+        name = f"{where}.{key.name}"
+        if key.name not in data:
+            raise ConfigError(f"{name}: missing")
+        return str(key.kind.read(name, data[key.name]))
 
 
 @dataclass(frozen=True)
@@ -158,7 +190,7 @@ class ArrayOfTables(Kind[tuple[_T, ...]]):
         )
 
 
-def setting(default: _T, kind: Kind[_T] | str, doc: str, shown: str = "") -> _T:
+def setting(default: _T, kind: Kind[_T], doc: str, shown: str = "") -> _T:
     """
     A field of a settings dataclass that is a key of its TOML table, of the
     same name: L{settings_keys} reads it back.

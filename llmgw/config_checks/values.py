@@ -4,7 +4,8 @@ sizes, URLs, booleans, choices and strings, each turning what a TOML file
 (or a flag, or a JSON field of the admin API) gives into what the settings
 hold, or raising L{ConfigError}; and L{spelled}, the value as TOML writes
 it, for the messages.  The kinds of L{llmgw.config_checks.kinds} read keys
-through these; the catalog and the admin API call them directly.
+through these; the flags (C{--log-format}) and the admin API's fields (a
+key's C{expires}) call them directly.
 """
 
 from __future__ import annotations

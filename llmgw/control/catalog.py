@@ -1,23 +1,39 @@
 """
 The catalog: the models operators declare, as C{[[models]]} tables with
-ordered C{[[models.profiles]]} (docs/catalog.md).  Validation errors
-name the model, the profile, the field and the value.
+ordered C{[[models.profiles]]} (docs/catalog.md).
+
+Each key of a model (L{MODELS_TABLE}) and of a profile (L{PROFILES_TABLE})
+is declared once, with the kind that checks it and says it in the
+reference, and read by L{llmgw.config_checks.Table.read} like every other
+table; what a table's keys must agree on (a gang's fabric, an adapter's
+keys, unique profile names) is its table's check, after the read; what
+the models say of each other (an adapter's base, names used twice, the
+LoRA flags of a base) is L{parse_models}'s, after them all.  Errors name
+the model, the profile, the key and the value: C{models[0] (chat).profiles[1]
+(h100).gpus: ...}.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from llmgw.config_checks import (
-    COUNT,
+    BOOLEAN,
     DURATION,
+    ArrayOfTables,
+    Choice,
     ConfigError,
+    Integer,
     Key,
+    ListOf,
+    Number,
+    StringTable,
     Table,
-    check_keys,
-    parse_duration,
+    Text,
+    spelled,
 )
 from llmgw.control.placement import Profile
 from llmgw.wire.engines import ENGINES, LORA_ENGINES, SLEEP_LEVELS, SLEEPING_ENGINES
@@ -27,6 +43,261 @@ MAX_COUNT = 10_000
 The largest replica, GPU or node count a model may ask for.
 """
 
+DEFAULT_MAX_LORAS = 4
+"""
+A base's C{max_loras} when adapters name it and it gives none.
+"""
+
+_UNSETTLED = -1
+"""
+A base's C{max_loras} as its table leaves it, until L{parse_models} knows
+whether adapters name it (L{_with_lora}).
+"""
+
+_NAME = re.compile(r"(?s)(?=.*\S).{1,200}")
+
+
+def _named(shape: str) -> Text:
+    """
+    @return: the kind of a name or a path: 1 to 200 characters, not all
+        blank; C{shape} says what it names.
+    """
+    return Text(f"{shape} (1 to 200 characters, not blank)", pattern=_NAME)
+
+
+NAME = _named("name")
+"""
+A model's, a profile's, a fabric's or an alias's name.
+"""
+
+PRIORITY = Integer(-1_000_000, 1_000_000)
+"""
+A model's or a profile's priority.
+"""
+
+LORA = Integer(1, 1024)
+"""
+An adapter's rank, a base's largest rank.
+"""
+
+GB = Number(least=0, most=100_000, unit="GB")
+"""
+Memory, GB of 1024 MiB.
+"""
+
+
+@dataclass(frozen=True)
+class Engine(Choice):
+    """
+    One of the engines the agent can launch (L{ENGINES}), refused as the
+    agent refuses another, naming those it knows.
+    """
+
+    def read(self, where: str, value: object) -> str:
+        if not isinstance(value, str) or value not in self.choices:
+            raise ConfigError(
+                f"{where}: unknown {spelled(value)} (known: {', '.join(self.choices)})"
+            )
+        return value
+
+
+@dataclass(frozen=True)
+class Environment(StringTable):
+    """
+    A profile's C{env}: strings by variable name, a name neither empty nor
+    holding C{=} (which would end it early in the engine's environment).
+    """
+
+    @property
+    def words(self) -> str:
+        return 'table of strings, names without "="'
+
+    def read(self, where: str, value: object) -> dict[str, str]:
+        env = super().read(where, value)
+        if not all(name and "=" not in name for name in env):
+            raise ConfigError(
+                f'{where}: expected a table of strings, names without "=",'
+                f" got {spelled(value)}"
+            )
+        return env
+
+
+def _check_profile(
+    where: str, table: Mapping[str, Any], values: dict[str, Any]
+) -> None:
+    """
+    What a profile's keys must agree on: memory only with GPUs, a gang's
+    fabric, sleep only where the engine can.
+
+    @raise ConfigError: naming the key.
+    """
+    if values["gpu_memory_gb"] and not values["gpus"]:
+        raise ConfigError(
+            f"{where}.gpu_memory_gb: {spelled(table['gpu_memory_gb'])} with"
+            " gpus = 0 (a CPU profile)"
+        )
+    if values["nodes"] > 1 and values["fabric"] is None:
+        raise ConfigError(
+            f"{where}.fabric: missing: nodes = {values['nodes']} needs the fabric"
+            " they share"
+        )
+    if values["sleep"] != "off" and values["engine"] not in SLEEPING_ENGINES:
+        raise ConfigError(
+            f"{where}.sleep: engine {spelled(values['engine'])} has no sleep API"
+            f" ({', '.join(SLEEPING_ENGINES)} do)"
+        )
+
+
+PROFILES_TABLE = Table(
+    "[[models.profiles]]",
+    "Ways to run a model, tried by priority (highest first), then in order:"
+    " placement picks the first that fits.",
+    (
+        Key("name", NAME, "The profile's name, unique within its model."),
+        Key("engine", Engine(ENGINES), "The engine that runs it."),
+        Key(
+            "source",
+            _named("hub id or path"),
+            "Hub id or local path the engine understands.",
+        ),
+        Key(
+            "args",
+            ListOf(Text(empty=True), "list of strings"),
+            "More arguments for the engine.",
+            (),
+        ),
+        Key(
+            "env",
+            Environment(),
+            "More environment variables for the engine.",
+            {},
+        ),
+        Key("gpus", Integer(0, MAX_COUNT), "GPUs per node (0: the CPU).", 0),
+        Key(
+            "gpu_memory_gb",
+            GB,
+            "Free memory needed on each of those GPUs (GB of 1024 MiB); only"
+            " with gpus.",
+            0,
+        ),
+        Key(
+            "nodes",
+            Integer(1, MAX_COUNT),
+            "Nodes per replica: more than 1 is a gang; rank, world size and"
+            " leader address go to the engine.",
+            1,
+        ),
+        Key(
+            "fabric",
+            NAME,
+            "The interconnect a gang's nodes must share (an agent's fabrics);"
+            " needed with nodes > 1.",
+            None,
+        ),
+        Key("priority", PRIORITY, "Higher is tried first.", 0),
+        Key(
+            "sleep",
+            Choice(tuple(SLEEP_LEVELS)),
+            "An idle replica sleeps instead of stopping (vLLM sleep level 1 keeps"
+            " the weights in host memory, level 2 discards them; SGLang's memory"
+            " saver); engines vllm, sglang and sim only.",
+            "off",
+        ),
+        Key(
+            "sleep_gpu_memory_gb",
+            GB,
+            "GPU memory a sleeping engine keeps on each of its GPUs.",
+            1.0,
+        ),
+        Key(
+            "sleep_host_memory_gb",
+            GB,
+            "Host memory a sleeping replica holds on each node, counted against"
+            " the agent's sleep_memory.",
+            None,
+            shown='gpu_memory_gb * gpus for "weights", 0 for "discard"',
+        ),
+    ),
+    named_by="name",
+    check=_check_profile,
+)
+
+
+def _profile(values: dict[str, Any]) -> Profile:
+    """
+    @return: the profile of one C{[[models.profiles]]} table's values.
+    """
+    memory = float(values["gpu_memory_gb"])
+    held = values["sleep_host_memory_gb"]
+    if held is None:
+        held = memory * values["gpus"] if values["sleep"] == "weights" else 0.0
+    return Profile(
+        name=values["name"],
+        engine=values["engine"],
+        source=values["source"],
+        gpus=values["gpus"],
+        gpu_memory_gb=memory,
+        nodes=values["nodes"],
+        fabric=values["fabric"],
+        priority=values["priority"],
+        args=tuple(values["args"]),
+        env=tuple(sorted(values["env"].items())),
+        sleep=values["sleep"],
+        sleep_gpu_memory_gb=values["sleep_gpu_memory_gb"],
+        sleep_host_memory_gb=float(held),
+    )
+
+
+_ADAPTER_KEYS = ("adapter", "rank")
+"""
+The keys only an adapter (a model with C{base}) takes.
+"""
+
+_BASE_KEYS = ("profiles", "min_replicas", "max_replicas", "max_loras", "max_lora_rank")
+"""
+The keys an adapter does not take: it runs on its base's replicas.
+"""
+
+
+def _check_model(where: str, table: Mapping[str, Any], values: dict[str, Any]) -> None:
+    """
+    What a model's keys must agree on: an adapter's against a model's,
+    the replica bounds, at least one profile and their names unique.
+
+    @raise ConfigError: naming the key.
+    """
+    if values["base"] is not None:
+        for key in _BASE_KEYS:
+            if key in table:
+                raise ConfigError(
+                    f"{where}.{key}: an adapter (base = {spelled(values['base'])})"
+                    " runs on its base's replicas: remove it"
+                )
+        if values["base"] == values["name"]:
+            raise ConfigError(f"{where}.base: the model itself")
+        if values["adapter"] is None:
+            raise ConfigError(f"{where}.adapter: missing: the adapter's path or hub id")
+        return
+    for key in _ADAPTER_KEYS:
+        if key in table:
+            raise ConfigError(f"{where}.{key}: only for an adapter (with base)")
+    low, high = values["min_replicas"], values["max_replicas"]
+    if high is not None and low > high:
+        raise ConfigError(
+            f"{where}.min_replicas: {low} is more than max_replicas = {high}"
+        )
+    if not values["profiles"]:
+        raise ConfigError(
+            f"{where}.profiles: missing: add at least one [[models.profiles]]"
+        )
+    seen: set[str] = set()
+    for profile in values["profiles"]:
+        if profile.name in seen:
+            raise ConfigError(
+                f"{where}.profiles: duplicate name {spelled(profile.name)}"
+            )
+        seen.add(profile.name)
+
 
 MODELS_TABLE = Table(
     "[[models]]",
@@ -35,20 +306,26 @@ MODELS_TABLE = Table(
     (
         Key(
             "name",
-            "string",
+            NAME,
             'What clients send as "model"; the engine\'s served name.',
         ),
-        Key("aliases", "list of strings", "Other names clients may send.", []),
+        Key(
+            "aliases",
+            ListOf(NAME, "list of names"),
+            "Other names clients may send.",
+            (),
+        ),
         Key(
             "min_replicas",
-            f"integer, 0 to {MAX_COUNT}",
+            Integer(0, MAX_COUNT),
             "Replicas always running (0: started by the first request).",
             0,
         ),
         Key(
             "max_replicas",
-            f"integer, 1 to {MAX_COUNT}",
+            Integer(1, MAX_COUNT),
             "Replicas at most, more while busy (see [control] scale_up_in_flight).",
+            None,
             shown="max(min_replicas, 1)",
         ),
         Key(
@@ -59,13 +336,13 @@ MODELS_TABLE = Table(
         ),
         Key(
             "pinned",
-            "boolean",
+            BOOLEAN,
             "Never stopped or put to sleep to make room for another model.",
             False,
         ),
         Key(
             "priority",
-            "integer",
+            PRIORITY,
             "When room is made for another model, lower priorities go first.",
             0,
         ),
@@ -78,120 +355,49 @@ MODELS_TABLE = Table(
         ),
         Key(
             "profiles",
-            "[[models.profiles]] tables",
+            ArrayOfTables(PROFILES_TABLE, _profile),
             "Ways to run it, at least one (none for an adapter).",
+            None,
+            shown="required",
         ),
         Key(
             "base",
-            "string",
+            NAME,
             "A LoRA adapter: the catalog model it runs on (no profiles then);"
             " its requests go to the base's replicas, which load it when needed.",
             None,
         ),
         Key(
             "adapter",
-            "string",
+            _named("path or hub id"),
             "With base: the adapter's path or hub id, as the engine's"
             " load_lora_adapter takes it.",
             None,
         ),
         Key(
             "rank",
-            "integer, 1 to 1024",
+            LORA,
             "With base: the adapter's LoRA rank, at most the base's max_lora_rank.",
             None,
         ),
         Key(
             "max_loras",
-            "integer, 0 to 1024",
+            Integer(0, 1024),
             "On a base: adapters its replicas keep loaded (vLLM --max-loras);"
             " the least recently used beyond it is unloaded.  LoRA is on"
             " (--enable-lora) when it is above 0.",
+            None,
             shown="4 when adapters in the file name this model, else 0",
         ),
         Key(
             "max_lora_rank",
-            "integer, 1 to 1024",
+            LORA,
             "On a base: the largest adapter rank (vLLM --max-lora-rank).",
             16,
         ),
     ),
-)
-
-DEFAULT_MAX_LORAS = 4
-"""
-A base's C{max_loras} when adapters name it and it gives none.
-"""
-
-PROFILES_TABLE = Table(
-    "[[models.profiles]]",
-    "Ways to run a model, tried by priority (highest first), then in order:"
-    " placement picks the first that fits.",
-    (
-        Key("name", "string", "The profile's name, unique within its model."),
-        Key("engine", "one of: " + ", ".join(ENGINES), "The engine that runs it."),
-        Key(
-            "source",
-            "string",
-            "Hub id or local path the engine understands.",
-        ),
-        Key("args", "list of strings", "More arguments for the engine.", []),
-        Key(
-            "env",
-            "table of strings",
-            "More environment variables for the engine.",
-            {},
-        ),
-        Key("gpus", COUNT, "GPUs per node (0: the CPU).", 0),
-        Key(
-            "gpu_memory_gb",
-            "number of GB >= 0",
-            "Free memory needed on each of those GPUs (GB of 1024 MiB); only"
-            " with gpus.",
-            0,
-        ),
-        Key(
-            "nodes",
-            "integer >= 1",
-            "Nodes per replica: more than 1 is a gang; rank, world size and"
-            " leader address go to the engine.",
-            1,
-        ),
-        Key(
-            "fabric",
-            "string",
-            "The interconnect a gang's nodes must share (an agent's fabrics);"
-            " needed with nodes > 1.",
-            None,
-        ),
-        Key(
-            "priority",
-            "integer",
-            "Higher is tried first.",
-            0,
-        ),
-        Key(
-            "sleep",
-            '"off", "weights" or "discard"',
-            "An idle replica sleeps instead of stopping (vLLM sleep level 1 keeps"
-            " the weights in host memory, level 2 discards them; SGLang's memory"
-            " saver); engines vllm, sglang and sim only.",
-            "off",
-        ),
-        Key(
-            "sleep_gpu_memory_gb",
-            "number of GB >= 0",
-            "GPU memory a sleeping engine keeps on each of its GPUs.",
-            1.0,
-        ),
-        Key(
-            "sleep_host_memory_gb",
-            "number of GB >= 0",
-            "Host memory a sleeping replica holds on each node, counted against"
-            " the agent's sleep_memory.",
-            shown='gpu_memory_gb * gpus for "weights", 0 for "discard"',
-        ),
-    ),
+    named_by="name",
+    check=_check_model,
 )
 
 
@@ -239,224 +445,48 @@ class Model:
         return (self.name, *self.aliases)
 
 
-def _named_table(
-    where: str, table: object, keys: frozenset[str]
-) -> tuple[Mapping[str, Any], str, str]:
+def _model(values: dict[str, Any]) -> Model:
     """
-    Check a model or profile table: a table, with a name, and only C{keys}.
-
-    @return: the table, its name, and C{where} with the name added, for
-        the messages of the fields checked next.
+    @return: the model of one C{[[models]]} table's values: an adapter
+        (its base's replicas run it: no bounds, no profiles of its own),
+        or a model whose C{max_loras}, when not given, is settled by
+        L{parse_models}.
     """
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"{where}: expected a table, got {table!r}")
-    if "name" not in table:
-        raise ConfigError(f"{where}.name: missing")
-    name = _name(f"{where}.name", table["name"])
-    where = f"{where} ({name})"
-    check_keys(where, table, keys)
-    return table, name, where
-
-
-def _count(where: str, value: object, minimum: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not minimum <= value <= MAX_COUNT
-    ):
-        shown = repr(value)[:100]
-        raise ConfigError(
-            f"{where}: expected an integer from {minimum} to {MAX_COUNT}, got {shown}"
+    name, aliases = values["name"], tuple(values["aliases"])
+    if values["base"] is not None:
+        return Model(
+            name,
+            aliases,
+            0,
+            1,
+            0.0,
+            (),
+            base=values["base"],
+            adapter=values["adapter"],
+            rank=values["rank"] or 0,
         )
-    return value
-
-
-def _name(where: str, value: object) -> str:
-    if not isinstance(value, str) or not value.strip() or len(value) > 200:
-        raise ConfigError(f"{where}: expected a name, got {value!r}")
-    return value
-
-
-def _profile(where: str, table: object) -> Profile:
-    table, name, where = _named_table(where, table, PROFILES_TABLE.names)
-    for required in ("engine", "source"):
-        if required not in table:
-            raise ConfigError(f"{where}.{required}: missing")
-    engine = table["engine"]
-    if engine not in ENGINES:
-        raise ConfigError(
-            f"{where}.engine: unknown {engine!r} (known: {', '.join(ENGINES)})"
-        )
-    source = _name(f"{where}.source", table["source"])
-    args = table.get("args", [])
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise ConfigError(f"{where}.args: expected a list of strings, got {args!r}")
-    env = table.get("env", {})
-    if not isinstance(env, Mapping) or not all(
-        isinstance(k, str) and k and "=" not in k and isinstance(v, str)
-        for k, v in env.items()
-    ):
-        raise ConfigError(f"{where}.env: expected a table of strings, got {env!r}")
-    gpus = _count(f"{where}.gpus", table.get("gpus", 0), 0)
-    raw = table.get("gpu_memory_gb", 0)
-    memory = _gb(f"{where}.gpu_memory_gb", raw)
-    if memory and not gpus:
-        raise ConfigError(
-            f"{where}.gpu_memory_gb: {raw!r} with gpus = 0 (a CPU profile)"
-        )
-    nodes = _count(f"{where}.nodes", table.get("nodes", 1), 1)
-    fabric = table.get("fabric")
-    if fabric is not None:
-        fabric = _name(f"{where}.fabric", fabric)
-    if nodes > 1 and fabric is None:
-        raise ConfigError(
-            f"{where}.fabric: missing: nodes = {nodes} needs the fabric they share"
-        )
-    priority = _priority(f"{where}.priority", table.get("priority", 0))
-    sleep = table.get("sleep", "off")
-    if sleep not in SLEEP_LEVELS:
-        raise ConfigError(
-            f"{where}.sleep: expected one of {', '.join(SLEEP_LEVELS)}, got {sleep!r}"
-        )
-    if sleep != "off" and engine not in SLEEPING_ENGINES:
-        raise ConfigError(
-            f"{where}.sleep: engine {engine!r} has no sleep API"
-            f" ({', '.join(SLEEPING_ENGINES)} do)"
-        )
-    keeps = _gb(f"{where}.sleep_gpu_memory_gb", table.get("sleep_gpu_memory_gb", 1.0))
-    held = float(memory) * gpus if sleep == "weights" else 0.0
-    held = _gb(f"{where}.sleep_host_memory_gb", table.get("sleep_host_memory_gb", held))
-    return Profile(
-        name=name,
-        engine=engine,
-        source=source,
-        gpus=gpus,
-        gpu_memory_gb=float(memory),
-        nodes=nodes,
-        fabric=fabric,
-        priority=priority,
-        args=tuple(args),
-        env=tuple(sorted(env.items())),
-        sleep=sleep,
-        sleep_gpu_memory_gb=keeps,
-        sleep_host_memory_gb=held,
-    )
-
-
-def _priority(where: str, value: object) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not -1_000_000 <= value <= 1_000_000
-    ):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    return value
-
-
-def _gb(where: str, value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not 0 <= value <= 100_000
-    ):
-        raise ConfigError(f"{where}: expected GB >= 0, got {value!r}")
-    return float(value)
-
-
-def _model(where: str, table: object) -> Model:
-    table, name, where = _named_table(where, table, MODELS_TABLE.names)
-    aliases = table.get("aliases", [])
-    if not isinstance(aliases, list):
-        raise ConfigError(f"{where}.aliases: expected a list of names, got {aliases!r}")
-    aliases = [_name(f"{where}.aliases", a) for a in aliases]
-    low = _count(f"{where}.min_replicas", table.get("min_replicas", 0), 0)
-    high = _count(f"{where}.max_replicas", table.get("max_replicas", max(low, 1)), 1)
-    if low > high:
-        raise ConfigError(
-            f"{where}.min_replicas: {low} is more than max_replicas = {high}"
-        )
-    idle = parse_duration(f"{where}.idle_timeout", table.get("idle_timeout", "10m"))
-    pinned = table.get("pinned", False)
-    if not isinstance(pinned, bool):
-        raise ConfigError(f"{where}.pinned: expected true or false, got {pinned!r}")
-    priority = _priority(f"{where}.priority", table.get("priority", 0))
-    resident = parse_duration(f"{where}.min_resident", table.get("min_resident", "5s"))
-    if "base" in table:
-        return _adapter(where, table, name, tuple(aliases))
-    for key in ("adapter", "rank"):
-        if key in table:
-            raise ConfigError(f"{where}.{key}: only for an adapter (with base)")
-    loras = _small(f"{where}.max_loras", table.get("max_loras", -1), 0, -1)
-    lora_rank = _small(f"{where}.max_lora_rank", table.get("max_lora_rank", 16), 1)
-    profiles = table.get("profiles")
-    if not isinstance(profiles, list) or not profiles:
-        raise ConfigError(
-            f"{where}.profiles: missing: add at least one [[models.profiles]]"
-        )
-    parsed = tuple(
-        _profile(f"{where}.profiles[{i}]", p) for i, p in enumerate(profiles)
-    )
-    seen: set[str] = set()
-    for profile in parsed:
-        if profile.name in seen:
-            raise ConfigError(f"{where}.profiles: duplicate name {profile.name!r}")
-        seen.add(profile.name)
+    low, high = values["min_replicas"], values["max_replicas"]
+    loras = values["max_loras"]
     return Model(
         name,
-        tuple(aliases),
+        aliases,
         low,
-        high,
-        idle,
-        parsed,
-        pinned,
-        priority,
-        resident,
-        max_loras=loras,
-        max_lora_rank=lora_rank,
+        max(low, 1) if high is None else high,
+        values["idle_timeout"],
+        values["profiles"],
+        values["pinned"],
+        values["priority"],
+        values["min_resident"],
+        max_loras=_UNSETTLED if loras is None else loras,
+        max_lora_rank=values["max_lora_rank"],
     )
 
 
-def _small(where: str, value: object, low: int, unset: int | None = None) -> int:
-    if unset is not None and value == unset and not isinstance(value, bool):
-        return unset
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not low <= value <= 1024
-    ):
-        raise ConfigError(
-            f"{where}: expected an integer from {low} to 1024, got {value!r}"
-        )
-    return value
-
-
-def _adapter(
-    where: str, table: Mapping[str, Any], name: str, aliases: tuple[str, ...]
-) -> Model:
-    """
-    A LoRA adapter's table: C{base}, C{adapter}, optional C{rank}; no
-    profiles and no replica bounds (it runs on its base's replicas).
-    """
-    for key in (
-        "profiles",
-        "min_replicas",
-        "max_replicas",
-        "max_loras",
-        "max_lora_rank",
-    ):
-        if key in table:
-            raise ConfigError(
-                f"{where}.{key}: an adapter (base = {table['base']!r}) runs on its"
-                " base's replicas: remove it"
-            )
-    base = _name(f"{where}.base", table["base"])
-    if base == name:
-        raise ConfigError(f"{where}.base: the model itself")
-    if "adapter" not in table:
-        raise ConfigError(f"{where}.adapter: missing: the adapter's path or hub id")
-    source = _name(f"{where}.adapter", table["adapter"])
-    rank = _small(f"{where}.rank", table.get("rank", 0), 1, 0)
-    return Model(name, aliases, 0, 1, 0.0, (), base=base, adapter=source, rank=rank)
+MODELS = ArrayOfTables(MODELS_TABLE, _model)
+"""
+The C{[[models]]} array, read into L{Model}s as their tables give them
+(L{parse_models} settles what the models say of each other).
+"""
 
 
 def lora_flags(model: Model) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
@@ -510,7 +540,7 @@ def _with_lora(model: Model, named: bool) -> Model:
     flags before each profile's args (which may override them).
     """
     loras = model.max_loras
-    if loras < 0:
+    if loras == _UNSETTLED:
         loras = DEFAULT_MAX_LORAS if named else 0
     model = replace(model, max_loras=loras)
     args, env = lora_flags(model)
@@ -538,9 +568,7 @@ def parse_models(tables: Any, check_bases: bool = True) -> tuple[Model, ...]:
         also for a name or alias used twice, and an adapter whose base is
         missing or cannot load it (L{check_adapter}).
     """
-    if not isinstance(tables, list):
-        raise ConfigError(f"models: expected [[models]] tables, got {tables!r}")
-    models = tuple(_model(f"models[{i}]", t) for i, t in enumerate(tables))
+    models = MODELS.read("models", tables)
     bases = {m.base for m in models if m.base is not None}
     models = tuple(
         m if m.base is not None else _with_lora(m, m.name in bases) for m in models

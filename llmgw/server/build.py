@@ -397,7 +397,7 @@ def pages(
     router_site = make_site(
         Mount(router.resource(), b"admin", gate), router.settings, reactor, router.cors
     )
-    api: Any = admin.app.resource()
+    api = admin.resource()
     admin_resource = Split(
         {
             b"api": api,

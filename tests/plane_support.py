@@ -20,6 +20,7 @@ from llmgw.control.plane import ControlPlane
 from llmgw.control.settings import ControlConfig
 from llmgw.router.interfaces import Endpoint, Shortfall
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire import versions
 from llmgw.wire.protocol import CommandFailed
 
 SETTINGS = ControlConfig(
@@ -99,6 +100,7 @@ def register_message(
             for i in range(gpus)
         ],
         shards=shards,
+        protocol_version=versions.text(),
     )
 
 

@@ -26,6 +26,7 @@ from llmgw.control.records import ShardRecord
 from llmgw.control.snapshot import SuspectPorts
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire import versions
 from llmgw.wire.codec import FrameDecoder, encode_frame
 from llmgw.wire.states import ShardState
 from tests.support import (
@@ -219,7 +220,11 @@ class SleepCommandTests(SynchronousTestCase):
         self.link = self.hub.buildProtocol(None)
         self.transport = StringTransport()
         self.link.makeConnection(self.transport)
-        register = pb.Register(node_id="n1", sleep_memory_bytes=64 << 30)
+        # An agent of this build: one saying no version (1.0) is never sent
+        # a sleep (tests.test_version_features).
+        register = pb.Register(
+            node_id="n1", sleep_memory_bytes=64 << 30, protocol_version=versions.text()
+        )
         with capturedLogs():
             self.link.dataReceived(_frame(pb.AgentMessage(register=register)))
         self.transport.clear()

@@ -13,7 +13,10 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.admin.http import AdminError
 from llmgw.admin.keys import _order_fields
-from llmgw.control.held_order import held_order
+from llmgw.control.catalog import Model
+from llmgw.control.held_order import held_order, release_turns
+from llmgw.control.inventory import Inventory
+from llmgw.control.runtime import RELEASE_GAP, ModelCatalog
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Standing
 from llmgw.router.routing.activation import ActivationQueues, ActivationWait
@@ -290,6 +293,52 @@ class HeldOrderTests(SynchronousTestCase):
         """
         self.assertLess(held_order(2.0, 10**400), held_order(1.0, 5))
         self.assertLess(held_order(1.0, 5), held_order(1.0, -(10**400)))
+
+
+class ReleaseOrderTests(SynchronousTestCase):
+    def test_turns_by_priority_then_arrival(self) -> None:
+        """
+        The requests held for a model go in one turn per priority, the
+        highest first, the oldest first within a turn, whatever the order
+        they were held in (the order routers posted them).
+        """
+        batch, standard, chat = (
+            priority_rank(p) for p in ("batch", "standard", "interactive")
+        )
+        held = [(1.0, chat), (0.5, batch), (3.0, standard), (2.0, chat), (0.1, chat)]
+        self.assertEqual(release_turns(held), [[4, 0, 3], [2], [1]])
+        self.assertEqual(release_turns([(2.0, 1), (1.0, 1)]), [[1, 0]])
+        self.assertEqual(release_turns([]), [])
+
+    def test_release_across_routers(self) -> None:
+        """
+        A batch request held first and an interactive one held later (as
+        two routers of a tier post them): once a replica is ready the
+        interactive one is let go at once and the batch one
+        L{RELEASE_GAP} later; one that stopped waiting meanwhile is
+        skipped; no delayed call is left.
+        """
+        clock = Clock()
+        catalog = ModelCatalog(
+            clock, Inventory(), [Model("m", (), 0, 1, 0.0, ())], (), lambda: None
+        )
+        batch = catalog.activate("m", priority_rank("batch"))
+        clock.advance(1)
+        gone = catalog.activate("m", priority_rank("batch"), waited=0.5)
+        chat = catalog.activate("m", priority_rank("interactive"))
+        fired: list[str] = []
+        batch.addCallback(lambda _: fired.append("batch"))
+        chat.addCallback(lambda _: fired.append("chat"))
+        catalog.release("m")
+        self.assertEqual(fired, ["chat"])
+        gone.cancel()
+        self.failureResultOf(gone, CancelledError)
+        clock.advance(RELEASE_GAP - 0.01)
+        self.assertEqual(fired, ["chat"])
+        clock.advance(0.01)
+        self.assertEqual(fired, ["chat", "batch"])
+        self.assertEqual(clock.getDelayedCalls(), [])
+        self.assertEqual(catalog["m"].held, {})
 
 
 class OrderFieldsTests(SynchronousTestCase):

@@ -528,3 +528,44 @@ class ReviewTests(SleepCase):
         self.tick(601)
         self.assertEqual(self.agents.stops(), [b + "-0"])
         self.assertTrue(self.plane.replicas[a].asleep)
+
+
+class OldAgentTests(SleepCase):
+    """
+    A node whose agent registered saying no protocol version (1.0, before
+    sleep; L{llmgw.wire.versions.SLEEP}), with room to sleep on it.
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.make(sleepy("a"), nodes=(), settings=SETTINGS)
+        message = register_message("n1")
+        message.sleep_memory_bytes = 200 * GIB
+        message.protocol_version = ""
+        self.inventory.register(message, 0.0, self.clock.seconds())
+        self.plane.node_registered("n1", message)
+
+    def test_idle_replica_stopped_not_slept(self) -> None:
+        """
+        Idle for C{idle_timeout}, its replica is stopped: no C{SleepShard}
+        is sent to the old agent.
+        """
+        a = self.serve("a")
+        self.tick(601)
+        self.assertEqual(self.sent("sleep_shard"), [])
+        self.assertEqual(self.agents.stops(), [a + "-0"])
+
+    def test_operator_sleep_refused(self) -> None:
+        """
+        The operator's sleep is refused, saying the agent's version and the
+        one sleep needs; nothing is sent.
+        """
+        a = self.serve("a")
+        error = self.assertRaises(SleepRefused, self.plane.sleep_replica, a)
+        self.assertEqual(
+            str(error),
+            f"replica {a} cannot sleep: node n1: the agent speaks protocol 1.0;"
+            " sleep needs 1.1 (upgrade it)",
+        )
+        self.tick(1)
+        self.assertEqual(self.sent("sleep_shard"), [])

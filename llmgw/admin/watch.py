@@ -114,11 +114,16 @@ class WatchRoutes:
         """
         The endpoints (with their secrets) and the catalog's names as
         newline-delimited JSON, pushed on each change
-        (L{llmgw.tier.watch}); the answer never ends while the server
-        runs.
+        (L{llmgw.tier.watch}), less what the router's protocol version
+        (its C{LLMGW-Protocol} header; none: 1.0) does not know; the answer
+        never ends while the server runs.
         """
         _, watch = self._watched(request)
-        return watch.watch(request)
+        said = request.getHeader(versions.HEADER.encode())
+        protocol = versions.peer_version(
+            said.decode("ascii", "replace") if said is not None else ""
+        )
+        return watch.watch(request, protocol)
 
     @app.route("/api/v1/models/<path:name>/activate", methods=["POST"])
     async def activate(self, request: IRequest, name: str) -> bytes:

@@ -43,6 +43,13 @@ class NoLink(Exception):
     """
 
 
+class TooOld(Exception):
+    """
+    A command the node's agent is too old for (L{versions.COMMANDS}): never
+    sent, since it would go unanswered.
+    """
+
+
 class LinkListener(Protocol):
     """
     What the control plane hears from the agent links.
@@ -85,6 +92,9 @@ class AgentLink(TimeoutMixin, CommandingStream):
         self._register_timer: IDelayedCall | None = None
         self.heard_at = 0.0
         self.instance = ""
+        # The protocol version the agent's Register said: commands it lacks
+        # are never sent (AgentHub.send).
+        self.protocol = versions.UNSAID
         self._claim: str | None = None
 
     def attached(self, now: float) -> None:
@@ -253,6 +263,7 @@ class AgentLink(TimeoutMixin, CommandingStream):
             self.close()
             return
         self.instance = register.agent_instance
+        self.protocol = versions.peer_version(register.protocol_version)
         holder = self._hub.taken_by(claim, self)
         if holder is not None:
             self._refuse(
@@ -479,11 +490,17 @@ class AgentHub(Factory):
         Send a command to C{node_id}'s agent.
 
         @return: see L{CommandingStream.send_command}; fails at once with
-            L{NoLink} when the node has no link now.
+            L{NoLink} when the node has no link now, with L{TooOld} (never
+            sent) when its agent's protocol version lacks the command's
+            feature (L{versions.COMMANDS}).
         """
         link = self.links.get(node_id)
         if link is None or link.transport is None:
             return fail(NoLink(f"node {node_id} has no link"))
+        feature = versions.COMMANDS.get(message.WhichOneof("kind") or "")
+        if feature is not None and not versions.supports(link.protocol, feature):
+            lacks = versions.lacks(link.protocol, feature, "agent")
+            return fail(TooOld(f"node {node_id}: {lacks}"))
         return link.send_command(message)
 
     def buildProtocol(self, addr: Any) -> AgentLink:

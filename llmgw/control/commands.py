@@ -16,7 +16,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.control.agents import NoLink
+from llmgw.control.agents import NoLink, TooOld
 from llmgw.control.placement import Plan
 from llmgw.control.records import ReplicaRecord, ShardRecord
 from llmgw.control.snapshot import Strays, SuspectPorts
@@ -231,6 +231,8 @@ class ShardCommands:
         @return: fires with the agent's C{pb.CommandResult}, never fails:
             C{ok}; or not, with C{code} C{"sleep_refused"} (the engine
             refused: C{error} is its answer), C{"no_link"} (never sent),
+            C{"too_old"} (never sent: the agent's protocol lacks sleep,
+            L{llmgw.wire.versions.SLEEP}),
             C{"unanswered"} (the link went down first), or another code
             the agent gave.
         @raise ValueError: C{level} is not 1 or 2.
@@ -284,6 +286,10 @@ class ShardCommands:
             elif reason.check(NoLink):
                 result = pb.CommandResult(
                     ok=False, code="no_link", error=reason.getErrorMessage()
+                )
+            elif reason.check(TooOld):
+                result = pb.CommandResult(
+                    ok=False, code="too_old", error=reason.getErrorMessage()
                 )
             else:
                 result = pb.CommandResult(

@@ -7,9 +7,16 @@ request waits unbounded), then the highest priority held
 (L{llmgw.router.routing.fairness}: a priority's number, higher goes first, which
 the waiting request carries in L{ModelCatalog.activate}), then the oldest
 held.  Pure: the control plane imports nothing of the router.
+
+And the order a starting model's first places go in (L{release_turns}): the
+requests held for it across the fleet (the server's own router and every
+router of a tier, whose activations the server answers) by priority, then
+arrival.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 def held_order(
@@ -30,3 +37,26 @@ def held_order(
     if overdue:
         return (0, 0, 0, oldest)
     return (0, 1, -(1 if top_rank is None else top_rank), oldest)
+
+
+def release_turns(held: Sequence[tuple[float, int]]) -> list[list[int]]:
+    """
+    The order in which the requests held for a model get its first
+    places once a replica is ready, the same whichever router holds them
+    (the server answers every router's activation, L{ModelCatalog.release}).
+
+    @param held: each held request's arrival (clock seconds, earlier
+        first) and priority number (higher first), in the order they
+        were held.
+    @return: the indices of C{held} in turns, one turn per priority held,
+        the highest first; within a turn the oldest first (ties in the
+        order held).
+    """
+    order = sorted(range(len(held)), key=lambda i: (-held[i][1], held[i][0], i))
+    turns: list[list[int]] = []
+    for index in order:
+        if turns and held[turns[-1][0]][1] == held[index][1]:
+            turns[-1].append(index)
+        else:
+            turns.append([index])
+    return turns

@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from llmgw.wire import agent_pb2 as pb
+from llmgw.wire import versions
 from llmgw.wire.states import ShardState
 
 
@@ -82,6 +83,9 @@ class Node:
     @ivar sleep_memory_bytes: host memory its agent lets sleeping engines
         hold (C{[agent] sleep_memory}, C{Register.sleep_memory_bytes}),
         bytes; 0: nothing may sleep on it.
+    @ivar protocol: the protocol version its agent speaks
+        (C{Register.protocol_version}): what an older agent lacks
+        (L{versions.FEATURES}) is never asked of it.
     """
 
     id: str
@@ -110,6 +114,7 @@ class Node:
     # Changes whenever what placement reads of the node changes.
     version: int = 0
     sleep_memory_bytes: int = 0
+    protocol: tuple[int, int] = versions.PROTOCOL
 
     def to_json(self) -> dict[str, Any]:
         """
@@ -226,6 +231,7 @@ class Inventory:
             cpus=message.cpus,
             memory_bytes=message.memory_bytes,
             sleep_memory_bytes=message.sleep_memory_bytes,
+            protocol=versions.peer_version(message.protocol_version),
             gpus=[
                 GpuInfo(
                     index=g.index,

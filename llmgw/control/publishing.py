@@ -5,7 +5,8 @@ worked out again only for the replicas a pass or an event named; beside
 it, the catalog models with fewer published replicas than their
 C{min_replicas} (the router's C{/readyz} lists them as unavailable),
 worked out again for the models whose count changed; requests waiting
-for a model are let go once it has a published replica.
+for a model are let go once it has a published replica, in the fleet's
+order (L{ModelCatalog.release}).
 
 A layer above the records (L{llmgw.control.ledger}): the replica actions
 and the plane's pass tell it what changed; it calls nothing above it.
@@ -175,9 +176,7 @@ class Publisher:
             catalog.waiting.discard(name)
             # Their requests go on now: the next pass reads their load.
             catalog.touched(name)
-            waiters, state.waiters = state.waiters, []
-            for waiter in waiters:
-                waiter.callback(None)
+            catalog.release(name)
 
     def _publish_short(self) -> None:
         """

@@ -17,9 +17,21 @@ from twisted.logger import Logger
 
 from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import MAX_COUNT, Model, check_adapter
+from llmgw.control.held_order import release_turns
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.scaling import ModelState
 from llmgw.router.interfaces import Endpoint, Standing
+
+RELEASE_GAP = 0.2
+"""
+Seconds between the turns in which the requests held for a model that
+became ready are let go (L{ModelCatalog.release}): one turn per priority,
+the highest first.  Long enough for a router of the tier to have sent the
+requests of a turn to the engine (a loopback or LAN round trip and a
+connection) before the next turn's answers leave the server, so that the
+engine's first places go to the fleet's highest priority whichever router
+holds it; short beside a start (seconds).
+"""
 
 
 class ModelCatalog:
@@ -104,6 +116,12 @@ class ModelCatalog:
         @return: the LoRA adapter named C{name} (not an alias), if any.
         """
         return self._adapters.get(name)
+
+    def adapter_names(self) -> list[str]:
+        """
+        @return: the LoRA adapters' model names, sorted.
+        """
+        return sorted(self._adapters)
 
     def adapters_of(self, base: str) -> list[Model]:
         """
@@ -209,6 +227,28 @@ class ModelCatalog:
         self._changed()
         return waiter
 
+    def release(self, name: str) -> None:
+        """
+        A replica of model C{name} is published: let go the requests held
+        for it, in the fleet's order (L{release_turns}: the highest
+        priority first, oldest first within one), whichever router holds
+        them: the requests of the first turn now, each next turn
+        L{RELEASE_GAP} seconds after the one before.  A request that stops
+        waiting meanwhile (its router gave up) is skipped.
+        """
+        state = self._models.get(name)
+        if state is None or not state.waiters:
+            return
+        waiters, state.waiters = state.waiters, []
+        now = self.clock.seconds()
+        turns = release_turns([state.held.get(w, (now, 1)) for w in waiters])
+        for number, turn in enumerate(turns):
+            going = [waiters[i] for i in turn]
+            if number == 0:
+                _let_go(going)
+            else:
+                self.clock.callLater(number * RELEASE_GAP, _let_go, going)
+
     def touch(self, name: str) -> None:
         """
         A request for C{name} came: it is not idle (an adapter's base).
@@ -308,6 +348,15 @@ class ModelCatalog:
         for waiter in waiters:
             waiter.callback(None)
         self._changed()
+
+
+def _let_go(waiters: Sequence[Deferred[None]]) -> None:
+    """
+    Fire each of C{waiters} still waiting, in order.
+    """
+    for waiter in waiters:
+        if not waiter.called:
+            waiter.callback(None)
 
 
 def check_bounds(min_replicas: int, max_replicas: int) -> None:

@@ -9,7 +9,8 @@ Asleep, a replica's GPUs are free for placement but for what its engine
 keeps (its agent reports the memory), and its host memory counts against
 its node's C{sleep_memory} (C{Register.sleep_memory_bytes}).  A replica
 that may not sleep (its engine refused sleep mode at start, the node's
-budget is full) is stopped instead.
+budget is full, its agent is older than sleep, L{versions.SLEEP}) is
+stopped instead.
 
 L{SleepRoom} only reads the records and the inventory: the replica actions
 (L{llmgw.control.actions}) put replicas to sleep and wake them.
@@ -23,6 +24,7 @@ from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.ledger import Ledger
 from llmgw.control.placement import Fleet, Plan, ShardPlan
 from llmgw.control.records import ReplicaRecord, ReplicaState
+from llmgw.wire import versions
 
 GB = 1024**3
 
@@ -54,12 +56,22 @@ class SleepRoom:
             of many replicas at once: one pass over the replicas).
         @return: why C{replica} may not be put to sleep now, in words, or
             L{None} when it may: its profile says C{sleep}, it is ready,
-            its engine did not refuse sleep mode, and each of its nodes'
-            C{sleep_memory} has room for what it would hold there.
+            its engine did not refuse sleep mode, each of its nodes' agents
+            speaks a protocol with sleep (L{versions.SLEEP}), and each of its
+            nodes' C{sleep_memory} has room for what it would hold there.
         """
         profile = replica.profile
         if profile.sleep == "off":
             return f'profile {profile.name} of {replica.model} has sleep = "off"'
+        for node_id in sorted({s.node for s in replica.shards}):
+            node = self._inventory.get(node_id)
+            if node is not None and not versions.supports(
+                node.protocol, versions.SLEEP
+            ):
+                # It would leave a SleepShard unanswered (it has no such
+                # message), so the replica stops instead.
+                lacks = versions.lacks(node.protocol, versions.SLEEP, "agent")
+                return f"node {node_id}: {lacks}"
         refused = next((s.sleep_refused for s in replica.shards if s.sleep_refused), "")
         if refused:
             return f"its engine refused sleep mode ({refused})"

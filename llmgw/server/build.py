@@ -268,6 +268,7 @@ def control_plane(
     watch = Watch(
         reactor,
         lambda: {n: plane.catalog.resolve(n) or n for n in plane.catalog.names()},
+        lambda: plane.catalog.adapter_names(),
     )
     static = list(config.endpoints)
     publish(static)

@@ -15,11 +15,23 @@ A peer that says no version speaks C{1.0}, the protocol before versions
 were said.  Within a major version, messages change only by fields added:
 a field a peer does not know is skipped (protobuf's rule), and one it
 does not send reads as its default.
+
+A feature a peer may not know says the version it came with (L{Feature},
+L{FEATURES}); the server never hands a feature to a peer older than that
+(L{supports}), whatever else it serves that peer: the watch names no LoRA
+adapter to a router of 1.0 (L{llmgw.tier.watch}), which would send an
+adapter's requests to its base engine unloaded (404), and no agent of 1.0 is
+sent C{SleepShard} or C{WakeShard} (L{llmgw.control.agents}, which also
+refuses to send them; L{llmgw.control.sleeping}, which stops such a node's
+replicas instead of putting them to sleep), which it would leave unanswered.
+A new feature adds its line to L{FEATURES} and a test that runs a peer of the
+version before it (C{tests/test_versions.py}).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 PROTOCOL = (1, 1)
 """
@@ -90,4 +102,87 @@ def mismatch(said: str, peer: str, ours: tuple[int, int] = PROTOCOL) -> str:
         f"the {peer} speaks protocol {text(theirs)}, {newer} than this server's"
         f" {text(ours)} by more than one minor version: upgrade one minor version"
         f" at a time, {UPGRADE_ORDER}"
+    )
+
+
+@dataclass(frozen=True)
+class Feature:
+    """
+    What a peer must know to be handed something.
+
+    @ivar name: the feature, as log lines and refusals name it.
+    @ivar since: the first protocol version that has it, C{(major, minor)}.
+    @ivar what: what the server withholds from an older peer, in words.
+    @ivar peer: the peer it is withheld from, C{"router"} or C{"agent"}.
+    """
+
+    name: str
+    since: tuple[int, int]
+    what: str
+    peer: str
+
+
+ADAPTERS = Feature(
+    "adapters",
+    (1, 1),
+    "LoRA adapters' names in the watch (routers load them)",
+    "router",
+)
+"""
+LoRA adapters as catalog models: a router loads an adapter on its base's
+replica before sending its requests there (L{llmgw.router.routing.adapters}).
+"""
+
+SLEEP = Feature("sleep", (1, 1), "SleepShard and WakeShard", "agent")
+"""
+Engines put to sleep and woken on the server's command
+(C{SleepShard}, C{WakeShard}; C{Register.sleep_memory_bytes}).
+"""
+
+FEATURES = (ADAPTERS, SLEEP)
+"""
+Every feature a peer of an older version lacks, oldest first.
+"""
+
+COMMANDS = {"sleep_shard": SLEEP, "wake_shard": SLEEP}
+"""
+The feature an agent needs to be sent each C{ControlMessage} kind; those
+not named every agent served has.
+"""
+
+
+def supports(version: tuple[int, int], feature: Feature) -> bool:
+    """
+    @param version: a peer's version, C{(major, minor)} (one the server
+        serves: L{mismatch} is C{""} for it).
+    @return: whether that peer has C{feature}: its version is the
+        feature's or newer.
+    """
+    return version >= feature.since
+
+
+def peer_version(said: str) -> tuple[int, int]:
+    """
+    @param said: a peer's version as it said it (C{""}: none).
+    @return: it as C{(major, minor)}; L{UNSAID} when it is not
+        C{MAJOR.MINOR} (a peer saying that is refused by L{mismatch}
+        first), so that nothing is handed on a guess.
+    """
+    try:
+        return parse(said)
+    except ValueError:
+        return UNSAID
+
+
+def lacks(version: tuple[int, int], feature: Feature, peer: str) -> str:
+    """
+    @return: why a C{peer} speaking C{version} is not handed C{feature},
+        e.g. C{"the agent speaks protocol 1.0; sleep needs 1.1"}, or C{""}
+        when it has it.
+    """
+    if supports(version, feature):
+        return ""
+    return (
+        f"the {peer} speaks protocol {text(version)}; {feature.name} needs"
+        f" {text(feature.since)} (upgrade it)"
     )

@@ -233,9 +233,53 @@ class LinkRobustnessTests(_Fleet, SynchronousTestCase):
         self.server.stop()
         self.server, self.admin_url = self.start_fleet_server()
         agent = self.start_agent("gpu-01", os.path.join(self.ca, "agents", "gpu-01"))
+        # Told once, with the names the certificate holds and the one dialed.
+        told = (
+            "the server's certificate names elsewhere.example, not 127.0.0.1, the"
+            " host this agent dials (--server): dial one of those names, or make"
+            " the server's certificate with llmgw certs server --host 127.0.0.1;"
+            " retrying"
+        )
+        agent.wait_for(
+            r"\[\S+#warn\] cannot link to the server at 127\.0\.0\.1:\d+: "
+            + re.escape(told)
+        )
         self.assert_backs_off(agent)
         self.assertEqual(self.nodes(), [])
         self.assertNotIn("registered with llmgw-server", agent.output())
+        self.assertEqual(agent.output().count("cannot link to the server"), 1)
+        self.assertNotIn("Traceback", agent.output())
+
+    def test_agent_certificate_as_the_servers(self) -> None:
+        """
+        C{[agent_tls] cert} naming an agent's certificate: the server exits
+        at start with status 2 and one line saying what the certificate is
+        and how to make the right one, no traceback (before, it started,
+        and every agent attempt logged a traceback on the agent).
+        """
+        self.server.stop()
+        agent = os.path.join(self.ca, "agents", "gpu-01")
+        config = (
+            f'[agent_tls]\nca = "{self.ca}/ca.pem"\ncert = "{agent}/agent.pem"\n'
+            f'key = "{agent}/agent-key.pem"\n'
+        )
+        with self.assertRaises(AssertionError) as raised:
+            self.start_server(
+                "--agent-listen",
+                f"tcp:{self.agent_port}:interface=127.0.0.1",
+                config=config,
+            )
+        output = str(raised.exception)
+        self.assertIn("process exited with 2", output)
+        self.assertIn(
+            "llmgw-server: config error: agent_tls: cannot load the certificates:"
+            f" {agent}/agent.pem is a client certificate (extended key usage"
+            " clientAuth, CN 'gpu-01': an agent's?), not a server's: agents refuse"
+            " it in every handshake; make the server's with llmgw certs server"
+            " --host NAME (the names agents dial)\n",
+            output,
+        )
+        self.assertNotIn("Traceback", output)
 
     def test_bad_frames_close_only_their_connection(self) -> None:
         """

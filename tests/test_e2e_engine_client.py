@@ -332,7 +332,8 @@ def answer_invalid(conn: socket.socket, request: dict[str, Any]) -> bool:
     """
     Asked for C{"invalid": "head"}, a head of 70 KiB (over the router's
     64 KiB); for C{"invalid": "chunk"}, a stream with a chunk size that is
-    not hex; for a name in L{HOLES}, those bytes; else a good answer.
+    not hex; for C{"interim"}, a thousand C{103 Early Hints} before a good
+    answer; for a name in L{HOLES}, those bytes; else a good answer.
     """
     invalid = request.get("invalid")
     if invalid == "head":
@@ -346,6 +347,10 @@ def answer_invalid(conn: socket.socket, request: dict[str, Any]) -> bool:
         answer = chunked_stream()
         end = answer.index(b"\r\n\r\n") + 4
         conn.sendall(answer[:end] + b"%x\r\n%s\r\nzz\r\n" % (len(CHUNK), CHUNK))
+        return True
+    if invalid == "interim":
+        hint = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+        conn.sendall(hint * 1000 + whole_answer())
         return True
     if invalid in HOLES:
         conn.sendall(HOLES[invalid][0])
@@ -397,7 +402,13 @@ class InvalidAnswerTests(EngineClientTestCase):
         with self.assertRaises(openai.APIStatusError) as raised:
             self.ask("big", invalid="head")
         self.assertEqual(raised.exception.status_code, 502)
-        self.assertIn("not valid HTTP", raised.exception.message)
+        self.assertTrue(
+            raised.exception.message.endswith(
+                "Replica fake's answer was not valid HTTP/1.1: head longer than"
+                " 65536 bytes."
+            ),
+            raised.exception.message,
+        )
         self.assertEqual(self.record("big"), "502")
         self.server.wait_for(r"replica .*127\.0\.0\.1.*head longer than 65536 bytes")
         self.assertEqual(self.ask("next").choices[0].message.content, "whole")
@@ -430,6 +441,11 @@ class InvalidAnswerTests(EngineClientTestCase):
                 self.ask(rid, invalid=name)
             self.assertEqual(raised.exception.status_code, 502, name)
             self.assertIn("not valid HTTP", raised.exception.message)
+            # What was wrong, without the engine's bytes or its address.
+            message = raised.exception.message
+            self.assertIn("Replica fake's answer was not valid HTTP/1.1: ", message)
+            self.assertIn(reason, message)
+            self.assertNotIn("127.0.0.1", raised.exception.message)
             self.assertEqual(self.record(rid), "502")
             self.server.wait_for(
                 r"replica .*127\.0\.0\.1.*not valid HTTP/1\.1 \(.*" + re.escape(reason)
@@ -437,4 +453,30 @@ class InvalidAnswerTests(EngineClientTestCase):
             self.assertEqual(
                 self.ask(f"after-{name}").choices[0].message.content, "whole"
             )
+        self.assert_no_traceback(self.server)
+
+    def test_endless_interim_answers(self) -> None:
+        """
+        A thousand C{103 Early Hints} before the answer: a 502 naming the
+        replica by its id (never its address) and what was wrong, its
+        record 502, a warning naming the replica, its address and why; the
+        next request is served.
+        """
+        with self.assertRaises(openai.APIStatusError) as raised:
+            self.ask("hints", invalid="interim")
+        self.assertEqual(raised.exception.status_code, 502)
+        self.assertTrue(
+            raised.exception.message.endswith(
+                "Replica fake's answer was not valid HTTP/1.1: more than 10"
+                " interim (1xx) answers."
+            ),
+            raised.exception.message,
+        )
+        self.assertNotIn("127.0.0.1", raised.exception.message)
+        self.assertEqual(self.record("hints"), "502")
+        self.server.wait_for(
+            r"request hints: replica fake \(http://127\.0\.0\.1:\d+\): its answer"
+            r" is not valid HTTP/1\.1 \(more than 10 interim \(1xx\) answers\)"
+        )
+        self.assertEqual(self.ask("next").choices[0].message.content, "whole")
         self.assert_no_traceback(self.server)

@@ -58,3 +58,30 @@ class RefusalTests(EngineClientTestCase):
         await self.assert_bad_head(
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n" + OK
         )
+
+    async def test_interim_answers_bounded(self) -> None:
+        """
+        A thousand C{103 Early Hints} before the answer: refused at the
+        eleventh, the error saying so in words that a client may read.
+        """
+        hint = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+        base = self.start(hint * 1000 + OK)
+        error = await self.failure_of(
+            self.client.post(base, b"/v1/x", [], b"{}"), BadAnswer
+        )
+        assert isinstance(error, BadAnswer)
+        self.assertEqual(error.what, "more than 10 interim (1xx) answers")
+        await self.closed_by_client(self.server.connections[0])
+
+    async def test_what_without_the_answers_bytes(self) -> None:
+        """
+        A bad status line: the error's message quotes it (for the log), its
+        C{what} does not (for the client).
+        """
+        base = self.start(b"HTTP/1.1 2x0 at 10.9.8.7\r\n\r\n")
+        error = await self.failure_of(
+            self.client.post(base, b"/v1/x", [], b"{}"), BadAnswer
+        )
+        assert isinstance(error, BadAnswer)
+        self.assertIn("10.9.8.7", str(error))
+        self.assertEqual(error.what, "not a status line")

@@ -16,6 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.router.upstream.response_parser import (
     MAX_CHUNK_LINE,
     MAX_HEAD,
+    MAX_INTERIM,
     MAX_TRAILERS,
     End,
     Event,
@@ -388,6 +389,44 @@ class LimitTests(SynchronousTestCase):
         # 64 KiB before the blank line that ends the head, its CR included.
         fits += b"a" * (MAX_HEAD - 1 - len(fits))
         self.assertEqual(parse([fits + b"\r\n\r\nok"]).body, b"ok")
+
+    def test_interim_answers(self) -> None:
+        """
+        Ten interim (1xx) answers before the final one are read past; an
+        eleventh is refused, in one read or one byte at a time, and so are
+        a thousand C{103 Early Hints} (once read to the end); the count
+        starts again with each answer on the connection.
+        """
+        self.assertEqual(MAX_INTERIM, 10)
+        hint = b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n"
+        final = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        self.assertEqual(parse([hint * 10 + final]).body, b"ok")
+        self.assertEqual(parse(one_byte(hint * 10 + final)).body, b"ok")
+        reason = "more than 10 interim (1xx) answers"
+        self.assert_refused([hint * 11 + final], reason)
+        self.assert_refused(one_byte(hint * 11 + final), reason)
+        self.assert_refused([b"HTTP/1.1 100 Continue\r\n\r\n" * 11], reason)
+        parser = ResponseParser()
+        with self.assertRaises(InvalidResponse) as raised:
+            parser.feed(hint * 1000 + final)
+        self.assertEqual(raised.exception.what, reason)
+        # Per answer, not per connection.
+        parser = ResponseParser()
+        for _ in range(3):
+            events = parser.feed(hint * 10 + final)
+            self.assertIsInstance(events[-1], End)
+            parser.expect()
+
+    def test_what_holds_no_answer_bytes(self) -> None:
+        """
+        An error's C{what}, which a client may be told, is its message
+        without the engine's bytes; the message has them, for the log.
+        """
+        found = parse([b"HTTP/1.1 2x0 OK from 10.1.2.3\r\n\r\n"])
+        self.assertIn("10.1.2.3", found.error or "")
+        with self.assertRaises(InvalidResponse) as raised:
+            ResponseParser().feed(b"HTTP/1.1 2x0 OK from 10.1.2.3\r\n\r\n")
+        self.assertEqual(raised.exception.what, "not a status line")
 
     def test_chunk_line(self) -> None:
         line = b"2;x=" + b"y" * MAX_CHUNK_LINE + b"\r\n"

@@ -161,7 +161,7 @@ class PollerOverSocketsTests(TestCase):
         )
         self.assertIn('llmgw_engine_load_stale{model="m",replica="r1"} 0.0', exposed)
 
-    async def assert_unavailable(self, answer: bytes) -> None:
+    async def assert_unavailable(self, answer: bytes, why: str = "") -> None:
         log: list[LogEvent] = []
         observer = collect(log)
         globalLogPublisher.addObserver(observer)
@@ -175,6 +175,7 @@ class PollerOverSocketsTests(TestCase):
         ]
         self.assertEqual(len(warnings), 1)
         self.assertEqual(warnings[0]["replica"], "r1")
+        self.assertIn(why, warnings[0]["why"])
 
     async def test_chunk_data_not_followed_by_crlf(self) -> None:
         await self.assert_unavailable(CHUNKED_HEAD + b"5\r\nhelloXY0\r\n\r\n")
@@ -193,6 +194,19 @@ class PollerOverSocketsTests(TestCase):
         await self.assert_unavailable(
             b"HTTP/1.1 101 Switching Protocols\r\n\r\n"
             b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(PAGE), PAGE)
+        )
+
+    async def test_endless_interim_answers(self) -> None:
+        """
+        An engine that sends a thousand C{103 Early Hints} before its page
+        is refused at the eleventh: its load unreadable, the warning
+        naming the replica and why.
+        """
+        hints = b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"
+        await self.assert_unavailable(
+            hints * 1000
+            + b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(PAGE), PAGE),
+            "not valid HTTP/1.1: more than 10 interim (1xx) answers",
         )
 
     async def test_answer_that_stops_mid_body(self) -> None:

@@ -27,6 +27,7 @@ from llmgw.wire import versions
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
 from llmgw.wire.protocol import MessageStream, MessageTooLarge
 from llmgw.wire.refusals import Refusal
+from llmgw.wire.tls import ServerCertificateRefused
 
 WEIGHTS_REPORT_INTERVAL = 60.0
 
@@ -34,7 +35,10 @@ WEIGHTS_REPORT_INTERVAL = 60.0
 def handshake_failure(reason: Failure, server: str) -> str | None:
     """
     What the operator on the node must read of a TLS handshake that failed:
-    no C{Refused} can pass before it, so the agent says it itself.
+    no C{Refused} can pass before it, so the agent says it itself.  A
+    server certificate this agent refused for its role or its names
+    (L{llmgw.wire.tls.ServerCertificateRefused}) is told as its sentence,
+    which lists what the certificate holds and the name dialed.
 
     @param reason: why a link was lost before the server's Welcome.
     @param server: the C{HOST:PORT} dialed.
@@ -42,6 +46,9 @@ def handshake_failure(reason: Failure, server: str) -> str | None:
         failure.
     """
     host = server.rsplit(":", 1)[0].strip("[]") or server
+    if reason.check(ServerCertificateRefused):
+        # Its role or names, with what it holds (llmgw.wire.tls).
+        return str(reason.value)
     if reason.check(VerificationError):
         return (
             f"the server's certificate does not name {host}, the host this agent"

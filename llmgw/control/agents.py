@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 
 from llmgw import __version__
 from llmgw.control.inventory import Inventory, Node
+from llmgw.control.repeats import Repeats
 from llmgw.wire import agent_pb2 as pb
 from llmgw.wire import versions
 from llmgw.wire.codec import DEFAULT_MAX_FRAME_SIZE
@@ -119,16 +120,22 @@ class AgentLink(TimeoutMixin, CommandingStream):
 
     def _refuse(self, code: Refusal, why: str, **fields: Any) -> None:
         """
-        Log why the link is refused, tell the agent (a C{Refused} with the
-        same sentence, its certificate's CN and its claim), and close.
+        Log why the link is refused (at most once a minute for one code,
+        certificate and claim: L{llmgw.control.repeats}), tell the agent (a
+        C{Refused} with the same sentence, its certificate's CN and its
+        claim), and close.
 
         @param why: a PEP 3101 template of C{fields}.
         """
-        self.log.warn(
-            "refusing agent connection from {peer}: " + why,
-            peer=self._peer(),
-            **fields,
-        )
+        cn = peer_common_name(self.transport)
+        repeats = self._hub.repeats.admit((code, cn, self.node_id or self._claim))
+        if repeats is not None:
+            self.log.warn(
+                "refusing agent connection from {peer}: " + why + "{repeats}",
+                peer=self._peer(),
+                repeats=repeats,
+                **fields,
+            )
         self.tell(code, why.format(**fields))
         self.close()
 
@@ -322,12 +329,17 @@ class AgentLink(TimeoutMixin, CommandingStream):
         if self.node_id is None:
             if not reason.check(ConnectionDone):
                 # A failed TLS handshake ends here: no certificate, one from
-                # another CA, or plaintext on the TLS port.
-                self.log.warn(
-                    "refused agent connection from {peer}: {reason}",
-                    peer=self._peer(),
-                    reason=reason.getErrorMessage(),
-                )
+                # another CA, or plaintext on the TLS port.  The agent keeps
+                # trying: the same failure is logged once a minute.
+                message = reason.getErrorMessage()
+                repeats = self._hub.repeats.admit(("handshake", message))
+                if repeats is not None:
+                    self.log.warn(
+                        "refused agent connection from {peer}: {reason}{repeats}",
+                        peer=self._peer(),
+                        reason=message,
+                        repeats=repeats,
+                    )
             return
 
 
@@ -378,6 +390,8 @@ class AgentHub(Factory):
         self.wall_clock = wall_clock
         # Registers from nodes known before (agents that came back).
         self.reconnects = 0
+        # The refusals' warnings, each reason at most once a minute.
+        self.repeats = Repeats(clock)
         # None while this server leads (or stands alone); on a standby, the
         # leader's agent address to send a registering agent to ("" when
         # none leads yet).

@@ -40,11 +40,12 @@ from llmgw.router.routing.fairness import ANONYMOUS
 from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace
 from llmgw.router.upstream.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.upstream.base import (
+    BadAnswer,
     BodyReader,
     NoAnswer,
     UpstreamConnectError,
-    broken_message,
     log_engine_failure,
+    refused_answer,
     upstream_headers,
 )
 from llmgw.router.upstream.deadlines import Deadlines
@@ -370,9 +371,9 @@ class Exchange:
         if gone is not None:
             raise _Retry(gone) from None
         metrics.upstream_errors.labels("broken").inc()
-        error = upstream_failed(
-            broken_message(e, "The replica closed the connection before answering.")
-        )
+        if isinstance(e, BadAnswer):
+            raise self._refused(replica, e) from None
+        error = upstream_failed("The replica closed the connection before answering.")
         if isinstance(e, NoAnswer):
             if e.reused and not self._stale_retried:
                 # No byte of an answer on a connection taken from the
@@ -393,6 +394,12 @@ class Exchange:
                 raise _Retry(error, stale=True) from None
             services.balancer.eject(replica)
         raise error from None
+
+    def _refused(self, replica: Replica | None, e: Exception) -> APIError:
+        assert replica is not None
+        return refused_answer(
+            self.services.log, self.request_id, replica.id, replica.endpoint.url, e
+        )
 
     async def _read_whole(self, response: IResponse) -> bytes:
         chunks: list[bytes] = []
@@ -458,7 +465,7 @@ class Exchange:
             await reader.done
         except (AnswerTooLarge, EventTooLarge) as e:
             metrics.upstream_errors.labels("broken").inc()
-            raise upstream_failed(f"The replica's answer was refused: {e}.") from None
+            raise self._refused(self.replica, e) from None
         except Exception as e:
             if client_gone(request):
                 raise
@@ -469,7 +476,9 @@ class Exchange:
             if gone is not None:
                 raise gone from None
             metrics.upstream_errors.labels("broken").inc()
-            raise upstream_failed(broken_message(e, broken)) from None
+            if isinstance(e, BadAnswer):
+                raise self._refused(self.replica, e) from None
+            raise upstream_failed(broken) from None
         finally:
             self._waiting = None
             self._reader = None

@@ -32,7 +32,7 @@ from twisted.web.iweb import IResponse
 from zope.interface import implementer
 
 from llmgw.reactors import IConnectingReactor
-from llmgw.router.errors import error_message
+from llmgw.router.errors import APIError, error_message, upstream_failed
 
 
 def upstream_headers(
@@ -116,20 +116,49 @@ class NoAnswer(Exception):
 class BadAnswer(Exception):
     """
     The replica's answer is not valid HTTP/1.1 (its head, its length or a
-    chunk); the connection is closed.
+    chunk); the connection is closed.  C{str(error)} says why with the
+    offending bytes, for the log.
+
+    @ivar what: why, without the answer's bytes: what the client may read
+        (L{refused_answer}).
     """
 
+    def __init__(self, reason: str, what: str | None = None) -> None:
+        super().__init__(reason)
+        self.what = what or reason
 
-def broken_message(error: BaseException, default: str) -> str:
+
+def refused_answer(
+    log: Logger, request_id: bytes, replica: str, address: str, error: Exception
+) -> APIError:
     """
-    @param error: what broke an exchange with a replica.
-    @param default: the client's message for a replica that broke it.
-    @return: the client's message: for a L{BadAnswer}, that the answer was
-        not valid HTTP (its details, the engine's bytes, go to the log).
+    The router refused a replica's answer (not valid HTTP/1.1, or over a
+    size limit): log it for the operator, with the replica's address and
+    the answer's offending bytes, and make the client's 502, which names
+    the replica by its id only and what was wrong (L{APIError.message}
+    never carries an upstream address; an engine's bytes may).
+
+    @param request_id: the client request's id, ASCII.
+    @param replica: the replica's id.
+    @param address: its base URL, for the log only.
+    @param error: a L{BadAnswer}, or the limit's error (its message one
+        sentence of llmgw's, such as C{"it is over max_response_size,
+        1048576 bytes"}).
+    @return: the 502 to answer (or to end a stream with).
     """
-    if isinstance(error, BadAnswer):
-        return "The replica's answer was not valid HTTP."
-    return default
+    invalid = isinstance(error, BadAnswer)
+    verdict = "not valid HTTP/1.1" if invalid else "refused"
+    log.warn(
+        "request {request_id}: replica {replica} ({address}): its answer is"
+        " {verdict} ({reason}); connection closed",
+        request_id=request_id.decode("ascii"),
+        replica=replica,
+        address=address,
+        verdict=verdict,
+        reason=str(error),
+    )
+    what = error.what if isinstance(error, BadAnswer) else str(error)
+    return upstream_failed(f"Replica {replica}'s answer was {verdict}: {what}.")
 
 
 @implementer(IStreamClientEndpoint)

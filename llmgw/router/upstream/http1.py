@@ -29,7 +29,6 @@ from twisted.internet.interfaces import (
     IPushProducer,
 )
 from twisted.internet.protocol import Protocol, connectionDone
-from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
@@ -195,8 +194,6 @@ class EngineConnection(Protocol):
     an answer ends and the connection may be kept, it goes back to C{pool}.
     """
 
-    log = Logger()
-
     def __init__(self, pool: ConnectionPool, key: bytes) -> None:
         self._pool = pool
         self.key = key
@@ -247,9 +244,9 @@ class EngineConnection(Protocol):
         except InvalidResponse as e:
             self._events(e.events)
             if self.state == _HEAD:
-                self._fail_head(BadAnswer(str(e)))
+                self._fail_head(BadAnswer(str(e), e.what))
             elif self.state == _BODY:
-                self._body_failed(BadAnswer(str(e)))
+                self._body_failed(BadAnswer(str(e), e.what))
             return
         self._events(events)
 
@@ -285,17 +282,9 @@ class EngineConnection(Protocol):
         assert answer is not None
         answer.callback(response)
 
-    def _refused(self, error: BadAnswer) -> None:
-        # The client is only told that the answer was not valid HTTP.
-        self.log.warn(
-            "replica {replica}: its answer is not valid HTTP/1.1 ({reason});"
-            " connection closed",
-            replica=self.key.decode("ascii", "replace"),
-            reason=str(error),
-        )
-
     def _fail_head(self, error: BadAnswer) -> None:
-        self._refused(error)
+        # Logged by whoever asked (llmgw.router.upstream.base.refused_answer),
+        # which knows the replica's id and the request's.
         answer, self.answer = self.answer, None
         self.state = _CLOSED
         self._pool.forget(self)
@@ -321,7 +310,6 @@ class EngineConnection(Protocol):
         body._end(Failure(ResponseDone("Response body fully received")))
 
     def _body_failed(self, error: BadAnswer) -> None:
-        self._refused(error)
         body, self.body = self.body, None
         self.abort()
         if body is not None:

@@ -22,14 +22,20 @@ Digits a C{Content-Length} may have (under 2**63).
 
 class InvalidResponse(ValueError):
     """
-    The bytes are not a valid HTTP/1.1 answer; the message says why.
+    The bytes are not a valid HTTP/1.1 answer; the message says why:
+    C{what}, then the offending bytes when there are some
+    (C{"not a status line: b'HTTP/1.1 2x0'"}), for the operator's log.
 
+    @ivar what: what was wrong, in words that carry none of the answer's
+        bytes (C{"not a status line"}): what a client may be told, since
+        an engine's bytes may hold its addresses or paths.
     @ivar events: what the same L{ResponseParser.feed} parsed before the
         error, in order (a L{Head}, body data), to be handled before it.
     """
 
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
+    def __init__(self, what: str, detail: str = "") -> None:
+        super().__init__(f"{what}: {detail}" if detail else what)
+        self.what = what
         self.events: list[Event] = []
 
 
@@ -148,14 +154,14 @@ def parse_fields(lines: list[bytes], headers: dict[bytes, list[bytes]]) -> None:
         if line[:1] in (b" ", b"\t"):
             folded = _FOLD.fullmatch(line)
             if last is None or folded is None:
-                raise InvalidResponse(f"not a header line: {line[:100]!r}")
+                raise InvalidResponse("not a header line", repr(line[:100]))
             more = folded.group(1).rstrip(b" \t")
             if more:
                 last[-1] = (last[-1] + b" " + more) if last[-1] else more
             continue
         match = _FIELD.fullmatch(line)
         if match is None:
-            raise InvalidResponse(f"not a header line: {line[:100]!r}")
+            raise InvalidResponse("not a header line", repr(line[:100]))
         name = match.group(1).lower()
         last = headers.get(name)
         if last is None:
@@ -193,11 +199,13 @@ def parse_head(block: bytes, head_request: bool = False) -> Head | None:
     match = _STATUS_LINE.fullmatch(status_line)
     if match is None:
         if not status_line.startswith(b"HTTP/1."):
-            raise InvalidResponse(f"not an HTTP/1.x status line: {status_line[:100]!r}")
-        raise InvalidResponse(f"not a status line: {status_line[:100]!r}")
+            raise InvalidResponse(
+                "not an HTTP/1.x status line", repr(status_line[:100])
+            )
+        raise InvalidResponse("not a status line", repr(status_line[:100]))
     status = int(match.group(2))
     if not 100 <= status <= 599:
-        raise InvalidResponse(f"not a status code: {status}")
+        raise InvalidResponse("not a status code", str(status))
     if status == 101:
         raise InvalidResponse("101 Switching Protocols, and no upgrade was asked")
     headers: dict[bytes, list[bytes]] = {}
@@ -251,7 +259,7 @@ def _framing(
     if encoding is not None:
         codings = [t.split(b";", 1)[0].strip(b" ") for t in _tokens(encoding)]
         if not codings or not all(_TOKEN.fullmatch(c) for c in codings):
-            raise InvalidResponse(f"not a Transfer-Encoding: {encoding!r:.100}")
+            raise InvalidResponse("not a Transfer-Encoding", f"{encoding!r:.100}")
         if b"chunked" in codings[:-1]:
             raise InvalidResponse("chunked not the last Transfer-Encoding")
         if codings[-1] == b"chunked":
@@ -273,8 +281,8 @@ def _content_length(lengths: list[bytes]) -> int:
             return int(value)
     values = {v.strip(b" \t") for value in lengths for v in value.split(b",")}
     if len(values) != 1:
-        raise InvalidResponse(f"conflicting Content-Length values: {sorted(values)!r}")
+        raise InvalidResponse("conflicting Content-Length values", repr(sorted(values)))
     (value,) = values
     if not value.isdigit() or len(value) > MAX_LENGTH_DIGITS:
-        raise InvalidResponse(f"not a Content-Length: {value[:30]!r}")
+        raise InvalidResponse("not a Content-Length", repr(value[:30]))
     return int(value)

@@ -24,7 +24,9 @@ so here:
     must do).
   - Interim answers (section 15.2 of RFC 9110): 1xx answers are skipped,
     but C{101 Switching Protocols}, which no request here asks for: it is
-    refused, since the bytes after it would be another protocol.
+    refused, since the bytes after it would be another protocol.  The RFC
+    sets no bound on how many may come; here at most C{max_interim}
+    (L{MAX_INTERIM}) come before the final answer, and one more is refused.
   - Framing (section 6.3): no body after 1xx, 204 and 304, nor for a
     C{HEAD} request.  C{Transfer-Encoding} in an HTTP/1.0 answer is refused
     (section 6.1: its framing is faulty).  With C{chunked} last, the body is
@@ -46,9 +48,9 @@ so here:
     C{Connection: keep-alive} (L{Head.keep_alive}; L{Head.http11} lets a
     caller that keeps HTTP/1.1 connections only decide).  A body ended by
     the close, or bytes past the end of the answer, do not keep it.
-  - Sizes: the head at most C{max_head} bytes (64 KiB), a chunk-size or
-    trailer line at most C{max_chunk_line} (4 KiB), all trailers at most
-    C{max_trailers} (16 KiB).
+  - Sizes: the head at most C{max_head} bytes (64 KiB), each interim
+    head too, a chunk-size or trailer line at most C{max_chunk_line}
+    (4 KiB), all trailers at most C{max_trailers} (16 KiB).
 
 After an error the parser stays failed: each later L{ResponseParser.feed}
 raises the same L{InvalidResponse}.
@@ -72,6 +74,7 @@ from llmgw.router.upstream.response_head import (
 __all__ = [
     "MAX_CHUNK_LINE",
     "MAX_HEAD",
+    "MAX_INTERIM",
     "MAX_TRAILERS",
     "End",
     "Event",
@@ -95,6 +98,18 @@ Bytes a chunk-size line (with its extensions) or a trailer line may take.
 MAX_TRAILERS = 16 * 1024
 """
 Bytes all the trailer lines of a chunked body may take together.
+"""
+
+MAX_INTERIM = 10
+"""
+Interim (1xx) answers read before an answer's final one; one more and the
+answer is refused.  RFC 9110 section 15.2 bounds neither their number nor
+the time they take, and the router never sends C{Expect: 100-continue}:
+an engine has one C{103 Early Hints} to send, perhaps a C{102 Processing};
+ten leave room for a proxy's own.  Without a bound an engine (or anything
+on its port) that sends interim heads without end holds the request and
+the router's CPU until a deadline passes: an answer of 1,000 C{103} heads
+was read to the end, on chats and on C{/metrics}.
 """
 
 
@@ -127,6 +142,7 @@ class ResponseParser:
     @param max_head: bytes a head may take.
     @param max_chunk_line: bytes a chunk-size or trailer line may take.
     @param max_trailers: bytes all trailer lines may take.
+    @param max_interim: interim (1xx) answers taken before the final one.
     """
 
     def __init__(
@@ -134,10 +150,12 @@ class ResponseParser:
         max_head: int = MAX_HEAD,
         max_chunk_line: int = MAX_CHUNK_LINE,
         max_trailers: int = MAX_TRAILERS,
+        max_interim: int = MAX_INTERIM,
     ) -> None:
         self.max_head = max_head
         self.max_chunk_line = max_chunk_line
         self.max_trailers = max_trailers
+        self.max_interim = max_interim
         self._error: InvalidResponse | None = None
         self.expect()
 
@@ -158,6 +176,7 @@ class ResponseParser:
         self._keep = False
         self._trailer_bytes = 0
         self._trailer_lines: list[bytes] = []
+        self._interim = 0
         self.started = False
 
     @property
@@ -268,7 +287,7 @@ class ResponseParser:
                     continue
                 two = data[pos : pos + 2]
                 if two != b"\r":
-                    raise InvalidResponse(f"chunk data not followed by CRLF: {two!r}")
+                    raise InvalidResponse("chunk data not followed by CRLF", repr(two))
                 self._buffer = two
                 break
             elif state == _TRAILER:
@@ -314,8 +333,13 @@ class ResponseParser:
         self._scan = 0
         head = parse_head(data[pos:at], self._head_request)
         pos = at + skip
-        if head is None:
-            return pos  # an interim answer: the answer follows
+        if head is None:  # an interim answer: the answer follows
+            self._interim += 1
+            if self._interim > self.max_interim:
+                raise InvalidResponse(
+                    f"more than {self.max_interim} interim (1xx) answers"
+                )
+            return pos
         self._keep = head.keep_alive
         events.append(head)
         framing = head.framing
@@ -354,7 +378,7 @@ class ResponseParser:
             return -1
         if data[lf - 1 : lf] != b"\r" or lf == pos:
             raise InvalidResponse(
-                f"chunk-size line not ended by CRLF: {data[pos : lf + 1][:40]!r}"
+                "chunk-size line not ended by CRLF", repr(data[pos : lf + 1][:40])
             )
         line = data[pos : lf - 1]
         if line and not line.strip(_HEX):
@@ -362,11 +386,11 @@ class ResponseParser:
         else:
             match = _CHUNK_LINE.fullmatch(line)
             if match is None:
-                raise InvalidResponse(f"not a chunk size: {line[:40]!r}")
+                raise InvalidResponse("not a chunk size", repr(line[:40]))
             digits = match.group(1)
         size = int(digits, 16)
         if size >= _MAX_CHUNK:
-            raise InvalidResponse(f"chunk size too large: {line[:40]!r}")
+            raise InvalidResponse("chunk size too large", repr(line[:40]))
         if size == 0:
             self._state = _TRAILER
         else:

@@ -143,7 +143,7 @@ class PageProtocol(Protocol):
             try:
                 events = self._parser.feed(data)
             except InvalidResponse as e:
-                raise ScrapeError(str(e)) from None
+                raise ScrapeError(f"not valid HTTP/1.1: {e}") from None
             self._events(events)
         except ScrapeError as e:
             self._fail(Failure(e))

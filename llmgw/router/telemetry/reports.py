@@ -70,7 +70,8 @@ Seconds a router's gauges count after its last report.
 MAX_REPORTERS = 1024
 """
 Routers the server remembers (the most recently heard): each restart of a
-worker is a new one.
+worker is a new one.  A router forgotten (more than this many heard since
+it last reported) that reports again is counted again from its start.
 """
 
 MAX_SERIES = 100_000
@@ -306,6 +307,10 @@ class ReportedMetrics:
             self._gauges[reporter] = (self._clock(), gauges)
 
     def forget_reporter(self, reporter: str) -> None:
+        """
+        Drop the gauges of a reporter the server no longer remembers
+        (L{MAX_REPORTERS}); its sums stay counted.
+        """
         self._gauges.pop(reporter, None)
 
     def drop(self, family: str, label: str, kept: set[str]) -> None:

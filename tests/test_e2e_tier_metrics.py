@@ -201,7 +201,8 @@ class TierMetricsTests(Processes, SynchronousTestCase):
         """
         With two C{llmgw-router}s following the server, the requests they
         served in turn are read by Prometheus on the server's metrics
-        listener, 60 and 6 errors, and shown on its dashboard.
+        listener, 60 and 6 errors, and shown on its dashboard; the report
+        route refuses a body that is no report with a 400.
         """
         server, _, admin, target = self.serve()
         routers = [spawn_router(self, admin, f"router-{n}") for n in (1, 2)]
@@ -213,3 +214,7 @@ class TierMetricsTests(Processes, SynchronousTestCase):
         self.send([u for _, u in routers], REQUESTS)
         self.counted(prometheus, admin, REQUESTS)
         self.assert_dashboard(admin)
+        # A body that is no report is refused, naming what is wrong.
+        status, _, body = http("POST", admin + "/api/v1/report", b'{"reporter": 1}')
+        self.assertEqual(status, 400, body)
+        self.assertIn("reporter must be a string", json.loads(body)["error"]["message"])

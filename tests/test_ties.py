@@ -39,6 +39,7 @@ LEFT: list[tuple[str, str, str]] = [
     ("server/standby.py", "self._loop.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/activate.py", "self._flush.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/keys.py", "key.revoked", "ApiKey is a dataclass record"),
+    ("tier/report.py", "self._loop.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/tap.py", "self._check.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/watch.py", "self._tick.clock", "LoopingCall.clock, Twisted's idiom"),
 ]

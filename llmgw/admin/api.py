@@ -26,6 +26,7 @@ from llmgw.admin.weights import WeightRoutes
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
 from llmgw.router.accounting.auth import ApiKey, KeyRing
+from llmgw.router.telemetry.reports import Reports
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
 from llmgw.tier.watch import Watch
@@ -56,6 +57,8 @@ class Admin:
     @param standby: with standbys (L{llmgw.server.standby}), whether this
         server leads and the leader's agent address (C{{"leading": bool,
         "leader": "HOST:PORT"}}); L{None} for a server alone.
+    @param reports: where the routers of a tier report their traffic
+        (C{POST /api/v1/report}), when there is a router here.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Admin:
         wall_clock: Callable[[], float],
         watch: Watch | None = None,
         standby: Callable[[], dict[str, object]] | None = None,
+        reports: Reports | None = None,
     ) -> None:
         status = StatusRoutes(
             registry,
@@ -92,7 +96,7 @@ class Admin:
             wall_clock=wall_clock,
             watch=watch,
         )
-        routers = WatchRoutes(plane, watch, standby=standby)
+        routers = WatchRoutes(plane, watch, standby=standby, reports=reports)
         self._drains = DrainRoutes(plane, inventory, store, wall_clock=wall_clock)
         swaps = SwapRoutes(plane, config_models)
         self._resource = Composed(

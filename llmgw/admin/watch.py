@@ -1,7 +1,7 @@
 """
 The admin API's routes for a router tier (issue 12 item 2): the watch a
-router follows, activations it forwards (and where they stand), and the use
-it reports.
+router follows, activations it forwards (and where they stand), the use
+it reports, and its traffic (L{llmgw.router.telemetry.reports}).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from llmgw.admin.http import (
     read_body,
 )
 from llmgw.control.plane import ControlPlane
+from llmgw.router.telemetry.reports import Reports
 from llmgw.tier.watch import Watch
 from llmgw.wire import versions
 
@@ -50,8 +51,8 @@ class StandbyError(AdminError):
 
 class WatchRoutes:
     """
-    C{/api/v1/watch}, C{/api/v1/models/<name>/activate} and
-    C{/api/v1/touch}.
+    C{/api/v1/watch}, C{/api/v1/models/<name>/activate},
+    C{/api/v1/touch} and C{/api/v1/report}.
 
     @param plane: the control plane, when there is one.
     @param watch: what a router tier follows, when there is a control
@@ -59,6 +60,8 @@ class WatchRoutes:
     @param standby: with standbys (L{llmgw.server.standby}), whether this
         server leads and the leader's agent address (C{{"leading": bool,
         "leader": "HOST:PORT"}}); L{None} for a server alone.
+    @param reports: where the routers report their traffic, when there is
+        a router here.
     """
 
     app = error_answers(Klein())
@@ -69,12 +72,16 @@ class WatchRoutes:
         watch: Watch | None,
         *,
         standby: Callable[[], dict[str, object]] | None,
+        reports: Reports | None = None,
     ) -> None:
         self._plane = plane
         self._watch = watch
         self._standby = standby
+        self._reports = reports
 
-    def _watched(self, request: IRequest) -> tuple[ControlPlane, Watch]:
+    def _watched(
+        self, request: IRequest, adopting: bool = False
+    ) -> tuple[ControlPlane, Watch]:
         """
         @raise AdminError: 409 to a router whose protocol version this
             server does not serve (C{"code": "protocol_version"}, its
@@ -83,7 +90,8 @@ class WatchRoutes:
             (C{"code": "standby"}, with the C{"leader"}'s agent address),
             and from a leader that took over and is still in its startup
             grace, adopting the agents' engines (its state is not whole
-            yet: a router keeps what it had and asks again).
+            yet: a router keeps what it had and asks again), unless
+            C{adopting} (the route needs no whole state).
         """
         request.setHeader(versions.HEADER.encode(), versions.text().encode())
         said = request.getHeader(versions.HEADER.encode())
@@ -100,7 +108,7 @@ class WatchRoutes:
             if not state.get("leading"):
                 leader = str(state.get("leader") or "")
                 raise StandbyError(leader)
-            if not plane.grace_over:
+            if not plane.grace_over and not adopting:
                 raise AdminError(
                     503,
                     "this server has just taken over and is adopting the"
@@ -200,6 +208,26 @@ class WatchRoutes:
         for name in names[:10000]:
             plane.catalog.touch(name)
         return json_answer(request, {"touched": len(names)})
+
+    @app.route("/api/v1/report", methods=["POST"])
+    def report(self, request: IRequest) -> bytes:
+        """
+        A router's traffic since it last reported (the body's format:
+        L{llmgw.router.telemetry.reports}), added to this server's
+        C{/metrics} and dashboard: C{{"taken": N}}, the samples and
+        series counted; 400 naming what is wrong with a body that is not a
+        report (nothing of it counted).
+        """
+        # Counted from the first: a leader that took over is still in its
+        # startup grace while the routers come to it.
+        self._watched(request, adopting=True)
+        if self._reports is None:
+            raise not_found("report here")
+        try:
+            taken = self._reports.take(read_body(request))
+        except ValueError as e:
+            raise AdminError(400, str(e)[:300], "bad_request") from None
+        return json_answer(request, {"taken": taken})
 
 
 def _seconds(

@@ -40,6 +40,7 @@ from llmgw.reactors import IDaemonReactor
 from llmgw.router.api.app import Router
 from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
+from llmgw.router.telemetry.reports import Reports
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.local import (
     LocalEngines,
@@ -376,6 +377,9 @@ def pages(
         wall_clock=time.time,
         watch=parts.watch,
         standby=standby,
+        # The routers of a tier (--router-workers too) count their traffic
+        # into this server's metrics and figures.
+        reports=Reports(router.metrics.reported, traffic),
     )
     history = History(reactor, router.metrics, parts.plane, keys, wall_clock=time.time)
     failures = FailureTap(

@@ -2,7 +2,8 @@
 C{twistd llmgw-router}: the client API alone (issue 12 item 2), following a
 control plane's endpoints and catalog through its admin API's watch
 (L{llmgw.tier.follow}), forwarding activations to it
-(L{llmgw.tier.activate}), reading keys from the shared store and writing
+(L{llmgw.tier.activate}), reporting its traffic to it
+(L{llmgw.tier.report}), reading keys from the shared store and writing
 its own usage records there.  No agents, no reconciler, no dashboard.
 """
 
@@ -45,6 +46,7 @@ from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness
+from llmgw.router.telemetry.reports import Reporter
 from llmgw.store.base import Store
 from llmgw.store.db import StoreError, open_store
 from llmgw.tier.activate import RemoteActivator
@@ -52,6 +54,7 @@ from llmgw.tier.admin_client import AdminClient
 from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
 from llmgw.tier.follow import Follower
 from llmgw.tier.keys import KeyFollower
+from llmgw.tier.report import TrafficReports
 from llmgw.tier.workers import reuse_port_socket, tcp_address
 
 log = Logger(namespace="llmgw.router")
@@ -275,7 +278,11 @@ def makeService(options: Options) -> IService:
     timeout = settings.activation_timeout or 60.0
     activator = RemoteActivator(reactor, control, api.balancer.serves, timeout)
     readiness = Readiness()
-    account, router = serve(reactor, api, config, store, key_rows, activator, readiness)
+    # Its traffic counted on the server's /metrics and dashboard too.
+    reporter = Reporter(api.metrics.collectors(), activator.resolve)
+    account, router = serve(
+        reactor, api, config, store, key_rows, activator, readiness, (reporter,)
+    )
     follower = _follow(reactor, control, api, activator, account, store, readiness)
     site = make_site(router.resource(), settings, reactor, router.cors)
     port = _listener(reactor, options, site, follower)
@@ -287,7 +294,7 @@ def makeService(options: Options) -> IService:
     top.add(RECONCILER, follower, activator, api.load)
     if options["parent-pid"]:
         top.add(RECONCILER, _Orphan(reactor, reactor.stop, options["parent-pid"]))
-    top.add(USAGE, account.usage)
+    top.add(USAGE, account.usage, TrafficReports(reactor, control, reporter))
     top.add(POOLS, PoolService(api.pool), *account.services)
     if api.tracing is not None:
         top.add(POOLS, api.tracing)

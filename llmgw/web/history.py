@@ -134,14 +134,18 @@ def _any(labels: Any) -> bool:
     return True
 
 
-def _sum(metric: Any, name: str, match: Callable[[Any], bool]) -> float:
+def _sum(
+    metric: Any, name: str, match: Callable[[Any], bool], merge: Callable[[Any], Any]
+) -> float:
     """
     @param metric: a prometheus_client metric (all its label values).
+    @param merge: adds what the routers of a tier reported to a family
+        (L{llmgw.router.telemetry.reports.ReportedMetrics.merge}).
     @return: the sum of its samples called C{name} whose labels C{match}.
     """
     total = 0.0
     for family in metric.collect():
-        for sample in family.samples:
+        for sample in merge(family).samples:
             if sample.name == name and match(sample.labels):
                 total += sample.value
     return total
@@ -209,15 +213,18 @@ class History(Service):
     def _sample(self) -> None:
         now = self._wall_clock()
         counted = self._metrics.requests
-        requests = _sum(counted, "llmgw_requests_total", _any)
+        # With the tier's reports, as a scrape reads them.
+        merge = self._metrics.reported.merge
+        requests = _sum(counted, "llmgw_requests_total", _any, merge)
         errors = _sum(
             counted,
             "llmgw_requests_total",
             lambda labels: str(labels.get("status", "")).startswith("5"),
+            merge,
         )
         ttft = self._metrics.time_to_first_token
-        ttft_sum = _sum(ttft, "llmgw_time_to_first_token_seconds_sum", _any)
-        ttft_count = _sum(ttft, "llmgw_time_to_first_token_seconds_count", _any)
+        ttft_sum = _sum(ttft, "llmgw_time_to_first_token_seconds_sum", _any, merge)
+        ttft_count = _sum(ttft, "llmgw_time_to_first_token_seconds_count", _any, merge)
         figures = (now, requests, errors, ttft_sum, ttft_count)
         if self._last is not None:
             at, requests0, errors0, sum0, count0 = self._last

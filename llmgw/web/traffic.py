@@ -1,10 +1,11 @@
 """
 The dashboard's traffic figures for the fleet, each model and each
 replica: every finished request, as the router records it (a usage sink
-beside the log line and the store), counted into slots of L{SLOT}
-seconds kept for L{KEPT} seconds; the pages read windows of them
-(L{WINDOWS}: the last minute and the last five minutes) and draw the
-slots as charts.
+beside the log line and the store) or as the routers of a tier report
+theirs (L{Traffic.add}: L{llmgw.router.telemetry.reports}), counted into
+slots of L{SLOT} seconds kept for L{KEPT} seconds; the pages read windows
+of them (L{WINDOWS}: the last minute and the last five minutes) and draw
+the slots as charts.
 
 Why not the metrics registry, as L{llmgw.web.history} reads it for the
 fleet's sparklines: its counters name no replica, and its
@@ -285,26 +286,67 @@ class Traffic:
             if record.stream and not 400 <= record.status
             else None
         )
-        fleet = self.fleet
-        if not fleet.slots or fleet.slots[-1].index != index:
-            self._forget(index)
-        _count(fleet.slot(index), error, ttft)
-        model = self._resolve(record.model) or OTHER
+        for slot in self._slots(index, record.model, record.replica):
+            _count(slot, error, ttft)
         if record.usage_estimated:
+            model = self._resolve(record.model) or OTHER
             self.estimated[model] = self.estimated.get(model, 0) + 1
             if record.status == 200:
                 # Answered whole, yet no count: the engine sends none.
                 count = self.answered_estimated.get(model, 0) + 1
                 self.answered_estimated[model] = count
+
+    def add(
+        self,
+        model: str,
+        replica: str | None,
+        requests: int,
+        errors: int,
+        ttft: dict[float, int],
+    ) -> None:
+        """
+        Count what a router of the tier reported
+        (L{llmgw.router.telemetry.reports.TrafficSink}) in the current
+        slots, as L{record} counts one request.
+
+        @param model: the name asked for (resolved as L{record} does).
+        @param replica: the replica that answered, or L{None}.
+        @param requests: requests finished.
+        @param errors: those of them answered 5xx.
+        @param ttft: the times to first token of the streams answered,
+            seconds -> count.
+        """
+        index = math.floor(self._clock() / SLOT)
+        buckets: dict[int, int] = {}
+        for seconds, count in ttft.items():
+            b = bucket(seconds)
+            buckets[b] = buckets.get(b, 0) + count
+        for slot in self._slots(index, model, replica):
+            slot.requests += requests
+            slot.errors += errors
+            for b, count in buckets.items():
+                slot.ttft[b] = slot.ttft.get(b, 0) + count
+
+    def _slots(self, index: int, name: str, replica: str | None) -> list[Slot]:
+        """
+        @return: the fleet's, C{name}'s model's and C{replica}'s (if any)
+            slots of C{index}.
+        """
+        fleet = self.fleet
+        if not fleet.slots or fleet.slots[-1].index != index:
+            self._forget(index)
+        slots = [fleet.slot(index)]
+        model = self._resolve(name) or OTHER
         series = self.models.get(model)
         if series is None:
             series = self.models[model] = Series()
-        _count(series.slot(index), error, ttft)
-        if record.replica is not None:
-            series = self.replicas.get(record.replica)
+        slots.append(series.slot(index))
+        if replica is not None:
+            series = self.replicas.get(replica)
             if series is None:
-                series = self.replicas[record.replica] = Series()
-            _count(series.slot(index), error, ttft)
+                series = self.replicas[replica] = Series()
+            slots.append(series.slot(index))
+        return slots
 
     def _forget(self, index: int) -> None:
         """

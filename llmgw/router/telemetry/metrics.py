@@ -6,11 +6,15 @@ C{_seconds} histograms), and the registry every llmgw C{/metrics} serves.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
+
+from llmgw.router.telemetry.reports import ReportedMetrics
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -36,8 +40,9 @@ TOKEN_KINDS = ("prompt", "completion")
 
 class MetricsRegistry(CollectorRegistry):
     """
-    A registry whose scrapes carry no C{_created} samples, and that runs
-    its owners' hooks before each scrape.
+    A registry whose scrapes carry no C{_created} samples, that runs its
+    owners' hooks before each scrape, and that adds what the routers of a
+    tier reported (L{merge_with}) to each family.
 
     prometheus_client gives every counter, histogram and summary a
     C{<name>_created} sample (the child's creation time), which the text
@@ -50,6 +55,7 @@ class MetricsRegistry(CollectorRegistry):
     def __init__(self) -> None:
         super().__init__()
         self._before: list[Callable[[], None]] = []
+        self._merges: list[Callable[[Metric], Metric]] = []
 
     def before_scrape(self, hook: Callable[[], None]) -> None:
         """
@@ -58,10 +64,19 @@ class MetricsRegistry(CollectorRegistry):
         """
         self._before.append(hook)
 
+    def merge_with(self, merge: Callable[[Metric], Metric]) -> None:
+        """
+        Pass each family of a scrape through C{merge} (which returns it,
+        or a copy with more or other samples).
+        """
+        self._merges.append(merge)
+
     def collect(self) -> Iterator[Metric]:
         for hook in self._before:
             hook()
         for metric in super().collect():
+            for merge in self._merges:
+                metric = merge(metric)
             created = metric.name + "_created"
             if any(sample.name == created for sample in metric.samples):
                 metric = copy.copy(metric)
@@ -72,9 +87,22 @@ class MetricsRegistry(CollectorRegistry):
 class RouterMetrics:
     """
     Counters and histograms for client traffic, registered in C{registry}.
+
+    @ivar reported: what the routers of a tier reported of the same
+        metrics (L{llmgw.router.telemetry.reports}), added to this
+        process's own on C{registry}'s scrapes when it is a
+        L{MetricsRegistry}.
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """
+        @param clock: seconds, for how long a router's reported gauges
+            count (L{ReportedMetrics}).
+        """
         self.requests = Counter(
             "llmgw_requests",
             "Client requests finished, by model and HTTP status; names no"
@@ -122,30 +150,17 @@ class RouterMetrics:
             ["model"],
             registry=registry,
         )
-        # Routing (issue 11): the choices made, for reading a policy's effect.
-        self.affinity = Counter(
-            "llmgw_router_affinity",
-            "Requests with an affinity key (session or long prompt prefix), by"
-            " model and outcome: owner (the replica its key hashes to, within"
-            " the load bound) or spilled (the least loaded instead).",
-            ["model", "outcome"],
-            registry=registry,
-        )
-        self.ejections = Counter(
-            "llmgw_replica_ejections",
-            "Replicas ejected for failed answers (5xx, deadlines) in a row.",
-            ["replica"],
-            registry=registry,
-        )
-        self.overload = Counter(
-            "llmgw_overload",
-            "Requests held back because every replica of their model queued"
-            " past overload_queue_depth, by outcome: waited (then went on) or"
-            " refused (429).",
-            ["model", "outcome"],
-            registry=registry,
-        )
+        # Routing: the choices made, for reading a policy's effect.
+        self.affinity, self.ejections, self.overload = _routing(registry)
 
+        self.reported = ReportedMetrics(
+            {
+                family.name: family.type
+                for collector in self.collectors()
+                for family in collector.describe()
+            },
+            clock,
+        )
         self._finished: dict[tuple[str, int], Any] = {}
         # Per configured model: duration, time to first token, tokens.
         self._per_model: dict[str, tuple[Any, Any, Any, Any]] = {}
@@ -165,6 +180,26 @@ class RouterMetrics:
         self._replicas: Callable[[], Iterable[str]] = tuple
         if isinstance(registry, MetricsRegistry):
             registry.before_scrape(self.refresh)
+            registry.merge_with(self.reported.merge)
+
+    def collectors(self) -> tuple[MetricWrapperBase, ...]:
+        """
+        @return: every metric of this router's traffic (what a router of a
+            tier reports to its server).
+        """
+        return (
+            self.requests,
+            self.request_duration,
+            self.time_to_first_token,
+            self.tokens,
+            self.in_flight,
+            self.upstream_errors,
+            self.adapter_loads,
+            self.retries,
+            self.affinity,
+            self.ejections,
+            self.overload,
+        )
 
     def follow(
         self, models: Callable[[], Iterable[str]], replicas: Callable[[], Iterable[str]]
@@ -206,6 +241,7 @@ class RouterMetrics:
             except KeyError:
                 pass
         self._known_replicas = replicas
+        self.reported.drop("llmgw_replica_ejections", "replica", replicas)
 
     def _children(self, model: str) -> tuple[Any, Any, Any, Any]:
         children = self._per_model.get(model)
@@ -253,6 +289,36 @@ class RouterMetrics:
             prompt.inc(prompt_tokens)
         if completion_tokens:
             completion.inc(completion_tokens)
+
+
+def _routing(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
+    """
+    @return: the routing choices' counters: affinity (by model and
+        outcome), ejections (by replica), overload (by model and outcome).
+    """
+    affinity = Counter(
+        "llmgw_router_affinity",
+        "Requests with an affinity key (session or long prompt prefix), by"
+        " model and outcome: owner (the replica its key hashes to, within"
+        " the load bound) or spilled (the least loaded instead).",
+        ["model", "outcome"],
+        registry=registry,
+    )
+    ejections = Counter(
+        "llmgw_replica_ejections",
+        "Replicas ejected for failed answers (5xx, deadlines) in a row.",
+        ["replica"],
+        registry=registry,
+    )
+    overload = Counter(
+        "llmgw_overload",
+        "Requests held back because every replica of their model queued"
+        " past overload_queue_depth, by outcome: waited (then went on) or"
+        " refused (429).",
+        ["model", "outcome"],
+        registry=registry,
+    )
+    return affinity, ejections, overload
 
 
 def _adapter_loads(registry: CollectorRegistry) -> Counter:

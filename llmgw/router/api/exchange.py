@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.web.iweb import IRequest, IResponse
 
+from llmgw.router.api.failures import AnswerTooLarge, failure_type
 from llmgw.router.api.prepare import Prepared
 from llmgw.router.api.services import Services
 from llmgw.router.api.waiting import Waits
@@ -37,7 +38,7 @@ from llmgw.router.routing.balancer import Replica
 from llmgw.router.routing.decision import candidates
 from llmgw.router.routing.ejection import outcome
 from llmgw.router.routing.fairness import ANONYMOUS
-from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace
+from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace, error_type
 from llmgw.router.upstream.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.upstream.base import (
     BodyReader,
@@ -58,12 +59,6 @@ SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-
-
-class AnswerTooLarge(Exception):
-    """
-    A replica's answer passed a size limit.
-    """
 
 
 class _Retry(Exception):
@@ -150,6 +145,7 @@ class Exchange:
         self._cut_reason: str | None = None
         self._native = False  # a Messages API request sent as it came
         self._sent = 0.0  # clock time the last attempt was sent
+        self._failure: str | None = None  # the last attempt's error.type
 
     def _cancel_waiting(self) -> None:
         if self._waiting is not None:
@@ -184,9 +180,8 @@ class Exchange:
             activator.touch(self.model)
             if not balancer.serves(self.model) and activator.resolve(self.model):
                 keepalive = self.keepalive if self.prepared.stream else None
-                await self._trace.step(
-                    "activation", waits.activate(activator, keepalive)
-                )
+                activating = waits.activate(activator, keepalive)
+                await self._trace.step("activation", activating, self._error_type)
         await waits.turn(self.prepared.reserve)
         stale: Replica | None = None
         for attempt in range(services.settings.max_retries + 1):
@@ -211,7 +206,9 @@ class Exchange:
             replica.exchanges.add(self.cut)
             self.answer_status = None
             try:
-                return await self._trace.attempt(replica.id, self._attempt(replica))
+                return await self._trace.attempt(
+                    replica.id, self._attempt(replica), attempt, self._error_type
+                )
             except _Retry as retry:
                 last_error = retry.error
                 stale = replica if retry.stale else None
@@ -221,6 +218,11 @@ class Exchange:
                 gone, expired = client_gone(self.request), bool(self._deadlines.expired)
                 balancer.report(replica, outcome(self.answer_status, expired, gone))
         raise last_error if last_error is not None else no_ready_replica(self.model)
+
+    def _error_type(self, error: BaseException | None) -> str | None:
+        # A span's; none for a stream relayed to its end, whoever closed.
+        gone, expired = client_gone(self.request), bool(self._deadlines.expired)
+        return None if self.done else error_type(error, gone, expired, self._failure)
 
     def cut(self, why: str) -> None:
         """
@@ -273,6 +275,7 @@ class Exchange:
     async def _attempt(self, replica: Replica) -> bytes | None:
         services = self.services
         metrics = services.metrics
+        self._failure = None
         self._deadlines.start("first_byte")
         headers = (
             upstream_headers(
@@ -293,13 +296,12 @@ class Exchange:
         sent = self._sent = services.clock.seconds()
         try:
             response = await self._waiting
-        except UpstreamConnectError as e:
-            if client_gone(self.request):
-                raise
-            self._not_connected(replica, e)
         except Exception as e:
             if client_gone(self.request):
                 raise
+            self._failure = failure_type(e, self._deadlines.expired, self._cut_reason)
+            if isinstance(e, UpstreamConnectError):
+                self._not_connected(replica, e)
             self._broken(replica, e)
         finally:
             self._waiting = None
@@ -312,10 +314,12 @@ class Exchange:
             and self.prepared.stream
             and content_type.startswith(b"text/event-stream")
         ):
-            await self._trace.step("relay", self._relay_stream(response))
+            relaying = self._relay_stream(response)
+            await self._trace.step("relay", relaying, self._error_type)
             return None
         body = await self._read_whole(response)
         self._replica_took(sent)
+        self._failure = str(status) if status >= 400 else None
         wait = retry_after(response.headers)
         if status == 503:
             metrics.upstream_errors.labels("status").inc()
@@ -457,11 +461,13 @@ class Exchange:
         try:
             await reader.done
         except (AnswerTooLarge, EventTooLarge) as e:
+            self._failure = failure_type(e)
             metrics.upstream_errors.labels("broken").inc()
             raise upstream_failed(f"The replica's answer was refused: {e}.") from None
         except Exception as e:
             if client_gone(request):
                 raise
+            self._failure = failure_type(e, self._deadlines.expired, self._cut_reason)
             if self._deadlines.expired:
                 metrics.upstream_errors.labels("timeout").inc()
                 raise self._deadlines.error() from None
@@ -570,6 +576,7 @@ class Exchange:
         try:
             rest = relay.end()
         except StreamCut as e:
+            self._failure = failure_type(e)
             if e.rest:
                 self._write(e.rest)
             cut = upstream_failed(str(e))

@@ -9,26 +9,42 @@ U{https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/}) and
 its time to first token in seconds (C{gen_ai.server.time_to_first_token},
 the convention's metric of that name), and child spans: C{llmgw.wait} for
 each wait (the activation queue, the overload room), C{llmgw.attempt} for
-each replica tried (its W3C C{traceparent} goes to the engine, which vLLM
-continues with C{--otlp-traces-endpoint}) and C{llmgw.relay} for a
-stream's relay.  No prompt, answer or key is ever an attribute.
+each replica tried (its W3C C{traceparent}, and the client's C{tracestate}
+with it, go to the engine, which vLLM continues with
+C{--otlp-traces-endpoint}; a retry's has C{http.request.resend_count}) and
+C{llmgw.relay} for a stream's relay.  No prompt, answer or key is ever an
+attribute.
+
+Errors follow the HTTP semantic conventions
+(U{https://opentelemetry.io/docs/specs/semconv/http/http-spans/}, "Status",
+and the example "HTTP server call: connection dropped before response body
+was sent"): a span that failed has status ERROR and an C{error.type} of
+L{ERROR_TYPES}: an HTTP status as a string (C{"503"}: the replica's answer
+on an attempt, the client's on the server span, where only a 5xx is an
+error), or a short word for a failure without one.  A client that left
+before its answer ended is C{error.type} C{client_disconnected} on every
+span it cut, with C{http.response.status_code} the status its answer's
+head said (200 for a stream already started; none when no head went), not
+nginx's 499 (which the request's record and metrics keep).
 
 Spans go through the OpenTelemetry SDK's batch processor and its OTLP/HTTP
 exporter, on the SDK's own thread, so the reactor never waits for a
-collector.  With tracing off nothing of the SDK is imported and every call
-of L{NO_TRACE} is a no-op returning its argument: a request pays a few
-attribute lookups.
+collector.  With tracing off nothing
+of the SDK is imported and every call of L{NO_TRACE} is a no-op returning
+its argument: a request pays a few attribute lookups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.threads import deferToThread
+from twisted.web.http_headers import Headers
 
+from llmgw.router.errors import APIError
 from llmgw.router.settings_toml import TracingConfig
 
 if TYPE_CHECKING:
@@ -48,6 +64,85 @@ OPERATIONS = {
 """
 The GenAI convention's C{gen_ai.operation.name} of each route.
 """
+
+CLIENT_LEFT = "client_disconnected"
+TIMEOUT = "timeout"
+CONNECTION_REFUSED = "connection_refused"
+CONNECT_ERROR = "connect_error"
+CONNECTION_CLOSED = "connection_closed"
+INVALID_RESPONSE = "invalid_response"
+RESPONSE_TOO_LARGE = "response_too_large"
+REPLICA_GONE = "replica_gone"
+STREAM_INCOMPLETE = "stream_incomplete"
+OTHER = "_OTHER"
+
+ERROR_TYPES = {
+    "4xx, 5xx": "the HTTP status: the replica's on an attempt (a 4xx is an"
+    " error of the attempt, not of the server span), the client's on the"
+    " server span (5xx only)",
+    CLIENT_LEFT: "the client closed its connection before its answer ended",
+    TIMEOUT: "a deadline passed (connect, first byte, idle, total)",
+    CONNECTION_REFUSED: "the replica refused the connection",
+    CONNECT_ERROR: "no connection could be made to the replica otherwise",
+    CONNECTION_CLOSED: "the replica closed the connection before its answer ended",
+    INVALID_RESPONSE: "the replica's answer was not valid HTTP",
+    RESPONSE_TOO_LARGE: "the answer passed max_response_size or an event"
+    " max_event_size",
+    REPLICA_GONE: "the replica left the fleet (drained, stopped, lost)",
+    STREAM_INCOMPLETE: "the replica's stream ended inside an event or before"
+    " any choice finished",
+    "<code>": "a wait refused or timed out: the error's code"
+    " (activation_timeout, activation_queue_full, model_overloaded)",
+    OTHER: "anything else (the convention's fallback)",
+}
+"""
+Every C{error.type} llmgw's spans carry, and what it means (the
+conventions ask an instrumentation to document its list).
+"""
+
+CLIENT_CLOSED = 499
+"""
+The status a request's record gives a client that left (nginx's).
+"""
+
+ErrorType = Callable[[BaseException | None], "str | None"]
+"""
+How a step or attempt ended: given what it raised (L{None}: it returned),
+the C{error.type} it failed with, or L{None} when it did not fail.
+"""
+
+
+def error_type(
+    error: BaseException | None,
+    client_left: bool = False,
+    timed_out: bool = False,
+    failure: str | None = None,
+) -> str | None:
+    """
+    The C{error.type} of a step or attempt, by what the request saw.
+
+    @param error: what the step raised, or L{None} when it returned.
+    @param client_left: the client's connection is gone.
+    @param timed_out: one of the request's deadlines passed.
+    @param failure: the type the exchange noted for a failure it handled
+        (an error event written to a started stream, a retry).
+    @return: one of L{ERROR_TYPES}, or L{None}: no failure.
+    """
+    if client_left:
+        return CLIENT_LEFT
+    if failure is not None:
+        return failure
+    if error is None:
+        return None
+    if timed_out:
+        return TIMEOUT
+    if isinstance(error, APIError):
+        return error.code or str(error.status)
+    return OTHER
+
+
+def _default_error_type(error: BaseException | None) -> str | None:
+    return error_type(error)
 
 
 def provider(config: TracingConfig, service: str) -> TracerProvider | None:
@@ -81,13 +176,21 @@ class NoTrace:
     A request not traced: every method does nothing.
     """
 
-    def step(self, name: str, work: Awaitable[_T]) -> Awaitable[_T]:
+    def step(
+        self, name: str, work: Awaitable[_T], failed: ErrorType = _default_error_type
+    ) -> Awaitable[_T]:
         """
         @return: C{work} itself.
         """
         return work
 
-    def attempt(self, replica: str, work: Awaitable[_T]) -> Awaitable[_T]:
+    def attempt(
+        self,
+        replica: str,
+        work: Awaitable[_T],
+        resend: int = 0,
+        failed: ErrorType = _default_error_type,
+    ) -> Awaitable[_T]:
         """
         @return: C{work} itself.
         """
@@ -99,7 +202,7 @@ class NoTrace:
         """
         return []
 
-    def end(self, record: RequestRecord) -> None:
+    def end(self, record: RequestRecord, head_sent: bool = False) -> None:
         """
         Nothing to end.
         """
@@ -111,18 +214,35 @@ NO_TRACE = NoTrace()
 class RequestTrace(NoTrace):
     """
     One traced request: its server span and the children of it.
+
+    @param traceparent: the client's W3C C{traceparent}, if any.
+    @param tracestate: the client's C{tracestate} header lines, kept with
+        a valid C{traceparent} (and dropped with an invalid one, as W3C
+        Trace Context says), passed on to the engine with the attempt's.
     """
 
-    def __init__(self, tracer: Tracer, path: bytes, traceparent: bytes | None):
-        from opentelemetry.propagate import extract
+    def __init__(
+        self,
+        tracer: Tracer,
+        path: bytes,
+        traceparent: bytes | None,
+        tracestate: Sequence[bytes] = (),
+    ):
         from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import (
+            TraceContextTextMapPropagator,
+        )
 
         # A client's own trace is continued (W3C Trace Context).
-        parent = (
-            extract({"traceparent": traceparent.decode("latin-1")})
-            if traceparent
-            else None
-        )
+        parent = None
+        if traceparent:
+            carrier = {"traceparent": traceparent.decode("latin-1")}
+            if tracestate:
+                # Several lines are one list (RFC 9110's field lines).
+                carrier["tracestate"] = ",".join(
+                    line.decode("latin-1") for line in tracestate
+                )
+            parent = TraceContextTextMapPropagator().extract(carrier)
         self._tracer = tracer
         route = path.decode("latin-1")
         self.span: Span = tracer.start_span(
@@ -148,49 +268,75 @@ class RequestTrace(NoTrace):
             name, context=context, kind=kind, attributes=attributes
         )
 
-    def step(self, name: str, work: Awaitable[_T]) -> Awaitable[_T]:
+    def step(
+        self, name: str, work: Awaitable[_T], failed: ErrorType = _default_error_type
+    ) -> Awaitable[_T]:
         """
         @param name: C{activation} or C{overload} (a C{llmgw.wait} span),
             or C{relay} (C{llmgw.relay}, under the attempt).
+        @param failed: the C{error.type} it ended with, if any.
         @return: C{work}, within the span.
         """
         if name == "relay":
-            return self._run(self._child("llmgw.relay"), work)
-        return self._run(self._child("llmgw.wait", **{"llmgw.wait": name}), work)
+            return self._run(self._child("llmgw.relay"), work, failed)
+        span = self._child("llmgw.wait", **{"llmgw.wait": name})
+        return self._run(span, work, failed)
 
-    def attempt(self, replica: str, work: Awaitable[_T]) -> Awaitable[_T]:
+    def attempt(
+        self,
+        replica: str,
+        work: Awaitable[_T],
+        resend: int = 0,
+        failed: ErrorType = _default_error_type,
+    ) -> Awaitable[_T]:
         """
         @param replica: the replica's id.
+        @param resend: how many attempts came before this one.
+        @param failed: the C{error.type} it ended with, if any.
         @return: C{work}, within a C{llmgw.attempt} span whose context
             L{headers} gives the engine meanwhile.
         """
-        self._attempt = self._child("llmgw.attempt", **{"llmgw.replica": replica})
-        return self._run(self._attempt, work)
+        attributes: dict[str, Any] = {"llmgw.replica": replica}
+        if resend:
+            attributes["http.request.resend_count"] = resend
+        self._attempt = self._child("llmgw.attempt", **attributes)
+        return self._run(self._attempt, work, failed)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """
-        @return: the attempt's W3C C{traceparent}, for the engine.
+        @return: the attempt's W3C C{traceparent}, and C{tracestate} when
+            the client sent one, for the engine.
         """
-        from opentelemetry.propagate import inject
         from opentelemetry.trace import set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import (
+            TraceContextTextMapPropagator,
+        )
 
         carrier: dict[str, str] = {}
         span = self._attempt if self._attempt is not None else self.span
-        inject(carrier, context=set_span_in_context(span))
+        TraceContextTextMapPropagator().inject(
+            carrier, context=set_span_in_context(span)
+        )
         return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in carrier.items()]
 
-    def end(self, record: RequestRecord) -> None:
+    def end(self, record: RequestRecord, head_sent: bool = False) -> None:
         """
         End the server span with what the request's record says: status,
         the model asked and answered, the replica, the engine's usage and
         the time to first token (seconds).
-        """
-        from opentelemetry.trace import Status, StatusCode
 
+        @param head_sent: whether the client got the answer's head (a
+            stream's 200), whatever the record's status became after.
+        """
         span = self.span
-        span.set_attribute("http.response.status_code", record.status)
+        status = record.status
+        left = status == CLIENT_CLOSED
+        if head_sent:
+            span.set_attribute("http.response.status_code", 200)
+        elif not left:
+            span.set_attribute("http.response.status_code", status)
         span.set_attribute("gen_ai.request.model", record.model)
-        if record.status < 400:
+        if status < 400:
             span.set_attribute("gen_ai.response.model", record.model)
         span.set_attribute("gen_ai.usage.input_tokens", record.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", record.completion_tokens)
@@ -199,21 +345,35 @@ class RequestTrace(NoTrace):
             span.set_attribute("gen_ai.server.time_to_first_token", ttft)
         if record.replica is not None:
             span.set_attribute("llmgw.replica", record.replica)
-        if record.status >= 500:
-            span.set_status(Status(StatusCode.ERROR))
+        if left:
+            _failed(span, CLIENT_LEFT)
+        elif status >= 500:
+            _failed(span, str(status))
         span.end()
 
-    async def _run(self, span: Span, work: Awaitable[_T]) -> _T:
-        # The span ends however the work ends; an exception's type is noted.
+    async def _run(self, span: Span, work: Awaitable[_T], failed: ErrorType) -> _T:
+        # The span ends however the work ends, with its error.type.
         try:
-            return await work
+            result = await work
         except BaseException as e:
-            span.set_attribute("error.type", type(e).__name__)
+            _failed(span, failed(e) or OTHER)
             raise
+        else:
+            kind = failed(None)
+            if kind is not None:
+                _failed(span, kind)
+            return result
         finally:
             span.end()
             if span is self._attempt:
                 self._attempt = None
+
+
+def _failed(span: Span, kind: str) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_attribute("error.type", kind)
+    span.set_status(Status(StatusCode.ERROR))
 
 
 class Tracing:
@@ -224,12 +384,19 @@ class Tracing:
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
 
-    def request(self, path: bytes, traceparent: bytes | None) -> RequestTrace:
+    def request(self, path: bytes, headers: Headers) -> RequestTrace:
         """
         @param path: the route (C{/v1/chat/completions}).
-        @param traceparent: the client's W3C C{traceparent}, if any.
+        @param headers: the client's request headers, for its W3C
+            C{traceparent} and C{tracestate}.
         """
-        return RequestTrace(self.tracer, path, traceparent)
+        parents = headers.getRawHeaders(b"traceparent")
+        return RequestTrace(
+            self.tracer,
+            path,
+            parents[-1] if parents else None,
+            headers.getRawHeaders(b"tracestate", []),
+        )
 
 
 class TracingService(Service):

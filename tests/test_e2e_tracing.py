@@ -5,12 +5,15 @@ streamed request reach an OTLP/HTTP receiver on loopback (its protobuf
 decoded with C{opentelemetry-proto}), and the engine gets the attempt's
 W3C C{traceparent} and the client's C{tracestate}; failed attempts, server
 errors and a client that left are ERROR spans with the conventions'
-C{error.type}; without C{[tracing]} no exporter thread runs.
+C{error.type}; a collector that is down is one warning, counted drops and
+a stop that does not wait for it; without C{[tracing]} no exporter thread
+runs.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import socket
 import threading
 import time
@@ -24,7 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import Processes, closed_port, http, sim_stats
+from tests.support import Process, Processes, closed_port, http, sim_stats
 
 KEY_SECRET = "sk-never-in-a-span"
 PROMPT = "a prompt that no span may hold"
@@ -36,7 +39,7 @@ class Receiver:
     decoded as C{ExportTraceServiceRequest}, their spans kept.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.spans: list[Span] = []
         self.bodies: list[bytes] = []
         received = self
@@ -58,7 +61,7 @@ class Receiver:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -228,6 +231,9 @@ class TracingTests(Processes, SynchronousTestCase):
         self.assertGreater(wait.end_time_unix_nano - wait.start_time_unix_nano, 0)
 
 
+# Batches leave every 100 ms (the SDK's default is 5 s), for short tests.
+QUICK_BATCHES = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+
 CHAT = (
     b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}'
 )
@@ -251,6 +257,62 @@ def status_of(span: Span) -> int:
     @return: the span's status code (0 unset, 2 error).
     """
     return int(span.status.code)
+
+
+def dropped(admin_url: str, reason: str) -> float:
+    """
+    @return: C{llmgw_trace_spans_dropped_total{reason}} on the admin
+        listener's C{/metrics}.
+    """
+    _, _, body = http("GET", admin_url + "/metrics")
+    match = re.search(
+        rb'llmgw_trace_spans_dropped_total\{reason="%s"\} (\S+)' % reason.encode(),
+        body,
+    )
+    assert match is not None, body[-2000:]
+    return float(match.group(1))
+
+
+def stop_seconds(process: Process) -> float:
+    """
+    @return: seconds from SIGTERM to the process's exit (SIGKILL past 10).
+    """
+    began = time.monotonic()
+    process.stop(timeout=10)
+    return time.monotonic() - began
+
+
+class Hanging:
+    """
+    A collector that takes connections and never answers: an export waits
+    for its deadline (the SDK's 10 s) or its retries' end.
+
+    @ivar accepted: set once a connection came.
+    """
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = threading.Event()
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._take, daemon=True)
+        self.thread.start()
+
+    def _take(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.held.append(connection)
+            self.accepted.set()
+
+    def stop(self) -> None:
+        self.listener.close()
+        for connection in self.held:
+            connection.close()
 
 
 class TraceRulesTests(Processes, SynchronousTestCase):
@@ -360,3 +422,74 @@ class TraceRulesTests(Processes, SynchronousTestCase):
         for span in (server, attempt, relay):
             self.assertEqual(attributes(span)["error.type"], "client_disconnected")
             self.assertEqual(status_of(span), 2, span.name)
+
+
+class CollectorDownTests(Processes, SynchronousTestCase):
+    """
+    The exporter's own failures: logged once per outage, counted, and
+    never holding a stop.
+    """
+
+    timeout = 120
+
+    def test_outage_logged_once_and_counted(self) -> None:
+        """
+        With the collector down, several failed exports give one warning
+        (none of the SDK's lines), the dropped spans are counted on
+        C{/metrics}, one line says where spans go at start and one when
+        the collector is back; SIGTERM with C{drain_timeout = "1s"} takes
+        under 3 s.
+        """
+        port = closed_port()
+        _, sim_url = self.start_sim("--itl", "0.001", model="m")
+        server, api_url, admin_url = self.start_server(
+            "--endpoint",
+            f"sim={sim_url}=m",
+            config=f'[router]\ndrain_timeout = "1s"\n'
+            f'[tracing]\notlp_endpoint = "http://127.0.0.1:{port}"\n',
+            env={**QUICK_BATCHES, "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1"},
+        )
+        server.wait_for(rf"spans go to http://127\.0\.0\.1:{port}/v1/traces")
+        self.assertEqual(chat(api_url), 200)
+        server.wait_for("spans cannot be exported")
+        for _ in range(3):
+            self.assertEqual(chat(api_url), 200)
+            time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while dropped(admin_url, "export_failed") < 4:
+            self.assertLess(time.monotonic(), deadline, "dropped spans counted")
+            time.sleep(0.2)
+        output = server.output()
+        self.assertEqual(output.count("spans cannot be exported"), 1, output)
+        # The SDK's own lines (Python's logging, printed by twistd as
+        # stderr) stay out of the log.
+        self.assertNotIn("stderr#", output)
+
+        receiver = Receiver(port)
+        self.addCleanup(receiver.stop)
+        self.assertEqual(chat(api_url), 200)
+        server.wait_for("spans are exported to .* again")
+        receiver.wait_for("POST /v1/chat/completions")
+        self.assertLess(stop_seconds(server), 3.0)
+
+    def test_stop_not_held_by_a_hanging_collector(self) -> None:
+        """
+        With an export waiting on a collector that never answers (the
+        SDK's deadline is 10 s), SIGTERM with C{drain_timeout = "1s"}
+        still exits in under 3 s, saying the spans left were not exported.
+        """
+        collector = Hanging()
+        self.addCleanup(collector.stop)
+        _, sim_url = self.start_sim("--itl", "0.001", model="m")
+        server, api_url, _ = self.start_server(
+            "--endpoint",
+            f"sim={sim_url}=m",
+            config=f'[router]\ndrain_timeout = "1s"\n'
+            f'[tracing]\notlp_endpoint = "{collector.url}"\n',
+            env=QUICK_BATCHES,
+        )
+        self.assertEqual(chat(api_url), 200)
+        self.assertTrue(collector.accepted.wait(10), "an export began")
+        self.assertEqual(chat(api_url), 200)
+        self.assertLess(stop_seconds(server), 3.0)
+        self.assertIn("stopped waiting for the collector", server.output())

@@ -29,7 +29,8 @@ nginx's 499 (which the request's record and metrics keep).
 
 Spans go through the OpenTelemetry SDK's batch processor and its OTLP/HTTP
 exporter, on the SDK's own thread, so the reactor never waits for a
-collector.  With tracing off nothing
+collector (L{llmgw.router.telemetry.export}: its failures logged once and
+counted, a stop that does not wait past a second).  With tracing off nothing
 of the SDK is imported and every call of L{NO_TRACE} is a no-op returning
 its argument: a request pays a few attribute lookups.
 """
@@ -39,13 +40,23 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from prometheus_client import CollectorRegistry
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
-from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 
+from llmgw.reactors import IThreadedClockReactor
 from llmgw.router.errors import APIError
 from llmgw.router.settings_toml import TracingConfig
+from llmgw.router.telemetry.export import (
+    QUEUE_SIZE,
+    AdmittingProcessor,
+    ExportWatch,
+    SdkRecords,
+    dropped_spans,
+    stop_within,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -143,32 +154,6 @@ def error_type(
 
 def _default_error_type(error: BaseException | None) -> str | None:
     return error_type(error)
-
-
-def provider(config: TracingConfig, service: str) -> TracerProvider | None:
-    """
-    The SDK's tracer provider exporting to C{config.otlp_endpoint}, or
-    L{None} when tracing is off (nothing imported, no thread started).
-
-    @param service: the C{service.name} resource attribute (C{llmgw-server}).
-    """
-    if not config.otlp_endpoint:
-        return None
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter,
-    )
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-
-    tracer_provider = TracerProvider(
-        resource=Resource.create({"service.name": service}),
-        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
-    )
-    exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint + "/v1/traces")
-    tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
-    return tracer_provider
 
 
 class NoTrace:
@@ -401,25 +386,91 @@ class Tracing:
 
 class TracingService(Service):
     """
-    The SDK's provider, shut down (its last spans exported, its thread
-    ended) when the daemon stops.
+    The SDK's provider exporting to C{config.otlp_endpoint}, watched
+    (L{llmgw.router.telemetry.export}): started with a line saying where
+    spans go; shut down (its last spans exported, within a second) when the
+    daemon stops.
 
+    @param reactor: brings the exporter's log lines to the reactor's thread
+        and bounds the stop.
+    @param service: the C{service.name} resource attribute (C{llmgw-server}).
+    @param registry: where the dropped spans are counted.
     @ivar tracing: what the router and the control plane trace with.
     """
 
-    def __init__(self, tracer_provider: TracerProvider) -> None:
-        self.provider = tracer_provider
-        self.tracing = Tracing(tracer_provider.get_tracer("llmgw"))
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: IThreadedClockReactor,
+        config: TracingConfig,
+        service: str,
+        registry: CollectorRegistry,
+    ) -> None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter,
+        )
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        self._reactor = reactor
+        self.destination = config.otlp_endpoint + "/v1/traces"
+        self.sample_ratio = config.sample_ratio
+        # The stop is this service's (bounded); the SDK's own at exit would
+        # wait for a dead collector again.
+        self.provider: TracerProvider = TracerProvider(
+            resource=Resource.create({"service.name": service}),
+            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+            shutdown_on_exit=False,
+        )
+        self.watch = ExportWatch(
+            OTLPSpanExporter(endpoint=self.destination),
+            self.destination,
+            dropped_spans(registry),
+            reactor.callFromThread,
+        )
+        batch = BatchSpanProcessor(self.watch, max_queue_size=QUEUE_SIZE)  # type: ignore[arg-type]
+        self.provider.add_span_processor(AdmittingProcessor(batch, self.watch))  # type: ignore[arg-type]
+        self._records = SdkRecords(self.watch)
+        self.tracing = Tracing(self.provider.get_tracer("llmgw"))
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self._records.attach()
+        self.log.info(
+            "tracing: spans go to {destination} over OTLP/HTTP; {percent:g}%"
+            " of requests sampled (a client's traceparent decides for its own)",
+            destination=self.destination,
+            percent=self.sample_ratio * 100,
+        )
 
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)
-        return deferToThread(self.provider.shutdown)
+        stopped = stop_within(self._reactor, self.provider.shutdown, self.watch)
+
+        def detach(result: None) -> None:
+            # Given up on, the SDK's thread may still log its last failure:
+            # it stays out of the log.
+            if not self.watch.abandoned:
+                self._records.detach()
+
+        return stopped.addCallback(detach)
 
 
-def tracing_service(config: TracingConfig, service: str) -> TracingService | None:
+def tracing_service(
+    reactor: IThreadedClockReactor,
+    config: TracingConfig,
+    service: str,
+    registry: CollectorRegistry,
+) -> TracingService | None:
     """
     @param service: the C{service.name} of the spans (C{llmgw-server}).
-    @return: the service exporting spans, or L{None} when tracing is off.
+    @param registry: where the dropped spans are counted.
+    @return: the service exporting spans, or L{None} when tracing is off
+        (nothing of the SDK imported, no thread started).
     """
-    tracer_provider = provider(config, service)
-    return TracingService(tracer_provider) if tracer_provider is not None else None
+    if not config.otlp_endpoint:
+        return None
+    return TracingService(reactor, config, service, registry)

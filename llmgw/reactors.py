@@ -70,11 +70,20 @@ class ILeaderReactor(IReactorCore, IReactorTime, IReactorThreads):
     """
 
 
+class IThreadedClockReactor(IReactorTime, IReactorFromThreads):
+    """
+    What a part fed from a library's own thread needs: calls brought back
+    to the reactor's thread, and timers (the span exporter's log lines and
+    its bounded stop).
+    """
+
+
 class IDaemonReactor(
     IAgentReactor,
     ISpawningReactor,
     ILeaderReactor,
     ISignalReactor,
+    IThreadedClockReactor,
     IReactorSocket,
 ):
     """

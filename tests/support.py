@@ -208,7 +208,11 @@ class Processes:
         return process, match.group(1)
 
     def start_server(
-        self, *args: str, config: str | None = None, state: str | None = None
+        self,
+        *args: str,
+        config: str | None = None,
+        state: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> tuple[Process, str, str]:
         """
         Start C{twistd -n llmgw-server} listening on free ports.
@@ -216,6 +220,7 @@ class Processes:
         @param config: TOML text for C{--config}, if any.
         @param state: a name for its state directory, to reuse it in a
             later start (after this one stopped); by default its own.
+        @param env: variables set for it on top of L{hermetic_env}.
         @return: the process, the client API base URL and the admin base URL.
         """
         directory = self._directory()
@@ -234,7 +239,7 @@ class Processes:
             name = state or f"state-{time.monotonic_ns()}"
             argv += ["--state-dir", os.path.join(directory, name)]
         argv += list(args)
-        process = spawn(argv, directory, f"server-{time.monotonic_ns()}")
+        process = spawn(argv, directory, f"server-{time.monotonic_ns()}", env)
         self.addCleanup(process.stop)  # type: ignore[attr-defined]
         match = process.wait_for(
             r"client API listening on ([\d.]+):(\d+), admin on ([\d.]+):(\d+)"

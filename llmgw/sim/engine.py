@@ -444,6 +444,8 @@ class SimStats:
         request, or None, so a test can see that a gateway forwards it.
     @ivar last_traceparent: its W3C C{traceparent} header, or None: the
         trace context vLLM would continue (C{--otlp-traces-endpoint}).
+    @ivar last_tracestate: its W3C C{tracestate} (its lines joined with
+        commas), or None.
     """
 
     requests_total: int = 0
@@ -457,6 +459,7 @@ class SimStats:
     connections_open: int = 0
     last_request_id: str | None = None
     last_traceparent: str | None = None
+    last_tracestate: str | None = None
 
     def reset(self) -> None:
         """
@@ -472,6 +475,7 @@ class SimStats:
         self.last_cancel_time = None
         self.last_request_id = None
         self.last_traceparent = None
+        self.last_tracestate = None
 
 
 class Simulator:
@@ -582,6 +586,7 @@ class Simulator:
             "connections_open": s.connections_open,
             "last_request_id": s.last_request_id,
             "last_traceparent": s.last_traceparent,
+            "last_tracestate": s.last_tracestate,
             "lora_loads": dict(self.adapters.loads),
             "lora_load_requests": dict(self.adapters.load_requests),
             **self.sleep.json(),

@@ -181,6 +181,10 @@ class SimResource(Resource):
         stats.last_traceparent = (
             traceparent.decode("ascii", "replace") if traceparent is not None else None
         )
+        tracestate = request.requestHeaders.getRawHeaders(b"tracestate")
+        stats.last_tracestate = (
+            b",".join(tracestate).decode("ascii", "replace") if tracestate else None
+        )
         key = path.decode("ascii")
         stats.requests_by_path[key] = stats.requests_by_path.get(key, 0) + 1
 

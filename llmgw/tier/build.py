@@ -109,7 +109,7 @@ def client_api(
         load=load if interval > 0 else None,
         adapters=adapters,
     )
-    tracing = tracing_service(config.tracing, program)
+    tracing = tracing_service(reactor, config.tracing, program, registry)
     return ClientAPI(settings, registry, metrics, pool, load, balancer, tracing)
 
 

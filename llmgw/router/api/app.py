@@ -325,11 +325,9 @@ class Router:
             if self.activator is not None and prepared is not None:
                 # Idle time counts from the last completion, not arrival.
                 self.activator.touch(prepared.model)
-            trace.end(
-                self._account(
-                    (rid, started, status, model, stream), key, reserved, exchange
-                )
-            )
+            seen = (rid, started, status, model, stream)
+            sent = exchange is not None and exchange.headers_sent
+            trace.end(self._account(seen, key, reserved, exchange), sent)
 
     def _trace(self, request: IRequest, path: bytes) -> NoTrace:
         """
@@ -337,7 +335,7 @@ class Router:
         """
         if self.tracing is None:
             return NO_TRACE
-        return self.tracing.request(path, request.getHeader(b"traceparent"))
+        return self.tracing.request(path, request.requestHeaders)
 
     def _prepare(self, request: IRequest, path: bytes) -> Prepared:
         """

@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.web.iweb import IRequest, IResponse
 
+from llmgw.router.api.failures import AnswerTooLarge, Retry, failure_type
 from llmgw.router.api.prepare import Prepared
 from llmgw.router.api.services import Services
 from llmgw.router.api.waiting import Waits
@@ -37,7 +38,7 @@ from llmgw.router.routing.balancer import Replica
 from llmgw.router.routing.decision import candidates
 from llmgw.router.routing.ejection import outcome
 from llmgw.router.routing.fairness import ANONYMOUS
-from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace
+from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace, error_type
 from llmgw.router.upstream.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.upstream.base import (
     BadAnswer,
@@ -59,23 +60,6 @@ SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
-
-
-class AnswerTooLarge(Exception):
-    """
-    A replica's answer passed a size limit.
-    """
-
-
-class _Retry(Exception):
-    """
-    This attempt failed before anything reached the client, and another
-    replica may be tried (this one too if C{stale}: a kept connection closed).
-    """
-
-    def __init__(self, error: APIError, stale: bool = False) -> None:
-        self.error = error
-        self.stale = stale
 
 
 class Exchange:
@@ -151,6 +135,7 @@ class Exchange:
         self._cut_reason: str | None = None
         self._native = False  # a Messages API request sent as it came
         self._sent = 0.0  # clock time the last attempt was sent
+        self._failure: str | None = None  # the last attempt's error.type
 
     def _cancel_waiting(self) -> None:
         if self._waiting is not None:
@@ -185,9 +170,8 @@ class Exchange:
             activator.touch(self.model)
             if not balancer.serves(self.model) and activator.resolve(self.model):
                 keepalive = self.keepalive if self.prepared.stream else None
-                await self._trace.step(
-                    "activation", waits.activate(activator, keepalive)
-                )
+                activating = waits.activate(activator, keepalive)
+                await self._trace.step("activation", activating, self._error_type)
         await waits.turn(self.prepared.reserve)
         stale: Replica | None = None
         for attempt in range(services.settings.max_retries + 1):
@@ -212,8 +196,10 @@ class Exchange:
             replica.exchanges.add(self.cut)
             self.answer_status = None
             try:
-                return await self._trace.attempt(replica.id, self._attempt(replica))
-            except _Retry as retry:
+                return await self._trace.attempt(
+                    replica.id, self._attempt(replica), attempt, self._error_type
+                )
+            except Retry as retry:
                 last_error = retry.error
                 stale = replica if retry.stale else None
             finally:
@@ -222,6 +208,11 @@ class Exchange:
                 gone, expired = client_gone(self.request), bool(self._deadlines.expired)
                 balancer.report(replica, outcome(self.answer_status, expired, gone))
         raise last_error if last_error is not None else no_ready_replica(self.model)
+
+    def _error_type(self, error: BaseException | None) -> str | None:
+        # A span's; none for a stream relayed to its end, whoever closed.
+        gone, expired = client_gone(self.request), bool(self._deadlines.expired)
+        return None if self.done else error_type(error, gone, expired, self._failure)
 
     def cut(self, why: str) -> None:
         """
@@ -274,6 +265,7 @@ class Exchange:
     async def _attempt(self, replica: Replica) -> bytes | None:
         services = self.services
         metrics = services.metrics
+        self._failure = None
         self._deadlines.start("first_byte")
         headers = (
             upstream_headers(
@@ -294,13 +286,12 @@ class Exchange:
         sent = self._sent = services.clock.seconds()
         try:
             response = await self._waiting
-        except UpstreamConnectError as e:
-            if client_gone(self.request):
-                raise
-            self._not_connected(replica, e)
         except Exception as e:
             if client_gone(self.request):
                 raise
+            self._failure = failure_type(e, self._deadlines.expired, self._cut_reason)
+            if isinstance(e, UpstreamConnectError):
+                self._not_connected(replica, e)
             self._broken(replica, e)
         finally:
             self._waiting = None
@@ -313,15 +304,17 @@ class Exchange:
             and self.prepared.stream
             and content_type.startswith(b"text/event-stream")
         ):
-            await self._trace.step("relay", self._relay_stream(response))
+            relaying = self._relay_stream(response)
+            await self._trace.step("relay", relaying, self._error_type)
             return None
         body = await self._read_whole(response)
         self._replica_took(sent)
+        self._failure = str(status) if status >= 400 else None
         wait = retry_after(response.headers)
         if status == 503:
             metrics.upstream_errors.labels("status").inc()
             log_engine_failure(services.log, self.request_id, replica.id, status, body)
-            raise _Retry(replica_unavailable(wait))
+            raise Retry(replica_unavailable(wait))
         return self._answer_whole(status, content_type, body, wait)
 
     def _replica_took(self, sent: float) -> None:
@@ -332,7 +325,7 @@ class Exchange:
     def _not_connected(self, replica: Replica, e: UpstreamConnectError) -> NoReturn:
         """
         @raise APIError: the request's deadline passed.
-        @raise _Retry: on another replica, C{replica} ejected.
+        @raise Retry: on another replica, C{replica} ejected.
         """
         services = self.services
         if self._deadlines.expired:
@@ -346,10 +339,10 @@ class Exchange:
             reason=str(e),
         )
         if e.timed_out:
-            raise _Retry(
+            raise Retry(
                 deadline_exceeded("connect", services.settings.connect_timeout)
             ) from None
-        raise _Retry(
+        raise Retry(
             upstream_failed(f"Could not connect to a replica of model {self.model!r}.")
         ) from None
 
@@ -359,7 +352,7 @@ class Exchange:
 
         @raise APIError: the deadline passed, or the replica broke (and sits
             out unless the break was on a kept connection).
-        @raise _Retry: the request was cut for a reason worth a retry, or
+        @raise Retry: the request was cut for a reason worth a retry, or
             a kept connection was found closed (once per request).
         """
         services = self.services
@@ -369,7 +362,7 @@ class Exchange:
             raise self._deadlines.error() from None
         gone = self._cut_error()
         if gone is not None:
-            raise _Retry(gone) from None
+            raise Retry(gone) from None
         metrics.upstream_errors.labels("broken").inc()
         if isinstance(e, BadAnswer):
             raise self._refused(replica, e) from None
@@ -391,7 +384,7 @@ class Exchange:
                     request_id=self.request_id.decode("ascii"),
                     replica=replica.id,
                 )
-                raise _Retry(error, stale=True) from None
+                raise Retry(error, stale=True) from None
             services.balancer.eject(replica)
         raise error from None
 
@@ -464,11 +457,13 @@ class Exchange:
         try:
             await reader.done
         except (AnswerTooLarge, EventTooLarge) as e:
+            self._failure = failure_type(e)
             metrics.upstream_errors.labels("broken").inc()
             raise self._refused(self.replica, e) from None
         except Exception as e:
             if client_gone(request):
                 raise
+            self._failure = failure_type(e, self._deadlines.expired, self._cut_reason)
             if self._deadlines.expired:
                 metrics.upstream_errors.labels("timeout").inc()
                 raise self._deadlines.error() from None
@@ -579,6 +574,7 @@ class Exchange:
         try:
             rest = relay.end()
         except StreamCut as e:
+            self._failure = failure_type(e)
             if e.rest:
                 self._write(e.rest)
             cut = upstream_failed(str(e))

@@ -26,7 +26,7 @@ from llmgw.router.edge.site import client_gone
 from llmgw.router.errors import activation_queue_full, activation_timeout
 from llmgw.router.interfaces import Activator, Tenant
 from llmgw.router.routing.activation import ActivationWait
-from llmgw.router.telemetry.tracing import NoTrace
+from llmgw.router.telemetry.tracing import NoTrace, error_type
 from llmgw.router.upstream.deadlines import Deadlines
 
 
@@ -101,9 +101,15 @@ class Waits:
         waiting = overload.admit(self._model, self._tenant)
         if waiting is None:
             return
-        await self._trace.step("overload", waiting)
+        await self._trace.step("overload", waiting, self._error_type)
         self._charged = reserve
         overload.shares.served(self._tenant, reserve)
+
+    def _error_type(self, error: BaseException | None) -> str | None:
+        # The overload wait's span's: a client that left, a deadline, or
+        # the refusal's code.
+        gone, expired = client_gone(self._request), bool(self._deadlines.expired)
+        return error_type(error, gone, expired)
 
     def served(self, tokens: int) -> None:
         """

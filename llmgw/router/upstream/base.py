@@ -91,11 +91,13 @@ class UpstreamConnectError(Exception):
 
     @ivar timed_out: true when the connect deadline passed, false when the
         connection was refused or failed otherwise.
+    @ivar refused: true when the replica's host refused it (nothing listens).
     """
 
-    def __init__(self, reason: str, timed_out: bool) -> None:
+    def __init__(self, reason: str, timed_out: bool, refused: bool = False) -> None:
         super().__init__(reason)
         self.timed_out = timed_out
+        self.refused = refused
 
 
 class NoAnswer(Exception):
@@ -171,7 +173,10 @@ class _ClassifyingEndpoint:
             if failure.check(CancelledError, error.ConnectingCancelledError):
                 return failure
             timed_out = failure.check(error.TimeoutError, TimeoutError) is not None
-            raise UpstreamConnectError(failure.getErrorMessage(), timed_out=timed_out)
+            refused = failure.check(error.ConnectionRefusedError) is not None
+            raise UpstreamConnectError(
+                failure.getErrorMessage(), timed_out=timed_out, refused=refused
+            )
 
         return self._wrapped.connect(factory).addErrback(classify)
 

@@ -117,6 +117,7 @@ class PlaneCase(SynchronousTestCase):
         touched: bool = False,
         leave_timeout: float = 1800.0,
         publish_shortfalls: Callable[[tuple[Shortfall, ...]], None] = lambda s: None,
+        held_bound: int | None = None,
     ) -> None:
         self.clock = Clock()
         self.clock.advance(1000)
@@ -137,6 +138,7 @@ class PlaneCase(SynchronousTestCase):
             touched=touched,
             leave_timeout=leave_timeout,
             publish_shortfalls=publish_shortfalls,
+            held_bound=held_bound,
         )
         for node in nodes:
             self.register(node)

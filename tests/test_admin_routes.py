@@ -22,9 +22,11 @@ from twisted.trial.unittest import SynchronousTestCase
 import llmgw
 from llmgw.admin.api import Admin
 from llmgw.control.inventory import Inventory
+from llmgw.control.metrics import FleetCollector
 from llmgw.tier.watch import Watch
 from llmgw.wire import versions
-from tests.plane_support import PlaneCase
+from tests.plane_support import PlaneCase, make_model
+from tests.test_fleet_collector import _Hub, scrape
 from tests.typing_support import TypedStubTreq, stub_treq
 
 ADMIN = os.path.join(os.path.dirname(os.path.abspath(llmgw.__file__)), "admin")
@@ -205,6 +207,49 @@ class AdminRoutesTests(PlaneCase):
         self.assertEqual(
             self.call(alone, "GET", "/api/v1/models/m/activate", None, ROUTER)[0], 200
         )
+
+    def test_fleet_bound_refuses_the_lowest(self) -> None:
+        """
+        With a fleet bound of one held request per model, a batch
+        activation held (posted by one router) is answered 429
+        C{{"error": {"code": "activation_queue_full"}, "refused": true}}
+        when an interactive one comes (from another router), which holds
+        the place; the fleet metrics count the refusal for the model.
+        """
+        self.make(make_model(low=0), held_bound=1)
+        treq = self.admin()
+        path = "http://admin/api/v1/models/m-alias/activate"
+
+        def post(priority: str) -> Any:
+            body = json.dumps({"priority": priority, "timeout": 10}).encode()
+            return treq.request("POST", path, data=body, headers=ROUTER)
+
+        batch = post("batch")
+        self.assertNoResult(batch)
+        chat = post("interactive")
+        treq.flush()
+        response = self.successResultOf(batch)
+        self.assertEqual(response.code, 429)
+        self.assertEqual(
+            json.loads(self.successResultOf(response.content())),
+            {
+                "error": {
+                    "message": "more requests wait for model 'm' across the fleet"
+                    " than it may hold; this one is of the lowest priority and"
+                    " the newest",
+                    "code": "activation_queue_full",
+                },
+                "refused": True,
+            },
+        )
+        self.assertNoResult(chat)
+        found = scrape(FleetCollector(self.plane, _Hub()))  # type: ignore[arg-type]
+        self.assertEqual(
+            found[("llmgw_activations_refused_total", (("model", "m"),))], 1
+        )
+        self.clock.advance(10)
+        treq.flush()
+        self.assertEqual(self.successResultOf(chat).code, 504)
 
 
 def _admin_modules() -> Iterator[tuple[str, ast.Module]]:

@@ -14,11 +14,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.admin.http import AdminError
 from llmgw.admin.keys import _order_fields
 from llmgw.control.catalog import Model
-from llmgw.control.held_order import held_order, release_turns
+from llmgw.control.held_order import held_order, refused_first, release_turns
 from llmgw.control.inventory import Inventory
 from llmgw.control.runtime import RELEASE_GAP, ModelCatalog
 from llmgw.router.errors import APIError
-from llmgw.router.interfaces import Standing
+from llmgw.router.interfaces import ActivationRefused, Standing
 from llmgw.router.routing.activation import ActivationQueues, ActivationWait
 from llmgw.router.routing.fairness import (
     HALF_LIFE,
@@ -339,6 +339,100 @@ class ReleaseOrderTests(SynchronousTestCase):
         self.assertEqual(fired, ["chat", "batch"])
         self.assertEqual(clock.getDelayedCalls(), [])
         self.assertEqual(catalog["m"].held, {})
+
+
+class FleetRefusalTests(SynchronousTestCase):
+    """
+    Who is refused first when the fleet holds more requests for a model
+    than its bound (L{refused_first}, L{ModelCatalog.activate}): the
+    lowest priority's newest, whichever router holds it.
+    """
+
+    def test_lowest_priority_newest(self) -> None:
+        """
+        The lowest priority's newest arrival is refused, whatever the
+        order the requests were held in; of two that arrived together,
+        the one held last; none of none.
+        """
+        batch, standard, chat = (
+            priority_rank(p) for p in ("batch", "standard", "interactive")
+        )
+        held = [(1.0, chat), (2.0, batch), (3.0, standard), (0.5, batch)]
+        self.assertEqual(refused_first(held), 1)
+        self.assertEqual(refused_first([(1.0, chat), (5.0, chat), (2.0, chat)]), 1)
+        self.assertEqual(refused_first([(1.0, batch), (1.0, batch)]), 1)
+        self.assertEqual(refused_first([(9.0, chat), (1.0, standard)]), 1)
+        self.assertIsNone(refused_first([]))
+
+    def catalog(self, bound: int | None) -> tuple[Clock, ModelCatalog]:
+        clock = Clock()
+        model = Model("m", ("m-alias",), 0, 1, 0.0, ())
+        catalog = ModelCatalog(
+            clock, Inventory(), [model], (), lambda: None, bound=bound
+        )
+        return clock, catalog
+
+    def test_higher_priority_takes_the_place(self) -> None:
+        """
+        With a bound of 1, a batch request held first (on one router) is
+        refused with L{ActivationRefused} when an interactive one comes
+        (on another): the interactive one holds the place and is let go
+        when a replica is ready; the refusal is counted per model.
+        """
+        clock, catalog = self.catalog(1)
+        batch = catalog.activate("m", priority_rank("batch"))
+        clock.advance(1)
+        chat = catalog.activate("m-alias", priority_rank("interactive"))
+        refused = self.failureResultOf(batch, ActivationRefused).value
+        assert isinstance(refused, ActivationRefused)
+        self.assertEqual(refused.model, "m")
+        self.assertNoResult(chat)
+        self.assertEqual(
+            list(catalog["m"].held.values()), [(1.0, priority_rank("interactive"))]
+        )
+        self.assertEqual(catalog.refused, {"m": 1})
+        catalog.release("m")
+        self.successResultOf(chat)
+        self.assertEqual((catalog["m"].waiters, catalog["m"].held), ([], {}))
+        self.assertEqual(clock.getDelayedCalls(), [])
+
+    def test_newcomer_refused_at_once(self) -> None:
+        """
+        A request of no higher priority than those held, past the bound,
+        is refused at once: the newest of the lowest priority is itself.
+        Its arrival is counted back by the seconds it waited on its
+        router, so a request posted later that has waited longer is the
+        older one.
+        """
+        clock, catalog = self.catalog(2)
+        first = catalog.activate("m", priority_rank("standard"))
+        clock.advance(1)
+        second = catalog.activate("m", priority_rank("standard"))
+        clock.advance(1)
+        third = catalog.activate("m", priority_rank("batch"))
+        self.failureResultOf(third, ActivationRefused)
+        older = catalog.activate("m", priority_rank("standard"), waited=1.5)
+        self.failureResultOf(second, ActivationRefused)
+        self.assertNoResult(first)
+        self.assertNoResult(older)
+        self.assertEqual(catalog.refused, {"m": 2})
+        for waiting in (first, older):
+            waiting.cancel()
+            self.failureResultOf(waiting, CancelledError)
+        self.assertEqual((catalog["m"].waiters, catalog["m"].held), ([], {}))
+
+    def test_no_bound(self) -> None:
+        """
+        Without a bound (a catalog built without one), nothing is refused.
+        """
+        _, catalog = self.catalog(None)
+        held = [catalog.activate("m", priority_rank("batch")) for _ in range(300)]
+        for waiting in held:
+            self.assertNoResult(waiting)
+        self.assertEqual(catalog.refused, {})
+        catalog.release("m")
+        for waiting in held:
+            self.successResultOf(waiting)
 
 
 class OrderFieldsTests(SynchronousTestCase):

@@ -14,7 +14,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone, ResponseNeverReceived
 
-from llmgw.router.interfaces import Standing
+from llmgw.router.interfaces import ActivationRefused, Standing
 from llmgw.tier.activate import RETRY_AFTER, RemoteActivator
 from llmgw.tier.admin_client import AdminClient
 
@@ -138,3 +138,39 @@ class RemoteActivatorTests(SynchronousTestCase):
         waiting.cancel()
         self.failureResultOf(waiting, CancelledError)
         self.assertEqual(activator.where("chat"), Standing(""))
+
+    def test_refused_ends_the_wait(self) -> None:
+        """
+        An answer that says the fleet's bound refused the request
+        (C{"refused": true}) ends the wait with L{ActivationRefused}, for
+        the router to answer as its own full queue; nothing is asked
+        again.
+        """
+        clock = Clock()
+        activator, control = _activator(clock)
+        waiting = activator.activate("chat", 0)
+        error = {"message": "too many", "code": "activation_queue_full"}
+        control.posts[0].callback((429, {"error": error, "refused": True}))
+        refused = self.failureResultOf(waiting, ActivationRefused).value
+        assert isinstance(refused, ActivationRefused)
+        self.assertEqual(refused.model, "chat")
+        clock.advance(RETRY_AFTER * 5)
+        self.assertEqual(len(control.posts), 1)
+
+    def test_unknown_refusal_waits_on(self) -> None:
+        """
+        An answer but 200 whose C{refused} is not C{true} is asked again
+        a second later, as every such answer was before the field: the
+        wait goes on, its message the reason why not.
+        """
+        clock = Clock()
+        activator, control = _activator(clock)
+        waiting = activator.activate("chat", 0)
+        error = {"message": "too many", "code": "activation_queue_full"}
+        control.posts[0].callback((429, {"error": error, "refused": "yes"}))
+        self.assertNoResult(waiting)
+        self.assertEqual(activator.why_not("chat"), "too many")
+        clock.advance(RETRY_AFTER)
+        self.assertEqual(len(control.posts), 2)
+        waiting.cancel()
+        self.failureResultOf(waiting, CancelledError)

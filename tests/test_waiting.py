@@ -20,6 +20,7 @@ from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.prepare import prepare
 from llmgw.router.api.waiting import Waits
 from llmgw.router.errors import APIError
+from llmgw.router.interfaces import ActivationRefused, Standing
 from llmgw.router.routing.activation import ActivationQueues
 from llmgw.router.routing.balancer import Balancer
 from llmgw.router.routing.fairness import FairShare, Tenant
@@ -133,6 +134,32 @@ class WaitsTests(SynchronousTestCase):
         error = self.failureResultOf(done, APIError).value
         assert isinstance(error, APIError)
         self.assertEqual((error.status, error.retry_after), (503, 5))
+        self.assertEqual(self.queues.waiting(), {})
+
+    def test_refused_by_the_fleet(self) -> None:
+        """
+        An activation the control plane refuses for the fleet's bound
+        (L{ActivationRefused}) ends the wait as this router's own full
+        queue does: 503 C{activation_queue_full}, its message, and a
+        C{Retry-After} from the queue; the request leaves the queue.
+        """
+        waits, _ = self.waits(RouterConfig(activation_timeout=30))
+        activator = _CatalogActivator()
+        activator.standing = Standing("starting", 7.0)
+        done = Deferred.fromCoroutine(waits.activate(activator, None))
+        self.assertEqual(self.queues.waiting(), {"m": 1})
+        self.clock.advance(2)
+        activator.asked[0].errback(ActivationRefused("m"))
+        error = self.failureResultOf(done, APIError).value
+        assert isinstance(error, APIError)
+        self.assertEqual(
+            (error.status, error.code, error.retry_after),
+            (503, "activation_queue_full", 7),
+        )
+        self.assertEqual(
+            error.message,
+            "Too many requests are waiting for model 'm' to start; try again in 7s.",
+        )
         self.assertEqual(self.queues.waiting(), {})
 
     def test_cancel_gives_up_the_activation(self) -> None:

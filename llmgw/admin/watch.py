@@ -23,6 +23,7 @@ from llmgw.admin.http import (
     read_body,
 )
 from llmgw.control.plane import ControlPlane
+from llmgw.router.interfaces import ActivationRefused
 from llmgw.router.telemetry.reports import Reports
 from llmgw.tier.watch import Watch
 from llmgw.wire import versions
@@ -144,6 +145,15 @@ class WatchRoutes:
         waiting request's, which the swap queue orders by; C{waited} the
         seconds it has waited already (a router of a tier posts again
         after each C{timeout}), counted as though it arrived that long ago.
+
+        The fleet's requests held for a model are bounded by this server's
+        C{[router] activation_queue}: past it the lowest priority's newest,
+        this one or one held earlier, is answered 429 C{{"error":
+        {"message", "code": "activation_queue_full"}, "refused": true}}
+        (L{refused_answer}), and its router answers its client as its own
+        full queue does.  A router that does not know C{refused} reads a
+        429 as any answer but 200: it posts again a second later, and keeps
+        waiting as before the field.
         """
         plane, watch = self._watched(request)
         model = plane.catalog.resolve(name)
@@ -164,6 +174,8 @@ class WatchRoutes:
             ready.addTimeout(timeout, watch.clock)
             try:
                 await ready
+            except ActivationRefused as e:
+                return refused_answer(request, e)
             except TimeoutError:
                 # addTimeout's; a router that goes cancels with CancelledError.
                 why = plane.catalog.why_not(model) or "no replica is ready yet"
@@ -228,6 +240,18 @@ class WatchRoutes:
         except ValueError as e:
             raise AdminError(400, str(e)[:300], "bad_request") from None
         return json_answer(request, {"taken": taken})
+
+
+def refused_answer(request: IRequest, refused: ActivationRefused) -> bytes:
+    """
+    @return: the answer to an activation the fleet's bound refused: 429
+        C{{"error": {"message", "code": "activation_queue_full"},
+        "refused": true}}.  C{refused} is the field a router reads
+        (L{llmgw.tier.activate}); the status and error are what a router
+        that does not know it reads as "not yet" (it asks again).
+    """
+    error = {"message": str(refused), "code": "activation_queue_full"}
+    return json_answer(request, {"error": error, "refused": True}, 429)
 
 
 def _seconds(

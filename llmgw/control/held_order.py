@@ -11,7 +11,10 @@ held.  Pure: the control plane imports nothing of the router.
 And the order a starting model's first places go in (L{release_turns}): the
 requests held for it across the fleet (the server's own router and every
 router of a tier, whose activations the server answers) by priority, then
-arrival.
+arrival; and which of them is refused first when the fleet holds more
+than the model's bound (L{refused_first}): the lowest priority's newest,
+the same rule as one router's full activation queue
+(L{llmgw.router.routing.activation.ActivationQueues.make_room}).
 """
 
 from __future__ import annotations
@@ -60,3 +63,21 @@ def release_turns(held: Sequence[tuple[float, int]]) -> list[list[int]]:
         else:
             turns.append([index])
     return turns
+
+
+def refused_first(held: Sequence[tuple[float, int]]) -> int | None:
+    """
+    Which of the requests held for a model is refused first when the
+    fleet holds more of them than the model's bound
+    (L{llmgw.control.runtime.ModelCatalog.activate}), whichever router
+    holds it: the lowest priority's newest.
+
+    @param held: each held request's arrival (clock seconds) and priority
+        number (higher first), in the order they were held.
+    @return: the index in C{held} of the request to refuse (of two that
+        arrived together, the one held last), or L{None} when none is
+        held.
+    """
+    if not held:
+        return None
+    return min(range(len(held)), key=lambda i: (held[i][1], -held[i][0], -i))

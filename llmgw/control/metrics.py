@@ -211,6 +211,20 @@ class FleetCollector:
             count_value=catalog.activation_waits,
             sum_value=catalog.activation_wait_seconds,
         )
+        refused = CounterMetricFamily(
+            "llmgw_activations_refused",
+            "Requests held for a model to start that were refused because"
+            " the fleet held more than [router] activation_queue of them"
+            " (the lowest priority's newest, whichever router held it).",
+            labels=model,
+        )
+        # Every catalog model at 0 until counted (a quiet fleet's panel
+        # reads 0, not no data); a model gone keeps its count.
+        counted = dict.fromkeys((s.model.name for s in catalog.states()), 0)
+        counted.update(catalog.refused)
+        for name, count in sorted(counted.items()):
+            refused.add_metric([name], count)
+        yield refused
 
     def _plane(self) -> Iterator[Metric]:
         plane = self.plane

@@ -123,6 +123,10 @@ class ControlPlane:
         waits C{[control] drain_timeout}.
     @param tracer: the control plane's spans (L{llmgw.control.spans}),
         or L{None} without C{[tracing]}.
+    @param held_bound: requests that may be held per model across the
+        fleet (C{[router] activation_queue}); past it the lowest
+        priority's newest is refused (L{ModelCatalog.activate}); L{None}
+        for no bound.
     The wiring of its parts (docs/architecture.md, "The control plane's
     layers"), each built here with the parts it calls, plus the pass
     (L{reconcile}); its public methods are those of its parts.
@@ -153,6 +157,7 @@ class ControlPlane:
         publish_shortfalls: Callable[[tuple[Shortfall, ...]], None] = lambda s: None,
         leave_timeout: float = 1800.0,
         tracer: Tracer | None = None,
+        held_bound: int | None = None,
     ) -> None:
         self.clock = clock
         self.inventory = inventory
@@ -173,6 +178,7 @@ class ControlPlane:
             touched=ledger.changes.model,
             adapters_changed=self._adapters_changed,
             standing=self._standing,
+            bound=held_bound,
         )
         self._snapshots = snapshots = Snapshots(clock, inventory, ledger)
         self._commands = shard_commands = ShardCommands(

@@ -17,10 +17,10 @@ from twisted.logger import Logger
 
 from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import MAX_COUNT, Model, check_adapter
-from llmgw.control.held_order import release_turns
+from llmgw.control.held_order import refused_first, release_turns
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.scaling import ModelState
-from llmgw.router.interfaces import Endpoint, Standing
+from llmgw.router.interfaces import ActivationRefused, Endpoint, Standing
 
 RELEASE_GAP = 0.2
 """
@@ -49,6 +49,10 @@ class ModelCatalog:
         (its endpoints list them).
     @param standing: where a request held for a model stands (the control
         plane's swap queue, L{llmgw.control.swaps}).
+    @param bound: requests that may be held per model across the fleet
+        (C{[router] activation_queue}, the bound each router also keeps on
+        its own), at least 1; L{None} for no bound.  Past it the lowest
+        priority's newest is refused (L{activate}).
     """
 
     log = Logger()
@@ -63,6 +67,7 @@ class ModelCatalog:
         touched: Callable[[str], None] = lambda model: None,
         adapters_changed: Callable[[str], None] = lambda base: None,
         standing: Callable[[str], Standing] = lambda model: Standing(""),
+        bound: int | None = None,
     ) -> None:
         self.clock = clock
         self.inventory = inventory
@@ -97,6 +102,10 @@ class ModelCatalog:
         self.activation_waits = 0
         self.activation_wait_seconds = 0.0
         self._standing = standing
+        self._bound = bound
+        # Held requests refused because the fleet held more than the
+        # bound, per model (the fleet metrics' counter).
+        self.refused: dict[str, int] = {}
 
     def resolve(self, name: str) -> str | None:
         """
@@ -199,7 +208,11 @@ class ModelCatalog:
             (a router of a tier asking again): its arrival, for the swap
             queue's order and C{swap_max_wait}, is that long ago.
         @return: fires when a replica of the model is published; cancel it
-            to stop waiting.
+            to stop waiting.  Fails with L{ActivationRefused} when the
+            fleet then holds more requests for the model than its bound
+            and this one is the lowest priority's newest (at once: it is
+            the newcomer), or later, when a request of a higher priority
+            comes, from whichever router, and takes its place.
         @raise KeyError: C{name} is not in the catalog.
         """
         state = self[name]
@@ -225,7 +238,34 @@ class ModelCatalog:
         state.waiters.append(waiter)
         self.waiting.add(state.model.name)
         self._changed()
+        if self._bound is not None and len(state.waiters) > self._bound:
+            self._refuse(state)
         return waiter
+
+    def _refuse(self, state: ModelState) -> None:
+        """
+        The fleet holds more requests for C{state}'s model than the bound:
+        fail the lowest priority's newest (L{refused_first}) with
+        L{ActivationRefused}; the router that holds it answers its client
+        as its own full queue does.
+        """
+        now = self.clock.seconds()
+        index = refused_first([state.held.get(w, (now, 1)) for w in state.waiters])
+        if index is None:
+            return
+        waiter = state.waiters.pop(index)
+        arrival, rank = state.held.get(waiter, (now, 1))
+        name = state.model.name
+        self.refused[name] = self.refused.get(name, 0) + 1
+        self.log.debug(
+            "refused a request held for model {model} (priority {rank}, waited"
+            " {waited:.3f}s): more than {bound} held across the fleet",
+            model=name,
+            rank=rank,
+            waited=now - arrival,
+            bound=self._bound,
+        )
+        waiter.errback(ActivationRefused(name))
 
     def release(self, name: str) -> None:
         """

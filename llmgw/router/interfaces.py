@@ -233,6 +233,26 @@ class Standing:
     eta_seconds: float | None = None
 
 
+class ActivationRefused(Exception):
+    """
+    The control plane refused a request held for a model to start: more
+    requests wait for it across the fleet (the server's router and every
+    router of a tier) than C{[router] activation_queue}, and this one is
+    the lowest priority's newest (L{llmgw.control.held_order.refused_first}).
+    The router answers it as its own full activation queue: 503
+    C{activation_queue_full} with C{Retry-After}.
+
+    @ivar model: the model the request waited for.
+    """
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"more requests wait for model {model!r} across the fleet than it"
+            " may hold; this one is of the lowest priority and the newest"
+        )
+        self.model = model
+
+
 class Activator(Protocol):
     """
     Scale from zero: the catalog's names, and a replica started on demand
@@ -254,7 +274,9 @@ class Activator(Protocol):
         @param priority: the waiting request's priority number
             (L{llmgw.router.routing.fairness}: higher goes first; 1 is
             C{standard}).
-        @return: fires once a replica of C{name} is ready; cancellable.
+        @return: fires once a replica of C{name} is ready, or fails with
+            L{ActivationRefused} when the fleet holds more requests for it
+            than its bound and this one is refused first; cancellable.
         """
 
     def touch(self, name: str) -> None:

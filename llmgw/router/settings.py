@@ -116,7 +116,9 @@ class RouterConfig:
     activation_queue: int = setting(
         256,
         POSITIVE,
-        "Requests that may wait per model for a replica; more get 503 at once.",
+        "Requests that may wait per model for a replica, on each router and,"
+        " the server's value, across the fleet; past it the lowest priority's"
+        " newest gets 503, whichever router holds it.",
     )
     activation_keepalive: float = setting(
         15.0,

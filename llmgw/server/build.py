@@ -306,6 +306,9 @@ def control_plane(
         # router lets one run.
         leave_timeout=config.router.total_timeout,
         tracer=api.tracing.tracing.tracer if api.tracing is not None else None,
+        # Each router's bound on the requests it holds per model is also
+        # the fleet's: who is refused past it is decided here, for all.
+        held_bound=config.router.activation_queue,
     )
     agents = _agent_listener(reactor, config, hub)
     return Plane(inventory, hub, plane, watch, readiness, agents)

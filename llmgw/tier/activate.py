@@ -6,6 +6,12 @@ C{POST /api/v1/models/NAME/activate}, repeated until the router's own
 activation timeout cancels the wait; where a held request stands is the
 same route's C{GET}, asked when a wait begins and every
 L{TOUCH_INTERVAL} while it lasts; use is reported in batches.
+
+The server bounds the requests held for a model across the fleet and
+refuses the lowest priority's newest past it, whichever router holds it
+(L{llmgw.admin.watch.WatchRoutes.activate}): an answer with C{"refused":
+true} ends the wait with L{ActivationRefused}, which the router answers as
+its own full activation queue.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import readBody
 
-from llmgw.router.interfaces import Standing
+from llmgw.router.interfaces import ActivationRefused, Standing
 from llmgw.tier.admin_client import AdminClient
 
 TOUCH_INTERVAL = 2.0
@@ -138,8 +144,9 @@ class RemoteActivator(Service):
         @param priority: the waiting request's priority number, which the
             control plane's swap queue orders by.
         @return: fires once the control plane answered that a replica is
-            ready and the watch brought its endpoint here; cancel it to
-            stop waiting.
+            ready and the watch brought its endpoint here, or fails with
+            L{ActivationRefused} when it answered that the fleet's bound
+            refused this request; cancel it to stop waiting.
         """
         model = self._names.get(name, name)
         self._touched.add(model)
@@ -214,6 +221,8 @@ class RemoteActivator(Service):
                 )
             if code == 200:
                 break
+            if isinstance(value, dict) and value.get("refused") is True:
+                raise ActivationRefused(model)
             if isinstance(value, dict) and isinstance(value.get("error"), dict):
                 self._why[model] = str(value["error"].get("message", ""))[:200]
             await deferLater(self.clock, RETRY_AFTER)

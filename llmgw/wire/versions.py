@@ -14,7 +14,11 @@ the agents.
 A peer that says no version speaks C{1.0}, the protocol before versions
 were said.  Within a major version, messages change only by fields added:
 a field a peer does not know is skipped (protobuf's rule), and one it
-does not send reads as its default.
+does not send reads as its default.  The admin API's answers to routers
+change the same way: the activate route's C{"refused": true}
+(L{llmgw.admin.watch.refused_answer}) came within 1.1, and a router that
+does not know it reads its 429 as any answer but 200, asking again, as it
+did before; nothing is withheld, so it is no L{Feature}.
 
 A feature a peer may not know says the version it came with (L{Feature},
 L{FEATURES}); the server never hands a feature to a peer older than that

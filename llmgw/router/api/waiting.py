@@ -24,7 +24,7 @@ from twisted.web.iweb import IRequest
 from llmgw.router.api.services import Services
 from llmgw.router.edge.site import client_gone
 from llmgw.router.errors import activation_queue_full, activation_timeout
-from llmgw.router.interfaces import Activator, Tenant
+from llmgw.router.interfaces import ActivationRefused, Activator, Tenant
 from llmgw.router.routing.activation import ActivationWait
 from llmgw.router.telemetry.tracing import NoTrace, error_type
 from llmgw.router.upstream.deadlines import Deadlines
@@ -136,7 +136,9 @@ class Waits:
         @raise APIError: 503 with C{Retry-After} from the queue when the wait
             is over, too many requests of the same priority or higher already
             wait for this model, or one of a higher priority took this one's
-            place; the deadline's error when one passed.
+            place, here or, by the control plane's count across the fleet
+            (L{ActivationRefused}), on any router; the deadline's error when
+            one passed.
         """
         services = self._services
         settings = services.settings
@@ -152,6 +154,10 @@ class Waits:
         self._activating = wait.start(keepalive)
         try:
             await self._activating
+        except ActivationRefused:
+            # The fleet's bound, the control plane's choice: answered as
+            # this router's own full queue.
+            raise activation_queue_full(model, wait.retry_after()) from None
         except CancelledError:
             if client_gone(self._request):
                 raise

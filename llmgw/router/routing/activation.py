@@ -16,7 +16,11 @@ go when its replica is ready, so a retry then finds room).
 
 A full queue refuses its lowest priority's newest request
 (L{llmgw.router.routing.fairness}): the newcomer, or one waiting of a lower
-priority, whose wait then ends with the 503 (L{ActivationWait.evicted}).
+priority, whose wait then ends with the 503 (L{ActivationWait.evicted}).  The
+control plane keeps the same bound across the fleet (the server's router
+and every router of a tier) and refuses the fleet's lowest priority's
+newest past it, whichever router holds it: the activation then fails with
+L{llmgw.router.interfaces.ActivationRefused}, answered with the same 503.
 Every request waiting is let go when the replica is ready; the overload
 room then orders them, if the replica is behind.
 """

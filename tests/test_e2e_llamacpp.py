@@ -137,12 +137,18 @@ class LocalModeTests(SynchronousTestCase, Processes):
     def test_first_request_activates(self) -> None:
         """
         The first request for gemma-3-270m waits while the in-process agent
-        starts llama.cpp, then gets text from the real model; the replica
+        starts llama.cpp (with make run's empty PORT in the environment),
+        then gets text from the real model; the replica
         is listed ready with its engine's pid; stopping the server stops
         the engine.
         """
         state = tempfile.mkdtemp(prefix="llmgw-local-")
-        server, url, admin = self.start_server("--local", "--state-dir", state)
+        # As make run starts it: its PORT (empty when none is given) in
+        # the environment, which the engine, whose server reads PORT over
+        # its --port, must not take.
+        server, url, admin = self.start_server(
+            "--local", "--state-dir", state, env={"PORT": ""}
+        )
         status, _, body = http("GET", admin + "/api/v1/replicas")
         self.assertEqual((status, json.loads(body)), (200, {"replicas": []}))
         client = openai.OpenAI(

@@ -69,6 +69,11 @@ class EngineFailureTests(SynchronousTestCase):
         for body in (
             b'{"error": {"message": ""}}',
             b'{"error": {"message": "Traceback (most recent call last):\\n  File"}}',
+            # pydantic's validation error, as llama-cpp-python's server
+            # answers "messages": null: a frame without the header.
+            b'{"error": {"message": "1 validation error: {\'type\': \'list_type\'}'
+            b'\\n\\nFile \\"/venv/lib/python3.11/site-packages/llama_cpp/server/'
+            b'app.py\\", line 376, in create_chat_completion"}}',
         ):
             error = engine_failure(500, JSON, body, None)
             assert error is not None

@@ -138,6 +138,30 @@ class ReadinessTests(SynchronousTestCase):
             build(command, "::").probes, (Probe("http://[::1]:7/v1/models", "m"),)
         )
 
+    def test_llama_cpp_python_told_its_port_in_its_environment(self) -> None:
+        """
+        llama-cpp-python's server takes C{HOST} and C{PORT} from its
+        environment over its flags: its launch sets both to what the agent
+        assigned, so a C{PORT} the agent inherited (C{make run}'s empty
+        one, a shell's own) never reaches it; the profile cannot move them
+        either.
+        """
+        command = pb.StartShard(
+            engine="llamacpp",
+            source="/x.gguf",
+            model="m",
+            port=7,
+            env={"PORT": "8080", "OTHER": "1"},
+        )
+        old = os.environ["PATH"]
+        os.environ["PATH"] = tempfile.mkdtemp()  # no llama-server here
+        self.addCleanup(os.environ.__setitem__, "PATH", old)
+        launch = build(command, "127.0.0.41")
+        self.assertEqual(
+            (launch.env["HOST"], launch.env["PORT"], launch.env["OTHER"]),
+            ("127.0.0.41", "7", "1"),
+        )
+
     def test_engine_url(self) -> None:
         """
         A wildcard address is reached on loopback; IPv6 in brackets.

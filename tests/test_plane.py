@@ -360,3 +360,18 @@ class RuntimeCatalogTests(PlaneCase):
                 plane.catalog.add(clash)
         plane.catalog.add(make_model(name="new"))
         self.assertEqual(plane.catalog.resolve("new-alias"), "new")
+
+
+class PartsBuiltOnceTests(PlaneCase):
+    """
+    The plane's parts were handed its settings, ports and tracer when it
+    built them: what it shows of them cannot be changed afterwards, where
+    a change would reach the plane but not its parts.
+    """
+
+    def test_read_only(self) -> None:
+        self.make()
+        for name in ("settings", "ports", "replicas", "grace_over", "started"):
+            with self.assertRaises(AttributeError, msg=name):
+                setattr(self.plane, name, None)
+        self.assertFalse(hasattr(self.plane, "tracer"))

@@ -268,6 +268,10 @@ def _build(command: pb.StartShard, host: str) -> Launch:
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", command.source]
         argv += ["--model_alias", command.model, "--host", host, "--port", port]
         probes = (Probe(base + "/v1/models", command.model),)
+        # Its server reads HOST and PORT from the environment over its
+        # flags (llama_cpp/server/__main__.py: os.getenv("PORT", ...)): the
+        # agent's own (a shell's PORT, make run's empty one) must not win.
+        env = {**env, "HOST": host, "PORT": port}
         return Launch(argv + args, env, host, probes)
     if engine == "sim":
         # Each rank of a simulated gang is a whole simulator: all probed.

@@ -162,8 +162,7 @@ class ControlPlane:
         self.clock = clock
         self.inventory = inventory
         self.commands = commands
-        self.settings = settings
-        self.tracer = tracer
+        self._settings = settings
         self._outstanding = outstanding
         self._cut = cut
         self._touched = touched
@@ -189,8 +188,8 @@ class ControlPlane:
             engine_key=keys,
             strays=snapshots.strays,
         )
-        self.ports = range(settings.port_range[0], settings.port_range[1] + 1)
-        warn_ephemeral(self.ports)
+        self._ports = range(settings.port_range[0], settings.port_range[1] + 1)
+        warn_ephemeral(self._ports)
         self.weights = WeightsCollector(inventory, commands, self._weights_in_use)
         self._publisher = publisher = Publisher(
             inventory,
@@ -286,6 +285,16 @@ class ControlPlane:
         )
 
     # What the parts keep, read outside.
+
+    @property
+    def settings(self) -> ControlConfig:
+        """The C{[control]} table its parts were built with."""
+        return self._settings
+
+    @property
+    def ports(self) -> range:
+        """The ports engines may listen on (C{[control] port_range})."""
+        return self._ports
 
     @property
     def replicas(self) -> dict[str, ReplicaRecord]:

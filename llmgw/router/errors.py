@@ -12,11 +12,20 @@ a string or null.  Anthropic's (API reference, "Errors"): C{{"type": "error",
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from twisted.web.http import RESPONSES
 from twisted.web.http_headers import Headers
+
+_TRACEBACK = re.compile(r'Traceback \(most recent call last\)|File "[^"\n]*", line \d+')
+"""
+What a Python traceback leaves in an engine's error message: its header,
+or one of its frames (pydantic's validation errors quote a frame without
+the header: C{File ".../llama_cpp/server/app.py", line 376, in ...}).
+Such a message is not passed to a client.
+"""
 
 
 @dataclass(frozen=True)
@@ -270,7 +279,7 @@ def engine_failure(
     else:
         return None
     message = str(error["message"])[:1000].strip()
-    if not message or "Traceback (most recent call last)" in message:
+    if not message or _TRACEBACK.search(message):
         message = f"The replica failed the request with status {status}."
     kind, code, param = error.get("type"), error.get("code"), error.get("param")
     return APIError(

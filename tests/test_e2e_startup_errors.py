@@ -356,6 +356,13 @@ class StartupErrorTests(SynchronousTestCase):
             f"llmgw-server: config error: {spelled}: log_format:",
             "got true",
         )
+        # Checked once the flags are merged in: the file named all the same.
+        standby = self.file("standby.toml", '[standby]\nurl = "postgresql://h/d"\n')
+        self.refused(
+            _server("--local", "--config", standby, *self.state()),
+            2,
+            f"llmgw-server: config error: {standby} with the flags: standby:",
+        )
 
     def test_router_file_named(self) -> None:
         """
@@ -388,6 +395,14 @@ class StartupErrorTests(SynchronousTestCase):
             _agent("--insecure", "--config", agent, *self.state()),
             2,
             f"llmgw-agent: config error: {agent}: simulated_gpus[0].memory_gb:",
+        )
+        # Checked once the flags are merged in: the file named all the same.
+        ram = self.file("ram.toml", 'sleep_memory = "1000000GiB"\n')
+        self.refused(
+            _agent("--insecure", "--config", ram, *self.state()),
+            2,
+            f"llmgw-agent: config error: {ram} with the flags: sleep_memory:",
+            "more than this node's RAM",
         )
 
     def test_certs_and_ctl(self) -> None:

@@ -80,13 +80,20 @@ class Options(usage.Options):
                 config = replace(config, **{key: self[flag]})
         if self["insecure"]:
             config = replace(config, insecure=True)
-        if config.node_id and not NODE_ID.match(config.node_id):
-            # It names a folder and is a certificate's CN.
-            raise ConfigError(
-                f"node_id: bad value {config.node_id[:100]!r}: expected 1 to 63"
-                " letters, digits, '.', '_' or '-', starting with a letter or digit"
-            )
-        return check_agent_config(config)
+        try:
+            if config.node_id and not NODE_ID.match(config.node_id):
+                # It names a folder and is a certificate's CN.
+                raise ConfigError(
+                    f"node_id: bad value {config.node_id[:100]!r}: expected 1 to"
+                    " 63 letters, digits, '.', '_' or '-', starting with a letter"
+                    " or digit"
+                )
+            return check_agent_config(config)
+        except ConfigError as e:
+            if self["config"] is None:
+                raise
+            # Checked with the flags merged in: the file named all the same.
+            raise ConfigError(f"{self['config']} with the flags: {e}") from None
 
 
 def makeService(options: Options) -> IService:

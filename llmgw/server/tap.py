@@ -187,7 +187,13 @@ class Options(usage.Options):
                 parse_endpoint_flag(spec) for spec in self["endpoint"]
             ]
             config = replace(config, endpoints=tuple(endpoints))
-        return finish_config(config)
+        try:
+            return finish_config(config)
+        except ConfigError as e:
+            if self["config"] is None:
+                raise
+            # Checked with the flags merged in: the file named all the same.
+            raise ConfigError(f"{self['config']} with the flags: {e}") from None
 
 
 @dataclass(frozen=True)

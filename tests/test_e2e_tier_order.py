@@ -48,15 +48,14 @@ answers one request at a time (20 tokens in about 1 s).
 class TierOrderTests(_Fleet, SynchronousTestCase, CtlMixin):
     timeout = 120
 
-    def test_interactive_first_across_routers(self) -> None:
+    def two_routers(self) -> tuple[dict[str, str], list[str]]:
         """
-        A batch request held on router A for a cold model, then an
-        interactive request held on router B for the same model: once the
-        replica is ready, the interactive one is served first (it ends
-        first on an engine that runs one request at a time), and both are
-        served.
+        With the server started: its agent registered, a key of each of
+        the priorities C{batch} and C{interactive}, and two llmgw-router
+        daemons following the server.
+
+        @return: the keys by priority, and the routers' base URLs.
         """
-        self.start_fleet_server(self.config(COLD, activation_timeout="60s"))
         self.start_agent("gpu-01")
         self.until(lambda: len(self.admin("/api/v1/nodes")["nodes"]) == 1, 20, "node")
         keys = {
@@ -70,6 +69,18 @@ class TierOrderTests(_Fleet, SynchronousTestCase, CtlMixin):
             router, url = spawn_router(self, self.admin_url, "server-state")
             router.wait_for(FOLLOWING.pattern)
             urls.append(url)
+        return keys, urls
+
+    def test_interactive_first_across_routers(self) -> None:
+        """
+        A batch request held on router A for a cold model, then an
+        interactive request held on router B for the same model: once the
+        replica is ready, the interactive one is served first (it ends
+        first on an engine that runs one request at a time), and both are
+        served.
+        """
+        self.start_fleet_server(self.config(COLD, activation_timeout="60s"))
+        keys, urls = self.two_routers()
         ended: list[str] = []
         failed: list[Any] = []
 
@@ -116,19 +127,7 @@ class TierOrderTests(_Fleet, SynchronousTestCase, CtlMixin):
         self.start_fleet_server(
             config.replace("[router]\n", "[router]\nactivation_queue = 1\n", 1)
         )
-        self.start_agent("gpu-01")
-        self.until(lambda: len(self.admin("/api/v1/nodes")["nodes"]) == 1, 20, "node")
-        keys = {
-            priority: self.ctl_json(
-                "keys", "create", "--name", priority, "--priority", priority
-            )["key"]
-            for priority in ("batch", "interactive")
-        }
-        urls = []
-        for _ in range(2):
-            router, url = spawn_router(self, self.admin_url, "server-state")
-            router.wait_for(FOLLOWING.pattern)
-            urls.append(url)
+        keys, urls = self.two_routers()
         outcomes: dict[str, object] = {}
 
         def ask(where: str, url: str, priority: str) -> None:

@@ -323,19 +323,30 @@ class TraceRulesTests(Processes, SynchronousTestCase):
 
     timeout = 120
 
-    def test_tracestate_reaches_engine(self) -> None:
+    def traced_sim(self, itl: str) -> tuple[Receiver, str, str]:
         """
-        A client's C{tracestate} goes to the engine with the attempt's
-        C{traceparent}, which continues the client's trace.
+        A server tracing to a new receiver, in front of a sim of model
+        C{m} writing a token every C{itl} seconds.
+
+        @return: the receiver, the sim's and the server's client API base
+            URLs.
         """
         receiver = Receiver()
         self.addCleanup(receiver.stop)
-        _, sim_url = self.start_sim("--itl", "0.001", model="m")
+        _, sim_url = self.start_sim("--itl", itl, model="m")
         _, api_url, _ = self.start_server(
             "--endpoint",
             f"sim={sim_url}=m",
             config=f'[tracing]\notlp_endpoint = "{receiver.url}"\n',
         )
+        return receiver, sim_url, api_url
+
+    def test_tracestate_reaches_engine(self) -> None:
+        """
+        A client's C{tracestate} goes to the engine with the attempt's
+        C{traceparent}, which continues the client's trace.
+        """
+        receiver, sim_url, api_url = self.traced_sim("0.001")
         trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
         status = chat(
             api_url,
@@ -391,14 +402,7 @@ class TraceRulesTests(Processes, SynchronousTestCase):
         status its head said (200), and so the attempt and the relay it
         cut: not C{CancelledError}, and not only a 499.
         """
-        receiver = Receiver()
-        self.addCleanup(receiver.stop)
-        _, sim_url = self.start_sim("--itl", "0.2", model="m")
-        _, api_url, _ = self.start_server(
-            "--endpoint",
-            f"sim={sim_url}=m",
-            config=f'[tracing]\notlp_endpoint = "{receiver.url}"\n',
-        )
+        receiver, _, api_url = self.traced_sim("0.2")
         port = int(api_url.rsplit(":", 1)[1])
         body = (
             b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'

@@ -36,9 +36,10 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
         on_stack.add(root)
         work.append((root, sorted(edges.get(root, ()))))
         while work:
-            node, todo = work[-1]
-            if todo:
-                nxt = todo.pop()
+            # The imports of this module still to follow.
+            node, unread = work[-1]
+            if unread:
+                nxt = unread.pop()
                 if nxt not in index:
                     index[nxt] = low[nxt] = len(index)
                     stack.append(nxt)

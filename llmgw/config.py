@@ -20,7 +20,6 @@ it and exit without a traceback.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -43,8 +42,10 @@ from llmgw.config_checks import (
     Table,
     Text,
     check_choice,
+    read_toml,
     setting,
     settings_keys,
+    told_in,
 )
 from llmgw.control.catalog import MODELS_TABLE, PROFILES_TABLE, Model, parse_models
 from llmgw.control.settings import CONTROL_TABLE, ControlConfig, parse_control
@@ -314,17 +315,9 @@ def load_config(path: str | None) -> ServerConfig:
     """
     if path is None:
         return ServerConfig()
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config: {path!r} is not valid TOML: {e}") from None
-    try:
+    data = read_toml(path)
+    with told_in(path):
         return parse_config(data)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def finish_config(config: ServerConfig) -> ServerConfig:

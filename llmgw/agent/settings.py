@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +25,11 @@ from llmgw.config_checks import (
     Table,
     Text,
     parse_size,
+    read_toml,
     setting,
     settings_keys,
     spelled,
+    told_in,
 )
 from llmgw.wire.tls import client_options
 
@@ -252,17 +253,9 @@ def load_agent_config(path: str) -> AgentConfig:
         a mistake in the file is told after its path, as in
         C{"/etc/llmgw/agent.toml: simulated_gpus[0].memory_gb: ..."}.
     """
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"--config: cannot read {path!r}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config: {path!r} is not valid TOML: {e}") from None
-    try:
+    data = read_toml(path)
+    with told_in(path):
         return parse_agent_config(data)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
 
 
 def server_address(value: str) -> tuple[str, int]:

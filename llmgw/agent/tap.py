@@ -23,7 +23,7 @@ from llmgw.agent.settings import (
     server_address,
     tls_options,
 )
-from llmgw.config_checks import ConfigError
+from llmgw.config_checks import ConfigError, told_in
 from llmgw.daemon.wiring import check_twistd_files
 from llmgw.reactors import global_reactor
 from llmgw.wire.certs import NODE_ID
@@ -80,7 +80,8 @@ class Options(usage.Options):
                 config = replace(config, **{key: self[flag]})
         if self["insecure"]:
             config = replace(config, insecure=True)
-        try:
+        # Checked with the flags merged in: the file named all the same.
+        with told_in(self["config"], " with the flags"):
             if config.node_id and not NODE_ID.match(config.node_id):
                 # It names a folder and is a certificate's CN.
                 raise ConfigError(
@@ -89,11 +90,6 @@ class Options(usage.Options):
                     " or digit"
                 )
             return check_agent_config(config)
-        except ConfigError as e:
-            if self["config"] is None:
-                raise
-            # Checked with the flags merged in: the file named all the same.
-            raise ConfigError(f"{self['config']} with the flags: {e}") from None
 
 
 def makeService(options: Options) -> IService:

@@ -10,7 +10,9 @@ declarations (L{llmgw.config_docs}).
     them;
   - L{llmgw.config_checks.kinds}: the kinds keys take;
   - L{llmgw.config_checks.tables}: L{Key}, L{Table}, L{setting}, and the
-    one table parser.
+    one table parser;
+  - L{llmgw.config_checks.files}: a file read, and its mistakes told after
+    its path.
 
 A leaf: it imports nothing from the rest of llmgw, so any process may
 import it.  A configuration error is raised as L{ConfigError} carrying one
@@ -18,6 +20,7 @@ line that names the key and the offending value, so that C{twistd} can
 print it and exit without a traceback.
 """
 
+from llmgw.config_checks.files import read_toml, told_in
 from llmgw.config_checks.kinds import (
     BOOLEAN,
     COUNT,
@@ -94,8 +97,10 @@ __all__ = [
     "parse_duration",
     "parse_size",
     "parse_url",
+    "read_toml",
     "setting",
     "settings_keys",
     "size_text",
     "spelled",
+    "told_in",
 ]

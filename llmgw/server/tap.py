@@ -20,7 +20,7 @@ from llmgw.config import (
     parse_endpoint_flag,
     shared_flags,
 )
-from llmgw.config_checks import ConfigError
+from llmgw.config_checks import ConfigError, told_in
 from llmgw.control.metrics import FleetCollector
 from llmgw.daemon.lifecycle import (
     AGENT_LINKS,
@@ -187,13 +187,9 @@ class Options(usage.Options):
                 parse_endpoint_flag(spec) for spec in self["endpoint"]
             ]
             config = replace(config, endpoints=tuple(endpoints))
-        try:
+        # Checked with the flags merged in: the file named all the same.
+        with told_in(self["config"], " with the flags"):
             return finish_config(config)
-        except ConfigError as e:
-            if self["config"] is None:
-                raise
-            # Checked with the flags merged in: the file named all the same.
-            raise ConfigError(f"{self['config']} with the flags: {e}") from None
 
 
 @dataclass(frozen=True)

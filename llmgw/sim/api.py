@@ -130,6 +130,10 @@ class GenerationRequest:
     @ivar stream: answer with server-sent events.
     @ivar include_usage: C{stream_options.include_usage}.
     @ivar faults: the C{llmgw_sim} field, unvalidated, or None.
+    @ivar thinks: whether a reasoning parser may find reasoning in the
+        answer: not when the request turns thinking off
+        (C{reasoning_effort: "none"}, or C{chat_template_kwargs} with
+        C{enable_thinking: false}, as Qwen3's and DeepSeek's templates read).
     """
 
     kind: Kind
@@ -140,6 +144,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     faults: object
+    thinks: bool = True
 
 
 def parse_json_object(body: bytes) -> dict[str, object]:
@@ -260,7 +265,28 @@ def parse_generation(kind: Kind, body: bytes) -> GenerationRequest:
         stream=stream,
         include_usage=include_usage,
         faults=obj.get(FAULTS_FIELD),
+        thinks=_thinks(obj),
     )
+
+
+def _thinks(obj: dict[str, object]) -> bool:
+    kwargs = obj.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False:
+        return False
+    return obj.get("reasoning_effort") != "none"
+
+
+def reasoning_tokens(parser: str, req: GenerationRequest, count: int) -> int:
+    """
+    @param parser: the sim's C{--reasoning-parser}, or C{""}.
+    @param count: the answer's completion tokens.
+    @return: how many of them are reasoning: the first half (rounded down)
+        of a chat answer when a parser is on and the request thinks, as a
+        thinking model's answer opens with its reasoning; else 0.
+    """
+    if not parser or req.kind != "chat" or not req.thinks:
+        return 0
+    return count // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,19 +371,30 @@ def completion_text(prompt: bytes, count: int) -> str:
 
 
 def full_response(
-    req: GenerationRequest, response_id: str, created: int, count: int
+    req: GenerationRequest,
+    response_id: str,
+    created: int,
+    count: int,
+    reasoning: int = 0,
 ) -> bytes:
     """
     The non-streamed answer: a C{chat.completion} or C{text_completion}.
 
     @param count: completion tokens.
+    @param reasoning: how many of them are reasoning: the message's
+        C{reasoning} (vLLM 0.32's field with a reasoning parser), the rest
+        its C{content}.
     """
-    text = completion_text(req.prompt, count)
+    tokens = completion_tokens(req.prompt, count)
+    text = "".join(tokens[reasoning:])
     choice: dict[str, object]
     if req.kind == "chat":
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning"] = "".join(tokens[:reasoning])
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None,
             "finish_reason": "length",
         }
@@ -378,7 +415,11 @@ def full_response(
 
 
 def stream_events(
-    req: GenerationRequest, response_id: str, created: int, count: int
+    req: GenerationRequest,
+    response_id: str,
+    created: int,
+    count: int,
+    reasoning: int = 0,
 ) -> tuple[list[bytes], int]:
     """
     The server-sent events of a streamed answer, each C{data: <json>\\n\\n}.
@@ -390,6 +431,8 @@ def stream_events(
     chunk if asked for, C{[DONE]}.
 
     @param count: completion tokens.
+    @param reasoning: how many of them are reasoning: their deltas are
+        C{{"reasoning": ...}}, as vLLM 0.32's with a reasoning parser.
     @return: the events, and the index of the first token's event.
     """
     head = _dumps(
@@ -427,8 +470,10 @@ def stream_events(
             b'"finish_reason":"length"}]' + tail_usage
         )
     size = len(VOCAB_JSON)
+    thinking = prefix.replace(b'"delta":{"content":', b'"delta":{"reasoning":')
     events.extend(
-        prefix + VOCAB_JSON[i % size] + suffix for i in token_indices(req.prompt, count)
+        (thinking if n < reasoning else prefix) + VOCAB_JSON[i % size] + suffix
+        for n, i in enumerate(token_indices(req.prompt, count))
     )
     events.append(last)
     if req.include_usage:

@@ -152,6 +152,11 @@ class FieldTests(SynchronousTestCase):
                 container="c1",
                 service_tier="auto",
                 inference_geo="us",
+                speed="fast",
+                fallbacks="default",
+                cache_control={"type": "ephemeral"},
+                thread={"type": "create"},
+                diagnostics={"previous_message_id": "msg_1"},
                 system=[{"type": "text", "text": "s", "cache_control": {"type": "x"}}],
             )
         )
@@ -250,8 +255,9 @@ class FieldTests(SynchronousTestCase):
 
     def test_refused_fields(self) -> None:
         """
-        What cannot be honoured is a 400 naming the field: MCP servers, a
-        thinking type or budget of the wrong shape.
+        What cannot be honoured is a 400 naming the field: MCP servers,
+        compaction, a thread to continue, a thinking type or budget of the
+        wrong shape.
         """
         for fields, param in (
             (
@@ -259,6 +265,8 @@ class FieldTests(SynchronousTestCase):
                 "mcp_servers",
             ),
             ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+            ({"compaction": {"type": "auto"}}, "compaction"),
+            ({"thread": {"type": "continue"}}, "thread.type"),
             ({"thinking": {"type": "deep"}}, "thinking.type"),
             (
                 {"output_config": {"format": {"type": "xml"}}},

@@ -320,7 +320,7 @@ def to_chat(payload: dict[str, Any], counting: bool = False) -> dict[str, Any]:
     if not counting:
         sampling(payload, chat)
     tools(payload, chat)
-    options(payload, chat)
+    options(payload, chat, counting)
     return chat
 
 

@@ -263,22 +263,37 @@ def _output_config(payload: dict[str, Any], chat: dict[str, Any]) -> None:
         }
 
 
-def options(payload: dict[str, Any], chat: dict[str, Any]) -> None:
+def options(
+    payload: dict[str, Any], chat: dict[str, Any], counting: bool = False
+) -> None:
     """
     Translate C{output_config} and C{thinking} (in that order, as vLLM's:
     C{disabled} wins over an effort) into C{chat}; check the fields llmgw
     reads and leaves out (C{context_management}, C{container},
-    C{service_tier}, C{inference_geo}: their meanings are Anthropic's
-    service's, docs/anthropic.md says each).
+    C{service_tier}, C{inference_geo}, C{speed}, C{fallbacks}, a top-level
+    C{cache_control}, ...: docs/anthropic.md says what each means here).
 
-    @raise Invalid: an ill-typed field, or C{mcp_servers} that would give
-        the model tools llmgw cannot run.
+    @param counting: a C{count_tokens} request, which Anthropic's API
+        answers for the messages as sent whatever C{compaction} says.
+    @raise Invalid: an ill-typed field; C{mcp_servers} (tools llmgw cannot
+        run), C{compaction} (a summary llmgw does not make) or a C{thread}
+        to continue (state llmgw does not keep): each answer would mean
+        something else.
     """
     _output_config(payload, chat)
     _thinking(payload, chat)
     _object(payload, "context_management")
-    servers = payload.get("mcp_servers")
-    if servers:
+    if payload.get("mcp_servers"):
         raise Invalid(
             "mcp_servers", "MCP servers are run by Anthropic's service, not by llmgw"
+        )
+    if payload.get("compaction") is not None and not counting:
+        raise Invalid(
+            "compaction", "llmgw does not summarize conversations; send the messages"
+        )
+    thread = _object(payload, "thread")
+    if thread is not None and thread.get("type") != "create":
+        raise Invalid(
+            "thread.type",
+            "llmgw keeps no conversation state; send the whole conversation",
         )

@@ -19,6 +19,7 @@ with C{--enable-lora} and C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True}
 and with C{--enable-sleep-mode} (L{llmgw.sim.sleep})::
 
     POST /sleep                 POST /wake_up          GET  /is_sleeping
+    POST /collective_rpc
     POST /release_memory_occupation    POST /resume_memory_occupation
 
 With C{--api-key}, the C{/v1} routes need C{Authorization: Bearer KEY}
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
@@ -64,7 +66,7 @@ from llmgw.sim.exchange import JSON, Exchange
 from llmgw.sim.kvcache import SequenceBlocks
 from llmgw.sim.lora import LoraError
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
-from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS
+from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS, collective_rpc
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -123,6 +125,7 @@ class SimResource(Resource):
                     (b"POST", b"/sleep"): self._sleep,
                     (b"POST", b"/wake_up"): self._wake_up,
                     (b"GET", b"/is_sleeping"): self._is_sleeping,
+                    (b"POST", b"/collective_rpc"): self._collective_rpc,
                     (b"POST", b"/release_memory_occupation"): self._release,
                     (b"POST", b"/resume_memory_occupation"): self._resume,
                 }
@@ -241,6 +244,10 @@ class SimResource(Resource):
         sim = self._sim
         config = sim.config
         response_id = sim.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        if sim.sleep.garbled:
+            # Weights discarded by a level-2 sleep and never reloaded: the
+            # text no longer depends on the prompt (L{llmgw.sim.sleep}).
+            req = replace(req, prompt=b"")
         ttft = config.ttft / config.speed
         itl = config.itl / config.speed
         if req.stream:
@@ -393,6 +400,15 @@ class SimResource(Resource):
     def _is_sleeping(self, request: Request) -> bytes:
         body = json_body({"is_sleeping": self._sim.sleep.asleep})
         return _respond(request, 200, body, JSON)
+
+    def _collective_rpc(self, request: Request) -> bytes:
+        status, answer = collective_rpc(self._sim.sleep, _body(request))
+        if status != 200:
+            # vLLM's handlers: the HTTP phrase for its router's 400s, its
+            # fallback error type for what the workers raise.
+            kind = "Bad Request" if status == 400 else "InternalServerError"
+            return _error(request, ApiError(status, str(answer), type=kind))
+        return _respond(request, status, json_body(answer), JSON)
 
     def _release(self, request: Request) -> bytes | int:
         try:

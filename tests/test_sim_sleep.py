@@ -187,7 +187,10 @@ class SleepRouteTests(SynchronousTestCase):
         answers with text that is no longer its answer to the prompt (vLLM
         maps the discarded weights again empty); C{reload_weights} through
         C{/collective_rpc} brings the right answer back.  Level 1 keeps
-        them.
+        them.  Checked against vLLM's code, not a run (the CPU build refuses
+        sleep mode): C{v1/worker/gpu_worker.py} (C{sleep}, C{wake_up},
+        C{reload_weights}) and C{device_allocator/sleep_mode_backend.py}
+        (weights offloaded at level 1 only).
         """
         _, site = self.make()
         right = self.text(site)
@@ -218,7 +221,11 @@ class SleepRouteTests(SynchronousTestCase):
         before that wake is refused (500) and changes nothing; after it,
         the reload is answered; the KV cache's wake makes it awake, with
         the right answer.  Bad C{/collective_rpc} bodies get vLLM's 400s;
-        an unknown method its 500.
+        an unknown method its 500.  vLLM's files: its "Sleep Mode" document
+        (the sequence), C{entrypoints/serve/dev/rpc/api_router.py} (the
+        route's checks and C{{"results": [...]}}), C{v1/engine/async_llm.py}
+        (the gauge set awake only once fully awake) and
+        C{v1/metrics/loggers.py} (its C{sleep_state} labels).
         """
         _, site = self.make()
         right = self.text(site)
@@ -249,7 +256,9 @@ class SleepRouteTests(SynchronousTestCase):
         """
         Level 0 pauses the scheduler only: asleep (no C{sleep_state} set,
         as vLLM records level 0), and any wake resumes it, a tag named
-        included (vLLM's executor does not sleep at level 0).
+        included (vLLM's executor does not sleep at level 0; its
+        C{v1/engine/core.py}, C{sleep} and C{wake_up}, and
+        C{v1/metrics/loggers.py}, C{record_sleep_state}).
         """
         _, site = self.make()
         self.call(site, "/sleep?level=0")

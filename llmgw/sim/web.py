@@ -9,6 +9,7 @@ Routes::
 
     POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings
     GET  /v1/models             GET  /health           GET  /metrics
+    POST /tokenize              POST /detokenize
     GET  /sim/stats             POST /sim/stats/reset  POST /sim/fault
 
 with C{--enable-lora} and C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True}
@@ -67,6 +68,7 @@ from llmgw.sim.kvcache import SequenceBlocks
 from llmgw.sim.lora import LoraError
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
 from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS, collective_rpc
+from llmgw.sim.tokens import context_error, detokenize, model_card, tokenize
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -112,6 +114,8 @@ class SimResource(Resource):
             (b"GET", b"/v1/models"): self._models,
             (b"GET", b"/health"): self._health,
             (b"GET", b"/metrics"): self._metrics,
+            (b"POST", b"/tokenize"): self._tokenize,
+            (b"POST", b"/detokenize"): self._detokenize,
             (b"GET", b"/sim/stats"): self._stats,
             (b"POST", b"/sim/stats/reset"): self._stats_reset,
             (b"POST", b"/sim/fault"): self._fault,
@@ -210,6 +214,11 @@ class SimResource(Resource):
             req = parse_generation(kind, _body(request))
             if not sim.serves(req.model):
                 raise model_not_found(req.model)
+            too_long = context_error(
+                req.prompt_tokens, req.max_tokens, sim.config.max_model_len
+            )
+            if too_long is not None:
+                raise too_long
             faults = self._faults(req.faults)
         except ApiError as e:
             return _error(request, e)
@@ -306,17 +315,25 @@ class SimResource(Resource):
 
     def _models(self, request: Request) -> bytes:
         sim = self._sim
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": sim.created,
-                "owned_by": "llmgw-sim",
-            }
-            for name in sim.config.models
-        ]
+        config = sim.config
+        data = [model_card(n, sim.created, config.max_model_len) for n in config.models]
         data += sim.adapters.cards(sim.created)
         return _respond(request, 200, json_body({"object": "list", "data": data}), JSON)
+
+    def _tokenize(self, request: Request) -> bytes:
+        sim = self._sim
+        try:
+            answer = tokenize(_body(request), sim.models, sim.config.max_model_len)
+        except ApiError as e:
+            return _error(request, e)
+        return _respond(request, 200, json_body(answer), JSON)
+
+    def _detokenize(self, request: Request) -> bytes:
+        try:
+            answer = detokenize(_body(request), self._sim.models)
+        except ApiError as e:
+            return _error(request, e)
+        return _respond(request, 200, json_body(answer), JSON)
 
     def _load_lora(self, request: Request) -> bytes | int:
         sim = self._sim

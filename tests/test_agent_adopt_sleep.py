@@ -50,14 +50,20 @@ class _Engine:
         # Which questions to /is_sleeping (1 the first) go unanswered.
         self.lost: set[int] = set()
         self.questions = 0
+        # What its /metrics says (vLLM's sleep-state gauge, or nothing).
+        self.metrics = b""
 
     def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
         path = "/" + url.decode().split("/", 3)[3]
         self.asked.append(path)
         if path.startswith("/sleep"):
             answer = self._answer(path, lambda: setattr(self, "sleeping", True))
-        elif path == "/wake_up":
+        elif path in ("/wake_up", "/wake_up?tags=kv_cache"):
             answer = self._answer(path, lambda: setattr(self, "sleeping", False))
+        elif path in ("/wake_up?tags=weights", "/collective_rpc"):
+            answer = self._answer(path, lambda: None)
+        elif path == "/metrics":
+            return succeed(_Answer(self.metrics))
         else:
             self.questions += 1
             if self.questions in self.lost:
@@ -148,17 +154,67 @@ class AdoptedCheckTests(_AdoptCase):
         engine.release()
         self.successResultOf(woken)
         self.assertEqual(
-            engine.asked[:5],
+            engine.asked[:6],
             [
                 "/is_sleeping",
                 "/sleep?level=1",
                 "/is_sleeping",
+                "/metrics",
                 "/wake_up",
                 "/is_sleeping",
             ],
         )
         self.assertEqual(shard.state, pb.SHARD_STATE_READY)
         self.assertFalse(engine.sleeping)
+
+    def test_discarded_weights_reloaded(self) -> None:
+        """
+        An engine whose gauge says it sleeps at level 2 (put to sleep so
+        behind its agent's back: the shard's level is 1) is woken as vLLM's
+        "Sleep Mode" document says: the weights' memory, C{reload_weights},
+        the KV cache's; then asked whether it is awake.
+        """
+        engine = _Engine(sleeping=True)
+        engine.metrics = (
+            b'vllm:engine_sleep_state{engine="0",model_name="m",'
+            b'sleep_state="awake"} 0.0\n'
+            b'vllm:engine_sleep_state{engine="0",model_name="m",'
+            b'sleep_state="discard_all"} 1.0\n'
+        )
+        shard = self.adopt(engine, recorded_asleep=True)
+        self.successResultOf(Deferred.fromCoroutine(self.supervisor.wake("s1")))
+        self.assertEqual(
+            engine.asked[1:6],
+            [
+                "/metrics",
+                "/wake_up?tags=weights",
+                "/collective_rpc",
+                "/wake_up?tags=kv_cache",
+                "/is_sleeping",
+            ],
+        )
+        self.assertEqual(shard.state, pb.SHARD_STATE_READY)
+
+    def test_discard_told_by_the_level(self) -> None:
+        """
+        Told to sleep at level 2, an engine whose C{/metrics} says nothing
+        of its sleep is woken with the reload too; the gauge saying level
+        1 (C{weights_offloaded}) has it woken plainly.
+        """
+        for metrics, reloads in (
+            (b"", True),
+            (b'vllm:engine_sleep_state{sleep_state="discard_all"} 0.0\n', False),
+        ):
+            engine = _Engine(sleeping=False)
+            engine.metrics = metrics
+            shard = self.adopt(engine, recorded_asleep=False)
+            self.probes_passed(shard)
+            self.successResultOf(Deferred.fromCoroutine(shard.turns.sleep(2)))
+            del engine.asked[:]
+            self.successResultOf(Deferred.fromCoroutine(self.supervisor.wake("s1")))
+            self.assertEqual("/collective_rpc" in engine.asked, reloads, engine.asked)
+            self.assertEqual(shard.state, pb.SHARD_STATE_READY)
+            self.supervisor.shards.clear()
 
     def test_gpus_held_while_checked(self) -> None:
         """

@@ -14,6 +14,7 @@ import time
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.sim.api import completion_text
 from tests.support import CtlMixin, http
 from tests.test_e2e_control import _alive
 from tests.test_e2e_swap import _Swaps
@@ -39,7 +40,7 @@ engine = "sim"
 source = "sim"
 gpus = 1
 gpu_memory_gb = 60
-sleep = "weights"
+sleep = "{sleep}"
 sleep_gpu_memory_gb = 2
 sleep_host_memory_gb = 1
 args = {args}
@@ -49,10 +50,10 @@ LOAD_SECONDS = 4.0
 WAKE_SECONDS = 0.3
 
 
-def model(name: str, idle: str = "600s", *extra: str) -> str:
+def model(name: str, idle: str = "600s", *extra: str, sleep: str = "weights") -> str:
     args = ["--itl", "0.02", "--load-seconds", str(LOAD_SECONDS)]
     args += ["--wake-seconds", str(WAKE_SECONDS), "--sleep-seconds", "0.2", *extra]
-    return MODEL.format(name=name, idle=idle, args=json.dumps(args))
+    return MODEL.format(name=name, idle=idle, args=json.dumps(args), sleep=sleep)
 
 
 class SleepSwapTests(_Swaps, SynchronousTestCase, CtlMixin):
@@ -169,6 +170,30 @@ class SleepSwapTests(_Swaps, SynchronousTestCase, CtlMixin):
             "POST", self.admin_url + "/api/v1/replicas/nope/wake", b""
         )
         self.assertEqual(status, 404, body)
+        self.assertNotIn("Traceback", self.server.output())
+
+    def test_discarded_weights_reloaded_by_the_wake(self) -> None:
+        """
+        C{sleep = "discard"} (vLLM level 2): idle, the replica sleeps and
+        its engine says C{discard_all}; a request wakes it, and its answer
+        is the model's (the agent woke the weights, had them reloaded, then
+        the KV cache), not the text of lost weights.
+        """
+        self.setup_fleet(model("a", "2s", sleep="discard"), agent=AGENT)
+        right = completion_text(b"hello", 4)
+        self.assertEqual(self.chat("a"), right)
+        ((a, _, pid),) = self.state("a")
+        self.until(lambda: self.state("a") == [(a, "asleep", pid)], 20, "asleep")
+        (replica,) = self.replicas("a")
+        port = replica["shards"][0]["port"]
+        _, _, text = http("GET", f"http://127.0.0.1:{port}/metrics")
+        self.assertRegex(
+            text.decode(), r'vllm:engine_sleep_state\{[^}]*"discard_all"\} 1\.0'
+        )
+        self.assertEqual(self.chat("a"), right)
+        self.assertEqual(self.state("a"), [(a, "ready", pid)])
+        _, _, stats = http("GET", f"http://127.0.0.1:{port}/sim/stats")
+        self.assertEqual(json.loads(stats)["weights_lost"], False)
         self.assertNotIn("Traceback", self.server.output())
 
     def test_engine_refusing_sleep_mode_is_stopped(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from llmgw.sim.api import completion_text
 from llmgw.sim.engine import SimConfig, Simulator
 from llmgw.sim.sleep import UNSUPPORTED, SleepConfig
 from llmgw.sim.web import SimSite
@@ -26,6 +27,7 @@ ROUTES = (
     ("POST", "/sleep"),
     ("POST", "/wake_up"),
     ("GET", "/is_sleeping"),
+    ("POST", "/collective_rpc"),
     ("POST", "/release_memory_occupation"),
     ("POST", "/resume_memory_occupation"),
 )
@@ -157,6 +159,115 @@ class SleepRouteTests(SynchronousTestCase):
         self.clock.advance(2)
         self.assertEqual(self.answer(conn)[1], {"status": "sleeping", "level": 2})
         self.assertEqual(self.gauge(site)["discard_all"], 1.0)
+
+    def text(self, site: SimSite) -> str:
+        """
+        @return: the chat answer to C{chat_body}'s prompt, as the engine
+            gives it now (it must be awake).
+        """
+        conn = self.call(site, "/v1/chat/completions", body=chat_body(4, False))
+        self.clock.advance(10)
+        status, body = self.answer(conn)
+        self.assertEqual(status, 200, body)
+        content: str = body["choices"][0]["message"]["content"]
+        return content
+
+    def sleep_state(self, site: SimSite) -> tuple[bool, str]:
+        """
+        @return: what C{/is_sleeping} says, and the C{sleep_state} the
+            gauge sets to 1 (C{""}: none).
+        """
+        said = self.answer(self.call(site, "/is_sleeping", "GET"))[1]["is_sleeping"]
+        ones = [state for state, value in self.gauge(site).items() if value == 1.0]
+        return said, "".join(ones)
+
+    def test_discard_loses_the_weights(self) -> None:
+        """
+        After a level-2 sleep a plain wake answers awake, and the engine
+        answers with text that is no longer its answer to the prompt (vLLM
+        maps the discarded weights again empty); C{reload_weights} through
+        C{/collective_rpc} brings the right answer back.  Level 1 keeps
+        them.  Checked against vLLM's code, not a run (the CPU build refuses
+        sleep mode): C{v1/worker/gpu_worker.py} (C{sleep}, C{wake_up},
+        C{reload_weights}) and C{device_allocator/sleep_mode_backend.py}
+        (weights offloaded at level 1 only).
+        """
+        _, site = self.make()
+        right = self.text(site)
+        self.assertEqual(right, completion_text(b"hello", 4))
+        self.call(site, "/sleep?level=1")
+        self.clock.advance(2)
+        self.call(site, "/wake_up")
+        self.clock.advance(3)
+        self.assertEqual(self.text(site), right)
+        self.call(site, "/sleep?level=2")
+        self.clock.advance(2)
+        self.assertEqual(self.sleep_state(site), (True, "discard_all"))
+        self.assertTrue(self.stats(site)["weights_lost"])
+        self.call(site, "/wake_up")
+        self.clock.advance(3)
+        self.assertEqual(self.sleep_state(site), (False, "awake"))
+        self.assertNotEqual(self.text(site), right)
+        self.assertEqual(self.text(site), completion_text(b"", 4))
+        conn = self.call(site, "/collective_rpc", body={"method": "reload_weights"})
+        self.assertEqual(self.answer(conn), (200, {"results": [None]}))
+        self.assertEqual(self.text(site), right)
+        self.assertFalse(self.stats(site)["weights_lost"])
+
+    def test_discard_then_vllm_wake_sequence(self) -> None:
+        """
+        vLLM's documented wake from level 2, step by step: the weights'
+        wake leaves it asleep (gauge still C{discard_all}); a reload
+        before that wake is refused (500) and changes nothing; after it,
+        the reload is answered; the KV cache's wake makes it awake, with
+        the right answer.  Bad C{/collective_rpc} bodies get vLLM's 400s;
+        an unknown method its 500.  vLLM's files: its "Sleep Mode" document
+        (the sequence), C{entrypoints/serve/dev/rpc/api_router.py} (the
+        route's checks and C{{"results": [...]}}), C{v1/engine/async_llm.py}
+        (the gauge set awake only once fully awake) and
+        C{v1/metrics/loggers.py} (its C{sleep_state} labels).
+        """
+        _, site = self.make()
+        right = self.text(site)
+        self.call(site, "/sleep?level=2")
+        self.clock.advance(2)
+        reload = {"method": "reload_weights"}
+        status, body = self.answer(self.call(site, "/collective_rpc", body=reload))
+        self.assertEqual(status, 500, body)
+        self.assertTrue(self.stats(site)["weights_lost"])
+        conn = self.call(site, "/wake_up?tags=weights")
+        self.clock.advance(3)
+        self.assertEqual(self.answer(conn)[1]["status"], "sleeping")
+        self.assertEqual(self.sleep_state(site), (True, "discard_all"))
+        conn = self.call(site, "/collective_rpc", body=reload)
+        self.assertEqual(self.answer(conn), (200, {"results": [None]}))
+        self.assertEqual(self.sleep_state(site), (True, "discard_all"))
+        conn = self.call(site, "/wake_up?tags=kv_cache")
+        self.clock.advance(3)
+        self.assertEqual(self.answer(conn)[1]["status"], "awake")
+        self.assertEqual(self.sleep_state(site), (False, "awake"))
+        self.assertEqual(self.text(site), right)
+        for bad, code in (([1], 400), ({"args": []}, 400), ({"method": "x"}, 500)):
+            status, body = self.answer(self.call(site, "/collective_rpc", body=bad))
+            self.assertEqual(status, code, body)
+            self.assertIsInstance(body["error"]["message"], str)
+
+    def test_level_0_pauses_only(self) -> None:
+        """
+        Level 0 pauses the scheduler only: asleep (no C{sleep_state} set,
+        as vLLM records level 0), and any wake resumes it, a tag named
+        included (vLLM's executor does not sleep at level 0; its
+        C{v1/engine/core.py}, C{sleep} and C{wake_up}, and
+        C{v1/metrics/loggers.py}, C{record_sleep_state}).
+        """
+        _, site = self.make()
+        self.call(site, "/sleep?level=0")
+        self.clock.advance(2)
+        self.assertEqual(self.sleep_state(site), (True, ""))
+        conn = self.call(site, "/wake_up?tags=scheduling")
+        self.clock.advance(0)
+        self.assertEqual(self.answer(conn)[1]["status"], "awake")
+        self.assertEqual(self.sleep_state(site), (False, "awake"))
 
     def test_wake_by_tags(self) -> None:
         """

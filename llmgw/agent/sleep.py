@@ -17,6 +17,19 @@ simulator C{POST /sleep?level=N}, C{POST /wake_up}, then C{GET
 /is_sleeping} to confirm; SGLang C{POST /release_memory_occupation} and
 C{POST /resume_memory_occupation} with C{{}}.
 
+A level-2 sleep discards the weights, and a plain C{/wake_up} maps their
+memory again empty: the engine then answers, with no error, text its
+weights no longer make.  So a wake from level 2 takes the calls of vLLM's
+"Sleep Mode" document (and its worker's C{reload_weights},
+C{v1/worker/gpu_worker.py}, vLLM 0.32): C{POST /wake_up?tags=weights},
+C{POST /collective_rpc} with C{{"method": "reload_weights"}} (the weights
+read again from the model's folder, in place), C{POST
+/wake_up?tags=kv_cache}.  No C{/reset_prefix_cache} follows: vLLM's
+engine core empties the prefix cache when it sleeps at level 1 or 2.  The
+level is the engine's own word where it gives it (its
+C{vllm:engine_sleep_state} gauge, C{sleep_state="discard_all"} at level
+2; L{discarded}), else the level the agent put it to sleep at.
+
 A shard's turns to sleep and to wake, which call these routes, are
 L{llmgw.agent.turns}; the supervisor sees that a woken engine's GPUs are
 free (L{llmgw.agent.supervisor.Supervisor.wake}).
@@ -127,6 +140,32 @@ def memory_note(held_gb: float, expected_gb: float) -> str:
     return f"gpu memory after wake: {held_gb:.3g} GB held, expected {expected_gb:g} GB"
 
 
+RELOAD_BODY = json.dumps({"method": "reload_weights"}).encode()
+"""
+The C{POST /collective_rpc} body that loads an engine's weights again
+(vLLM's worker method C{reload_weights}, with no arguments: from the
+model's own folder).
+"""
+
+_DISCARDED = re.compile(
+    r'^vllm:engine_sleep_state\{[^}]*sleep_state="discard_all"[^}]*\}\s+(\S+)',
+    re.MULTILINE,
+)
+
+
+def discarded(metrics: str) -> bool | None:
+    """
+    @param metrics: an engine's C{GET /metrics} text.
+    @return: whether its C{vllm:engine_sleep_state} gauge says it sleeps at
+        level 2 (C{sleep_state="discard_all"} 1; vLLM's
+        C{v1/metrics/loggers.py}), L{None} when it has no such gauge.
+    """
+    values = _DISCARDED.findall(metrics)
+    if not values:
+        return None
+    return any(v not in ("0", "0.0") for v in values)
+
+
 class EngineRoutes:
     """
     The sleep and wake routes of one engine, called from its node.
@@ -164,6 +203,23 @@ class EngineRoutes:
         @raise CommandRefused: it answered other than 200 (code
             C{sleep_refused}, with its answer), or could not be reached.
         """
+        text = await self._text(path, method, body, timeout)
+        try:
+            return json.loads(text) if text else None
+        except ValueError:
+            return None
+
+    async def _text(
+        self,
+        path: str,
+        method: bytes = b"GET",
+        body: bytes = b"",
+        timeout: float = ASK_TIMEOUT,
+    ) -> str:
+        """
+        @return: the engine's answer to C{method path}, stripped.
+        @raise CommandRefused: as L{_call}.
+        """
         headers = Headers({k.encode(): [v.encode()] for k, v in self._headers.items()})
         producer = None
         if body:
@@ -186,10 +242,7 @@ class EngineRoutes:
                 f"{path}: the engine answered {response.code}: {text[:500]}",
                 "sleep_refused",
             )
-        try:
-            return json.loads(text) if text else None
-        except ValueError:
-            return None
+        return text
 
     async def sleep(self, level: int) -> None:
         """
@@ -203,17 +256,37 @@ class EngineRoutes:
         await self._call(b"POST", f"/sleep?level={level}")
         await self._confirm(True)
 
-    async def wake(self) -> None:
+    async def wake(self, level: int) -> None:
         """
-        Wake the engine, and check it says it is awake.
+        Wake the engine, its weights loaded again when it slept at level 2
+        (see the module's docstring), and check it says it is awake.
 
+        @param level: the level the agent put it to sleep at: 2 reloads
+            the weights unless the engine's gauge says otherwise.
         @raise CommandRefused: the engine refused, or stayed asleep.
         """
         if self._engine == "sglang":
             await self._call(b"POST", "/resume_memory_occupation", b"{}")
             return
-        await self._call(b"POST", "/wake_up")
+        if await self._discarded(level):
+            await self._call(b"POST", "/wake_up?tags=weights")
+            await self._call(b"POST", "/collective_rpc", RELOAD_BODY)
+            await self._call(b"POST", "/wake_up?tags=kv_cache")
+        else:
+            await self._call(b"POST", "/wake_up")
         await self._confirm(False)
+
+    async def _discarded(self, level: int) -> bool:
+        """
+        @return: whether the engine's weights were discarded: its gauge's
+            word (L{discarded}), else whether C{level} is 2.
+        """
+        try:
+            text = await self._text("/metrics")
+        except CommandRefused:
+            text = ""
+        said = discarded(text)
+        return level == 2 if said is None else said
 
     async def _confirm(self, sleeping: bool) -> None:
         if await self.asleep() is not sleeping:

@@ -113,6 +113,10 @@ class Turns:
         self._record = record
         self._held_memory = held_memory
         self._turning = turning
+        # The level the engine was last put to sleep at; adopted, the level
+        # it was started for (the engine's own gauge decides first, in
+        # EngineRoutes.wake).
+        self._level = shard.command.sleep_level
         # The check of an adopted engine's sleep, while it runs.
         self._checking: Deferred[None] | None = None
 
@@ -162,6 +166,7 @@ class Turns:
         if level not in (1, 2):
             raise CommandRefused(f"level: expected 1 or 2, got {level}")
         self._turn("sleep")
+        self._level = level
         try:
             await self._routes().sleep(level)
         except CommandRefused:
@@ -173,9 +178,11 @@ class Turns:
 
     async def wake(self) -> None:
         """
-        Wake the sleeping shard's engine: C{waking} while its wake route
-        runs, C{ready} after, with a note when the GPU memory it holds then
-        is not what placement expects (L{memory_note}).  Whether its GPUs
+        Wake the sleeping shard's engine: C{waking} while its wake routes
+        run (after a level-2 sleep, its weights loaded again:
+        L{EngineRoutes.wake}), C{ready} after, with a note when the GPU
+        memory it holds then is not what placement expects
+        (L{memory_note}).  Whether its GPUs
         are free is the supervisor's to say, before.
 
         @raise CommandRefused: the engine refused (code C{sleep_refused}:
@@ -186,7 +193,7 @@ class Turns:
         shard.set_state(pb.SHARD_STATE_WAKING)
         self._turn("wake")
         try:
-            await routes.wake()
+            await routes.wake(self._level)
         except CommandRefused:
             if shard.state == pb.SHARD_STATE_WAKING:
                 shard.set_state(pb.SHARD_STATE_SLEEPING)

@@ -458,7 +458,11 @@ def stream_events(
         prefix = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":'
         suffix = b'},"logprobs":null,"finish_reason":null}]' + tail_usage
         last = (
-            b"data: " + head + b',"choices":[{"index":0,"delta":{},"logprobs":null,'
+            # vLLM's finish chunk carries a content string (its last
+            # token's, or ""), never an empty delta.
+            b"data: "
+            + head
+            + b',"choices":[{"index":0,"delta":{"content":""},"logprobs":null,'
             b'"finish_reason":"length"}]' + tail_usage
         )
     else:

@@ -107,6 +107,14 @@ def _timing(p: argparse.ArgumentParser) -> None:
         help="seconds between tokens",
     )
     p.add_argument(
+        "--max-model-len",
+        type=_count(0),
+        metavar="TOKENS",
+        default=0,
+        help="context length, as vLLM's flag: a longer prompt gets a 400"
+        " (default 0: none)",
+    )
+    p.add_argument(
         "--max-tokens",
         type=_count(0),
         metavar="N",
@@ -319,6 +327,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         ttft=args.ttft,
         itl=args.itl,
         max_tokens=args.max_tokens,
+        max_model_len=args.max_model_len,
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         embedding_dim=args.embedding_dim,

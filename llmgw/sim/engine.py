@@ -402,6 +402,8 @@ class SimConfig:
         may hold together; beyond it requests wait.  0: no limit.
     @ivar prefix_cache_tokens: tokens of freed or computed blocks the
         prefix cache keeps (rounded down to whole blocks); 0: no cache.
+    @ivar max_model_len: the context length in tokens: a longer prompt
+        gets vLLM's 400 (L{llmgw.sim.tokens}); 0: no limit.
     @ivar sleep: its sleep mode (L{llmgw.sim.sleep}).
     @ivar lora: its LoRA adapters (L{llmgw.sim.lora}).
     @ivar reasoning_parser: vLLM's C{--reasoning-parser} name, or C{""}:
@@ -422,6 +424,7 @@ class SimConfig:
     prefill_per_token: float = 0.0
     kv_capacity: int = 0
     prefix_cache_tokens: int = 0
+    max_model_len: int = 0
     sleep: SleepConfig = SleepConfig()
     lora: LoraConfig = LoraConfig()
     reasoning_parser: str = ""

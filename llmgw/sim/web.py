@@ -9,6 +9,7 @@ Routes::
 
     POST /v1/chat/completions   POST /v1/completions   POST /v1/embeddings
     GET  /v1/models             GET  /health           GET  /metrics
+    POST /tokenize              POST /detokenize
     GET  /sim/stats             POST /sim/stats/reset  POST /sim/fault
 
 with C{--enable-lora} and C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True}
@@ -19,6 +20,7 @@ with C{--enable-lora} and C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True}
 and with C{--enable-sleep-mode} (L{llmgw.sim.sleep})::
 
     POST /sleep                 POST /wake_up          GET  /is_sleeping
+    POST /collective_rpc
     POST /release_memory_occupation    POST /resume_memory_occupation
 
 With C{--api-key}, the C{/v1} routes need C{Authorization: Bearer KEY}
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
@@ -65,7 +68,8 @@ from llmgw.sim.exchange import JSON, Exchange
 from llmgw.sim.kvcache import SequenceBlocks
 from llmgw.sim.lora import LoraError
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
-from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS
+from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS, collective_rpc
+from llmgw.sim.tokens import context_error, detokenize, model_card, tokenize
 
 CHAT_PATH = b"/v1/chat/completions"
 COMPLETIONS_PATH = b"/v1/completions"
@@ -111,6 +115,8 @@ class SimResource(Resource):
             (b"GET", b"/v1/models"): self._models,
             (b"GET", b"/health"): self._health,
             (b"GET", b"/metrics"): self._metrics,
+            (b"POST", b"/tokenize"): self._tokenize,
+            (b"POST", b"/detokenize"): self._detokenize,
             (b"GET", b"/sim/stats"): self._stats,
             (b"POST", b"/sim/stats/reset"): self._stats_reset,
             (b"POST", b"/sim/fault"): self._fault,
@@ -124,6 +130,7 @@ class SimResource(Resource):
                     (b"POST", b"/sleep"): self._sleep,
                     (b"POST", b"/wake_up"): self._wake_up,
                     (b"GET", b"/is_sleeping"): self._is_sleeping,
+                    (b"POST", b"/collective_rpc"): self._collective_rpc,
                     (b"POST", b"/release_memory_occupation"): self._release,
                     (b"POST", b"/resume_memory_occupation"): self._resume,
                 }
@@ -208,6 +215,11 @@ class SimResource(Resource):
             req = parse_generation(kind, _body(request))
             if not sim.serves(req.model):
                 raise model_not_found(req.model)
+            too_long = context_error(
+                req.prompt_tokens, req.max_tokens, sim.config.max_model_len
+            )
+            if too_long is not None:
+                raise too_long
             faults = self._faults(req.faults)
         except ApiError as e:
             return _error(request, e)
@@ -242,6 +254,10 @@ class SimResource(Resource):
         sim = self._sim
         config = sim.config
         response_id = sim.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        if sim.sleep.garbled:
+            # Weights discarded by a level-2 sleep and never reloaded: the
+            # text no longer depends on the prompt (L{llmgw.sim.sleep}).
+            req = replace(req, prompt=b"")
         ttft = config.ttft / config.speed
         itl = config.itl / config.speed
         reasoning = reasoning_tokens(config.reasoning_parser, req, count)
@@ -301,17 +317,25 @@ class SimResource(Resource):
 
     def _models(self, request: Request) -> bytes:
         sim = self._sim
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": sim.created,
-                "owned_by": "llmgw-sim",
-            }
-            for name in sim.config.models
-        ]
+        config = sim.config
+        data = [model_card(n, sim.created, config.max_model_len) for n in config.models]
         data += sim.adapters.cards(sim.created)
         return _respond(request, 200, json_body({"object": "list", "data": data}), JSON)
+
+    def _tokenize(self, request: Request) -> bytes:
+        sim = self._sim
+        try:
+            answer = tokenize(_body(request), sim.models, sim.config.max_model_len)
+        except ApiError as e:
+            return _error(request, e)
+        return _respond(request, 200, json_body(answer), JSON)
+
+    def _detokenize(self, request: Request) -> bytes:
+        try:
+            answer = detokenize(_body(request), self._sim.models)
+        except ApiError as e:
+            return _error(request, e)
+        return _respond(request, 200, json_body(answer), JSON)
 
     def _load_lora(self, request: Request) -> bytes | int:
         sim = self._sim
@@ -395,6 +419,15 @@ class SimResource(Resource):
     def _is_sleeping(self, request: Request) -> bytes:
         body = json_body({"is_sleeping": self._sim.sleep.asleep})
         return _respond(request, 200, body, JSON)
+
+    def _collective_rpc(self, request: Request) -> bytes:
+        status, answer = collective_rpc(self._sim.sleep, _body(request))
+        if status != 200:
+            # vLLM's handlers: the HTTP phrase for its router's 400s, its
+            # fallback error type for what the workers raise.
+            kind = "Bad Request" if status == 400 else "InternalServerError"
+            return _error(request, ApiError(status, str(answer), type=kind))
+        return _respond(request, status, json_body(answer), JSON)
 
     def _release(self, request: Request) -> bytes | int:
         try:

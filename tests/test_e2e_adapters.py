@@ -84,7 +84,7 @@ class AdapterTests(_Fleet, CtlMixin, SynchronousTestCase):
         )
         self.assertEqual(answer.model, model)
         line = self.server.wait_for(
-            rf"request {rid} .*model=(\S+) replica=(\S+) .*status=(\d+)"
+            rf"request \S+ client_id={rid} .*model=(\S+) replica=(\S+) .*status=(\d+)"
             r" prompt_tokens=(\d+) completion_tokens=(\d+)"
         )
         self.assertEqual(line.group(1), model)

@@ -363,3 +363,22 @@ class EngineTruthTests(_LoadsCase):
         self.assertEqual(self.paths()[sent + 2 :], [("/v1/chat/completions", "")])
         self.assertEqual(self.loads.loaded("r1"), ["b", "c"])
         self.assertEqual(self.held(), 2)
+
+    def test_waiting_load_ends_with_its_replica(self) -> None:
+        """
+        A load waiting for room on a replica that goes away does not wait
+        for good: it is tried, and its request fails with the replica.
+        """
+        r = replica(max_loras=1)
+        self.loads.sync([r])
+        self.answer(0, body=listing())
+        self.loads.post(r, "a", b"/v1/chat/completions", [], b"{}")
+        self.answer(1)  # a's load; its request stays in flight
+        got: list[Any] = []
+        self.loads.post(r, "b", b"/v1/chat/completions", [], b"{}").addBoth(got.append)
+        self.assertEqual(len(self.agent.sent), 3)
+        self.loads.sync([])
+        self.assertEqual(self.paths()[3], (LOAD_PATH.decode(), "b"))
+        self.agent.sent[3].answer.errback(ConnectionRefusedError())
+        (failure,) = got
+        self.assertTrue(failure.check(ConnectionRefusedError))

@@ -162,6 +162,11 @@ class AdapterLoads:
         for gone in set(self._loaded) - replica_ids:
             del self._loaded[gone]
         self._read &= replica_ids
+        # A load waiting for room on a replica gone goes on, and fails
+        # there (its requests with it), rather than wait for good.
+        for gone in set(self._slots) - replica_ids:
+            for slot in self._slots.pop(gone):
+                slot.callback(None)
 
     def sync(self, replicas: Sequence[Any]) -> None:
         """
@@ -395,9 +400,10 @@ class AdapterLoads:
         The room is the caller's (L{_admitted}) once this returns.
         """
         endpoint = replica.endpoint
-        loaded = self._loaded.setdefault(endpoint.id, OrderedDict())
         told = False
         while endpoint.max_loras:
+            # Read again each time: a replica gone has none (forget).
+            loaded = self._loaded.get(endpoint.id, OrderedDict())
             admitted = sum(1 for r, _ in self._admitted if r == endpoint.id)
             if len(loaded) + admitted < endpoint.max_loras:
                 break

@@ -94,6 +94,7 @@ class Sent:
     answer: Deferred[IResponse]
     cancelled: bool = False
     fresh: bool = False
+    method: str = "POST"
 
 
 class FakeAgent:
@@ -123,6 +124,16 @@ class FakeAgent:
         sent = Sent(base + path, table, body, Deferred(cancel), fresh=fresh)
         self.sent.append(sent)
         return sent.answer
+
+    def get(
+        self, base: bytes, path: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> Deferred[IResponse]:
+        """
+        Recorded as a POST with no body is (C{Sent.method} C{GET}).
+        """
+        answer = self.post(base, path, headers, b"")
+        self.sent[-1].method = "GET"
+        return answer
 
 
 @dataclass

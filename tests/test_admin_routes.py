@@ -80,6 +80,63 @@ class AdminRoutesTests(PlaneCase):
         except ValueError:
             return response.code, response, content
 
+    def test_adapter_load_refusals_shown(self) -> None:
+        """
+        The loads of an adapter its engines refused (the server's router's
+        account) show on the adapter: each with when it is tried again,
+        the first as its C{last_error}; its base shows none.
+        """
+        from llmgw.control.catalog import parse_models
+
+        base, adapter = parse_models(
+            [
+                {
+                    "name": "b",
+                    "max_loras": 2,
+                    "min_replicas": 0,
+                    "profiles": [
+                        {
+                            "name": "one",
+                            "engine": "vllm",
+                            "source": "s",
+                            "gpus": 1,
+                            "gpu_memory_gb": 10,
+                        }
+                    ],
+                },
+                {"name": "ad", "base": "b", "adapter": "/ad"},
+            ]
+        )
+        self.plane.catalog.add(base)
+        self.plane.catalog.add(adapter)
+        refusal = {
+            "replica": "r-1",
+            "adapter": "ad",
+            "failures": 2,
+            "status": 404,
+            "error": "No adapter found for /ad",
+            "since": self.clock.seconds(),
+            "retry_at": self.clock.seconds() + 2.0,
+        }
+        asked: list[str] = []
+
+        def refusals(name: str) -> list[dict[str, Any]]:
+            asked.append(name)
+            return [refusal] if name == "ad" else []
+
+        treq = self.admin(adapter_refusals=refusals)
+        models = {
+            m["name"]: m for m in self.call(treq, "GET", "/api/v1/models")[2]["models"]
+        }
+        self.assertEqual(asked, ["ad"])
+        self.assertEqual(models["ad"]["load_errors"], [{**refusal, "retry_in": 2.0}])
+        self.assertEqual(
+            models["ad"]["last_error"],
+            "replica r-1 refused to load it (2 in a row): 404 No adapter found"
+            " for /ad; tried again in 2.0s",
+        )
+        self.assertNotIn("load_errors", models["b"])
+
     def test_each_group_answers_through_one_resource(self) -> None:
         """
         A route of each group (status, models, weights, keys, the routers',

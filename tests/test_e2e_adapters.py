@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -84,7 +85,7 @@ class AdapterTests(_Fleet, CtlMixin, SynchronousTestCase):
         )
         self.assertEqual(answer.model, model)
         line = self.server.wait_for(
-            rf"request {rid} .*model=(\S+) replica=(\S+) .*status=(\d+)"
+            rf"request \S+ client_id={rid} .*model=(\S+) replica=(\S+) .*status=(\d+)"
             r" prompt_tokens=(\d+) completion_tokens=(\d+)"
         )
         self.assertEqual(line.group(1), model)
@@ -271,3 +272,51 @@ class AdapterTests(_Fleet, CtlMixin, SynchronousTestCase):
         self.assertEqual(
             back, {"chat": None, "ad-a": "chat", "ad-b": "chat", "ad-c": "chat"}
         )
+
+    def test_engines_word_on_adapters(self) -> None:
+        """
+        One replica, C{max_loras = 2}: streams for ad-a and ad-b in
+        flight, a request for ad-c waits and is served once one of them
+        ends; the engine never lists 3.  ad-c removed from the catalog is
+        unloaded from the engine.  The server restarted: its router reads
+        what the engine holds, and ad-b's request sends no load.
+        """
+        config = self.config(BASE.format(replicas=1))
+        self.start_fleet_server(config)
+        self.start_agent("gpu-01")
+        self.ready(1)
+        (url,) = self.engines().values()
+        self.ctl("models", "add", "ad-c", "--base", "chat", "--adapter", "/adapters/c")
+        done: dict[str, float] = {}
+
+        def ask(model: str, tokens: int) -> None:
+            self.ask(model, tokens)
+            done[model] = time.monotonic()
+
+        streams = [
+            threading.Thread(target=ask, args=(model, 60)) for model in ("ad-a", "ad-b")
+        ]
+        for t in streams:
+            t.start()
+        self.until(lambda: self.stats(url)["running"] == 2, 15, "both streams")
+        third = threading.Thread(target=ask, args=("ad-c", 2))
+        third.start()
+        for t in (*streams, third):
+            t.join(30)
+        self.assertEqual(set(done), {"ad-a", "ad-b", "ad-c"})
+        self.assertGreater(done["ad-c"], min(done["ad-a"], done["ad-b"]))
+        self.assertEqual(self.stats(url)["lora_most_loaded"], 2)
+        self.server.wait_for(r"ad-c waits for one to end")
+
+        self.ctl("models", "remove", "ad-c")
+        self.until(lambda: "ad-c" not in self.listed(url), 10, "ad-c unloaded")
+
+        held = {k for k, v in self.listed(url).items() if v}
+        self.server.stop()
+        self.start_fleet_server(config)
+        self.ready(1)
+        self.server.wait_for(r"replica \S+ holds adapters " + ", ".join(sorted(held)))
+        before = self.stats(url)["lora_load_requests"]
+        for model in sorted(held):
+            self.ask(model)
+        self.assertEqual(self.stats(url)["lora_load_requests"], before)

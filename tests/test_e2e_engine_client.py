@@ -233,7 +233,9 @@ class EngineClientTestCase(SynchronousTestCase, Processes):
         @return: the status of request C{rid}'s usage record, from the
             server's log line.
         """
-        line = self.server.wait_for(rf"request {rid} .* status=(\d+)", timeout=10)
+        line = self.server.wait_for(
+            rf"request \S+ client_id={rid} .* status=(\d+)", timeout=10
+        )
         return line.group(1)
 
     def assert_no_traceback(self, process: Process) -> None:
@@ -474,9 +476,12 @@ class InvalidAnswerTests(EngineClientTestCase):
         )
         self.assertNotIn("127.0.0.1", raised.exception.message)
         self.assertEqual(self.record("hints"), "502")
-        self.server.wait_for(
-            r"request hints: replica fake \(http://127\.0\.0\.1:\d+\): its answer"
+        # The warning names the request by llmgw's own id, as its request
+        # line does (beside the client's).
+        own = self.server.wait_for(
+            r"request (\S+): replica fake \(http://127\.0\.0\.1:\d+\): its answer"
             r" is not valid HTTP/1\.1 \(more than 10 interim \(1xx\) answers\)"
-        )
+        ).group(1)
+        self.assertIn(f"request {own} client_id=hints ", self.server.output())
         self.assertEqual(self.ask("next").choices[0].message.content, "whole")
         self.assert_no_traceback(self.server)

@@ -33,6 +33,7 @@ from tests.vllm_fleet import ARGS, CONFIG, MODEL, NODE, VLLMFleet
 from tests.vllm_support import ROOT, VLLM_MODEL, VLLM_PYTHON, require_vllm
 
 ADAPTER = "gemma-hand-lora"
+MISSING = "gemma-missing-lora"
 ADAPTER_TABLE = """
 [[models]]
 name = "{name}"
@@ -59,15 +60,23 @@ class VLLMLoRATests(VLLMFleet):
             source=VLLM_MODEL,
             args=json.dumps(ARGS),
         ) + ADAPTER_TABLE.format(name=ADAPTER, model=MODEL, path=adapter)
+        # One vLLM cannot load: its path does not exist.
+        config += ADAPTER_TABLE.format(
+            name=MISSING, model=MODEL, path=os.path.join(self.dir, "no-such-adapter")
+        )
+        self.fleet_config = config
         self.addCleanup(self._kill_engines)
+        self.start_fleet_server()
+        self.tls = os.path.join(ca, "agents", NODE)
+        self.agent = self.start_agent()
+
+    def start_fleet_server(self) -> None:
         self.server, self.api_url, self.admin_url = self.start_server(
             "--agent-listen",
             f"tcp:{self.agent_port}:interface=127.0.0.1",
-            config=config,
+            config=self.fleet_config,
             state="server-state",
         )
-        self.tls = os.path.join(ca, "agents", NODE)
-        self.agent = self.start_agent()
         self.client = openai.OpenAI(
             base_url=self.api_url + "/v1", api_key="unused", max_retries=0, timeout=600
         )
@@ -126,3 +135,49 @@ class VLLMLoRATests(VLLMFleet):
             sum(u.completion_tokens for u in counted),
         )
         self.until(lambda: self.adapter_usage() == expected, 10, "the adapter's usage")
+        self.refused_load_backs_off(replica)
+        self.restart_loads_nothing_again(replica)
+
+    def refused_load_backs_off(self, replica: dict[str, Any]) -> None:
+        """
+        An adapter vLLM cannot load (no such path): five requests in a
+        second each get vLLM's refusal, and vLLM is asked to load it once;
+        the refusal shows on the adapter (C{llmgw ctl models}' last error).
+        """
+        began = time.monotonic()
+        statuses = []
+        for _ in range(5):
+            with self.assertRaises(openai.APIStatusError) as refused:
+                self.chat(model=MISSING, tokens=2)
+            statuses.append(refused.exception.status_code)
+        elapsed = time.monotonic() - began
+        log = self.engine_log(replica)
+        print(
+            f"vllm lora e2e: 5 requests for an adapter vLLM refuses in {elapsed:.2f} s:"
+            f" statuses {statuses}, loads asked of vLLM"
+            f" {log.count('POST /v1/load_lora_adapter') - 1}"
+        )
+        self.assertLess(elapsed, 1.0)
+        self.assertEqual(len(set(statuses)), 1, statuses)
+        self.assertGreaterEqual(statuses[0], 400)
+        self.assertEqual(log.count("POST /v1/load_lora_adapter"), 2, log[-3000:])
+        (shown,) = [
+            m for m in self.admin("/api/v1/models")["models"] if m["name"] == MISSING
+        ]
+        (error,) = shown["load_errors"]
+        self.assertEqual((error["failures"], error["status"]), (1, statuses[0]))
+        self.assertIn("refused to load it", shown["last_error"])
+
+    def restart_loads_nothing_again(self, replica: dict[str, Any]) -> None:
+        """
+        The server restarted (the agent keeps vLLM running): its router
+        reads vLLM's C{/v1/models}, and the adapter vLLM holds is served
+        without a second load.
+        """
+        self.server.stop()
+        self.start_fleet_server()
+        self.server.wait_for(rf"replica \S+ holds adapters {ADAPTER}", timeout=60)
+        answer: Any = self.chat(model=ADAPTER, tokens=4)
+        self.assertEqual(answer.model, ADAPTER)
+        log = self.engine_log(replica)
+        self.assertEqual(log.count("POST /v1/load_lora_adapter"), 2, log[-3000:])

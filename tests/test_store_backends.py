@@ -179,6 +179,38 @@ class _Behaviour(_Base):
         by_model = await store.usage("model", 101.0, 103.0)
         self.assertEqual([(g["model"], g["requests"]) for g in by_model], [("m", 1)])
 
+    async def test_usage_same_client_id_two_rows(self) -> None:
+        """
+        Two requests whose clients sent the same X-Request-ID (a retry, two
+        agents reusing an id) are two rows, each with its tokens and the
+        client's id beside llmgw's own; the same batch written again (the
+        writer's retry) still adds none.
+        """
+        store = self.store()
+        store.prepare()
+        key_id = await store.add_key(_key("a"))
+        batch = [
+            (100.0, _row("own-1", key_id, 10, 5, client_request_id="retry-me")),
+            (101.0, _row("own-2", key_id, 3, 4, client_request_id="retry-me")),
+        ]
+        await store.add_usage(batch, {key_id: (22, 101.0)})
+        await store.add_usage(batch, {key_id: (22, 101.0)})
+        rows = self.raw(
+            "SELECT request_id, client_request_id, prompt_tokens, completion_tokens"
+            " FROM usage ORDER BY time"
+        )
+        self.assertEqual(
+            [tuple(r) for r in rows],
+            [("own-1", "retry-me", 10, 5), ("own-2", "retry-me", 3, 4)],
+        )
+        keys, _ = self.store().prepare()
+        self.assertEqual(keys[0]["tokens_used"], 22)
+        (group,) = await store.usage("key", 100.0, 102.0)
+        self.assertEqual(
+            (group["requests"], group["prompt_tokens"], group["completion_tokens"]),
+            (2, 13, 9),
+        )
+
     async def test_usage_means_over_answered(self) -> None:
         """
         Mean latency and mean time to first token are over the same

@@ -235,6 +235,7 @@ def _record(**fields: Any) -> RequestRecord:
         "key_name": "app",
         "usage_estimated": True,
         "reserved_tokens": 100,
+        "client_request_id": "agent-7",
     }
     values.update(fields)
     return RequestRecord(**values)
@@ -253,7 +254,8 @@ class StoreUsageSinkTests(SynchronousTestCase):
     def test_row_from_record(self) -> None:
         """
         Every column of the store's row comes from the record; the
-        estimate flag from C{usage_estimated}.
+        estimate flag from C{usage_estimated}; the client's id beside
+        llmgw's own.
         """
         self.assertEqual(
             usage_row(_record()),
@@ -270,6 +272,7 @@ class StoreUsageSinkTests(SynchronousTestCase):
                 latency=1.5,
                 time_to_first_token=0.25,
                 estimated=True,
+                client_request_id="agent-7",
             ),
         )
 

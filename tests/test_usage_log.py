@@ -44,16 +44,24 @@ class LogUsageSinkTests(SynchronousTestCase):
         One event per record, whose text is the request line (latency in
         seconds to the millisecond) and whose fields are the record's.
         """
-        self.sink.record(_record())
+        self.sink.record(_record(client_request_id="trace-7"))
         (event,) = self.events
         self.assertEqual(
             formatEvent(event),
-            "request req-1 upstream_id=up-1 model=m replica=r1 key=app"
-            " status=200 prompt_tokens=11 completion_tokens=22 latency=1.235s",
+            "request req-1 client_id=trace-7 upstream_id=up-1 model=m replica=r1"
+            " key=app status=200 prompt_tokens=11 completion_tokens=22 latency=1.235s",
         )
         self.assertEqual(
-            {k: event[k] for k in ("request_id", "model", "status", "latency")},
-            {"request_id": "req-1", "model": "m", "status": 200, "latency": 1.23456},
+            {
+                k: event[k]
+                for k in ("request_id", "client_request_id", "model", "status")
+            },
+            {
+                "request_id": "req-1",
+                "client_request_id": "trace-7",
+                "model": "m",
+                "status": 200,
+            },
         )
         self.assertEqual(event["time_to_first_token"], 0.5)
         self.assertIs(event["stream"], True)
@@ -69,8 +77,8 @@ class LogUsageSinkTests(SynchronousTestCase):
         (event,) = self.events
         self.assertEqual(
             formatEvent(event),
-            "request {id} upstream_id=up-1 model=a{b}c{0} replica={{r}} key={}"
-            " status=200 prompt_tokens=11 completion_tokens=22 latency=1.235s",
+            "request {id} client_id=- upstream_id=up-1 model=a{b}c{0} replica={{r}}"
+            " key={} status=200 prompt_tokens=11 completion_tokens=22 latency=1.235s",
         )
         self.assertEqual(event["model"], "a{b}c{0}")
 

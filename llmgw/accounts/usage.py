@@ -16,6 +16,7 @@ def usage_row(record: RequestRecord) -> UsageRow:
     """
     return UsageRow(
         request_id=record.request_id,
+        client_request_id=record.client_request_id,
         key_id=record.key_id,
         key_name=record.key_name,
         model=record.model,

@@ -11,6 +11,7 @@ refused adds C{"models"}, those it would leave below C{min_replicas}).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from twisted.web.resource import IResource
@@ -59,6 +60,9 @@ class Admin:
         "leader": "HOST:PORT"}}); L{None} for a server alone.
     @param reports: where the routers of a tier report their traffic
         (C{POST /api/v1/report}), when there is a router here.
+    @param adapter_refusals: the loads of an adapter its engines refused,
+        from this server's router (shown on the adapter in
+        C{GET /api/v1/models}).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class Admin:
         watch: Watch | None = None,
         standby: Callable[[], dict[str, object]] | None = None,
         reports: Reports | None = None,
+        adapter_refusals: Callable[[str], list[dict[str, Any]]] | None = None,
     ) -> None:
         status = StatusRoutes(
             registry,
@@ -85,7 +90,12 @@ class Admin:
             standby=standby,
         )
         self._models = ModelRoutes(
-            plane, store, config_models, wall_clock=wall_clock, watch=watch
+            plane,
+            store,
+            config_models,
+            wall_clock=wall_clock,
+            watch=watch,
+            adapter_refusals=adapter_refusals,
         )
         weights = WeightRoutes(plane, inventory)
         self._keys = KeyRoutes(

@@ -43,6 +43,33 @@ def model_json(
     raise not_found(f"model {name[:200]!r}")
 
 
+def load_errors(
+    model: dict[str, Any], refusals: list[dict[str, Any]], now: float
+) -> None:
+    """
+    Show on an adapter's entry the loads its engines refused: under
+    C{load_errors} each one (replica, refusals in a row, the engine's
+    status and error, C{retry_at} POSIX seconds and C{retry_in} seconds
+    until the load is tried again), and the first as its C{last_error}
+    line, which C{llmgw ctl models} prints.
+
+    @param model: the adapter's entry of C{GET /api/v1/models}, changed.
+    @param refusals: L{llmgw.router.routing.adapters.AdapterLoads.refusals}.
+    @param now: POSIX seconds.
+    """
+    shown = [
+        {**r, "retry_in": max(0.0, round(r["retry_at"] - now, 1))} for r in refusals
+    ]
+    model["load_errors"] = shown
+    if shown:
+        first = shown[0]
+        model["last_error"] = (
+            f"replica {first['replica']} refused to load it"
+            f" ({first['failures']} in a row): {first['status']} {first['error']};"
+            f" tried again in {first['retry_in']}s"
+        )
+
+
 class ModelRoutes:
     """
     C{/api/v1/models}: list and add; C{/api/v1/models/<name>}: remove;
@@ -55,6 +82,10 @@ class ModelRoutes:
     @param wall_clock: POSIX seconds now (C{time.time}), kept with a model.
     @param watch: what a router tier follows, told of each change, when
         there is a control plane.
+    @param adapter_refusals: the loads of an adapter its engines refused,
+        by name, from this server's router
+        (L{llmgw.router.routing.adapters.AdapterLoads.refusals}); L{None}
+        without one.
     """
 
     app = error_answers(Klein())
@@ -67,7 +98,9 @@ class ModelRoutes:
         *,
         wall_clock: Callable[[], float],
         watch: Watch | None,
+        adapter_refusals: Callable[[str], list[dict[str, Any]]] | None = None,
     ) -> None:
+        self._adapter_refusals = adapter_refusals
         self._plane = plane
         self._store = store
         self._config_models = config_models
@@ -78,12 +111,18 @@ class ModelRoutes:
     def models(self, request: IRequest) -> bytes:
         """
         C{{"models": [...]}}: each catalog model with C{desired} and
-        C{ready} replica counts, and whether it was added at run time.
+        C{ready} replica counts, and whether it was added at run time; an
+        adapter with C{load_errors}, the loads its engines refused
+        (L{load_errors}).
         """
         plane = self._plane
         models = models_json(plane) if plane is not None else []
         for model in models:
             model["runtime"] = model["name"] not in self._config_models
+            if model.get("base") and self._adapter_refusals is not None:
+                load_errors(
+                    model, self._adapter_refusals(model["name"]), self._wall_clock()
+                )
         return json_answer(request, {"models": models})
 
     @app.route("/api/v1/models", methods=["POST"])

@@ -384,7 +384,8 @@ MODELS_TABLE = Table(
             "max_loras",
             Integer(0, 1024),
             "On a base: adapters its replicas keep loaded (vLLM --max-loras);"
-            " the least recently used beyond it is unloaded.  LoRA is on"
+            " never passed: the least recently used idle one is unloaded"
+            " first, or the load waits for one to be idle.  LoRA is on"
             " (--enable-lora) when it is above 0.",
             None,
             shown="4 when adapters in the file name this model, else 0",

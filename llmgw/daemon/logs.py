@@ -3,8 +3,9 @@ C{--log-format json}: the server's log as one JSON object per line, for
 log shippers (Loki, Elasticsearch, journald's JSON readers).
 
 Each line is Twisted's L{eventAsJSON} of the event (its fields as keys:
-a request line carries C{request_id}, C{model}, C{replica}, C{status},
-C{latency}, C{time_to_first_token} and the token counts; see
+a request line carries C{request_id} (llmgw's own), C{client_request_id},
+C{model}, C{replica}, C{status}, C{latency}, C{time_to_first_token} and
+the token counts; see
 L{llmgw.router.accounting.usage_log.LogUsageSink}) plus C{text}, the line as the text
 format would print it.  twistd takes the observer from the application's
 L{ILogObserver} component (C{twisted.application.app.AppLogger.start}),

@@ -96,6 +96,13 @@ class RequestRecord:
     """
     What one client request used, for usage accounting.
 
+    @ivar request_id: llmgw's own id of the request (unique: made for it
+        alone, L{llmgw.router.edge.site.RequestIds}); its usage record's
+        key.
+    @ivar upstream_request_id: the C{X-Request-ID} the engine got.
+    @ivar client_request_id: the client's own C{X-Request-ID}, or L{None}
+        when it sent none (usable); not unique.
+
     @ivar latency: seconds from receipt to the last byte.
     @ivar time_to_first_token: seconds from receipt to the first byte of the
         replica's answer; L{None} when none came.
@@ -122,6 +129,7 @@ class RequestRecord:
     usage_estimated: bool = False
     reserved_tokens: int = 0
     candidates: list[dict[str, Any]] | None = None
+    client_request_id: str | None = None
 
 
 class UsageSink(Protocol):

@@ -383,6 +383,7 @@ def pages(
         # The routers of a tier (--router-workers too) count their traffic
         # into this server's metrics and figures.
         reports=Reports(router.metrics.reported, traffic),
+        adapter_refusals=router.services.adapters.refusals,
     )
     history = History(reactor, router.metrics, parts.plane, keys, wall_clock=time.time)
     failures = FailureTap(

@@ -596,5 +596,6 @@ class Simulator:
             "last_tracestate": s.last_tracestate,
             "lora_loads": dict(self.adapters.loads),
             "lora_load_requests": dict(self.adapters.load_requests),
+            "lora_most_loaded": self.adapters.most_loaded,
             **self.sleep.json(),
         }

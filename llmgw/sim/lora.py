@@ -13,6 +13,18 @@ C{entrypoints/serve/lora/api_router.py}):
     - C{GET /v1/models} lists each loaded adapter as a model card with
       C{root} its path and C{parent} the base model's name.
 
+A load beyond C{--max-loras} is not refused, in vLLM as here: C{max_loras}
+is how many adapters one batch may use on the GPU (vLLM 0.32's scheduler,
+C{vllm/v1/core/sched/scheduler.py}, leaves a request of a further adapter
+waiting rather than batch past it), and the adapters loaded are kept on
+the CPU in an LRU cache of C{--max-cpu-loras} (C{vllm/lora/worker_manager.py},
+C{LRUCacheWorkerLoRAManager.add_adapter}: the oldest evicted from the
+cache, to be read again from its path when used), while the API server's
+list, C{/v1/models}, keeps every adapter loaded and not unloaded.  So an
+engine "holding" more than C{max_loras} is what its list shows, and the
+simulator keeps the most it listed at once (C{GET /sim/stats}
+C{lora_most_loaded}) for a test to check the router never passes it.
+
 The simulator reads no weights: an adapter is a name, a path and a load
 count (C{GET /sim/stats} C{lora_loads}, so that a test sees an adapter
 loaded twice on one replica).  vLLM serves the routes only when the
@@ -76,12 +88,14 @@ class Adapters:
 
     @ivar loads: loads accepted per name since the start (not reset).
     @ivar load_requests: load requests per name, refused ones too.
+    @ivar most_loaded: the most adapters loaded at once since the start.
     """
 
     base: str
     loaded: dict[str, str] = field(default_factory=dict)
     loads: dict[str, int] = field(default_factory=dict)
     load_requests: dict[str, int] = field(default_factory=dict)
+    most_loaded: int = 0
 
     def load(self, body: Mapping[str, object], base_models: frozenset[str]) -> str:
         """
@@ -118,6 +132,7 @@ class Adapters:
             )
         self.loaded[name] = path
         self.loads[name] = self.loads.get(name, 0) + 1
+        self.most_loaded = max(self.most_loaded, len(self.loaded))
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def unload(self, body: Mapping[str, object]) -> str:

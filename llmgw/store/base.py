@@ -33,6 +33,10 @@ class UsageRow:
     """
     One request's row of the C{usage} table.
 
+    @ivar request_id: llmgw's own id of the request, unique: the row's key
+        (a write of the same row again, a batch retried, stores it once).
+    @ivar client_request_id: the client's own C{X-Request-ID}, L{None}
+        when it sent none; not unique (a retry, two agents).
     @ivar key_id: the API key's id, L{None} without a key.
     @ivar replica: the replica that answered, L{None} when none did.
     @ivar status: the HTTP status the client got.
@@ -55,6 +59,7 @@ class UsageRow:
     latency: float
     time_to_first_token: float | None
     estimated: bool = False
+    client_request_id: str | None = None
 
 
 KEY_LIMITS = (
@@ -74,7 +79,8 @@ its limits, its expiry, and its priority and weight where requests wait.
 
 USAGE_COLUMNS = (
     "time, request_id, key_id, key_name, model, replica, status, stream,"
-    " prompt_tokens, completion_tokens, latency, time_to_first_token, estimated"
+    " prompt_tokens, completion_tokens, latency, time_to_first_token, estimated,"
+    " client_request_id"
 )
 
 
@@ -96,6 +102,7 @@ def usage_values(when: float, row: UsageRow) -> tuple[Any, ...]:
         row.latency,
         row.time_to_first_token,
         int(row.estimated),
+        row.client_request_id,
     )
 
 

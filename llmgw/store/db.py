@@ -325,7 +325,7 @@ class SQLiteStore(Store):
                     )
             cursor.executemany(
                 f"INSERT INTO usage ({USAGE_COLUMNS})"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
                 " ON CONFLICT (request_id) DO NOTHING",
                 [usage_values(when, r) for when, r in rows],
             )

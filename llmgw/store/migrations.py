@@ -231,6 +231,17 @@ MIGRATIONS: tuple[Migration, ...] = (
         ALTER TABLE api_keys ADD COLUMN weight REAL NOT NULL DEFAULT 1;
         """,
     ),
+    # A usage row is keyed by llmgw's own id of its request (request_id,
+    # unique, made per request by the router), no longer the client's
+    # X-Request-ID: two requests sending the same one (a retry, two agents)
+    # are two rows, where the unique index kept one and the other's tokens
+    # went unbilled.  The client's id is kept beside it; rows written
+    # before hold the client's id (or the one the router made) in
+    # request_id, and NULL here.
+    Migration(
+        "usage: the client's own X-Request-ID beside llmgw's request id",
+        "ALTER TABLE usage ADD COLUMN client_request_id TEXT;",
+    ),
 )
 
 

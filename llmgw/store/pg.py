@@ -311,7 +311,7 @@ class PostgresStore(Store):
                 # of the same batch meanwhile.
                 cursor.executemany(
                     f"INSERT INTO usage ({USAGE_COLUMNS})"
-                    " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                    " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
                     " ON CONFLICT DO NOTHING",
                     fresh,
                 )

@@ -99,6 +99,7 @@ def client_api(
         pool,
         settings.affinity_epsilon,
         lambda adapter, outcome: loads.labels(adapter, outcome).inc(),
+        clock=reactor,
     )
     balancer = Balancer(
         reactor,

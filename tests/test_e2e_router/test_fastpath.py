@@ -35,6 +35,7 @@ def _line(fields: dict[str, Any]) -> str:
     """
     return (
         f"request {fields['request_id']}"
+        f" client_id={fields['client_request_id']}"
         f" upstream_id={fields['upstream_request_id']} model={fields['model']}"
         f" replica={fields['replica']} key={fields['key']}"
         f" status={fields['status']} prompt_tokens={fields['prompt_tokens']}"
@@ -44,8 +45,9 @@ def _line(fields: dict[str, Any]) -> str:
 
 
 def _comparable(text: str) -> str:
-    # Each request has an upstream id of its own (the client's is not a
-    # UUID) and a latency of its own.
+    # Each request has an id of its own, given to the engine too (the
+    # client's is not a UUID), and a latency of its own.
+    text = re.sub(r"request [0-9a-f]{32}", "request *", text)
     text = re.sub(r"upstream_id=[0-9a-f]{32}", "upstream_id=*", text)
     return re.sub(r"latency=[\d.]+s", "latency=*", text)
 
@@ -114,7 +116,7 @@ class FastPathEndToEndTests(SynchronousTestCase, Processes):
         )
         self.assertEqual(status, 404)
         self.assertEqual(json.loads(body)["error"]["code"], "model_not_found")
-        line = process.wait_for(r"request r\{x\}\{0\} .*\n").group(0)
+        line = process.wait_for(r"request \S+ client_id=r\{x\}\{0\} .*\n").group(0)
         self.assertIn(" model=a{b}c{0} replica=None key=None status=404 ", line)
         status, _, _ = http(
             "POST",
@@ -123,7 +125,7 @@ class FastPathEndToEndTests(SynchronousTestCase, Processes):
             {"X-Request-ID": "{ok}"},
         )
         self.assertEqual(status, 200)
-        line = process.wait_for(r"request \{ok\} .*\n").group(0)
+        line = process.wait_for(r"request \S+ client_id=\{ok\} .*\n").group(0)
         self.assertIn(" model=sim-model replica=sim-0 key=None status=200 ", line)
         self.assertIn(" completion_tokens=6 ", line)
         output = process.output()
@@ -147,10 +149,12 @@ class FastPathEndToEndTests(SynchronousTestCase, Processes):
                 {"X-Request-ID": "r{x}{0}"},
             )
             self.assertEqual(status, 404)
-        text_line = text_process.wait_for(r"request r\{x\}\{0\} .*").group(0)
-        json_process.wait_for(r'"request_id": "r\{x\}\{0\}"')
+        text_line = text_process.wait_for(
+            r"request \S+ client_id=r\{x\}\{0\} .*"
+        ).group(0)
+        json_process.wait_for(r'"client_request_id": "r\{x\}\{0\}"')
         objects = [json.loads(line) for line in json_process.output().splitlines()]
-        (fields,) = [o for o in objects if o.get("request_id") == "r{x}{0}"]
+        (fields,) = [o for o in objects if o.get("client_request_id") == "r{x}{0}"]
         self.assertEqual(fields["model"], BRACED_MODEL)
         self.assertEqual(fields["status"], 404)
         self.assertIsInstance(fields["latency"], float)

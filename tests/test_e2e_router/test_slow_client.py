@@ -83,7 +83,7 @@ class SlowClientTests(SynchronousTestCase, Processes):
             # request not ended (its record is written when it ends).
             self.assertNotIn("status=504", logged)
             self.assertNotIn("idle_timeout", logged)
-            self.assertNotIn(f"request {rid} ", logged)
+            self.assertNotIn(f" client_id={rid} ", logged)
             self.assertNotIn(b'"error"', bytes(received))
             self.assertLess(self.fake.flood_sent, STREAM_MIB * 1024 * 1024)
             # Now the client reads nothing.
@@ -95,13 +95,17 @@ class SlowClientTests(SynchronousTestCase, Processes):
         # The connection is cut within the stall timeout and a quarter
         # more (checks every quarter) and a margin for the process.
         self.assertLess(stalled_after, 3 * 1.25 + 1.5)
-        self.server.wait_for(rf"request {rid} .* status=499")
+        # Its warning names it by llmgw's own id, as its request line does.
+        own = self.server.wait_for(
+            rf"request (\S+) client_id={rid} .* status=499"
+        ).group(1)
         logged = self.server.output()
         (warning,) = [line for line in logged.splitlines() if "read nothing" in line]
-        self.assertIn(f"request {rid}: client {client} read nothing for 3s", warning)
+        self.assertIn(f"request {own}: client {client} read nothing for 3s", warning)
         self.assertIn("the replica was not late", warning)
         record = re.search(
-            rf"request {rid} .* status=499 prompt_tokens=(\d+) completion_tokens=(\d+)",
+            rf"request {own} client_id={rid} .* status=499"
+            r" prompt_tokens=(\d+) completion_tokens=(\d+)",
             logged,
         )
         assert record is not None

@@ -25,7 +25,10 @@ class UsageSinks:
 
 class LogUsageSink:
     """
-    A L{UsageSink} that writes one log line per request.
+    A L{UsageSink} that writes one log line per request: led by llmgw's
+    own id of it (the key of its usage record), then the client's
+    C{X-Request-ID} (C{client_id}, C{-} when it sent none) and the one the
+    engine got (C{upstream_id}).
 
     The line is formatted here, once, and handed to the logger as a
     format with no fields (its braces doubled): Twisted's formatting of
@@ -39,6 +42,7 @@ class LogUsageSink:
     def record(self, record: RequestRecord) -> None:
         line = (
             f"request {record.request_id}"
+            f" client_id={record.client_request_id or '-'}"
             f" upstream_id={record.upstream_request_id} model={record.model}"
             f" replica={record.replica} key={record.key_name}"
             f" status={record.status} prompt_tokens={record.prompt_tokens}"
@@ -49,6 +53,7 @@ class LogUsageSink:
         self.log.info(
             line.replace("{", "{{").replace("}", "}}"),
             request_id=record.request_id,
+            client_request_id=record.client_request_id,
             upstream_request_id=record.upstream_request_id,
             model=record.model,
             replica=record.replica,

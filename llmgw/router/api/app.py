@@ -37,7 +37,7 @@ from llmgw.router.api.prepare import (
 )
 from llmgw.router.api.records import request_record
 from llmgw.router.edge.cors import Cors
-from llmgw.router.edge.site import JSON, client_gone, request_id, upstream_request_id
+from llmgw.router.edge.site import JSON, RequestIds, client_gone, request_ids
 from llmgw.router.errors import (
     APIError,
     anthropic_error,
@@ -252,7 +252,8 @@ class Router:
 
     async def _forward(self, request: IRequest, path: bytes) -> bytes | None:
         started = self.clock.seconds()
-        rid: bytes = getattr(request, "request_id", None) or request_id(request)
+        ids = request_ids(request)
+        rid = ids.own
         metrics = self.metrics
         metrics.in_flight.inc()
         self.in_flight += 1
@@ -279,7 +280,7 @@ class Router:
                 CHAT_PATH if anthropic else path,
                 prepared,
                 rid,
-                upstream_request_id(rid),
+                ids.upstream,
                 tenant=key.tenant if key is not None else ANONYMOUS,
                 explain=wanted(request, self.settings.log_candidates),
                 trace=trace,
@@ -325,7 +326,7 @@ class Router:
             if self.activator is not None and prepared is not None:
                 # Idle time counts from the last completion, not arrival.
                 self.activator.touch(prepared.model)
-            seen = (rid, started, status, model, stream)
+            seen = (ids, started, status, model, stream)
             sent = exchange is not None and exchange.headers_sent
             trace.end(self._account(seen, key, reserved, exchange), sent)
 
@@ -363,7 +364,7 @@ class Router:
 
     def _account(
         self,
-        what: tuple[bytes, float, int, str, bool],
+        what: tuple[RequestIds, float, int, str, bool],
         key: Key | None,
         reserved: int,
         exchange: Exchange | None,
@@ -373,13 +374,13 @@ class Router:
         balancer and the usage sinks, its tokens to its key, and a drain
         waiting for the last request released.
 
-        @param what: its id, the clock time it came, the status answered,
+        @param what: its ids, the clock time it came, the status answered,
             its model and whether it streams.
         @return: its record.
         """
-        rid, started, status, model, stream = what
+        ids, started, status, model, stream = what
         record = request_record(
-            rid,
+            ids,
             started,
             self.clock.seconds(),
             status,

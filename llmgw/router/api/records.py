@@ -6,7 +6,7 @@ exchange saw: the engine's usage when it came, else the router's estimate.
 from __future__ import annotations
 
 from llmgw.router.api.exchange import Exchange
-from llmgw.router.edge.site import upstream_request_id
+from llmgw.router.edge.site import RequestIds
 from llmgw.router.interfaces import Key, RequestRecord
 
 
@@ -36,7 +36,7 @@ def _began(exchange: Exchange) -> bool:
 
 
 def request_record(
-    rid: bytes,
+    ids: RequestIds,
     started: float,
     now: float,
     status: int,
@@ -48,7 +48,8 @@ def request_record(
     exchange: Exchange | None,
 ) -> RequestRecord:
     """
-    @param rid: the request id, ASCII.
+    @param ids: the request's ids: its record is keyed by llmgw's own, the
+        client's kept beside it.
     @param started: clock time of the request's receipt, seconds.
     @param now: clock time of its end.
     @param status: the status answered (499: the client left).
@@ -82,11 +83,12 @@ def request_record(
         prompt = exchange.prepared.estimate
         completion = exchange.events_relayed
     first_byte_at = exchange.first_byte_at if exchange is not None else None
-    upstream_id = (
-        exchange.upstream_id if exchange is not None else upstream_request_id(rid)
-    )
+    upstream_id = exchange.upstream_id if exchange is not None else ids.upstream
     return RequestRecord(
-        request_id=rid.decode("ascii"),
+        request_id=ids.own.decode("ascii"),
+        client_request_id=(
+            ids.client.decode("ascii") if ids.client is not None else None
+        ),
         upstream_request_id=upstream_id.decode("ascii"),
         # A name no replica serves came from the client: it goes to
         # logs cut short and escaped (it could be 32 MiB, or hold

@@ -53,5 +53,6 @@ class Services:
                 self.upstream,
                 self.settings.affinity_epsilon,
                 lambda adapter, outcome: loads.labels(adapter, outcome).inc(),
+                clock=self.clock,
             )
         object.__setattr__(self, "adapters", adapters)

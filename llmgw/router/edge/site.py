@@ -6,8 +6,8 @@ and the request ids every answer carries.
 from __future__ import annotations
 
 import io
-import os
 import uuid
+from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
 from twisted.internet.interfaces import IReactorTime
@@ -36,6 +36,7 @@ class LimitedRequest(Request):
     @ivar body_too_large: whether the body passed C{max_body_size}; its
         bytes were dropped.
     @ivar request_id: the request's X-Request-ID, set when it is processed.
+    @ivar ids: its ids (L{RequestIds}), set when it is processed.
     @ivar cors: the cross-origin policy whose headers every answer
         carries, or L{None}.
     @ivar clock: the reactor's clock, for C{Server-Timing}.
@@ -48,6 +49,7 @@ class LimitedRequest(Request):
     body_too_large = False
     _received = 0
     request_id = b""
+    ids: RequestIds | None = None
     cors: Cors | None = None
     clock: IReactorTime | None = None
     arrived = 0.0
@@ -57,7 +59,8 @@ class LimitedRequest(Request):
         # Every answer carries X-Request-ID, errors from routing included.
         if self.clock is not None:
             self.arrived = self.clock.seconds()
-        self.request_id = request_id(self)
+        self.ids = request_ids(self)
+        self.request_id = self.ids.header
         self.setHeader(b"x-request-id", self.request_id)  # type: ignore[no-untyped-call]
         try:
             path = unquote_to_bytes(self.path).decode("utf-8")
@@ -180,30 +183,57 @@ def client_gone(request: IRequest) -> bool:
     return bool(getattr(request, "_disconnected", False))
 
 
-def request_id(request: IRequest) -> bytes:
+@dataclass(frozen=True)
+class RequestIds:
     """
-    @return: the id of C{request}: its own X-Request-ID when that is at
-        most 200 printable ASCII characters without spaces, otherwise 32
-        new hex digits; ASCII.
+    The ids of one request.
+
+    @ivar own: llmgw's own id of it, made for it alone: the 32 hex digits
+        of a random (version 4) UUID, unique across routers and restarts
+        with no coordination; its usage record's key, and the id its log
+        lines give; ASCII.
+    @ivar client: the client's own C{X-Request-ID} when it sent one that
+        is at most 200 printable ASCII characters without spaces, else
+        L{None}.  Not unique: a retry, or two agents, may send the same.
     """
+
+    own: bytes
+    client: bytes | None
+
+    @property
+    def header(self) -> bytes:
+        """
+        The C{X-Request-ID} answered: the client's own, else llmgw's.
+        """
+        return self.client if self.client is not None else self.own
+
+    @property
+    def upstream(self) -> bytes:
+        """
+        The C{X-Request-ID} sent to the engine: the client's own when it is
+        a UUID, else llmgw's (a UUID in hex).  llama-cpp-python's server
+        answers any other value with an empty 400 (its starlette-context
+        request-id plugin validates UUIDs); vLLM and SGLang take any
+        string.
+        """
+        if self.client is not None:
+            try:
+                uuid.UUID(self.client.decode("ascii"))
+            except ValueError:
+                return self.own
+            return self.client
+        return self.own
+
+
+def request_ids(request: IRequest) -> RequestIds:
+    """
+    @return: the ids of C{request}: those set when the site processed it,
+        else new ones (a request not made by L{LimitedRequest}).
+    """
+    ids = getattr(request, "ids", None)
+    if isinstance(ids, RequestIds):
+        return ids
     given = request.getHeader(b"x-request-id")
-    if given and len(given) <= 200 and all(0x21 <= c <= 0x7E for c in given):
-        return bytes(given)
-    return os.urandom(16).hex().encode("ascii")
-
-
-def upstream_request_id(request_id: bytes) -> bytes:
-    """
-    The X-Request-ID to send to the engine: the request's own when it is a
-    UUID, otherwise a new UUID (logged beside the client's).
-    llama-cpp-python's server answers any other value with an empty 400
-    (its starlette-context request-id plugin validates UUIDs); vLLM and
-    SGLang take any string.
-
-    @param request_id: the request's id, ASCII.
-    """
-    try:
-        uuid.UUID(request_id.decode("ascii"))
-    except ValueError:
-        return os.urandom(16).hex().encode("ascii")
-    return request_id
+    if not (given and len(given) <= 200 and all(0x21 <= c <= 0x7E for c in given)):
+        given = None
+    return RequestIds(uuid.uuid4().hex.encode("ascii"), given)

@@ -176,7 +176,7 @@ class Balancer:
         self._by_model = by_model
         self.speeds.forget(set(replicas))
         if self.adapters is not None:
-            self.adapters.forget(set(replicas))
+            self.adapters.sync(list(replicas.values()))
 
     def observe(self, record: RequestRecord) -> None:
         """

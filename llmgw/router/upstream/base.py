@@ -84,6 +84,15 @@ class Upstream(Protocol):
             exception when the exchange broke otherwise.
         """
 
+    def get(
+        self, base: bytes, path: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> Deferred[IResponse]:
+        """
+        GET C{path} of the replica whose base URL is C{base}.
+
+        @return: as L{post}'s.
+        """
+
 
 class UpstreamConnectError(Exception):
     """

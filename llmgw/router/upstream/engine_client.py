@@ -130,6 +130,28 @@ class EngineClient:
             L{NoAnswer} when the connection closed before any byte of an
             answer, with L{BadAnswer} or L{AnswerBroken} otherwise.
         """
+        return self._request(b"POST ", base, path, headers, body, fresh)
+
+    def get(
+        self, base: bytes, path: bytes, headers: Sequence[tuple[bytes, bytes]]
+    ) -> Deferred[IResponse]:
+        """
+        GET C{path} of the replica at C{base} (its C{/v1/models}: the
+        adapters it holds, L{llmgw.router.routing.adapter_state}).
+
+        @return: as L{post}'s.
+        """
+        return self._request(b"GET ", base, path, headers, b"", False)
+
+    def _request(
+        self,
+        method: bytes,
+        base: bytes,
+        path: bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        fresh: bool,
+    ) -> Deferred[IResponse]:
         target = self._targets.get(base)
         if target is None:
             if len(self._targets) >= MAX_TARGETS:
@@ -138,7 +160,7 @@ class EngineClient:
                 base, self._reactor, self._connect_timeout
             )
         lines = [
-            b"POST ",
+            method,
             target.prefix,
             path,
             b" HTTP/1.1\r\n",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import Any
 
@@ -19,7 +20,8 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests import test_e2e_anthropic as anthropic_e2e
-from tests.support import CtlMixin, Process, Processes, http
+from tests.pg_support import fresh_database
+from tests.support import CtlMixin, Process, Processes, http, sim_stats
 
 
 def _rid() -> str:
@@ -124,7 +126,8 @@ class ResponsesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
         A stored response is continued by C{previous_response_id}, its
         items before the new input (more prompt tokens than the input
         alone), streamed and after the server restarts on the same store;
-        another key gets a 404 naming C{previous_response_id}.
+        the key's usage rows hold the engine's counts; another key gets a
+        404 naming C{previous_response_id}.
         """
         client = self.client()
         first = client.responses.create(model="sim-model", input="remember 7")
@@ -144,6 +147,17 @@ class ResponsesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
         self.assertGreater(second.usage.input_tokens, alone.usage.input_tokens)
         self.server.stop()
         self.start()
+        # The usage rows the stop wrote are the engine's counts, under the key.
+        answers = (first.usage, alone.usage, second.usage)
+        (row,) = self.ctl_json("usage", "--by", "key")["usage"]
+        self.assertEqual(
+            (row["requests"], row["prompt_tokens"], row["completion_tokens"]),
+            (
+                3,
+                sum(u.input_tokens for u in answers if u is not None),
+                sum(u.output_tokens for u in answers if u is not None),
+            ),
+        )
         third = self.client().responses.create(
             model="sim-model", input="and now?", previous_response_id=second.id
         )
@@ -155,6 +169,49 @@ class ResponsesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
             )
         body: Any = missing.exception.body
         self.assertEqual(body["param"], "previous_response_id")
+
+    def test_codex_shaped_stream(self) -> None:
+        """
+        A request shaped as Codex CLI sends it (streamed, not stored,
+        developer and user items, function, namespace and hosted tools,
+        reasoning, include, prompt_cache_key) streams an answer; not
+        stored, it cannot be continued.
+        """
+        shell: Any = {"type": "function", "name": "shell", "parameters": {}}
+        tools: Any = [
+            shell,
+            {"type": "namespace", "name": "mcp", "description": "x", "tools": [shell]},
+            {"type": "web_search"},
+        ]
+        items: Any = [
+            {"type": "message", "role": "developer", "content": "You are Codex."},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Say hello"}],
+            },
+        ]
+        stream = self.client().responses.create(
+            model="sim-model",
+            input=items,
+            tools=tools,
+            tool_choice="auto",
+            parallel_tool_calls=False,
+            reasoning={"effort": "medium"},
+            include=["reasoning.encrypted_content"],
+            prompt_cache_key="session-1",
+            store=False,
+            stream=True,
+        )
+        events = list(stream)
+        self.assertEqual(events[0].type, "response.created")
+        last = events[-1]
+        assert last.type == "response.incomplete"
+        self.assertTrue(last.response.output_text)
+        with self.assertRaises(openai.NotFoundError):
+            self.client().responses.create(
+                model="sim-model", input="more", previous_response_id=last.response.id
+            )
 
     def test_errors(self) -> None:
         """
@@ -313,3 +370,73 @@ class ResponsesToolTests(SynchronousTestCase, Processes):
         sent = self.engine.requests[-1]["messages"]
         self.assertEqual(sent[0], {"role": "system", "content": "Answer briefly."})
         self.assertEqual(sent[-1]["role"], "tool")
+
+
+class ContinuedElsewhereTests(SynchronousTestCase, Processes, CtlMixin):
+    """
+    Two servers on one PostgreSQL database (L{tests.pg_support}), each with
+    its own sim replica of one model.
+    """
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.config = f'[store]\nurl = "{fresh_database(self)}"\n'
+        self.sims = [self.start_sim("--max-tokens", "5")[1] for _ in range(2)]
+        self.servers = [self.start(index) for index in range(2)]
+        self.admin_url = self.servers[0][2]
+
+    def start(self, index: int) -> tuple[Process, str, str]:
+        endpoint = f"sim-{index}={self.sims[index]}=sim-model"
+        started = self.start_server("--endpoint", endpoint, config=self.config)
+        started[0].wait_for("store: listening for key changes")
+        return started
+
+    def client(self, index: int, key: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.servers[index][1] + "/v1", api_key=key, max_retries=0
+        )
+
+    def key(self) -> str:
+        made = self.ctl("keys", "create", "--name", f"k{uuid.uuid4().hex[:6]}")
+        key = made.stdout.splitlines()[0].strip()
+        # The other server learns the key by PostgreSQL's notification.
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                self.client(1, key).models.list()
+                return key
+            except openai.AuthenticationError:
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.05)
+
+    def test_other_replica_and_restart(self) -> None:
+        """
+        A response made through the first server (its replica sim-0) is
+        continued through the second (sim-1), and again after the second
+        restarts; another key gets a 404 for it.
+        """
+        key = self.key()
+        first = self.client(0, key).responses.create(
+            model="sim-model", input="remember 7"
+        )
+        alone = self.client(1, key).responses.create(
+            model="sim-model", input="which number?"
+        )
+        second = self.client(1, key).responses.create(
+            model="sim-model", input="which number?", previous_response_id=first.id
+        )
+        assert alone.usage is not None and second.usage is not None
+        self.assertGreater(second.usage.input_tokens, alone.usage.input_tokens)
+        self.assertEqual(sim_stats(self.sims[1])["requests_total"], 2)
+        self.servers[1][0].stop()
+        self.servers[1] = self.start(1)
+        third = self.client(1, key).responses.create(
+            model="sim-model", input="and now?", previous_response_id=second.id
+        )
+        assert third.usage is not None
+        self.assertGreater(third.usage.input_tokens, second.usage.input_tokens)
+        with self.assertRaises(openai.NotFoundError):
+            self.client(1, self.key()).responses.create(
+                model="sim-model", input="and now?", previous_response_id=second.id
+            )

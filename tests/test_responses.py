@@ -532,18 +532,14 @@ class StateTests(SynchronousTestCase):
         body = json.dumps({"model": "m", "previous_response_id": kept.id}).encode()
         request: Any = _Request(body)
         history = self.successResultOf(
-            Deferred.fromCoroutine(
-                conversations.history(request, b"/v1/responses", key)
-            )
+            Deferred.fromCoroutine(conversations.history(request, key))
         )
         self.assertEqual(history, kept.input_items + kept.output_items)
         others: list[Any] = [_Key(8), None]
         for other in others:
             request = _Request(body)
             failure = self.failureResultOf(
-                Deferred.fromCoroutine(
-                    conversations.history(request, b"/v1/responses", other)
-                ),
+                Deferred.fromCoroutine(conversations.history(request, other)),
                 APIError,
             )
             self.assertEqual(

@@ -281,7 +281,9 @@ class Router:
         trace = self._trace(request, path)
         try:
             key = self._key_for(request)
-            history = await self.conversations.history(request, path, key)
+            history = None
+            if path == RESPONSES_PATH:
+                history = await self.conversations.history(request, key)
             try:
                 prepared = self._prepare(request, path, history)
             except Refused as refused:

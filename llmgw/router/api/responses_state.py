@@ -22,7 +22,6 @@ from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from llmgw.router.api.prepare import Prepared
-from llmgw.router.api.responses import RESPONSES_PATH
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import KeptResponse, Key, ResponseStore
 
@@ -75,16 +74,16 @@ class Conversations:
         self._wall_clock = wall_clock
 
     async def history(
-        self, request: IRequest, path: bytes, key: Key | None
+        self, request: IRequest, key: Key | None
     ) -> list[dict[str, Any]] | None:
         """
-        @param path: the request's path: only L{RESPONSES_PATH} continues.
+        @param request: a Responses API request (C{POST /v1/responses}).
         @return: the items of the response the request continues (its
             input, then its output), or L{None} when it continues none.
         @raise APIError: a 404 naming C{previous_response_id}: unknown,
             expired or another key's.
         """
-        if path != RESPONSES_PATH or getattr(request, "body_too_large", False):
+        if getattr(request, "body_too_large", False):
             return None
         content = request.content
         assert content is not None

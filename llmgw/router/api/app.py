@@ -310,7 +310,8 @@ class Router:
                     await admitted
                 reserved = prepared.reserve
             result = await exchange.run()
-            await self.conversations.keep(prepared, key)
+            if prepared.responses is not None:
+                await self.conversations.keep(prepared, key)
             status = exchange.status
             return result
         except APIError as error:

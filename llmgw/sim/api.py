@@ -135,6 +135,10 @@ class GenerationRequest:
     @ivar min_tokens: vLLM's C{min_tokens}: no natural end before these.
     @ivar script: the scripted answer the chat messages ask for
         (L{llmgw.sim.script}), or None.
+    @ivar thinks: whether a reasoning parser may find reasoning in the
+        answer: not when the request turns thinking off
+        (C{reasoning_effort: "none"}, or C{chat_template_kwargs} with
+        C{enable_thinking: false}, as Qwen3's and DeepSeek's templates read).
     """
 
     kind: Kind
@@ -148,6 +152,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     script: Script | None = None
+    thinks: bool = True
 
 
 def parse_json_object(body: bytes) -> dict[str, object]:
@@ -303,7 +308,28 @@ def parse_generation(kind: Kind, body: bytes) -> GenerationRequest:
         ignore_eos=ignore_eos,
         min_tokens=min_tokens,
         script=script,
+        thinks=_thinks(obj),
     )
+
+
+def _thinks(obj: dict[str, object]) -> bool:
+    kwargs = obj.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False:
+        return False
+    return obj.get("reasoning_effort") != "none"
+
+
+def reasoning_tokens(parser: str, req: GenerationRequest, count: int) -> int:
+    """
+    @param parser: the sim's C{--reasoning-parser}, or C{""}.
+    @param count: the answer's completion tokens.
+    @return: how many of them are reasoning: the first half (rounded down)
+        of a chat answer when a parser is on and the request thinks, as a
+        thinking model's answer opens with its reasoning; else 0.
+    """
+    if not parser or req.kind != "chat" or not req.thinks:
+        return 0
+    return count // 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +424,7 @@ def full_response(
     response_id: str,
     created: int,
     count: int,
+    reasoning: int = 0,
     finish: str = "length",
 ) -> bytes:
     """
@@ -406,8 +433,13 @@ def full_response(
 
     @param count: completion tokens.
     @param finish: the C{finish_reason} of a generated answer.
+    @param reasoning: how many of them are reasoning: the message's
+        C{reasoning} (vLLM 0.32's field with a reasoning parser), the rest
+        its C{content}.
     """
     choice: dict[str, object]
+    tokens = completion_tokens(req.prompt, count)
+    text = "".join(tokens[reasoning:])
     if req.script is not None:
         choice = {
             "index": 0,
@@ -417,16 +449,17 @@ def full_response(
         }
         obj = "chat.completion"
     elif req.kind == "chat":
-        text = completion_text(req.prompt, count)
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning"] = "".join(tokens[:reasoning])
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None,
             "finish_reason": finish,
         }
         obj = "chat.completion"
     else:
-        text = completion_text(req.prompt, count)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return _dumps(
@@ -446,6 +479,7 @@ def stream_events(
     response_id: str,
     created: int,
     count: int,
+    reasoning: int = 0,
     finish: str = "length",
 ) -> tuple[list[bytes], int]:
     """
@@ -460,6 +494,8 @@ def stream_events(
 
     @param count: completion tokens (a scripted answer's L{Script.tokens}).
     @param finish: the C{finish_reason} of a generated answer.
+    @param reasoning: how many of them are reasoning: their deltas are
+        C{{"reasoning": ...}}, as vLLM 0.32's with a reasoning parser.
     @return: the events, and the index of the first token's event.
     """
     if req.script is not None:
@@ -507,8 +543,10 @@ def stream_events(
             b'"finish_reason":"' + finish.encode("ascii") + b'"}]' + tail_usage
         )
     size = len(VOCAB_JSON)
+    thinking = prefix.replace(b'"delta":{"content":', b'"delta":{"reasoning":')
     events.extend(
-        prefix + VOCAB_JSON[i % size] + suffix for i in token_indices(req.prompt, count)
+        (thinking if n < reasoning else prefix) + VOCAB_JSON[i % size] + suffix
+        for n, i in enumerate(token_indices(req.prompt, count))
     )
     events.append(last)
     if req.include_usage:

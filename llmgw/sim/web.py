@@ -51,6 +51,7 @@ from llmgw.sim.api import (
     parse_embeddings,
     parse_generation,
     parse_json_object,
+    reasoning_tokens,
     stream_events,
 )
 from llmgw.sim.engine import (
@@ -253,14 +254,17 @@ class SimResource(Resource):
         response_id = sim.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         ttft = config.ttft / config.speed
         itl = config.itl / config.speed
+        reasoning = reasoning_tokens(config.reasoning_parser, req, count)
         if req.stream:
             events, first = stream_events(
-                req, response_id, created, count, length.finish_reason
+                req, response_id, created, count, reasoning, length.finish_reason
             )
             first_delay = ttft
         else:
             events = [
-                full_response(req, response_id, created, count, length.finish_reason)
+                full_response(
+                    req, response_id, created, count, reasoning, length.finish_reason
+                )
             ]
             first = 0
             first_delay = ttft + max(0, count - 1) * itl

@@ -18,6 +18,7 @@ from llmgw.router.api.anthropic import (
     json_kind,
     to_chat,
 )
+from llmgw.router.api.anthropic_fields import shows_thinking
 from llmgw.router.api.anthropic_stream import MessagesStream, NativeStream
 from llmgw.router.errors import APIError, anthropic_event, bad_request, model_not_found
 from llmgw.router.interfaces import Endpoint
@@ -476,5 +477,7 @@ def prepare_messages(
         max_tokens=chat["max_tokens"],
         affinity=key,
         estimate=estimate_prompt_tokens(chat_body, chat),
-        messages=MessagesCall(native, path, model, tuple(stops)),
+        messages=MessagesCall(
+            native, path, model, tuple(stops), shows_thinking(payload)
+        ),
     )

@@ -47,7 +47,11 @@ class AgentsThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
     timeout = 120
 
     def setUp(self) -> None:
-        _, self.sim_url = self.start_sim("--itl", "0.0005", model=MODEL)
+        # Codex asks for no max_output_tokens: a real engine's cap is then
+        # its context, the sim's its --max-tokens, set as high.
+        _, self.sim_url = self.start_sim(
+            "--itl", "0.0005", "--max-tokens", "8192", model=MODEL
+        )
         _, self.url, self.admin_url = self.start_server(
             "--endpoint", f"sim-0={self.sim_url}={MODEL}"
         )

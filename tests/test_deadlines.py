@@ -7,7 +7,11 @@ from __future__ import annotations
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.upstream.deadlines import Deadlines
+from llmgw.router.upstream.deadlines import (
+    FIRST_BYTE_TOKENS,
+    Deadlines,
+    first_byte_seconds,
+)
 
 
 class DeadlinesTests(SynchronousTestCase):
@@ -130,3 +134,19 @@ class DeadlinesTests(SynchronousTestCase):
         deadlines.stop()
         deadlines.resume()
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class FirstByteScaleTests(SynchronousTestCase):
+    def test_scales_with_the_request(self) -> None:
+        """
+        The first-byte deadline is C{first_byte_timeout} up to
+        L{FIRST_BYTE_TOKENS} tokens and in proportion beyond: an agent's
+        prompt of 49,152 tokens gets six times it; an answer not streamed
+        counts its C{max_tokens} too; 0 stays off.
+        """
+        self.assertEqual(first_byte_seconds(300, 100), 300)
+        self.assertEqual(first_byte_seconds(300, 6 * FIRST_BYTE_TOKENS), 1800)
+        self.assertEqual(
+            first_byte_seconds(10, FIRST_BYTE_TOKENS, FIRST_BYTE_TOKENS), 20
+        )
+        self.assertEqual(first_byte_seconds(0, 100_000, 32_000), 0)

@@ -10,6 +10,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.api.prepare import (
     DEFAULT_RESERVED_COMPLETION,
+    HELD_COMPLETION,
     Refused,
     estimate_prompt_tokens,
     prepare,
@@ -263,7 +264,11 @@ class PreparedTests(SynchronousTestCase):
             body = ('{"model":"m"' + extra + "}").encode()
             prepared = _prepare(body)
             self.assertEqual(prepared.max_tokens, expected)
-            self.assertEqual(prepared.reserve, estimate_prompt_tokens(body) + expected)
+            # The hold is the ceiling up to HELD_COMPLETION, not the ceiling.
+            self.assertEqual(
+                prepared.reserve,
+                estimate_prompt_tokens(body) + min(expected, HELD_COMPLETION),
+            )
 
     def test_estimate(self) -> None:
         """

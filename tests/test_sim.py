@@ -24,8 +24,10 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.sim.api import (
     ApiError,
     completion_text,
+    full_response,
     parse_embeddings,
     parse_generation,
+    reasoning_tokens,
     stream_events,
 )
 from llmgw.sim.engine import (
@@ -205,6 +207,41 @@ class GenerationModelTests(SynchronousTestCase):
             self.assertTrue(all("usage" not in c for c in chunks))
         final = chunks[-2] if usage else chunks[-1]
         self.assertEqual(final["choices"][0]["finish_reason"], "length")
+
+
+class ReasoningTests(SynchronousTestCase):
+    """
+    With C{--reasoning-parser} a chat answer opens with reasoning, in the
+    fields vLLM 0.32 gives with a reasoning parser.
+    """
+
+    def test_reasoning_fields(self) -> None:
+        """
+        The first half of the tokens are the message's C{reasoning} and
+        the stream's C{reasoning} deltas; a request that turns thinking
+        off, or a completion, has none.
+        """
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        req = parse_generation("chat", json.dumps(body).encode())
+        self.assertEqual(reasoning_tokens("qwen3", req, 5), 2)
+        self.assertEqual(reasoning_tokens("", req, 5), 0)
+        whole = json.loads(full_response(req, "id", 1, 5, 2))
+        message = whole["choices"][0]["message"]
+        self.assertEqual(
+            message["reasoning"] + message["content"], completion_text(b"hi", 5)
+        )
+        self.assertEqual(message["reasoning"], completion_text(b"hi", 2))
+        events, _ = stream_events(req, "id", 1, 5, 2)
+        deltas = [event_json(e)["choices"][0]["delta"] for e in events[1:-2]]
+        self.assertEqual(
+            [next(iter(d)) for d in deltas], ["reasoning"] * 2 + ["content"] * 3
+        )
+        for off in (
+            {"reasoning_effort": "none"},
+            {"chat_template_kwargs": {"enable_thinking": False}},
+        ):
+            quiet = parse_generation("chat", json.dumps({**body, **off}).encode())
+            self.assertEqual(reasoning_tokens("qwen3", quiet, 5), 0)
 
 
 class MetricsTests(SynchronousTestCase):

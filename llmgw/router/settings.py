@@ -61,8 +61,9 @@ class RouterConfig:
     first_byte_timeout: float = setting(
         300.0,
         DURATION,
-        "From the request sent to the first byte of the answer (prefill of a"
-        " long prompt takes minutes, not seconds).",
+        "From the request sent to the first byte of the answer, for a request"
+        " of up to 8,192 tokens, in proportion beyond (a long prompt's prefill,"
+        " an unstreamed answer's max_tokens).",
     )
     idle_timeout: float = setting(
         60.0,

@@ -197,6 +197,13 @@ def _behaviour(p: argparse.ArgumentParser) -> None:
         "stall_before_first_byte, stall_after_chunks, stall_seconds, "
         "drop_after_chunks, byte_writes",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default="",
+        metavar="NAME",
+        help="as vLLM's: chat answers open with reasoning, given in the message's"
+        " and the deltas' 'reasoning' field (any NAME: the sim has one parser)",
+    )
     p.add_argument("--verbose", action="store_true", help="log each request")
     p.add_argument(
         "--api-key",
@@ -316,6 +323,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         max_queue=args.max_queue,
         embedding_dim=args.embedding_dim,
         verbose=args.verbose,
+        reasoning_parser=args.reasoning_parser,
         api_key=args.api_key,
         speed=args.speed,
         prefill_per_token=args.prefill_per_token,

@@ -404,6 +404,9 @@ class SimConfig:
         prefix cache keeps (rounded down to whole blocks); 0: no cache.
     @ivar sleep: its sleep mode (L{llmgw.sim.sleep}).
     @ivar lora: its LoRA adapters (L{llmgw.sim.lora}).
+    @ivar reasoning_parser: vLLM's C{--reasoning-parser} name, or C{""}:
+        with one, chat answers open with reasoning
+        (L{llmgw.sim.api.reasoning_tokens}).
     """
 
     models: tuple[str, ...]
@@ -421,6 +424,7 @@ class SimConfig:
     prefix_cache_tokens: int = 0
     sleep: SleepConfig = SleepConfig()
     lora: LoraConfig = LoraConfig()
+    reasoning_parser: str = ""
 
 
 @dataclass(slots=True)

@@ -51,6 +51,7 @@ from llmgw.sim.api import (
     parse_embeddings,
     parse_generation,
     parse_json_object,
+    reasoning_tokens,
     stream_events,
 )
 from llmgw.sim.engine import (
@@ -62,6 +63,7 @@ from llmgw.sim.engine import (
 )
 from llmgw.sim.exchange import JSON, Exchange
 from llmgw.sim.kvcache import SequenceBlocks
+from llmgw.sim.length import Length, answer_length
 from llmgw.sim.lora import LoraError
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
 from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS
@@ -211,9 +213,17 @@ class SimResource(Resource):
         except ApiError as e:
             return _error(request, e)
         config = sim.config
-        count = config.max_tokens if req.max_tokens is None else req.max_tokens
+        cap = config.max_tokens if req.max_tokens is None else req.max_tokens
+        if req.script is not None:
+            # A scripted answer is whole whatever the cap: a tool call cut
+            # short would be no call at all.
+            length = Length(req.script.tokens, "stop")
+        else:
+            length = answer_length(
+                req.prompt, cap, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
+            )
         created = int(sim.clock.seconds())
-        exchange = self._exchange(request, req, faults, count, created)
+        exchange = self._exchange(request, req, faults, length, created)
         self._when_awake(request, exchange)
         return NOT_DONE_YET
 
@@ -235,19 +245,27 @@ class SimResource(Resource):
         request: Request,
         req: GenerationRequest,
         faults: Faults,
-        count: int,
+        length: Length,
         created: int,
     ) -> Exchange:
         sim = self._sim
+        count = length.count
         config = sim.config
         response_id = sim.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         ttft = config.ttft / config.speed
         itl = config.itl / config.speed
+        reasoning = reasoning_tokens(config.reasoning_parser, req, count)
         if req.stream:
-            events, first = stream_events(req, response_id, created, count)
+            events, first = stream_events(
+                req, response_id, created, count, reasoning, length.finish_reason
+            )
             first_delay = ttft
         else:
-            events = [full_response(req, response_id, created, count)]
+            events = [
+                full_response(
+                    req, response_id, created, count, reasoning, length.finish_reason
+                )
+            ]
             first = 0
             first_delay = ttft + max(0, count - 1) * itl
         blocks = None
@@ -267,6 +285,7 @@ class SimResource(Resource):
             prompt_tokens=req.prompt_tokens,
             blocks=blocks,
             kv_tokens=req.prompt_tokens + count if config.kv_capacity else 0,
+            finished_reason=length.finish_reason,
         )
 
     def _embeddings(self, request: Request) -> bytes | int:

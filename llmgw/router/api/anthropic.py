@@ -18,11 +18,21 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from llmgw.router.api.anthropic_fields import Invalid as Invalid
+from llmgw.router.api.anthropic_fields import json_kind as json_kind
+from llmgw.router.api.anthropic_fields import (
+    options,
+    sampling,
+    string,
+    tools,
+)
 from llmgw.router.api.anthropic_stream import (
     MessagesStream,
     NativeStream,
     anthropic_usage,
     chat_usage,
+    reasoning_of,
+    signature,
     stop_reason,
 )
 from llmgw.router.errors import upstream_failed
@@ -41,37 +51,6 @@ Where a translated request goes.
 """
 
 
-class Invalid(Exception):
-    """
-    The body is not a Messages API request llmgw can serve.
-
-    @ivar message: what is wrong, naming the field (C{messages.0.content}).
-    @ivar param: the field's path, dotted.
-    """
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.message = f"{param}: {message}"
-
-
-def json_kind(value: object) -> str:
-    """
-    @return: a JSON value's kind for an error message: C{"null"},
-        C{"a boolean"}, C{"a number"}, C{"a string"}, C{"an array"} or
-        C{"an object"}.
-    """
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else "an object"
-
-
 def _text_of(value: object, where: str) -> str:
     """
     @return: a string, or the text blocks of a list joined by newlines.
@@ -85,16 +64,9 @@ def _text_of(value: object, where: str) -> str:
             at = f"{where}.{index}"
             if not isinstance(block, dict) or block.get("type") != "text":
                 raise Invalid(at, "expected a text block")
-            texts.append(_string(block, "text", at))
+            texts.append(string(block, "text", at))
         return "\n".join(texts)
     raise Invalid(where, f"expected a string or an array, got {json_kind(value)}")
-
-
-def _string(block: dict[str, Any], name: str, where: str) -> str:
-    value = block.get(name)
-    if not isinstance(value, str):
-        raise Invalid(f"{where}.{name}", f"expected a string, got {json_kind(value)}")
-    return value
 
 
 def _image_url(source: object, where: str) -> str:
@@ -106,11 +78,11 @@ def _image_url(source: object, where: str) -> str:
         raise Invalid(f"{where}.source", f"expected an object, got {json_kind(source)}")
     kind = source.get("type")
     if kind == "base64":
-        media = _string(source, "media_type", f"{where}.source")
-        data = _string(source, "data", f"{where}.source")
+        media = string(source, "media_type", f"{where}.source")
+        data = string(source, "data", f"{where}.source")
         return f"data:{media};base64,{data}"
     if kind == "url":
-        return _string(source, "url", f"{where}.source")
+        return string(source, "url", f"{where}.source")
     raise Invalid(f"{where}.source.type", 'expected "base64" or "url"')
 
 
@@ -121,7 +93,7 @@ def _part(block: dict[str, Any], where: str) -> dict[str, Any]:
     """
     kind = block.get("type")
     if kind == "text":
-        return {"type": "text", "text": _string(block, "text", where)}
+        return {"type": "text", "text": string(block, "text", where)}
     if kind == "image":
         return {
             "type": "image_url",
@@ -129,8 +101,18 @@ def _part(block: dict[str, Any], where: str) -> dict[str, Any]:
         }
     if kind == "document":
         source = block.get("source")
-        if isinstance(source, dict) and source.get("type") == "text":
-            return {"type": "text", "text": _string(source, "data", f"{where}.source")}
+        kind = source.get("type") if isinstance(source, dict) else None
+        if kind == "text":
+            assert isinstance(source, dict)
+            return {"type": "text", "text": string(source, "data", f"{where}.source")}
+        if kind == "content":
+            assert isinstance(source, dict)
+            text = _text_of(source.get("content"), f"{where}.source.content")
+            return {"type": "text", "text": text}
+        if kind == "file":
+            assert isinstance(source, dict)
+            file_id = string(source, "file_id", f"{where}.source")
+            return {"type": "file", "file": {"file_id": file_id}}
         url = _image_url(source, where)
         file: dict[str, Any] = (
             {"file_data": url} if url.startswith("data:") else {"file_id": url}
@@ -153,7 +135,7 @@ def _tool_result(
         image parts of its content (a tool message holds text only: they
         go in the user message that follows).
     """
-    call_id = _string(block, "tool_use_id", where)
+    call_id = string(block, "tool_use_id", where)
     content = block.get("content", "")
     images: list[dict[str, Any]] = []
     if isinstance(content, list):
@@ -162,6 +144,11 @@ def _tool_result(
             at = f"{where}.content.{index}"
             if not isinstance(item, dict):
                 raise Invalid(at, f"expected an object, got {json_kind(item)}")
+            if item.get("type") == "tool_reference":
+                # A tool search's answer: the tool joins the request's
+                # tools (anthropic_fields.referenced_tools).
+                texts.append(f"Tool loaded: {string(item, 'tool_name', at)}")
+                continue
             part = _part(item, at)
             if part["type"] == "text":
                 texts.append(part["text"])
@@ -227,7 +214,7 @@ def _assistant(content: object, where: str) -> dict[str, Any]:
         at = f"{where}.content.{index}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_string(block, "text", at))
+            texts.append(string(block, "text", at))
         elif kind == "tool_use":
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
@@ -236,10 +223,10 @@ def _assistant(content: object, where: str) -> dict[str, Any]:
                 )
             calls.append(
                 {
-                    "id": _string(block, "id", at),
+                    "id": string(block, "id", at),
                     "type": "function",
                     "function": {
-                        "name": _string(block, "name", at),
+                        "name": string(block, "name", at),
                         "arguments": json.dumps(arguments),
                     },
                 }
@@ -265,8 +252,7 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
         )
     chat: list[dict[str, Any]] = []
     system = payload.get("system")
-    if system is not None:
-        chat.append({"role": "system", "content": _text_of(system, "system")})
+    prompts = [] if system is None else [_text_of(system, "system")]
     for index, message in enumerate(messages):
         where = f"messages.{index}"
         if not isinstance(message, dict):
@@ -276,55 +262,20 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
             chat.extend(_user(message.get("content"), where))
         elif role == "assistant":
             chat.append(_assistant(message.get("content"), where))
+        elif role == "system":
+            # Claude Code's per-turn reminders: many chat templates take a
+            # system message first only, so each joins the system prompt,
+            # in order (what vLLM's route does for such templates).
+            prompts.append(_text_of(message.get("content"), f"{where}.content"))
         else:
             raise Invalid(
                 f"{where}.role",
-                f'expected "user" or "assistant", got {json.dumps(role)[:50]}',
+                'expected "user", "assistant" or "system",'
+                f" got {json.dumps(role)[:50]}",
             )
+    if prompts:
+        chat.insert(0, {"role": "system", "content": "\n\n".join(prompts)})
     return chat
-
-
-def _tools(payload: dict[str, Any], chat: dict[str, Any]) -> None:
-    tools = payload.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise Invalid("tools", f"expected an array, got {json_kind(tools)}")
-        functions = []
-        for index, tool in enumerate(tools):
-            where = f"tools.{index}"
-            if not isinstance(tool, dict):
-                raise Invalid(where, f"expected an object, got {json_kind(tool)}")
-            if tool.get("type", "custom") != "custom":
-                raise Invalid(
-                    f"{where}.type", "only client tools (input_schema) are served here"
-                )
-            function: dict[str, Any] = {"name": _string(tool, "name", where)}
-            if isinstance(tool.get("description"), str):
-                function["description"] = tool["description"]
-            schema = tool.get("input_schema")
-            if not isinstance(schema, dict):
-                raise Invalid(
-                    f"{where}.input_schema",
-                    f"expected an object, got {json_kind(schema)}",
-                )
-            function["parameters"] = schema
-            functions.append({"type": "function", "function": function})
-        chat["tools"] = functions
-    choice = payload.get("tool_choice")
-    if choice is None:
-        return
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind == "tool":
-        chat["tool_choice"] = {
-            "type": "function",
-            "function": {"name": _string(choice, "name", "tool_choice")},
-        }
-    elif kind in ("auto", "any", "none"):
-        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
-    else:
-        raise Invalid("tool_choice.type", 'expected "auto", "any", "tool" or "none"')
-    if isinstance(choice, dict) and choice.get("disable_parallel_tool_use") is True:
-        chat["parallel_tool_calls"] = False
 
 
 def _count(payload: dict[str, Any], name: str, required: bool) -> int | None:
@@ -343,25 +294,6 @@ def _count(payload: dict[str, Any], name: str, required: bool) -> int | None:
             f"expected an integer from 1 to {2**31 - 1}, got {json.dumps(value)[:50]}",
         )
     return value
-
-
-def _sampling(payload: dict[str, Any], chat: dict[str, Any]) -> None:
-    for name in ("temperature", "top_p", "top_k"):
-        value = payload.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise Invalid(name, f"expected a number, got {json_kind(value)}")
-        chat[name] = value
-    stops = payload.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise Invalid("stop_sequences", "expected an array of strings")
-        if stops:
-            chat["stop"] = stops
-    metadata = payload.get("metadata")
-    if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
-        chat["user"] = metadata["user_id"]
 
 
 def to_chat(payload: dict[str, Any], counting: bool = False) -> dict[str, Any]:
@@ -386,8 +318,9 @@ def to_chat(payload: dict[str, Any], counting: bool = False) -> dict[str, Any]:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     if not counting:
-        _sampling(payload, chat)
-    _tools(payload, chat)
+        sampling(payload, chat)
+    tools(payload, chat)
+    options(payload, chat, counting)
     return chat
 
 
@@ -408,7 +341,10 @@ def _tool_use(call: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def to_message(
-    chat: dict[str, Any], model: str, stops: tuple[str, ...] = ()
+    chat: dict[str, Any],
+    model: str,
+    stops: tuple[str, ...] = (),
+    thinking: bool = True,
 ) -> dict[str, Any]:
     """
     Translate a chat completion into a message.
@@ -416,6 +352,9 @@ def to_message(
     @param chat: the engine's answer, parsed.
     @param model: the model name the client sent.
     @param stops: the request's C{stop_sequences}.
+    @param thinking: whether the engine's reasoning (C{reasoning}, or
+        C{reasoning_content} before vLLM 0.32) becomes a first
+        C{thinking} block, with a C{signature} as clients expect one.
     @raise ValueError: C{chat} is not a chat completion.
     """
     choices = chat.get("choices")
@@ -426,6 +365,11 @@ def to_message(
     if not isinstance(message, dict):
         message = {}
     content: list[dict[str, Any]] = []
+    reasoning = reasoning_of(message)
+    if thinking and reasoning:
+        content.append(
+            {"type": "thinking", "thinking": reasoning, "signature": signature()}
+        )
     text = message.get("content")
     if isinstance(text, str) and text:
         content.append({"type": "text", "text": text})
@@ -461,12 +405,15 @@ class MessagesCall:
     @ivar native_path: L{MESSAGES_PATH} or L{COUNT_TOKENS_PATH}.
     @ivar model: the model name the client sent (answers name it).
     @ivar stops: the request's C{stop_sequences}.
+    @ivar thinking: whether the engine's reasoning is answered as
+        C{thinking} blocks (L{llmgw.router.api.anthropic_fields.shows_thinking}).
     """
 
     native_body: bytes
     native_path: bytes
     model: str
     stops: tuple[str, ...] = ()
+    thinking: bool = True
 
     @property
     def counting(self) -> bool:
@@ -506,7 +453,7 @@ class MessagesCall:
                 "input_tokens": (usage or {}).get("prompt_tokens", 0)
             }
         else:
-            answer = to_message(parsed, self.model, self.stops)
+            answer = to_message(parsed, self.model, self.stops, self.thinking)
         return json.dumps(answer).encode("utf-8"), usage
 
     def relay(self, max_event_size: int, native: bool) -> MessagesStream | NativeStream:
@@ -516,4 +463,4 @@ class MessagesCall:
         """
         if native:
             return NativeStream(max_event_size)
-        return MessagesStream(max_event_size, self.model, self.stops)
+        return MessagesStream(max_event_size, self.model, self.stops, self.thinking)

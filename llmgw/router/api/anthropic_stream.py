@@ -7,8 +7,9 @@ C{usage}, C{done}).
 
 The order is the one Anthropic's API reference ("Streaming Messages") gives
 and the official SDK's accumulator enforces: C{message_start}; per content
-block C{content_block_start}, C{content_block_delta}s (C{text_delta},
-C{input_json_delta}), C{content_block_stop}; C{message_delta} with
+block C{content_block_start}, C{content_block_delta}s (C{thinking_delta} and a
+last C{signature_delta}, C{text_delta}, C{input_json_delta}),
+C{content_block_stop}; C{message_delta} with
 C{stop_reason} and the usage; C{message_stop}.  Every event names its type
 in an C{event:} field: the SDK skips events without one.
 """
@@ -16,6 +17,7 @@ in an C{event:} field: the SDK skips events without one.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from llmgw.router.upstream.relay import StreamCut
@@ -55,6 +57,30 @@ def stop_reason(
     if isinstance(matched, str) and matched in stops:
         return "stop_sequence", matched
     return STOP_REASONS.get(str(choice.get("finish_reason")), "end_turn"), None
+
+
+def reasoning_of(message: dict[str, Any]) -> str:
+    """
+    @param message: a chat completion's C{message}, or a stream chunk's
+        C{delta}.
+    @return: the engine's reasoning in it, or C{""}: vLLM's reasoning
+        parsers give C{reasoning} (0.32; C{reasoning_content} before, as
+        llama.cpp's server still does).
+    """
+    for name in ("reasoning", "reasoning_content"):
+        value = message.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+def signature() -> str:
+    """
+    @return: a C{thinking} block's C{signature}: clients keep it and send it
+        back with the block; llmgw leaves thinking out of the history it
+        translates, so it is only unique (as vLLM's route makes it).
+    """
+    return uuid.uuid4().hex
 
 
 def anthropic_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -111,15 +137,26 @@ class MessagesStream:
     @param max_event_size: bytes an upstream event may grow to.
     @param model: the model name the client sent.
     @param stops: the request's C{stop_sequences}.
+    @param thinking: whether the engine's reasoning deltas become a
+        C{thinking} block (C{thinking_delta}s, then a C{signature_delta}
+        before its C{content_block_stop}), or are dropped.
     @ivar usage: the chat stream's usage, once its usage chunk came.
     @ivar done: whether C{message_stop} was written.
     @ivar finished: whether a C{finish_reason} came.
     """
 
-    def __init__(self, max_event_size: int, model: str, stops: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        max_event_size: int,
+        model: str,
+        stops: tuple[str, ...] = (),
+        thinking: bool = True,
+    ):
         self._parser = SSEParser(max_event_size)
         self._model = model
         self._stops = stops
+        self._thinking = thinking
+        self._reasoning: int | None = None
         self.usage: dict[str, Any] | None = None
         self.done = False
         self.finished = False
@@ -214,6 +251,17 @@ class MessagesStream:
     def _choice(self, choice: dict[str, Any], out: list[bytes]) -> None:
         delta = choice.get("delta")
         if isinstance(delta, dict):
+            reasoning = reasoning_of(delta) if self._thinking else ""
+            if reasoning:
+                if self._reasoning is None or self._open != self._reasoning:
+                    self._reasoning = self._begin(
+                        {"type": "thinking", "thinking": "", "signature": ""}, out
+                    )
+                self._delta(
+                    self._reasoning,
+                    {"type": "thinking_delta", "thinking": reasoning},
+                    out,
+                )
             text = delta.get("content")
             if isinstance(text, str) and text:
                 if self._text is None or self._open != self._text:
@@ -271,6 +319,10 @@ class MessagesStream:
         )
 
     def _close(self, out: list[bytes]) -> None:
+        if self._open is not None and self._open == self._reasoning:
+            self._delta(
+                self._open, {"type": "signature_delta", "signature": signature()}, out
+            )
         if self._open is not None:
             out.append(
                 sse(

@@ -49,7 +49,7 @@ from llmgw.router.upstream.base import (
     refused_answer,
     upstream_headers,
 )
-from llmgw.router.upstream.deadlines import Deadlines
+from llmgw.router.upstream.deadlines import Deadlines, first_byte_seconds
 from llmgw.router.upstream.relay import StreamCut
 from llmgw.router.upstream.sse import EventTooLarge
 
@@ -110,7 +110,11 @@ class Exchange:
             services.clock,
             self._cancel_waiting,
             settings.connect_timeout,
-            settings.first_byte_timeout,
+            first_byte_seconds(
+                settings.first_byte_timeout,
+                prepared.estimate,
+                0 if prepared.stream else prepared.max_tokens,
+            ),
             settings.idle_timeout,
             settings.total_timeout,
         )

@@ -18,6 +18,7 @@ from llmgw.router.api.anthropic import (
     json_kind,
     to_chat,
 )
+from llmgw.router.api.anthropic_fields import shows_thinking
 from llmgw.router.api.anthropic_stream import MessagesStream, NativeStream
 from llmgw.router.api.responses import ResponsesCall
 from llmgw.router.api.responses_stream import ResponsesStream
@@ -40,6 +41,15 @@ DEFAULT_RESERVED_COMPLETION = 256
 """
 Completion tokens held against a key's budget for a request that sets no
 max_tokens, until its real count comes.
+"""
+HELD_COMPLETION = 1024
+"""
+Completion tokens held at most against a key's limits while a request
+runs, whatever its C{max_tokens}: a ceiling, not what an answer uses.
+Coding agents ask 32,000 on every turn and most answers are a few hundred
+tokens; holding the ceiling would refuse a key's second request on a
+C{tpm} of 50,000 while the first has used a fraction of it.  The answer's
+real count replaces the hold when it ends.
 """
 _USAGE_MEMBER = b',"stream_options":{"include_usage":true}'
 
@@ -160,9 +170,9 @@ class Prepared:
     def reserve(self) -> int:
         """
         Tokens to hold against a key while the request runs: its prompt
-        (estimated) and its C{max_tokens}.
+        (estimated) and its C{max_tokens} up to L{HELD_COMPLETION}.
         """
-        return self.estimate + self.max_tokens
+        return self.estimate + min(self.max_tokens, HELD_COMPLETION)
 
     def for_replica(self, path: bytes, endpoint: Endpoint) -> tuple[bytes, bytes, bool]:
         """
@@ -493,7 +503,9 @@ def prepare_messages(
         max_tokens=chat["max_tokens"],
         affinity=key,
         estimate=estimate_prompt_tokens(chat_body, chat),
-        messages=MessagesCall(native, path, model, tuple(stops)),
+        messages=MessagesCall(
+            native, path, model, tuple(stops), shows_thinking(payload)
+        ),
     )
 
 

@@ -13,6 +13,31 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from llmgw.router.errors import APIError, deadline_exceeded
 
+FIRST_BYTE_TOKENS = 8192
+"""
+Tokens the C{first_byte_timeout} is for: a request the engine must read
+(and, for an answer not streamed, write) more of before its first byte gets
+the timeout once per this many (L{first_byte_seconds}).
+"""
+
+
+def first_byte_seconds(timeout: float, prompt: int, answer: int = 0) -> float:
+    """
+    The first-byte deadline of one request, scaled to its size: an engine
+    prefills a prompt at a rate (tokens a second), so a prompt of 60,000
+    tokens needs about seven times the time of one of 8,192; and an answer
+    that is not streamed comes whole, after its last token.
+
+    @param timeout: C{[router] first_byte_timeout}, seconds; 0 is no
+        deadline.
+    @param prompt: the prompt's tokens, estimated.
+    @param answer: tokens the engine writes before its first byte: the
+        request's C{max_tokens} when it does not stream, else 0.
+    @return: seconds: C{timeout} for up to L{FIRST_BYTE_TOKENS} tokens, in
+        proportion beyond.
+    """
+    return timeout * max(1.0, (prompt + answer) / FIRST_BYTE_TOKENS)
+
 
 class Deadlines:
     """
@@ -22,7 +47,8 @@ class Deadlines:
     @param on_expire: called with no argument when a deadline passes (the
         exchange cancels what it waits for).
     @param connect: seconds to connect to a replica.
-    @param first_byte: seconds from sending to the replica's first byte.
+    @param first_byte: seconds from sending to the replica's first byte
+        (L{first_byte_seconds} of the request).
     @param idle: seconds between two chunks of the replica's answer.
     @param total: seconds for the whole request.
     @ivar expired: the phase whose deadline passed, or L{None}.

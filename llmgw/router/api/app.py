@@ -26,6 +26,7 @@ from llmgw.router.api.anthropic import (
     MESSAGES_PATH,
     MESSAGES_PATHS,
 )
+from llmgw.router.api.credentials import request_key
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
 from llmgw.router.api.prepare import (
@@ -36,6 +37,7 @@ from llmgw.router.api.prepare import (
     prepare_messages,
 )
 from llmgw.router.api.records import request_record
+from llmgw.router.api.response_routes import ResponseRoutes
 from llmgw.router.edge.cors import Cors
 from llmgw.router.edge.site import JSON, client_gone, request_id, upstream_request_id
 from llmgw.router.errors import (
@@ -44,7 +46,14 @@ from llmgw.router.errors import (
     body_too_large,
     model_not_found,
 )
-from llmgw.router.interfaces import Activator, Auth, Key, Readiness, UsageSink
+from llmgw.router.interfaces import (
+    Activator,
+    Auth,
+    Key,
+    Readiness,
+    ResponseStore,
+    UsageSink,
+)
 
 # Named here too for the modules that import them from the routes.
 from llmgw.router.interfaces import RequestRecord as RequestRecord
@@ -105,6 +114,7 @@ class Router:
         the control plane publishes them (C{/readyz}).
     @param load: each replica's engine load, when the server polls it.
     @param tracing: the requests' spans (C{[tracing]} on), or L{None}.
+    @param responses: the Responses API's stored responses, or L{None}.
     """
 
     app = Klein()
@@ -127,8 +137,11 @@ class Router:
         readiness: Readiness | None = None,
         load: LoadBoard | None = None,
         tracing: Tracing | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.clock = clock
+        self.responses = responses
+        self.stored = ResponseRoutes(responses, auth)
         self.auth = auth
         self.readiness = readiness if readiness is not None else Readiness()
         self.activator = activator
@@ -266,7 +279,7 @@ class Router:
         anthropic = path in MESSAGES_PATHS
         trace = self._trace(request, path)
         try:
-            key = self._key_for(request)
+            key = request_key(self.auth, request)
             try:
                 prepared = self._prepare(request, path)
             except Refused as refused:
@@ -478,6 +491,15 @@ class Router:
     async def count_tokens(self, request: IRequest) -> bytes | None:
         return await self._forward(request, COUNT_TOKENS_PATH)
 
+    # The Responses API's stored responses (docs/store.md).
+    @app.route("/v1/responses/<string:response_id>", methods=["GET", "DELETE"])
+    async def stored_response(self, request: IRequest, response_id: str) -> bytes:
+        return await self.stored.response(request, response_id)
+
+    @app.route("/v1/responses/<string:response_id>/input_items", methods=["GET"])
+    async def stored_input_items(self, request: IRequest, response_id: str) -> bytes:
+        return await self.stored.input_items(request, response_id)
+
     def _model_object(self, model: str) -> dict[str, Any]:
         return {
             "id": model,
@@ -486,33 +508,13 @@ class Router:
             "owned_by": "llmgw",
         }
 
-    def _key_for(self, request: IRequest) -> Key | None:
-        """
-        The key comes in C{Authorization: Bearer sk-...} (OpenAI's
-        clients, and Anthropic's with C{auth_token}), in C{api-key: sk-...}
-        (Azure OpenAI's, which the OpenAI SDK's C{AzureOpenAI} sends) or in
-        C{x-api-key: sk-...} (Anthropic's clients); when several come,
-        C{Authorization} is the one checked, then C{api-key}.
-
-        @return: the request's API key, or L{None} when none is needed.
-        @raise APIError: 401.
-        """
-        if self.auth is None:
-            return None
-        header = request.getHeader(b"authorization")
-        for name in (b"api-key", b"x-api-key"):
-            api_key = request.getHeader(name) if header is None else None
-            if api_key is not None and api_key.strip():
-                header = b"Bearer " + api_key.strip()
-        return self.auth.authenticate(header)
-
     def _visible(self, key: Key | None, model: str) -> bool:
         return key is None or key.allows(model, self._resolve)
 
     @app.route("/v1/models", methods=["GET"])
     def list_models(self, request: IRequest) -> bytes:
         try:
-            key = self._key_for(request)
+            key = request_key(self.auth, request)
         except APIError as error:
             return self._error(request, error)
         request.setHeader(b"content-type", JSON)
@@ -530,7 +532,7 @@ class Router:
     @app.route("/v1/models/<path:model>", methods=["GET"])
     def get_model(self, request: IRequest, model: str) -> bytes:
         try:
-            key = self._key_for(request)
+            key = request_key(self.auth, request)
         except APIError as error:
             return self._error(request, error)
         if not self.knows(model) or not self._visible(key, model):

@@ -18,7 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.router.api.app import Router
 from llmgw.router.api.response_routes import item_with_id
 from llmgw.router.errors import APIError
-from llmgw.router.interfaces import Key, ResponseState
+from llmgw.router.interfaces import KeptResponse, Key
 from llmgw.router.routing.balancer import Balancer
 from llmgw.router.settings import RouterConfig
 from llmgw.router.telemetry.metrics import RouterMetrics
@@ -44,19 +44,19 @@ class MemoryResponses:
     """
 
     def __init__(self) -> None:
-        self.rows: dict[str, ResponseState] = {}
+        self.rows: dict[str, KeptResponse] = {}
 
-    def put_response(self, state: ResponseState) -> Deferred[None]:
+    def put(self, state: KeptResponse) -> Deferred[None]:
         self.rows[state.id] = state
         return succeed(None)
 
-    def get_response(
+    def get(
         self, response_id: str, key_id: int | None
-    ) -> Deferred[ResponseState | None]:
+    ) -> Deferred[KeptResponse | None]:
         row = self.rows.get(response_id)
         return succeed(row if row is not None and row.key_id == key_id else None)
 
-    def delete_response(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+    def delete(self, response_id: str, key_id: int | None) -> Deferred[bool]:
         row = self.rows.get(response_id)
         if row is None or row.key_id != key_id:
             return succeed(False)
@@ -78,7 +78,7 @@ INPUT: list[dict[str, Any]] = [
     {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
 ]
 
-STATE = ResponseState(
+STATE = KeptResponse(
     id="resp_abc",
     key_id=7,
     model="m",
@@ -93,7 +93,7 @@ STATE = ResponseState(
 class ResponseRoutesTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.responses = MemoryResponses()
-        self.responses.put_response(STATE)
+        self.responses.put(STATE)
         self.stub = self.router(self.responses)
 
     def router(self, responses: MemoryResponses | None) -> TypedStubTreq:

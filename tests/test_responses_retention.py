@@ -17,14 +17,14 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 from llmgw.accounts.responses import ResponseRetention, StoreResponses
 from llmgw.accounts.settings import parse_store
 from llmgw.config_checks import ConfigError
-from llmgw.router.interfaces import ResponseState
+from llmgw.router.interfaces import KeptResponse
 from llmgw.store.db import SQLiteStore
 
 DAY = 86400.0
 
 
-def _state(rid: str, key_id: int | None, created: float) -> ResponseState:
-    return ResponseState(
+def _state(rid: str, key_id: int | None, created: float) -> KeptResponse:
+    return KeptResponse(
         id=rid,
         key_id=key_id,
         model="m",
@@ -75,22 +75,22 @@ class StoreResponsesTests(TestCase):
         deleted by its key.
         """
         state = _state("resp_1", 7, self.now - 10)
-        await self.responses.put_response(state)
-        self.assertEqual(await self.responses.get_response("resp_1", 7), state)
-        self.assertIsNone(await self.responses.get_response("resp_1", 8))
-        self.assertFalse(await self.responses.delete_response("resp_1", 8))
-        self.assertTrue(await self.responses.delete_response("resp_1", 7))
-        self.assertIsNone(await self.responses.get_response("resp_1", 7))
+        await self.responses.put(state)
+        self.assertEqual(await self.responses.get("resp_1", 7), state)
+        self.assertIsNone(await self.responses.get("resp_1", 8))
+        self.assertFalse(await self.responses.delete("resp_1", 8))
+        self.assertTrue(await self.responses.delete("resp_1", 7))
+        self.assertIsNone(await self.responses.get("resp_1", 7))
 
     async def test_past_retention_unknown(self) -> None:
         """
         Once older than the retention, a response reads as unknown though
         no pass has deleted it yet.
         """
-        await self.responses.put_response(_state("resp_1", None, self.now - 10))
-        self.assertIsNotNone(await self.responses.get_response("resp_1", None))
+        await self.responses.put(_state("resp_1", None, self.now - 10))
+        self.assertIsNotNone(await self.responses.get("resp_1", None))
         self.now += DAY
-        self.assertIsNone(await self.responses.get_response("resp_1", None))
+        self.assertIsNone(await self.responses.get("resp_1", None))
         self.assertEqual(await self.store.drop_responses(self.now - DAY), 1)
 
 

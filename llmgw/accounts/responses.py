@@ -22,16 +22,16 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from llmgw.router.interfaces import ResponseState
+from llmgw.router.interfaces import KeptResponse
 from llmgw.store.base import Store
 from llmgw.store.responses import StoredResponse
 
 
 class StoreResponses:
     """
-    The router's L{llmgw.router.interfaces.ResponseStore} on the store.
+    A L{llmgw.router.interfaces.ResponseStore} on the store.
 
-    @param store: the store, prepared.
+    @param store: SQLite or PostgreSQL, its C{responses} table.
     @param retention: C{[store] responses_retention}, seconds: a response
         made longer ago reads as unknown.
     @param wall_clock: POSIX seconds now.
@@ -47,22 +47,32 @@ class StoreResponses:
         self._retention = retention
         self._wall_clock = wall_clock
 
-    def put_response(self, state: ResponseState) -> Deferred[None]:
-        return self._store.put_response(StoredResponse(**asdict(state)))
+    def put(self, kept: KeptResponse) -> Deferred[None]:
+        """
+        Keep C{kept}; fires when written.
+        """
+        return self._store.put_response(StoredResponse(**asdict(kept)))
 
-    def get_response(
+    def get(
         self, response_id: str, key_id: int | None
-    ) -> Deferred[ResponseState | None]:
+    ) -> Deferred[KeptResponse | None]:
+        """
+        @return: fires with the response, or L{None} when it is unknown,
+            past retention or another key's.
+        """
         cutoff = self._wall_clock() - self._retention
 
-        def shape(row: StoredResponse | None) -> ResponseState | None:
+        def shape(row: StoredResponse | None) -> KeptResponse | None:
             if row is None or row.created_at < cutoff:
                 return None
-            return ResponseState(**asdict(row))
+            return KeptResponse(**asdict(row))
 
         return self._store.get_response(response_id, key_id).addCallback(shape)
 
-    def delete_response(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+    def delete(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        """
+        @return: fires with whether one of C{key_id}'s was deleted.
+        """
         return self._store.delete_response(response_id, key_id)
 
 

@@ -136,6 +136,60 @@ class UsageSink(Protocol):
 
 
 @dataclass(frozen=True)
+class KeptResponse:
+    """
+    A Responses API response as the router keeps it
+    (L{llmgw.router.api.responses}).
+
+    @ivar id: C{"resp_..."}.
+    @ivar key_id: the API key that made it, or L{None} without keys.
+    @ivar model: the model name the client sent.
+    @ivar created_at: when it was made, POSIX seconds.
+    @ivar previous_response_id: the response it continued, or L{None}.
+    @ivar input_items: every input item the model saw, in order (those of
+        the responses it continued first).
+    @ivar output_items: its output items.
+    @ivar response: the Response object as the client got it.
+    """
+
+    id: str
+    key_id: int | None
+    model: str
+    created_at: float
+    previous_response_id: str | None
+    input_items: list[dict[str, Any]]
+    output_items: list[dict[str, Any]]
+    response: dict[str, Any]
+
+
+class ResponseStore(Protocol):
+    """
+    Where Responses API responses are kept (C{store}) and read back to be
+    continued (C{previous_response_id}), under the key that made them.
+    """
+
+    def put(self, kept: KeptResponse) -> Deferred[None]:
+        """
+        Keep C{kept}; fires when written.
+        """
+
+    def get(
+        self, response_id: str, key_id: int | None
+    ) -> Deferred[KeptResponse | None]:
+        """
+        @return: fires with the response, or L{None} when it is unknown,
+            expired or another key's.
+        """
+
+    def delete(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        """
+        Delete one of C{key_id}'s responses, as L{get} finds it.
+
+        @return: fires with whether there was one to delete.
+        """
+
+
+@dataclass(frozen=True)
 class Tenant:
     """
     Who a waiting request is for.
@@ -296,65 +350,4 @@ class Activator(Protocol):
         @return: where a request held for C{name} stands now; an empty
             L{Standing} when nothing is known (or C{name} is not in the
             catalog).  Must answer at once and not raise.
-        """
-
-
-@dataclass(frozen=True)
-class ResponseState:
-    """
-    A stored response of the Responses API as the router keeps and reads it
-    (OpenAI's API reference, "Responses": C{store}, C{previous_response_id}
-    and the retrieve, input items and delete routes); the store keeps it
-    under the key that made it.
-
-    @ivar id: the response's id, C{"resp_..."}.
-    @ivar key_id: the API key that made it; L{None} on a gateway without
-        keys.
-    @ivar model: the model's name, as the client asked for it.
-    @ivar created_at: when it was made, POSIX seconds.
-    @ivar previous_response_id: the response it continued, or L{None}.
-    @ivar input_items: every input item the model saw, in order: the
-        continued responses' inputs and outputs, then the request's own.
-    @ivar output_items: this response's output items.
-    @ivar response: the Response object as returned to the client.
-    """
-
-    id: str
-    key_id: int | None
-    model: str
-    created_at: float
-    previous_response_id: str | None
-    input_items: list[dict[str, Any]]
-    output_items: list[dict[str, Any]]
-    response: dict[str, Any]
-
-
-class ResponseStore(Protocol):
-    """
-    Where the Responses API's responses are kept, per key
-    (L{llmgw.accounts.responses.StoreResponses}, on the server's store).
-    """
-
-    def put_response(self, state: ResponseState) -> Deferred[None]:
-        """
-        Keep C{state} (one put again replaces it).
-
-        @return: fires once kept.
-        """
-
-    def get_response(
-        self, response_id: str, key_id: int | None
-    ) -> Deferred[ResponseState | None]:
-        """
-        @param key_id: the key asking; L{None} without keys.
-        @return: fires with the response, or L{None} when it is unknown,
-            past C{[store] responses_retention}, or made by another key (a
-            key never reads another key's).
-        """
-
-    def delete_response(self, response_id: str, key_id: int | None) -> Deferred[bool]:
-        """
-        Delete one of C{key_id}'s responses, as L{get_response} finds it.
-
-        @return: fires with whether there was one to delete.
         """

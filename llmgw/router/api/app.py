@@ -114,7 +114,7 @@ class Router:
         the control plane publishes them (C{/readyz}).
     @param load: each replica's engine load, when the server polls it.
     @param tracing: the requests' spans (C{[tracing]} on), or L{None}.
-    @param responses: the Responses API's stored responses, or L{None}.
+    @param responses: where Responses API responses are kept, or L{None}.
     """
 
     app = Klein()
@@ -140,7 +140,6 @@ class Router:
         responses: ResponseStore | None = None,
     ) -> None:
         self.clock = clock
-        self.responses = responses
         self.stored = ResponseRoutes(responses, auth)
         self.auth = auth
         self.readiness = readiness if readiness is not None else Readiness()
@@ -279,7 +278,7 @@ class Router:
         anthropic = path in MESSAGES_PATHS
         trace = self._trace(request, path)
         try:
-            key = request_key(self.auth, request)
+            key = self._key_for(request)
             try:
                 prepared = self._prepare(request, path)
             except Refused as refused:
@@ -491,7 +490,6 @@ class Router:
     async def count_tokens(self, request: IRequest) -> bytes | None:
         return await self._forward(request, COUNT_TOKENS_PATH)
 
-    # The Responses API's stored responses (docs/store.md).
     @app.route("/v1/responses/<string:response_id>", methods=["GET", "DELETE"])
     async def stored_response(self, request: IRequest, response_id: str) -> bytes:
         return await self.stored.response(request, response_id)
@@ -508,13 +506,16 @@ class Router:
             "owned_by": "llmgw",
         }
 
+    def _key_for(self, request: IRequest) -> Key | None:
+        return request_key(self.auth, request)
+
     def _visible(self, key: Key | None, model: str) -> bool:
         return key is None or key.allows(model, self._resolve)
 
     @app.route("/v1/models", methods=["GET"])
     def list_models(self, request: IRequest) -> bytes:
         try:
-            key = request_key(self.auth, request)
+            key = self._key_for(request)
         except APIError as error:
             return self._error(request, error)
         request.setHeader(b"content-type", JSON)
@@ -532,7 +533,7 @@ class Router:
     @app.route("/v1/models/<path:model>", methods=["GET"])
     def get_model(self, request: IRequest, model: str) -> bytes:
         try:
-            key = request_key(self.auth, request)
+            key = self._key_for(request)
         except APIError as error:
             return self._error(request, error)
         if not self.knows(model) or not self._visible(key, model):

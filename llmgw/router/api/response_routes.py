@@ -21,7 +21,7 @@ from twisted.web.iweb import IRequest
 from llmgw.router.api.credentials import request_key
 from llmgw.router.edge.site import JSON
 from llmgw.router.errors import APIError
-from llmgw.router.interfaces import Auth, ResponseState, ResponseStore
+from llmgw.router.interfaces import Auth, KeptResponse, ResponseStore
 
 DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
@@ -93,7 +93,7 @@ def _limit(request: IRequest) -> int:
 
 
 def item_page(
-    state: ResponseState, limit: int, order: str, after: str | None
+    state: KeptResponse, limit: int, order: str, after: str | None
 ) -> dict[str, Any]:
     """
     One page of a response's input items.
@@ -148,7 +148,7 @@ class ResponseRoutes:
             key_id = self._key_id(request)
             if request.method == b"DELETE":
                 deleted = self._responses is not None and (
-                    await self._responses.delete_response(response_id, key_id)
+                    await self._responses.delete(response_id, key_id)
                 )
                 if not deleted:
                     raise not_found(response_id)
@@ -182,10 +182,10 @@ class ResponseRoutes:
         key = request_key(self._auth, request)
         return key.id if key is not None else None
 
-    async def _state(self, response_id: str, key_id: int | None) -> ResponseState:
+    async def _state(self, response_id: str, key_id: int | None) -> KeptResponse:
         state = None
         if self._responses is not None:
-            state = await self._responses.get_response(response_id, key_id)
+            state = await self._responses.get(response_id, key_id)
         if state is None:
             raise not_found(response_id)
         return state

@@ -5,7 +5,8 @@ with the official C{openai} client (C{responses.retrieve},
 C{responses.input_items.list}, C{responses.delete}); another key gets 404;
 the response is still there after the server restarts on its SQLite file,
 one past C{[store] responses_retention} is deleted by the server's job;
-and the same on a PostgreSQL store.
+and the same on a PostgreSQL store, through the server and through a
+C{twistd llmgw-router} on the same database.
 
 A response is put in the store with the store's own statement
 (L{llmgw.store.responses}), as the server's C{POST /v1/responses} keeps
@@ -24,7 +25,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.store.responses import StoredResponse, put_response_sql, response_values
 from tests.pg_support import fresh_database
-from tests.support import Processes
+from tests.support import TWISTD, Processes, spawn
 from tests.test_e2e_store import _Ctl
 
 INPUT: list[dict[str, Any]] = [
@@ -101,22 +102,26 @@ class _StoredResponses(_Base, _Ctl):
         bob = self.ctl_json("keys", "create", "--name", "bob")
         return (alice["id"], alice["key"]), (bob["id"], bob["key"])
 
-    def client(self, key: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+    def client(self, key: str, url: str | None = None) -> openai.OpenAI:
+        base = (url or self.url) + "/v1"
+        return openai.OpenAI(base_url=base, api_key=key, max_retries=0)
 
-    def check_own_only(self, rid: str, mine: str, other: str) -> None:
+    def check_own_only(
+        self, rid: str, mine: str, other: str, url: str | None = None
+    ) -> None:
         """
         C{mine} reads the response and pages through its input items;
-        C{other} gets 404 for all three routes.
+        C{other} gets 404 for all three routes; through the client API at
+        C{url} (by default the server's).
         """
-        got = self.client(mine).responses.retrieve(rid)
+        got = self.client(mine, url).responses.retrieve(rid)
         self.assertEqual(
             (got.id, got.status, got.output_text), (rid, "completed", "Hello")
         )
         assert got.usage is not None
         self.assertEqual(got.usage.total_tokens, 10)
         items = list(
-            self.client(mine).responses.input_items.list(rid, limit=3, order="asc")
+            self.client(mine, url).responses.input_items.list(rid, limit=3, order="asc")
         )
         self.assertEqual(
             [(i.type, i.id) for i in items],
@@ -127,7 +132,7 @@ class _StoredResponses(_Base, _Ctl):
                 ("function_call_output", f"item_{rid[5:]}_3"),
             ],
         )
-        newest = self.client(mine).responses.input_items.list(rid, limit=1)
+        newest = self.client(mine, url).responses.input_items.list(rid, limit=1)
         self.assertEqual(
             ([i.id for i in newest.data], newest.has_more),
             ([f"item_{rid[5:]}_3"], True),
@@ -138,7 +143,7 @@ class _StoredResponses(_Base, _Ctl):
             lambda c: c.responses.delete(rid),
         ):
             with self.assertRaises(openai.NotFoundError) as refused:
-                call(self.client(other))
+                call(self.client(other, url))
             self.assertEqual(refused.exception.param, "response_id")
             self.assertIn(rid, refused.exception.message)
 
@@ -210,14 +215,36 @@ class PostgresStoredResponsesTests(_StoredResponses, SynchronousTestCase):
         with psycopg.connect(self.db, autocommit=True) as connection:
             connection.execute(put_response_sql("%s").encode(), response_values(row))
 
+    def start_router(self) -> str:
+        """
+        @return: the client API of a C{twistd llmgw-router} on the same
+            database, following the server.
+        """
+        directory = self._directory()
+        path = f"{directory}/router.toml"
+        with open(path, "w") as f:
+            f.write(f'[store]\nurl = "{self.db}"\n')
+        process = spawn(
+            [TWISTD, "-n", "--pidfile=", "llmgw-router", "--config", path]
+            + ["--listen", "tcp:0:interface=127.0.0.1", "--control", self.admin_url],
+            directory,
+            f"router-{time.monotonic_ns()}",
+        )
+        self.addCleanup(process.stop)
+        match = process.wait_for(r"llmgw-router: client API listening on [\d.]+:(\d+)")
+        process.wait_for("store: listening for key changes")
+        return f"http://127.0.0.1:{match.group(1)}"
+
     def test_own_key(self) -> None:
         """
-        On PostgreSQL: read and listed by its key, 404 for another,
-        deleted by its key.
+        On PostgreSQL: read and listed by its key, 404 for another, through
+        the server and through a C{twistd llmgw-router} on the same
+        database; deleted by its key.
         """
         (alice_id, alice), (_, bob) = self.keys()
         self.put(_stored("resp_pg", alice_id, time.time()))
         self.check_own_only("resp_pg", alice, bob)
+        self.check_own_only("resp_pg", alice, bob, self.start_router())
         # Answered 200 (the client returns nothing; an error raises).
         self.client(alice).responses.delete("resp_pg")
         with self.assertRaises(openai.NotFoundError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from klein import Klein
@@ -30,14 +31,17 @@ from llmgw.router.api.credentials import request_key
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
 from llmgw.router.api.prepare import (
-    USAGE_STREAM_PATHS,
     Prepared,
     Refused,
     prepare,
     prepare_messages,
+    prepare_responses,
 )
 from llmgw.router.api.records import request_record
 from llmgw.router.api.response_routes import ResponseRoutes
+from llmgw.router.api.responses import RESPONSES_PATH
+from llmgw.router.api.responses_state import Conversations
+from llmgw.router.api.stream_usage import MissingStreamUsage
 from llmgw.router.edge.cors import Cors
 from llmgw.router.edge.site import JSON, client_gone, request_id, upstream_request_id
 from llmgw.router.errors import (
@@ -150,8 +154,8 @@ class Router:
         self.usage = usage
         self.created = int(wall_clock())
         self.in_flight = 0
-        # Models whose engines sent no usage in a stream (warned once).
-        self._no_stream_usage: set[str] = set()
+        self._stream_usage = MissingStreamUsage(self.knows)
+        self.conversations = Conversations(responses, wall_clock)
         self.load = load
         self.tracing = tracing
         self._idle_waiters: list[Deferred[None]] = []
@@ -276,11 +280,15 @@ class Router:
         # What the record says before the body is prepared (or if it is not).
         model, stream = "", False
         anthropic = path in MESSAGES_PATHS
+        translated = anthropic or path == RESPONSES_PATH
         trace = self._trace(request, path)
         try:
             key = self._key_for(request)
+            history = None
+            if path == RESPONSES_PATH:
+                history = await self.conversations.history(request, key)
             try:
-                prepared = self._prepare(request, path)
+                prepared = self._prepare(request, path, history)
             except Refused as refused:
                 model, stream = refused.model, refused.stream
                 raise refused.error from None
@@ -288,7 +296,7 @@ class Router:
             exchange = Exchange(
                 self.services,
                 request,
-                CHAT_PATH if anthropic else path,
+                CHAT_PATH if translated else path,
                 prepared,
                 rid,
                 upstream_request_id(rid),
@@ -305,6 +313,7 @@ class Router:
                     await admitted
                 reserved = prepared.reserve
             result = await exchange.run()
+            await self.conversations.keep(prepared, key)
             status = exchange.status
             return result
         except APIError as error:
@@ -349,8 +358,11 @@ class Router:
             return NO_TRACE
         return self.tracing.request(path, request.requestHeaders)
 
-    def _prepare(self, request: IRequest, path: bytes) -> Prepared:
+    def _prepare(
+        self, request: IRequest, path: bytes, history: list[dict[str, Any]] | None
+    ) -> Prepared:
         """
+        @param history: the items a Responses API request continues.
         @return: the request's body parsed, checked and rewritten.
         @raise APIError: a 413 for a body past C{max_body_size}.
         @raise Refused: the body is malformed, or names no model served.
@@ -362,6 +374,8 @@ class Router:
         content.seek(0)
         rule = self.affinity
         parse = prepare_messages if path in MESSAGES_PATHS else prepare
+        if path == RESPONSES_PATH:
+            parse = partial(prepare_responses, history=history)
         return parse(
             content.read(),
             path,
@@ -402,7 +416,7 @@ class Router:
             reserved,
             exchange,
         )
-        self._note_usage(status, exchange)
+        self._stream_usage.note(status, exchange, self.log)
         self._count(record)
         self.balancer.observe(record)
         self.usage.record(record)
@@ -420,33 +434,6 @@ class Router:
             for waiter in waiters:
                 waiter.callback(None)
         return record
-
-    def _note_usage(self, status: int, exchange: Exchange | None) -> None:
-        """
-        Warn once per model whose engine ended a stream cleanly without
-        the usage the router asked for (llama-cpp-python's server ignores
-        C{stream_options}): its usage is estimated, and the operator
-        should know.
-        """
-        if (
-            exchange is None
-            or status != 200
-            or exchange.usage is not None
-            or not exchange.prepared.stream
-            or exchange.path not in USAGE_STREAM_PATHS
-            or exchange.answer_status != 200
-            or exchange.model in self._no_stream_usage
-            or not self.knows(exchange.model)
-        ):
-            return
-        self._no_stream_usage.add(exchange.model)
-        self.log.warn(
-            "model {model}: its engine (replica {replica}) sends no usage in"
-            " streams though asked (stream_options.include_usage); its streams'"
-            " usage is estimated from the events relayed",
-            model=exchange.model,
-            replica=exchange.replica.id if exchange.replica is not None else None,
-        )
 
     def _count(self, record: RequestRecord) -> None:
         # Only configured names become labels: a client must not be able
@@ -475,11 +462,14 @@ class Router:
     # Engine endpoints passed through when the engine has them (docs/server.md).
     @app.route("/v1/rerank", methods=["POST"])
     @app.route("/v1/score", methods=["POST"])
-    @app.route("/v1/responses", methods=["POST"])
     @app.route("/tokenize", methods=["POST"])
     @app.route("/detokenize", methods=["POST"])
     async def passthrough(self, request: IRequest) -> bytes | None:
         return await self._forward(request, request.path)
+
+    @app.route("/v1/responses", methods=["POST"])  # docs/responses.md
+    async def responses(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, RESPONSES_PATH)
 
     # Anthropic's Messages API (docs/anthropic.md).
     @app.route("/v1/messages", methods=["POST"])

@@ -9,8 +9,8 @@ and the same on a PostgreSQL store, through the server and through a
 C{twistd llmgw-router} on the same database.
 
 A response is put in the store with the store's own statement
-(L{llmgw.store.responses}), as the server's C{POST /v1/responses} keeps
-one.
+(L{llmgw.store.responses}), with chosen items and times; another is made
+with C{responses.create} and continued with C{previous_response_id}.
 """
 
 from __future__ import annotations
@@ -169,23 +169,56 @@ class SQLiteStoredResponsesTests(_StoredResponses, SynchronousTestCase):
             connection.execute(put_response_sql("?"), response_values(row))
         connection.close()
 
+    def created(self, key: str) -> tuple[str, str]:
+        """
+        A response made with C{responses.create}, continued once with
+        C{previous_response_id}.
+
+        @return: the continuation's id and its text.
+        """
+        first = self.client(key).responses.create(model="sim-model", input="Say hello")
+        second = self.client(key).responses.create(
+            model="sim-model", input="Again", previous_response_id=first.id
+        )
+        return second.id, second.output_text
+
+    def check_created(self, rid: str, text: str, mine: str, other: str) -> None:
+        """
+        C{mine} reads the continuation as it was returned, and lists the
+        three input items the model saw (the first request's, its answer,
+        the second's), newest first; C{other} gets 404.
+        """
+        got = self.client(mine).responses.retrieve(rid)
+        self.assertEqual((got.id, got.output_text), (rid, text))
+        items = list(self.client(mine).responses.input_items.list(rid))
+        self.assertEqual(
+            [(i.type, getattr(i, "role", None)) for i in items],
+            [("message", "user"), ("message", "assistant"), ("message", "user")],
+        )
+        with self.assertRaises(openai.NotFoundError):
+            self.client(other).responses.retrieve(rid)
+
     def test_own_key_across_restart(self) -> None:
         """
-        A stored response is read and listed by its key, 404 for another;
-        after a restart it is still there (and one made two hours ago, past
-        the retention, is deleted by the job at start); its key deletes
-        it, after which it is unknown.
+        A stored response (one put in the store, and one made with
+        C{responses.create} continuing another) is read and listed by its
+        key, 404 for another; after a restart both are still there (and
+        one made two hours ago, past the retention, is deleted by the job
+        at start); its key deletes it, after which it is unknown.
         """
         (alice_id, alice), (_, bob) = self.keys()
         now = time.time()
         self.put(_stored("resp_kept", alice_id, now))
         self.check_own_only("resp_kept", alice, bob)
+        made, text = self.created(alice)
+        self.check_created(made, text, alice, bob)
 
         self.server.stop()
         self.put(_stored("resp_old", alice_id, now - 7200))
         self.start()
         self.server.wait_for("responses retention: deleted 1 stored responses")
         self.check_own_only("resp_kept", alice, bob)
+        self.check_created(made, text, alice, bob)
         with self.assertRaises(openai.NotFoundError):
             self.client(alice).responses.retrieve("resp_old")
 

@@ -495,6 +495,13 @@ class _Store:
         kept = self.kept.get(response_id)
         return succeed(kept if kept is not None and kept.key_id == key_id else None)
 
+    def delete(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        kept = self.kept.get(response_id)
+        if kept is None or kept.key_id != key_id:
+            return succeed(False)
+        del self.kept[response_id]
+        return succeed(True)
+
 
 class _Request:
     def __init__(self, body: bytes) -> None:

@@ -322,6 +322,7 @@ class AnswerTests(SynchronousTestCase):
         self.assertEqual(
             response["incomplete_details"], {"reason": "max_output_tokens"}
         )
+        self.assertEqual(response["output"][0]["status"], "incomplete")
 
     def test_not_a_completion(self) -> None:
         """
@@ -454,6 +455,7 @@ class StreamTests(SynchronousTestCase):
         last = events[-1]
         self.assertEqual(last["type"], "response.incomplete")
         self.assertEqual(last["response"]["output"][0]["input"], "+a")
+        self.assertEqual(last["response"]["output"][0]["status"], "incomplete")
 
     def test_failures(self) -> None:
         """

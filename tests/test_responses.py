@@ -182,6 +182,17 @@ class RequestTests(SynchronousTestCase):
         )
         self.assertEqual(messages[1]["role"], "tool")
 
+    def test_no_input(self) -> None:
+        """
+        C{input} is optional: without it the model sees what came before
+        (here the instructions).
+        """
+        payload = {"model": "m", "instructions": "greet"}
+        self.assertEqual(
+            ResponsesCall(payload).chat["messages"],
+            [{"role": "system", "content": "greet"}],
+        )
+
     def test_errors_name_the_field(self) -> None:
         """
         An unknown item type, role or part, a forced hosted tool, a tool

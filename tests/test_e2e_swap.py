@@ -88,7 +88,9 @@ class _Swaps(_Fleet):
 
     def stream(self, name: str, tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
         """
-        Start a stream of C{tokens} chunks for C{name} in a thread.
+        Start a stream of C{tokens} chunks for C{name} in a thread (the
+        length forced with vLLM's C{ignore_eos}, past the simulator's
+        natural end).
 
         @return: the thread, and what it saw: C{chunks} (content pieces),
             C{errors}, C{done} (monotonic seconds at its end).
@@ -102,6 +104,7 @@ class _Swaps(_Fleet):
                     messages=[{"role": "user", "content": "hello"}],
                     max_tokens=tokens,
                     stream=True,
+                    extra_body={"ignore_eos": True},
                 ):
                     if chunk.choices and chunk.choices[0].delta.content:
                         seen["chunks"].append(chunk.choices[0].delta.content)

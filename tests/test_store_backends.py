@@ -16,6 +16,7 @@ from twisted.trial.unittest import TestCase
 
 from llmgw.store.base import MIGRATIONS, Store, StoreError, UsageRow
 from llmgw.store.db import SQLiteStore, open_store
+from llmgw.store.responses import StoredResponse
 from tests import test_store
 from tests.pg_support import fresh_database
 
@@ -52,6 +53,22 @@ def _key(name: str) -> dict[str, Any]:
         "admin": False,
         "created": 1e9,
     }
+
+
+def _response(rid: str, key_id: int | None, created: float) -> StoredResponse:
+    return StoredResponse(
+        id=rid,
+        key_id=key_id,
+        model="m",
+        created_at=created,
+        previous_response_id="resp_before" if key_id else None,
+        input_items=[
+            {"type": "message", "role": "user", "content": "h\u00e9llo \ud800"},
+            {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        ],
+        output_items=[{"id": "msg_1", "type": "message", "role": "assistant"}],
+        response={"id": rid, "object": "response", "usage": {"total_tokens": 3}},
+    )
 
 
 if TYPE_CHECKING:
@@ -312,6 +329,67 @@ class _Behaviour(_Base):
         again = self.store()
         again.prepare()
         self.assertEqual(again.drained, {"gpu-01": 1.5})
+
+    async def test_responses_per_key(self) -> None:
+        """
+        A stored response is read back whole (items and Response object
+        as they were put) by the key that made it only: another key, or
+        none, finds nothing, as for an unknown id; one made without a key
+        is read without one.  A response put again replaces its row.
+        """
+        store = self.store()
+        store.prepare()
+        mine = _response("resp_a", 7, 1000.5)
+        await store.put_response(mine)
+        await store.put_response(_response("resp_b", None, 1001.0))
+        self.assertEqual(await store.get_response("resp_a", 7), mine)
+        self.assertIsNone(await store.get_response("resp_a", 8))
+        self.assertIsNone(await store.get_response("resp_a", None))
+        self.assertIsNone(await store.get_response("resp_none", 7))
+        self.assertEqual(
+            await store.get_response("resp_b", None), _response("resp_b", None, 1001.0)
+        )
+        self.assertIsNone(await store.get_response("resp_b", 7))
+        again = StoredResponse(**{**vars(mine), "output_items": []})
+        await store.put_response(again)
+        self.assertEqual(await store.get_response("resp_a", 7), again)
+
+    async def test_responses_deleted_per_key(self) -> None:
+        """
+        Another key cannot delete a response (it says there was none); its
+        own key deletes it once.
+        """
+        store = self.store()
+        store.prepare()
+        await store.put_response(_response("resp_a", 7, 1000.0))
+        self.assertFalse(await store.delete_response("resp_a", 8))
+        self.assertFalse(await store.delete_response("resp_a", None))
+        self.assertTrue(await store.delete_response("resp_a", 7))
+        self.assertFalse(await store.delete_response("resp_a", 7))
+        self.assertIsNone(await store.get_response("resp_a", 7))
+
+    async def test_responses_dropped_by_age(self) -> None:
+        """
+        Responses made before the cutoff are dropped, of every key; those
+        made at or after it stay, and survive the store's reopening.
+        """
+        store = self.store()
+        store.prepare()
+        for rid, key_id, created in [
+            ("resp_old", 7, 100.0),
+            ("resp_old2", None, 199.5),
+            ("resp_edge", 8, 200.0),
+            ("resp_new", 7, 300.0),
+        ]:
+            await store.put_response(_response(rid, key_id, created))
+        self.assertEqual(await store.drop_responses(200.0), 2)
+        self.assertEqual(await store.drop_responses(200.0), 0)
+        again = self.store()
+        again.prepare()
+        self.assertIsNone(await again.get_response("resp_old", 7))
+        self.assertIsNone(await again.get_response("resp_old2", None))
+        self.assertIsNotNone(await again.get_response("resp_edge", 8))
+        self.assertIsNotNone(await again.get_response("resp_new", 7))
 
 
 class SQLiteStoreTests(_Behaviour, TestCase):

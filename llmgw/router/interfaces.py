@@ -144,6 +144,60 @@ class UsageSink(Protocol):
 
 
 @dataclass(frozen=True)
+class KeptResponse:
+    """
+    A Responses API response as the router keeps it
+    (L{llmgw.router.api.responses}).
+
+    @ivar id: C{"resp_..."}.
+    @ivar key_id: the API key that made it, or L{None} without keys.
+    @ivar model: the model name the client sent.
+    @ivar created_at: when it was made, POSIX seconds.
+    @ivar previous_response_id: the response it continued, or L{None}.
+    @ivar input_items: every input item the model saw, in order (those of
+        the responses it continued first).
+    @ivar output_items: its output items.
+    @ivar response: the Response object as the client got it.
+    """
+
+    id: str
+    key_id: int | None
+    model: str
+    created_at: float
+    previous_response_id: str | None
+    input_items: list[dict[str, Any]]
+    output_items: list[dict[str, Any]]
+    response: dict[str, Any]
+
+
+class ResponseStore(Protocol):
+    """
+    Where Responses API responses are kept (C{store}) and read back to be
+    continued (C{previous_response_id}), under the key that made them.
+    """
+
+    def put(self, kept: KeptResponse) -> Deferred[None]:
+        """
+        Keep C{kept}; fires when written.
+        """
+
+    def get(
+        self, response_id: str, key_id: int | None
+    ) -> Deferred[KeptResponse | None]:
+        """
+        @return: fires with the response, or L{None} when it is unknown,
+            expired or another key's.
+        """
+
+    def delete(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        """
+        Delete one of C{key_id}'s responses, as L{get} finds it.
+
+        @return: fires with whether there was one to delete.
+        """
+
+
+@dataclass(frozen=True)
 class Tenant:
     """
     Who a waiting request is for.

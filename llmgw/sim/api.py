@@ -25,6 +25,7 @@ from llmgw.sim.engine import (
     count_prompt_tokens,
     token_indices,
 )
+from llmgw.sim.script import Script, full_message, plan, stream_chunks
 
 FAULTS_FIELD = "llmgw_sim"
 """
@@ -130,6 +131,10 @@ class GenerationRequest:
     @ivar stream: answer with server-sent events.
     @ivar include_usage: C{stream_options.include_usage}.
     @ivar faults: the C{llmgw_sim} field, unvalidated, or None.
+    @ivar ignore_eos: vLLM's C{ignore_eos}: the answer is C{max_tokens} long.
+    @ivar min_tokens: vLLM's C{min_tokens}: no natural end before these.
+    @ivar script: the scripted answer the chat messages ask for
+        (L{llmgw.sim.script}), or None.
     @ivar thinks: whether a reasoning parser may find reasoning in the
         answer: not when the request turns thinking off
         (C{reasoning_effort: "none"}, or C{chat_template_kwargs} with
@@ -144,6 +149,9 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     faults: object
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    script: Script | None = None
     thinks: bool = True
 
 
@@ -198,7 +206,7 @@ def _message_text(content: object, index: int) -> str:
     )
 
 
-def _chat_prompt(obj: dict[str, object]) -> str:
+def _chat_prompt(obj: dict[str, object]) -> tuple[str, Script | None]:
     messages = obj.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -207,7 +215,7 @@ def _chat_prompt(obj: dict[str, object]) -> str:
         if not isinstance(message, dict):
             raise ApiError(400, "each message must be an object", param="messages")
         texts.append(_message_text(message.get("content"), i))
-    return " ".join(texts)
+    return " ".join(texts), plan(messages, obj.get("tools"))
 
 
 def _completion_prompt(obj: dict[str, object]) -> str:
@@ -233,6 +241,32 @@ def _max_tokens(obj: dict[str, object]) -> int | None:
     return None
 
 
+def _length_fields(obj: dict[str, object], max_tokens: int | None) -> tuple[bool, int]:
+    # vLLM's extra sampling fields: its protocol types them as a boolean
+    # and an integer >= 0, and its SamplingParams refuses a min_tokens
+    # above max_tokens.
+    ignore_eos = obj.get("ignore_eos", False)
+    if ignore_eos is None:
+        ignore_eos = False
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
+    min_tokens = obj.get("min_tokens", 0)
+    if min_tokens is None:
+        min_tokens = 0
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
+        min_tokens = -1
+    if min_tokens < 0:
+        raise ApiError(400, "'min_tokens' must be an integer >= 0", param="min_tokens")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ApiError(
+            400,
+            f"min_tokens must be less than or equal to max_tokens={max_tokens},"
+            f" got {min_tokens}.",
+            param="min_tokens",
+        )
+    return ignore_eos, min_tokens
+
+
 def parse_generation(kind: Kind, body: bytes) -> GenerationRequest:
     """
     Parse a C{/v1/chat/completions} (C{kind="chat"}) or C{/v1/completions}
@@ -242,7 +276,13 @@ def parse_generation(kind: Kind, body: bytes) -> GenerationRequest:
     """
     obj = parse_json_object(body)
     model = _model(obj)
-    text = _chat_prompt(obj) if kind == "chat" else _completion_prompt(obj)
+    script = None
+    if kind == "chat":
+        text, script = _chat_prompt(obj)
+    else:
+        text = _completion_prompt(obj)
+    max_tokens = _max_tokens(obj)
+    ignore_eos, min_tokens = _length_fields(obj, max_tokens)
     stream = obj.get("stream", False)
     if stream is None:
         stream = False
@@ -261,10 +301,13 @@ def parse_generation(kind: Kind, body: bytes) -> GenerationRequest:
         model=model,
         prompt=text.encode("utf-8", "surrogatepass"),
         prompt_tokens=count_prompt_tokens(text),
-        max_tokens=_max_tokens(obj),
+        max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         faults=obj.get(FAULTS_FIELD),
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+        script=script,
         thinks=_thinks(obj),
     )
 
@@ -370,25 +413,42 @@ def completion_text(prompt: bytes, count: int) -> str:
     return "".join(completion_tokens(prompt, count))
 
 
+def _call_id(response_id: str) -> str:
+    # vLLM names tool calls chatcmpl-tool-<random>; the simulator's are
+    # deterministic and unique in the process, like its response ids.
+    return "chatcmpl-tool-" + response_id.removeprefix("chatcmpl-")
+
+
 def full_response(
     req: GenerationRequest,
     response_id: str,
     created: int,
     count: int,
     reasoning: int = 0,
+    finish: str = "length",
 ) -> bytes:
     """
-    The non-streamed answer: a C{chat.completion} or C{text_completion}.
+    The non-streamed answer: a C{chat.completion} or C{text_completion};
+    for a scripted answer (C{req.script}) its message and finish reason.
 
     @param count: completion tokens.
+    @param finish: the C{finish_reason} of a generated answer.
     @param reasoning: how many of them are reasoning: the message's
         C{reasoning} (vLLM 0.32's field with a reasoning parser), the rest
         its C{content}.
     """
+    choice: dict[str, object]
     tokens = completion_tokens(req.prompt, count)
     text = "".join(tokens[reasoning:])
-    choice: dict[str, object]
-    if req.kind == "chat":
+    if req.script is not None:
+        choice = {
+            "index": 0,
+            "message": full_message(req.script, _call_id(response_id)),
+            "logprobs": None,
+            "finish_reason": req.script.finish_reason,
+        }
+        obj = "chat.completion"
+    elif req.kind == "chat":
         message = {"role": "assistant", "content": text}
         if reasoning:
             message["reasoning"] = "".join(tokens[:reasoning])
@@ -396,11 +456,11 @@ def full_response(
             "index": 0,
             "message": message,
             "logprobs": None,
-            "finish_reason": "length",
+            "finish_reason": finish,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return _dumps(
         {
@@ -420,21 +480,34 @@ def stream_events(
     created: int,
     count: int,
     reasoning: int = 0,
+    finish: str = "length",
 ) -> tuple[list[bytes], int]:
     """
     The server-sent events of a streamed answer, each C{data: <json>\\n\\n}.
 
     Chat: a role chunk (C{delta} C{{"role": "assistant", "content": ""}}),
-    one chunk per token, a chunk with an empty delta and C{finish_reason}
-    C{"length"}, the usage chunk if asked for, C{[DONE]}.  Completions: one
-    chunk per token, a chunk with empty text and C{finish_reason}, the usage
-    chunk if asked for, C{[DONE]}.
+    one chunk per token, a chunk with an empty delta and C{finish_reason},
+    the usage chunk if asked for, C{[DONE]}.  Completions: one chunk per
+    token, a chunk with empty text and C{finish_reason}, the usage chunk if
+    asked for, C{[DONE]}.  A scripted answer (C{req.script}) has the same
+    frame around its own token chunks (L{llmgw.sim.script.stream_chunks}).
 
-    @param count: completion tokens.
+    @param count: completion tokens (a scripted answer's L{Script.tokens}).
+    @param finish: the C{finish_reason} of a generated answer.
     @param reasoning: how many of them are reasoning: their deltas are
         C{{"reasoning": ...}}, as vLLM 0.32's with a reasoning parser.
     @return: the events, and the index of the first token's event.
     """
+    if req.script is not None:
+        fields: dict[str, object] = {
+            "id": response_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+        }
+        counts = usage(req.prompt_tokens, count) if req.include_usage else None
+        chunks = stream_chunks(fields, req.script, _call_id(response_id), counts)
+        return [*chunks, DONE_EVENT], 1
     head = _dumps(
         {
             "id": response_id,
@@ -463,7 +536,7 @@ def stream_events(
             b"data: "
             + head
             + b',"choices":[{"index":0,"delta":{"content":""},"logprobs":null,'
-            b'"finish_reason":"length"}]' + tail_usage
+            b'"finish_reason":"' + finish.encode("ascii") + b'"}]' + tail_usage
         )
     else:
         first = 0
@@ -471,7 +544,7 @@ def stream_events(
         suffix = b',"logprobs":null,"finish_reason":null}]' + tail_usage
         last = (
             b"data: " + head + b',"choices":[{"index":0,"text":"","logprobs":null,'
-            b'"finish_reason":"length"}]' + tail_usage
+            b'"finish_reason":"' + finish.encode("ascii") + b'"}]' + tail_usage
         )
     size = len(VOCAB_JSON)
     thinking = prefix.replace(b'"delta":{"content":', b'"delta":{"reasoning":')

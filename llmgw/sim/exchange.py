@@ -62,6 +62,7 @@ class Exchange:
         "_prompt_tokens",
         "_blocks",
         "_kv_tokens",
+        "_finished_reason",
         "_prefill",
         "_arrival",
         "_admitted_at",
@@ -95,6 +96,7 @@ class Exchange:
         prompt_tokens: int,
         blocks: SequenceBlocks | None = None,
         kv_tokens: int = 0,
+        finished_reason: str = "length",
     ) -> None:
         """
         @param events: the response body, in events.
@@ -111,6 +113,8 @@ class Exchange:
             and cached after event 0 (the prompt) and at the end (prompt
             and completion); None: no cache, no prefill cost.
         @param kv_tokens: KV tokens the sequence holds while it runs.
+        @param finished_reason: why the generation ended, C{"length"} or
+            C{"stop"}: the label of C{vllm:request_success} it counts in.
         """
         self._sim = sim
         self._request = request
@@ -125,6 +129,7 @@ class Exchange:
         self._prompt_tokens = prompt_tokens
         self._blocks = blocks
         self._kv_tokens = kv_tokens
+        self._finished_reason = finished_reason
         self._prefill = 0.0
         self._arrival = sim.clock.seconds()
         self._admitted_at = self._arrival
@@ -332,7 +337,7 @@ class Exchange:
             metrics.e2e_request_latency.observe(now - self._arrival)
             metrics.prompt_tokens.inc(self._prompt_tokens)
             metrics.generation_tokens.inc(self._count)
-            metrics.success_length.inc()
+            metrics.successes[self._finished_reason].inc()
             if self._blocks is not None:
                 sim.cache.insert(self._blocks.whole)
         self._release()

@@ -332,7 +332,12 @@ class SimMetrics:
             [*LABELS, "finished_reason"],
             registry=r,
         )
-        self.success_length = self._success.labels(ENGINE, model_name, "length")
+        # vLLM lists every finished reason from the start, "stop" first;
+        # the simulator's answers end in one of these two.
+        self.successes = {
+            reason: self._success.labels(ENGINE, model_name, reason)
+            for reason in ("stop", "length")
+        }
         self.time_to_first_token = FastHistogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",

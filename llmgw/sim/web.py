@@ -66,6 +66,7 @@ from llmgw.sim.engine import (
 )
 from llmgw.sim.exchange import JSON, Exchange
 from llmgw.sim.kvcache import SequenceBlocks
+from llmgw.sim.length import Length, answer_length
 from llmgw.sim.lora import LoraError
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
 from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS, collective_rpc
@@ -224,9 +225,17 @@ class SimResource(Resource):
         except ApiError as e:
             return _error(request, e)
         config = sim.config
-        count = config.max_tokens if req.max_tokens is None else req.max_tokens
+        cap = config.max_tokens if req.max_tokens is None else req.max_tokens
+        if req.script is not None:
+            # A scripted answer is whole whatever the cap: a tool call cut
+            # short would be no call at all.
+            length = Length(req.script.tokens, "stop")
+        else:
+            length = answer_length(
+                req.prompt, cap, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
+            )
         created = int(sim.clock.seconds())
-        exchange = self._exchange(request, req, faults, count, created)
+        exchange = self._exchange(request, req, faults, length, created)
         self._when_awake(request, exchange)
         return NOT_DONE_YET
 
@@ -248,10 +257,11 @@ class SimResource(Resource):
         request: Request,
         req: GenerationRequest,
         faults: Faults,
-        count: int,
+        length: Length,
         created: int,
     ) -> Exchange:
         sim = self._sim
+        count = length.count
         config = sim.config
         response_id = sim.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         if sim.sleep.garbled:
@@ -262,10 +272,16 @@ class SimResource(Resource):
         itl = config.itl / config.speed
         reasoning = reasoning_tokens(config.reasoning_parser, req, count)
         if req.stream:
-            events, first = stream_events(req, response_id, created, count, reasoning)
+            events, first = stream_events(
+                req, response_id, created, count, reasoning, length.finish_reason
+            )
             first_delay = ttft
         else:
-            events = [full_response(req, response_id, created, count, reasoning)]
+            events = [
+                full_response(
+                    req, response_id, created, count, reasoning, length.finish_reason
+                )
+            ]
             first = 0
             first_delay = ttft + max(0, count - 1) * itl
         blocks = None
@@ -285,6 +301,7 @@ class SimResource(Resource):
             prompt_tokens=req.prompt_tokens,
             blocks=blocks,
             kv_tokens=req.prompt_tokens + count if config.kv_capacity else 0,
+            finished_reason=length.finish_reason,
         )
 
     def _embeddings(self, request: Request) -> bytes | int:

@@ -26,6 +26,7 @@ from llmgw.store.migrations import (
     postgres_dialect,
     statements,
 )
+from llmgw.store.responses import StoredResponse
 
 
 @dataclass(frozen=True)
@@ -438,6 +439,44 @@ class Store:
     def delete_model(self, name: str) -> Deferred[None]:
         raise NotImplementedError
 
+    def put_response(self, row: StoredResponse) -> Deferred[None]:
+        """
+        Keep one response of the Responses API under its key (a response
+        put again replaces its row).
+
+        @return: fires once committed.
+        """
+        raise NotImplementedError
+
+    def get_response(
+        self, response_id: str, key_id: int | None
+    ) -> Deferred[StoredResponse | None]:
+        """
+        @param key_id: the key asking; L{None} on a server without keys.
+        @return: fires with the response, or L{None} when it is unknown,
+            already dropped by L{drop_responses}, or made by another key
+            (a key never reads another key's: without a key only the
+            responses made without one).
+        """
+        raise NotImplementedError
+
+    def delete_response(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        """
+        Delete one response of C{key_id}'s (as L{get_response} finds it).
+
+        @return: fires with whether there was one to delete.
+        """
+        raise NotImplementedError
+
+    def drop_responses(self, before: float) -> Deferred[int]:
+        """
+        Delete the responses made before C{before} (POSIX seconds), of
+        every key (C{[store] responses_retention}).
+
+        @return: fires with how many were deleted.
+        """
+        raise NotImplementedError
+
 
 __all__ = [
     "DAY",
@@ -450,6 +489,7 @@ __all__ = [
     "Progress",
     "Store",
     "StoreError",
+    "StoredResponse",
     "UsageRow",
     "day_start",
     "key_row",

@@ -43,6 +43,14 @@ from llmgw.store.base import (
     usage_values,
 )
 from llmgw.store.migrations import Migration, describe, pending, quiet, refusal
+from llmgw.store.responses import (
+    RESPONSE_COLUMNS,
+    StoredResponse,
+    owned,
+    put_response_sql,
+    response_row,
+    response_values,
+)
 
 __all__ = [
     "MIGRATIONS",
@@ -412,6 +420,42 @@ class SQLiteStore(Store):
         return self.pool.runOperation(  # type: ignore[no-any-return]
             "DELETE FROM node_drains WHERE node_id = ?", (node_id,)
         )
+
+    # Stored responses (llmgw.store.responses)
+
+    def put_response(self, row: StoredResponse) -> Deferred[None]:
+        return self.pool.runOperation(  # type: ignore[no-any-return]
+            put_response_sql("?"), response_values(row)
+        )
+
+    def get_response(
+        self, response_id: str, key_id: int | None
+    ) -> Deferred[StoredResponse | None]:
+        where, params = owned(response_id, key_id, "?")
+
+        def shape(rows: list[tuple[Any, ...]]) -> StoredResponse | None:
+            return response_row(rows[0]) if rows else None
+
+        d = self.reader.runQuery(
+            f"SELECT {RESPONSE_COLUMNS} FROM responses WHERE {where}", params
+        )
+        return d.addCallback(shape)  # type: ignore[no-any-return]
+
+    def delete_response(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        where, params = owned(response_id, key_id, "?")
+
+        def delete(cursor: sqlite3.Cursor) -> bool:
+            cursor.execute(f"DELETE FROM responses WHERE {where}", params)
+            return cursor.rowcount > 0
+
+        return self.pool.runInteraction(delete)  # type: ignore[no-any-return]
+
+    def drop_responses(self, before: float) -> Deferred[int]:
+        def drop(cursor: sqlite3.Cursor) -> int:
+            cursor.execute("DELETE FROM responses WHERE created_at < ?", (before,))
+            return int(cursor.rowcount)
+
+        return self.pool.runInteraction(drop)  # type: ignore[no-any-return]
 
 
 def _version(connection: sqlite3.Connection) -> int:

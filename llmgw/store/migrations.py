@@ -242,6 +242,25 @@ MIGRATIONS: tuple[Migration, ...] = (
         "usage: the client's own X-Request-ID beside llmgw's request id",
         "ALTER TABLE usage ADD COLUMN client_request_id TEXT;",
     ),
+    # The Responses API's stored responses (llmgw.store.responses), read
+    # by id and key, dropped by age past [store] responses_retention.  The
+    # items and the Response object are JSON text.
+    Migration(
+        "responses: the Responses API's stored responses",
+        """
+        CREATE TABLE responses (
+            id TEXT PRIMARY KEY,
+            key_id INTEGER,
+            model TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            previous_response_id TEXT,
+            input_items TEXT NOT NULL,
+            output_items TEXT NOT NULL,
+            response TEXT NOT NULL
+        );
+        CREATE INDEX responses_created_at ON responses (created_at);
+        """,
+    ),
 )
 
 

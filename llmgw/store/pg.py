@@ -50,6 +50,14 @@ from llmgw.store.base import (
     usage_values,
 )
 from llmgw.store.migrations import quiet
+from llmgw.store.responses import (
+    RESPONSE_COLUMNS,
+    StoredResponse,
+    owned,
+    put_response_sql,
+    response_row,
+    response_values,
+)
 
 T = TypeVar("T")
 
@@ -405,6 +413,45 @@ class PostgresStore(Store):
             cursor.execute("DELETE FROM node_drains WHERE node_id = %s", (node_id,))
 
         return self._run(delete)
+
+    # Stored responses (llmgw.store.responses)
+
+    def put_response(self, row: StoredResponse) -> Deferred[None]:
+        def put(cursor: psycopg.Cursor[Any]) -> None:
+            cursor.execute(put_response_sql("%s").encode(), response_values(row))
+
+        return self._run(put)
+
+    def get_response(
+        self, response_id: str, key_id: int | None
+    ) -> Deferred[StoredResponse | None]:
+        where, params = owned(response_id, key_id, "%s")
+
+        def read(cursor: psycopg.Cursor[Any]) -> StoredResponse | None:
+            cursor.execute(
+                f"SELECT {RESPONSE_COLUMNS} FROM responses WHERE {where}".encode(),
+                params,
+            )
+            values = cursor.fetchone()
+            return None if values is None else response_row(values)
+
+        return self._run(read)
+
+    def delete_response(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        where, params = owned(response_id, key_id, "%s")
+
+        def delete(cursor: psycopg.Cursor[Any]) -> bool:
+            cursor.execute(f"DELETE FROM responses WHERE {where}".encode(), params)
+            return cursor.rowcount > 0
+
+        return self._run(delete)
+
+    def drop_responses(self, before: float) -> Deferred[int]:
+        def drop(cursor: psycopg.Cursor[Any]) -> int:
+            cursor.execute("DELETE FROM responses WHERE created_at < %s", (before,))
+            return int(cursor.rowcount)
+
+        return self._run(drop)
 
 
 def _notify(cursor: psycopg.Cursor[Any], payload: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from klein import Klein
@@ -26,16 +27,21 @@ from llmgw.router.api.anthropic import (
     MESSAGES_PATH,
     MESSAGES_PATHS,
 )
+from llmgw.router.api.credentials import request_key
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
 from llmgw.router.api.prepare import (
-    USAGE_STREAM_PATHS,
     Prepared,
     Refused,
     prepare,
     prepare_messages,
+    prepare_responses,
 )
 from llmgw.router.api.records import request_record
+from llmgw.router.api.response_routes import ResponseRoutes
+from llmgw.router.api.responses import RESPONSES_PATH
+from llmgw.router.api.responses_state import Conversations
+from llmgw.router.api.stream_usage import MissingStreamUsage
 from llmgw.router.edge.cors import Cors
 from llmgw.router.edge.site import JSON, RequestIds, client_gone, request_ids
 from llmgw.router.errors import (
@@ -44,7 +50,14 @@ from llmgw.router.errors import (
     body_too_large,
     model_not_found,
 )
-from llmgw.router.interfaces import Activator, Auth, Key, Readiness, UsageSink
+from llmgw.router.interfaces import (
+    Activator,
+    Auth,
+    Key,
+    Readiness,
+    ResponseStore,
+    UsageSink,
+)
 
 # Named here too for the modules that import them from the routes.
 from llmgw.router.interfaces import RequestRecord as RequestRecord
@@ -105,6 +118,7 @@ class Router:
         the control plane publishes them (C{/readyz}).
     @param load: each replica's engine load, when the server polls it.
     @param tracing: the requests' spans (C{[tracing]} on), or L{None}.
+    @param responses: where Responses API responses are kept, or L{None}.
     """
 
     app = Klein()
@@ -127,8 +141,10 @@ class Router:
         readiness: Readiness | None = None,
         load: LoadBoard | None = None,
         tracing: Tracing | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.clock = clock
+        self.stored = ResponseRoutes(responses, auth)
         self.auth = auth
         self.readiness = readiness if readiness is not None else Readiness()
         self.activator = activator
@@ -138,8 +154,8 @@ class Router:
         self.usage = usage
         self.created = int(wall_clock())
         self.in_flight = 0
-        # Models whose engines sent no usage in a stream (warned once).
-        self._no_stream_usage: set[str] = set()
+        self._stream_usage = MissingStreamUsage(self.knows)
+        self.conversations = Conversations(responses, wall_clock)
         self.load = load
         self.tracing = tracing
         self._idle_waiters: list[Deferred[None]] = []
@@ -265,11 +281,15 @@ class Router:
         # What the record says before the body is prepared (or if it is not).
         model, stream = "", False
         anthropic = path in MESSAGES_PATHS
+        translated = anthropic or path == RESPONSES_PATH
         trace = self._trace(request, path)
         try:
             key = self._key_for(request)
+            history = None
+            if path == RESPONSES_PATH:
+                history = await self.conversations.history(request, key)
             try:
-                prepared = self._prepare(request, path)
+                prepared = self._prepare(request, path, history)
             except Refused as refused:
                 model, stream = refused.model, refused.stream
                 raise refused.error from None
@@ -277,7 +297,7 @@ class Router:
             exchange = Exchange(
                 self.services,
                 request,
-                CHAT_PATH if anthropic else path,
+                CHAT_PATH if translated else path,
                 prepared,
                 rid,
                 ids.upstream,
@@ -294,6 +314,8 @@ class Router:
                     await admitted
                 reserved = prepared.reserve
             result = await exchange.run()
+            if prepared.responses is not None:
+                await self.conversations.keep(prepared, key)
             status = exchange.status
             return result
         except APIError as error:
@@ -338,8 +360,11 @@ class Router:
             return NO_TRACE
         return self.tracing.request(path, request.requestHeaders)
 
-    def _prepare(self, request: IRequest, path: bytes) -> Prepared:
+    def _prepare(
+        self, request: IRequest, path: bytes, history: list[dict[str, Any]] | None
+    ) -> Prepared:
         """
+        @param history: the items a Responses API request continues.
         @return: the request's body parsed, checked and rewritten.
         @raise APIError: a 413 for a body past C{max_body_size}.
         @raise Refused: the body is malformed, or names no model served.
@@ -351,6 +376,8 @@ class Router:
         content.seek(0)
         rule = self.affinity
         parse = prepare_messages if path in MESSAGES_PATHS else prepare
+        if path == RESPONSES_PATH:
+            parse = partial(prepare_responses, history=history)
         return parse(
             content.read(),
             path,
@@ -391,7 +418,7 @@ class Router:
             reserved,
             exchange,
         )
-        self._note_usage(status, exchange)
+        self._stream_usage.note(status, exchange, self.log)
         self._count(record)
         self.balancer.observe(record)
         self.usage.record(record)
@@ -409,33 +436,6 @@ class Router:
             for waiter in waiters:
                 waiter.callback(None)
         return record
-
-    def _note_usage(self, status: int, exchange: Exchange | None) -> None:
-        """
-        Warn once per model whose engine ended a stream cleanly without
-        the usage the router asked for (llama-cpp-python's server ignores
-        C{stream_options}): its usage is estimated, and the operator
-        should know.
-        """
-        if (
-            exchange is None
-            or status != 200
-            or exchange.usage is not None
-            or not exchange.prepared.stream
-            or exchange.path not in USAGE_STREAM_PATHS
-            or exchange.answer_status != 200
-            or exchange.model in self._no_stream_usage
-            or not self.knows(exchange.model)
-        ):
-            return
-        self._no_stream_usage.add(exchange.model)
-        self.log.warn(
-            "model {model}: its engine (replica {replica}) sends no usage in"
-            " streams though asked (stream_options.include_usage); its streams'"
-            " usage is estimated from the events relayed",
-            model=exchange.model,
-            replica=exchange.replica.id if exchange.replica is not None else None,
-        )
 
     def _count(self, record: RequestRecord) -> None:
         # Only configured names become labels: a client must not be able
@@ -464,11 +464,14 @@ class Router:
     # Engine endpoints passed through when the engine has them (docs/server.md).
     @app.route("/v1/rerank", methods=["POST"])
     @app.route("/v1/score", methods=["POST"])
-    @app.route("/v1/responses", methods=["POST"])
     @app.route("/tokenize", methods=["POST"])
     @app.route("/detokenize", methods=["POST"])
     async def passthrough(self, request: IRequest) -> bytes | None:
         return await self._forward(request, request.path)
+
+    @app.route("/v1/responses", methods=["POST"])  # docs/responses.md
+    async def responses(self, request: IRequest) -> bytes | None:
+        return await self._forward(request, RESPONSES_PATH)
 
     # Anthropic's Messages API (docs/anthropic.md).
     @app.route("/v1/messages", methods=["POST"])
@@ -479,6 +482,14 @@ class Router:
     async def count_tokens(self, request: IRequest) -> bytes | None:
         return await self._forward(request, COUNT_TOKENS_PATH)
 
+    @app.route("/v1/responses/<string:response_id>", methods=["GET", "DELETE"])
+    async def stored_response(self, request: IRequest, response_id: str) -> bytes:
+        return await self.stored.response(request, response_id)
+
+    @app.route("/v1/responses/<string:response_id>/input_items", methods=["GET"])
+    async def stored_input_items(self, request: IRequest, response_id: str) -> bytes:
+        return await self.stored.input_items(request, response_id)
+
     def _model_object(self, model: str) -> dict[str, Any]:
         return {
             "id": model,
@@ -488,24 +499,7 @@ class Router:
         }
 
     def _key_for(self, request: IRequest) -> Key | None:
-        """
-        The key comes in C{Authorization: Bearer sk-...} (OpenAI's
-        clients, and Anthropic's with C{auth_token}), in C{api-key: sk-...}
-        (Azure OpenAI's, which the OpenAI SDK's C{AzureOpenAI} sends) or in
-        C{x-api-key: sk-...} (Anthropic's clients); when several come,
-        C{Authorization} is the one checked, then C{api-key}.
-
-        @return: the request's API key, or L{None} when none is needed.
-        @raise APIError: 401.
-        """
-        if self.auth is None:
-            return None
-        header = request.getHeader(b"authorization")
-        for name in (b"api-key", b"x-api-key"):
-            api_key = request.getHeader(name) if header is None else None
-            if api_key is not None and api_key.strip():
-                header = b"Bearer " + api_key.strip()
-        return self.auth.authenticate(header)
+        return request_key(self.auth, request)
 
     def _visible(self, key: Key | None, model: str) -> bool:
         return key is None or key.allows(model, self._resolve)

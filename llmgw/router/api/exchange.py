@@ -502,8 +502,9 @@ class Exchange:
         self, status: int, content_type: bytes, body: bytes, wait: int | None
     ) -> bytes:
         if 200 <= status < 300:
-            if self.prepared.messages is not None:
-                body, self.usage = self.prepared.messages.whole(body, self._native)
+            call = self.prepared.call
+            if call is not None:
+                body, self.usage = call.whole(body, self._native)
                 content_type = JSON
             elif content_type.startswith(JSON):
                 try:

@@ -20,12 +20,14 @@ from llmgw.router.api.anthropic import (
 )
 from llmgw.router.api.anthropic_fields import shows_thinking
 from llmgw.router.api.anthropic_stream import MessagesStream, NativeStream
+from llmgw.router.api.responses import ResponsesCall
+from llmgw.router.api.responses_stream import ResponsesStream
 from llmgw.router.errors import APIError, anthropic_event, bad_request, model_not_found
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.routing.affinity import AffinityRule
 from llmgw.router.upstream.relay import UsageFilter
 
-Relay = UsageFilter | MessagesStream | NativeStream
+Relay = UsageFilter | MessagesStream | NativeStream | ResponsesStream
 """
 What relays a stream: C{feed}, C{end}, C{usage}, C{done}.
 """
@@ -141,6 +143,8 @@ class Prepared:
         (L{estimate_prompt_tokens}, its media counted per item).
     @ivar messages: for a Messages API request, the request as it came
         (C{body} is its chat completions translation); else L{None}.
+    @ivar responses: for a Responses API request, the request and its
+        answer (C{body} is its chat completions translation); else L{None}.
     """
 
     body: bytes
@@ -152,6 +156,15 @@ class Prepared:
     affinity: bytes | None = None
     estimate: int = 0
     messages: MessagesCall | None = None
+    responses: ResponsesCall | None = None
+
+    @property
+    def call(self) -> MessagesCall | ResponsesCall | None:
+        """
+        The translated request whose whole answer is translated back
+        (C{whole}), or L{None}.
+        """
+        return self.messages if self.messages is not None else self.responses
 
     @property
     def reserve(self) -> int:
@@ -183,6 +196,8 @@ class Prepared:
         """
         if self.messages is not None:
             return self.messages.relay(max_event_size, native)
+        if self.responses is not None:
+            return self.responses.relay(max_event_size)
         return UsageFilter(max_event_size, self.strip_usage, path in USAGE_STREAM_PATHS)
 
     def error_event(self, error: APIError) -> bytes:
@@ -190,6 +205,8 @@ class Prepared:
         @return: C{error} as the last event of this request's stream, in
             its API's shape.
         """
+        if self.responses is not None:
+            return self.responses.error_event(error)
         return anthropic_event(error) if self.messages else error.sse_event()
 
 
@@ -489,4 +506,52 @@ def prepare_messages(
         messages=MessagesCall(
             native, path, model, tuple(stops), shows_thinking(payload)
         ),
+    )
+
+
+def prepare_responses(
+    body: bytes,
+    path: bytes,
+    knows: Callable[[str], bool],
+    resolve: Callable[[str], str | None],
+    affinity: AffinityRule | None = None,
+    session: bytes | None = None,
+    history: list[dict[str, Any]] | None = None,
+) -> Prepared:
+    """
+    Parse and check a Responses API request (C{POST /v1/responses}) and
+    translate it into chat completions
+    (L{llmgw.router.api.responses.ResponsesCall}).
+
+    @param path: L{llmgw.router.api.responses.RESPONSES_PATH}.
+    @param history: the items of the stored responses it continues
+        (C{previous_response_id}), loaded, or L{None}.
+    @raise Refused: a 400 for a malformed body (naming the field, as
+        C{input[3].type}), a 404 for an unknown model.
+    """
+    payload = _payload(body)
+    model = _model(payload)
+    stream = payload.get("stream") is True
+    if not knows(model):
+        raise Refused(model_not_found(model), model, stream)
+    target = resolve(model) or model
+    try:
+        call = ResponsesCall(payload, history=history)
+    except Invalid as invalid:
+        raise Refused(
+            bad_request(invalid.message, invalid.param), target, stream
+        ) from None
+    chat = {**call.chat, "model": target}
+    chat_body = json.dumps(chat, allow_nan=False).encode("ascii")
+    key = affinity.key(chat, len(chat_body), session) if affinity is not None else None
+    return Prepared(
+        body=chat_body,
+        model=target,
+        requested_model=model,
+        stream=stream,
+        strip_usage=False,
+        max_tokens=min(chat.get("max_tokens", DEFAULT_RESERVED_COMPLETION), 1_000_000),
+        affinity=key,
+        estimate=estimate_prompt_tokens(chat_body, chat),
+        responses=call,
     )

@@ -68,7 +68,7 @@ class ClaudeCodeReplayTests(SynchronousTestCase, Processes, CtlMixin):
         usage = events[-2][1]["usage"]
         self.assertEqual(usage["output_tokens"], 32000)
         match = self.server.wait_for(
-            rf"request {rid} .*status=200 prompt_tokens=(\d+) completion_tokens=(\d+)"
+            rf"request \S+ client_id={rid} .*status=200 prompt_tokens=(\d+) completion_tokens=(\d+)"
         )
         self.assertEqual(
             (int(match.group(1)), int(match.group(2))),

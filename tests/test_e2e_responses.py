@@ -37,7 +37,8 @@ def _record(server: Process, rid: str) -> tuple[int, int, int]:
         log line gives request C{rid}.
     """
     match = server.wait_for(
-        rf"request \S+ client_id={rid} .*status=(\d+) prompt_tokens=(\d+) completion_tokens=(\d+)"
+        rf"request \S+ client_id={rid} .*status=(\d+)"
+        r" prompt_tokens=(\d+) completion_tokens=(\d+)"
     )
     return int(match.group(1)), int(match.group(2)), int(match.group(3))
 

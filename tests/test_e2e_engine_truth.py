@@ -51,7 +51,9 @@ engine = "sim"
 source = "sim"
 gpus = 1
 gpu_memory_gb = 40
-sleep = "weights"
+# Its sleep routes served though llmgw does not put it to sleep: as vLLM's
+# with VLLM_SERVER_DEV_MODE=1 in a profile's environment.
+args = ["--enable-sleep-mode"]
 """
 
 

@@ -33,7 +33,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 
 from llmgw.agent.engines import CommandRefused
-from llmgw.agent.sleep import EngineRoutes, can_tell
+from llmgw.agent.sleep import EngineRoutes
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
 
@@ -106,9 +106,10 @@ class Liveness:
     """
     Asks a ready engine, every L{INTERVAL} seconds, whether it still
     serves: its C{GET /health} answering 503 means its engine is dead
-    (C{dead} is called with the engine's own line, L{engine_line}); in
-    sleep mode, its C{GET /is_sleeping} answering true while the agent
-    did not put it to sleep means someone else did (C{asleep} is called).
+    (C{dead} is called with the engine's own line, L{engine_line}); its
+    C{GET /is_sleeping} (vLLM, the simulator; asked until it answers 404)
+    answering true while the agent did not put it to sleep means someone
+    else did (C{asleep} is called).
     An answer that does not come (busy, or the process gone, which the
     shard sees itself) says nothing.
 
@@ -144,6 +145,10 @@ class Liveness:
         self._asleep = asleep
         self._loop: LoopingCall | None = None
         self._asking = False
+        # Engines with a route that says whether they sleep: vLLM's and the
+        # simulator's, whatever llmgw's profile says of sleep (an operator
+        # may serve vLLM's routes with VLLM_SERVER_DEV_MODE=1).
+        self._no_sleep_route = shard.command.engine not in ("vllm", "sim")
 
     def start(self) -> None:
         """
@@ -202,11 +207,16 @@ class Liveness:
                     )
                 )
                 return
-        if not can_tell(self._shard.command) or not self._watching():
+        if self._no_sleep_route or not self._watching():
             return
         try:
             sleeping = await self._routes().asleep(timeout=ASK_TIMEOUT)
-        except CommandRefused:
+        except CommandRefused as e:
+            # vLLM serves its sleep routes only with VLLM_SERVER_DEV_MODE=1
+            # (vllm/entrypoints/serve/dev/sleep/api_router.py), the
+            # simulator only in sleep mode: without the route, nothing
+            # put it to sleep.
+            self._no_sleep_route = " 404" in str(e)
             return
         if sleeping and self._watching():
             self.stop()

@@ -21,10 +21,11 @@ does, from its code (vLLM 0.32, installed by C{scripts/setup-vllm}):
     (C{vllm/v1/engine/exceptions.py}, C{EngineDeadError};
     C{vllm/entrypoints/serve/exception_handling/handlers/vllm_error.py}
     and C{error_response.py}), its traceback's last line naming
-    C{vllm.v1.engine.exceptions.EngineDeadError} in the log; a stream
-    already answering ends with that error object as its last event and
-    C{data: [DONE]} (C{vllm/entrypoints/openai/chat_completion/
-    serving.py}).
+    C{vllm.v1.engine.exceptions.EngineDeadError} in the log.  Not
+    modelled here: a stream already answering, which vLLM ends with that
+    error object as its last event and C{data: [DONE]}
+    (C{vllm/entrypoints/openai/chat_completion/serving.py}), runs to its
+    end.
   - Its watchdog ends the server within 5 s of the engine's death
     (C{vllm/entrypoints/launchers/launcher.py}, C{VLLM_WATCHDOG_TIME_S}).
 """

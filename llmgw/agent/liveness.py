@@ -116,8 +116,8 @@ class Liveness:
     @param shard: the shard watched.
     @param reactor: keeps time.
     @param http: the agent's HTTP client.
-    @param health_url: the engine's health route, or C{""} for one without
-        (then only its sleep is asked).
+    @param health_url: the engine's health route where a 503 there means
+        its death (vLLM, the sim), or C{""}: then nothing is asked.
     @param headers: sent with every question (its C{Authorization}).
     @param routes: its sleep routes (L{EngineRoutes}).
     """
@@ -148,7 +148,11 @@ class Liveness:
         # Engines with a route that says whether they sleep: vLLM's and the
         # simulator's, whatever llmgw's profile says of sleep (an operator
         # may serve vLLM's routes with VLLM_SERVER_DEV_MODE=1).
-        self._no_sleep_route = shard.command.engine not in ("vllm", "sim")
+        # A gang's follower serves no HTTP.
+        self._no_sleep_route = not health_url or shard.command.engine not in (
+            "vllm",
+            "sim",
+        )
 
     def start(self) -> None:
         """

@@ -190,12 +190,16 @@ class Shard:
         self.phases = StartPhases(home.reactor)
         # Why the agent ends an engine that said it is dead, else "".
         self._dead = ""
+        # vLLM answers /health 503 only once its engine is dead (the sim
+        # does as vLLM); SGLang's 503 may be a slow health generation
+        # under load, llama.cpp's a model loading: not a death.
         health = [p.url for p in launch.probes if p.url.endswith("/health")]
+        told = health[0] if health and command.engine in ("vllm", "sim") else ""
         self.liveness = Liveness(
             self,
             home.reactor,
             home.http,
-            health[0] if health else "",
+            told,
             launch.headers,
             self._routes,
             self._engine_dead,
@@ -337,9 +341,9 @@ class Shard:
 
     def _engine_dead(self, line: str) -> None:
         """
-        Its engine says it is dead (L{Liveness}): its whole session is
-        stopped now and it fails with the engine's own C{line}, so that the
-        server replaces it.
+        Its engine says it is dead (L{Liveness}): it fails with the
+        engine's own C{line} at once, so that the server takes it out of
+        rotation and replaces it, and its whole session is stopped.
         """
         self.log.warn(
             "shard {shard}: its engine says it is dead ({line}): stopping it",
@@ -347,6 +351,10 @@ class Shard:
             line=line,
         )
         self._dead = line
+        # Failed first, stopped after: the server takes it out of rotation
+        # now (requests then wait for its replacement), not once its
+        # process has ended, meanwhile refusing connections.
+        self.set_state(pb.SHARD_STATE_FAILED, line)
         self.stop(DEAD_GRACE)
 
     def _slept_elsewhere(self) -> None:
@@ -468,10 +476,9 @@ class Shard:
         # workers and resource tracker outlive a killed API server) goes
         # too, however it ended: nothing orphaned keeps its memory.
         self._signal(signal.SIGKILL)
-        if self._dead:
-            self.set_state(pb.SHARD_STATE_FAILED, self._dead)
-        elif self._stopping:
-            self.set_state(pb.SHARD_STATE_STOPPED)
+        if self._stopping:
+            if not self._dead:  # one that said so was told failed then
+                self.set_state(pb.SHARD_STATE_STOPPED)
         else:
             self.log.warn("shard {shard} exited with {code}", shard=self.id, code=code)
             if code is None:

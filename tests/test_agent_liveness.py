@@ -46,6 +46,8 @@ class _Engine:
         self.health = 200
         self.sleeping: bool | None = False
         self.asked: list[str] = []
+        # An answer to /is_sleeping held until the test fires it.
+        self.held: Deferred[Any] | None = None
 
     def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
         path = "/" + url.decode().split("/", 3)[3]
@@ -53,6 +55,8 @@ class _Engine:
         if path == "/health":
             return succeed(_Answer(self.health))
         if path == "/is_sleeping":
+            if self.held is not None:
+                return self.held
             if self.sleeping is None:
                 return succeed(_Answer(404, b'{"detail":"Not Found"}'))
             return succeed(
@@ -143,6 +147,18 @@ class LivenessTests(SynchronousTestCase):
         self.engine.health = 503
         self.clock.advance(INTERVAL)
         self.assertEqual((self.dead, self.asleep), ([], []))
+
+    def test_answer_from_before_a_turn(self) -> None:
+        """
+        An answer sent before the agent's own sleep and wake (the asking
+        stopped and started again meanwhile) does not count.
+        """
+        self.engine.held = Deferred()
+        self.clock.advance(INTERVAL)
+        self.liveness.stop()
+        self.liveness.start()
+        self.engine.held.callback(_Answer(200, b'{"is_sleeping": true}'))
+        self.assertEqual(self.asleep, [])
 
     def test_no_sleep_route(self) -> None:
         """

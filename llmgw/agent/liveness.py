@@ -188,21 +188,29 @@ class Liveness:
 
         d.addCallbacks(done, failed)
 
-    def _watching(self) -> bool:
+    def _watching(self, loop: LoopingCall | None) -> bool:
+        """
+        @param loop: the asking that sent the question answered.
+        @return: whether an answer to it still counts: that asking goes on
+            (an answer sent before a sleep and a wake of the agent's own
+            would be stale), and the agent does not turn the engine.
+        """
         shard = self._shard
         return (
-            self._loop is not None
+            loop is not None
+            and self._loop is loop
             and shard.state == pb.SHARD_STATE_READY
             and not shard.busy
         )
 
     async def _ask(self) -> None:
+        loop = self._loop
         if self._health_url:
             response = await self._http.request(
                 b"GET", self._health_url.encode(), self._headers
             )
             await readBody(response)
-            if response.code == 503 and self._watching():
+            if response.code == 503 and self._watching(loop):
                 self.stop()
                 self._dead(
                     engine_line(
@@ -211,7 +219,7 @@ class Liveness:
                     )
                 )
                 return
-        if self._no_sleep_route or not self._watching():
+        if self._no_sleep_route or not self._watching(loop):
             return
         try:
             sleeping = await self._routes().asleep(timeout=ASK_TIMEOUT)
@@ -222,6 +230,6 @@ class Liveness:
             # put it to sleep.
             self._no_sleep_route = " 404" in str(e)
             return
-        if sleeping and self._watching():
+        if sleeping and self._watching(loop):
             self.stop()
             self._asleep()

@@ -32,6 +32,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("shard.py", "status.exit_code"): "a protobuf ShardStatus filled in",
     ("shard.py", "status.has_exit_code"): "a protobuf ShardStatus filled in",
     ("shard.py", "self._watch.clock"): "LoopingCall has no clock argument",
+    ("liveness.py", "self._loop.clock"): "LoopingCall has no clock argument",
     ("shard.py", "self._health.clock"): "LoopingCall has no clock argument",
     ("supervisor.py", "poll.clock"): "LoopingCall has no clock argument",
     ("sleep.py", "copy.sleep_level"): "a protobuf StartShard copied",

@@ -72,7 +72,7 @@ engine = "vllm"
 source = "{source}"
 gpus = 0
 args = {args}
-env = {{ VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1" }}
+env = {{ VLLM_CPU_KVCACHE_SPACE = "1", HF_HUB_OFFLINE = "1"{env} }}
 # The balancer's step only: the second agent's simulated GPU is the one
 # place this profile fits, and it comes first there.
 [[models.profiles]]
@@ -99,7 +99,12 @@ class VLLMFleet(SynchronousTestCase, Processes):
 
     replica: dict[str, Any]
 
-    def fleet(self) -> None:
+    def fleet(self, env: dict[str, str] | None = None) -> None:
+        """
+        Start the server and the vLLM node's agent.
+
+        @param env: variables added to the vLLM profile's environment.
+        """
         self.dir = tempfile.mkdtemp(prefix="llmgw-vllm-")
         ca = make_certs(self.dir, "127.0.0.1", [NODE, SIM_NODE])
         self.agent_port = free_port()
@@ -112,6 +117,7 @@ class VLLMFleet(SynchronousTestCase, Processes):
             alias=ALIAS,
             source=VLLM_MODEL,
             args=json.dumps(ARGS),
+            env="".join(f", {k} = {json.dumps(v)}" for k, v in (env or {}).items()),
         )
         self.addCleanup(self._kill_engines)
         self.placed_at = time.monotonic()

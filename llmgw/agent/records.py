@@ -12,6 +12,7 @@ C{ID.json.unreadable} for the operator, with one warning, not dropped.
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
 import re
@@ -26,8 +27,12 @@ from llmgw.wire import agent_pb2 as pb
 MARKER = "LLMGW_ENGINE"
 """
 The environment variable every engine the agent starts carries: a JSON
-object C{{"node_id", "state_dir", "shard_id", "replica_id", "record"}},
-C{record} the fields of the shard's record but its pid and start time.
+object C{{"node_id", "state_dir", "shard_id", "replica_id", "secret",
+"record"}}, C{record} the fields of the shard's record but its pid and
+start time, C{secret} the engine's own random secret, which the agent also
+keeps in the engine's proof (L{write_proof}).  The marker alone proves
+nothing (any process may carry a copy): an engine is the agent's when its
+marker's secret, its pid and its process start time are those of its proof.
 Like the record (0600), it holds the engine's secret; C{/proc/PID/environ}
 is readable by the engine's user (and root) only.
 """
@@ -123,16 +128,21 @@ class Marked:
     @ivar pid: its process (the leader of its own session).
     @ivar start_time: see L{process_start_time}.
     @ivar record: the record fields of the marker (C{command}, C{host}).
+    @ivar secret: the marker's secret (C{""} in a marker without one).
     """
 
     pid: int
     start_time: int
     record: dict[str, Any]
+    secret: str = ""
 
 
-def marker(node_id: str, state_dir: str, record: dict[str, Any]) -> str:
+def marker(
+    node_id: str, state_dir: str, record: dict[str, Any], secret: str = ""
+) -> str:
     """
     @param record: the shard's record but its pid and start time.
+    @param secret: the engine's secret (see L{write_proof}).
     @return: the value of L{MARKER} for an engine started with C{record}
         by the agent of C{node_id} keeping its state in C{state_dir}.
     """
@@ -143,6 +153,7 @@ def marker(node_id: str, state_dir: str, record: dict[str, Any]) -> str:
             "state_dir": os.path.realpath(state_dir),
             "shard_id": command.get("shardId", ""),
             "replica_id": command.get("replicaId", ""),
+            "secret": secret,
             "record": record,
         }
     )
@@ -181,12 +192,55 @@ def marked(state_dir: str, proc: str = "/proc") -> Iterator[Marked]:
                 if value.get("state_dir") != folder:
                     break
                 record = value["record"]
-                if not isinstance(record, dict):
+                secret = value.get("secret", "")
+                if not isinstance(record, dict) or not isinstance(secret, str):
                     break
             except (ValueError, AttributeError, KeyError):
                 break
-            yield Marked(pid, int(fields[19]), record)
+            yield Marked(pid, int(fields[19]), record, secret)
             break
+
+
+PROOF = ".proof"
+"""
+The suffix of an engine's proof in the state directory (L{write_proof}).
+"""
+
+
+def write_proof(path: str, secret: str, pid: int, start_time: int | None) -> None:
+    """
+    Keep the proof that the agent started an engine: its secret (also in
+    its marker, L{MARKER}), its pid and its process start time (see
+    L{process_start_time}), written atomically, mode 0600, beside its
+    record but apart from it, so that an engine whose record is lost is
+    still proven the agent's.
+
+    @raise OSError: it could not be written.
+    """
+    write_record(path, {"secret": secret, "pid": pid, "start_time": start_time})
+
+
+def proven(path: str, engine: Marked) -> str:
+    """
+    @param path: the proof the agent wrote for the shard C{engine}'s
+        marker names.
+    @return: C{""} when the proof names C{engine}: the same secret, pid
+        and process start time; else why not (for a warning).
+    """
+    try:
+        with open(path) as f:
+            proof = json.load(f)
+        secret, pid = proof["secret"], proof["pid"]
+        start_time = proof["start_time"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"no proof of its start ({e})"
+    if not engine.secret or not hmac.compare_digest(str(secret), engine.secret):
+        return "its marker's secret is not the one the agent keeps"
+    if (pid, start_time) != (engine.pid, engine.start_time):
+        return (
+            f"the agent started pid {pid} (start time {start_time}), not this process"
+        )
+    return ""
 
 
 OUTPUT_LINES = 50

@@ -21,11 +21,13 @@ from twisted.logger import Logger
 
 from llmgw.agent.engines import Launch, build
 from llmgw.agent.records import (
+    PROOF,
     SHARD_ID,
     Marked,
     command_from_json,
     marked,
     process_start_time,
+    proven,
     set_aside,
 )
 from llmgw.agent.shard import Shard
@@ -42,8 +44,8 @@ class Recovery:
     @param engine_host: the interface engines listen on, for a record that
         does not name it.
     @param take: adopts a running engine: its command, launch, pid,
-        process start time, whether recorded asleep, and the turn recorded
-        (L{llmgw.agent.supervisor.Supervisor.take}).
+        process start time, whether recorded asleep, the turn recorded, and
+        its secret (L{llmgw.agent.supervisor.Supervisor.take}).
     @param held: the shard of an id already held, or L{None}.
     @param record: writes a shard's record again.
     """
@@ -55,7 +57,7 @@ class Recovery:
         shards_dir: str,
         state_dir: str,
         engine_host: str,
-        take: Callable[[pb.StartShard, Launch, int, int, bool, str], Shard],
+        take: Callable[[pb.StartShard, Launch, int, int, bool, str, str], Shard],
         held: Callable[[str], Shard | None],
         record: Callable[[Shard], None],
     ) -> None:
@@ -125,6 +127,7 @@ class Recovery:
             os.remove(path)
             return None
         turning = data.get("turning")
+        secret = data.get("secret")
         shard = self._take(
             command,
             launch,
@@ -132,6 +135,7 @@ class Recovery:
             start_time,
             data.get("sleeping") is True,
             turning if turning in ("sleep", "wake") else "",
+            secret if isinstance(secret, str) else "",
         )
         self.log.info(
             "adopted shard {shard}: engine pid {pid} still running",
@@ -143,7 +147,9 @@ class Recovery:
     def _by_marker(self, engine: Marked) -> Shard | None:
         """
         Adopt an engine found by its marker that no record named, and record
-        it again.  A second engine of a shard already adopted is stopped.
+        it again, once its proof shows the agent started it (see
+        L{llmgw.agent.records.proven}); one without is left alone.  A second
+        engine of a shard already adopted, proven, is stopped.
         """
         try:
             shard_id = str(engine.record["command"]["shardId"])
@@ -154,6 +160,19 @@ class Recovery:
                 " left alone",
                 pid=engine.pid,
                 error=str(e),
+            )
+            return None
+        # The environment is anyone's to copy: only the proof the agent kept
+        # when it started the engine makes it ours (never adopted nor
+        # stopped otherwise).
+        unproven = proven(os.path.join(self._shards_dir, shard_id + PROOF), engine)
+        if unproven:
+            self.log.warn(
+                "pid {pid} carries the marker of shard {shard}, but this agent"
+                " cannot prove it started it ({why}): left alone",
+                pid=engine.pid,
+                shard=shard_id,
+                why=unproven,
             )
             return None
         held = self._held(command.shard_id)
@@ -172,7 +191,9 @@ class Recovery:
                     pass
             return None
         # Markers are written awake and not turning (Supervisor.marker).
-        shard = self._take(command, launch, engine.pid, engine.start_time, False, "")
+        shard = self._take(
+            command, launch, engine.pid, engine.start_time, False, "", engine.secret
+        )
         self._record(shard)
         self.log.warn(
             "adopted shard {shard} of replica {replica} by its engine's marker (pid"

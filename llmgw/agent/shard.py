@@ -9,6 +9,7 @@ turns to sleep and to wake are its L{Turns}.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 from typing import Protocol
@@ -25,6 +26,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 
 from llmgw.agent.engines import Launch, build
+from llmgw.agent.liveness import Liveness
 from llmgw.agent.phases import StartPhases
 from llmgw.agent.phases import lists_model as _lists
 from llmgw.agent.records import MARKER, process_start_time, tail
@@ -32,6 +34,18 @@ from llmgw.agent.sleep import EngineRoutes, can_tell, refusal, without_sleep
 from llmgw.agent.turns import Turns
 from llmgw.reactors import IEngineReactor
 from llmgw.wire import agent_pb2 as pb
+
+DEAD_GRACE = 2.0
+"""
+Seconds an engine that said it is dead has to end on SIGTERM before its
+session gets SIGKILL.
+"""
+
+SLEPT_ELSEWHERE = "put to sleep outside llmgw"
+"""
+C{ShardStatus.note} of a shard whose engine was found asleep though the
+agent did not put it to sleep.
+"""
 
 PROBE_TIMEOUT = 10.0
 """
@@ -92,6 +106,11 @@ class ShardHome(Protocol):
         Write C{shard}'s record.
         """
 
+    def prove(self, shard: Shard) -> None:
+        """
+        Keep the proof that the agent started C{shard}'s engine.
+        """
+
     def report(self, status: pb.ShardStatus) -> None:
         """
         Tell the server a transition of a shard.
@@ -113,7 +132,11 @@ class _LauncherProcess(ProcessProtocol):
     def __init__(self, shard: Shard) -> None:
         self._shard = shard
 
-    def processEnded(self, reason: Failure) -> None:
+    def processExited(self, reason: Failure) -> None:
+        # Not processEnded: Twisted calls that only once every pipe to the
+        # child is closed too, and the engine's own children (vLLM's
+        # EngineCore, its workers, its resource tracker) inherit the stdin
+        # pipe and keep it open after the engine's API server is gone.
         code: int | None = None
         ended = reason.value
         if isinstance(ended, (error.ProcessDone, error.ProcessTerminated)):
@@ -132,6 +155,8 @@ class Shard:
     @param launch: how its engine is launched and probed.
     @param turning: C{"sleep"} or C{"wake"} when adopted from a record
         saying its engine's route ran (see L{Turns}).
+    @param secret: its engine's secret (L{llmgw.agent.records.MARKER}),
+        when adopted; a new one otherwise.
     """
 
     log = Logger()
@@ -142,8 +167,10 @@ class Shard:
         command: pb.StartShard,
         launch: Launch,
         turning: str = "",
+        secret: str = "",
     ) -> None:
         self.id = command.shard_id
+        self.secret = secret or secrets.token_hex(16)
         self.command = command
         self.launch = launch
         self.state: int = pb.SHARD_STATE_PENDING
@@ -161,6 +188,23 @@ class Shard:
         # Told the server with the next status (ShardStatus.note).
         self._note = ""
         self.phases = StartPhases(home.reactor)
+        # Why the agent ends an engine that said it is dead, else "".
+        self._dead = ""
+        # vLLM answers /health 503 only once its engine is dead (the sim
+        # does as vLLM); SGLang's 503 may be a slow health generation
+        # under load, llama.cpp's a model loading: not a death.
+        health = [p.url for p in launch.probes if p.url.endswith("/health")]
+        told = health[0] if health and command.engine in ("vllm", "sim") else ""
+        self.liveness = Liveness(
+            self,
+            home.reactor,
+            home.http,
+            told,
+            launch.headers,
+            self._routes,
+            self._engine_dead,
+            self._slept_elsewhere,
+        )
         self.turns = Turns(
             self,
             self._routes,
@@ -209,6 +253,10 @@ class Shard:
         if state in (pb.SHARD_STATE_READY, pb.SHARD_STATE_SLEEPING):
             self._served = True
         self.state = state
+        if state == pb.SHARD_STATE_READY:
+            self.liveness.start()
+        else:
+            self.liveness.stop()
         status.note = self._note if note is None else note
         self._note = ""
         status.state = state  # type: ignore[assignment]
@@ -245,6 +293,7 @@ class Shard:
         self.phases.mark("launched")
         assert self.pid is not None
         self.start_time = process_start_time(self.pid)
+        self._home.prove(self)
         self._home.record(self)
         self.set_state(pb.SHARD_STATE_STARTING)
         self._start_probing()
@@ -281,6 +330,46 @@ class Shard:
         Whether it was told to stop.
         """
         return self._stopping
+
+    @property
+    def busy(self) -> bool:
+        """
+        Whether the agent turns its engine (to sleep, awake, a check) or
+        stops it: what the engine says meanwhile is the agent's doing.
+        """
+        return self._stopping or bool(self.turns.turning) or self.turns.checking
+
+    def _engine_dead(self, line: str) -> None:
+        """
+        Its engine says it is dead (L{Liveness}): it fails with the
+        engine's own C{line} at once, so that the server takes it out of
+        rotation and replaces it, and its whole session is stopped.
+        """
+        self.log.warn(
+            "shard {shard}: its engine says it is dead ({line}): stopping it",
+            shard=self.id,
+            line=line,
+        )
+        self._dead = line
+        # Failed first, stopped after: the server takes it out of rotation
+        # now (requests then wait for its replacement), not once its
+        # process has ended, meanwhile refusing connections.
+        self.set_state(pb.SHARD_STATE_FAILED, line)
+        self.stop(DEAD_GRACE)
+
+    def _slept_elsewhere(self) -> None:
+        """
+        Its engine sleeps, and the agent did not put it to sleep (someone
+        called its sleep route): listed asleep, as an adopted engine found
+        asleep is, so that it leaves the rotation and the server wakes it
+        for the next request (see docs/operations.md).
+        """
+        self.log.warn(
+            "shard {shard}: its engine was put to sleep outside llmgw: sleeping",
+            shard=self.id,
+        )
+        self.set_state(pb.SHARD_STATE_SLEEPING, note=SLEPT_ELSEWHERE)
+        self._home.record(self)
 
     def _still_there(self) -> None:
         assert self.pid is not None
@@ -365,6 +454,7 @@ class Shard:
 
     def ended(self, code: int | None) -> None:
         self.exit_code = code
+        self.liveness.stop()
         self._stop_probing()
         if self._watch is not None and self._watch.running:
             self._watch.stop()
@@ -382,10 +472,13 @@ class Shard:
         if refused is not None:
             self._without_sleep(refused)
             return
+        # What the engine left behind in its session (vLLM's EngineCore,
+        # workers and resource tracker outlive a killed API server) goes
+        # too, however it ended: nothing orphaned keeps its memory.
+        self._signal(signal.SIGKILL)
         if self._stopping:
-            # Workers the engine left behind in its group go too.
-            self._signal(signal.SIGKILL)
-            self.set_state(pb.SHARD_STATE_STOPPED)
+            if not self._dead:  # one that said so was told failed then
+                self.set_state(pb.SHARD_STATE_STOPPED)
         else:
             self.log.warn("shard {shard} exited with {code}", shard=self.id, code=code)
             if code is None:

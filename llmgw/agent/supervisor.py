@@ -18,7 +18,14 @@ from twisted.web.client import Agent
 
 from llmgw.agent.engines import CommandRefused, Launch, build, check
 from llmgw.agent.quiet_pool import QuietConnectionPool
-from llmgw.agent.records import SHARD_ID, command_json, marker, write_record
+from llmgw.agent.records import (
+    PROOF,
+    SHARD_ID,
+    command_json,
+    marker,
+    write_proof,
+    write_record,
+)
 from llmgw.agent.recovery import Recovery
 from llmgw.agent.shard import Shard
 from llmgw.agent.sleep import flag_value
@@ -104,7 +111,17 @@ class Supervisor:
         """
         fields = self._fields(shard)
         fields["sleeping"], fields["turning"] = False, ""
-        return marker(self.node_id, self._state_dir, fields)
+        return marker(self.node_id, self._state_dir, fields, shard.secret)
+
+    def prove(self, shard: Shard) -> None:
+        """
+        Keep the proof that this agent started C{shard}'s engine (see
+        L{write_proof}); an engine without one is never adopted by its
+        marker.
+        """
+        assert shard.pid is not None
+        path = self.path(shard.id, PROOF)
+        write_proof(path, shard.secret, shard.pid, shard.start_time)
 
     def record(self, shard: Shard) -> None:
         """
@@ -114,6 +131,7 @@ class Supervisor:
             **self._fields(shard),
             "pid": shard.pid,
             "start_time": shard.start_time,
+            "secret": shard.secret,
         }
         write_record(self.path(shard.id, ".json"), data)
 
@@ -137,12 +155,15 @@ class Supervisor:
         start_time: int,
         sleeping: bool = False,
         turning: str = "",
+        secret: str = "",
     ) -> Shard:
         """
+        @param secret: the engine's secret, as its record or proof keeps it
+            (C{""} from an older agent's record: a new one is kept).
         @return: the shard of the running engine C{pid}, adopted (see
             L{Shard.adopt}).
         """
-        shard = Shard(self, command, launch, turning)
+        shard = Shard(self, command, launch, turning, secret)
         self.shards[shard.id] = shard
         shard.adopt(pid, start_time, sleeping)
         return shard
@@ -286,10 +307,11 @@ class Supervisor:
     def forget(self, shard: Shard) -> None:
         if self.shards.get(shard.id) is shard:
             del self.shards[shard.id]
-        try:
-            os.remove(self.path(shard.id, ".json"))
-        except FileNotFoundError:
-            pass
+        for suffix in (".json", PROOF):
+            try:
+                os.remove(self.path(shard.id, suffix))
+            except FileNotFoundError:
+                pass
         self._prune_logs()
 
     def _prune_logs(self, keep: int = KEEP_LOGS) -> None:

@@ -21,6 +21,7 @@ from twisted.logger import (
     textFileLogObserver,
 )
 
+from llmgw.sim.core import Core, CoreProcess
 from llmgw.sim.engine import FaultError, SimConfig, Simulator, parse_fault_option
 from llmgw.sim.lora import ENV, LoraConfig
 from llmgw.sim.sleep import UNSUPPORTED, SleepConfig
@@ -214,6 +215,14 @@ def _behaviour(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--verbose", action="store_true", help="log each request")
     p.add_argument(
+        "--engine-core-process",
+        action="store_true",
+        help="run a child process standing in for vLLM's EngineCore, in this"
+        " process's group: killing it makes /health answer 503 and requests"
+        " 500 (EngineDeadError), and ends the simulator 5 s later; killing the"
+        " simulator leaves it running (llmgw.sim.core)",
+    )
+    p.add_argument(
         "--api-key",
         default="",
         metavar="KEY",
@@ -390,7 +399,8 @@ def main(argv: list[str]) -> int:
         ],
         redirectStandardIO=False,
     )
-    sim = Simulator(config, reactor)
+    core = Core()
+    sim = Simulator(config, reactor, core)
     sim.set_faults(dict(args.fault))
     # Nothing to serve while "loading": the port stays closed, as a real
     # engine's does (SIGTERM meanwhile ends the process at once).
@@ -413,6 +423,10 @@ def main(argv: list[str]) -> int:
         return 1
     address = cast(IPv4Address | IPv6Address, port.getHost())
     host = f"[{address.host}]" if ":" in address.host else address.host
+    if args.engine_core_process:
+        child = CoreProcess(reactor, reactor, core, reactor.stop)
+        child.start()
+        reactor.addSystemEventTrigger("before", "shutdown", child.stop)
     sys.stdout.write(f"llmgw sim listening on http://{host}:{address.port}\n")
     sys.stdout.flush()
     reactor.run()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from llmgw.sim.core import Core
 from llmgw.sim.kvcache import BLOCK_TOKENS, PrefixCache, SequenceBlocks
 from llmgw.sim.lora import Adapters, LoraConfig
 from llmgw.sim.metrics import SimMetrics
@@ -491,12 +492,17 @@ class Simulator:
     metrics.  Shared by every request that the HTTP face serves.
     """
 
-    def __init__(self, config: SimConfig, reactor: IReactorTime) -> None:
+    def __init__(
+        self, config: SimConfig, reactor: IReactorTime, core: Core | None = None
+    ) -> None:
         """
         @param config: the settings.
         @param reactor: the clock for every delay and timestamp.
+        @param core: whether its engine core lives (L{llmgw.sim.core}); by
+            default one that always does.
         """
         self.config = config
+        self.core = core or Core()
         self.clock = reactor
         self.scheduler = Scheduler(
             config.max_concurrency, config.max_queue, config.kv_capacity

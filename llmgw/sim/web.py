@@ -30,6 +30,7 @@ With C{--api-key}, the C{/v1} routes need C{Authorization: Bearer KEY}
 from __future__ import annotations
 
 import hmac
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -57,6 +58,7 @@ from llmgw.sim.api import (
     reasoning_tokens,
     stream_events,
 )
+from llmgw.sim.core import ENGINE_DEAD_LOG, engine_dead_body
 from llmgw.sim.engine import (
     FaultError,
     Faults,
@@ -212,6 +214,10 @@ class SimResource(Resource):
     def _generate(self, request: Request, kind: Kind, path: bytes) -> bytes | int:
         self._count(path, request)
         sim = self._sim
+        if sim.core.dead:
+            # vLLM's EngineDeadError answer and log line (llmgw.sim.core).
+            sys.stderr.write(f"{ENGINE_DEAD_LOG}\n")
+            return _respond(request, 500, engine_dead_body(), JSON)
         try:
             req = parse_generation(kind, _body(request))
             if not sim.serves(req.model):
@@ -393,6 +399,9 @@ class SimResource(Resource):
         )
 
     def _health(self, request: Request) -> bytes:
+        if self._sim.core.dead:
+            # vLLM's answer once its engine core is dead (llmgw.sim.core).
+            return _respond(request, 503, b"", [b"text/plain; charset=utf-8"])
         return _respond(request, 200, b"ok", [b"text/plain; charset=utf-8"])
 
     def _metrics(self, request: Request) -> bytes:

@@ -18,7 +18,12 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.web.iweb import IRequest, IResponse
 
-from llmgw.router.api.failures import AnswerTooLarge, Retry, failure_type
+from llmgw.router.api.failures import (
+    AnswerTooLarge,
+    Retry,
+    engine_dead,
+    failure_type,
+)
 from llmgw.router.api.prepare import Prepared
 from llmgw.router.api.services import Services
 from llmgw.router.api.waiting import Waits
@@ -315,9 +320,12 @@ class Exchange:
         self._replica_took(sent)
         self._failure = str(status) if status >= 400 else None
         wait = retry_after(response.headers)
-        if status == 503:
+        dead = engine_dead(status, body)
+        if status == 503 or dead:
             metrics.upstream_errors.labels("status").inc()
             log_engine_failure(services.log, self.request_id, replica.id, status, body)
+            if dead:  # out of rotation until its agent replaces it
+                services.balancer.eject(replica)
             raise Retry(replica_unavailable(wait))
         return self._answer_whole(status, content_type, body, wait)
 

@@ -36,6 +36,25 @@ class Retry(Exception):
         self.stale = stale
 
 
+ENGINE_DEAD = b"EngineCore encountered an issue"
+"""
+The start of vLLM's C{EngineDeadError} message (C{vllm/v1/engine/
+exceptions.py}), which its server answers with status 500 to every request
+once its engine core process is gone, until its watchdog ends it.
+"""
+
+
+def engine_dead(status: int, body: bytes) -> bool:
+    """
+    @param status: a replica's answer status.
+    @param body: its answer body.
+    @return: whether the answer says the engine itself is dead (vLLM's
+        C{EngineDeadError}): the request was not the cause, and may go to
+        another replica.
+    """
+    return status == 500 and ENGINE_DEAD in body[:4096]
+
+
 class AnswerTooLarge(Exception):
     """
     A replica's answer passed a size limit.

@@ -1,0 +1,235 @@
+"""
+What a ready engine says of itself, asked every second: its health route
+and, in sleep mode, whether it sleeps (L{Liveness}).  Its process alone
+says too little: vLLM's API server serves on after its C{EngineCore} died
+(C{/health} answers 503 and every request 500 until its watchdog ends it
+some seconds later), and an engine put to sleep behind llmgw's back
+(C{POST /sleep} on its port) keeps every request waiting while its process
+runs on.
+
+Facts from vLLM's code (vLLM 0.32, installed by C{scripts/setup-vllm}):
+C{vllm/entrypoints/serve/instrumentator/health.py} answers C{GET /health}
+503 once the engine client raises C{EngineDeadError}, 200 otherwise (a
+sleeping engine included); C{vllm/v1/engine/exceptions.py} gives that
+error's message, C{"EngineCore encountered an issue. See stack trace
+(above) for the root cause."}; C{vllm/v1/engine/core_client.py} logs
+C{"[shutdown] MPClient: engine core exited unexpectedly; starting
+cleanup"} when its engine core process ends; C{vllm/entrypoints/launchers/
+launcher.py} ends the server 5 s (its watchdog) after the engine errored.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import readBody
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent
+
+from llmgw.agent.engines import CommandRefused
+from llmgw.agent.sleep import EngineRoutes
+from llmgw.reactors import IEngineReactor
+from llmgw.wire import agent_pb2 as pb
+
+INTERVAL = 1.0
+"""
+Seconds between two questions to a ready engine.
+"""
+
+ASK_TIMEOUT = 5.0
+"""
+Seconds one question may take: a busy engine answers its health route
+late, and a late answer says nothing.
+"""
+
+ENGINE_DEAD = re.compile(
+    r"EngineDeadError|EngineCore encountered an issue|engine core exited"
+    r" unexpectedly|died unexpectedly"
+)
+"""
+vLLM's lines saying its engine core is gone (see the module's docstring),
+newest first in L{engine_line}'s choice.
+"""
+
+
+def engine_line(output: Sequence[str], fallback: str) -> str:
+    """
+    @param output: the engine's last output lines, oldest first.
+    @param fallback: said when no line of the engine says it.
+    @return: the engine's own line saying it is dead: the last one naming
+        C{EngineDeadError}, or else the last of L{ENGINE_DEAD}'s; else
+        C{fallback}.
+    """
+    named = [line.strip() for line in output if "EngineDeadError" in line]
+    if named:
+        return named[-1]
+    found = [line.strip() for line in output if ENGINE_DEAD.search(line)]
+    return found[-1] if found else fallback
+
+
+class WatchedShard(Protocol):
+    """
+    What L{Liveness} reads of its shard (L{llmgw.agent.shard.Shard}).
+    """
+
+    @property
+    def id(self) -> str:
+        """The shard's id."""
+
+    @property
+    def command(self) -> pb.StartShard:
+        """What it was started with."""
+
+    @property
+    def state(self) -> int:
+        """Its C{pb.ShardState}."""
+
+    @property
+    def busy(self) -> bool:
+        """
+        Whether the agent itself turns it (sleep, wake, a check) or stops
+        it: what its engine says then is the agent's doing.
+        """
+
+    @property
+    def output(self) -> list[str]:
+        """Its engine's last output lines."""
+
+
+class Liveness:
+    """
+    Asks a ready engine, every L{INTERVAL} seconds, whether it still
+    serves: its C{GET /health} answering 503 means its engine is dead
+    (C{dead} is called with the engine's own line, L{engine_line}); its
+    C{GET /is_sleeping} (vLLM, the simulator; asked until it answers 404)
+    answering true while the agent did not put it to sleep means someone
+    else did (C{asleep} is called).
+    An answer that does not come (busy, or the process gone, which the
+    shard sees itself) says nothing.
+
+    @param shard: the shard watched.
+    @param reactor: keeps time.
+    @param http: the agent's HTTP client.
+    @param health_url: the engine's health route where a 503 there means
+        its death (vLLM, the sim), or C{""}: then nothing is asked.
+    @param headers: sent with every question (its C{Authorization}).
+    @param routes: its sleep routes (L{EngineRoutes}).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        shard: WatchedShard,
+        reactor: IEngineReactor,
+        http: IAgent,
+        health_url: str,
+        headers: dict[str, str],
+        routes: Callable[[], EngineRoutes],
+        dead: Callable[[str], None],
+        asleep: Callable[[], None],
+    ) -> None:
+        self._shard = shard
+        self._reactor = reactor
+        self._http = http
+        self._health_url = health_url
+        self._headers = Headers({k.encode(): [v.encode()] for k, v in headers.items()})
+        self._routes = routes
+        self._dead = dead
+        self._asleep = asleep
+        self._loop: LoopingCall | None = None
+        self._asking = False
+        # Engines with a route that says whether they sleep: vLLM's and the
+        # simulator's, whatever llmgw's profile says of sleep (an operator
+        # may serve vLLM's routes with VLLM_SERVER_DEV_MODE=1).
+        # A gang's follower serves no HTTP.
+        self._no_sleep_route = not health_url or shard.command.engine not in (
+            "vllm",
+            "sim",
+        )
+
+    def start(self) -> None:
+        """
+        Begin asking (again); nothing when already asking.
+        """
+        if self._loop is not None:
+            return
+        self._loop = LoopingCall(self._tick)
+        self._loop.clock = self._reactor
+        self._loop.start(INTERVAL, now=False)
+
+    def stop(self) -> None:
+        """
+        Stop asking; an answer on its way is dropped.
+        """
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+
+    def _tick(self) -> None:
+        if self._asking:
+            return
+        self._asking = True
+        d = Deferred.fromCoroutine(self._ask())
+        d.addTimeout(ASK_TIMEOUT, self._reactor)
+
+        def done(result: object) -> None:
+            self._asking = False
+
+        def failed(reason: Failure) -> None:
+            # No answer (busy, closing, gone): the next tick asks again.
+            self._asking = False
+
+        d.addCallbacks(done, failed)
+
+    def _watching(self, loop: LoopingCall | None) -> bool:
+        """
+        @param loop: the asking that sent the question answered.
+        @return: whether an answer to it still counts: that asking goes on
+            (an answer sent before a sleep and a wake of the agent's own
+            would be stale), and the agent does not turn the engine.
+        """
+        shard = self._shard
+        return (
+            loop is not None
+            and self._loop is loop
+            and shard.state == pb.SHARD_STATE_READY
+            and not shard.busy
+        )
+
+    async def _ask(self) -> None:
+        loop = self._loop
+        if self._health_url:
+            response = await self._http.request(
+                b"GET", self._health_url.encode(), self._headers
+            )
+            await readBody(response)
+            if response.code == 503 and self._watching(loop):
+                self.stop()
+                self._dead(
+                    engine_line(
+                        self._shard.output,
+                        "the engine answered its health route with 503",
+                    )
+                )
+                return
+        if self._no_sleep_route or not self._watching(loop):
+            return
+        try:
+            sleeping = await self._routes().asleep(timeout=ASK_TIMEOUT)
+        except CommandRefused as e:
+            # vLLM serves its sleep routes only with VLLM_SERVER_DEV_MODE=1
+            # (vllm/entrypoints/serve/dev/sleep/api_router.py), the
+            # simulator only in sleep mode: without the route, nothing
+            # put it to sleep.
+            self._no_sleep_route = " 404" in str(e)
+            return
+        if sleeping and self._watching(loop):
+            self.stop()
+            self._asleep()

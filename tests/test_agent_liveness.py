@@ -1,0 +1,215 @@
+"""
+L{llmgw.agent.liveness}: what a ready engine says of itself, asked every
+second; the proof that the agent started an engine
+(L{llmgw.agent.records.proven}); and the router's reading of vLLM's
+engine-dead answer (L{llmgw.router.api.failures.engine_dead}).  The engine
+is a fake HTTP client here; C{tests.test_e2e_engine_truth} runs the sim
+through a real agent, C{tests.test_e2e_vllm_engine_truth} the real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IAgent
+
+from llmgw.agent import liveness, sleep
+from llmgw.agent.liveness import INTERVAL, Liveness, engine_line
+from llmgw.agent.records import Marked, proven, write_proof
+from llmgw.agent.sleep import EngineRoutes
+from llmgw.reactors import IEngineReactor
+from llmgw.router.api.failures import engine_dead
+from llmgw.sim.core import engine_dead_body
+from llmgw.wire import agent_pb2 as pb
+
+
+@dataclass
+class _Answer:
+    code: int
+    body: bytes = b""
+
+
+class _Engine:
+    """
+    Answers C{/health} with C{health} and C{/is_sleeping} with
+    C{sleeping}, or 404 when it is L{None}.
+    """
+
+    def __init__(self) -> None:
+        self.health = 200
+        self.sleeping: bool | None = False
+        self.asked: list[str] = []
+        # An answer to /is_sleeping held until the test fires it.
+        self.held: Deferred[Any] | None = None
+
+    def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
+        path = "/" + url.decode().split("/", 3)[3]
+        self.asked.append(path)
+        if path == "/health":
+            return succeed(_Answer(self.health))
+        if path == "/is_sleeping":
+            if self.held is not None:
+                return self.held
+            if self.sleeping is None:
+                return succeed(_Answer(404, b'{"detail":"Not Found"}'))
+            return succeed(
+                _Answer(200, json.dumps({"is_sleeping": self.sleeping}).encode())
+            )
+        return fail(ConnectionError(path))
+
+
+@dataclass
+class _Shard:
+    id: str = "s1"
+    command: pb.StartShard = field(
+        default_factory=lambda: pb.StartShard(shard_id="s1", engine="vllm", port=18200)
+    )
+    state: int = pb.SHARD_STATE_READY
+    busy: bool = False
+    output: list[str] = field(default_factory=list)
+
+
+class LivenessTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        for module in (liveness, sleep):
+            self.patch(module, "readBody", lambda answer: succeed(answer.body))
+        self.clock = Clock()
+        self.engine = _Engine()
+        self.shard = _Shard()
+        self.dead: list[str] = []
+        self.asleep: list[bool] = []
+        http = cast(IAgent, self.engine)
+        self.liveness = Liveness(
+            self.shard,
+            cast(IEngineReactor, self.clock),
+            http,
+            "http://127.0.0.1:18200/health",
+            {},
+            lambda: EngineRoutes(http, self.clock, self.shard.command, "127.0.0.1", {}),
+            self.dead.append,
+            lambda: self.asleep.append(True),
+        )
+        self.liveness.start()
+        self.addCleanup(self.liveness.stop)
+
+    def test_healthy_awake(self) -> None:
+        """
+        An engine that answers 200 and awake is asked both every second,
+        and nothing happens.
+        """
+        for _ in range(3):
+            self.clock.advance(INTERVAL)
+        self.assertEqual(self.engine.asked, ["/health", "/is_sleeping"] * 3)
+        self.assertEqual((self.dead, self.asleep), ([], []))
+
+    def test_health_503_is_death(self) -> None:
+        """
+        C{/health} 503: dead, with the engine's own line from its output,
+        and asked no more.
+        """
+        self.shard.output = [
+            "WARNING [shutdown] MPClient: engine core exited unexpectedly;"
+            " starting cleanup",
+            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered"
+            " an issue. See stack trace (above) for the root cause.",
+            "INFO Shutting down",
+        ]
+        self.engine.health = 503
+        self.clock.advance(INTERVAL)
+        self.assertEqual(len(self.dead), 1)
+        self.assertTrue(self.dead[0].startswith("vllm.v1.engine.exceptions.EngineDead"))
+        self.clock.advance(INTERVAL * 3)
+        self.assertEqual(self.engine.asked, ["/health"])
+
+    def test_asleep_outside(self) -> None:
+        """
+        C{/is_sleeping} true while the agent turns nothing: asleep, once.
+        """
+        self.engine.sleeping = True
+        self.clock.advance(INTERVAL)
+        self.clock.advance(INTERVAL)
+        self.assertEqual(self.asleep, [True])
+
+    def test_agents_own_turn(self) -> None:
+        """
+        While the agent itself turns the engine (or stops it), its answers
+        are the agent's doing: nothing happens.
+        """
+        self.shard.busy = True
+        self.engine.sleeping = True
+        self.engine.health = 503
+        self.clock.advance(INTERVAL)
+        self.assertEqual((self.dead, self.asleep), ([], []))
+
+    def test_answer_from_before_a_turn(self) -> None:
+        """
+        An answer sent before the agent's own sleep and wake (the asking
+        stopped and started again meanwhile) does not count.
+        """
+        self.engine.held = Deferred()
+        self.clock.advance(INTERVAL)
+        self.liveness.stop()
+        self.liveness.start()
+        self.engine.held.callback(_Answer(200, b'{"is_sleeping": true}'))
+        self.assertEqual(self.asleep, [])
+
+    def test_no_sleep_route(self) -> None:
+        """
+        An engine without the route (vLLM without VLLM_SERVER_DEV_MODE) is
+        asked once, then only its health.
+        """
+        self.engine.sleeping = None
+        for _ in range(3):
+            self.clock.advance(INTERVAL)
+        self.assertEqual(self.engine.asked.count("/is_sleeping"), 1)
+        self.assertEqual(self.engine.asked.count("/health"), 3)
+
+    def test_engine_line_fallback(self) -> None:
+        """
+        Without a line of the engine naming its death, the fallback; with
+        only vLLM's monitor warning, that.
+        """
+        self.assertEqual(engine_line(["INFO x"], "fallback"), "fallback")
+        warning = "WARNING [shutdown] MPClient: engine core exited unexpectedly"
+        self.assertEqual(engine_line([warning, "INFO y"], "f"), warning)
+
+
+class ProofTests(SynchronousTestCase):
+    def test_proof_names_the_process(self) -> None:
+        """
+        A marked process is the agent's only with its proof's secret, pid
+        and start time; a copy of the marker elsewhere (another pid or
+        start time), a wrong secret, or no proof is not.
+        """
+        path = os.path.join(tempfile.mkdtemp(), "s1.proof")
+        engine = Marked(100, 5000, {}, "secret-1")
+        self.assertIn("no proof", proven(path, engine))
+        write_proof(path, "secret-1", 100, 5000)
+        self.assertEqual(proven(path, engine), "")
+        self.assertIn(
+            "not this process", proven(path, Marked(101, 5000, {}, "secret-1"))
+        )
+        self.assertIn(
+            "not this process", proven(path, Marked(100, 5001, {}, "secret-1"))
+        )
+        self.assertIn("secret", proven(path, Marked(100, 5000, {}, "secret-2")))
+        self.assertIn("secret", proven(path, Marked(100, 5000, {}, "")))
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+
+
+class EngineDeadTests(SynchronousTestCase):
+    def test_vllm_engine_dead_answer(self) -> None:
+        """
+        vLLM's 500 for a dead engine (as the sim gives it) is the engine's
+        death; another 500, or that message with another status, is not.
+        """
+        self.assertTrue(engine_dead(500, engine_dead_body()))
+        self.assertFalse(engine_dead(500, b'{"error": {"message": "boom"}}'))
+        self.assertFalse(engine_dead(400, engine_dead_body()))

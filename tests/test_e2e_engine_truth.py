@@ -1,0 +1,254 @@
+"""
+An engine's own word decides its state, through real processes:
+C{twistd llmgw-server}, one C{twistd llmgw-agent} with two simulated GPUs,
+and C{llmgw sim} engines run with C{--engine-core-process}, which keeps a
+child standing in for vLLM's C{EngineCore} as vLLM does
+(L{llmgw.sim.core}).  Its API server killed with SIGKILL alone, its engine
+core killed, and a sleep on its port that llmgw did not ask for: each
+ends with the engine replaced (nothing of it left running) or listed
+asleep and woken, and every request answered.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import openai
+from twisted.trial.unittest import SynchronousTestCase
+
+from llmgw.agent.records import MARKER
+from tests.support import http
+from tests.test_e2e_control import _alive, _Fleet
+
+MODELS = """
+[[models]]
+name = "chat"
+min_replicas = {replicas}
+max_replicas = {replicas}
+idle_timeout = "0s"
+[[models.profiles]]
+name = "one-h200"
+engine = "sim"
+source = "sim"
+gpus = 1
+gpu_memory_gb = 40
+args = ["--engine-core-process", "--itl", "0.05"]
+"""
+
+SLEEPER = """
+[[models]]
+name = "chat"
+min_replicas = 1
+max_replicas = 1
+idle_timeout = "0s"
+[[models.profiles]]
+name = "one-h200"
+engine = "sim"
+source = "sim"
+gpus = 1
+gpu_memory_gb = 40
+# Its sleep routes served though llmgw does not put it to sleep: as vLLM's
+# with VLLM_SERVER_DEV_MODE=1 in a profile's environment.
+args = ["--enable-sleep-mode"]
+"""
+
+
+def children(pid: int) -> list[int]:
+    """
+    @return: the child processes of C{pid} (none when it is gone).
+    """
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+class EngineTruthTests(_Fleet, SynchronousTestCase):
+    timeout = 120
+
+    def fleet(self, models: str) -> None:
+        self.start_fleet_server(self.config(models))
+        self.start_agent("gpu-01")
+
+    def core_of(self, replica: dict[str, object]) -> tuple[int, int]:
+        """
+        @return: the API server's pid of C{replica}'s engine and its engine
+            core's.
+        """
+        shards = replica["shards"]
+        assert isinstance(shards, list)
+        pid = int(shards[0]["pid"])
+        (core,) = self.until(lambda: children(pid), 10, "the engine core")
+        return pid, core
+
+    def test_api_server_killed(self) -> None:
+        """
+        SIGKILL to an engine's API server alone (not its group): the agent
+        sees it go though its engine core lives on, stops the core (nothing
+        orphaned), and the replica is replaced within seconds, serving.
+        """
+        self.fleet(MODELS.format(replicas=1))
+        (replica,) = self.ready(1)
+        pid, core = self.core_of(replica)
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        self.until(lambda: not _alive(core), 10, "the orphaned engine core stopped")
+        (replacement,) = self.until(
+            lambda: [
+                r
+                for r in self.replicas()
+                if r["state"] == "ready" and r["shards"][0]["pid"] != pid
+            ],
+            20,
+            "a replacement ready",
+        )
+        took = time.monotonic() - started
+        self.assertTrue(self.chat())
+        print(f"engine truth: API server killed, replaced in {took:.1f} s")
+        self.assertLess(took, 15)
+        self.assertNotEqual(replacement["id"], replica["id"])
+
+    def test_engine_core_killed(self) -> None:
+        """
+        Two replicas; one's engine core killed: every request sent from
+        then on is answered (by the other replica: never vLLM's 500), the
+        dead one is stopped and replaced, and the model's last error is the
+        engine's own line.
+        """
+        self.fleet(MODELS.format(replicas=2))
+        ready = self.ready(2)
+        pid, core = self.core_of(ready[0])
+        os.kill(core, signal.SIGKILL)
+        started = time.monotonic()
+        errors: list[str] = []
+        answered = 0
+        while time.monotonic() - started < 3:
+            try:
+                self.assertTrue(self.chat())
+                answered += 1
+            except openai.OpenAIError as e:
+                errors.append(repr(e))
+        self.assertEqual(errors, [])
+        self.assertGreater(answered, 3)
+        shard = ready[0]["shards"][0]["id"]
+        failed = self.until(
+            lambda: [
+                line
+                for line in self.server.output().splitlines()
+                if f"shard {shard} on gpu-01: failed: " in line
+            ],
+            15,
+            "the failure told",
+        )
+        # The engine's own line, not its shutdown noise (the replacement
+        # clears the model's last_error once ready: the log keeps it).
+        self.assertIn(
+            "failed: vllm.v1.engine.exceptions.EngineDeadError: EngineCore"
+            " encountered an issue",
+            failed[0],
+        )
+        after = self.until(
+            lambda: (
+                [
+                    r
+                    for r in self.replicas()
+                    if r["state"] == "ready" and r["shards"][0]["pid"] != pid
+                ]
+                if len([r for r in self.replicas() if r["state"] == "ready"]) == 2
+                else []
+            ),
+            20,
+            "the dead engine replaced",
+        )
+        print(
+            f"engine truth: engine core killed, replaced in"
+            f" {time.monotonic() - started:.1f} s; {answered} requests answered"
+        )
+        self.assertEqual(len(after), 2)
+        self.assertFalse(_alive(pid))
+
+    def test_slept_behind_llmgws_back(self) -> None:
+        """
+        C{POST /sleep} on a ready engine's own port: within seconds the
+        replica is listed sleeping, its agent's note saying why, and woken
+        (its model wants a replica awake: min_replicas = 1); the next
+        request is answered.
+        """
+        self.fleet(SLEEPER)
+        (replica,) = self.ready(1)
+        port = replica["shards"][0]["port"]
+        engine = f"http://127.0.0.1:{port}"
+        status, _, _ = http("POST", engine + "/sleep?level=1", b"")
+        self.assertEqual(status, 200)
+        started = time.monotonic()
+        self.until(
+            lambda: "put to sleep outside llmgw" in self.server.output(),
+            10,
+            "the sleep noticed",
+        )
+        noticed = time.monotonic() - started
+        self.assertIn("sleeping", self.server.output().split("outside llmgw", 1)[1])
+        answers: list[str] = []
+        thread = threading.Thread(target=lambda: answers.append(self.chat()))
+        thread.start()
+        thread.join(30)
+        self.assertEqual(len(answers), 1)
+        self.assertTrue(answers[0])
+        _, _, body = http("GET", engine + "/is_sleeping")
+        self.assertEqual(body, b'{"is_sleeping":false}')
+        print(
+            f"engine truth: slept behind llmgw's back, listed sleeping in"
+            f" {noticed:.1f} s, awake and answering in"
+            f" {time.monotonic() - started:.1f} s"
+        )
+
+
+def marker_of(pid: int) -> str:
+    """
+    @return: the value of the engine marker in C{pid}'s environment.
+    """
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        for entry in f.read().split(b"\0"):
+            if entry.startswith(MARKER.encode() + b"="):
+                return entry.split(b"=", 1)[1].decode()
+    raise AssertionError(f"no marker in pid {pid}'s environment")
+
+
+class OnlyOurEnginesTests(_Fleet, SynchronousTestCase):
+    timeout = 120
+
+    def test_copied_marker(self) -> None:
+        """
+        A C{sleep 600} in a session of its own carrying a copy of a running
+        engine's marker: the restarted agent adopts the engine, neither
+        adopts nor stops the copy (it cannot prove it started it), and says
+        so.
+        """
+        self.start_fleet_server(self.config(MODELS.format(replicas=1)))
+        agent = self.start_agent("gpu-01")
+        (replica,) = self.ready(1)
+        pid = replica["shards"][0]["pid"]
+        env = {**os.environ, MARKER: marker_of(pid)}
+        impostor = subprocess.Popen(["sleep", "600"], env=env, start_new_session=True)
+        self.addCleanup(impostor.wait)
+        self.addCleanup(impostor.kill)
+        agent.stop()
+        agent = self.start_agent("gpu-01")
+        agent.wait_for(r"registered with llmgw-server")
+        self.until(
+            lambda: f"pid {impostor.pid} carries the marker" in agent.output(),
+            10,
+            "the copy told",
+        )
+        time.sleep(1)
+        self.assertIsNone(impostor.poll())
+        self.assertNotIn("second engine", agent.output())
+        self.assertRegex(agent.output(), rf"adopted shard \S+: engine pid {pid}")
+        (after,) = self.ready(1)
+        self.assertEqual(after["shards"][0]["pid"], pid)
+        self.assertTrue(self.chat())

@@ -31,9 +31,7 @@ from llmgw.sim.api import (
     stream_events,
 )
 from llmgw.sim.engine import (
-    FAULT_KEYS,
     VOCAB,
-    FaultError,
     QueueFull,
     Scheduler,
     SimConfig,
@@ -41,6 +39,10 @@ from llmgw.sim.engine import (
     completion_tokens,
     count_prompt_tokens,
     embedding_vector,
+)
+from llmgw.sim.faults import (
+    FAULT_KEYS,
+    FaultError,
     parse_fault_option,
     validate_faults,
 )

@@ -22,7 +22,14 @@ from twisted.logger import (
 )
 
 from llmgw.sim.core import Core, CoreProcess
-from llmgw.sim.engine import FaultError, SimConfig, Simulator, parse_fault_option
+from llmgw.sim.engine import (
+    SimConfig,
+    Simulator,
+)
+from llmgw.sim.faults import (
+    FaultError,
+    parse_fault_option,
+)
 from llmgw.sim.lora import ENV, LoraConfig
 from llmgw.sim.sleep import UNSUPPORTED, SleepConfig
 from llmgw.sim.web import SimSite

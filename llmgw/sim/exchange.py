@@ -15,7 +15,14 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from llmgw.sim.api import ApiError, error_body, error_type_for
-from llmgw.sim.engine import FOREVER, Faults, QueueFull, Simulator
+from llmgw.sim.engine import (
+    FOREVER,
+    QueueFull,
+    Simulator,
+)
+from llmgw.sim.faults import (
+    Faults,
+)
 from llmgw.sim.kvcache import SequenceBlocks
 
 BYTE_GAP = 0.002

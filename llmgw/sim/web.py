@@ -60,13 +60,15 @@ from llmgw.sim.api import (
 )
 from llmgw.sim.core import ENGINE_DEAD_LOG, engine_dead_body
 from llmgw.sim.engine import (
-    FaultError,
-    Faults,
     Simulator,
     completion_tokens,
     embedding_vector,
 )
 from llmgw.sim.exchange import JSON, Exchange
+from llmgw.sim.faults import (
+    FaultError,
+    Faults,
+)
 from llmgw.sim.kvcache import SequenceBlocks
 from llmgw.sim.length import Length, answer_length
 from llmgw.sim.lora import LoraError

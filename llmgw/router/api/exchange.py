@@ -18,12 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.web.iweb import IRequest, IResponse
 
-from llmgw.router.api.failures import (
-    AnswerTooLarge,
-    Retry,
-    engine_dead,
-    failure_type,
-)
+from llmgw.router.api.failures import AnswerTooLarge, Retry, engine_dead, failure_type
 from llmgw.router.api.prepare import Prepared
 from llmgw.router.api.services import Services
 from llmgw.router.api.waiting import Waits

@@ -197,6 +197,44 @@ class FieldTests(SynchronousTestCase):
             )
         self.assertEqual(caught.exception.param, "tool_choice.name")
 
+    def test_deferred_tool_shown_once_referenced(self) -> None:
+        """
+        A C{defer_loading} tool is left out until a C{tool_reference} in a
+        tool result names it; the reference reads as text.
+        """
+        deferred = {**TOOL, "name": "WebFetch", "defer_loading": True}
+        self.assertEqual(
+            [
+                t["function"]["name"]
+                for t in to_chat(_base(tools=[TOOL, deferred]))["tools"]
+            ],
+            ["Bash"],
+        )
+        reference = {"type": "tool_reference", "tool_name": "WebFetch"}
+        turns = [
+            {"role": "user", "content": "fetch it"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [reference]}
+                ],
+            },
+        ]
+        chat = to_chat(_base(tools=[TOOL, deferred], messages=turns))
+        self.assertEqual(
+            [t["function"]["name"] for t in chat["tools"]], ["Bash", "WebFetch"]
+        )
+        self.assertEqual(
+            chat["messages"][-1],
+            {"role": "tool", "tool_call_id": "t1", "content": "Tool loaded: WebFetch"},
+        )
+
     def test_documents_and_system_messages(self) -> None:
         """
         Document blocks of every source become parts or text; a C{system}

@@ -94,6 +94,7 @@ class ServerConfig:
     @ivar usage_flush_interval: C{[store] flush_interval}, seconds.
     @ivar record_usage: C{[store] record_usage}.
     @ivar usage_retention: C{[store] usage_retention}, seconds.
+    @ivar responses_retention: C{[store] responses_retention}, seconds.
     @ivar limits_url: C{[limits] url}.
     @ivar limits_routers: C{[limits] routers}.
     @ivar require_api_key: C{[auth] require_api_key}.
@@ -155,6 +156,7 @@ class ServerConfig:
     usage_flush_interval: float = StoreConfig.flush_interval
     record_usage: bool = StoreConfig.record_usage
     usage_retention: float = StoreConfig.usage_retention
+    responses_retention: float = StoreConfig.responses_retention
     limits_url: str = LimitsConfig.url
     limits_routers: int = LimitsConfig.routers
     require_api_key: bool = AuthConfig.require_api_key
@@ -220,6 +222,7 @@ def _store(config: ServerConfig, table: object) -> ServerConfig:
         usage_flush_interval=store.flush_interval,
         record_usage=store.record_usage,
         usage_retention=store.usage_retention,
+        responses_retention=store.responses_retention,
     )
 
 

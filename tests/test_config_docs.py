@@ -145,6 +145,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
         "usage_flush_interval",
         "record_usage",
         "usage_retention",
+        "responses_retention",
         "limits_url",
         "limits_routers",
         "require_api_key",

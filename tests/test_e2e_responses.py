@@ -2,10 +2,13 @@
 OpenAI's Responses API end to end: C{twistd -n llmgw-server} in front of
 C{llmgw sim} (chat completions only: llmgw translates), with keys made by
 C{llmgw ctl}, through the official C{openai} SDK (C{responses.create},
-C{responses.stream}); and a chat engine that calls tools
-(L{tests.test_e2e_anthropic.ToolEngine}) for function calls both ways and
-for an agent of the OpenAI Agents SDK.  Usage is read from the server's
-per-request log lines, found by the C{X-Request-ID} each request sends.
+C{responses.stream}) and the OpenAI Agents SDK (an agent whose function tool
+the sim calls, as its prompt tells it: docs/sim.md); a chat engine that
+calls tools in known pieces (L{tests.test_e2e_anthropic.ToolEngine}) for
+function calls both ways; two servers on one PostgreSQL database for a
+continuation elsewhere.  Usage is read from the server's per-request log
+lines, found by the C{X-Request-ID} each request sends, and from C{llmgw ctl
+usage}.
 """
 
 from __future__ import annotations
@@ -337,11 +340,49 @@ class ResponsesToolTests(SynchronousTestCase, Processes):
             (text, final.output_text, final.status), ("Rainy.",) * 2 + ("completed",)
         )
 
+
+class AgentsOnSimTests(SynchronousTestCase, Processes, CtlMixin):
+    """
+    The sim with a reasoning parser, told by its prompt to call a tool
+    (docs/sim.md, "sim: call NAME"), behind a server with a key.
+    """
+
+    timeout = 60
+
+    def setUp(self) -> None:
+        _, sim = self.start_sim("--reasoning-parser", "qwen3", "--itl", "0.001")
+        self.server, self.url, self.admin_url = self.start_server(
+            "--endpoint", f"sim-0={sim}=sim-model"
+        )
+        made = self.ctl("keys", "create", "--name", "agent")
+        self.key = made.stdout.splitlines()[0].strip()
+
+    def test_reasoning_item(self) -> None:
+        """
+        The engine's reasoning comes as a C{reasoning} item before the
+        message, whole and streamed (C{response.reasoning_text.delta}).
+        """
+        client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.key, max_retries=0
+        )
+        response = client.responses.create(
+            model="sim-model", input="think", max_output_tokens=8
+        )
+        self.assertEqual(
+            [item.type for item in response.output], ["reasoning", "message"]
+        )
+        with client.responses.stream(
+            model="sim-model", input="think", max_output_tokens=8
+        ) as stream:
+            kinds = {event.type for event in stream}
+        self.assertIn("response.reasoning_text.delta", kinds)
+
     def test_agents_sdk(self) -> None:
         """
         An agent of the OpenAI Agents SDK, on its Responses model with llmgw
-        as its OpenAI, calls its function tool and answers with the text
-        the engine gave after the tool's result.
+        as its default OpenAI client, calls its function tool as the sim's
+        prompt line says and ends with the sim's answer quoting the tool's
+        result; streamed too (C{Runner.run_streamed}).
         """
         import agents
 
@@ -351,10 +392,10 @@ class ResponsesToolTests(SynchronousTestCase, Processes):
         def weather(city: str) -> str:
             """The weather in a city."""
             seen.append(city)
-            return "rain, 4 C"
+            return f"rain in {city}"
 
         client = openai.AsyncOpenAI(
-            base_url=self.url + "/v1", api_key="none", max_retries=0
+            base_url=self.url + "/v1", api_key=self.key, max_retries=0
         )
         agents.set_default_openai_client(client, use_for_tracing=False)
         agents.set_default_openai_api("responses")
@@ -363,13 +404,22 @@ class ResponsesToolTests(SynchronousTestCase, Processes):
             name="forecaster",
             instructions="Answer briefly.",
             tools=[weather],
-            model="tools",
+            model="sim-model",
         )
-        result = asyncio.run(agents.Runner.run(agent, "weather in Oslo?"))
-        self.assertEqual((result.final_output, seen), ("Rainy.", ["Oslo"]))
-        sent = self.engine.requests[-1]["messages"]
-        self.assertEqual(sent[0], {"role": "system", "content": "Answer briefly."})
-        self.assertEqual(sent[-1]["role"], "tool")
+        prompt = 'Weather?\nsim: call weather {"city": "Oslo"}'
+
+        async def both() -> tuple[str, str]:
+            # One event loop: the client's connections belong to it.
+            whole = await agents.Runner.run(agent, prompt)
+            run = agents.Runner.run_streamed(agent, prompt)
+            async for _ in run.stream_events():
+                pass
+            await client.close()
+            return str(whole.final_output), str(run.final_output)
+
+        said = "The tool said: rain in Oslo"
+        self.assertEqual(asyncio.run(both()), (said, said))
+        self.assertEqual(seen, ["Oslo", "Oslo"])
 
 
 class ContinuedElsewhereTests(SynchronousTestCase, Processes, CtlMixin):

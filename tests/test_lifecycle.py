@@ -208,7 +208,7 @@ class MakeServiceStopTests(TestCase):
                 (ORDER[1], ["DrainService"]),
                 (ORDER[2], ["Loop", "LoadBoard", "History", "Watch"]),
                 (ORDER[3], ["LinksService"]),
-                (ORDER[4], ["UsageWriter", "UsageRetention"]),
+                (ORDER[4], ["UsageWriter", "UsageRetention", "ResponseRetention"]),
                 (ORDER[5], []),
                 (ORDER[6], ["PoolService"]),
                 (ORDER[7], ["StoreService"]),

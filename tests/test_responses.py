@@ -182,6 +182,17 @@ class RequestTests(SynchronousTestCase):
         )
         self.assertEqual(messages[1]["role"], "tool")
 
+    def test_no_input(self) -> None:
+        """
+        C{input} is optional: without it the model sees what came before
+        (here the instructions).
+        """
+        payload = {"model": "m", "instructions": "greet"}
+        self.assertEqual(
+            ResponsesCall(payload).chat["messages"],
+            [{"role": "system", "content": "greet"}],
+        )
+
     def test_errors_name_the_field(self) -> None:
         """
         An unknown item type, role or part, a forced hosted tool, a tool
@@ -322,6 +333,7 @@ class AnswerTests(SynchronousTestCase):
         self.assertEqual(
             response["incomplete_details"], {"reason": "max_output_tokens"}
         )
+        self.assertEqual(response["output"][0]["status"], "incomplete")
 
     def test_not_a_completion(self) -> None:
         """
@@ -454,6 +466,7 @@ class StreamTests(SynchronousTestCase):
         last = events[-1]
         self.assertEqual(last["type"], "response.incomplete")
         self.assertEqual(last["response"]["output"][0]["input"], "+a")
+        self.assertEqual(last["response"]["output"][0]["status"], "incomplete")
 
     def test_failures(self) -> None:
         """
@@ -494,6 +507,13 @@ class _Store:
     ) -> Deferred[KeptResponse | None]:
         kept = self.kept.get(response_id)
         return succeed(kept if kept is not None and kept.key_id == key_id else None)
+
+    def delete(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        kept = self.kept.get(response_id)
+        if kept is None or kept.key_id != key_id:
+            return succeed(False)
+        del self.kept[response_id]
+        return succeed(True)
 
 
 class _Request:

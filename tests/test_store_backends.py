@@ -63,7 +63,7 @@ def _response(rid: str, key_id: int | None, created: float) -> StoredResponse:
         created_at=created,
         previous_response_id="resp_before" if key_id else None,
         input_items=[
-            {"type": "message", "role": "user", "content": "h\u00e9llo"},
+            {"type": "message", "role": "user", "content": "h\u00e9llo \ud800"},
             {"type": "function_call_output", "call_id": "c1", "output": "ok"},
         ],
         output_items=[{"id": "msg_1", "type": "message", "role": "assistant"}],

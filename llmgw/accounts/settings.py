@@ -59,11 +59,17 @@ class StoreConfig:
         " ones are rolled into daily totals per key and model, which the"
         " usage API and llmgw ctl usage still count.",
     )
+    responses_retention: float = setting(
+        30 * 86400.0,
+        Duration(positive=True),
+        "How long the Responses API's stored responses are kept (store:"
+        " true); older ones read as unknown and are deleted every hour.",
+    )
 
 
 STORE_TABLE = Table(
     "[store]",
-    "The database of API keys and usage records.",
+    "The database of API keys, usage records and stored responses.",
     settings_keys(StoreConfig),
 )
 

@@ -181,6 +181,13 @@ class ResponseStore(Protocol):
             expired or another key's.
         """
 
+    def delete(self, response_id: str, key_id: int | None) -> Deferred[bool]:
+        """
+        Delete one of C{key_id}'s responses, as L{get} finds it.
+
+        @return: fires with whether there was one to delete.
+        """
+
 
 @dataclass(frozen=True)
 class Tenant:

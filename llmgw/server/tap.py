@@ -12,6 +12,7 @@ from twisted.internet.interfaces import IListeningPort
 from twisted.logger import Logger
 from twisted.python import usage
 
+from llmgw.accounts.responses import ResponseRetention
 from llmgw.accounts.retention import UsageRetention
 from llmgw.config import (
     ServerConfig,
@@ -238,7 +239,10 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
     top.add(AGENT_LINKS, LinksService(parts.hub, reactor))
     # Retention before the store closes, its pass in flight waited for.
     top.add(
-        USAGE, account.usage, UsageRetention(store, reactor, config.usage_retention)
+        USAGE,
+        account.usage,
+        UsageRetention(store, reactor, config.usage_retention),
+        ResponseRetention(store, reactor, config.responses_retention),
     )
     top.add(LOCAL_ENGINES, *agent.engines)
     top.add(POOLS, PoolService(api.pool))

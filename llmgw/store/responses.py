@@ -55,7 +55,9 @@ RESPONSE_COLUMNS = (
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    # ASCII: a client's JSON may hold a lone surrogate ("\\ud800"), which
+    # json.loads takes but neither driver can encode as UTF-8 text.
+    return json.dumps(value, separators=(",", ":"))
 
 
 def response_values(row: StoredResponse) -> tuple[Any, ...]:

@@ -153,9 +153,8 @@ def serve(
     @param usage: where each finished request goes besides the log and
         the store.
     @return: the accounts, and the router: its usage to the log, the
-        store and C{usage}, its keys from the accounts, its Responses API
-        responses kept on C{store}, its engine load and tracing from
-        C{api}.
+        store and C{usage}, its keys from the accounts, its stored
+        responses on the store, its engine load and tracing from C{api}.
     """
     account = _accounts(reactor, store, config, key_rows, activator.resolve)
     balancer = api.balancer
@@ -172,7 +171,7 @@ def serve(
         readiness=readiness,
         load=api.load,
         tracing=api.tracing.tracing if api.tracing is not None else None,
-        responses=StoreResponses(store),
+        responses=StoreResponses(store, config.responses_retention),
     )
     router.metrics.follow(
         router.models, lambda: [replica.id for replica in balancer.replicas()]

@@ -27,6 +27,7 @@ from llmgw.router.api.anthropic import (
     MESSAGES_PATH,
     MESSAGES_PATHS,
 )
+from llmgw.router.api.credentials import request_key
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
 from llmgw.router.api.prepare import (
@@ -37,6 +38,7 @@ from llmgw.router.api.prepare import (
     prepare_responses,
 )
 from llmgw.router.api.records import request_record
+from llmgw.router.api.response_routes import ResponseRoutes
 from llmgw.router.api.responses import RESPONSES_PATH
 from llmgw.router.api.responses_state import Conversations
 from llmgw.router.api.stream_usage import MissingStreamUsage
@@ -142,6 +144,7 @@ class Router:
         responses: ResponseStore | None = None,
     ) -> None:
         self.clock = clock
+        self.stored = ResponseRoutes(responses, auth)
         self.auth = auth
         self.readiness = readiness if readiness is not None else Readiness()
         self.activator = activator
@@ -310,7 +313,8 @@ class Router:
                     await admitted
                 reserved = prepared.reserve
             result = await exchange.run()
-            await self.conversations.keep(prepared, key)
+            if prepared.responses is not None:
+                await self.conversations.keep(prepared, key)
             status = exchange.status
             return result
         except APIError as error:
@@ -477,6 +481,14 @@ class Router:
     async def count_tokens(self, request: IRequest) -> bytes | None:
         return await self._forward(request, COUNT_TOKENS_PATH)
 
+    @app.route("/v1/responses/<string:response_id>", methods=["GET", "DELETE"])
+    async def stored_response(self, request: IRequest, response_id: str) -> bytes:
+        return await self.stored.response(request, response_id)
+
+    @app.route("/v1/responses/<string:response_id>/input_items", methods=["GET"])
+    async def stored_input_items(self, request: IRequest, response_id: str) -> bytes:
+        return await self.stored.input_items(request, response_id)
+
     def _model_object(self, model: str) -> dict[str, Any]:
         return {
             "id": model,
@@ -486,24 +498,7 @@ class Router:
         }
 
     def _key_for(self, request: IRequest) -> Key | None:
-        """
-        The key comes in C{Authorization: Bearer sk-...} (OpenAI's
-        clients, and Anthropic's with C{auth_token}), in C{api-key: sk-...}
-        (Azure OpenAI's, which the OpenAI SDK's C{AzureOpenAI} sends) or in
-        C{x-api-key: sk-...} (Anthropic's clients); when several come,
-        C{Authorization} is the one checked, then C{api-key}.
-
-        @return: the request's API key, or L{None} when none is needed.
-        @raise APIError: 401.
-        """
-        if self.auth is None:
-            return None
-        header = request.getHeader(b"authorization")
-        for name in (b"api-key", b"x-api-key"):
-            api_key = request.getHeader(name) if header is None else None
-            if api_key is not None and api_key.strip():
-                header = b"Bearer " + api_key.strip()
-        return self.auth.authenticate(header)
+        return request_key(self.auth, request)
 
     def _visible(self, key: Key | None, model: str) -> bool:
         return key is None or key.allows(model, self._resolve)

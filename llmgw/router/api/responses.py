@@ -65,10 +65,14 @@ _DEFAULTS: dict[str, Any] = {
 
 def input_items(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """
-    @return: the request's C{input} as items: a string is one user message.
+    @return: the request's C{input} as items: a string is one user message;
+        none is no items (the API's C{input} is optional: a continuation
+        may add only C{instructions}).
     @raise Invalid: neither a string nor an array (param C{input}).
     """
     value = payload.get("input")
+    if value is None:
+        return []
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list):

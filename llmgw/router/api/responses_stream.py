@@ -72,6 +72,14 @@ def response_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def _status(reason: object) -> str:
+    """
+    @param reason: a chat completion's C{finish_reason}.
+    @return: the status of the answer's last output item.
+    """
+    return "incomplete" if reason in ("length", "content_filter") else "completed"
+
+
 @dataclass(frozen=True)
 class Turn:
     """
@@ -243,8 +251,10 @@ class Output:
             )
         return events
 
-    def close(self) -> list[Event]:
+    def close(self, status: str = "completed") -> list[Event]:
         """
+        @param status: the item's status: C{incomplete} for the last one of
+            an answer cut short.
         @return: the events that close the open item, if one is.
         """
         item, self._open = self._open, None
@@ -275,7 +285,7 @@ class Output:
                     {**at, "name": item["name"], "arguments": item["arguments"]},
                 )
             )
-        item["status"] = "completed"
+        item["status"] = status
         events.append(
             ("response.output_item.done", {"output_index": index, "item": item})
         )
@@ -304,7 +314,7 @@ class Output:
             length ran out (C{max_output_tokens}) or the engine's filter
             stopped it (C{content_filter}); kept (L{Turn.keep}).
         """
-        self.close()
+        self.close(_status(reason))
         if reason in ("length", "content_filter"):
             why = "max_output_tokens" if reason == "length" else "content_filter"
             response = self.response("incomplete", incomplete_details={"reason": why})
@@ -422,7 +432,7 @@ class ResponsesStream:
 
     def _finish(self) -> bytes:
         events = [] if self._started else self._start(None)
-        events += self._output.close()
+        events += self._output.close(_status(self._reason))
         response = self._output.finish(self._reason, self.usage)
         kind = (
             "response.incomplete"

@@ -18,6 +18,7 @@ import anthropic
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.upstream.sse import SSEParser
+from llmgw.sim.length import NATURAL_MIN, NATURAL_SPAN
 from tests.support import CtlMixin, Processes
 from tests.test_anthropic_agents import claude_code_request
 
@@ -43,9 +44,9 @@ class ClaudeCodeReplayTests(SynchronousTestCase, Processes, CtlMixin):
         """
         The captured body, C{max_tokens} 32000 and all, posted as Claude
         Code posts it, is answered 200 with a stream of a text block only
-        (its thinking is C{display: omitted}) that ends by itself
-        (C{end_turn}), then C{message_stop};
-        the usage row holds the engine's counts.
+        (its thinking is C{display: omitted}), ending in C{message_stop};
+        the sim's answer ends by itself (C{end_turn}) at its natural length,
+        far below the cap; the usage row holds the engine's counts.
         """
         rid = str(uuid.uuid4())
         request = urllib.request.Request(
@@ -66,12 +67,10 @@ class ClaudeCodeReplayTests(SynchronousTestCase, Processes, CtlMixin):
         ]
         self.assertEqual(blocks, ["text"])
         self.assertEqual(events[-1][0], "message_stop")
-        # The sim's answer ends by itself (docs/sim.md), well inside the
-        # 32,000 asked for, as a model's does at its end token.
-        self.assertEqual(events[-2][1]["delta"]["stop_reason"], "end_turn")
         usage = events[-2][1]["usage"]
-        self.assertLess(0, usage["output_tokens"])
-        self.assertLess(usage["output_tokens"], 32000)
+        self.assertEqual(events[-2][1]["delta"]["stop_reason"], "end_turn")
+        self.assertGreaterEqual(usage["output_tokens"], NATURAL_MIN)
+        self.assertLess(usage["output_tokens"], NATURAL_MIN + NATURAL_SPAN)
         match = self.server.wait_for(
             rf"request \S+ client_id={rid} .*status=200"
             r" prompt_tokens=(\d+) completion_tokens=(\d+)"

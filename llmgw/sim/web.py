@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
-from urllib.parse import parse_qs
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
@@ -73,7 +72,8 @@ from llmgw.sim.kvcache import SequenceBlocks
 from llmgw.sim.length import Length, answer_length
 from llmgw.sim.lora import LoraError
 from llmgw.sim.metrics import METRICS_CONTENT_TYPE
-from llmgw.sim.sleep import SGLANG_PATHS, SGLANG_TAGS, collective_rpc
+from llmgw.sim.sleep import SGLANG_PATHS, collective_rpc
+from llmgw.sim.sleep_query import sglang_tags, sleep_level, wake_tags
 from llmgw.sim.tokens import context_error, detokenize, model_card, tokenize
 
 CHAT_PATH = b"/v1/chat/completions"
@@ -471,50 +471,6 @@ class SimResource(Resource):
         except ApiError as e:
             return _error(request, e)
         return _answer_later(request, self._sim.sleep.wake(tags), lambda _: None)
-
-
-def sleep_level(query: bytes) -> int:
-    """
-    @param query: a C{POST /sleep} URL's query string.
-    @return: its C{level}, 1 when absent (vLLM's default).
-    @raise ApiError: 400, a level other than 0, 1 or 2 (vLLM answers a
-        query its route does not validate with 400).
-    """
-    values = parse_qs(query.decode("ascii", "replace")).get("level", ["1"])
-    if values[-1] not in ("0", "1", "2"):
-        raise ApiError(
-            400, f"level: expected 0, 1 or 2, got {values[-1]!r}", param="level"
-        )
-    return int(values[-1])
-
-
-def wake_tags(query: bytes) -> list[str] | None:
-    """
-    @param query: a C{POST /wake_up} URL's query string.
-    @return: its C{tags}, L{None} when none (all).
-    """
-    return parse_qs(query.decode("ascii", "replace")).get("tags") or None
-
-
-def sglang_tags(body: bytes) -> list[str] | None:
-    """
-    @param body: the JSON body of SGLang's memory routes: C{{}} or
-        C{{"tags": [...]}} (or none).
-    @return: its C{tags} (C{cuda_graph}, which the simulator holds no
-        memory for, left out), L{None} when none (all).
-    @raise ApiError: 400, not such an object, or a tag SGLang does not know.
-    """
-    obj = parse_json_object(body) if body.strip() else {}
-    tags = obj.get("tags")
-    if tags is None:
-        return None
-    if not (isinstance(tags, list) and all(t in SGLANG_TAGS for t in tags)):
-        raise ApiError(
-            400,
-            f"tags: expected a list of {', '.join(SGLANG_TAGS)}, got {tags!r}",
-            param="tags",
-        )
-    return [t for t in tags if t != "cuda_graph"] or None
 
 
 def _query(request: Request) -> bytes:

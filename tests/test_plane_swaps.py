@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from twisted.internet.defer import Deferred
+from twisted.logger import capturedLogs, formatEvent
 
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile
+from llmgw.control.swaps import RELEASE_SECONDS
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import SETTINGS, PlaneCase
 
@@ -94,22 +96,52 @@ class EvictionTests(SwapCase):
         self.assertEqual(self.plane.swaps, {})
         self.assertEqual(self.plane.evicted["b"][0], words)
 
-    def test_memory_reported_used_is_counted_freed(self) -> None:
+    def test_memory_freed_once_the_gpu_reports_it(self) -> None:
         """
         The node last said its GPU holds 60 GB (C{a}'s); once C{a} is
-        reported stopped, C{b} is placed without waiting for the next
-        report.
+        reported stopped, C{b} waits for the GPU to report the memory
+        free (not placed on llmgw's reckoning, and nothing more evicted),
+        and is placed at the report that says so.
         """
         self.make(big("a"), big("b"), nodes=("n1",))
         a = self.serve("a")
-        usage = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=60 * 1024)])
-        self.inventory.heartbeat("n1", usage, 0.0)
+        used = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=60 * 1024)])
+        self.inventory.heartbeat("n1", used, 0.0)
         self.tick(10)
         self.plane.catalog.activate("b")
         self.plane.reconcile()
         self.stopped(a)
         self.plane.reconcile()
+        self.tick(5)
+        self.assertEqual(self.of("b"), [])
+        self.assertIn("b", self.plane.swaps)
+        free = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=0)])
+        self.inventory.heartbeat("n1", free, 0.0)
+        self.tick(1)
         self.assertEqual(len(self.of("b")), 1)
+
+    def test_memory_never_freed_ends_the_swap(self) -> None:
+        """
+        A GPU that still reports C{a}'s memory used L{RELEASE_SECONDS}
+        after C{a} stopped: C{b}'s swap ends with a warning naming what
+        the GPU reports, and C{b} is not placed over it.
+        """
+        self.make(big("a"), big("b"), nodes=("n1",))
+        a = self.serve("a")
+        used = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=60 * 1024)])
+        self.inventory.heartbeat("n1", used, 0.0)
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.plane.reconcile()
+        self.stopped(a)
+        self.plane.reconcile()
+        with capturedLogs() as events:
+            for _ in range(int(RELEASE_SECONDS / 5) + 2):
+                self.tick(5)
+        self.assertEqual(self.of("b"), [])
+        warned = [formatEvent(e) for e in events if "do not report" in formatEvent(e)]
+        self.assertEqual(len(warned), 1)
+        self.assertIn("GPU 0 of n1 reports 61440 MiB used of 81920", warned[0])
 
     def test_room_kept_for_the_held_model(self) -> None:
         """

@@ -21,7 +21,7 @@ from llmgw.control.placement import Plan
 from llmgw.control.records import ReplicaRecord, ShardRecord
 from llmgw.control.snapshot import Strays, SuspectPorts
 from llmgw.wire import agent_pb2 as pb
-from llmgw.wire.engines import SLEEP_LEVELS
+from llmgw.wire.engines import SLEEP_LEVELS, share_args
 from llmgw.wire.protocol import CommandFailed
 from llmgw.wire.states import ShardState
 
@@ -120,7 +120,13 @@ class ShardCommands:
                 profile=profile.name,
                 engine=profile.engine,
                 source=profile.source,
-                args=profile.args,
+                # Its share first: the profile's own args may say otherwise.
+                args=(
+                    share_args(profile.engine, shard_plan.share)
+                    if shard_plan.share
+                    else ()
+                )
+                + profile.args,
                 env=dict(profile.env),
                 port=shard.port,
                 gpu_indices=shard.gpus,

@@ -237,6 +237,10 @@ class ScaleUp:
                 frozenset(spread),
             )
             if isinstance(result, NoFit):
+                if self._swaps.releasing(name, now, snapshot.fleet):
+                    # Its victims are gone; their GPUs have not said so yet.
+                    state.retry_at = now + self._settings.interval
+                    break
                 self._swaps.done(name, placed=False)
                 if self._swaps.evict_for(
                     state, now, snapshot, frozenset(spread), result

@@ -14,7 +14,7 @@ from twisted.logger import Logger
 
 from llmgw.control.inventory import Inventory, Node, NodeState
 from llmgw.control.ledger import Ledger
-from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
+from llmgw.control.placement import Fleet, GpuView, NodeView, Plan, shares
 from llmgw.control.records import ReplicaRecord, ShardRecord
 
 SUSPECT_PORT_SECONDS = 600.0
@@ -169,15 +169,45 @@ class Strays:
         return result
 
 
+Claims = dict[int, tuple[int, int]]
+"""
+Per GPU index, the MiB llmgw's engines on it are counted to hold and how
+many sharing replicas (L{shares}) are among them.
+"""
+
+
+def _hold(
+    replica: ReplicaRecord, shard: ShardRecord, taken: set[int], claims: Claims
+) -> None:
+    """
+    Count what C{shard} (of C{replica}, not gone) holds on its node: a
+    sleeping engine its C{sleep_gpu_memory_gb} and no GPU whole; any
+    other, turning ones included (starting, waking, going to sleep,
+    stopping), its C{gpu_memory_gb}, and its GPUs whole unless its profile
+    shares them.
+    """
+    profile = replica.profile
+    asleep = replica.asleep
+    gb = profile.sleep_gpu_memory_gb if asleep else profile.gpu_memory_gb
+    sharer = not asleep and shares(profile)
+    if not asleep and not sharer:
+        taken.update(shard.gpus)
+    for index in shard.gpus:
+        mib, count = claims.get(index, (0, 0))
+        claims[index] = (mib + int(gb * 1024), count + sharer)
+
+
 def _node_view(
     node: Node,
     used: frozenset[int],
     busy: frozenset[int],
     cache: dict[str, tuple[Any, NodeView]],
+    claims: Claims | None = None,
 ) -> NodeView:
     """
-    @param used: GPU indices taken on the node.
+    @param used: GPU indices taken whole on the node.
     @param busy: ports taken on its address.
+    @param claims: what llmgw's engines on it hold, per GPU (L{Claims}).
     @param cache: views of earlier passes by node id, reused when nothing
         placement reads has changed; updated.
     @return: C{node} as placement sees it.
@@ -189,7 +219,8 @@ def _node_view(
         state = "draining"
     if state == NodeState.READY and node.engines_stopped:
         state = "engines stopped"
-    version = (node.version, state, used, busy, node.address)
+    claims = claims or {}
+    version = (node.version, state, used, busy, node.address, sorted(claims.items()))
     hit = cache.get(node.id)
     if hit is not None and hit[0] == version:
         return hit[1]
@@ -206,6 +237,8 @@ def _node_view(
                 foreign_used_mib=g.foreign_used_mib,
                 problems=tuple(g.problems),
                 allocated=g.index in used,
+                claimed_mib=claims.get(g.index, (0, 0))[0],
+                sharers=claims.get(g.index, (0, 0))[1],
             )
             for g in node.gpus
         ),
@@ -240,6 +273,7 @@ class Snapshot:
     ) -> None:
         nodes = list(nodes)
         taken: dict[str, set[int]] = {}
+        claims: dict[str, Claims] = {}
         # Ports are per address: two nodes on one host (two agents, or a
         # test fleet) share its ports.
         address = {node.id: node.address for node in nodes}
@@ -252,15 +286,16 @@ class Snapshot:
                 if port:
                     ports.setdefault(address.get(node_id, node_id), set()).add(port)
         for replica in replicas:
-            # Asleep once every shard is: one going to sleep still runs.
-            asleep = replica.asleep
             for shard in replica.shards:
                 if shard.state.gone:
                     continue
-                # A sleeping engine holds no GPU allocation (what memory it
-                # keeps its agent reports), only its port.
-                if not asleep:
-                    taken.setdefault(shard.node, set()).update(shard.gpus)
+                # Asleep once every shard is: one going to sleep still runs.
+                _hold(
+                    replica,
+                    shard,
+                    taken.setdefault(shard.node, set()),
+                    claims.setdefault(shard.node, {}),
+                )
                 key = address.get(shard.node, shard.node)
                 ports.setdefault(key, set()).add(shard.port)
                 if shard.rank == 0 and replica.rendezvous_port:
@@ -273,6 +308,7 @@ class Snapshot:
                 frozenset(taken.get(node.id, ())),
                 frozenset(ports.get(node.address, ())),
                 cache,
+                claims.get(node.id),
             )
             for node in nodes
         ]
@@ -288,9 +324,12 @@ class Snapshot:
 
     def take(self, plan: Plan) -> None:
         """
-        Count C{plan}'s GPUs and ports as taken (its ports on every node
-        at the same address).
+        Count C{plan}'s GPUs (whole, or its memory on them for a sharing
+        profile) and ports as taken (its ports on every node at the same
+        address).
         """
+        sharer = shares(plan.profile)
+        mib = int(plan.profile.gpu_memory_gb * 1024)
         for shard in plan.shards:
             held = {shard.port}
             if shard.rank == 0 and plan.rendezvous_port:
@@ -300,7 +339,14 @@ class Snapshot:
                 replace(
                     view,
                     gpus=tuple(
-                        replace(g, allocated=True) if g.index in shard.gpus else g
+                        replace(
+                            g,
+                            allocated=g.allocated or not sharer,
+                            claimed_mib=g.claimed_mib + mib,
+                            sharers=g.sharers + sharer,
+                        )
+                        if g.index in shard.gpus
+                        else g
                         for g in view.gpus
                     ),
                     ports_in_use=view.ports_in_use | held,
@@ -364,9 +410,11 @@ class LiveSnapshot(Snapshot):
             peers = [inventory.get(node_id) for node_id in self._peers[address]]
             busy: set[int] = set()
             used: dict[str, set[int]] = {}
+            claims: dict[str, Claims] = {}
             for peer in peers:
                 assert peer is not None
                 taken = used.setdefault(peer.id, set())
+                claimed = claims.setdefault(peer.id, {})
                 busy.update(suspect_ports.get(peer.id, ()))
                 for gpus, port in strays.get(peer.id, ()):
                     taken.update(gpus)
@@ -375,15 +423,16 @@ class LiveSnapshot(Snapshot):
                 for replica, shard in shards_on(peer.id):
                     if shard.state.gone:
                         continue
-                    if not replica.asleep:
-                        taken.update(shard.gpus)
+                    _hold(replica, shard, taken, claimed)
                     busy.add(shard.port)
                     if shard.rank == 0 and replica.rendezvous_port:
                         busy.add(replica.rendezvous_port)
             ports = frozenset(busy)
             for peer in peers:
                 assert peer is not None
-                view = _node_view(peer, frozenset(used[peer.id]), ports, cache)
+                view = _node_view(
+                    peer, frozenset(used[peer.id]), ports, cache, claims[peer.id]
+                )
                 if view is not self.fleet.get(peer.id):
                     self.fleet.replace(view)
         return True

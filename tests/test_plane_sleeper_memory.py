@@ -1,13 +1,17 @@
 """
 A sleeper's GPU memory as the GPU reports it (issue 36 item 2) on a
 control plane on a L{Clock}: what a sleeping engine keeps counts held,
-and room a stop frees is free once the GPU reports it so.
+and room a stop frees is free once the GPU reports it so; and a model no
+node could ever hold (item 5) refused at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from twisted.logger import capturedLogs, formatEvent
+
+from llmgw.router.interfaces import NeverPlaceable
 from llmgw.wire import agent_pb2 as pb
 from tests.test_plane_sleep import SleepCase, sleepy
 from tests.test_plane_swaps import big
@@ -51,3 +55,44 @@ class SleeperMemoryTests(SleepCase):
         self.tick(1)
         (w,) = self.of("w")
         self.assertEqual(self.plane.replicas[w].shards[0].gpus, (0,))
+
+
+class UnplaceableTests(SleepCase):
+    def test_activation_fails_at_once(self) -> None:
+        """
+        A model of 4 GPUs on one node of 1 GPU: its activation fails at
+        once with L{NeverPlaceable} naming why, the model is not wanted,
+        and the warning is logged once however many requests come.
+        """
+        four = replace(big("four"), profiles=(replace(big("x").profiles[0], gpus=4),))
+        self.setup(four, big("fits"))
+        with capturedLogs() as events:
+            first = self.failureResultOf(
+                self.plane.catalog.activate("four"), NeverPlaceable
+            )
+            self.failureResultOf(self.plane.catalog.activate("four"), NeverPlaceable)
+        self.assertEqual(
+            first.value.why,
+            "profile p: it needs 4 GPUs on one node, the most any node has is 1",
+        )
+        warned = [
+            formatEvent(e) for e in events if "can never be placed" in formatEvent(e)
+        ]
+        self.assertEqual(len(warned), 1)
+        self.assertEqual(self.plane.catalog["four"].wanted, 0)
+        self.assertIsNone(self.plane.catalog.unplaceable("fits"))
+        self.assertNoResult(self.plane.catalog.activate("fits"))
+
+    def test_added_model_warned(self) -> None:
+        """
+        A model added at run time that no node could hold is warned about
+        as it is added.
+        """
+        self.setup(big("a"))
+        huge = replace(
+            big("huge"), profiles=(replace(big("x").profiles[0], gpu_memory_gb=100),)
+        )
+        with capturedLogs() as events:
+            self.plane.catalog.add(huge)
+        (warned,) = [formatEvent(e) for e in events if "never" in formatEvent(e)]
+        self.assertIn("it needs 100 GB on a GPU, the largest GPU has 80 GB", warned)

@@ -178,7 +178,9 @@ class Supervisor:
             # A sleeping engine gave its GPUs back but for what it keeps
             # (placement counted that from the memory reported).
             asleep = other.state == pb.SHARD_STATE_SLEEPING and not other.turns.checking
-            if shared and not asleep:
+            # Engines told their share of a GPU (gpu_share) run side by side.
+            sharing = command.gpu_share > 0 and other.command.gpu_share > 0
+            if shared and not asleep and not sharing:
                 raise CommandRefused(
                     f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
                     "gpus_in_use",
@@ -242,7 +244,8 @@ class Supervisor:
         for other in self.shards.values():
             shared = set(other.command.gpu_indices) & set(shard.command.gpu_indices)
             awake = other.state != pb.SHARD_STATE_SLEEPING and other.exit_code is None
-            if other is not shard and shared and awake:
+            sharing = shard.command.gpu_share > 0 and other.command.gpu_share > 0
+            if other is not shard and shared and awake and not sharing:
                 raise CommandRefused(
                     f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
                     "gpus_in_use",

@@ -111,6 +111,7 @@ class ShardCommands:
                 gpus=shard_plan.gpus,
                 port=shard_plan.port,
                 rank=shard_plan.rank,
+                share=shard_plan.share,
             )
             replica.shards.append(shard)
             command = pb.StartShard(
@@ -137,6 +138,7 @@ class ShardCommands:
                 sleep_level=SLEEP_LEVELS.get(profile.sleep, 0),
                 gpu_memory_gb=profile.gpu_memory_gb,
                 sleep_gpu_memory_gb=profile.sleep_gpu_memory_gb,
+                gpu_share=shard_plan.share,
             )
             d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
             shard.sent_at = self.clock.seconds()

@@ -449,6 +449,9 @@ class ControlPlane:
         changes = ledger.changes
         if ledger.grace.ends(now):
             changes.all()
+            for state in self.catalog.states():
+                # Declared in the config file: said once the fleet is known.
+                self.catalog.unplaceable(state.model.name)
         everything, work = changes.take()
         if everything:
             work.update(ledger.models())

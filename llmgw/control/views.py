@@ -54,7 +54,10 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         C{waking_seconds} (since told to wake, while C{waking}),
         C{start_seconds} (placement to ready, or L{None}) and C{phases}
         (where the start spent them, L{llmgw.control.phases.start_phases}),
-        and its shards (L{shard_json}) by rank.
+        C{gpu_memory_gb} (GB it is counted to hold on each of its GPUs:
+        its profile's, or what it keeps asleep), C{gpu_share} (the
+        fraction of its GPU's memory it was given when it shares the GPU,
+        0 for whole GPUs) and its shards (L{shard_json}) by rank.
     """
     state = replica.state
     asleep = replica.sleep_at if state == ReplicaState.SLEEPING else None
@@ -72,6 +75,13 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         "leaving": _leaving(replica, state),
         "start_seconds": start_seconds(replica),
         "phases": start_phases(replica),
+        # What it is counted to hold on each of its GPUs now, and its share.
+        "gpu_memory_gb": (
+            replica.profile.sleep_gpu_memory_gb
+            if replica.asleep
+            else replica.profile.gpu_memory_gb
+        ),
+        "gpu_share": max((s.share for s in replica.shards), default=0.0),
         "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
     }
 
@@ -228,6 +238,7 @@ def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
                 "failures_in_a_row": state.failures,
                 "retry_in": max(0.0, round(state.retry_at - now, 1)),
                 "last_error": state.last_error or None,
+                "unplaceable": plane.catalog.unplaceable(model.name),
                 "profiles": [p.name for p in model.profiles],
                 "max_loras": model.max_loras,
             }

@@ -297,7 +297,13 @@ def models_add(
     result = client.call("POST", "/api/v1/models", _model_from_flags(args))
     if result.get("base"):
         return result, f"added adapter {result['name']} of model {result['base']}\n"
-    return result, f"added model {result['name']} (desired {result['desired']})\n"
+    text = f"added model {result['name']} (desired {result['desired']})\n"
+    if result.get("unplaceable"):
+        # Added all the same (a node may join): its requests get a 503 now.
+        text += (
+            f"warning: it can never be placed on this fleet: {result['unplaceable']}\n"
+        )
+    return result, text
 
 
 def models_remove(

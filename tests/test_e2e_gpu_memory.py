@@ -50,7 +50,8 @@ gpu_memory_gb = {gb}
 sleep = "weights"
 sleep_gpu_memory_gb = {kept}
 sleep_host_memory_gb = 1
-args = ["--itl", "0.01", "--sleep-seconds", "0.2", "--wake-seconds", "0.2"]
+args = ["--itl", "0.01", "--sleep-seconds", "0.2", "--wake-seconds", "0.2",
+        "--release-seconds", "1.5"]
 """
 
 TOO_BIG = """
@@ -145,7 +146,8 @@ class GpuMemoryTests(_Swaps, SynchronousTestCase):
         """
         Issue 36's case: C{xb} keeps 45 GB asleep on the one 80 GB GPU;
         a request for C{w} (60 GB) does not put it to sleep beside C{w}:
-        it is stopped, C{w} starts once the GPU reports the memory free,
+        it is stopped, C{w} starts once the GPU reports the memory free
+        (the sim gives it back 1.5 s after it exits, C{--release-seconds}),
         and the node never reports more memory used than it has.
         """
         models = SLEEPER.format(name="xb", gb=47, kept=45) + SHARING.replace(

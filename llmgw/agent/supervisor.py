@@ -69,6 +69,10 @@ class Supervisor:
         self.http = Agent(reactor, pool=QuietConnectionPool(reactor, persistent=False))  # type: ignore[no-untyped-call]
         self.shards: dict[str, Shard] = {}
         self._gpu_memory = gpu_memory or (lambda shard: succeed(None))
+        # The sim engines' memory as last reported, and what they gave back
+        # that shows free only later (simulated_memory_mib).
+        self._sim_last: dict[str, tuple[tuple[int, ...], int, float]] = {}
+        self._sim_releasing: list[tuple[tuple[int, ...], int, float]] = []
         self.node_id = node_id
         self._state_dir = state_dir
         self._dir = os.path.join(state_dir, "shards")
@@ -327,15 +331,34 @@ class Supervisor:
         @return: per GPU index, the MiB the sim engines running on it hold:
             the C{--gpu-memory-gb} of their command line, or their
             C{--sleep-gpu-memory-gb} while asleep (the agent puts them to
-            sleep and wakes them, so it knows which).
+            sleep and wakes them, so it knows which).  What an engine gives
+            back (asleep, exited, forgotten) shows free only its
+            C{--release-seconds} later, as a real GPU's memory shows free
+            only once the driver took it back and NVML read it.
         """
+        now = self.reactor.seconds()
         held: dict[int, int] = {}
+        figures: dict[str, tuple[tuple[int, ...], int, float]] = {}
         for shard in self.shards.values():
-            if shard.command.engine != "sim" or shard.exit_code is not None:
+            if shard.command.engine != "sim":
                 continue
+            argv = shard.launch.argv
             asleep = shard.state == pb.SHARD_STATE_SLEEPING
             flag = "--sleep-gpu-memory-gb" if asleep else "--gpu-memory-gb"
-            mib = int(flag_value(shard.launch.argv, flag) * 1024)
-            for index in shard.command.gpu_indices:
+            mib = (
+                0 if shard.exit_code is not None else int(flag_value(argv, flag) * 1024)
+            )
+            indices = tuple(shard.command.gpu_indices)
+            figures[shard.id] = (indices, mib, flag_value(argv, "--release-seconds"))
+            for index in indices:
+                held[index] = held.get(index, 0) + mib
+        for shard_id, (indices, mib, delay) in self._sim_last.items():
+            now_mib = figures.get(shard_id, (indices, 0, delay))[1]
+            if now_mib < mib and delay > 0:
+                self._sim_releasing.append((indices, mib - now_mib, now + delay))
+        self._sim_last = figures
+        self._sim_releasing = [r for r in self._sim_releasing if r[2] > now]
+        for indices, mib, _ in self._sim_releasing:
+            for index in indices:
                 held[index] = held.get(index, 0) + mib
         return held

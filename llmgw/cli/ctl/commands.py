@@ -148,8 +148,13 @@ def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
     ]
     on_gpu: dict[int, list[str]] = {}
     for shard in node.get("shards") or ():
+        held = shard.get("gpu_memory_gb")
+        name = str(shard.get("replica") or shard["id"])
         for index in shard["gpus"]:
-            on_gpu.setdefault(index, []).append(shard.get("replica") or shard["id"])
+            # Each replica's allocation: several may share one GPU.
+            on_gpu.setdefault(index, []).append(
+                name if held is None else f"{name} ({held:g} GiB)"
+            )
     gpus = [
         (
             g["index"],

@@ -13,7 +13,9 @@ model keeps its C{min_replicas} without it.  Candidates are taken lower
 C{priority} first, then least recently used, then the longest resident;
 the victims are the shortest run of them, in that order, whose room lets
 placement fit the held model, less those whose room the placement does
-not use.  When even every candidate does not make room, there are none.
+not use and those it fits without (on a GPU several replicas share, a
+newcomer needs only some of them gone: the memory it needs, not the
+whole GPU).  When even every candidate does not make room, there are none.
 """
 
 from __future__ import annotations

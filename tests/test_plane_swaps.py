@@ -65,6 +65,22 @@ class SwapCase(PlaneCase):
         """
         self.status(replica + "-0", pb.SHARD_STATE_STOPPED)
 
+    def released(self, replica: str) -> None:
+        """
+        The agent reports C{replica}'s shard stopped, then two heartbeats
+        report its GPU's memory (the second carries NVML's reading from
+        after the stop): what it held is free to placement from the pass
+        after (L{llmgw.control.snapshot.Releases}).
+        """
+        self.stopped(replica)
+        self.plane.reconcile()
+        nodes = [n.id for n in self.inventory.nodes()]
+        self.heartbeat(*nodes)
+        self.heartbeat(*nodes)
+        # A model that waited for the report looks again a pass later.
+        self.clock.advance(self.plane.settings.interval)
+        self.plane.reconcile()
+
 
 class EvictionTests(SwapCase):
     def test_idle_model_evicted_for_held_request(self) -> None:
@@ -85,8 +101,7 @@ class EvictionTests(SwapCase):
         self.assertEqual(self.plane.counts.swaps, {("a", "evicted"): 1})
         words = self.plane.catalog.where("b").words
         self.assertEqual(words, "evicting a (idle 10s) to make room")
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         (b,) = self.of("b")
         self.assertEqual(self.plane.replicas[b].shards[0].gpus, (0,))
         self.assertNoResult(waiter)
@@ -155,8 +170,7 @@ class EvictionTests(SwapCase):
         self.plane.reconcile()
         self.tick(1)
         self.plane.catalog.activate("c")
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         self.assertEqual(len(self.of("b")), 1)
         self.assertEqual(self.of("c"), [])
 
@@ -262,8 +276,7 @@ class BusyTests(SwapCase):
         self.in_flight[a] = 0
         self.tick(1)
         self.assertEqual(self.agents.stops(), [a + "-0"])
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         self.assertEqual(len(self.of("b")), 1)
         self.assertEqual(self.cuts, [])
 
@@ -300,8 +313,7 @@ class BusyTests(SwapCase):
         self.assertIsNone(self.plane.replicas[a].draining_since)
         self.tick(1)
         self.assertIsNotNone(self.plane.replicas[a].draining_since)
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         self.assertEqual(len(self.of("b")), 1)
 
     def test_swap_in_use_idle_goes_at_once(self) -> None:
@@ -336,8 +348,7 @@ class QueueTests(SwapCase):
         self.assertEqual(
             self.plane.catalog.where("b").words, "2nd in the swap queue, behind c"
         )
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         (c,) = self.of("c")
         self.assertEqual(self.of("b"), [])
         self.ready_all()

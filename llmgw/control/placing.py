@@ -122,6 +122,12 @@ class ScaleUp:
         woken = self._wake_missing(state, now, snapshot, asleep, want - staying)
         if woken:
             live = live + woken
+        elif asleep and self._snapshots.releases.nodes() & {
+            s.node for r in asleep for s in r.shards
+        }:
+            # Memory given back where it sleeps is not reported free yet: a
+            # heartbeat or two, and it may wake (beats a cold start).
+            return snapshot
         elif asleep and state.waiters and self._settings.evict:
             latest = max(asleep, key=lambda r: r.resident_since)
             # With a free place, only idle replicas are evicted for a wake,

@@ -176,6 +176,63 @@ many sharing replicas (L{shares}) are among them.
 """
 
 
+RELEASE_SECONDS = 60.0
+"""
+How long memory an engine gave back is counted held at most, waiting for
+its GPU's reports (as L{llmgw.control.swaps.RELEASE_SECONDS}).
+"""
+
+
+class Releases:
+    """
+    Memory llmgw's engines gave back (a sleep, a stop, a replica dropped)
+    that their GPUs have not reported free yet: it stays counted held
+    until the node has sent enough memory reports since (one for a
+    simulated GPU, whose report is computed as it is sent; two for a real
+    one, whose heartbeat carries NVML's reading of the heartbeat before),
+    at most L{RELEASE_SECONDS}.  Found by comparing what each node's
+    engines are counted to hold from one snapshot to the next.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, Claims] = {}
+        self._held: dict[str, list[tuple[int, int, int, float]]] = {}
+
+    def adjust(self, node: Node, claims: Claims, now: float) -> Claims:
+        """
+        @param claims: what C{node}'s engines are counted to hold now.
+        @param now: reactor seconds.
+        @return: C{claims} with what was given back and not yet reported
+            free added (sharers unchanged); drops since the last call are
+            recorded.
+        """
+        before = self._seen.get(node.id, {})
+        self._seen[node.id] = dict(claims)
+        held = self._held.setdefault(node.id, [])
+        for index, (mib, _) in before.items():
+            left = claims.get(index, (0, 0))[0]
+            if left < mib:
+                held.append((index, mib - left, node.reports, now))
+        simulated = {g.index for g in node.gpus if g.simulated}
+        held[:] = [
+            h
+            for h in held
+            if now - h[3] < RELEASE_SECONDS
+            and node.reports < h[2] + (1 if h[0] in simulated else 2)
+        ]
+        out = dict(claims)
+        for index, mib, _, _ in held:
+            count, sharers = out.get(index, (0, 0))
+            out[index] = (count + mib, sharers)
+        return out
+
+    def nodes(self) -> set[str]:
+        """
+        @return: the nodes where memory given back is still counted held.
+        """
+        return {node for node, held in self._held.items() if held}
+
+
 def _hold(
     replica: ReplicaRecord, shard: ShardRecord, taken: set[int], claims: Claims
 ) -> None:
@@ -258,6 +315,9 @@ class Snapshot:
     @param suspect_ports: per node, ports to leave alone.
     @param strays: per node, the GPUs and port each stray holds
         (L{Strays.held}).
+    @param releases: memory given back and not yet reported free, added
+        to what each node's engines hold (L{Releases.adjust}), at C{now}
+        (reactor seconds).
     @param cache: node views of earlier passes, reused for nodes where
         nothing placement reads has changed; updated in place.
     @ivar fleet: what L{llmgw.control.placement.place} reads.
@@ -270,6 +330,8 @@ class Snapshot:
         suspect_ports: dict[str, set[int]],
         cache: dict[str, tuple[Any, NodeView]] | None = None,
         strays: dict[str, list[tuple[tuple[int, ...], int]]] | None = None,
+        releases: Releases | None = None,
+        now: float = 0.0,
     ) -> None:
         nodes = list(nodes)
         taken: dict[str, set[int]] = {}
@@ -308,7 +370,9 @@ class Snapshot:
                 frozenset(taken.get(node.id, ())),
                 frozenset(ports.get(node.address, ())),
                 cache,
-                claims.get(node.id),
+                releases.adjust(node, claims.get(node.id, {}), now)
+                if releases is not None
+                else claims.get(node.id),
             )
             for node in nodes
         ]
@@ -371,9 +435,12 @@ class LiveSnapshot(Snapshot):
         suspect_ports: dict[str, set[int]],
         cache: dict[str, tuple[Any, NodeView]],
         strays: dict[str, list[tuple[tuple[int, ...], int]]],
+        releases: Releases,
+        now: float,
     ) -> None:
         nodes = list(nodes)
-        super().__init__(nodes, replicas, suspect_ports, cache, strays)
+        super().__init__(nodes, replicas, suspect_ports, cache, strays, releases, now)
+        self._releases = releases
         self._address = {node.id: node.address for node in nodes}
         self._peers: dict[str, list[str]] = {}
         for node in nodes:
@@ -387,6 +454,7 @@ class LiveSnapshot(Snapshot):
         suspect_ports: dict[str, set[int]],
         strays: dict[str, list[tuple[tuple[int, ...], int]]],
         cache: dict[str, tuple[Any, NodeView]],
+        now: float = 0.0,
     ) -> bool:
         """
         Work the views of the nodes C{changed} out again, with every node
@@ -430,9 +498,8 @@ class LiveSnapshot(Snapshot):
             ports = frozenset(busy)
             for peer in peers:
                 assert peer is not None
-                view = _node_view(
-                    peer, frozenset(used[peer.id]), ports, cache, claims[peer.id]
-                )
+                held = self._releases.adjust(peer, claims[peer.id], now)
+                view = _node_view(peer, frozenset(used[peer.id]), ports, cache, held)
                 if view is not self.fleet.get(peer.id):
                     self.fleet.replace(view)
         return True
@@ -459,6 +526,7 @@ class Snapshots:
         self._ledger = ledger
         self.suspect = SuspectPorts()
         self.strays = Strays()
+        self.releases = Releases()
         self._views: dict[str, tuple[Any, NodeView]] = {}
         self._live: LiveSnapshot | None = None
 
@@ -473,6 +541,8 @@ class Snapshots:
             self.suspect.current(now),
             self._views,
             self.strays.held(now),
+            self.releases,
+            now,
         )
 
     def live(self) -> LiveSnapshot:
@@ -484,7 +554,7 @@ class Snapshots:
         changes = self._ledger.changes
         changed = changes.take_nodes()
         # Before they expire: a node whose mark expires changes too.
-        changed |= self.suspect.nodes() | self.strays.nodes()
+        changed |= self.suspect.nodes() | self.strays.nodes() | self.releases.nodes()
         suspect = self.suspect.current(now)
         strays = self.strays.held(now)
         live = self._live
@@ -495,6 +565,7 @@ class Snapshots:
             suspect,
             strays,
             self._views,
+            now,
         ):
             live = self._live = LiveSnapshot(
                 self._inventory.nodes(),
@@ -502,6 +573,8 @@ class Snapshots:
                 suspect,
                 self._views,
                 strays,
+                self.releases,
+                now,
             )
         return live
 

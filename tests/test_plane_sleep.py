@@ -92,15 +92,6 @@ class SleepCase(SwapCase):
         self.make(*models, nodes=(), settings=settings)
         self.node("n1", sleep_gib)
 
-    def reported(self) -> None:
-        """
-        Two seconds, a heartbeat each: the second memory report after a
-        sleep or a stop says what it gave back is free
-        (L{llmgw.control.snapshot.Releases}).
-        """
-        self.tick(1)
-        self.tick(1)
-
     def sent(self, kind: str) -> list[str]:
         return [
             getattr(m, kind).shard_id for _, m in self.agents.sent if m.HasField(kind)
@@ -213,7 +204,6 @@ class SwapSleepTests(SleepCase):
         self.tick(1)
         self.assertEqual(self.sent("sleep_shard"), [a + "-0"])
         self.tick(1)
-        self.reported()
         self.ready_all()
         self.tick(1)
         self.successResultOf(waiter)
@@ -223,7 +213,6 @@ class SwapSleepTests(SleepCase):
         self.tick(1)
         self.assertEqual(self.sent("sleep_shard"), [a + "-0", b + "-0"])
         self.tick(1)
-        self.reported()
         self.assertEqual(self.sent("wake_shard"), [a + "-0"])
         self.tick(1)
         self.successResultOf(waiter)
@@ -304,7 +293,6 @@ class BudgetTests(SleepCase):
         self.plane.catalog.activate("b")
         self.tick(1)
         self.tick(1)
-        self.reported()
         self.ready_all()
         self.tick(1)
         (b,) = self.of("b")
@@ -336,7 +324,6 @@ class WaitForWakeTests(SleepCase):
         self.tick(1)
         self.tick(1)
         self.tick(1)
-        self.reported()
         self.successResultOf(waiter)
         self.woke_a_in_place(a, b, c)
 
@@ -371,7 +358,6 @@ class WaitForWakeTests(SleepCase):
         self.plane.catalog.activate("c")
         self.tick(1)
         self.tick(1)
-        self.reported()
         self.ready_all()
         self.tick(1)
         (c,) = self.of("c")
@@ -420,7 +406,6 @@ class WaitForWakeTests(SleepCase):
         self.in_flight[c] = 0
         for _ in range(3):
             self.tick(1)
-        self.reported()
         self.successResultOf(waiter)
         self.assertEqual(self.sent("wake_shard"), [a + "-0"])
         self.assertEqual([s.replica_id for _, s in self.agents.starts()], [a, b, c])
@@ -450,7 +435,6 @@ class WaitForWakeTests(SleepCase):
         self.in_flight[c] = 0
         for _ in range(3):
             self.tick(1)
-        self.reported()
         self.successResultOf(waiter)
         for _ in range(10):
             self.tick(1)
@@ -480,7 +464,6 @@ class WaitForWakeTests(SleepCase):
         self.assertEqual(self.sent("sleep_shard")[-1], c + "-0")
         self.agents.hold = True
         self.tick(1)
-        self.reported()
         self.assertEqual(self.sent("wake_shard"), [a + "-0"])
         again = self.plane.catalog.activate("c")
         for _ in range(3):

@@ -11,13 +11,15 @@ from dataclasses import replace
 
 from twisted.logger import capturedLogs, formatEvent
 
+from llmgw.control.catalog import Model
+from llmgw.control.placement import Profile
 from llmgw.router.interfaces import NeverPlaceable
 from llmgw.wire import agent_pb2 as pb
 from tests.test_plane_sleep import SleepCase, sleepy
 from tests.test_plane_swaps import big
 
 
-class SleeperMemoryTests(SleepCase):
+class MemoryCase(SleepCase):
     def used(self, gib: int) -> None:
         """
         Node C{n1}'s GPU reports C{gib} GiB used.
@@ -25,6 +27,8 @@ class SleeperMemoryTests(SleepCase):
         usage = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=gib * 1024)])
         self.inventory.heartbeat("n1", usage, 0.0)
 
+
+class SleeperMemoryTests(MemoryCase):
     def test_sleeper_keeps_its_memory(self) -> None:
         """
         Issue 36's case: C{xb} keeps 45 GB asleep on the one 80 GB GPU, so
@@ -96,3 +100,55 @@ class UnplaceableTests(SleepCase):
             self.plane.catalog.add(huge)
         (warned,) = [formatEvent(e) for e in events if "never" in formatEvent(e)]
         self.assertIn("it needs 100 GB on a GPU, the largest GPU has 80 GB", warned)
+
+
+def shared(name: str, gb: float) -> Model:
+    """
+    @return: a model of C{gb} GB on a shared GPU, min_replicas 0, max 1.
+    """
+    profile = Profile("p", "sim", "s", gpus=1, gpu_memory_gb=gb, share_gpu=True)
+    return replace(big(name), profiles=(profile,))
+
+
+class StaleReportTests(MemoryCase):
+    def idle(self, seconds: float) -> None:
+        """
+        C{seconds} pass with the agent heard (its link's messages) but no
+        memory report; then a pass.
+        """
+        self.clock.advance(seconds)
+        self.inventory.heard("n1", self.clock.seconds())
+        self.plane.reconcile()
+
+    def test_stop_held_until_reported(self) -> None:
+        """
+        The mixed bench's case: C{p} (20 GB) runs and the GPU reports 20
+        GB; C{q} (20 GB) starts beside it before the next report; C{p}
+        stops.  The report (20 GB, taken before C{q}) and what llmgw
+        counts (C{q}'s 20 GB) would each say 60 GB free, but C{p}'s 20 GB
+        is not reported free yet: C{r} (47 GB) waits for two reports,
+        then is placed.
+        """
+        self.setup(shared("p", 20), shared("q", 20), shared("r", 47))
+        p = self.serve("p")
+        self.used(20)
+        self.idle(300)
+        self.serve("q")
+        self.idle(301)
+        self.assertEqual(self.agents.stops(), [p + "-0"])
+        self.stopped(p)
+        self.plane.reconcile()
+        self.plane.catalog.activate("r")
+        self.plane.reconcile()
+        self.assertEqual(self.of("r"), [])
+        (gpu,) = self.plane.live_snapshot().fleet.get("n1").gpus
+        self.assertEqual(gpu.claimed_mib, 40 * 1024)
+        self.heartbeat("n1")
+        self.clock.advance(self.plane.settings.interval)
+        self.plane.reconcile()
+        self.assertEqual(self.of("r"), [])
+        self.heartbeat("n1")
+        self.clock.advance(self.plane.settings.interval)
+        self.plane.reconcile()
+        (r,) = self.of("r")
+        self.assertEqual(self.plane.replicas[r].shards[0].gpus, (0,))

@@ -122,7 +122,7 @@ class ScaleUp:
         woken = self._wake_missing(state, now, snapshot, asleep, want - staying)
         if woken:
             live = live + woken
-        elif asleep and self._snapshots.releases.nodes() & {
+        elif asleep and self._snapshots.releases.pending(now) & {
             s.node for r in asleep for s in r.shards
         }:
             # Memory given back where it sleeps is not reported free yet: a
@@ -243,8 +243,12 @@ class ScaleUp:
                 frozenset(spread),
             )
             if isinstance(result, NoFit):
-                if self._swaps.releasing(name, now, snapshot.fleet):
-                    # Its victims are gone; their GPUs have not said so yet.
+                if self._swaps.releasing(name, now, snapshot.fleet) or (
+                    state.waiters and self._snapshots.releases.pending(now)
+                ):
+                    # Its victims are gone, or memory was given back, and
+                    # the GPUs have not said so yet: nothing is evicted for
+                    # a held request for a heartbeat or two.
                     state.retry_at = now + self._settings.interval
                     break
                 self._swaps.done(name, placed=False)

@@ -503,6 +503,8 @@ class ControlPlane:
                 self._actions.finish_sleep(replica, now)
         self._publisher.publish_ready()
         changes.settled({m for m in work if not self._scaler.settled(m)})
+        # Memory given back in or before this pass is noted now, whoever looks.
+        self._snapshots.live()
 
     def _update_nodes(self, now: float, everything: bool) -> list[str]:
         """

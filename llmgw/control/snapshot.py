@@ -16,6 +16,7 @@ from llmgw.control.inventory import Inventory, Node, NodeState
 from llmgw.control.ledger import Ledger
 from llmgw.control.placement import Fleet, GpuView, NodeView, Plan, shares
 from llmgw.control.records import ReplicaRecord, ShardRecord
+from llmgw.control.releases import Claims, Releases, Shards
 
 SUSPECT_PORT_SECONDS = 600.0
 """
@@ -169,79 +170,19 @@ class Strays:
         return result
 
 
-Claims = dict[int, tuple[int, int]]
-"""
-Per GPU index, the MiB llmgw's engines on it are counted to hold and how
-many sharing replicas (L{shares}) are among them.
-"""
-
-
-RELEASE_SECONDS = 60.0
-"""
-How long memory an engine gave back is counted held at most, waiting for
-its GPU's reports (as L{llmgw.control.swaps.RELEASE_SECONDS}).
-"""
-
-
-class Releases:
-    """
-    Memory llmgw's engines gave back (a sleep, a stop, a replica dropped)
-    that their GPUs have not reported free yet: it stays counted held
-    until the node has sent enough memory reports since (one for a
-    simulated GPU, whose report is computed as it is sent; two for a real
-    one, whose heartbeat carries NVML's reading of the heartbeat before),
-    at most L{RELEASE_SECONDS}.  Found by comparing what each node's
-    engines are counted to hold from one snapshot to the next.
-    """
-
-    def __init__(self) -> None:
-        self._seen: dict[str, Claims] = {}
-        self._held: dict[str, list[tuple[int, int, int, float]]] = {}
-
-    def adjust(self, node: Node, claims: Claims, now: float) -> Claims:
-        """
-        @param claims: what C{node}'s engines are counted to hold now.
-        @param now: reactor seconds.
-        @return: C{claims} with what was given back and not yet reported
-            free added (sharers unchanged); drops since the last call are
-            recorded.
-        """
-        before = self._seen.get(node.id, {})
-        self._seen[node.id] = dict(claims)
-        held = self._held.setdefault(node.id, [])
-        for index, (mib, _) in before.items():
-            left = claims.get(index, (0, 0))[0]
-            if left < mib:
-                held.append((index, mib - left, node.reports, now))
-        simulated = {g.index for g in node.gpus if g.simulated}
-        held[:] = [
-            h
-            for h in held
-            if now - h[3] < RELEASE_SECONDS
-            and node.reports < h[2] + (1 if h[0] in simulated else 2)
-        ]
-        out = dict(claims)
-        for index, mib, _, _ in held:
-            count, sharers = out.get(index, (0, 0))
-            out[index] = (count + mib, sharers)
-        return out
-
-    def nodes(self) -> set[str]:
-        """
-        @return: the nodes where memory given back is still counted held.
-        """
-        return {node for node, held in self._held.items() if held}
-
-
 def _hold(
-    replica: ReplicaRecord, shard: ShardRecord, taken: set[int], claims: Claims
+    replica: ReplicaRecord,
+    shard: ShardRecord,
+    taken: set[int],
+    claims: Claims,
+    each: Shards,
 ) -> None:
     """
     Count what C{shard} (of C{replica}, not gone) holds on its node: a
     sleeping engine its C{sleep_gpu_memory_gb} and no GPU whole; any
     other, turning ones included (starting, waking, going to sleep,
     stopping), its C{gpu_memory_gb}, and its GPUs whole unless its profile
-    shares them.
+    shares them.  C{each} gets the shard's own figure (L{Releases}).
     """
     profile = replica.profile
     asleep = replica.asleep
@@ -249,6 +190,7 @@ def _hold(
     sharer = not asleep and shares(profile)
     if not asleep and not sharer:
         taken.update(shard.gpus)
+    each[shard.id] = (shard.gpus, int(gb * 1024))
     for index in shard.gpus:
         mib, count = claims.get(index, (0, 0))
         claims[index] = (mib + int(gb * 1024), count + sharer)
@@ -317,7 +259,8 @@ class Snapshot:
         (L{Strays.held}).
     @param releases: memory given back and not yet reported free, added
         to what each node's engines hold (L{Releases.adjust}), at C{now}
-        (reactor seconds).
+        (reactor seconds); with C{record}, drops since are recorded (the
+        snapshot kept from pass to pass).
     @param cache: node views of earlier passes, reused for nodes where
         nothing placement reads has changed; updated in place.
     @ivar fleet: what L{llmgw.control.placement.place} reads.
@@ -332,10 +275,12 @@ class Snapshot:
         strays: dict[str, list[tuple[tuple[int, ...], int]]] | None = None,
         releases: Releases | None = None,
         now: float = 0.0,
+        record: bool = False,
     ) -> None:
         nodes = list(nodes)
         taken: dict[str, set[int]] = {}
         claims: dict[str, Claims] = {}
+        each: dict[str, Shards] = {}
         # Ports are per address: two nodes on one host (two agents, or a
         # test fleet) share its ports.
         address = {node.id: node.address for node in nodes}
@@ -357,6 +302,7 @@ class Snapshot:
                     shard,
                     taken.setdefault(shard.node, set()),
                     claims.setdefault(shard.node, {}),
+                    each.setdefault(shard.node, {}),
                 )
                 key = address.get(shard.node, shard.node)
                 ports.setdefault(key, set()).add(shard.port)
@@ -370,7 +316,9 @@ class Snapshot:
                 frozenset(taken.get(node.id, ())),
                 frozenset(ports.get(node.address, ())),
                 cache,
-                releases.adjust(node, claims.get(node.id, {}), now)
+                releases.adjust(
+                    node, claims.get(node.id, {}), each.get(node.id, {}), now, record
+                )
                 if releases is not None
                 else claims.get(node.id),
             )
@@ -439,7 +387,9 @@ class LiveSnapshot(Snapshot):
         now: float,
     ) -> None:
         nodes = list(nodes)
-        super().__init__(nodes, replicas, suspect_ports, cache, strays, releases, now)
+        super().__init__(
+            nodes, replicas, suspect_ports, cache, strays, releases, now, record=True
+        )
         self._releases = releases
         self._address = {node.id: node.address for node in nodes}
         self._peers: dict[str, list[str]] = {}
@@ -479,10 +429,12 @@ class LiveSnapshot(Snapshot):
             busy: set[int] = set()
             used: dict[str, set[int]] = {}
             claims: dict[str, Claims] = {}
+            each: dict[str, Shards] = {}
             for peer in peers:
                 assert peer is not None
                 taken = used.setdefault(peer.id, set())
                 claimed = claims.setdefault(peer.id, {})
+                own = each.setdefault(peer.id, {})
                 busy.update(suspect_ports.get(peer.id, ()))
                 for gpus, port in strays.get(peer.id, ()):
                     taken.update(gpus)
@@ -491,14 +443,14 @@ class LiveSnapshot(Snapshot):
                 for replica, shard in shards_on(peer.id):
                     if shard.state.gone:
                         continue
-                    _hold(replica, shard, taken, claimed)
+                    _hold(replica, shard, taken, claimed, own)
                     busy.add(shard.port)
                     if shard.rank == 0 and replica.rendezvous_port:
                         busy.add(replica.rendezvous_port)
             ports = frozenset(busy)
             for peer in peers:
                 assert peer is not None
-                held = self._releases.adjust(peer, claims[peer.id], now)
+                held = self._releases.adjust(peer, claims[peer.id], each[peer.id], now)
                 view = _node_view(peer, frozenset(used[peer.id]), ports, cache, held)
                 if view is not self.fleet.get(peer.id):
                     self.fleet.replace(view)
@@ -526,7 +478,7 @@ class Snapshots:
         self._ledger = ledger
         self.suspect = SuspectPorts()
         self.strays = Strays()
-        self.releases = Releases()
+        self.releases = Releases(inventory)
         self._views: dict[str, tuple[Any, NodeView]] = {}
         self._live: LiveSnapshot | None = None
 

@@ -169,8 +169,13 @@ class PlaneCase(SynchronousTestCase):
                 self.status(start.shard_id, pb.SHARD_STATE_READY)
 
     def heartbeat(self, *nodes: str) -> None:
+        """
+        Each of C{nodes} sends a heartbeat: heard now, and a memory report
+        that changes no figure.
+        """
         for node in nodes:
             self.inventory.heard(node, self.clock.seconds())
+            self.inventory.heartbeat(node, pb.Heartbeat(), self.clock.seconds())
 
     def endpoints(self) -> list[str]:
         return sorted(e.url for e in self.published[-1]) if self.published else []

@@ -241,6 +241,7 @@ _WRONG_PROFILE: list[tuple[str, object]] = [
     ("sleep", "deep"),
     ("sleep_gpu_memory_gb", -0.5),
     ("sleep_host_memory_gb", 100_001),
+    ("share_gpu", "yes"),
 ]
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from twisted.internet.defer import Deferred
+from twisted.logger import capturedLogs, formatEvent
 
 from llmgw.control.catalog import Model
 from llmgw.control.placement import Profile
+from llmgw.control.swaps import RELEASE_SECONDS
 from llmgw.wire import agent_pb2 as pb
 from tests.plane_support import SETTINGS, PlaneCase
 
@@ -63,6 +65,22 @@ class SwapCase(PlaneCase):
         """
         self.status(replica + "-0", pb.SHARD_STATE_STOPPED)
 
+    def released(self, replica: str) -> None:
+        """
+        The agent reports C{replica}'s shard stopped, then two heartbeats
+        report its GPU's memory (the second carries NVML's reading from
+        after the stop): what it held is free to placement from the pass
+        after (L{llmgw.control.snapshot.Releases}).
+        """
+        self.stopped(replica)
+        self.plane.reconcile()
+        nodes = [n.id for n in self.inventory.nodes()]
+        self.heartbeat(*nodes)
+        self.heartbeat(*nodes)
+        # A model that waited for the report looks again a pass later.
+        self.clock.advance(self.plane.settings.interval)
+        self.plane.reconcile()
+
 
 class EvictionTests(SwapCase):
     def test_idle_model_evicted_for_held_request(self) -> None:
@@ -83,8 +101,7 @@ class EvictionTests(SwapCase):
         self.assertEqual(self.plane.counts.swaps, {("a", "evicted"): 1})
         words = self.plane.catalog.where("b").words
         self.assertEqual(words, "evicting a (idle 10s) to make room")
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         (b,) = self.of("b")
         self.assertEqual(self.plane.replicas[b].shards[0].gpus, (0,))
         self.assertNoResult(waiter)
@@ -94,22 +111,52 @@ class EvictionTests(SwapCase):
         self.assertEqual(self.plane.swaps, {})
         self.assertEqual(self.plane.evicted["b"][0], words)
 
-    def test_memory_reported_used_is_counted_freed(self) -> None:
+    def test_memory_freed_once_the_gpu_reports_it(self) -> None:
         """
         The node last said its GPU holds 60 GB (C{a}'s); once C{a} is
-        reported stopped, C{b} is placed without waiting for the next
-        report.
+        reported stopped, C{b} waits for the GPU to report the memory
+        free (not placed on llmgw's reckoning, and nothing more evicted),
+        and is placed at the report that says so.
         """
         self.make(big("a"), big("b"), nodes=("n1",))
         a = self.serve("a")
-        usage = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=60 * 1024)])
-        self.inventory.heartbeat("n1", usage, 0.0)
+        used = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=60 * 1024)])
+        self.inventory.heartbeat("n1", used, 0.0)
         self.tick(10)
         self.plane.catalog.activate("b")
         self.plane.reconcile()
         self.stopped(a)
         self.plane.reconcile()
+        self.tick(5)
+        self.assertEqual(self.of("b"), [])
+        self.assertIn("b", self.plane.swaps)
+        free = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=0)])
+        self.inventory.heartbeat("n1", free, 0.0)
+        self.tick(1)
         self.assertEqual(len(self.of("b")), 1)
+
+    def test_memory_never_freed_ends_the_swap(self) -> None:
+        """
+        A GPU that still reports C{a}'s memory used L{RELEASE_SECONDS}
+        after C{a} stopped: C{b}'s swap ends with a warning naming what
+        the GPU reports, and C{b} is not placed over it.
+        """
+        self.make(big("a"), big("b"), nodes=("n1",))
+        a = self.serve("a")
+        used = pb.Heartbeat(gpus=[pb.GpuUsage(index=0, memory_used_mib=60 * 1024)])
+        self.inventory.heartbeat("n1", used, 0.0)
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.plane.reconcile()
+        self.stopped(a)
+        self.plane.reconcile()
+        with capturedLogs() as events:
+            for _ in range(int(RELEASE_SECONDS / 5) + 2):
+                self.tick(5)
+        self.assertEqual(self.of("b"), [])
+        warned = [formatEvent(e) for e in events if "do not report" in formatEvent(e)]
+        self.assertEqual(len(warned), 1)
+        self.assertIn("GPU 0 of n1 reports 61440 MiB used of 81920", warned[0])
 
     def test_room_kept_for_the_held_model(self) -> None:
         """
@@ -123,8 +170,7 @@ class EvictionTests(SwapCase):
         self.plane.reconcile()
         self.tick(1)
         self.plane.catalog.activate("c")
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         self.assertEqual(len(self.of("b")), 1)
         self.assertEqual(self.of("c"), [])
 
@@ -230,8 +276,7 @@ class BusyTests(SwapCase):
         self.in_flight[a] = 0
         self.tick(1)
         self.assertEqual(self.agents.stops(), [a + "-0"])
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         self.assertEqual(len(self.of("b")), 1)
         self.assertEqual(self.cuts, [])
 
@@ -268,8 +313,7 @@ class BusyTests(SwapCase):
         self.assertIsNone(self.plane.replicas[a].draining_since)
         self.tick(1)
         self.assertIsNotNone(self.plane.replicas[a].draining_since)
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         self.assertEqual(len(self.of("b")), 1)
 
     def test_swap_in_use_idle_goes_at_once(self) -> None:
@@ -304,8 +348,7 @@ class QueueTests(SwapCase):
         self.assertEqual(
             self.plane.catalog.where("b").words, "2nd in the swap queue, behind c"
         )
-        self.stopped(a)
-        self.plane.reconcile()
+        self.released(a)
         (c,) = self.of("c")
         self.assertEqual(self.of("b"), [])
         self.ready_all()

@@ -23,7 +23,7 @@ from llmgw.admin.http import (
     read_body,
 )
 from llmgw.control.plane import ControlPlane
-from llmgw.router.interfaces import ActivationRefused
+from llmgw.router.interfaces import ActivationRefused, NeverPlaceable
 from llmgw.router.telemetry.reports import Reports
 from llmgw.tier.watch import Watch
 from llmgw.wire import versions
@@ -176,6 +176,11 @@ class WatchRoutes:
                 await ready
             except ActivationRefused as e:
                 return refused_answer(request, e)
+            except NeverPlaceable as e:
+                # A router that does not know the field reads "not yet".
+                error = {"message": str(e), "code": "model_unplaceable"}
+                answer = {"error": error, "unplaceable": e.why}
+                return json_answer(request, answer, 429)
             except TimeoutError:
                 # addTimeout's; a router that goes cancels with CancelledError.
                 why = plane.catalog.why_not(model) or "no replica is ready yet"

@@ -76,6 +76,10 @@ class Supervisor:
         self.http = Agent(reactor, pool=QuietConnectionPool(reactor, persistent=False))  # type: ignore[no-untyped-call]
         self.shards: dict[str, Shard] = {}
         self._gpu_memory = gpu_memory or (lambda shard: succeed(None))
+        # The sim engines' memory as last reported, and what they gave back
+        # that shows free only later (simulated_memory_mib).
+        self._sim_last: dict[str, tuple[tuple[int, ...], int, float]] = {}
+        self._sim_releasing: list[tuple[tuple[int, ...], int, float]] = []
         self.node_id = node_id
         self._state_dir = state_dir
         self._dir = os.path.join(state_dir, "shards")
@@ -199,7 +203,9 @@ class Supervisor:
             # A sleeping engine gave its GPUs back but for what it keeps
             # (placement counted that from the memory reported).
             asleep = other.state == pb.SHARD_STATE_SLEEPING and not other.turns.checking
-            if shared and not asleep:
+            # Engines told their share of a GPU (gpu_share) run side by side.
+            sharing = command.gpu_share > 0 and other.command.gpu_share > 0
+            if shared and not asleep and not sharing:
                 raise CommandRefused(
                     f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
                     "gpus_in_use",
@@ -263,7 +269,8 @@ class Supervisor:
         for other in self.shards.values():
             shared = set(other.command.gpu_indices) & set(shard.command.gpu_indices)
             awake = other.state != pb.SHARD_STATE_SLEEPING and other.exit_code is None
-            if other is not shard and shared and awake:
+            sharing = shard.command.gpu_share > 0 and other.command.gpu_share > 0
+            if other is not shard and shared and awake and not sharing:
                 raise CommandRefused(
                     f"GPUs {sorted(shared)} are not free: shard {other.id} holds them",
                     "gpus_in_use",
@@ -346,15 +353,34 @@ class Supervisor:
         @return: per GPU index, the MiB the sim engines running on it hold:
             the C{--gpu-memory-gb} of their command line, or their
             C{--sleep-gpu-memory-gb} while asleep (the agent puts them to
-            sleep and wakes them, so it knows which).
+            sleep and wakes them, so it knows which).  What an engine gives
+            back (asleep, exited, forgotten) shows free only its
+            C{--release-seconds} later, as a real GPU's memory shows free
+            only once the driver took it back and NVML read it.
         """
+        now = self.reactor.seconds()
         held: dict[int, int] = {}
+        figures: dict[str, tuple[tuple[int, ...], int, float]] = {}
         for shard in self.shards.values():
-            if shard.command.engine != "sim" or shard.exit_code is not None:
+            if shard.command.engine != "sim":
                 continue
+            argv = shard.launch.argv
             asleep = shard.state == pb.SHARD_STATE_SLEEPING
             flag = "--sleep-gpu-memory-gb" if asleep else "--gpu-memory-gb"
-            mib = int(flag_value(shard.launch.argv, flag) * 1024)
-            for index in shard.command.gpu_indices:
+            mib = (
+                0 if shard.exit_code is not None else int(flag_value(argv, flag) * 1024)
+            )
+            indices = tuple(shard.command.gpu_indices)
+            figures[shard.id] = (indices, mib, flag_value(argv, "--release-seconds"))
+            for index in indices:
+                held[index] = held.get(index, 0) + mib
+        for shard_id, (indices, mib, delay) in self._sim_last.items():
+            now_mib = figures.get(shard_id, (indices, 0, delay))[1]
+            if now_mib < mib and delay > 0:
+                self._sim_releasing.append((indices, mib - now_mib, now + delay))
+        self._sim_last = figures
+        self._sim_releasing = [r for r in self._sim_releasing if r[2] > now]
+        for indices, mib, _ in self._sim_releasing:
+            for index in indices:
                 held[index] = held.get(index, 0) + mib
         return held

@@ -136,6 +136,9 @@ def _check_profile(
             f"{where}.gpu_memory_gb: {spelled(table['gpu_memory_gb'])} with"
             " gpus = 0 (a CPU profile)"
         )
+    shape = (values["gpus"], values["nodes"], bool(values["gpu_memory_gb"]))
+    if values["share_gpu"] and shape != (1, 1, True):
+        raise ConfigError(f"{where}.share_gpu: only with gpus = 1, nodes = 1, memory")
     if values["nodes"] > 1 and values["fabric"] is None:
         raise ConfigError(
             f"{where}.fabric: missing: nodes = {values['nodes']} needs the fabric"
@@ -210,6 +213,12 @@ PROFILES_TABLE = Table(
             1.0,
         ),
         Key(
+            "share_gpu",
+            BOOLEAN,
+            "Share a GPU where gpu_memory_gb fits (gpus = 1, nodes = 1 only).",
+            False,
+        ),
+        Key(
             "sleep_host_memory_gb",
             GB,
             "Host memory a sleeping replica holds on each node, counted against"
@@ -245,6 +254,7 @@ def _profile(values: dict[str, Any]) -> Profile:
         sleep=values["sleep"],
         sleep_gpu_memory_gb=values["sleep_gpu_memory_gb"],
         sleep_host_memory_gb=float(held),
+        share_gpu=values["share_gpu"],
     )
 
 

@@ -21,7 +21,7 @@ from llmgw.control.placement import Plan
 from llmgw.control.records import ReplicaRecord, ShardRecord
 from llmgw.control.snapshot import Strays, SuspectPorts
 from llmgw.wire import agent_pb2 as pb
-from llmgw.wire.engines import SLEEP_LEVELS
+from llmgw.wire.engines import SLEEP_LEVELS, share_args
 from llmgw.wire.protocol import CommandFailed
 from llmgw.wire.states import ShardState
 
@@ -111,6 +111,7 @@ class ShardCommands:
                 gpus=shard_plan.gpus,
                 port=shard_plan.port,
                 rank=shard_plan.rank,
+                share=shard_plan.share,
             )
             replica.shards.append(shard)
             command = pb.StartShard(
@@ -120,7 +121,13 @@ class ShardCommands:
                 profile=profile.name,
                 engine=profile.engine,
                 source=profile.source,
-                args=profile.args,
+                # Its share first: the profile's own args may say otherwise.
+                args=(
+                    share_args(profile.engine, shard_plan.share)
+                    if shard_plan.share
+                    else ()
+                )
+                + profile.args,
                 env=dict(profile.env),
                 port=shard.port,
                 gpu_indices=shard.gpus,
@@ -131,6 +138,7 @@ class ShardCommands:
                 sleep_level=SLEEP_LEVELS.get(profile.sleep, 0),
                 gpu_memory_gb=profile.gpu_memory_gb,
                 sleep_gpu_memory_gb=profile.sleep_gpu_memory_gb,
+                gpu_share=shard_plan.share,
             )
             d = self.commands.send(shard.node, pb.ControlMessage(start_shard=command))
             shard.sent_at = self.clock.seconds()

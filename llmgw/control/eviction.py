@@ -13,7 +13,9 @@ model keeps its C{min_replicas} without it.  Candidates are taken lower
 C{priority} first, then least recently used, then the longest resident;
 the victims are the shortest run of them, in that order, whose room lets
 placement fit the held model, less those whose room the placement does
-not use.  When even every candidate does not make room, there are none.
+not use and those it fits without (on a GPU several replicas share, a
+newcomer needs only some of them gone: the memory it needs, not the
+whole GPU).  When even every candidate does not make room, there are none.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Candidate:
         its engine keeps (its C{gpu_memory_gb}) and its port, not its
         GPUs' allocation (it holds none); taken first, whatever its
         model's C{min_replicas}, C{min_resident} or use.
+    @ivar shares: it shares its GPU (L{llmgw.control.placement.shares}):
+        evicting it frees its memory there, not the GPU whole.
     """
 
     replica: str
@@ -75,6 +79,7 @@ class Candidate:
     kept_gpu_memory_gb: float = 0.0
     sleeps: bool = False
     asleep: bool = False
+    shares: bool = False
 
     @property
     def freed_mib(self) -> int:
@@ -170,17 +175,27 @@ def freed(
     gpus: dict[str, dict[int, int]] = {}
     ports: dict[str, set[int]] = {}
     allocated: dict[str, set[int]] = {}
+    sharers: dict[str, dict[int, int]] = {}
     for victim in victims:
         for held in victim.places:
             on = gpus.setdefault(held.node, {})
+            left = sharers.setdefault(held.node, {})
             for index in held.gpus:
                 on[index] = on.get(index, 0) + victim.freed_mib
-            if not victim.asleep:
+                if victim.shares and not victim.asleep:
+                    left[index] = left.get(index, 0) + 1
+            if not victim.asleep and not victim.shares:
                 allocated.setdefault(held.node, set()).update(held.gpus)
             if not victim.sleeps:
                 ports.setdefault(held.node, set()).add(held.port)
     return [
-        _freed(node, gpus.get(node.id), ports.get(node.id), allocated.get(node.id))
+        _freed(
+            node,
+            gpus.get(node.id),
+            ports.get(node.id),
+            allocated.get(node.id),
+            sharers.get(node.id),
+        )
         for node in nodes
     ]
 
@@ -190,11 +205,13 @@ def _freed(
     gpus: dict[int, int] | None,
     ports: set[int] | None,
     allocated: set[int] | None,
+    sharers: dict[int, int] | None,
 ) -> NodeView:
     if not gpus and not ports:
         return node
     gpus = gpus or {}
     allocated = allocated or set()
+    sharers = sharers or {}
     return replace(
         node,
         gpus=tuple(
@@ -202,6 +219,8 @@ def _freed(
                 g,
                 allocated=g.allocated and g.index not in allocated,
                 memory_used_mib=max(0, g.memory_used_mib - gpus[g.index]),
+                claimed_mib=max(0, g.claimed_mib - gpus[g.index]),
+                sharers=max(0, g.sharers - sharers.get(g.index, 0)),
             )
             if g.index in gpus
             else g
@@ -255,15 +274,15 @@ def _pruned(
     run: Sequence[Candidate], fits: Callable[[list[Candidate]], bool]
 ) -> list[Candidate]:
     """
-    @return: C{run} less the replicas asleep it fits without (stopping
-        them would free memory nothing needs).
+    @return: C{run} less the replicas it fits without, the last taken
+        tried first (evicting them would free memory nothing needs: on a
+        shared GPU, the newcomer may need only some of its replicas gone).
     """
     kept = list(run)
-    for victim in run:
-        if victim.asleep:
-            fewer = [v for v in kept if v is not victim]
-            if fits(fewer):
-                kept = fewer
+    for victim in sorted(run, key=lambda v: (not v.asleep, -run.index(v))):
+        fewer = [v for v in kept if v is not victim]
+        if fits(fewer):
+            kept = fewer
     return kept
 
 

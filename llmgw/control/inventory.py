@@ -74,6 +74,7 @@ class Node:
         its agent has been silent (set by the control plane's passes).
     @ivar last_seen: POSIX seconds of the last message from its agent.
     @ivar heard: the same instant on the reactor's clock, seconds.
+    @ivar reports: heartbeats (memory reports) received from it so far.
     @ivar draining: an operator asked for its replicas to move away.
     @ivar engines_stopped: an operator stopped its engines on purpose
         (L{llmgw.control.drains}): nothing is placed on it until they are
@@ -101,6 +102,7 @@ class Node:
     connected: bool = True
     shards: list[dict[str, Any]] = field(default_factory=list)
     heard: float = 0.0
+    reports: int = 0
     draining: bool = False
     engines_stopped: bool = False
     # Model files in the agent's weights directories, from its last
@@ -246,6 +248,7 @@ class Inventory:
             ],
             last_seen=now,
             heard=heard,
+            reports=old.reports if old is not None else 0,
             draining=old.draining
             if old is not None
             else message.node_id in self.drained,
@@ -279,6 +282,7 @@ class Inventory:
         if node is None:
             return
         node.last_seen = now
+        node.reports += 1
         by_index = {g.index: g for g in node.gpus}
         for usage in message.gpus[: len(by_index)]:
             gpu = by_index.get(usage.index)

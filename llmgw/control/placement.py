@@ -6,7 +6,15 @@ reconciler takes a snapshot, asks, and acts on the answer.
 Profiles are tried in priority order (highest first, then as listed).  A
 profile asks for C{gpus} GPUs on each of C{nodes} nodes (C{gpus = 0} runs
 on the CPU), each GPU with C{gpu_memory_gb} free, none reporting problems
-and none allocated to another shard.  Among the nodes that fit, the best
+and none allocated to another shard.  A profile of one GPU that says
+C{share_gpu} (L{shares}) takes no GPU whole: it goes on a GPU no whole-GPU
+shard holds where its C{gpu_memory_gb} fits beside the replicas already
+there (the tightest such GPU first), and a whole-GPU profile never goes
+on a GPU a sharing replica holds.  A GPU's free memory is its total less
+the most of what it reports used, what processes llmgw does not manage
+hold, and what llmgw's own engines on it are counted to hold
+(C{claimed_mib}): memory a sleep, a stop or an eviction frees counts as
+free only once the GPU reports it free.  Among the nodes that fit, the best
 fit wins, the one left with the fewest free GPUs, so large free blocks
 stay whole for the profiles that need them (free: not allocated and
 without problems).  A profile of several nodes is
@@ -54,6 +62,22 @@ class Profile:
     sleep: str = "off"
     sleep_gpu_memory_gb: float = 1.0
     sleep_host_memory_gb: float = 0.0
+    share_gpu: bool = False
+
+
+def shares(profile: Profile) -> bool:
+    """
+    @return: whether C{profile}'s replicas share their GPU with others
+        where their memory fits: it says C{share_gpu}, runs on one GPU of
+        one node and declares its C{gpu_memory_gb}.  Tensor-parallel and
+        gang profiles always take whole GPUs.
+    """
+    return (
+        profile.share_gpu
+        and profile.gpus == 1
+        and profile.nodes == 1
+        and profile.gpu_memory_gb > 0
+    )
 
 
 @dataclass(frozen=True)
@@ -61,8 +85,15 @@ class GpuView:
     """
     A GPU as placement sees it.  Memory in MiB.
 
+    @ivar memory_used_mib: what the GPU last reported used (NVML, or the
+        sim's report).
     @ivar foreign_used_mib: held by processes llmgw does not manage: never
         free, whatever llmgw's own engines release.
+    @ivar allocated: a whole-GPU shard holds it.
+    @ivar claimed_mib: what llmgw's engines on it are counted to hold: the
+        C{gpu_memory_gb} of those awake, starting, waking, going to sleep
+        or stopping, the C{sleep_gpu_memory_gb} of those asleep.
+    @ivar sharers: the replicas of sharing profiles (L{shares}) on it.
     """
 
     index: int
@@ -72,10 +103,18 @@ class GpuView:
     problems: tuple[str, ...] = ()
     allocated: bool = False
     foreign_used_mib: int = 0
+    claimed_mib: int = 0
+    sharers: int = 0
 
     @property
     def free_mib(self) -> int:
-        used = max(self.memory_used_mib, self.foreign_used_mib)
+        """
+        MiB free for a new engine: the total less the most of what the GPU
+        reports used, what others hold and what llmgw counts its engines
+        to hold (a report older than a start, or a release not yet
+        reported, never makes room).
+        """
+        used = max(self.memory_used_mib, self.foreign_used_mib, self.claimed_mib)
         return self.memory_total_mib - used
 
 
@@ -101,12 +140,16 @@ class NodeView:
 class ShardPlan:
     """
     Where one shard goes: node, GPU indices, port, rank (0 leads).
+
+    @ivar share: for a sharing profile (L{shares}), the fraction of its
+        GPU's total memory the engine is given; 0 for whole GPUs.
     """
 
     node: str
     gpus: tuple[int, ...]
     port: int
     rank: int
+    share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -152,11 +195,12 @@ def _fitting_gpus(node: NodeView, profile: Profile) -> tuple[list[GpuView], str]
         and why others cannot be used (empty when nothing is missing).
     """
     need_mib = int(profile.gpu_memory_gb * 1024)
+    sharing = shares(profile)
     usable: list[GpuView] = []
     allocated = troubled = small = 0
     others: list[str] = []
     for gpu in node.gpus:
-        if gpu.allocated:
+        if gpu.allocated or (gpu.sharers and not sharing):
             allocated += 1
         elif gpu.problems:
             troubled += 1
@@ -270,6 +314,17 @@ class Fleet:
                 yield self._nodes[node_id]
 
 
+def _share(profile: Profile, gpus: Sequence[GpuView]) -> float:
+    """
+    @return: the fraction of the smallest of C{gpus}' memory a sharing
+        profile's engine is given; 0 for whole GPUs.
+    """
+    if not shares(profile) or not gpus:
+        return 0.0
+    total = min(g.memory_total_mib for g in gpus)
+    return min(1.0, profile.gpu_memory_gb * 1024 / total) if total else 0.0
+
+
 def _plan(profile: Profile, chosen: Sequence[tuple[str, list[GpuView], int]]) -> Plan:
     return Plan(
         profile,
@@ -279,6 +334,7 @@ def _plan(profile: Profile, chosen: Sequence[tuple[str, list[GpuView], int]]) ->
                 gpus=tuple(sorted(g.index for g in usable[: profile.gpus])),
                 port=port,
                 rank=rank,
+                share=_share(profile, usable[: profile.gpus]),
             )
             for rank, (node_id, usable, port) in enumerate(chosen)
         ),
@@ -448,3 +504,59 @@ def _fragmentation(profile: Profile, fleet: Fleet) -> str:
         f" {need}, but {where} {profile.gpus} of them: the free GPUs are"
         " fragmented"
     )
+
+
+def _never(profile: Profile, nodes: Sequence[NodeView]) -> str | None:
+    """
+    @return: why C{profile} fits none of C{nodes} even with all their GPUs
+        free, or L{None} when one could hold it.
+    """
+    if profile.gpus == 0:
+        return None
+    need_mib = int(profile.gpu_memory_gb * 1024)
+    able = [
+        n
+        for n in nodes
+        if (profile.nodes == 1 or not profile.fabric or profile.fabric in n.fabrics)
+        and sum(1 for g in n.gpus if g.memory_total_mib >= need_mib) >= profile.gpus
+    ]
+    if len(able) >= profile.nodes:
+        return None
+    most = max((len(n.gpus) for n in nodes), default=0)
+    largest = max((g.memory_total_mib for n in nodes for g in n.gpus), default=0)
+    if profile.nodes > 1:
+        why = f"{len(able)} of the {profile.nodes} nodes it needs could hold a shard"
+    elif most < profile.gpus:
+        why = (
+            f"it needs {profile.gpus} GPUs on one node, the most any node has is {most}"
+        )
+    elif largest < need_mib:
+        why = (
+            f"it needs {profile.gpu_memory_gb:g} GB on a GPU, the largest GPU has"
+            f" {largest / 1024:g} GB"
+        )
+    else:
+        why = f"no node has {profile.gpus} GPUs of {profile.gpu_memory_gb:g} GB"
+    return f"profile {profile.name}: {why}"
+
+
+def never_fits(profiles: Sequence[Profile], nodes: Sequence[NodeView]) -> str | None:
+    """
+    Whether a model could never be placed on the fleet as it is, whatever
+    is freed: no profile fits any node even with every GPU free (too many
+    GPUs for any node, more memory than any GPU has, too few nodes for a
+    gang).  Nodes' states do not count (one not ready may come back).
+
+    @param nodes: every node known; none known yet answers L{None} (the
+        fleet may still be arriving).
+    @return: why, one clause per profile joined by C{"; "}, or L{None}.
+    """
+    if not nodes or not profiles:
+        return None
+    reasons = []
+    for profile in profiles:
+        why = _never(profile, nodes)
+        if why is None:
+            return None
+        reasons.append(why)
+    return "; ".join(reasons)

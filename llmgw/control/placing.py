@@ -122,6 +122,12 @@ class ScaleUp:
         woken = self._wake_missing(state, now, snapshot, asleep, want - staying)
         if woken:
             live = live + woken
+        elif asleep and self._snapshots.releases.pending(now) & {
+            s.node for r in asleep for s in r.shards
+        }:
+            # Memory given back where it sleeps is not reported free yet: a
+            # heartbeat or two, and it may wake (beats a cold start).
+            return snapshot
         elif asleep and state.waiters and self._settings.evict:
             latest = max(asleep, key=lambda r: r.resident_since)
             # With a free place, only idle replicas are evicted for a wake,
@@ -237,6 +243,14 @@ class ScaleUp:
                 frozenset(spread),
             )
             if isinstance(result, NoFit):
+                if self._swaps.releasing(name, now, snapshot.fleet) or (
+                    state.waiters and self._snapshots.releases.pending(now)
+                ):
+                    # Its victims are gone, or memory was given back, and
+                    # the GPUs have not said so yet: nothing is evicted for
+                    # a held request for a heartbeat or two.
+                    state.retry_at = now + self._settings.interval
+                    break
                 self._swaps.done(name, placed=False)
                 if self._swaps.evict_for(
                     state, now, snapshot, frozenset(spread), result

@@ -449,6 +449,9 @@ class ControlPlane:
         changes = ledger.changes
         if ledger.grace.ends(now):
             changes.all()
+            for state in self.catalog.states():
+                # Declared in the config file: said once the fleet is known.
+                self.catalog.unplaceable(state.model.name)
         everything, work = changes.take()
         if everything:
             work.update(ledger.models())
@@ -500,6 +503,8 @@ class ControlPlane:
                 self._actions.finish_sleep(replica, now)
         self._publisher.publish_ready()
         changes.settled({m for m in work if not self._scaler.settled(m)})
+        # Memory given back in or before this pass is noted now, whoever looks.
+        self._snapshots.live()
 
     def _update_nodes(self, now: float, everything: bool) -> list[str]:
         """

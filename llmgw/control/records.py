@@ -77,6 +77,9 @@ class ShardRecord:
     @ivar sent_at: reactor seconds when its start command went out, or 0.
     @ivar phases: its start's phases as its agent measured them, (name,
         seconds, detail), once ready (L{llmgw.control.phases}).
+    @ivar share: the fraction of its GPU's memory its engine was given
+        when its profile shares the GPU (L{llmgw.control.placement.shares});
+        0 for whole GPUs, or not known (adopted).
     """
 
     id: str
@@ -92,6 +95,7 @@ class ShardRecord:
     sleep_refused: str = ""
     sent_at: float = 0.0
     phases: tuple[tuple[str, float, bool], ...] = ()
+    share: float = 0.0
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -19,8 +19,14 @@ from llmgw.config_checks import ConfigError
 from llmgw.control.catalog import MAX_COUNT, Model, check_adapter
 from llmgw.control.held_order import refused_first, release_turns
 from llmgw.control.inventory import Inventory, NodeState
+from llmgw.control.placement import GpuView, NodeView, never_fits
 from llmgw.control.scaling import ModelState
-from llmgw.router.interfaces import ActivationRefused, Endpoint, Standing
+from llmgw.router.interfaces import (
+    ActivationRefused,
+    Endpoint,
+    NeverPlaceable,
+    Standing,
+)
 
 RELEASE_GAP = 0.2
 """
@@ -89,6 +95,8 @@ class ModelCatalog:
             self._adapters[adapter.name] = adapter
             self._names.update((name, adapter.name) for name in adapter.names)
         self.adapters_changed = adapters_changed
+        # The last answer of unplaceable per model: its warning once.
+        self._unplaceable: dict[str, str | None] = {}
         self._static = tuple(static)
         self._changed = changed
         # Catalog order, for a pass that looks at some models only.
@@ -213,9 +221,14 @@ class ModelCatalog:
             and this one is the lowest priority's newest (at once: it is
             the newcomer), or later, when a request of a higher priority
             comes, from whichever router, and takes its place.
+            Fails at once with L{NeverPlaceable} when no node could ever
+            hold it (L{unplaceable}).
         @raise KeyError: C{name} is not in the catalog.
         """
         state = self[name]
+        why = self.unplaceable(state.model.name)
+        if why is not None:
+            return fail(NeverPlaceable(state.model.name, why))
         state.last_used = self.clock.seconds()
         if state.wanted < 1:
             state.wanted = 1
@@ -327,6 +340,42 @@ class ModelCatalog:
             return Standing("")
         return self._standing(model)
 
+    def unplaceable(self, name: str) -> str | None:
+        """
+        Whether model C{name} could never be placed on the nodes known now
+        (L{never_fits}: whatever is freed); a warning is logged each time
+        the answer changes to a reason.  It looks at every node: asked
+        when a request finds no ready replica, a model is added, or the
+        start-up grace ends, not in every pass.
+
+        @return: why, or L{None} (also for a name not a model here, and
+            while no node is known).
+        """
+        state = self._models.get(name)
+        if state is None:
+            return None
+        views = [
+            NodeView(
+                id=node.id,
+                state=str(node.state),
+                fabrics=frozenset(node.fabrics),
+                gpus=tuple(
+                    GpuView(g.index, g.name, g.memory_total_mib) for g in node.gpus
+                ),
+            )
+            for node in self.inventory.nodes()
+        ]
+        why = never_fits(state.model.profiles, views)
+        if why is not None and self._unplaceable.get(name) != why:
+            self.log.warn(
+                "model {model} can never be placed on this fleet: {why}; its"
+                " requests are answered 503 at once",
+                model=name,
+                why=why,
+            )
+        self._unplaceable[name] = why
+        return why
+
     def add(self, model: Model) -> None:
         """
         Add a model; its replicas are placed by the next pass.  An
@@ -357,6 +406,7 @@ class ModelCatalog:
         self._position[model.name] = next(self._order)
         for name in model.names:
             self._names[name] = model.name
+        self.unplaceable(model.name)
         self._changed()
 
     def remove(self, model: str) -> None:

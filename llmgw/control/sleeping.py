@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from llmgw.control.inventory import Inventory, NodeState
 from llmgw.control.ledger import Ledger
-from llmgw.control.placement import Fleet, Plan, ShardPlan
+from llmgw.control.placement import Fleet, Plan, ShardPlan, shares
 from llmgw.control.records import ReplicaRecord, ReplicaState
 from llmgw.wire import versions
 
@@ -136,7 +136,7 @@ class SleepRoom:
             for gpu in view.gpus:
                 if gpu.index not in shard.gpus:
                     continue
-                if gpu.allocated:
+                if gpu.allocated or (gpu.sharers and not shares(profile)):
                     return f"GPU {gpu.index} of {shard.node} is in use"
                 if gpu.free_mib < need_mib:
                     return (

@@ -14,8 +14,9 @@ from twisted.logger import Logger
 
 from llmgw.control.inventory import Inventory, Node, NodeState
 from llmgw.control.ledger import Ledger
-from llmgw.control.placement import Fleet, GpuView, NodeView, Plan
+from llmgw.control.placement import Fleet, GpuView, NodeView, Plan, shares
 from llmgw.control.records import ReplicaRecord, ShardRecord
+from llmgw.control.releases import Claims, Releases, Shards
 
 SUSPECT_PORT_SECONDS = 600.0
 """
@@ -169,15 +170,43 @@ class Strays:
         return result
 
 
+def _hold(
+    replica: ReplicaRecord,
+    shard: ShardRecord,
+    taken: set[int],
+    claims: Claims,
+    each: Shards,
+) -> None:
+    """
+    Count what C{shard} (of C{replica}, not gone) holds on its node: a
+    sleeping engine its C{sleep_gpu_memory_gb} and no GPU whole; any
+    other, turning ones included (starting, waking, going to sleep,
+    stopping), its C{gpu_memory_gb}, and its GPUs whole unless its profile
+    shares them.  C{each} gets the shard's own figure (L{Releases}).
+    """
+    profile = replica.profile
+    asleep = replica.asleep
+    gb = profile.sleep_gpu_memory_gb if asleep else profile.gpu_memory_gb
+    sharer = not asleep and shares(profile)
+    if not asleep and not sharer:
+        taken.update(shard.gpus)
+    each[shard.id] = (shard.gpus, int(gb * 1024))
+    for index in shard.gpus:
+        mib, count = claims.get(index, (0, 0))
+        claims[index] = (mib + int(gb * 1024), count + sharer)
+
+
 def _node_view(
     node: Node,
     used: frozenset[int],
     busy: frozenset[int],
     cache: dict[str, tuple[Any, NodeView]],
+    claims: Claims | None = None,
 ) -> NodeView:
     """
-    @param used: GPU indices taken on the node.
+    @param used: GPU indices taken whole on the node.
     @param busy: ports taken on its address.
+    @param claims: what llmgw's engines on it hold, per GPU (L{Claims}).
     @param cache: views of earlier passes by node id, reused when nothing
         placement reads has changed; updated.
     @return: C{node} as placement sees it.
@@ -189,7 +218,8 @@ def _node_view(
         state = "draining"
     if state == NodeState.READY and node.engines_stopped:
         state = "engines stopped"
-    version = (node.version, state, used, busy, node.address)
+    claims = claims or {}
+    version = (node.version, state, used, busy, node.address, sorted(claims.items()))
     hit = cache.get(node.id)
     if hit is not None and hit[0] == version:
         return hit[1]
@@ -206,6 +236,8 @@ def _node_view(
                 foreign_used_mib=g.foreign_used_mib,
                 problems=tuple(g.problems),
                 allocated=g.index in used,
+                claimed_mib=claims.get(g.index, (0, 0))[0],
+                sharers=claims.get(g.index, (0, 0))[1],
             )
             for g in node.gpus
         ),
@@ -225,6 +257,10 @@ class Snapshot:
     @param suspect_ports: per node, ports to leave alone.
     @param strays: per node, the GPUs and port each stray holds
         (L{Strays.held}).
+    @param releases: memory given back and not yet reported free, added
+        to what each node's engines hold (L{Releases.adjust}), at C{now}
+        (reactor seconds); with C{record}, drops since are recorded (the
+        snapshot kept from pass to pass).
     @param cache: node views of earlier passes, reused for nodes where
         nothing placement reads has changed; updated in place.
     @ivar fleet: what L{llmgw.control.placement.place} reads.
@@ -237,9 +273,14 @@ class Snapshot:
         suspect_ports: dict[str, set[int]],
         cache: dict[str, tuple[Any, NodeView]] | None = None,
         strays: dict[str, list[tuple[tuple[int, ...], int]]] | None = None,
+        releases: Releases | None = None,
+        now: float = 0.0,
+        record: bool = False,
     ) -> None:
         nodes = list(nodes)
         taken: dict[str, set[int]] = {}
+        claims: dict[str, Claims] = {}
+        each: dict[str, Shards] = {}
         # Ports are per address: two nodes on one host (two agents, or a
         # test fleet) share its ports.
         address = {node.id: node.address for node in nodes}
@@ -252,15 +293,17 @@ class Snapshot:
                 if port:
                     ports.setdefault(address.get(node_id, node_id), set()).add(port)
         for replica in replicas:
-            # Asleep once every shard is: one going to sleep still runs.
-            asleep = replica.asleep
             for shard in replica.shards:
                 if shard.state.gone:
                     continue
-                # A sleeping engine holds no GPU allocation (what memory it
-                # keeps its agent reports), only its port.
-                if not asleep:
-                    taken.setdefault(shard.node, set()).update(shard.gpus)
+                # Asleep once every shard is: one going to sleep still runs.
+                _hold(
+                    replica,
+                    shard,
+                    taken.setdefault(shard.node, set()),
+                    claims.setdefault(shard.node, {}),
+                    each.setdefault(shard.node, {}),
+                )
                 key = address.get(shard.node, shard.node)
                 ports.setdefault(key, set()).add(shard.port)
                 if shard.rank == 0 and replica.rendezvous_port:
@@ -273,6 +316,11 @@ class Snapshot:
                 frozenset(taken.get(node.id, ())),
                 frozenset(ports.get(node.address, ())),
                 cache,
+                releases.adjust(
+                    node, claims.get(node.id, {}), each.get(node.id, {}), now, record
+                )
+                if releases is not None
+                else claims.get(node.id),
             )
             for node in nodes
         ]
@@ -288,9 +336,12 @@ class Snapshot:
 
     def take(self, plan: Plan) -> None:
         """
-        Count C{plan}'s GPUs and ports as taken (its ports on every node
-        at the same address).
+        Count C{plan}'s GPUs (whole, or its memory on them for a sharing
+        profile) and ports as taken (its ports on every node at the same
+        address).
         """
+        sharer = shares(plan.profile)
+        mib = int(plan.profile.gpu_memory_gb * 1024)
         for shard in plan.shards:
             held = {shard.port}
             if shard.rank == 0 and plan.rendezvous_port:
@@ -300,7 +351,14 @@ class Snapshot:
                 replace(
                     view,
                     gpus=tuple(
-                        replace(g, allocated=True) if g.index in shard.gpus else g
+                        replace(
+                            g,
+                            allocated=g.allocated or not sharer,
+                            claimed_mib=g.claimed_mib + mib,
+                            sharers=g.sharers + sharer,
+                        )
+                        if g.index in shard.gpus
+                        else g
                         for g in view.gpus
                     ),
                     ports_in_use=view.ports_in_use | held,
@@ -325,9 +383,14 @@ class LiveSnapshot(Snapshot):
         suspect_ports: dict[str, set[int]],
         cache: dict[str, tuple[Any, NodeView]],
         strays: dict[str, list[tuple[tuple[int, ...], int]]],
+        releases: Releases,
+        now: float,
     ) -> None:
         nodes = list(nodes)
-        super().__init__(nodes, replicas, suspect_ports, cache, strays)
+        super().__init__(
+            nodes, replicas, suspect_ports, cache, strays, releases, now, record=True
+        )
+        self._releases = releases
         self._address = {node.id: node.address for node in nodes}
         self._peers: dict[str, list[str]] = {}
         for node in nodes:
@@ -341,6 +404,7 @@ class LiveSnapshot(Snapshot):
         suspect_ports: dict[str, set[int]],
         strays: dict[str, list[tuple[tuple[int, ...], int]]],
         cache: dict[str, tuple[Any, NodeView]],
+        now: float = 0.0,
     ) -> bool:
         """
         Work the views of the nodes C{changed} out again, with every node
@@ -364,9 +428,13 @@ class LiveSnapshot(Snapshot):
             peers = [inventory.get(node_id) for node_id in self._peers[address]]
             busy: set[int] = set()
             used: dict[str, set[int]] = {}
+            claims: dict[str, Claims] = {}
+            each: dict[str, Shards] = {}
             for peer in peers:
                 assert peer is not None
                 taken = used.setdefault(peer.id, set())
+                claimed = claims.setdefault(peer.id, {})
+                own = each.setdefault(peer.id, {})
                 busy.update(suspect_ports.get(peer.id, ()))
                 for gpus, port in strays.get(peer.id, ()):
                     taken.update(gpus)
@@ -375,15 +443,15 @@ class LiveSnapshot(Snapshot):
                 for replica, shard in shards_on(peer.id):
                     if shard.state.gone:
                         continue
-                    if not replica.asleep:
-                        taken.update(shard.gpus)
+                    _hold(replica, shard, taken, claimed, own)
                     busy.add(shard.port)
                     if shard.rank == 0 and replica.rendezvous_port:
                         busy.add(replica.rendezvous_port)
             ports = frozenset(busy)
             for peer in peers:
                 assert peer is not None
-                view = _node_view(peer, frozenset(used[peer.id]), ports, cache)
+                held = self._releases.adjust(peer, claims[peer.id], each[peer.id], now)
+                view = _node_view(peer, frozenset(used[peer.id]), ports, cache, held)
                 if view is not self.fleet.get(peer.id):
                     self.fleet.replace(view)
         return True
@@ -410,6 +478,7 @@ class Snapshots:
         self._ledger = ledger
         self.suspect = SuspectPorts()
         self.strays = Strays()
+        self.releases = Releases(inventory)
         self._views: dict[str, tuple[Any, NodeView]] = {}
         self._live: LiveSnapshot | None = None
 
@@ -424,6 +493,8 @@ class Snapshots:
             self.suspect.current(now),
             self._views,
             self.strays.held(now),
+            self.releases,
+            now,
         )
 
     def live(self) -> LiveSnapshot:
@@ -435,7 +506,7 @@ class Snapshots:
         changes = self._ledger.changes
         changed = changes.take_nodes()
         # Before they expire: a node whose mark expires changes too.
-        changed |= self.suspect.nodes() | self.strays.nodes()
+        changed |= self.suspect.nodes() | self.strays.nodes() | self.releases.nodes()
         suspect = self.suspect.current(now)
         strays = self.strays.held(now)
         live = self._live
@@ -446,6 +517,7 @@ class Snapshots:
             suspect,
             strays,
             self._views,
+            now,
         ):
             live = self._live = LiveSnapshot(
                 self._inventory.nodes(),
@@ -453,6 +525,8 @@ class Snapshots:
                 suspect,
                 self._views,
                 strays,
+                self.releases,
+                now,
             )
         return live
 

@@ -7,8 +7,12 @@ One eviction per held model at a time (a L{Swap}): its victims are
 unpublished at once and leave when their last request ends (bounded by
 the router's C{total_timeout}), and the GPUs the held model's plan needs
 are kept for it meanwhile: other models' placements see them allocated.
-Once the victims are gone the held model is placed there, the memory they
-held counted free until their node's next report says so.  Held models
+Once the victims are gone the held model is placed there once their GPUs
+report the memory free (a release is the GPU's word, not llmgw's
+reckoning): until then, for at most L{RELEASE_SECONDS}, the held model
+waits rather than evict more; after that its swap ends with a warning
+naming what the GPU still reports used, and the model goes on as one that
+fits nowhere.  Held models
 are served in the order their oldest requests came (the pass places them
 first, oldest first).
 
@@ -31,7 +35,7 @@ from llmgw.control.eviction import Candidate, Place
 from llmgw.control.held_order import held_order
 from llmgw.control.inventory import Inventory
 from llmgw.control.ledger import Ledger
-from llmgw.control.placement import Fleet, NodeView, NoFit, ShardPlan
+from llmgw.control.placement import Fleet, NoFit, ShardPlan, shares
 from llmgw.control.records import ReplicaRecord, ReplicaState, ShardRecord
 from llmgw.control.runtime import ModelCatalog
 from llmgw.control.scaling import ModelState
@@ -39,6 +43,13 @@ from llmgw.control.settings import ControlConfig
 from llmgw.control.sleeping import SleepRoom
 from llmgw.control.snapshot import Snapshot
 from llmgw.router.interfaces import Standing
+
+RELEASE_SECONDS = 60.0
+"""
+How long a held model waits, once its eviction's victims are gone, for
+their GPUs to report the memory they held free: a few heartbeats (each
+tells NVML's reading of the heartbeat before) and an engine's exit.
+"""
 
 
 @dataclass
@@ -50,7 +61,7 @@ class Swap:
     @ivar victims: the ids of the replicas evicted for it.
     @ivar room: per node, the GPU indices kept for it.
     @ivar freed_mib: per node and GPU index, the memory its victims held
-        (counted free once they are gone, until the node reports again).
+        (free once their GPUs report it so).
     @ivar since: reactor seconds when the eviction began.
     @ivar words: what was evicted and why, for logs, the placement's
         explanation and a held request's standing.
@@ -133,9 +144,9 @@ class Swaps:
     def fleet_for(self, name: str, snapshot: Snapshot) -> Fleet:
         """
         @return: the fleet as placement sees it for model C{name}: the
-            room kept for another model's eviction allocated; its own,
-            once its victims are gone, with the memory they held free
-            until their node reports again.
+            room kept for another model's eviction allocated.  What its own
+            eviction freed is free once the GPUs report it (their memory
+            as reported, L{llmgw.control.placement.GpuView.free_mib}).
         """
         if not self.swaps:
             return snapshot.fleet
@@ -144,19 +155,40 @@ class Swaps:
             if swap.model != name:
                 for node, gpus in swap.room.items():
                     others.setdefault(node, set()).update(gpus)
-        nodes = eviction.reserved(snapshot.fleet.nodes(), others)
-        own = self.swaps.get(name)
-        if own is not None and own.gone_at is not None:
-            views = []
-            for view in nodes:
-                found = self._inventory.get(view.id)
-                freed = own.freed_mib.get(view.id)
-                if freed and found is not None and found.heard <= own.gone_at:
-                    views.append(_discounted(view, freed))
-                else:
-                    views.append(view)
-            nodes = views
-        return Fleet(nodes)
+        return Fleet(eviction.reserved(snapshot.fleet.nodes(), others))
+
+    def releasing(self, name: str, now: float, fleet: Fleet) -> bool:
+        """
+        Model C{name} fits nowhere in C{fleet}: whether its eviction's
+        victims are gone but their GPUs have not reported the memory free
+        yet, for less than L{RELEASE_SECONDS}; then it waits, rather than
+        evict more.  Past that its swap ends, with a warning naming what
+        the GPUs still report used.
+        """
+        swap = self.swaps.get(name)
+        if swap is None or swap.gone_at is None:
+            return False
+        if now - swap.gone_at < RELEASE_SECONDS:
+            return True
+        reported = []
+        for node_id, freed in sorted(swap.freed_mib.items()):
+            view = fleet.get(node_id)
+            for gpu in view.gpus:
+                if gpu.index in freed:
+                    reported.append(
+                        f"GPU {gpu.index} of {node_id} reports"
+                        f" {gpu.memory_used_mib} MiB used of {gpu.memory_total_mib}"
+                    )
+        self.log.warn(
+            "model {model}: {seconds:g}s after its eviction's victims went"
+            " ({words}), their GPUs do not report the memory free: {reported}",
+            model=name,
+            seconds=now - swap.gone_at,
+            words=swap.words,
+            reported="; ".join(reported) or "no report",
+        )
+        del self.swaps[name]
+        return False
 
     def waits(self, name: str, now: float) -> bool:
         """
@@ -223,6 +255,14 @@ class Swaps:
         chosen = eviction.choose(
             state.model.profiles, fleet.nodes(), self._ports, ordered, spread
         )
+        if chosen is None and any(c.sleeps for c in ordered):
+            # What they would keep asleep leaves no room: stopped, they may.
+            stopping = [
+                replace(c, sleeps=False, kept_gpu_memory_gb=0.0) for c in ordered
+            ]
+            chosen = eviction.choose(
+                state.model.profiles, fleet.nodes(), self._ports, stopping, spread
+            )
         if chosen is None:
             return False
         why = f"{name} fits nowhere ({'; '.join(no_fit.lines()[:2])})"
@@ -443,6 +483,7 @@ class Swaps:
                             replica.profile.sleep_gpu_memory_gb if sleeps else 0.0
                         ),
                         sleeps=sleeps,
+                        shares=shares(replica.profile),
                     )
                 )
         return candidates, spare
@@ -519,20 +560,5 @@ def _asleep(replica: ReplicaRecord, model: Model, last_used: float) -> Candidate
         places=tuple(Place(s.node, s.gpus, s.port) for s in replica.shards),
         gpu_memory_gb=replica.profile.sleep_gpu_memory_gb,
         asleep=True,
-    )
-
-
-def _discounted(view: NodeView, freed: dict[int, int]) -> NodeView:
-    """
-    @return: C{view} with C{freed} (MiB per GPU index) taken off the
-        memory its GPUs report used.
-    """
-    return replace(
-        view,
-        gpus=tuple(
-            replace(g, memory_used_mib=max(0, g.memory_used_mib - freed[g.index]))
-            if g.index in freed
-            else g
-            for g in view.gpus
-        ),
+        shares=shares(replica.profile),
     )

@@ -25,9 +25,11 @@ GIB = 1024**3
 
 def shard_json(shard: ShardRecord) -> dict[str, Any]:
     """
-    @return: id, node, gpus, port, rank, state, pid, last_error, and
-        C{output_tail}: the engine's last output lines (at most 50) when it
-        failed or was stopped before it served, else C{[]}.
+    @return: id, node, gpus, port, rank, state, pid, last_error,
+        C{share} (the fraction of its GPU's memory its engine was given when
+        it shares the GPU; 0 for whole GPUs) and C{output_tail}: the
+        engine's last output lines (at most 50) when it failed or was
+        stopped before it served, else C{[]}.
     """
     return {
         "id": shard.id,
@@ -38,6 +40,7 @@ def shard_json(shard: ShardRecord) -> dict[str, Any]:
         "state": shard.state,
         "pid": shard.pid,
         "last_error": shard.error or None,
+        "share": round(shard.share, 4),
         "output_tail": list(shard.output),
     }
 
@@ -54,7 +57,10 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         C{waking_seconds} (since told to wake, while C{waking}),
         C{start_seconds} (placement to ready, or L{None}) and C{phases}
         (where the start spent them, L{llmgw.control.phases.start_phases}),
-        and its shards (L{shard_json}) by rank.
+        C{gpu_memory_gb} (GB it is counted to hold on each of its GPUs:
+        its profile's, or what it keeps asleep), C{gpu_share} (the
+        fraction of its GPU's memory it was given when it shares the GPU,
+        0 for whole GPUs) and its shards (L{shard_json}) by rank.
     """
     state = replica.state
     asleep = replica.sleep_at if state == ReplicaState.SLEEPING else None
@@ -72,6 +78,9 @@ def replica_json(replica: ReplicaRecord, now: float | None = None) -> dict[str, 
         "leaving": _leaving(replica, state),
         "start_seconds": start_seconds(replica),
         "phases": start_phases(replica),
+        # What it is counted to hold on each of its GPUs now, and its share.
+        "gpu_memory_gb": _held_gb(replica),
+        "gpu_share": max((s.share for s in replica.shards), default=0.0),
         "shards": [shard_json(s) for s in sorted(replica.shards, key=lambda s: s.rank)],
     }
 
@@ -122,7 +131,12 @@ def nodes_json(
         for replica in plane.replicas.values():
             for shard in replica.shards:
                 shards.setdefault(shard.node, []).append(
-                    {**shard_json(shard), "model": replica.model, "replica": replica.id}
+                    {
+                        **shard_json(shard),
+                        "model": replica.model,
+                        "replica": replica.id,
+                        "gpu_memory_gb": _held_gb(replica),
+                    }
                 )
         for node in nodes:
             node["shards"] = shards.get(node["id"], [])
@@ -139,15 +153,17 @@ def gpu_allocations(plane: ControlPlane) -> dict[tuple[str, int], tuple[float, i
     """
     What the replicas placed on each GPU asked for, as
     C{llmgw_gpu_memory_allocated_bytes} and C{llmgw_gpu_shards} report it:
-    each live shard (not gone) counts its profile's C{gpu_memory_gb} on
-    every GPU it holds (GB read as GiB, as placement reads it).
+    each live shard (not gone) counts what placement counts it to hold
+    on every GPU it holds: its profile's C{gpu_memory_gb}, or its
+    C{sleep_gpu_memory_gb} asleep (GB read as GiB, as placement reads
+    it); several replicas sharing a GPU each count theirs.
 
     @return: per C{(node id, GPU index)}, C{(bytes allocated, shards)};
         GPUs nothing holds are absent.
     """
     placed: dict[tuple[str, int], tuple[float, int]] = {}
     for replica in plane.replicas.values():
-        need = replica.profile.gpu_memory_gb * GIB
+        need = _held_gb(replica) * GIB
         for shard in replica.shards:
             if shard.state.gone:
                 continue
@@ -155,6 +171,15 @@ def gpu_allocations(plane: ControlPlane) -> dict[tuple[str, int], tuple[float, i
                 memory, count = placed.get((shard.node, index), (0.0, 0))
                 placed[shard.node, index] = (memory + need, count + 1)
     return placed
+
+
+def _held_gb(replica: ReplicaRecord) -> float:
+    """
+    @return: GB C{replica} is counted to hold on each of its GPUs now (as
+        L{llmgw.control.snapshot} counts it).
+    """
+    profile = replica.profile
+    return profile.sleep_gpu_memory_gb if replica.asleep else profile.gpu_memory_gb
 
 
 def _allocations(node: dict[str, Any], allocated: dict[tuple[str, int], float]) -> None:
@@ -228,6 +253,7 @@ def models_json(plane: ControlPlane) -> list[dict[str, Any]]:
                 "failures_in_a_row": state.failures,
                 "retry_in": max(0.0, round(state.retry_at - now, 1)),
                 "last_error": state.last_error or None,
+                "unplaceable": plane.catalog.unplaceable(model.name),
                 "profiles": [p.name for p in model.profiles],
                 "max_loras": model.max_loras,
             }

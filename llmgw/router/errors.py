@@ -331,6 +331,20 @@ def activation_queue_full(model: str, retry_after: int) -> APIError:
     )
 
 
+def model_unplaceable(model: str, why: str) -> APIError:
+    """
+    @param why: why no node could ever hold it (L{NeverPlaceable.why}).
+    @return: a 503 at once: C{model} can never be placed on the fleet as
+        it is, so waiting for it would be in vain.
+    """
+    return APIError(
+        503,
+        f"Model {model!r} can never be placed on this fleet: {why}.",
+        "service_unavailable_error",
+        "model_unplaceable",
+    )
+
+
 def activation_timeout(
     model: str, seconds: float, why: str, retry_after: int
 ) -> APIError:

@@ -315,6 +315,24 @@ class ActivationRefused(Exception):
         self.model = model
 
 
+class NeverPlaceable(Exception):
+    """
+    The control plane can never place a replica of the model on the fleet
+    as it is (more GPUs than any node has, more memory than any GPU has):
+    the router answers at once with 503 C{model_unplaceable} naming why,
+    rather than hold the request for C{activation_timeout}.
+
+    @ivar model: the model asked for.
+    @ivar why: why, in words fit for a client (profiles and counts, no node
+        names or addresses).
+    """
+
+    def __init__(self, model: str, why: str) -> None:
+        super().__init__(f"model {model!r} can never be placed: {why}")
+        self.model = model
+        self.why = why
+
+
 class Activator(Protocol):
     """
     Scale from zero: the catalog's names, and a replica started on demand
@@ -338,7 +356,8 @@ class Activator(Protocol):
             C{standard}).
         @return: fires once a replica of C{name} is ready, or fails with
             L{ActivationRefused} when the fleet holds more requests for it
-            than its bound and this one is refused first; cancellable.
+            than its bound and this one is refused first, or at once with
+            L{NeverPlaceable}; cancellable.
         """
 
     def touch(self, name: str) -> None:

@@ -294,6 +294,15 @@ def _sleeping(p: argparse.ArgumentParser) -> None:
         metavar="GB",
         help="GPU memory it keeps on each GPU while asleep (default 0)",
     )
+    p.add_argument(
+        "--release-seconds",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds after a sleep ends, or the process exits, before the"
+        " memory it gave back shows free (a GPU's driver and NVML lag the"
+        " process; default 0)",
+    )
 
 
 def _lora(p: argparse.ArgumentParser) -> None:
@@ -363,6 +372,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
             wake_seconds=args.wake_seconds,
             gpu_memory_gb=args.gpu_memory_gb,
             sleep_gpu_memory_gb=args.sleep_gpu_memory_gb,
+            release_seconds=args.release_seconds,
         ),
         lora=LoraConfig(
             enabled=args.enable_lora,

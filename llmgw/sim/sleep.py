@@ -97,6 +97,8 @@ class SleepConfig:
     @ivar wake_seconds: seconds a wake takes before it is answered.
     @ivar gpu_memory_gb: GB the engine holds on each GPU while awake.
     @ivar sleep_gpu_memory_gb: GB it keeps on each GPU while asleep.
+    @ivar release_seconds: seconds after a sleep ends before the memory it
+        gave back shows free (C{--release-seconds}).
     """
 
     enabled: bool = False
@@ -105,6 +107,7 @@ class SleepConfig:
     wake_seconds: float = 0.0
     gpu_memory_gb: float = 0.0
     sleep_gpu_memory_gb: float = 0.0
+    release_seconds: float = 0.0
 
 
 class SleepMode:
@@ -132,16 +135,19 @@ class SleepMode:
         self.weights_lost = False
         # Tags still asleep: a wake naming some of them leaves the others.
         self._tags: set[str] = set()
+        self._asleep_at = 0.0
         self._waiting: list[Deferred[None]] = []
 
     @property
     def gpu_memory_gb(self) -> float:
         """
         GB held on each GPU now: the asleep figure once asleep at level 1
-        or 2, the awake one from the moment a wake begins.
+        or 2 (and C{release_seconds} after), the awake one from the moment
+        a wake begins.
         """
         c = self.config
-        if self.asleep and self.level and self.busy != "waking":
+        released = self.clock.seconds() - self._asleep_at >= c.release_seconds
+        if self.asleep and self.level and self.busy != "waking" and released:
             return c.sleep_gpu_memory_gb
         return c.gpu_memory_gb
 
@@ -180,6 +186,7 @@ class SleepMode:
         def asleep() -> None:
             self.busy = ""
             self.asleep = True
+            self._asleep_at = self.clock.seconds()
             self.level = level
             self.cycles += 1
             # Level 0 only pauses the scheduler: the executor's memory

@@ -29,7 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import readBody
 
-from llmgw.router.interfaces import ActivationRefused, Standing
+from llmgw.router.interfaces import ActivationRefused, NeverPlaceable, Standing
 from llmgw.tier.admin_client import AdminClient
 
 TOUCH_INTERVAL = 2.0
@@ -223,6 +223,8 @@ class RemoteActivator(Service):
                 break
             if isinstance(value, dict) and value.get("refused") is True:
                 raise ActivationRefused(model)
+            if isinstance(value, dict) and isinstance(value.get("unplaceable"), str):
+                raise NeverPlaceable(model, value["unplaceable"][:500])
             if isinstance(value, dict) and isinstance(value.get("error"), dict):
                 self._why[model] = str(value["error"].get("message", ""))[:200]
             await deferLater(self.clock, RETRY_AFTER)

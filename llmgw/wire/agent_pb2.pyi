@@ -272,7 +272,7 @@ class Refused(_message.Message):
     def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., certificate_name: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class StartShard(_message.Message):
-    __slots__ = ("command_id", "shard_id", "replica_id", "model", "profile", "engine", "source", "args", "env", "port", "gpu_indices", "rank", "world_size", "leader_address", "api_key", "sleep_level", "gpu_memory_gb", "sleep_gpu_memory_gb")
+    __slots__ = ("command_id", "shard_id", "replica_id", "model", "profile", "engine", "source", "args", "env", "port", "gpu_indices", "rank", "world_size", "leader_address", "api_key", "sleep_level", "gpu_memory_gb", "sleep_gpu_memory_gb", "gpu_share")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class StartShard(_message.Message):
     SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_GB_FIELD_NUMBER: _ClassVar[int]
     SLEEP_GPU_MEMORY_GB_FIELD_NUMBER: _ClassVar[int]
+    GPU_SHARE_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     shard_id: str
     replica_id: str
@@ -316,7 +317,8 @@ class StartShard(_message.Message):
     sleep_level: int
     gpu_memory_gb: float
     sleep_gpu_memory_gb: float
-    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., api_key: _Optional[str] = ..., sleep_level: _Optional[int] = ..., gpu_memory_gb: _Optional[float] = ..., sleep_gpu_memory_gb: _Optional[float] = ...) -> None: ...
+    gpu_share: float
+    def __init__(self, command_id: _Optional[int] = ..., shard_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., model: _Optional[str] = ..., profile: _Optional[str] = ..., engine: _Optional[str] = ..., source: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., port: _Optional[int] = ..., gpu_indices: _Optional[_Iterable[int]] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., leader_address: _Optional[str] = ..., api_key: _Optional[str] = ..., sleep_level: _Optional[int] = ..., gpu_memory_gb: _Optional[float] = ..., sleep_gpu_memory_gb: _Optional[float] = ..., gpu_share: _Optional[float] = ...) -> None: ...
 
 class SleepShard(_message.Message):
     __slots__ = ("command_id", "shard_id", "level")

@@ -52,3 +52,26 @@ The engines that load LoRA adapters at run time (vLLM's C{--enable-lora}
 with C{VLLM_ALLOW_RUNTIME_LORA_UPDATING=True}: C{POST /v1/load_lora_adapter}
 and C{/v1/unload_lora_adapter}; the simulator's copy of them).
 """
+
+
+def share_args(engine: str, fraction: float) -> tuple[str, ...]:
+    """
+    The flags that tell an engine sharing its GPU the share of the GPU's
+    memory it may take, so that it leaves the rest to the replicas beside
+    it: vLLM's C{--gpu-memory-utilization} (the fraction of the GPU's total
+    memory the engine may use, vLLM's engine arguments), SGLang's
+    C{--mem-fraction-static} (the fraction for weights and KV cache,
+    SGLang's server arguments).  The sim is told its share in GB already
+    (C{--gpu-memory-gb}, the profile's C{gpu_memory_gb}, which its memory
+    report on simulated GPUs follows).  llama.cpp takes no fraction: its
+    memory follows its C{--n-gpu-layers} and context, which the profile's
+    args say.
+
+    @param fraction: of the GPU's total memory, over 0, at most 1.
+    @return: the flags, none for an engine without one.
+    """
+    if engine == "vllm":
+        return ("--gpu-memory-utilization", f"{fraction:.4f}")
+    if engine == "sglang":
+        return ("--mem-fraction-static", f"{fraction:.4f}")
+    return ()

@@ -148,8 +148,13 @@ def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
     ]
     on_gpu: dict[int, list[str]] = {}
     for shard in node.get("shards") or ():
+        held = shard.get("gpu_memory_gb")
+        name = str(shard.get("replica") or shard["id"])
         for index in shard["gpus"]:
-            on_gpu.setdefault(index, []).append(shard.get("replica") or shard["id"])
+            # Each replica's allocation: several may share one GPU.
+            on_gpu.setdefault(index, []).append(
+                name if held is None else f"{name} ({held:g} GiB)"
+            )
     gpus = [
         (
             g["index"],
@@ -297,7 +302,13 @@ def models_add(
     result = client.call("POST", "/api/v1/models", _model_from_flags(args))
     if result.get("base"):
         return result, f"added adapter {result['name']} of model {result['base']}\n"
-    return result, f"added model {result['name']} (desired {result['desired']})\n"
+    text = f"added model {result['name']} (desired {result['desired']})\n"
+    if result.get("unplaceable"):
+        # Added all the same (a node may join): its requests get a 503 now.
+        text += (
+            f"warning: it can never be placed on this fleet: {result['unplaceable']}\n"
+        )
+    return result, text
 
 
 def models_remove(

@@ -23,8 +23,17 @@ from twisted.web.iweb import IRequest
 
 from llmgw.router.api.services import Services
 from llmgw.router.edge.site import client_gone
-from llmgw.router.errors import activation_queue_full, activation_timeout
-from llmgw.router.interfaces import ActivationRefused, Activator, Tenant
+from llmgw.router.errors import (
+    activation_queue_full,
+    activation_timeout,
+    model_unplaceable,
+)
+from llmgw.router.interfaces import (
+    ActivationRefused,
+    Activator,
+    NeverPlaceable,
+    Tenant,
+)
 from llmgw.router.routing.activation import ActivationWait
 from llmgw.router.telemetry.tracing import NoTrace, error_type
 from llmgw.router.upstream.deadlines import Deadlines
@@ -154,6 +163,8 @@ class Waits:
         self._activating = wait.start(keepalive)
         try:
             await self._activating
+        except NeverPlaceable as e:
+            raise model_unplaceable(model, e.why) from None
         except ActivationRefused:
             # The fleet's bound, the control plane's choice: answered as
             # this router's own full queue.

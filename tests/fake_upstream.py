@@ -124,7 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif mode == "e500_vllm":
             self._send(
                 500,
-                b'{"object": "error", "message": "CUDA error: an illegal memory access",'
+                b'{"object": "error", "message": "CUDA error: illegal memory access",'
                 b' "type": "InternalServerError", "param": null, "code": 500}',
                 content_type="application/json; charset=utf-8",
             )

@@ -281,7 +281,7 @@ class MisbehavingEngineTests(SynchronousTestCase, Processes):
             self.create("e500_vllm", False)
         self.assertEqual(vllm.exception.status_code, 500)
         self.assertEqual(
-            vllm.exception.body["message"], "CUDA error: an illegal memory access"
+            vllm.exception.body["message"], "CUDA error: illegal memory access"
         )
         self.assertEqual(vllm.exception.body["type"], "InternalServerError")
         self.assertIsNone(vllm.exception.code)

@@ -15,13 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
-from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
-from twisted.python.failure import Failure
 
+from llmgw.accounts.retention import StorePasses
 from llmgw.router.interfaces import KeptResponse
 from llmgw.store.base import Store
 from llmgw.store.responses import StoredResponse
@@ -76,20 +73,15 @@ class StoreResponses:
         return self._store.delete_response(response_id, key_id)
 
 
-class ResponseRetention(Service):
+class ResponseRetention(StorePasses):
     """
-    Deletes the stored responses past retention: a pass at start and one
-    every C{interval} seconds (a pass still running when the next is due
-    is not started twice); a failed pass is logged and tried again at the
-    next.  On stop, waits for the pass in flight.
+    Deletes the stored responses past retention, in L{StorePasses}.
 
     @param retention: C{[store] responses_retention}, seconds.
     @param interval: seconds between passes.
     @param wall_clock: POSIX seconds now.
     @ivar dropped: responses deleted since start.
     """
-
-    log = Logger()
 
     def __init__(
         self,
@@ -99,67 +91,30 @@ class ResponseRetention(Service):
         interval: float = 3600.0,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        super().__init__(
+            "responses retention",
+            clock,
+            interval,
+            store.database_errors,
+            self._drop,
+            self._dropped,
+        )
         self._store = store
-        self._clock = clock
         self._retention = retention
-        self._interval = interval
         self._wall_clock = wall_clock
-        self._timer: LoopingCall | None = None
-        self._pass: Deferred[None] | None = None
+        self._cutoff = 0.0
         self.dropped = 0
 
-    def run_once(self) -> Deferred[None]:
-        """
-        One pass (or the one in flight).
+    def _drop(self) -> Deferred[int]:
+        self._cutoff = self._wall_clock() - self._retention
+        return self._store.drop_responses(self._cutoff)
 
-        @return: fires when it is done; never fails (failures are logged).
-        """
-        if self._pass is not None:
-            return self._pass
-        cutoff = self._wall_clock() - self._retention
-
-        def dropped(count: int) -> None:
-            self.dropped += count
-            if count:
-                self.log.info(
-                    "responses retention: deleted {count} stored responses"
-                    " made before {cutoff}",
-                    count=count,
-                    cutoff=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(cutoff)),
-                )
-
-        def failed(reason: Failure) -> None:
-            if reason.check(*self._store.database_errors):
-                self.log.warn(
-                    "responses retention: the store refused ({error}); trying"
-                    " again in {interval}s",
-                    error=reason.getErrorMessage(),
-                    interval=self._interval,
-                )
-            else:
-                self.log.failure("responses retention: a pass failed", reason)
-
-        def finished(_: object) -> None:
-            self._pass = None
-
-        done = self._store.drop_responses(cutoff).addCallbacks(dropped, failed)
-        self._pass = done
-        done.addBoth(finished)
-        return done
-
-    def startService(self) -> None:
-        super().startService()  # type: ignore[no-untyped-call]
-        self._timer = LoopingCall(self.run_once)
-        self._timer.clock = self._clock
-        # LoopingCall waits for a Deferred it is given: never two passes.
-        self._timer.start(self._interval, now=True)
-
-    def stopService(self) -> Deferred[None]:
-        super().stopService()  # type: ignore[no-untyped-call]
-        if self._timer is not None and self._timer.running:
-            self._timer.stop()
-        return Deferred.fromCoroutine(self._wait())
-
-    async def _wait(self) -> None:
-        if self._pass is not None:
-            await self._pass
+    def _dropped(self, count: int, seconds: float) -> None:
+        self.dropped += count
+        if count:
+            self.log.info(
+                "responses retention: deleted {count} stored responses"
+                " made before {cutoff}",
+                count=count,
+                cutoff=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self._cutoff)),
+            )

@@ -20,44 +20,44 @@ from twisted.python.failure import Failure
 from llmgw.store.base import Store, day_start
 
 
-class UsageRetention(Service):
+class StorePasses(Service):
     """
-    Rolls old usage records into daily totals: a pass at start and one
-    every C{interval} seconds; a pass still running when the next is due
-    is not started twice; a failed pass is logged and tried again at the
-    next.  On stop, waits for the pass in flight.
+    One periodic job of the server's on its store: a pass at start and one
+    every C{interval} seconds; a pass still running when the next is due is
+    not started twice (L{LoopingCall} waits for the Deferred it is given); a
+    pass the store refuses (one of its C{database_errors}) is logged as a
+    warning and tried again at the next, any other failure logged with its
+    traceback.  On stop, waits for the pass in flight.
 
-    @param retention: C{[store] usage_retention}, seconds: a record older
-        than the start of the UTC day this long ago is rolled.
+    @param name: the job's name, first in its log lines (C{"usage
+        retention"}).
+    @param clock: when passes run.
     @param interval: seconds between passes.
-    @param wall_clock: POSIX seconds now.
-    @ivar rolled: records rolled since start.
+    @param database_errors: what the store's driver raises when it refuses.
+    @param work: one pass: fires with how many rows it changed.
+    @param told: called with that count and the pass's seconds, after a
+        pass that did not fail.
     """
 
     log = Logger()
 
     def __init__(
         self,
-        store: Store,
+        name: str,
         clock: IReactorTime,
-        retention: float,
-        interval: float = 3600.0,
-        wall_clock: Callable[[], float] = time.time,
+        interval: float,
+        database_errors: tuple[type[Exception], ...],
+        work: Callable[[], Deferred[int]],
+        told: Callable[[int, float], None],
     ) -> None:
-        self._store = store
+        self._name = name
         self._clock = clock
-        self.retention = retention
         self.interval = interval
-        self._wall_clock = wall_clock
+        self._database_errors = database_errors
+        self._work = work
+        self._told = told
         self._timer: LoopingCall | None = None
         self._pass: Deferred[None] | None = None
-        self.rolled = 0
-
-    def cutoff(self) -> float:
-        """
-        @return: POSIX seconds: the records before it are past retention.
-        """
-        return day_start(self._wall_clock() - self.retention)
 
     def run_once(self) -> Deferred[None]:
         """
@@ -67,44 +67,34 @@ class UsageRetention(Service):
         """
         if self._pass is not None:
             return self._pass
-        cutoff = self.cutoff()
         began = time.monotonic()
 
-        def rolled(count: int) -> None:
-            self.rolled += count
-            if count:
-                self.log.info(
-                    "usage retention: rolled {count} records from before"
-                    " {cutoff} into daily totals in {seconds:.1f}s",
-                    count=count,
-                    cutoff=time.strftime("%Y-%m-%d", time.gmtime(cutoff)),
-                    seconds=time.monotonic() - began,
-                )
+        def done(count: int) -> None:
+            self._told(count, time.monotonic() - began)
 
         def failed(reason: Failure) -> None:
-            if reason.check(*self._store.database_errors):
+            if reason.check(*self._database_errors):
                 self.log.warn(
-                    "usage retention: the store refused ({error}); trying"
-                    " again in {interval}s",
+                    "{name}: the store refused ({error}); trying again in {interval}s",
+                    name=self._name,
                     error=reason.getErrorMessage(),
                     interval=self.interval,
                 )
             else:
-                self.log.failure("usage retention: a pass failed", reason)
+                self.log.failure("{name}: a pass failed", reason, name=self._name)
 
         def finished(_: object) -> None:
             self._pass = None
 
-        done = self._store.roll_usage(cutoff).addCallbacks(rolled, failed)
-        self._pass = done
-        done.addBoth(finished)
-        return done
+        one = self._work().addCallbacks(done, failed)
+        self._pass = one
+        one.addBoth(finished)
+        return one
 
     def startService(self) -> None:
         super().startService()  # type: ignore[no-untyped-call]
         self._timer = LoopingCall(self.run_once)
         self._timer.clock = self._clock
-        # LoopingCall waits for a Deferred it is given: never two passes.
         self._timer.start(self.interval, now=True)
 
     def stopService(self) -> Deferred[None]:
@@ -116,3 +106,58 @@ class UsageRetention(Service):
     async def _wait(self) -> None:
         if self._pass is not None:
             await self._pass
+
+
+class UsageRetention(StorePasses):
+    """
+    Rolls old usage records into daily totals, in L{StorePasses}.
+
+    @param retention: C{[store] usage_retention}, seconds: a record older
+        than the start of the UTC day this long ago is rolled.
+    @param interval: seconds between passes.
+    @param wall_clock: POSIX seconds now.
+    @ivar rolled: records rolled since start.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        clock: IReactorTime,
+        retention: float,
+        interval: float = 3600.0,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(
+            "usage retention",
+            clock,
+            interval,
+            store.database_errors,
+            self._roll,
+            self._rolled,
+        )
+        self._store = store
+        self.retention = retention
+        self._wall_clock = wall_clock
+        self._cutoff = 0.0
+        self.rolled = 0
+
+    def cutoff(self) -> float:
+        """
+        @return: POSIX seconds: the records before it are past retention.
+        """
+        return day_start(self._wall_clock() - self.retention)
+
+    def _roll(self) -> Deferred[int]:
+        self._cutoff = self.cutoff()
+        return self._store.roll_usage(self._cutoff)
+
+    def _rolled(self, count: int, seconds: float) -> None:
+        self.rolled += count
+        if count:
+            self.log.info(
+                "usage retention: rolled {count} records from before"
+                " {cutoff} into daily totals in {seconds:.1f}s",
+                count=count,
+                cutoff=time.strftime("%Y-%m-%d", time.gmtime(self._cutoff)),
+                seconds=seconds,
+            )

@@ -106,6 +106,27 @@ class _Handler(BaseHTTPRequestHandler):
                     self.server.flood_finished = True
             except OSError:
                 pass
+        elif mode == "usage":
+            # The counts the request names, as an engine's usage object,
+            # whole or as a stream's last chunk.
+            usage = json.dumps(request["usage"]).encode()
+            if request.get("stream"):
+                self._chunked(
+                    [
+                        CHUNK,
+                        FINISH,
+                        b'data: {"id":"c","object":"chat.completion.chunk",'
+                        b'"choices":[],"usage":' + usage + b"}\n\n",
+                        b"data: [DONE]\n\n",
+                    ]
+                )
+            else:
+                self._send(
+                    200,
+                    b'{"id":"c","object":"chat.completion","model":"m","choices":'
+                    b'[{"index":0,"message":{"role":"assistant","content":"ok"},'
+                    b'"finish_reason":"stop"}],"usage":' + usage + b"}",
+                )
         elif mode == "big_json":
             self._send(200, b'{"pad": "' + b"y" * int(request["size"]) + b'"}')
         elif mode == "e503_traceback":

@@ -62,6 +62,11 @@ class RunScriptsTests(SynchronousTestCase, CtlMixin):
         )
         self.addCleanup(process.stop)
         process.wait_for(r"client API listening on", timeout=60)
+        # The script's own line names the ports given, not the defaults.
+        process.wait_for(
+            rf"run-local: llmgw on http://127\.0\.0\.1:{port} \(loopback only\),"
+            rf" admin on http://127\.0\.0\.1:{admin};"
+        )
         self.admin_url = f"http://127.0.0.1:{admin}"
         return process, f"http://127.0.0.1:{port}"
 

@@ -82,6 +82,24 @@ class StoreResponsesTests(TestCase):
         self.assertTrue(await self.responses.delete("resp_1", 7))
         self.assertIsNone(await self.responses.get("resp_1", 7))
 
+    async def test_deeply_nested_kept(self) -> None:
+        """
+        A client's object nested 900 deep (a tool's parameters, as the
+        JSON parser takes it) is kept and read back: copying the record
+        raised RecursionError and the response was lost.
+        """
+        nested: object = 1
+        for _ in range(900):
+            nested = {"a": nested}
+        state = KeptResponse(
+            **{
+                **_state("resp_deep", 7, self.now - 10).__dict__,
+                "input_items": [{"role": "user", "content": "hi", "x": nested}],
+            }
+        )
+        await self.responses.put(state)
+        self.assertEqual(await self.responses.get("resp_deep", 7), state)
+
     async def test_past_retention_unknown(self) -> None:
         """
         Once older than the retention, a response reads as unknown though

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import fields
+from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -22,6 +23,16 @@ from llmgw.accounts.retention import StorePasses
 from llmgw.router.interfaces import KeptResponse
 from llmgw.store.base import Store
 from llmgw.store.responses import StoredResponse
+
+
+def _shallow(row: KeptResponse | StoredResponse) -> dict[str, Any]:
+    """
+    @return: C{row}'s fields by name, their values as they are: not
+        C{dataclasses.asdict}, which copies the items' JSON recursively
+        and raised C{RecursionError} on a client's object nested 900 deep,
+        losing the response.
+    """
+    return {f.name: getattr(row, f.name) for f in fields(row)}
 
 
 class StoreResponses:
@@ -48,7 +59,7 @@ class StoreResponses:
         """
         Keep C{kept}; fires when written.
         """
-        return self._store.put_response(StoredResponse(**asdict(kept)))
+        return self._store.put_response(StoredResponse(**_shallow(kept)))
 
     def get(
         self, response_id: str, key_id: int | None
@@ -62,7 +73,7 @@ class StoreResponses:
         def shape(row: StoredResponse | None) -> KeptResponse | None:
             if row is None or row.created_at < cutoff:
                 return None
-            return KeptResponse(**asdict(row))
+            return KeptResponse(**_shallow(row))
 
         return self._store.get_response(response_id, key_id).addCallback(shape)
 

@@ -26,6 +26,27 @@ def loggable(text: str, limit: int = 200) -> str:
     return text.encode("unicode_escape").decode("ascii")
 
 
+MAX_COUNT = 2**31 - 1
+"""
+The most tokens one request's count may say: far past any context length,
+far below what the store's 64-bit integers and the sums of a key's usage
+can hold.
+"""
+
+
+def engine_count(value: object) -> int | None:
+    """
+    @param value: a token count as an engine's usage object gave it.
+    @return: it, when it is an integer from 0 to L{MAX_COUNT}; else
+        L{None} (absent, or no count: negative, a float, a string, a
+        boolean, 10**30).
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if 0 <= value <= MAX_COUNT:
+            return value
+    return None
+
+
 def _began(exchange: Exchange) -> bool:
     """
     @return: whether the replica began a successful answer (the engine
@@ -64,13 +85,20 @@ def request_record(
     usage = (exchange.usage if exchange is not None else None) or {}
     # Chat and completions name them so; the Responses API input and
     # output.
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    prompt = engine_count(usage.get("prompt_tokens", usage.get("input_tokens")))
+    completion = engine_count(
+        usage.get("completion_tokens", usage.get("output_tokens"))
+    )
+    # An engine's count that is no count (negative, a float, 10**30) is
+    # not believed: the record is estimated as if none came, so that a
+    # broken engine can neither stop the counters nor the store's writes.
+    counted = exchange is not None and exchange.usage is not None
+    believed = not counted or (prompt is not None and completion is not None)
     estimated = False
     replica = exchange.replica if exchange is not None else None
     if (
         exchange is not None
-        and exchange.usage is None
+        and (exchange.usage is None or not believed)
         and replica is not None
         and (status in (200, 499) or _began(exchange))
         and exchange.prepared.body
@@ -97,8 +125,8 @@ def request_record(
         replica=replica.id if replica is not None else None,
         status=status,
         stream=stream,
-        prompt_tokens=prompt if isinstance(prompt, int) else 0,
-        completion_tokens=completion if isinstance(completion, int) else 0,
+        prompt_tokens=prompt or 0,
+        completion_tokens=completion or 0,
         latency=now - started,
         time_to_first_token=(
             first_byte_at - started if first_byte_at is not None else None

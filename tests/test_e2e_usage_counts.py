@@ -1,0 +1,74 @@
+"""
+An engine's usage counts that are no counts, end to end: C{twistd -n
+llmgw-server} in front of a fake engine (tests/fake_upstream.py) that
+answers with the counts a request names.  A broken tester's engine said
+10**30 tokens (the usage writer then failed on every batch, keeping
+records it could never write, for the rest of the server's life) and -5
+(a 500 cut short and no record at all): neither is believed.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.support import Processes
+from tests.test_e2e_router import client
+
+BAD_COUNTS: tuple[dict[str, Any], ...] = (
+    {"prompt_tokens": 10**30, "completion_tokens": 10**30},
+    {"prompt_tokens": 7, "completion_tokens": -5},
+    {"prompt_tokens": -7, "completion_tokens": 3},
+    {"prompt_tokens": 2.5, "completion_tokens": 3},
+    {"prompt_tokens": "7", "completion_tokens": True},
+)
+
+
+class EngineCountsTests(SynchronousTestCase, Processes):
+    timeout = 60
+
+    def test_counts_not_believed_and_nothing_lost(self) -> None:
+        """
+        Each bad count, whole and streamed, is answered 200 and recorded as
+        estimated; a good count after them is recorded as the engine's; and
+        every record reaches the store (ten bad, two good), none held back.
+        """
+        from tests.fake_upstream import FakeUpstream
+
+        fake = FakeUpstream()
+        self.addCleanup(fake.stop)
+        server, url, _ = self.start_server(
+            "--endpoint", f"fake={fake.url}=m", state="server-state"
+        )
+        gateway = client(url)
+        messages: Any = [{"role": "user", "content": "hello there"}]
+        for usage in (*BAD_COUNTS, {"prompt_tokens": 4, "completion_tokens": 2}):
+            for stream in (False, True):
+                answer: Any = gateway.chat.completions.create(
+                    model="m",
+                    messages=messages,
+                    stream=stream,
+                    extra_body={"mode": "usage", "usage": usage},
+                )
+                if stream:
+                    self.assertTrue(list(answer))
+                else:
+                    self.assertEqual(answer.choices[0].message.content, "ok")
+        server.stop()
+        path = os.path.join(self._directory(), "server-state", "llmgw.db")
+        with sqlite3.connect(path) as db:
+            rows = db.execute(
+                "SELECT status, prompt_tokens, completion_tokens, estimated"
+                " FROM usage ORDER BY time"
+            ).fetchall()
+        self.assertEqual(len(rows), 2 * len(BAD_COUNTS) + 2, rows)
+        for status, prompt, completion, estimated in rows[:-2]:
+            self.assertEqual(status, 200)
+            self.assertTrue(estimated)
+            self.assertTrue(0 <= prompt < 1000 and 0 <= completion < 1000, rows)
+        self.assertEqual([r[1:] for r in rows[-2:]], [(4, 2, 0), (4, 2, 0)])
+        self.assertNotIn("cannot write", server.output())
+        self.assertNotIn("Traceback", server.output())

@@ -59,6 +59,7 @@ class VLLMLoRATests(VLLMFleet):
             alias="gemma-alias",
             source=VLLM_MODEL,
             args=json.dumps(ARGS),
+            env="",
         ) + ADAPTER_TABLE.format(name=ADAPTER, model=MODEL, path=adapter)
         # One vLLM cannot load: its path does not exist.
         config += ADAPTER_TABLE.format(

@@ -262,7 +262,10 @@ class VLLMFleet(SynchronousTestCase, Processes):
         try:
             rows = dict(
                 db.execute(
-                    "SELECT request_id, replica FROM usage WHERE request_id IN"
+                    # The ids the test sent are the clients'; each row is
+                    # keyed by llmgw's own.
+                    "SELECT client_request_id, replica FROM usage"
+                    " WHERE client_request_id IN"
                     f" ({', '.join('?' * len(request_ids))})",
                     request_ids,
                 ).fetchall()

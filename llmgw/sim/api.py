@@ -474,6 +474,24 @@ def full_response(
     )
 
 
+def _scripted_events(
+    req: GenerationRequest, script: Script, response_id: str, created: int, count: int
+) -> list[bytes]:
+    """
+    @return: a scripted answer's events (L{llmgw.sim.script.stream_chunks}),
+        then C{[DONE]}.
+    """
+    fields: dict[str, object] = {
+        "id": response_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": req.model,
+    }
+    counts = usage(req.prompt_tokens, count) if req.include_usage else None
+    chunks = stream_chunks(fields, script, _call_id(response_id), counts)
+    return [*chunks, DONE_EVENT]
+
+
 def stream_events(
     req: GenerationRequest,
     response_id: str,
@@ -489,8 +507,7 @@ def stream_events(
     one chunk per token, a chunk with an empty delta and C{finish_reason},
     the usage chunk if asked for, C{[DONE]}.  Completions: one chunk per
     token, a chunk with empty text and C{finish_reason}, the usage chunk if
-    asked for, C{[DONE]}.  A scripted answer (C{req.script}) has the same
-    frame around its own token chunks (L{llmgw.sim.script.stream_chunks}).
+    asked for, C{[DONE]}.  A scripted answer: L{_scripted_events}.
 
     @param count: completion tokens (a scripted answer's L{Script.tokens}).
     @param finish: the C{finish_reason} of a generated answer.
@@ -499,15 +516,7 @@ def stream_events(
     @return: the events, and the index of the first token's event.
     """
     if req.script is not None:
-        fields: dict[str, object] = {
-            "id": response_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": req.model,
-        }
-        counts = usage(req.prompt_tokens, count) if req.include_usage else None
-        chunks = stream_chunks(fields, req.script, _call_id(response_id), counts)
-        return [*chunks, DONE_EVENT], 1
+        return _scripted_events(req, req.script, response_id, created, count), 1
     head = _dumps(
         {
             "id": response_id,

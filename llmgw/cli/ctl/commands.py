@@ -120,6 +120,22 @@ def nodes(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
     return result, table(rows, header)
 
 
+def _replicas_on_gpus(node: dict[str, Any]) -> dict[int, list[str]]:
+    """
+    @return: GPU index to the replicas on it, each with its allocation in
+        GiB where it has one (several may share one GPU).
+    """
+    on_gpu: dict[int, list[str]] = {}
+    for shard in node.get("shards") or ():
+        held = shard.get("gpu_memory_gb")
+        name = str(shard.get("replica") or shard["id"])
+        for index in shard["gpus"]:
+            on_gpu.setdefault(index, []).append(
+                name if held is None else f"{name} ({held:g} GiB)"
+            )
+    return on_gpu
+
+
 def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
     """
     C{nodes NODE}: one node's fields, its GPUs (memory in GiB, allocated,
@@ -146,15 +162,7 @@ def node_detail(listed: dict[str, Any], node_id: str) -> tuple[Any, str]:
         + (" (simulated)" if simulated else ""),
         f"last seen: {node['last_seen'][:19]}",
     ]
-    on_gpu: dict[int, list[str]] = {}
-    for shard in node.get("shards") or ():
-        held = shard.get("gpu_memory_gb")
-        name = str(shard.get("replica") or shard["id"])
-        for index in shard["gpus"]:
-            # Each replica's allocation: several may share one GPU.
-            on_gpu.setdefault(index, []).append(
-                name if held is None else f"{name} ({held:g} GiB)"
-            )
+    on_gpu = _replicas_on_gpus(node)
     gpus = [
         (
             g["index"],

@@ -27,7 +27,7 @@ from llmgw.router.api.anthropic import (
     MESSAGES_PATH,
     MESSAGES_PATHS,
 )
-from llmgw.router.api.credentials import request_key
+from llmgw.router.api.credentials import admit, request_key
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
 from llmgw.router.api.prepare import (
@@ -305,14 +305,7 @@ class Router:
                 explain=wanted(request, self.settings.log_candidates),
                 trace=trace,
             )
-            if key is not None:
-                assert self.auth is not None
-                admitted = self.auth.admit(
-                    key, (prepared.requested_model, prepared.model), prepared.reserve
-                )
-                if admitted is not None:
-                    await admitted
-                reserved = prepared.reserve
+            reserved = await admit(self.auth, key, prepared)
             result = await exchange.run()
             if prepared.responses is not None:
                 await self.conversations.keep(prepared, key)

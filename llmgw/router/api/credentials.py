@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from twisted.web.iweb import IRequest
 
+from llmgw.router.api.prepare import Prepared
 from llmgw.router.interfaces import Auth, Key
 
 
@@ -30,3 +31,22 @@ def request_key(auth: Auth | None, request: IRequest) -> Key | None:
         if api_key is not None and api_key.strip():
             header = b"Bearer " + api_key.strip()
     return auth.authenticate(header)
+
+
+async def admit(auth: Auth | None, key: Key | None, prepared: Prepared) -> int:
+    """
+    Wait for C{key}'s limits to let C{prepared} in: its model asked for and
+    the one it resolved to, and its tokens held while it runs
+    (L{Prepared.reserve}).
+
+    @return: the tokens held (0 without a key).
+    @raise llmgw.router.errors.APIError: 403 or 429 (L{Auth.admit}).
+    """
+    if key is None:
+        return 0
+    assert auth is not None
+    reserve = prepared.reserve
+    admitted = auth.admit(key, (prepared.requested_model, prepared.model), reserve)
+    if admitted is not None:
+        await admitted
+    return reserve

@@ -39,7 +39,9 @@ def engine_count(value: object) -> int | None:
     @param value: a token count as an engine's usage object gave it.
     @return: it, when it is an integer from 0 to L{MAX_COUNT}; else
         L{None} (absent, or no count: negative, a float, a string, a
-        boolean, 10**30).
+        boolean, 10**30).  A record with such a count is estimated as if
+        none came: a broken engine must stop neither the counters nor the
+        store's writes.
     """
     if isinstance(value, int) and not isinstance(value, bool):
         if 0 <= value <= MAX_COUNT:
@@ -89,9 +91,7 @@ def request_record(
     completion = engine_count(
         usage.get("completion_tokens", usage.get("output_tokens"))
     )
-    # An engine's count that is no count (negative, a float, 10**30) is
-    # not believed: the record is estimated as if none came, so that a
-    # broken engine can neither stop the counters nor the store's writes.
+    # A count that is no count is not believed (engine_count).
     counted = exchange is not None and exchange.usage is not None
     believed = not counted or (prompt is not None and completion is not None)
     estimated = False

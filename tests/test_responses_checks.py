@@ -14,7 +14,7 @@ from typing import Any
 from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
-from llmgw.router.api.responses import to_response
+from llmgw.router.api.responses import responses_error, to_response
 from llmgw.router.api.responses_state import Conversations
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import KeptResponse
@@ -173,3 +173,15 @@ class FieldCheckTests(SynchronousTestCase):
             self.assertEqual(failure.value.status, 404)
             failure.value.message.encode("utf-8")
         self.assertEqual(asked, [])
+
+    def test_engine_error_names_input(self) -> None:
+        """
+        An engine's error naming chat completions' C{messages} (a prompt
+        too long) names C{input} for the Responses API, its message kept;
+        another is left as it is.
+        """
+        long = APIError(400, "too long", "invalid_request_error", None, "messages")
+        mapped = responses_error(long)
+        self.assertEqual((mapped.param, mapped.message), ("input", "too long"))
+        other = APIError(400, "bad", "invalid_request_error", None, "temperature")
+        self.assertIs(responses_error(other), other)

@@ -21,6 +21,7 @@ C{ResponseCustomToolCall}, C{ResponseReasoningItem}).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any
@@ -310,6 +311,18 @@ class ResponsesCall:
         return relay.fail(error.message, error.code or error.type)
 
 
+def responses_error(error: APIError) -> APIError:
+    """
+    @return: an engine's error for the Responses API: one naming chat
+        completions' C{messages} (a prompt past the model's context) names
+        the Responses API's C{input} instead, its message kept.
+    """
+    param = error.param
+    if param is None or not (param == "messages" or param.startswith("messages.")):
+        return error
+    return dataclasses.replace(error, param="input")
+
+
 def to_response(chat: dict[str, Any], turn: Turn) -> dict[str, Any]:
     """
     Translate a chat completion into a Response object.
@@ -350,4 +363,10 @@ def to_response(chat: dict[str, Any], turn: Turn) -> dict[str, Any]:
     )
 
 
-__all__ = ["CUSTOM_PARAMETER", "RESPONSES_PATH", "ResponsesCall", "to_response"]
+__all__ = [
+    "CUSTOM_PARAMETER",
+    "RESPONSES_PATH",
+    "ResponsesCall",
+    "responses_error",
+    "to_response",
+]

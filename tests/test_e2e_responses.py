@@ -256,6 +256,24 @@ class ResponsesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
             )
         body = unknown.exception.body
         self.assertEqual(body["param"], "previous_response_id")
+        # A lone surrogate, which the store's query cannot encode, and a
+        # stream flag that is not a boolean.
+        for raw_body, code, param in (
+            (
+                b'{"model": "sim-model", "input": "hi",'
+                b' "previous_response_id": "resp_\\ud800"}',
+                404,
+                "previous_response_id",
+            ),
+            (b'{"model": "sim-model", "input": "hi", "stream": "yes"}', 400, "stream"),
+        ):
+            status, _, raw = http(
+                "POST",
+                self.url + "/v1/responses",
+                raw_body,
+                {"Authorization": f"Bearer {self.key}"},
+            )
+            self.assertEqual((status, json.loads(raw)["error"]["param"]), (code, param))
 
 
 WEATHER: Any = {

@@ -39,7 +39,7 @@ from llmgw.router.api.prepare import (
 )
 from llmgw.router.api.records import request_record
 from llmgw.router.api.response_routes import ResponseRoutes
-from llmgw.router.api.responses import RESPONSES_PATH
+from llmgw.router.api.responses import RESPONSES_PATH, responses_error
 from llmgw.router.api.responses_state import Conversations
 from llmgw.router.api.stream_usage import MissingStreamUsage
 from llmgw.router.edge.cors import Cors
@@ -312,6 +312,8 @@ class Router:
             status = exchange.status
             return result
         except APIError as error:
+            if exchange is not None and exchange.prepared.responses is not None:
+                error = responses_error(error)
             status = anthropic_error(error)[0] if anthropic else error.status
             if exchange is not None and exchange.headers_sent:
                 # A stream already started (activation's keep-alives):

@@ -21,6 +21,7 @@ C{ResponseCustomToolCall}, C{ResponseReasoningItem}).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from typing import Any
@@ -66,18 +67,23 @@ _DEFAULTS: dict[str, Any] = {
 def input_items(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """
     @return: the request's C{input} as items: a string is one user message;
-        none is no items (the API's C{input} is optional: a continuation
-        may add only C{instructions}).
-    @raise Invalid: neither a string nor an array (param C{input}).
+        none (or an empty string) is no items (the API's C{input} is
+        optional: a continuation may add only C{instructions}).
+    @raise Invalid: neither a string nor an array (param C{input}), or an
+        item that is not an object (C{input[2]}).
     """
     value = payload.get("input")
     if value is None:
         return []
     if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
+        return [{"type": "message", "role": "user", "content": value}] if value else []
     if not isinstance(value, list):
         raise Invalid("input", f"expected a string or an array, got {json_kind(value)}")
-    return [item if isinstance(item, dict) else {"type": None} for item in value]
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            kind = json_kind(item)
+            raise Invalid(f"input[{index}]", f"expected an object, got {kind}")
+    return value
 
 
 def _number(payload: dict[str, Any], name: str, chat: dict[str, Any]) -> None:
@@ -87,6 +93,71 @@ def _number(payload: dict[str, Any], name: str, chat: dict[str, Any]) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise Invalid(name, f"expected a number, got {json_kind(value)}")
     chat[name] = value
+
+
+def _boolean(payload: dict[str, Any], name: str) -> None:
+    value = payload.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise Invalid(name, f"expected a boolean, got {json_kind(value)}")
+
+
+def _metadata(value: object) -> None:
+    """
+    @raise Invalid: C{value} is not the API's metadata: an object of at
+        most 16 keys (each up to 64 characters), its values strings of at
+        most 512 characters (OpenAI's API reference, "Metadata").
+    """
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise Invalid("metadata", f"expected an object, got {json_kind(value)}")
+    if len(value) > 16:
+        raise Invalid("metadata", "expected at most 16 keys")
+    for key, text in value.items():
+        if len(key) > 64:
+            raise Invalid("metadata", "expected keys of at most 64 characters")
+        if not isinstance(text, str) or len(text) > 512:
+            raise Invalid("metadata", "expected strings of at most 512 characters")
+
+
+def _object(parent: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    value = parent.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Invalid(where, f"expected an object, got {json_kind(value)}")
+    return value
+
+
+def check_fields(payload: dict[str, Any]) -> None:
+    """
+    Check the fields the translation passes on or echoes, so that a wrong
+    type is a 400 naming it rather than a field silently ignored.
+
+    @raise Invalid: C{stream}, C{store}, C{parallel_tool_calls} not a
+        boolean; C{metadata}, C{text}, C{text.format}, C{reasoning} not
+        objects; C{reasoning.effort} not a string; a C{json_schema} format
+        without an object C{schema}; C{previous_response_id} not a string.
+    """
+    for name in ("stream", "store", "parallel_tool_calls"):
+        _boolean(payload, name)
+    _metadata(payload.get("metadata"))
+    previous = payload.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise Invalid(
+            "previous_response_id", f"expected a string, got {json_kind(previous)}"
+        )
+    effort = _object(payload, "reasoning", "reasoning").get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise Invalid("reasoning.effort", f"expected a string, got {json_kind(effort)}")
+    form = _object(_object(payload, "text", "text"), "format", "text.format")
+    if form and not isinstance(form.get("type"), str):
+        raise Invalid("text.format.type", "expected a string")
+    if form.get("type") == "json_schema" and not isinstance(form.get("schema"), dict):
+        raise Invalid(
+            "text.format.schema",
+            f"expected an object, got {json_kind(form.get('schema'))}",
+        )
 
 
 def _options(payload: dict[str, Any], chat: dict[str, Any]) -> None:
@@ -148,6 +219,7 @@ class ResponsesCall:
         self.payload = payload
         self.id = response_id or f"resp_{uuid.uuid4().hex}"
         self.model = str(payload["model"])
+        check_fields(payload)
         own = input_items(payload)
         self.items = list(history or []) + own
         self.tools: Tools = tools(payload.get("tools"))
@@ -171,6 +243,9 @@ class ResponsesCall:
             number = index - offset
             where = f"input[{number}]" if number >= 0 else "previous_response_id"
             messages.add(item, where)
+        if not messages.messages:
+            # The engine's 400 would name chat completions' C{messages}.
+            raise Invalid("input", "expected at least one input item or instructions")
         chat: dict[str, Any] = {"model": self.model, "messages": messages.messages}
         if self.tools.functions:
             chat["tools"] = self.tools.functions
@@ -236,6 +311,18 @@ class ResponsesCall:
         return relay.fail(error.message, error.code or error.type)
 
 
+def responses_error(error: APIError) -> APIError:
+    """
+    @return: an engine's error for the Responses API: one naming chat
+        completions' C{messages} (a prompt past the model's context) names
+        the Responses API's C{input} instead, its message kept.
+    """
+    param = error.param
+    if param is None or not (param == "messages" or param.startswith("messages.")):
+        return error
+    return dataclasses.replace(error, param="input")
+
+
 def to_response(chat: dict[str, Any], turn: Turn) -> dict[str, Any]:
     """
     Translate a chat completion into a Response object.
@@ -261,10 +348,14 @@ def to_response(chat: dict[str, Any], turn: Turn) -> dict[str, Any]:
     for index, call in enumerate(calls if isinstance(calls, list) else []):
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
+            arguments = function.get("arguments")
+            if not isinstance(arguments, str):
+                # Some engines send the arguments as a JSON object.
+                arguments = "" if arguments is None else json.dumps(arguments)
             builder.call(
                 str(call.get("id") or f"call_{index}"),
                 str(function.get("name") or ""),
-                str(function.get("arguments") or ""),
+                arguments,
             )
     usage = chat.get("usage")
     return builder.finish(
@@ -272,4 +363,10 @@ def to_response(chat: dict[str, Any], turn: Turn) -> dict[str, Any]:
     )
 
 
-__all__ = ["CUSTOM_PARAMETER", "RESPONSES_PATH", "ResponsesCall", "to_response"]
+__all__ = [
+    "CUSTOM_PARAMETER",
+    "RESPONSES_PATH",
+    "ResponsesCall",
+    "responses_error",
+    "to_response",
+]

@@ -27,6 +27,7 @@ C{NamespaceToolParam}, C{ToolChoice*}):
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,10 @@ The tool types OpenAI's servers run (search, code, computer use, images, MCP
 servers) or whose calls have item types of their own (C{local_shell},
 C{shell}, C{apply_patch}, C{tool_search}): llmgw has none of them to run and
 no engine emits their calls, so they are left out of what the model sees.
+"""
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""
+The names chat completions' functions take (OpenAI's function names).
 """
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
 _ROLES["developer"] = "system"
@@ -164,6 +169,9 @@ class InputItems:
         """
         if not isinstance(item, dict):
             raise Invalid(where, f"expected an object, got {json_kind(item)}")
+        ident = item.get("id")
+        if ident is not None and not isinstance(ident, str):
+            raise Invalid(f"{where}.id", f"expected a string, got {json_kind(ident)}")
         kind = item.get("type", "message")
         if kind == "message":
             self._message(item, where)
@@ -291,6 +299,19 @@ def _add(out: Tools, tool: object, where: str, namespace: str | None) -> None:
             f" got {json.dumps(kind)[:50]}",
         )
     function = _function(tool, where, namespace)
+    flat = function["name"]
+    if not _NAME.fullmatch(flat):
+        raise Invalid(
+            f"{where}.name",
+            f"the function name {json.dumps(flat)[:80]} is not 1 to 64 letters,"
+            " digits, _ or -",
+        )
+    if flat in out.names:
+        raise Invalid(
+            f"{where}.name",
+            f"the function name {flat} is another tool's too (a namespace's"
+            f" members are named <namespace>{NAMESPACE_JOIN}<name>)",
+        )
     out.functions.append({"type": "function", "function": function})
     out.names[function["name"]] = (str(kind), str(tool["name"]), namespace)
 
@@ -302,15 +323,25 @@ def tool_choice(value: object, offered: Tools) -> Any:
     @raise Invalid: it forces a hosted tool (which the model does not see,
         param C{tool_choice}), or is of an unknown shape.
     """
-    if value is None or value in ("auto", "none", "required"):
+    if value is None or value in ("auto", "none"):
+        return value
+    if value == "required":
+        if not offered.functions:
+            raise Invalid("tool_choice", "no function or custom tool is offered")
         return value
     kind = value.get("type") if isinstance(value, dict) else None
     if not isinstance(value, dict) or not isinstance(kind, str):
         raise Invalid("tool_choice", 'expected "auto", "none", "required" or an object')
     if kind in ("function", "custom"):
+        if not offered.functions:
+            raise Invalid("tool_choice", "no function or custom tool is offered")
         name = _string(value, "name", "tool_choice")
         known = [flat for flat, tool in offered.names.items() if tool[1] == name]
-        return {"type": "function", "function": {"name": known[0] if known else name}}
+        if name in offered.names:
+            known = [name]
+        if not known:
+            raise Invalid("tool_choice.name", f"no tool named {name[:64]} is offered")
+        return {"type": "function", "function": {"name": known[0]}}
     if kind == "allowed_tools":
         return "required" if value.get("mode") == "required" else "auto"
     raise Invalid(

@@ -30,9 +30,10 @@ def unknown_response(response_id: str) -> APIError:
     """
     @return: the 404 for a response not found (or another key's).
     """
+    shown = response_id[:100].encode("ascii", "backslashreplace").decode("ascii")
     return APIError(
         404,
-        f"Previous response with id '{response_id[:100]}' not found.",
+        f"Previous response with id '{shown}' not found.",
         "invalid_request_error",
         "previous_response_not_found",
         "previous_response_id",
@@ -54,6 +55,16 @@ def _previous(body: bytes) -> str | None:
         payload.get("previous_response_id") if isinstance(payload, dict) else None
     )
     return previous if isinstance(previous, str) and previous else None
+
+
+def _plausible(response_id: str) -> bool:
+    """
+    @return: whether C{response_id} could be one llmgw made (C{resp_} and
+        32 hex digits): printable ASCII of at most 256 characters.  Another
+        is unknown without asking the store (whose query could not even
+        encode a lone surrogate).
+    """
+    return len(response_id) <= 256 and all(" " < c <= "~" for c in response_id)
 
 
 class Conversations:
@@ -91,7 +102,7 @@ class Conversations:
         previous = _previous(content.read())
         if previous is None:
             return None
-        if self._store is None:
+        if self._store is None or not _plausible(previous):
             raise unknown_response(previous)
         kept = await self._store.get(previous, key.id if key is not None else None)
         if kept is None:

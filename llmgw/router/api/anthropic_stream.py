@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from llmgw.router.upstream.relay import StreamCut
-from llmgw.router.upstream.sse import SSEParser
+from llmgw.router.upstream.sse import SSEParser, engine_count
 
 STOP_REASONS = {
     "stop": "end_turn",
@@ -91,16 +91,16 @@ def anthropic_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
         the engine reports cached tokens (C{prompt_tokens_details}).
     """
     usage = usage or {}
-    prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
+    prompt = engine_count(usage.get("prompt_tokens")) or 0
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    prompt = prompt if isinstance(prompt, int) else 0
+    cached = engine_count(
+        details.get("cached_tokens") if isinstance(details, dict) else None
+    )
     out: dict[str, Any] = {
-        "input_tokens": prompt - (cached if isinstance(cached, int) else 0),
-        "output_tokens": completion if isinstance(completion, int) else 0,
+        "input_tokens": prompt - (cached or 0),
+        "output_tokens": engine_count(usage.get("completion_tokens")) or 0,
     }
-    if isinstance(cached, int):
+    if cached is not None:
         out["cache_read_input_tokens"] = cached
     return out
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from llmgw.router.api.exchange import Exchange
 from llmgw.router.edge.site import RequestIds
 from llmgw.router.interfaces import Key, RequestRecord
+from llmgw.router.upstream.sse import engine_count
 
 
 def loggable(text: str, limit: int = 200) -> str:
@@ -24,29 +25,6 @@ def loggable(text: str, limit: int = 200) -> str:
         except UnicodeEncodeError:
             pass
     return text.encode("unicode_escape").decode("ascii")
-
-
-MAX_COUNT = 2**31 - 1
-"""
-The most tokens one request's count may say: far past any context length,
-far below what the store's 64-bit integers and the sums of a key's usage
-can hold.
-"""
-
-
-def engine_count(value: object) -> int | None:
-    """
-    @param value: a token count as an engine's usage object gave it.
-    @return: it, when it is an integer from 0 to L{MAX_COUNT}; else
-        L{None} (absent, or no count: negative, a float, a string, a
-        boolean, 10**30).  A record with such a count is estimated as if
-        none came: a broken engine must stop neither the counters nor the
-        store's writes.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        if 0 <= value <= MAX_COUNT:
-            return value
-    return None
 
 
 def _began(exchange: Exchange) -> bool:

@@ -28,7 +28,7 @@ from typing import Any
 
 from llmgw.router.api.responses_items import CUSTOM_PARAMETER
 from llmgw.router.upstream.relay import StreamCut
-from llmgw.router.upstream.sse import SSEParser
+from llmgw.router.upstream.sse import SSEParser, engine_count
 
 Event = tuple[str, dict[str, Any]]
 
@@ -42,7 +42,7 @@ def response_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
     usage = usage or {}
 
     def count(value: object) -> int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+        return engine_count(value) or 0
 
     prompt, completion = (
         count(usage.get("prompt_tokens")),

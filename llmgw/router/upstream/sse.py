@@ -210,6 +210,29 @@ Finds a usage object in raw stream bytes, without parsing them.
 """
 
 
+MAX_COUNT = 2**31 - 1
+"""
+The most tokens one request's count may say: far past any context length,
+far below what the store's 64-bit integers and the sums of a key's usage
+can hold.
+"""
+
+
+def engine_count(value: object) -> int | None:
+    """
+    @param value: a token count as an engine's usage object gave it.
+    @return: it, when it is an integer from 0 to L{MAX_COUNT}; else
+        L{None} (absent, or no count: negative, a float, a string, a
+        boolean, 10**30).  A record with such a count is estimated as if
+        none came: a broken engine must stop neither the counters nor the
+        store's writes.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if 0 <= value <= MAX_COUNT:
+            return value
+    return None
+
+
 def usage_of(data: bytes) -> tuple[dict[str, Any], bool] | None:
     """
     Read token usage from one event's data, when it carries any.

@@ -163,6 +163,19 @@ class Process:
         return self.popen.returncode
 
 
+def logged_usage(server: Process, rid: str) -> tuple[int, int, int]:
+    """
+    @param rid: the C{X-Request-ID} the client sent.
+    @return: the status, prompt and completion tokens of the server's usage
+        log line for that request (L{Process.wait_for}'s wait).
+    """
+    match = server.wait_for(
+        rf"request \S+ client_id={rid} .*status=(\d+)"
+        r" prompt_tokens=(\d+) completion_tokens=(\d+)"
+    )
+    return int(match.group(1)), int(match.group(2)), int(match.group(3))
+
+
 def spawn(
     argv: list[str], directory: str, name: str, env: dict[str, str] | None = None
 ) -> Process:

@@ -23,7 +23,7 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.router.api.prepare import MEDIA_ITEM_TOKENS
-from tests.support import CtlMixin, Process, Processes
+from tests.support import CtlMixin, Processes, logged_usage
 
 HELLO: list[Any] = [{"role": "user", "content": "say hello"}]
 ROBOT: Any = [{"role": "robot", "content": "hi"}]
@@ -36,18 +36,6 @@ A 3 MiB image, base64 (4 MiB): estimated as its bytes it would be about
 
 def _rid() -> str:
     return str(uuid.uuid4())
-
-
-def _record(server: Process, rid: str) -> tuple[int, int, int]:
-    """
-    @return: the status, prompt and completion tokens the server's usage
-        log line gives request C{rid}.
-    """
-    match = server.wait_for(
-        rf"request \S+ client_id={rid} .*status=(\d+)"
-        r" prompt_tokens=(\d+) completion_tokens=(\d+)"
-    )
-    return int(match.group(1)), int(match.group(2)), int(match.group(3))
 
 
 class MessagesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
@@ -88,7 +76,8 @@ class MessagesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
         self.assertTrue(message.content[0].type == "text" and message.content[0].text)
         usage = message.usage
         self.assertEqual(
-            _record(self.server, rid), (200, usage.input_tokens, usage.output_tokens)
+            logged_usage(self.server, rid),
+            (200, usage.input_tokens, usage.output_tokens),
         )
         rid = _rid()
         with client.messages.stream(
@@ -107,7 +96,7 @@ class MessagesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
         )
         self.assertGreater(final.usage.input_tokens, 0)
         self.assertEqual(
-            _record(self.server, rid),
+            logged_usage(self.server, rid),
             (200, final.usage.input_tokens, final.usage.output_tokens),
         )
         counted = client.messages.count_tokens(model="sim-model", messages=HELLO)
@@ -172,7 +161,7 @@ class MessagesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
                 model="sim-model", max_tokens=2, messages=HELLO
             )
             self.assertEqual(reply.type, "message")
-        status, prompt, _ = _record(self.server, rid)
+        status, prompt, _ = logged_usage(self.server, rid)
         self.assertEqual(status, 499)
         self.assertLessEqual(prompt, 200 + MEDIA_ITEM_TOKENS)
         self.assertGreaterEqual(prompt, MEDIA_ITEM_TOKENS)
@@ -198,7 +187,7 @@ class MessagesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
         )
         self.assertTrue(two.choices)
         cut.close()
-        status, prompt, _ = _record(self.server, rid)
+        status, prompt, _ = logged_usage(self.server, rid)
         self.assertEqual(status, 499)
         self.assertLessEqual(prompt, 200 + MEDIA_ITEM_TOKENS)
 
@@ -341,7 +330,7 @@ class ToolUseTests(SynchronousTestCase, Processes):
             (use.name, use.input, first.stop_reason),
             ("weather", {"city": "Oslo"}, "tool_use"),
         )
-        self.assertEqual(_record(self.server, rid), (200, 21, 8))
+        self.assertEqual(logged_usage(self.server, rid), (200, 21, 8))
         self.assertEqual(
             self.engine.requests[0]["tools"][0]["function"]["name"], "weather"
         )

@@ -19,8 +19,7 @@ from typing import Any
 import anthropic
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import Processes, free_port, spawn
-from tests.test_e2e_anthropic import _record
+from tests.support import Processes, free_port, logged_usage, spawn
 from tests.vllm_support import VLLM_BIN, VLLM_MODEL, require_vllm
 
 HELLO: Any = [{"role": "user", "content": "Say hello in three words."}]
@@ -78,7 +77,7 @@ class ForwardedToVLLMTests(SynchronousTestCase, Processes):
         usage = message.usage
         self.assertGreater(usage.input_tokens, 0)
         self.assertEqual(
-            _record(server, rid), (200, usage.input_tokens, usage.output_tokens)
+            logged_usage(server, rid), (200, usage.input_tokens, usage.output_tokens)
         )
         self.assertIn("replica=vllm-0", server.output())
         rid = str(uuid.uuid4())
@@ -92,7 +91,7 @@ class ForwardedToVLLMTests(SynchronousTestCase, Processes):
             final = stream.get_final_message()
         self.assertEqual(text, getattr(final.content[0], "text", None))
         self.assertEqual(
-            _record(server, rid),
+            logged_usage(server, rid),
             (200, final.usage.input_tokens, final.usage.output_tokens),
         )
         counted = client.messages.count_tokens(model="gemma-vllm", messages=HELLO)

@@ -24,23 +24,11 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests import test_e2e_anthropic as anthropic_e2e
 from tests.pg_support import fresh_database
-from tests.support import CtlMixin, Process, Processes, http, sim_stats
+from tests.support import CtlMixin, Process, Processes, http, logged_usage, sim_stats
 
 
 def _rid() -> str:
     return str(uuid.uuid4())
-
-
-def _record(server: Process, rid: str) -> tuple[int, int, int]:
-    """
-    @return: the status, prompt and completion tokens the server's usage
-        log line gives request C{rid}.
-    """
-    match = server.wait_for(
-        rf"request \S+ client_id={rid} .*status=(\d+)"
-        r" prompt_tokens=(\d+) completion_tokens=(\d+)"
-    )
-    return int(match.group(1)), int(match.group(2)), int(match.group(3))
 
 
 class ResponsesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
@@ -92,7 +80,7 @@ class ResponsesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
         assert response.usage is not None
         self.assertEqual(response.usage.output_tokens, 4)
         self.assertEqual(
-            _record(self.server, rid),
+            logged_usage(self.server, rid),
             (200, response.usage.input_tokens, response.usage.output_tokens),
         )
         items: Any = [
@@ -121,7 +109,7 @@ class ResponsesThroughSimTests(SynchronousTestCase, Processes, CtlMixin):
         self.assertEqual(final.usage.output_tokens, 3)
         self.assertTrue(final.output_text)
         self.assertEqual(
-            _record(self.server, rid),
+            logged_usage(self.server, rid),
             (200, final.usage.input_tokens, final.usage.output_tokens),
         )
 
@@ -318,7 +306,7 @@ class ResponsesToolTests(SynchronousTestCase, Processes):
             (call.name, json.loads(call.arguments), call.call_id),
             ("weather", {"city": "Oslo"}, "call_7"),
         )
-        self.assertEqual(_record(self.server, rid), (200, 21, 8))
+        self.assertEqual(logged_usage(self.server, rid), (200, 21, 8))
         with self.client.responses.stream(
             model="tools", input="weather in Oslo?", tools=[WEATHER]
         ) as stream:

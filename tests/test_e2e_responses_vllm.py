@@ -18,8 +18,7 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests import test_e2e_anthropic_vllm as anthropic_vllm
-from tests.support import Processes
-from tests.test_e2e_anthropic import _record
+from tests.support import Processes, logged_usage
 from tests.vllm_support import require_vllm
 
 
@@ -55,7 +54,7 @@ class TranslatedForVLLMTests(SynchronousTestCase, Processes):
         self.assertTrue(first.output_text)
         assert first.usage is not None
         self.assertEqual(
-            _record(server, rid),
+            logged_usage(server, rid),
             (200, first.usage.input_tokens, first.usage.output_tokens),
         )
         rid = str(uuid.uuid4())
@@ -73,5 +72,5 @@ class TranslatedForVLLMTests(SynchronousTestCase, Processes):
         assert usage is not None
         self.assertGreater(usage.input_tokens, first.usage.input_tokens)
         self.assertEqual(
-            _record(server, rid), (200, usage.input_tokens, usage.output_tokens)
+            logged_usage(server, rid), (200, usage.input_tokens, usage.output_tokens)
         )

@@ -112,6 +112,8 @@ class RequestRecord:
         ran.
     @ivar candidates: the replicas weighed for its last attempt and what
         was weighed (L{llmgw.router.routing.decision}), when asked; else L{None}.
+    @ivar batch_id: the batch whose line this request was, or L{None} for
+        a client's own request.
     """
 
     request_id: str
@@ -130,6 +132,7 @@ class RequestRecord:
     reserved_tokens: int = 0
     candidates: list[dict[str, Any]] | None = None
     client_request_id: str | None = None
+    batch_id: str | None = None
 
 
 class UsageSink(Protocol):
@@ -211,6 +214,39 @@ class Tenant:
     name: str = ""
     rank: int = 1
     weight: float = 1.0
+
+
+BATCH_RANK = -(2**31)
+"""
+The rank of a batch's lines where requests wait: below every priority a key
+can hold, so that a batch line waits behind, and is refused before, any
+client's own request.
+"""
+
+
+class BatchRoom(Protocol):
+    """
+    How many of a batch's lines may be sent to a model now: the batches'
+    runner asks before it sends, and says when a line it sent ended, so
+    that batch work fills what the fleet leaves idle and no more.
+    """
+
+    def room(self, model: str) -> int:
+        """
+        @param model: a model's catalog name.
+        @return: how many more lines of C{model} may be in flight now
+            (0: none; wait and ask again).
+        """
+
+    def sent(self, model: str) -> None:
+        """
+        One line of C{model} was sent.
+        """
+
+    def ended(self, model: str) -> None:
+        """
+        A line of C{model} sent earlier ended, however it ended.
+        """
 
 
 class Key(Protocol):

@@ -22,6 +22,7 @@ from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
+from twisted.web.test.requesthelper import DummyChannel
 
 from llmgw.router.api.batch_api import upload_paths
 from llmgw.router.api.batch_shapes import results_jsonl
@@ -222,3 +223,31 @@ class ResultsTests(SynchronousTestCase):
                 {"custom_id": "e", "result": {"type": "expired"}},
             ],
         )
+
+
+class _Stream:
+    """
+    Stands in for an HTTP/2 stream, the request's channel: it has the
+    method and path once the headers came.
+    """
+
+    def __init__(self, command: bytes, path: bytes) -> None:
+        self.command = command
+        self.path = path
+
+
+class StreamLimitTests(SynchronousTestCase):
+    def test_limit_from_the_stream(self) -> None:
+        """
+        Over HTTP/2 (no request line for the channel to tell), the limit is
+        read from the stream: an upload's path has its own, another path
+        max_body_size.
+        """
+        settings = replace(RouterConfig(), max_body_size=100)
+        site = make_site(_Sizes(), settings, Clock(), uploads=upload_paths(1000))
+        for path, limit in ((b"/v1/files", 1000), (b"/v1/chat/completions", 100)):
+            request: Any = site.requestFactory(DummyChannel(), queued=False)
+            request.channel = _Stream(b"POST", path)
+            self.assertEqual(request.body_limit(), limit)
+            request.gotLength(limit + 1)
+            self.assertTrue(request.body_too_large)

@@ -442,6 +442,7 @@ class Router:
             record.time_to_first_token if record.stream else None,
             record.prompt_tokens,
             record.completion_tokens,
+            batch=record.batch_id is not None,
         )
 
     @app.route("/v1/chat/completions", methods=["POST"])

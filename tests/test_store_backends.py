@@ -196,6 +196,23 @@ class _Behaviour(_Base):
         by_model = await store.usage("model", 101.0, 103.0)
         self.assertEqual([(g["model"], g["requests"]) for g in by_model], [("m", 1)])
 
+    async def test_usage_batch_id(self) -> None:
+        """
+        A batch line's usage row keeps its batch; a client's request has
+        none.
+        """
+        store = self.store()
+        store.prepare()
+        rows = [
+            (100.0, _row("batch_1-1", None, 1, 1, batch_id="batch_1")),
+            (100.0, _row("r2", None, 1, 1)),
+        ]
+        await store.add_usage(rows, {})
+        self.assertEqual(
+            self.raw("SELECT request_id, batch_id FROM usage ORDER BY request_id"),
+            [("batch_1-1", "batch_1"), ("r2", None)],
+        )
+
     async def test_usage_same_client_id_two_rows(self) -> None:
         """
         Two requests whose clients sent the same X-Request-ID (a retry, two

@@ -28,6 +28,7 @@ def usage_row(record: RequestRecord) -> UsageRow:
         latency=record.latency,
         time_to_first_token=record.time_to_first_token,
         estimated=record.usage_estimated,
+        batch_id=record.batch_id,
     )
 
 

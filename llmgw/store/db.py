@@ -39,6 +39,7 @@ from llmgw.store.base import (
     key_update,
     rollup_select,
     shape_usage,
+    usage_marks,
     usage_query,
     usage_values,
 )
@@ -146,6 +147,13 @@ class SQLiteStore(Store):
             cp_max=1,
             cp_openfun=self._opened_reader,
             isolation_level="DEFERRED",
+        )
+        # One writer at a time: a claim's one UPDATE is atomic as it is.
+        super().__init__(
+            self.pool.runInteraction,  # type: ignore[arg-type]
+            self.reader.runInteraction,  # type: ignore[arg-type]
+            "?",
+            "",
         )
 
     @staticmethod
@@ -333,7 +341,7 @@ class SQLiteStore(Store):
                     )
             cursor.executemany(
                 f"INSERT INTO usage ({USAGE_COLUMNS})"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                f" VALUES {usage_marks('?')}"
                 " ON CONFLICT (request_id) DO NOTHING",
                 [usage_values(when, r) for when, r in rows],
             )

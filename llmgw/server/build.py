@@ -27,6 +27,8 @@ from twisted.web.server import Site
 from llmgw.admin.api import Admin
 from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import QuietSite, metrics_site
+from llmgw.batches.metrics import BatchCollector
+from llmgw.batches.tally import BatchTally
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
@@ -57,6 +59,7 @@ from llmgw.store.migrations import MigrationPending
 from llmgw.tier.build import Accounts, ClientAPI
 from llmgw.tier.watch import Watch
 from llmgw.tier.workers import Workers, make_workers, reserve_port
+from llmgw.web.batches import BatchesView
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History
 from llmgw.web.login import LoginGate, Mount, Sessions, Split
@@ -345,6 +348,7 @@ class Pages:
 
     admin: Admin
     history: History
+    batches: BatchTally
     router_site: Site
     admin_resource: Resource
 
@@ -364,8 +368,9 @@ def pages(
         C{router} counts each finished request into.
     @param standby: with standbys, whether this server leads and the
         leader, for the admin API's status.
-    @return: the admin API, the dashboards' history, the client listener's
-        site (the router, the dashboard at C{/admin} behind a login) and
+    @return: the admin API, the dashboards' history, the batches'
+        figures (their metrics registered on C{registry}), the client
+        listener's site (the router, the dashboard at C{/admin} behind a login) and
         the admin listener's resource.
     """
     keys = account.keys
@@ -403,8 +408,13 @@ def pages(
         wall_clock=time.time,
         load_clock=reactor.seconds,
     )
+    tally = BatchTally(reactor, state.store, wall_clock=time.time)
+    registry.register(BatchCollector(tally, time.time))
+    batches = BatchesView(tally, history, time.time)
     sessions = Sessions(keys, time.monotonic)
-    client_dashboard = Dashboard(fleet, admin, sessions, "/admin", logout=True)
+    client_dashboard = Dashboard(
+        fleet, admin, sessions, "/admin", logout=True, batches=batches
+    )
     gate = LoginGate(client_dashboard.app.resource(), sessions, "/admin")
     router_site = make_site(
         Mount(router.resource(), b"admin", gate), router.settings, reactor, router.cors
@@ -417,9 +427,9 @@ def pages(
             b"healthz": api,
             b"debug": Profiling(reactor).app.resource(),
         },
-        Dashboard(fleet, admin, CookieCsrf()).app.resource(),
+        Dashboard(fleet, admin, CookieCsrf(), batches=batches).app.resource(),
     )
-    return Pages(admin, history, router_site, admin_resource)
+    return Pages(admin, history, tally, router_site, admin_resource)
 
 
 @dataclass(frozen=True)

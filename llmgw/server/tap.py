@@ -230,7 +230,14 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
         log.info("metrics-only listener on {host}:{port}", host=host, port=port)
     top.add(DRAIN, DrainService(built.router, config.router.drain_timeout))
     leading = built.leading.services
-    top.add(RECONCILER, *leading, api.load, built.served.history, parts.watch)
+    top.add(
+        RECONCILER,
+        *leading,
+        api.load,
+        built.served.history,
+        built.served.batches,
+        parts.watch,
+    )
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *agent.uplink)

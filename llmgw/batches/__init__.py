@@ -1,0 +1,3 @@
+"""
+Files and batches (docs/batches.md).
+"""

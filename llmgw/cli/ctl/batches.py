@@ -15,16 +15,29 @@ from typing import IO, Any
 from llmgw.cli.ctl.client import Client, quote
 from llmgw.cli.ctl.show import cell, table, when
 
+ENDED = ("done", "failed", "cancelled", "expired")
+"""
+The line states that are a line's end (the store's C{LINE_STATES}).
+"""
+
 
 def progress(batch: dict[str, Any]) -> str:
     """
     @param batch: a batch as the admin API shows it.
-    @return: its lines ended (answered or failed) of all, and the share
-        (C{"12/40 30%"}); C{"0/0"} for a batch with no lines yet.
+    @return: its lines ended of all, and the share (C{"12/40 30%"}): from
+        its C{lines} by state when the API gave them (a batch not over:
+        done, failed, cancelled and expired are ended), else from its
+        C{request_counts} (completed and failed); C{"0/0"} for a batch
+        with no lines.
     """
-    counts = batch["request_counts"]
-    ended = counts["completed"] + counts["failed"]
-    total = counts["total"]
+    lines = batch.get("lines")
+    if lines is not None:
+        ended = sum(lines.get(state, 0) for state in ENDED)
+        total = sum(lines.values())
+    else:
+        counts = batch["request_counts"]
+        ended = counts["completed"] + counts["failed"]
+        total = counts["total"]
     if not total:
         return "0/0"
     return f"{ended}/{total} {100 * ended // total}%"
@@ -57,7 +70,7 @@ def batches_list(
             b["endpoint"],
             b["status"],
             progress(b),
-            b["request_counts"]["failed"],
+            (b.get("lines") or {}).get("failed", b["request_counts"]["failed"]),
             when(b["created_at"]),
         )
         for b in result["batches"]

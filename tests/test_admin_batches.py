@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.admin.api import Admin
 from llmgw.control.inventory import Inventory
 from llmgw.router.accounting.auth import KeyRing
-from llmgw.store.batches import BatchRow
+from llmgw.store.batches import LINE_STATES, BatchRow
 from tests.test_batch_tally import batch
 from tests.test_web import _keys
 from tests.typing_support import stub_treq
@@ -57,7 +57,10 @@ class _Store:
         return succeed(rows[:limit])
 
     def line_counts(self, batch_id: str) -> Deferred[dict[str, int]]:
-        return succeed(dict(self.lines.get(batch_id, {})))
+        # Every state, as the store's.
+        counts = dict.fromkeys(LINE_STATES, 0)
+        counts.update(self.lines.get(batch_id, {}))
+        return succeed(counts)
 
     def update_batch(
         self, batch_id: str, changes: dict[str, Any], statuses: Any = None
@@ -124,7 +127,10 @@ class BatchRoutesTests(SynchronousTestCase):
         self.assertEqual(first["lines"]["pending"], 3)
         self.assertEqual(first["lines"]["expired"], 0)
         self.assertEqual(first["request_counts"]["total"], 0)
-        self.assertNotIn("lines", body["batches"][1])
+        self.assertEqual(first["progress"], {"ended": 2, "total": 6})
+        over = body["batches"][1]
+        self.assertNotIn("lines", over)
+        self.assertEqual(over["progress"], {"ended": 0, "total": 0})
         self.assertEqual((body["has_more"], body["last_id"]), (False, "batch_a"))
         _, body = self.call("GET", "/api/v1/batches?status=completed")
         self.assertEqual([b["id"] for b in body["batches"]], ["batch_b"])
@@ -166,14 +172,15 @@ class BatchRoutesTests(SynchronousTestCase):
     def test_cancel_as_operator(self) -> None:
         """
         A batch in progress, another key's, is cancelled: cancelling since
-        now, its pending lines cancelled; cancelling it again answers it as
-        it is; a completed batch is 409 C{cannot_cancel}, unchanged; an
-        unknown one 404.
+        now, its pending lines cancelled (ended, in its progress);
+        cancelling it again answers it as it is; a completed batch is 409
+        C{cannot_cancel}, unchanged; an unknown one 404.
         """
         code, body = self.call("POST", "/api/v1/batches/batch_a/cancel")
         self.assertEqual(code, 200, body)
         self.assertEqual((body["status"], body["cancelling_at"]), ("cancelling", 99.0))
         self.assertEqual((body["lines"]["pending"], body["lines"]["cancelled"]), (0, 3))
+        self.assertEqual(body["progress"], {"ended": 5, "total": 6})
         code, body = self.call("POST", "/api/v1/batches/batch_a/cancel")
         self.assertEqual((code, body["status"]), (200, "cancelling"))
         code, body = self.call("POST", "/api/v1/batches/batch_b/cancel")

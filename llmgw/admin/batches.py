@@ -14,7 +14,7 @@ from klein import Klein
 from twisted.web.iweb import IRequest
 
 from llmgw.admin.http import AdminError, error_answers, json_answer, not_found
-from llmgw.batches.tally import every_state
+from llmgw.batches.tally import progress
 from llmgw.router.accounting.auth import KeyRing
 from llmgw.store.batches import ACTIVE_STATUSES, BatchRow
 from llmgw.store.db import Store
@@ -52,10 +52,13 @@ finalizing or over is answered 409, as there).
 
 def batch_json(batch: BatchRow, lines: dict[str, int] | None) -> dict[str, Any]:
     """
-    @param lines: its lines by state, when read.
+    @param lines: its lines by state (each of
+        L{llmgw.store.batches.LINE_STATES}), when read.
     @return: the batch as the admin API shows it: its row's fields, its
-        key's name as C{key}, OpenAI's C{request_counts}, and C{lines} by
-        state (each of L{llmgw.store.batches.LINE_STATES}) when given.
+        key's name as C{key}, OpenAI's C{request_counts}, C{lines} by
+        state when given, and C{progress}: C{{"ended", "total"}} lines,
+        from C{lines} when given (a line is ended done, failed, cancelled
+        or expired), else from C{request_counts} (completed and failed).
     """
     shown: dict[str, Any] = {
         "id": batch.id,
@@ -86,7 +89,11 @@ def batch_json(batch: BatchRow, lines: dict[str, int] | None) -> dict[str, Any]:
         },
     }
     if lines is not None:
-        shown["lines"] = every_state(lines)
+        shown["lines"] = lines
+        ended, total = progress(lines)
+    else:
+        ended, total = batch.completed + batch.failed, batch.total
+    shown["progress"] = {"ended": ended, "total": total}
     return shown
 
 

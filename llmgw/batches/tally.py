@@ -63,6 +63,21 @@ class BatchReads(Protocol):
         """
 
 
+ENDED_STATES = ("done", "failed", "cancelled", "expired")
+"""
+The line states that are a line's end (of L{LINE_STATES}): the others,
+C{pending} and C{running}, are still to be answered.
+"""
+
+
+def progress(lines: dict[str, int]) -> tuple[int, int]:
+    """
+    @param lines: a batch's lines by state.
+    @return: its lines ended (L{ENDED_STATES}), and all its lines.
+    """
+    return sum(lines.get(s, 0) for s in ENDED_STATES), sum(lines.values())
+
+
 def every_state(counts: dict[str, int]) -> dict[str, int]:
     """
     @return: C{counts} with each of L{LINE_STATES} (0 where missing), in

@@ -13,13 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from llmgw.batches.tally import BatchTally
+from llmgw.batches.tally import BatchTally, progress
 from llmgw.web.history import History, chart
-
-ENDED = ("done", "failed", "cancelled", "expired")
-"""
-The line states that are a line's end (L{llmgw.store.batches.LINE_STATES}).
-"""
 
 WINDOW = 60.0
 """
@@ -67,8 +62,7 @@ class BatchesView:
         figures = self._tally.figures
         rows = []
         for batch, lines in figures.batches:
-            total = sum(lines.values())
-            ended = sum(lines[state] for state in ENDED)
+            ended, total = progress(lines)
             rows.append(
                 {
                     "id": batch.id,

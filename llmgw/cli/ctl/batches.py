@@ -15,29 +15,14 @@ from typing import IO, Any
 from llmgw.cli.ctl.client import Client, quote
 from llmgw.cli.ctl.show import cell, table, when
 
-ENDED = ("done", "failed", "cancelled", "expired")
-"""
-The line states that are a line's end (the store's C{LINE_STATES}).
-"""
-
 
 def progress(batch: dict[str, Any]) -> str:
     """
     @param batch: a batch as the admin API shows it.
-    @return: its lines ended of all, and the share (C{"12/40 30%"}): from
-        its C{lines} by state when the API gave them (a batch not over:
-        done, failed, cancelled and expired are ended), else from its
-        C{request_counts} (completed and failed); C{"0/0"} for a batch
-        with no lines.
+    @return: its lines ended of all, and the share (C{"12/40 30%"});
+        C{"0/0"} for a batch with no lines.
     """
-    lines = batch.get("lines")
-    if lines is not None:
-        ended = sum(lines.get(state, 0) for state in ENDED)
-        total = sum(lines.values())
-    else:
-        counts = batch["request_counts"]
-        ended = counts["completed"] + counts["failed"]
-        total = counts["total"]
+    ended, total = batch["progress"]["ended"], batch["progress"]["total"]
     if not total:
         return "0/0"
     return f"{ended}/{total} {100 * ended // total}%"

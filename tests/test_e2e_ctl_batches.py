@@ -90,7 +90,8 @@ class CtlBatchesTests(_Batches, SynchronousTestCase):
     def test_list_show_cancel(self) -> None:
         """
         C{ctl batches}: every key's, newest first, with key, endpoint,
-        status and progress; C{--status} and C{--key} filter.  C{ctl
+        status and progress; C{--status} and C{--key} filter, C{--limit}
+        and C{--after} page.  C{ctl
         batches show}: one batch's fields and its lines by state.  C{ctl
         batches cancel}: another key's batch is cancelling, its pending
         lines cancelled, as C{show} then says; a completed batch is
@@ -114,6 +115,10 @@ class CtlBatchesTests(_Batches, SynchronousTestCase):
         self.assertEqual([b["id"] for b in only], ["batch_old"])
         team = self.ctl_json("batches", "list", "--key", "team")["batches"]
         self.assertEqual([b["id"] for b in team], ["batch_team", "batch_old"])
+        first = self.ctl("batches", "--limit", "1").stdout
+        self.assertIn("more follow: --after batch_ops\n", first)
+        page = self.ctl_json("batches", "--limit", "1", "--after", "batch_ops")
+        self.assertEqual([b["id"] for b in page["batches"]], ["batch_team"])
 
         shown = self.ctl("batches", "show", "batch_team").stdout
         self.assertIn("key: team\n", shown)

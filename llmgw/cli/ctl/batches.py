@@ -33,7 +33,9 @@ def batches_list(
 ) -> tuple[Any, str]:
     """
     C{batches} (C{batches list}): a table of every key's batches, newest
-    first, those of C{--status} or C{--key} only when given.
+    first, those of C{--status} or C{--key} only when given, at most
+    C{--limit} of them, made before C{--after}'s batch when given (the
+    table says the id to go on from when more follow).
     """
     query = {
         name: value
@@ -41,6 +43,7 @@ def batches_list(
             ("status", args.status),
             ("key", args.key),
             ("limit", args.limit),
+            ("after", args.after),
         )
         if value is not None
     }
@@ -63,7 +66,7 @@ def batches_list(
     header = ("BATCH", "KEY", "ENDPOINT", "STATUS", "DONE", "FAILED", "CREATED")
     text = table(rows, header)
     if result.get("has_more"):
-        text += f"more: --limit, or see the API's after={result['last_id']}\n"
+        text += f"more follow: --after {result['last_id']}\n"
     return result, text
 
 

@@ -270,7 +270,10 @@ def _batches(commands: Any, shared: argparse.ArgumentParser) -> None:
             " finalizing, completed, failed, expired, cancelling, cancelled)",
         )
         parser_.add_argument("--key", help="only this key's (by name)")
-        parser_.add_argument("--limit", type=int, help="at most this many")
+        parser_.add_argument(
+            "--limit", type=int, help="at most this many (1 to 100; 20 by default)"
+        )
+        parser_.add_argument("--after", help="those made before this batch (an id)")
     show = actions.add_parser("show", help="one batch, with its lines by state")
     show.add_argument("id", help="the batch's id (ctl batches)")
     cancel = actions.add_parser(

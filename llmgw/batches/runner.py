@@ -19,7 +19,10 @@ the store, so that nothing is lost and nothing ends twice:
     the line's, 2xx done, else failed;
   - a line run twice is billed once: its llmgw request id is its own,
     C{BATCH-LINE}, the usage table's key, and the attempts sent again keep
-    no usage row (L{llmgw.router.interfaces.BATCH_RUN_AGAIN}).
+    no usage row (L{llmgw.router.interfaces.BATCH_RUN_AGAIN}); a line is
+    ended only once its usage row is written (C{usage_written}), so that
+    a crash between the two runs it again, its second row dropped, rather
+    than end it unbilled.
 
 Its passes (every C{interval}, and sooner when lines end) move each active
 batch along (L{llmgw.batches.ends}).  Passes never overlap; one that fails
@@ -31,6 +34,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +78,8 @@ class Runner(Service):
     @param sender: sends one line to the client API.
     @param room: how many lines of a model may be in flight now.
     @param ends: moves the batches' statuses, counts and files.
+    @param usage_written: writes the usage records buffered now; fires
+        once written (or the write failed: they stay buffered).
     @param settings: its bounds and timings.
     @ivar owner: its owner id since its last start (random per start).
     """
@@ -87,6 +93,7 @@ class Runner(Service):
         sender: LineSender,
         room: BatchRoom,
         ends: BatchEnds,
+        usage_written: Callable[[], Deferred[None]],
         settings: RunnerSettings,
     ) -> None:
         self._clock = clock
@@ -94,6 +101,7 @@ class Runner(Service):
         self._sender = sender
         self._room = room
         self._ends = ends
+        self._usage_written = usage_written
         self._settings = settings
         self.owner = ""
         self._fresh = False
@@ -303,6 +311,7 @@ class Runner(Service):
         self._backoff.pop(model, None)
         state = "done" if 200 <= answer.status < 300 else "failed"
         try:
+            await self._usage_written()
             await self._store.finish_line(
                 batch.id,
                 line.line_no,

@@ -29,6 +29,7 @@ from llmgw.router.api.app import Router
 from llmgw.router.edge.internal import runner_site
 from llmgw.router.routing.balancer import Balancer
 from llmgw.store.base import Store
+from llmgw.store.usage import UsageWriter
 
 log = Logger(namespace="llmgw.server")
 
@@ -62,6 +63,7 @@ def batch_lines(
     store: Store,
     router: Router,
     balancer: Balancer,
+    usage: UsageWriter,
     program: str,
 ) -> BatchLines:
     """
@@ -71,6 +73,8 @@ def batch_lines(
     @param router: the client API's router: the runner's listener serves
         its resource, as the client listener does.
     @param balancer: the ready replicas per model, for the room.
+    @param usage: the usage writer, which the runner has write a line's
+        record before it ends the line.
     """
     secret = secrets.token_urlsafe(32).encode("ascii")
     site = runner_site(router.resource(), config.router, reactor, secret)
@@ -82,7 +86,8 @@ def batch_lines(
     _, number = host_and_port(port.getHost())
     sender = LineSender(reactor, number, secret, settings.concurrency)
     room = FixedRoom(balancer.count, LINES_PER_REPLICA)
-    runner = Runner(reactor, store, sender, room, BatchEnds(store, time.time), settings)
+    ends = BatchEnds(store, time.time)
+    runner = Runner(reactor, store, sender, room, ends, usage.flush, settings)
     log.info("batch runner: its loopback listener on 127.0.0.1:{port}", port=number)
     return BatchLines(port, sender, runner)
 

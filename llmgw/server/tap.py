@@ -345,7 +345,9 @@ def makeService(options: Options) -> IService:
         (traffic,),
     )
     api.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
-    batches = batch_lines(reactor, config, state.store, router, api.balancer, PROGRAM)
+    batches = batch_lines(
+        reactor, config, state.store, router, api.balancer, account.usage, PROGRAM
+    )
     leading = leading_services(
         reactor,
         config,

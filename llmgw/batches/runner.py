@@ -327,15 +327,20 @@ class Runner(Service):
     def _pause(self, model: str, retry_after: float | None) -> None:
         """
         Hold C{model}'s lines back: C{retry_after} seconds when the answer
-        said, else the back-off, doubled each time since the last answer.
+        said, else the back-off, doubled at each pause since the last
+        answer (lines refused while it is paused, sent before it, add
+        none).
         """
         settings = self._settings
+        now = self._clock.seconds()
+        if self._paused.get(model, 0.0) > now:
+            return  # One pause for the lines of one burst.
         wait = min(settings.max_backoff, self._backoff.get(model, 0.0) * 2)
         wait = max(wait, settings.backoff)
         self._backoff[model] = wait
         if retry_after is not None:
             wait = min(settings.max_backoff, retry_after)
-        self._paused[model] = self._clock.seconds() + wait
+        self._paused[model] = now + wait
 
     async def _release(self, batch_id: str, line_no: int) -> None:
         try:

@@ -358,7 +358,15 @@ def makeService(options: Options) -> IService:
         batches.runner,
     )
     served = pages(
-        reactor, api.registry, parts, account, state, router, traffic, leading.standby
+        reactor,
+        api.registry,
+        parts,
+        account,
+        state,
+        router,
+        traffic,
+        leading.standby,
+        config.batches,
     )
     ports = listeners(reactor, options["config"], config, served, account, api.registry)
     agent = local(reactor, config, parts.hub)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
@@ -33,8 +34,10 @@ class LimitedRequest(Request):
     oversized upload costs no memory and is answered with a 413 after it is
     read (answering before would reset clients still sending).
 
-    @ivar body_too_large: whether the body passed C{max_body_size}; its
-        bytes were dropped.
+    @cvar upload_limits: the POST paths whose body has a limit of its own
+        in place of C{max_body_size}, bytes (a file's upload).
+    @ivar body_too_large: whether the body passed its limit; its bytes
+        were dropped.
     @ivar request_id: the request's X-Request-ID, set when it is processed.
     @ivar ids: its ids (L{RequestIds}), set when it is processed.
     @ivar cors: the cross-origin policy whose headers every answer
@@ -49,8 +52,10 @@ class LimitedRequest(Request):
     """
 
     max_body_size = 32 * 1024 * 1024
+    upload_limits: Mapping[bytes, int] = {}
     body_too_large = False
     _received = 0
+    _limit: int | None = None
     request_id = b""
     ids: RequestIds | None = None
     cors: Cors | None = None
@@ -122,8 +127,35 @@ class LimitedRequest(Request):
             code, reason_phrase(code) if message is None else message
         )
 
+    def headed(self, method: bytes, target: bytes) -> None:
+        """
+        The request line's method and target, told by the HTTP/1.1 channel
+        (L{llmgw.router.edge.channel}) before the headers: the body's limit
+        is the route's.
+        """
+        path = target.split(b"?", 1)[0]
+        self._limit = self.upload_limits.get(path) if method == b"POST" else None
+        if self._limit is None:
+            self._limit = self.max_body_size
+
+    def body_limit(self) -> int:
+        """
+        @return: the most bytes this request's body may have: its path's in
+            L{upload_limits} for a POST, else C{max_body_size}.  Over
+            HTTP/2 the stream (the request's channel) has the method and
+            path when the headers came.
+        """
+        if self._limit is None:
+            stream = self.channel
+            self.headed(
+                getattr(stream, "command", b"") or b"",
+                getattr(stream, "path", b"") or b"",
+            )
+        assert self._limit is not None
+        return self._limit
+
     def gotLength(self, length: int | None) -> None:
-        if length is not None and length > self.max_body_size:
+        if length is not None and length > self.body_limit():
             self.body_too_large = True
             self.content = io.BytesIO()
         else:
@@ -133,7 +165,7 @@ class LimitedRequest(Request):
         if self.body_too_large:
             return
         self._received += len(data)
-        if self._received > self.max_body_size:
+        if self._received > self.body_limit():
             self.body_too_large = True
             self.content = io.BytesIO()
             return
@@ -146,6 +178,7 @@ def make_site(
     settings: RouterConfig,
     reactor: IReactorTime,
     cors: Cors | None = None,
+    uploads: Mapping[bytes, int] | None = None,
 ) -> Site:
     """
     @param settings: the router's settings: C{max_body_size}, bytes of body
@@ -153,6 +186,8 @@ def make_site(
         L{llmgw.router.edge.channel}).
     @param reactor: the reactor its connections' deadlines run on.
     @param cors: the cross-origin policy, or L{None} for none.
+    @param uploads: POST paths whose body has a limit of its own, bytes
+        (L{LimitedRequest.upload_limits}).
     @return: an L{EdgeSite} for C{resource} whose requests are
         L{LimitedRequest}s, without twisted.web's access log (the router
         logs each request itself).
@@ -162,6 +197,7 @@ def make_site(
 
     class _Request(LimitedRequest):
         max_body_size = settings.max_body_size
+        upload_limits = dict(uploads or {})
         clock = reactor
         cors = edge_cors
 

@@ -235,18 +235,21 @@ class Runner(Service):
     async def _end_waiting(self, batch_id: str, state: str) -> None:
         """
         End the lines of C{batch_id} claimed and not sent (cancelled, or
-        expired).
+        expired): taken out of the queues first, so that no line ending
+        meanwhile sends one of them.
         """
+        ending = []
         for model, queue in list(self._waiting.items()):
             kept = deque(item for item in queue if item[0].id != batch_id)
-            for _, line in (item for item in queue if item[0].id == batch_id):
-                await self._store.finish_line(
-                    batch_id, line.line_no, self.owner, state, None, None
-                )
+            ending += [line for batch, line in queue if batch.id == batch_id]
             if kept:
                 self._waiting[model] = kept
             else:
                 del self._waiting[model]
+        for line in ending:
+            await self._store.finish_line(
+                batch_id, line.line_no, self.owner, state, None, None
+            )
 
     def _queued(self) -> int:
         return sum(len(queue) for queue in self._waiting.values())

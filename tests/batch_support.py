@@ -1,107 +1,118 @@
 """
-Batches written straight into a server's SQLite store, as the Batches API
-would have made them (a child process, so that the store's threads run on
-a reactor of their own while the test waits): for the end-to-end tests of
-what shows batches (C{llmgw ctl batches}, the dashboard, the metrics),
-which need batches in known states whatever makes them.
-
-Run as C{python -m tests.batch_support DATABASE} with the batches on
-stdin, as JSON: C{[{"row": {...BatchRow's fields}, "lines": [{...}, ...]}]}.
+Helpers for the batches' end-to-end tests: input files of chat lines, a
+batch submitted and followed through the official C{openai} client as a
+user would (C{files.create}, C{batches.create}, polling, C{files.content}),
+and the results read back.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
-from tests.support import hermetic_env
+import openai
+from openai.types import Batch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "sim-model"
 
 
-def chat_batch(
-    batch_id: str,
-    key: dict[str, Any] | None,
-    lines: int,
-    created_at: float,
-    status: str = "in_progress",
-) -> dict[str, Any]:
+def line_body(number: int, max_tokens: int = 4) -> dict[str, Any]:
     """
-    @param key: the key that made it (as C{llmgw ctl keys --json} lists
-        it), or L{None}.
-    @return: a batch of C{lines} chat lines for model C{chat}, all
-        pending, as L{seed} takes it.
+    @return: the chat request of line C{number}: a prompt of its own, so
+        that each line's answer is its own.
     """
     return {
-        "row": {
-            "id": batch_id,
-            "key_id": key["id"] if key else None,
-            "key_name": key["name"] if key else None,
-            "endpoint": "/v1/chat/completions",
-            "input_file_id": "file-seeded",
-            "completion_window": "24h",
-            "status": status,
-            "created_at": created_at,
-            "expires_at": created_at + 86400,
-            "in_progress_at": created_at,
-            "total": lines,
-        },
-        "lines": [
-            {
-                "batch_id": batch_id,
-                "line_no": n,
-                "custom_id": f"c{n}",
-                "model": "chat",
-                "url": "/v1/chat/completions",
-                "body": json.dumps(
-                    {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
-                ),
-            }
-            for n in range(1, lines + 1)
-        ],
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"line {number} of the batch"}],
+        "max_tokens": max_tokens,
     }
 
 
-def seed(database: str, batches: list[dict[str, Any]]) -> None:
+def chat_lines(count: int, max_tokens: int = 4) -> bytes:
     """
-    Write C{batches} into the SQLite store at C{database} (migrated
-    first if new), in a child process.
+    @return: an input file of C{count} chat lines, C{custom_id}
+        C{req-1} ... C{req-COUNT}.
     """
-    subprocess.run(
-        [sys.executable, "-m", "tests.batch_support", database],
-        input=json.dumps(batches),
-        text=True,
-        check=True,
-        cwd=ROOT,
-        env=hermetic_env(),
-        timeout=60,
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"req-{n}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": line_body(n, max_tokens),
+            }
+        ).encode()
+        + b"\n"
+        for n in range(1, count + 1)
     )
 
 
-def _main(database: str, batches: list[dict[str, Any]]) -> None:
-    from twisted.internet.defer import Deferred
-    from twisted.internet.task import react
-
-    from llmgw.store.batches import BatchLine, BatchRow
-    from llmgw.store.db import open_store
-
-    async def write(reactor: Any) -> None:
-        store = open_store(f"sqlite://{database}", "/nonexistent")
-        store.prepare()
-        try:
-            for batch in batches:
-                await store.add_batch(
-                    BatchRow(**batch["row"]),
-                    [BatchLine(**line) for line in batch["lines"]],
-                )
-        finally:
-            store.close()
-
-    react(lambda reactor: Deferred.fromCoroutine(write(reactor)))
+def submit(client: openai.OpenAI, content: bytes) -> Batch:
+    """
+    Upload C{content} and make a batch of it.
+    """
+    uploaded = client.files.create(file=("lines.jsonl", content), purpose="batch")
+    return client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
 
 
-if __name__ == "__main__":
-    _main(sys.argv[1], json.loads(sys.stdin.read()))
+def wait_for(
+    client: openai.OpenAI,
+    batch_id: str,
+    done: Callable[[Batch], bool],
+    timeout: float,
+    what: str,
+) -> Batch:
+    """
+    Poll the batch (every 0.1 s, at most C{timeout} seconds) until C{done}.
+
+    @raise AssertionError: the time ran out first.
+    """
+    deadline = time.monotonic() + timeout
+    batch = client.batches.retrieve(batch_id)
+    while not done(batch):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s: {batch}")
+        time.sleep(0.1)
+        batch = client.batches.retrieve(batch_id)
+    return batch
+
+
+def ended(status: str) -> Callable[[Batch], bool]:
+    return lambda batch: batch.status == status
+
+
+def completed_at_least(count: int) -> Callable[[Batch], bool]:
+    def enough(batch: Batch) -> bool:
+        counts = batch.request_counts
+        return counts is not None and counts.completed >= count
+
+    return enough
+
+
+def results(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    """
+    @return: the lines of a batch's output or error file (none for
+        L{None}).
+    """
+    if file_id is None:
+        return []
+    text = client.files.content(file_id).text
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+def by_custom_id(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """
+    @return: C{entries} by C{custom_id}.
+    @raise AssertionError: one comes twice.
+    """
+    found: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        assert entry["custom_id"] not in found, entry["custom_id"]
+        found[entry["custom_id"]] = entry
+    return found

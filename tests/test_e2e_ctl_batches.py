@@ -6,7 +6,7 @@ cancelled as the operator; the admin C{/metrics} counting their lines by
 state (C{promtool check metrics} passing on it).
 
 The batches are written into the server's store beside it
-(L{tests.batch_support}), as the Batches API makes them, for a catalog
+(L{tests.batch_seed}), as the Batches API makes them, for a catalog
 model no node can hold: no line is ever sent, so their states are the
 test's whatever runs lines.
 """
@@ -20,7 +20,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests import prometheus_support
-from tests.batch_support import chat_batch, seed
+from tests.batch_seed import chat_batch, seed
 from tests.support import CtlMixin, Processes, http
 from tests.test_e2e_fleet_metrics import samples, values
 

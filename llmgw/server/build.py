@@ -27,7 +27,9 @@ from twisted.web.server import Site
 from llmgw.admin.api import Admin
 from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import QuietSite, metrics_site
+from llmgw.batches.api import with_batches
 from llmgw.batches.metrics import BatchCollector
+from llmgw.batches.settings import BatchesConfig
 from llmgw.batches.tally import BatchTally
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
@@ -40,6 +42,7 @@ from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
 from llmgw.router.api.app import Router
+from llmgw.router.api.batch_api import upload_paths
 from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
 from llmgw.router.telemetry.reports import Reports
@@ -362,16 +365,19 @@ def pages(
     router: Router,
     traffic: Traffic,
     standby: Callable[[], dict[str, object]] | None,
+    batches: BatchesConfig,
 ) -> Pages:
     """
     @param traffic: the dashboard's figures per model and replica, which
         C{router} counts each finished request into.
     @param standby: with standbys, whether this server leads and the
         leader, for the admin API's status.
+    @param batches: C{[batches]}: the Files and Batches APIs served beside
+        the router (L{with_batches}).
     @return: the admin API, the dashboards' history, the batches'
         figures (their metrics registered on C{registry}), the client
-        listener's site (the router, the dashboard at C{/admin} behind a login) and
-        the admin listener's resource.
+        listener's site (the router, the dashboard at C{/admin} behind a
+        login) and the admin listener's resource.
     """
     keys = account.keys
     admin = Admin(
@@ -410,14 +416,21 @@ def pages(
     )
     tally = BatchTally(reactor, state.store, wall_clock=time.time)
     registry.register(BatchCollector(tally, time.time))
-    batches = BatchesView(tally, history, time.time)
+    batch_page = BatchesView(tally, history, time.time)
     sessions = Sessions(keys, time.monotonic)
     client_dashboard = Dashboard(
-        fleet, admin, sessions, "/admin", logout=True, batches=batches
+        fleet, admin, sessions, "/admin", logout=True, batches=batch_page
     )
     gate = LoginGate(client_dashboard.app.resource(), sessions, "/admin")
+    client = with_batches(
+        reactor, router, state.store, keys, parts.plane.catalog.resolve, batches
+    )
     router_site = make_site(
-        Mount(router.resource(), b"admin", gate), router.settings, reactor, router.cors
+        Mount(client, b"admin", gate),
+        router.settings,
+        reactor,
+        router.cors,
+        upload_paths(batches.max_file_size),
     )
     api = admin.resource()
     admin_resource = Split(
@@ -427,7 +440,7 @@ def pages(
             b"healthz": api,
             b"debug": Profiling(reactor).app.resource(),
         },
-        Dashboard(fleet, admin, CookieCsrf(), batches=batches).app.resource(),
+        Dashboard(fleet, admin, CookieCsrf(), batches=batch_page).app.resource(),
     )
     return Pages(admin, history, tally, router_site, admin_resource)
 

@@ -1,0 +1,69 @@
+"""
+The C{[batches]} table: the limits of the Files and Batches APIs
+(docs/batches.md), read by the server and by every router of a tier (they
+serve the same routes on the same store).  Imports only the configuration
+checks, as every settings module that C{llmgw.config} composes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmgw.config_checks import POSITIVE, Size, Table, setting, settings_keys
+
+MAX_FILE_SIZE = 200 * 1024 * 1024
+"""
+The default largest upload, bytes: OpenAI's limit on a batch's input file
+(200 MB, its Batch API guide).
+"""
+
+MAX_LINES = 50_000
+"""
+The default most requests in one batch: OpenAI's limit on a batch's input
+file (its Batch API guide).
+"""
+
+
+@dataclass(frozen=True)
+class BatchesConfig:
+    """
+    The C{[batches]} table.
+    """
+
+    max_file_size: int = setting(
+        MAX_FILE_SIZE,
+        Size(),
+        "The largest file POST /v1/files takes (the route's body limit, in"
+        " place of [router] max_body_size); a larger one is refused with a 413.",
+    )
+    max_lines: int = setting(
+        MAX_LINES,
+        POSITIVE,
+        "The most requests in one batch (lines of its input file, or requests"
+        " of an Anthropic Message Batch); a batch with more is refused.",
+    )
+
+
+BATCHES_TABLE = Table(
+    "[batches]",
+    "The Files and Batches APIs: files uploaded for batches, and the batches"
+    " run on what the fleet leaves idle (docs/batches.md).",
+    settings_keys(BatchesConfig),
+)
+
+
+def parse_batches(table: object) -> BatchesConfig:
+    """
+    @return: the C{[batches]} table's settings.
+    @raise ConfigError: an unknown key or a bad value, named.
+    """
+    return BatchesConfig(**BATCHES_TABLE.read(table))
+
+
+__all__ = [
+    "BATCHES_TABLE",
+    "MAX_FILE_SIZE",
+    "MAX_LINES",
+    "BatchesConfig",
+    "parse_batches",
+]

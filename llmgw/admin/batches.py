@@ -16,6 +16,7 @@ from twisted.web.iweb import IRequest
 from llmgw.admin.http import AdminError, error_answers, json_answer, not_found
 from llmgw.batches.tally import progress
 from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.api.batch_routes import CANCELLABLE
 from llmgw.store.batches import ACTIVE_STATUSES, BatchRow
 from llmgw.store.db import Store
 
@@ -41,12 +42,6 @@ The batches a list answers when it names no C{limit}.
 MOST_LISTED = 100
 """
 The largest C{limit} a list takes.
-"""
-
-CANCELLABLE = ("validating", "in_progress")
-"""
-The statuses a batch may be cancelled in (OpenAI's cancel: a batch
-finalizing or over is answered 409, as there).
 """
 
 
@@ -207,7 +202,8 @@ class BatchRoutes:
     async def cancel_batch(self, request: IRequest, batch_id: str) -> bytes:
         """
         Cancel a batch as the operator, whichever key made it, as its key's
-        C{POST /v1/batches/<id>/cancel} does: it is C{cancelling}, its
+        C{POST /v1/batches/<id>/cancel} does (from the same statuses,
+        L{CANCELLABLE}): it is C{cancelling}, its
         pending lines C{cancelled}; those running end first, then the
         runner ends it C{cancelled} with the answers it has.  The batch
         with its C{lines}; a batch already cancelling is answered as it

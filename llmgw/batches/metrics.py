@@ -36,7 +36,8 @@ class BatchCollector:
         lines = GaugeMetricFamily(
             "llmgw_batch_lines",
             "Lines of the batches not over, by state (pending: queued, not"
-            " sent yet; running; done; failed; cancelled; expired), as the"
+            " claimed yet; running: claimed by the runner, sent or next to be"
+            " sent; done; failed; cancelled; expired), as the"
             " store held them at the last read (llmgw_batch_figures_age_seconds).",
             labels=["state"],
         )

@@ -122,7 +122,8 @@ class PrometheusTests(_Fleet, SynchronousTestCase):
         """
         Before any request every counter of each configured model, replica
         and fixed kind has its sample at 0: requests by the statuses llmgw
-        answers, tokens, retries, affinity, overload, durations, engine
+        answers, tokens (batch lines' too), retries, affinity, overload,
+        durations, engine
         starts and failures (C{idle} never started), placement failures by
         reason, upstream errors by kind, the replica's ejections.  The
         requests then count where their 0 was.
@@ -136,6 +137,8 @@ class PrometheusTests(_Fleet, SynchronousTestCase):
             for kind in ("prompt", "completion"):
                 key = (("kind", kind), ("model", model))
                 self.assertEqual(values(found, "llmgw_tokens_total").get(key), 0.0)
+                batch = values(found, "llmgw_batch_tokens_total")
+                self.assertEqual(batch.get(key), 0.0, batch)
             one = (("model", model),)
             self.assertEqual(values(found, "llmgw_retries_total").get(one), 0.0)
             for name in ("llmgw_router_affinity_total", "llmgw_overload_total"):

@@ -116,3 +116,40 @@ class RefreshTests(SynchronousTestCase):
         names = {name for name, _ in scrape(registry)}
         self.assertNotIn("llmgw_requests_total", names)
         self.assertIn("llmgw_upstream_errors_total", names)
+
+
+class BatchTokensTests(SynchronousTestCase):
+    def test_batch_lines_tokens_counted_apart(self) -> None:
+        """
+        C{llmgw_batch_tokens_total} exists at 0 for each known model and
+        both kinds from the first scrape; a batch line's tokens count there
+        and in C{llmgw_tokens_total}, a client's own request's only in
+        C{llmgw_tokens_total}; a name no model has counts in neither.
+        """
+        registry = MetricsRegistry()
+        metrics = RouterMetrics(registry)
+        metrics.follow(lambda: ["a"], lambda: ())
+        found = scrape(registry)
+        for kind in ("prompt", "completion"):
+            key = (("kind", kind), ("model", "a"))
+            self.assertEqual(found[("llmgw_batch_tokens_total", key)], 0)
+        metrics.finished("a", 200, 0.1, None, 3, 5, batch=True)
+        metrics.finished("a", 200, 0.1, None, 7, 11)
+        metrics.finished(None, 200, 0.1, None, 13, 17, batch=True)
+        found = scrape(registry)
+        batch = {
+            dict(labels)["kind"]: value
+            for (name, labels), value in found.items()
+            if name == "llmgw_batch_tokens_total"
+        }
+        self.assertEqual(batch, {"prompt": 3, "completion": 5})
+        prompt = (("kind", "prompt"), ("model", "a"))
+        self.assertEqual(found[("llmgw_tokens_total", prompt)], 10)
+
+    def test_reported_by_a_tier(self) -> None:
+        """
+        The batch tokens are among the families a router of a tier
+        reports to its server.
+        """
+        metrics = RouterMetrics(MetricsRegistry())
+        self.assertIn(metrics.batch_tokens, metrics.collectors())

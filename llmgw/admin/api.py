@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from twisted.web.resource import IResource
 
+from llmgw.admin.batches import BatchRoutes
 from llmgw.admin.drains import DrainRoutes
 from llmgw.admin.http import AdminError, Composed
 from llmgw.admin.keys import KeyRoutes
@@ -109,6 +110,7 @@ class Admin:
         routers = WatchRoutes(plane, watch, standby=standby, reports=reports)
         self._drains = DrainRoutes(plane, inventory, store, wall_clock=wall_clock)
         swaps = SwapRoutes(plane, config_models)
+        batches = BatchRoutes(store, keys, wall_clock=wall_clock)
         self._resource = Composed(
             [
                 status.app,
@@ -118,6 +120,7 @@ class Admin:
                 routers.app,
                 self._drains.app,
                 swaps.app,
+                batches.app,
             ]
         )
 

@@ -5,10 +5,10 @@ as one resource.
 
 Each route group (L{llmgw.admin.status}, L{llmgw.admin.models},
 L{llmgw.admin.weights}, L{llmgw.admin.keys}, L{llmgw.admin.watch},
-L{llmgw.admin.drains}, L{llmgw.admin.swaps}) is a class with its own
-Klein app (C{app = error_answers(Klein())}) and the collaborators it calls
-passed to its C{__init__}; L{llmgw.admin.api.Admin} builds them and
-composes them.
+L{llmgw.admin.drains}, L{llmgw.admin.swaps}, L{llmgw.admin.batches}) is a
+class with its own Klein app (C{app = error_answers(Klein())}) and the
+collaborators it calls passed to its C{__init__}; L{llmgw.admin.api.Admin}
+builds them and composes them.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ from llmgw.admin.api import Admin
 from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import QuietSite, metrics_site
 from llmgw.batches.api import with_batches
+from llmgw.batches.metrics import BatchCollector
 from llmgw.batches.settings import BatchesConfig
+from llmgw.batches.tally import BatchTally
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
@@ -60,6 +62,7 @@ from llmgw.store.migrations import MigrationPending
 from llmgw.tier.build import Accounts, ClientAPI
 from llmgw.tier.watch import Watch
 from llmgw.tier.workers import Workers, make_workers, reserve_port
+from llmgw.web.batches import BatchesView
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History
 from llmgw.web.login import LoginGate, Mount, Sessions, Split
@@ -348,6 +351,7 @@ class Pages:
 
     admin: Admin
     history: History
+    batches: BatchTally
     router_site: Site
     admin_resource: Resource
 
@@ -370,9 +374,10 @@ def pages(
         leader, for the admin API's status.
     @param batches: C{[batches]}: the Files and Batches APIs served beside
         the router (L{with_batches}).
-    @return: the admin API, the dashboards' history, the client listener's
-        site (the router, the dashboard at C{/admin} behind a login) and
-        the admin listener's resource.
+    @return: the admin API, the dashboards' history, the batches'
+        figures (their metrics registered on C{registry}), the client
+        listener's site (the router, the dashboard at C{/admin} behind a
+        login) and the admin listener's resource.
     """
     keys = account.keys
     admin = Admin(
@@ -409,8 +414,13 @@ def pages(
         wall_clock=time.time,
         load_clock=reactor.seconds,
     )
+    tally = BatchTally(reactor, state.store, wall_clock=time.time)
+    registry.register(BatchCollector(tally, time.time))
+    batch_page = BatchesView(tally, history, time.time)
     sessions = Sessions(keys, time.monotonic)
-    client_dashboard = Dashboard(fleet, admin, sessions, "/admin", logout=True)
+    client_dashboard = Dashboard(
+        fleet, admin, sessions, "/admin", logout=True, batches=batch_page
+    )
     gate = LoginGate(client_dashboard.app.resource(), sessions, "/admin")
     client = with_batches(
         reactor, router, state.store, keys, parts.plane.catalog.resolve, batches
@@ -430,9 +440,9 @@ def pages(
             b"healthz": api,
             b"debug": Profiling(reactor).app.resource(),
         },
-        Dashboard(fleet, admin, CookieCsrf()).app.resource(),
+        Dashboard(fleet, admin, CookieCsrf(), batches=batch_page).app.resource(),
     )
-    return Pages(admin, history, router_site, admin_resource)
+    return Pages(admin, history, tally, router_site, admin_resource)
 
 
 @dataclass(frozen=True)

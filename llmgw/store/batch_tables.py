@@ -293,6 +293,53 @@ class BatchTables:
         )
         return d.addCallback(lambda rows: [batch_row(r) for r in rows])
 
+    # The operator's view (the admin API): every key's batches.
+
+    def find_batch(self, batch_id: str) -> Deferred[BatchRow | None]:
+        """
+        @return: fires with the batch, whichever key made it, or L{None}
+            when unknown.
+        """
+        d = self._rows(
+            f"SELECT {BATCH_COLUMNS} FROM batches WHERE id = {self._p}", (batch_id,)
+        )
+        return d.addCallback(lambda rows: batch_row(rows[0]) if rows else None)
+
+    def all_batches(
+        self,
+        status: str | None = None,
+        key_id: int | None = None,
+        after: str | None = None,
+        limit: int = 100,
+    ) -> Deferred[list[BatchRow]]:
+        """
+        @param status: only the batches in this status; L{None}: any.
+        @param key_id: only this key's; L{None}: every key's (and those of
+            a server without keys).
+        @param after: a batch id: only those made before it.
+        @return: fires with at most C{limit} batches, newest first.
+        """
+        p = self._p
+        conditions: list[str] = []
+        values: list[Any] = []
+        for column, value in (("status", status), ("key_id", key_id)):
+            if value is not None:
+                conditions.append(f"{column} = {p}")
+                values.append(value)
+        if after is not None:
+            conditions.append(
+                f"(created_at, id) < (SELECT created_at, id FROM batches"
+                f" WHERE id = {p})"
+            )
+            values.append(after)
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
+        d = self._rows(
+            f"SELECT {BATCH_COLUMNS} FROM batches{where}"
+            f" ORDER BY created_at DESC, id DESC LIMIT {p}",
+            (*values, limit),
+        )
+        return d.addCallback(lambda rows: [batch_row(r) for r in rows])
+
     # Lines
 
     def claim_lines(

@@ -339,6 +339,9 @@ class SQLiteStore(Store):
                         max(0, tokens - r.prompt_tokens - r.completion_tokens),
                         last,
                     )
+                # A second row of one request in this write (a batch line
+                # run again) is not inserted: its tokens are not counted.
+                seen.add(r.request_id)
             cursor.executemany(
                 f"INSERT INTO usage ({USAGE_COLUMNS})"
                 f" VALUES {usage_marks('?')}"

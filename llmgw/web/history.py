@@ -54,12 +54,15 @@ class Point:
     @ivar error_rate: the share of those requests answered 5xx (0 to 1).
     @ivar ttft: mean time to first token of the streams since the previous
         sample, seconds; L{None} when there were none.
+    @ivar batch_tokens: tokens per second served to batch lines since the
+        previous sample (prompt and completion).
     """
 
     at: float
     rate: float
     error_rate: float
     ttft: float | None
+    batch_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,8 +159,9 @@ class History(Service):
     Samples every C{interval} seconds, while running.
 
     @param metrics: the router's counters (C{llmgw_requests_total} by
-        status, C{llmgw_time_to_first_token_seconds}), read alone rather
-        than through the whole registry.
+        status, C{llmgw_time_to_first_token_seconds},
+        C{llmgw_batch_tokens_total}), read alone rather than through the
+        whole registry.
     @param plane: the control plane, or L{None}.
     @param keys: the API keys, or L{None}.
     @param wall_clock: POSIX seconds now.
@@ -185,7 +189,7 @@ class History(Service):
         self.points: deque[Point] = deque(maxlen=SAMPLES)
         self.states: dict[str, deque[tuple[float, str]]] = {}
         self.key_tokens: dict[str, deque[int]] = {}
-        self._last: tuple[float, float, float, float, float] | None = None
+        self._last: tuple[float, ...] | None = None
         self._call: IDelayedCall | None = None
 
     def startService(self) -> None:
@@ -225,9 +229,11 @@ class History(Service):
         ttft = self._metrics.time_to_first_token
         ttft_sum = _sum(ttft, "llmgw_time_to_first_token_seconds_sum", _any, merge)
         ttft_count = _sum(ttft, "llmgw_time_to_first_token_seconds_count", _any, merge)
-        figures = (now, requests, errors, ttft_sum, ttft_count)
+        batched = self._metrics.batch_tokens
+        batch = _sum(batched, "llmgw_batch_tokens_total", _any, merge)
+        figures = (now, requests, errors, ttft_sum, ttft_count, batch)
         if self._last is not None:
-            at, requests0, errors0, sum0, count0 = self._last
+            at, requests0, errors0, sum0, count0, batch0 = self._last
             span = max(now - at, 1e-6)
             done = max(requests - requests0, 0.0)
             streams = ttft_count - count0
@@ -237,6 +243,7 @@ class History(Service):
                     done / span,
                     (errors - errors0) / done if done else 0.0,
                     (ttft_sum - sum0) / streams if streams > 0 else None,
+                    max(batch - batch0, 0.0) / span,
                 )
             )
         self._last = figures

@@ -4,7 +4,7 @@ listener at C{/}, and the same pages on the client listener at
 C{/admin} behind L{llmgw.web.login}.
 
 Pages: the overview C{/}, C{/nodes/<id>}, C{/replicas/<id>},
-C{/models/<name>}, C{/keys}; each answers C{?fragment=1} with its
+C{/models/<name>}, C{/keys}, C{/batches}; each answers C{?fragment=1} with its
 C{<main>} only, which C{static/dash.js} fetches every few seconds to
 refresh the page without a reload.  Actions are form POSTs carrying a
 CSRF token (403 without it), confirmed in the browser first, calling the
@@ -28,6 +28,7 @@ from werkzeug.exceptions import NotFound
 
 from llmgw.control.drains import DrainRefused
 from llmgw.control.plane import ControlPlane
+from llmgw.web.batches import BatchesView
 from llmgw.web.fleet import Fleet, window_name
 from llmgw.web.traffic import WINDOWS
 
@@ -153,6 +154,8 @@ class Dashboard:
         listener, C{"/admin"} on the client listener.
     @param csrf: the CSRF tokens of this listener.
     @param logout: whether pages offer a logout button.
+    @param batches: the batches page's reads, when the server has a
+        store (else the page says there are none to show).
     """
 
     app = Klein()
@@ -165,12 +168,14 @@ class Dashboard:
         csrf: Csrf,
         base: str = "",
         logout: bool = False,
+        batches: BatchesView | None = None,
     ) -> None:
         self.fleet = fleet
         self.actions = actions
         self.csrf = csrf
         self.base = base
         self.logout = logout
+        self.batches = batches
 
     def _page(
         self, request: IRequest, name: str, title: str, status: int = 200, **values: Any
@@ -283,6 +288,12 @@ class Dashboard:
             keys=self.fleet.key_rows(),
             interval=self.fleet.history.interval,
         )
+
+    @app.route("/batches", methods=["GET"])
+    def batch_page(self, request: IRequest) -> bytes:
+        if self.batches is None:
+            return self._missing(request, "batches in this server (no store)")
+        return self._page(request, "batches.html", "Batches", **self.batches.page())
 
     @app.route("/static/<name>", methods=["GET"])
     def static(self, request: IRequest, name: str) -> bytes:

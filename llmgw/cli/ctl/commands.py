@@ -4,7 +4,7 @@ from a command's name to its function.  Each calls the admin API and
 returns its JSON (printed with C{--json}) and the text printed otherwise.
 The keys and usage commands are in L{llmgw.cli.ctl.keys}, C{weights} in
 L{llmgw.cli.ctl.weights}, C{models pin} and C{unpin} in
-L{llmgw.cli.ctl.swaps}.
+L{llmgw.cli.ctl.swaps}, C{batches} in L{llmgw.cli.ctl.batches}.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Callable
 from typing import IO, Any
 
+from llmgw.cli.ctl.batches import batches_cancel, batches_list, batches_show
 from llmgw.cli.ctl.client import Client, CtlError, quote
 from llmgw.cli.ctl.keys import keys_create, keys_list, keys_revoke, keys_update, usage
 from llmgw.cli.ctl.show import cell, size, table
@@ -532,17 +533,20 @@ COMMANDS: dict[str, Command] = {
     "keys revoke": keys_revoke,
     "usage": usage,
     "weights": weights,
+    "batches list": batches_list,
+    "batches show": batches_show,
+    "batches cancel": batches_cancel,
 }
 """
-A command's name, with its action for C{models} and C{keys}, to its
-function.
+A command's name, with its action for C{models}, C{keys} and C{batches},
+to its function.
 """
 
 
 def command_name(args: argparse.Namespace) -> str:
     """
-    @return: the key of L{COMMANDS} for C{args}: C{models} and C{keys}
-        without an action are their C{list}.
+    @return: the key of L{COMMANDS} for C{args}: C{models}, C{keys} and
+        C{batches} without an action are their C{list}.
     """
     if hasattr(args, "action"):
         return f"{args.command} {args.action or 'list'}"

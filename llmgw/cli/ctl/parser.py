@@ -256,15 +256,53 @@ def _weights(commands: Any, shared: argparse.ArgumentParser) -> None:
     )
 
 
+def _batches(commands: Any, shared: argparse.ArgumentParser) -> None:
+    batches = commands.add_parser(
+        "batches", help="every key's batches: list, show, cancel"
+    )
+    actions = _with(shared, batches.add_subparsers(dest="action"))
+    listed = actions.add_parser("list", help="the batches, newest first")
+    for parser_ in (batches, listed):
+        # "batches --status ..." as "batches list --status ...".
+        parser_.add_argument(
+            "--status",
+            help="only those in this status (validating, in_progress,"
+            " finalizing, completed, failed, expired, cancelling, cancelled)",
+        )
+        parser_.add_argument("--key", help="only this key's (by name)")
+        parser_.add_argument(
+            "--limit", type=int, help="at most this many (1 to 100; 20 by default)"
+        )
+        parser_.add_argument("--after", help="those made before this batch (an id)")
+    show = actions.add_parser("show", help="one batch, with its lines by state")
+    show.add_argument("id", help="the batch's id (ctl batches)")
+    cancel = actions.add_parser(
+        "cancel",
+        help="cancel a batch as the operator",
+        description="Cancel a batch, whichever key made it: its lines not"
+        " sent are cancelled, those running end first; the batch then ends"
+        " cancelled, with the answers it has in its output file.",
+    )
+    cancel.add_argument("id", help="the batch's id (ctl batches)")
+
+
 # In the order --help lists them.
-_COMMAND_PARSERS = (_reads, _models, _placement_and_drains, _keys, _usage, _weights)
+_COMMAND_PARSERS = (
+    _reads,
+    _models,
+    _placement_and_drains,
+    _keys,
+    _usage,
+    _weights,
+    _batches,
+)
 
 
 def parser() -> argparse.ArgumentParser:
     """
     @return: the parser of C{llmgw ctl}'s command line; the parsed
-        arguments' C{command} (and C{action} for C{models} and C{keys})
-        name the command.
+        arguments' C{command} (and C{action} for C{models}, C{keys} and
+        C{batches}) name the command.
     """
     top = _top()
     # --json is taken after the command too.

@@ -28,7 +28,7 @@ from llmgw.router.api.anthropic import (
     MESSAGES_PATHS,
 )
 from llmgw.router.api.batch_api import BatchAPI
-from llmgw.router.api.credentials import admit, request_key
+from llmgw.router.api.credentials import admit, request_key, tenant
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
 from llmgw.router.api.prepare import (
@@ -66,7 +66,7 @@ from llmgw.router.routing.activation import ActivationQueues
 from llmgw.router.routing.affinity import AffinityRule
 from llmgw.router.routing.balancer import Balancer
 from llmgw.router.routing.decision import wanted
-from llmgw.router.routing.fairness import ANONYMOUS, FairShare
+from llmgw.router.routing.fairness import FairShare
 from llmgw.router.routing.load import LoadBoard
 from llmgw.router.routing.overload import Overload
 from llmgw.router.settings import RouterConfig
@@ -305,7 +305,7 @@ class Router:
                 prepared,
                 rid,
                 ids.upstream,
-                tenant=key.tenant if key is not None else ANONYMOUS,
+                tenant=tenant(request, key),
                 explain=wanted(request, self.settings.log_candidates),
                 trace=trace,
             )
@@ -446,6 +446,7 @@ class Router:
             record.time_to_first_token if record.stream else None,
             record.prompt_tokens,
             record.completion_tokens,
+            batch=record.batch_id is not None,
         )
 
     @app.route("/v1/chat/completions", methods=["POST"])

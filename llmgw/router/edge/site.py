@@ -46,6 +46,9 @@ class LimitedRequest(Request):
     @ivar arrived: clock time the request was processed.
     @ivar replica_seconds: seconds the replica that answered took
         (L{llmgw.router.edge.timing}), set by the exchange, or L{None}.
+    @ivar batch_line: the batch line the request is, vouched for by the
+        batches' runner on its own listener (L{llmgw.router.edge.internal});
+        L{None} on the client listener, whatever its headers say.
     """
 
     max_body_size = 32 * 1024 * 1024
@@ -59,6 +62,7 @@ class LimitedRequest(Request):
     clock: IReactorTime | None = None
     arrived = 0.0
     replica_seconds: float | None = None
+    batch_line: BatchLineId | None = None
 
     def process(self) -> None:
         # Every answer carries X-Request-ID, errors from routing included.
@@ -220,6 +224,30 @@ def client_gone(request: IRequest) -> bool:
 
 
 @dataclass(frozen=True)
+class BatchLineId:
+    """
+    A batch line as the batches' runner sends it to the client API.
+
+    @ivar batch_id: its batch, C{batch_...}.
+    @ivar line_no: its line in the batch's input file, from 1.
+    @ivar key_id: the key that made the batch, which the line runs as, or
+        L{None} for a batch made without keys.
+    """
+
+    batch_id: str
+    line_no: int
+    key_id: int | None
+
+    @property
+    def request_id(self) -> bytes:
+        """
+        The line's own llmgw request id, C{BATCH-LINE}: the same every time
+        it runs (after a crash, on another server), its usage record's key.
+        """
+        return f"{self.batch_id}-{self.line_no}".encode("ascii")
+
+
+@dataclass(frozen=True)
 class RequestIds:
     """
     The ids of one request.
@@ -231,10 +259,15 @@ class RequestIds:
     @ivar client: the client's own C{X-Request-ID} when it sent one that
         is at most 200 printable ASCII characters without spaces, else
         L{None}.  Not unique: a retry, or two agents, may send the same.
+    @ivar batch: the batch whose line the request is, when the batches'
+        runner sent it (L{llmgw.router.edge.internal}); C{own} is then the
+        line's own stable id, C{BATCH-LINE}, the same each time the line
+        runs, so that its usage record is kept once.
     """
 
     own: bytes
     client: bytes | None
+    batch: str | None = None
 
     @property
     def header(self) -> bytes:
@@ -250,8 +283,10 @@ class RequestIds:
         a UUID, else llmgw's (a UUID in hex).  llama-cpp-python's server
         answers any other value with an empty 400 (its starlette-context
         request-id plugin validates UUIDs); vLLM and SGLang take any
-        string.
+        string.  A batch line's is a UUID made from its stable id.
         """
+        if self.batch is not None:
+            return uuid.uuid5(uuid.NAMESPACE_URL, self.own.decode()).hex.encode()
         if self.client is not None:
             try:
                 uuid.UUID(self.client.decode("ascii"))

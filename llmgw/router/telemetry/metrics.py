@@ -131,6 +131,14 @@ class RouterMetrics:
             ["model", "kind"],
             registry=registry,
         )
+        self.batch_tokens = Counter(
+            "llmgw_batch_tokens",
+            "Tokens reported by replicas in usage for batch lines (the requests"
+            " a batch's runner sent; counted in llmgw_tokens too), by kind"
+            " (prompt, completion).",
+            ["model", "kind"],
+            registry=registry,
+        )
         self.in_flight = Gauge(
             "llmgw_requests_in_flight",
             "Requests being served now.",
@@ -164,6 +172,8 @@ class RouterMetrics:
         self._finished: dict[tuple[str, int], Any] = {}
         # Per configured model: duration, time to first token, tokens.
         self._per_model: dict[str, tuple[Any, Any, Any, Any]] = {}
+        # Per configured model: its batch lines' prompt and completion tokens.
+        self._batch_children: dict[str, tuple[Any, Any]] = {}
         self._preset(registry)
 
     def _preset(self, registry: CollectorRegistry) -> None:
@@ -192,6 +202,7 @@ class RouterMetrics:
             self.request_duration,
             self.time_to_first_token,
             self.tokens,
+            self.batch_tokens,
             self.in_flight,
             self.upstream_errors,
             self.adapter_loads,
@@ -232,6 +243,7 @@ class RouterMetrics:
             for outcome in OVERLOAD_OUTCOMES:
                 self.overload.labels(model, outcome)
             self._children(model)
+            self._batch(model)
         replicas = set(self._replicas())
         for replica in replicas - self._known_replicas:
             self.ejections.labels(replica)
@@ -254,6 +266,15 @@ class RouterMetrics:
             )
         return children
 
+    def _batch(self, model: str) -> tuple[Any, Any]:
+        children = self._batch_children.get(model)
+        if children is None:
+            children = self._batch_children[model] = (
+                self.batch_tokens.labels(model, TOKEN_KINDS[0]),
+                self.batch_tokens.labels(model, TOKEN_KINDS[1]),
+            )
+        return children
+
     def finished(
         self,
         model: str | None,
@@ -262,6 +283,8 @@ class RouterMetrics:
         time_to_first_token: float | None,
         prompt_tokens: int,
         completion_tokens: int,
+        *,
+        batch: bool = False,
     ) -> None:
         """
         Count one finished request.  The labelled children are kept once
@@ -273,6 +296,9 @@ class RouterMetrics:
         @param latency: seconds from arrival to the last byte.
         @param time_to_first_token: seconds to the replica's first byte of a
             stream, or L{None} (not observed).
+        @param batch: the request was a batch's line (its record's
+            C{batch_id} is set): its tokens count in C{llmgw_batch_tokens}
+            as well.
         """
         key = (OTHER_MODEL if model is None else model, status)
         requests = self._finished.get(key)
@@ -289,6 +315,12 @@ class RouterMetrics:
             prompt.inc(prompt_tokens)
         if completion_tokens:
             completion.inc(completion_tokens)
+        if batch:
+            batch_prompt, batch_completion = self._batch(model)
+            if prompt_tokens:
+                batch_prompt.inc(prompt_tokens)
+            if completion_tokens:
+                batch_completion.inc(completion_tokens)
 
 
 def _routing(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:

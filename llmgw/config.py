@@ -5,6 +5,7 @@ the command-line flags over it.
 Each table is read next to the code that uses it: C{[router]}, C{[cors]}
 and C{[[endpoints]]} by L{llmgw.router.settings_toml}, C{[control]} by
 L{llmgw.control.settings}, C{[[models]]} by L{llmgw.control.catalog},
+C{[cost]} by L{llmgw.control.prices},
 C{[standby]} and C{[agent_tls]} by L{llmgw.server.settings}, C{[store]},
 C{[limits]} and C{[auth]} by L{llmgw.accounts.settings}; the top-level keys
 are L{ServerConfig}'s own.  Every table says its keys as a
@@ -48,6 +49,7 @@ from llmgw.config_checks import (
     told_in,
 )
 from llmgw.control.catalog import MODELS_TABLE, PROFILES_TABLE, Model, parse_models
+from llmgw.control.prices import COST_TABLE, CostConfig, parse_cost
 from llmgw.control.settings import CONTROL_TABLE, ControlConfig, parse_control
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.settings import RouterConfig
@@ -166,6 +168,7 @@ class ServerConfig:
     standby: StandbyConfig = field(default_factory=StandbyConfig)
     models: tuple[Model, ...] = ()
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
     @property
     def leader_lock_url(self) -> str:
@@ -208,6 +211,7 @@ SERVER_TABLES: tuple[Table, ...] = (
     AUTH_TABLE,
     STANDBY_TABLE,
     TRACING_TABLE,
+    COST_TABLE,
 )
 """
 Every table the server's file takes, in the reference's order.
@@ -249,6 +253,7 @@ _TABLES: dict[str, Callable[[ServerConfig, Any], ServerConfig]] = {
     "cors": _cors,
     "endpoints": lambda c, v: replace(c, endpoints=parse_endpoints(v)),
     "tracing": lambda c, v: replace(c, tracing=parse_tracing(v)),
+    "cost": lambda c, v: replace(c, cost=parse_cost(v)),
 }
 """
 What each table of the server's file sets, by its parser.

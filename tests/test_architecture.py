@@ -89,7 +89,11 @@ ONLY: dict[tuple[str, str], tuple[str, ...]] = {
     # config reaches into those leaves and nothing else, so that a router
     # of the tier reading the file does not import the server.
     ("config", "accounts"): ("llmgw.accounts.settings",),
-    ("config", "control"): ("llmgw.control.settings", "llmgw.control.catalog"),
+    ("config", "control"): (
+        "llmgw.control.settings",
+        "llmgw.control.catalog",
+        "llmgw.control.prices",
+    ),
     ("config", "router"): (
         "llmgw.router.interfaces",
         "llmgw.router.settings",
@@ -117,6 +121,7 @@ LEAF_WHY = {
 SETTINGS_MODULES = (
     "llmgw.router.settings",
     "llmgw.control.settings",
+    "llmgw.control.prices",
     "llmgw.server.settings",
     "llmgw.accounts.settings",
     "llmgw.tier.settings",

@@ -34,6 +34,7 @@ from llmgw.config_checks import (
     settings_keys,
 )
 from llmgw.config_docs import PATH, reference, render_default
+from llmgw.control.prices import CostConfig
 from llmgw.control.settings import ControlConfig
 from llmgw.router.settings import RouterConfig
 from llmgw.router.settings_toml import TracingConfig
@@ -155,6 +156,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
         "standby",
         "models",
         "tracing",
+        "cost",
     },
     RouterConfig: {"cors_allow_origins"},
     ControlConfig: set(),
@@ -164,6 +166,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
     AuthConfig: set(),
     AgentConfig: set(),
     TracingConfig: set(),
+    CostConfig: set(),
 }
 
 

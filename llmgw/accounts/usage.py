@@ -28,6 +28,8 @@ def usage_row(record: RequestRecord) -> UsageRow:
         latency=record.latency,
         time_to_first_token=record.time_to_first_token,
         estimated=record.usage_estimated,
+        gpu_seconds=record.gpu_seconds,
+        cost=record.cost,
     )
 
 

@@ -32,7 +32,9 @@ from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
 from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
+from llmgw.control.meter import GpuMeter
 from llmgw.control.plane import ControlPlane
+from llmgw.control.prices import Prices
 from llmgw.control.settings import ControlConfig
 from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
@@ -227,6 +229,7 @@ class Plane:
         router's C{/readyz}.
     @ivar agents: the agent listener, open, unless agents are not
         accepted.
+    @ivar meter: every GPU's seconds counted and priced (docs/cost.md).
     """
 
     inventory: Inventory
@@ -235,6 +238,7 @@ class Plane:
     watch: Watch
     readiness: Readiness
     agents: IListeningPort | None
+    meter: GpuMeter
 
 
 def control_plane(
@@ -256,6 +260,8 @@ def control_plane(
     balancer, load = api.balancer, api.load
 
     def publish(endpoints: list[Endpoint]) -> None:
+        # Each replica's GPUs and their price, for its requests' shares.
+        endpoints = meter.priced(endpoints)
         balancer.set_endpoints(endpoints)
         load.set_endpoints(endpoints)
         watch.set_endpoints(endpoints)
@@ -271,9 +277,12 @@ def control_plane(
         lambda: {n: plane.catalog.resolve(n) or n for n in plane.catalog.names()},
         lambda: plane.catalog.adapter_names(),
     )
+    inventory = Inventory(drained=state.store.drained)
+    meter = GpuMeter(
+        inventory, lambda: plane.ledger.shards(), Prices(config.cost), balancer.busy
+    )
     static = list(config.endpoints)
     publish(static)
-    inventory = Inventory(drained=state.store.drained)
     hub = AgentHub(
         reactor,
         inventory,
@@ -311,7 +320,7 @@ def control_plane(
         held_bound=config.router.activation_queue,
     )
     agents = _agent_listener(reactor, config, hub)
-    return Plane(inventory, hub, plane, watch, readiness, agents)
+    return Plane(inventory, hub, plane, watch, readiness, agents, meter)
 
 
 def _agent_listener(

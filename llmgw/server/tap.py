@@ -57,6 +57,7 @@ from llmgw.server.build import (
     pages,
 )
 from llmgw.server.local import local_node_id, parse_simulated_gpus
+from llmgw.server.metering import MeterService
 from llmgw.server.standby import Leading, leading_services
 from llmgw.store.base import Store
 from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
@@ -243,6 +244,10 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
         account.usage,
         UsageRetention(store, reactor, config.usage_retention),
         ResponseRetention(store, reactor, config.responses_retention),
+        # What the GPU meter counted, written before the store closes.
+        MeterService(
+            reactor, parts.meter, store, lambda: bool(parts.plane.loop.running)
+        ),
     )
     top.add(LOCAL_ENGINES, *agent.engines)
     top.add(POOLS, PoolService(api.pool))

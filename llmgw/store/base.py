@@ -17,6 +17,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
+from llmgw.store.gpu_time import GpuTimeRow
 from llmgw.store.migrations import (
     MIGRATIONS,
     MigrationPending,
@@ -46,6 +47,8 @@ class UsageRow:
         the replica's answer; L{None} when none came.
     @ivar estimated: the token counts are an estimate (the engine's never
         came).
+    @ivar gpu_seconds: its share of its replicas' GPU time, GPU-seconds.
+    @ivar cost: the price of that share (docs/cost.md).
     """
 
     request_id: str
@@ -61,6 +64,8 @@ class UsageRow:
     time_to_first_token: float | None
     estimated: bool = False
     client_request_id: str | None = None
+    gpu_seconds: float = 0.0
+    cost: float = 0.0
 
 
 KEY_LIMITS = (
@@ -81,8 +86,14 @@ its limits, its expiry, and its priority and weight where requests wait.
 USAGE_COLUMNS = (
     "time, request_id, key_id, key_name, model, replica, status, stream,"
     " prompt_tokens, completion_tokens, latency, time_to_first_token, estimated,"
-    " client_request_id"
+    " client_request_id, gpu_seconds, cost"
 )
+
+USAGE_MARKS = ",".join(["{p}"] * 16)
+"""
+The parameter marks of L{USAGE_COLUMNS}'s values, C{{p}} for the
+engine's own (C{USAGE_MARKS.format(p="?")}).
+"""
 
 
 def usage_values(when: float, row: UsageRow) -> tuple[Any, ...]:
@@ -104,10 +115,12 @@ def usage_values(when: float, row: UsageRow) -> tuple[Any, ...]:
         row.time_to_first_token,
         int(row.estimated),
         row.client_request_id,
+        row.gpu_seconds,
+        row.cost,
     )
 
 
-def usage_query(by: str, placeholder: str) -> str:
+def usage_query(by: str, placeholder: str, day: str = "0") -> str:
     """
     The usage report's query, for either engine: the rows of C{usage} in
     the range, and the daily totals of C{usage_daily} (rows past
@@ -122,30 +135,33 @@ def usage_query(by: str, placeholder: str) -> str:
     selected, the means made of them in L{shape_usage}, so that a total
     counts as the rows it was made of.
 
-    @param by: C{"key"} or C{"model"}.
+    @param by: C{"key"}, C{"model"} or C{"day"} (the UTC day's start).
     @param placeholder: the driver's parameter marker, C{?} or C{%s}.
+    @param day: the engine's expression of a row's day start from
+        C{time}, for C{by="day"}.
     @return: SQL taking C{(since, until, since, until)}.
     """
-    column = {"key": "COALESCE(key_name, '')", "model": "model"}[by]
-    total = {"key": "key_name", "model": "model"}[by]
+    column = {"key": "COALESCE(key_name, '')", "model": "model", "day": day}[by]
+    total = {"key": "key_name", "model": "model", "day": "day"}[by]
     p = placeholder
     return (
         "SELECT name, SUM(requests), SUM(errors), SUM(prompt_tokens),"
         " SUM(completion_tokens), SUM(latency_sum), SUM(ttft_sum),"
-        " SUM(estimated), SUM(answered) FROM ("
+        " SUM(estimated), SUM(answered), SUM(gpu_seconds), SUM(cost) FROM ("
         f"SELECT {column} AS name, COUNT(*) AS requests,"
         " SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END) AS errors,"
         " SUM(prompt_tokens) AS prompt_tokens,"
         " SUM(completion_tokens) AS completion_tokens,"
         " SUM(CASE WHEN time_to_first_token IS NOT NULL THEN latency END)"
         " AS latency_sum, SUM(time_to_first_token) AS ttft_sum,"
-        " SUM(estimated) AS estimated, COUNT(time_to_first_token) AS answered"
+        " SUM(estimated) AS estimated, COUNT(time_to_first_token) AS answered,"
+        " SUM(gpu_seconds) AS gpu_seconds, SUM(cost) AS cost"
         f" FROM usage WHERE time >= {p} AND time < {p} GROUP BY {column}"
         f" UNION ALL SELECT {total}, SUM(requests), SUM(errors),"
         " SUM(prompt_tokens), SUM(completion_tokens), SUM(latency_sum),"
-        " SUM(ttft_sum), SUM(estimated), SUM(answered) FROM usage_daily"
-        f" WHERE day >= {p} AND day < {p} GROUP BY {total}"
-        ") AS parts GROUP BY name ORDER BY name"
+        " SUM(ttft_sum), SUM(estimated), SUM(answered), SUM(gpu_seconds),"
+        f" SUM(cost) FROM usage_daily WHERE day >= {p} AND day < {p}"
+        f" GROUP BY {total}) AS parts GROUP BY name ORDER BY name"
     )
 
 
@@ -161,8 +177,12 @@ def shape_usage(by: str, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
     """
     shaped = []
     for row in rows:
-        name, count, errors, prompt, completion, latency, ttft, estimated, done = row
+        name, count, errors, prompt, completion, latency, ttft, estimated, done = row[
+            :9
+        ]
         answered = int(done or 0)
+        if by == "day":
+            name = float(name)
         shaped.append(
             {
                 by: name if name != "" else None,
@@ -174,6 +194,8 @@ def shape_usage(by: str, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
                 "mean_time_to_first_token": _mean(ttft, answered),
                 "estimated_requests": int(estimated or 0),
                 "answered": answered,
+                "gpu_seconds": float(row[9] or 0),
+                "cost": float(row[10] or 0),
             }
         )
     return shaped
@@ -186,7 +208,8 @@ Seconds in a day of the daily totals: UTC days, from the POSIX epoch.
 
 ROLLUP_COLUMNS = (
     "day, key_id, key_name, model, requests, errors, prompt_tokens,"
-    " completion_tokens, answered, latency_sum, ttft_sum, estimated"
+    " completion_tokens, answered, latency_sum, ttft_sum, estimated,"
+    " gpu_seconds, cost"
 )
 
 
@@ -205,7 +228,8 @@ def rollup_select(day: str, source: str, where: str) -> str:
         " COUNT(time_to_first_token),"
         " COALESCE(SUM(CASE WHEN time_to_first_token IS NOT NULL"
         " THEN latency END), 0),"
-        " COALESCE(SUM(time_to_first_token), 0), SUM(estimated)"
+        " COALESCE(SUM(time_to_first_token), 0), SUM(estimated),"
+        " COALESCE(SUM(gpu_seconds), 0), COALESCE(SUM(cost), 0)"
         f" FROM {source} WHERE {where}"
         f" GROUP BY {day}, COALESCE(key_id, 0), COALESCE(key_name, ''), model"
     )
@@ -221,7 +245,9 @@ ROLLUP_UPSERT = (
     " answered = usage_daily.answered + excluded.answered,"
     " latency_sum = usage_daily.latency_sum + excluded.latency_sum,"
     " ttft_sum = usage_daily.ttft_sum + excluded.ttft_sum,"
-    " estimated = usage_daily.estimated + excluded.estimated"
+    " estimated = usage_daily.estimated + excluded.estimated,"
+    " gpu_seconds = usage_daily.gpu_seconds + excluded.gpu_seconds,"
+    " cost = usage_daily.cost + excluded.cost"
 )
 """
 What makes a day's rows rolled in two passes (a late row, an interrupted
@@ -408,6 +434,22 @@ class Store:
         """
         raise NotImplementedError
 
+    def add_gpu_time(self, rows: Sequence[GpuTimeRow]) -> Deferred[None]:
+        """
+        Add the meter's GPU time to each row's hour, GPU, model and state
+        (L{llmgw.store.gpu_time}), in one transaction.
+        """
+        raise NotImplementedError
+
+    def gpu_time(self, since: float, until: float) -> Deferred[list[GpuTimeRow]]:
+        """
+        @param since: POSIX seconds, inclusive.
+        @param until: POSIX seconds, exclusive; a row counts when its hour
+            starts in C{[since, until)}.
+        @return: fires with the rows, by hour, node, GPU, model and state.
+        """
+        raise NotImplementedError
+
     def models(self) -> Deferred[list[tuple[str, str]]]:
         """
         @return: C{(name, spec JSON)} of the models added at run time.
@@ -485,6 +527,7 @@ __all__ = [
     "ROLLUP_COLUMNS",
     "ROLLUP_UPSERT",
     "USAGE_COLUMNS",
+    "USAGE_MARKS",
     "MigrationPending",
     "Progress",
     "Store",

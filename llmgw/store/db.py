@@ -24,12 +24,14 @@ from urllib.parse import urlsplit
 from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred
 
+from llmgw.store import gpu_time as gt
 from llmgw.store.base import (
     DAY,
     MIGRATIONS,
     ROLLUP_COLUMNS,
     ROLLUP_UPSERT,
     USAGE_COLUMNS,
+    USAGE_MARKS,
     MigrationPending,
     Progress,
     Store,
@@ -333,7 +335,7 @@ class SQLiteStore(Store):
                     )
             cursor.executemany(
                 f"INSERT INTO usage ({USAGE_COLUMNS})"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                f" VALUES ({USAGE_MARKS.format(p='?')})"
                 " ON CONFLICT (request_id) DO NOTHING",
                 [usage_values(when, r) for when, r in rows],
             )
@@ -360,7 +362,7 @@ class SQLiteStore(Store):
             with L{sqlite3.OperationalError} when the file stays locked
             past L{READ_BUSY_TIMEOUT_MS}.
         """
-        query = usage_query(by, "?")
+        query = usage_query(by, "?", _DAY_SQL)
 
         def shape(rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
             return shape_usage(by, rows)
@@ -380,6 +382,18 @@ class SQLiteStore(Store):
             rolled += await self.pool.runInteraction(_roll_day, day)
             day = await self.pool.runInteraction(_next_day, day + DAY, before)
         return rolled
+
+    # GPU time
+
+    def add_gpu_time(self, rows: Sequence[gt.GpuTimeRow]) -> Deferred[None]:
+        def add(cursor: sqlite3.Cursor) -> None:
+            cursor.executemany(gt.gpu_time_upsert("?"), map(gt.gpu_time_values, rows))
+
+        return self.pool.runInteraction(add)  # type: ignore[no-any-return]
+
+    def gpu_time(self, since: float, until: float) -> Deferred[list[gt.GpuTimeRow]]:
+        d = self.reader.runQuery(gt.gpu_time_query("?"), (since, until))
+        return d.addCallback(gt.gpu_time_rows)  # type: ignore[no-any-return]
 
     # Runtime models
 

@@ -34,10 +34,12 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
+from llmgw.store import gpu_time as gt
 from llmgw.store import pg_schema
 from llmgw.store.base import (
     DAY,
     USAGE_COLUMNS,
+    USAGE_MARKS,
     MigrationPending,
     Progress,
     Store,
@@ -319,7 +321,7 @@ class PostgresStore(Store):
                 # of the same batch meanwhile.
                 cursor.executemany(
                     f"INSERT INTO usage ({USAGE_COLUMNS})"
-                    " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                    f" VALUES ({USAGE_MARKS.format(p='%s')})"
                     " ON CONFLICT DO NOTHING",
                     fresh,
                 )
@@ -336,7 +338,7 @@ class PostgresStore(Store):
     def usage(
         self, by: str, since: float, until: float
     ) -> Deferred[list[dict[str, Any]]]:
-        query = usage_query(by, "%s")
+        query = usage_query(by, "%s", pg_schema.DAY_SQL)
 
         def read(cursor: psycopg.Cursor[Any]) -> list[dict[str, Any]]:
             cursor.execute(query.encode(), (since, until, since, until))
@@ -365,6 +367,19 @@ class PostgresStore(Store):
         return rolled
 
     # Runtime models
+
+    def add_gpu_time(self, rows: Sequence[gt.GpuTimeRow]) -> Deferred[None]:
+        def add(cursor: psycopg.Cursor[Any]) -> None:
+            cursor.executemany(gt.gpu_time_upsert("%s"), map(gt.gpu_time_values, rows))
+
+        return self._run(add)
+
+    def gpu_time(self, since: float, until: float) -> Deferred[list[gt.GpuTimeRow]]:
+        def read(cursor: psycopg.Cursor[Any]) -> list[gt.GpuTimeRow]:
+            cursor.execute(gt.gpu_time_query("%s").encode(), (since, until))
+            return gt.gpu_time_rows(cursor.fetchall())
+
+        return self._run(read)
 
     def models(self) -> Deferred[list[tuple[str, str]]]:
         def read(cursor: psycopg.Cursor[Any]) -> list[tuple[str, str]]:

@@ -114,4 +114,6 @@ def request_record(
         usage_estimated=estimated,
         reserved_tokens=reserved,
         candidates=exchange.candidates if exchange is not None else None,
+        gpu_seconds=exchange.gpu.gpu_seconds if exchange is not None else 0.0,
+        cost=exchange.gpu.cost if exchange is not None else 0.0,
     )

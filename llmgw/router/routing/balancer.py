@@ -35,6 +35,7 @@ from llmgw.router.interfaces import Endpoint, RequestRecord
 from llmgw.router.routing.adapters import AdapterLoads
 from llmgw.router.routing.affinity import owner, within_bound
 from llmgw.router.routing.ejection import Health, cooldown, verdict
+from llmgw.router.routing.gpu_share import GpuShare, Mark
 from llmgw.router.routing.load import EngineLoad
 from llmgw.router.routing.speed import MIN_DECODE, Speeds
 from llmgw.router.settings import RouterConfig
@@ -74,6 +75,7 @@ class Replica:
     @ivar exchanges: how to end each exchange in flight to it at once (see
         L{Balancer.cut}), called with the reason.
     @ivar health: its record of failed answers.
+    @ivar gpu: its GPU time shared among its requests (docs/cost.md).
     """
 
     endpoint: Endpoint
@@ -81,6 +83,27 @@ class Replica:
     ejected_until: float = 0.0
     exchanges: set[Callable[[str], None]] = field(default_factory=set)
     health: Health = field(default_factory=Health)
+    gpu: GpuShare = field(default_factory=GpuShare)
+
+    def enter(self, now: float) -> Mark:
+        """
+        A request goes to it at C{now} (seconds): counted in flight.
+
+        @return: its mark, for L{leave}.
+        """
+        self.outstanding += 1
+        endpoint = self.endpoint
+        return self.gpu.enter(now, endpoint.gpus, endpoint.gpu_hour)
+
+    def leave(self, now: float, mark: Mark) -> Mark:
+        """
+        The request that entered with C{mark} ended at C{now}.
+
+        @return: its share of the GPUs' time and their price.
+        """
+        self.outstanding -= 1
+        endpoint = self.endpoint
+        return self.gpu.leave(now, endpoint.gpus, endpoint.gpu_hour, mark)
 
     @property
     def id(self) -> str:
@@ -475,6 +498,15 @@ class Balancer:
             if replica is not None:
                 count += replica.outstanding
         return count
+
+    def busy(self, replica_id: str) -> float:
+        """
+        @return: seconds during which the replica C{replica_id} had a
+            request of this router in flight, since the router first sent
+            it one (L{GpuShare.busy}); 0 when it is not in the list.
+        """
+        replica = self._replicas.get(replica_id) or self._retired.get(replica_id)
+        return replica.gpu.busy if replica is not None else 0.0
 
     def cut(self, replica_id: str, why: str) -> int:
         """

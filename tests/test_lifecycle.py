@@ -206,7 +206,7 @@ class MakeServiceStopTests(TestCase):
             [
                 (ORDER[0], ["ListeningService"] * 3),
                 (ORDER[1], ["DrainService"]),
-                (ORDER[2], ["Loop", "LoadBoard", "History", "Watch"]),
+                (ORDER[2], ["Loop", "LoadBoard", "History", "Watch", "MeterService"]),
                 (ORDER[3], ["LinksService"]),
                 (ORDER[4], ["UsageWriter", "UsageRetention", "ResponseRetention"]),
                 (ORDER[5], []),

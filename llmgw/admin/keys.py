@@ -33,6 +33,7 @@ from llmgw.router.accounting.auth import ApiKey, KeyRing
 from llmgw.router.routing.fairness import check_weight
 from llmgw.store.base import KEY_LIMITS
 from llmgw.store.db import Store
+from llmgw.store.gpu_time import HOUR, idle_rows, per_gpu
 from llmgw.store.usage import UsageWriter
 from llmgw.tier.watch import Watch
 
@@ -369,11 +370,16 @@ class KeyRoutes:
     @app.route("/api/v1/usage", methods=["GET"])
     async def get_usage(self, request: IRequest) -> bytes:
         """
-        Usage grouped by C{by} (C{key} or C{model}, default key) from
-        C{since} (default 24h) to C{until} (default now): requests,
+        Usage grouped by C{by} (C{key}, C{model} or C{day}, default key)
+        from C{since} (default 24h) to C{until} (default now): requests,
         errors, prompt and completion tokens, mean latency and time to
-        first token, per group; C{pending}: records not yet written to
-        the store (another process holding its lock), not counted.
+        first token, GPU-seconds and cost, per group; C{idle}: the GPU
+        time no request was given and its cost (one row, or one per day
+        by day), and C{gpus}: each GPU's seconds by state, the requests'
+        and the idle (docs/cost.md), over the hours that start in the
+        range (from the hour of C{since}); C{pending}: records not yet
+        written to the store (another process holding its lock), not
+        counted.
         Answers within about 2 s: 503 C{store_busy} when the store cannot be
         read then.
         """
@@ -387,9 +393,9 @@ class KeyRoutes:
             return values[0].decode("utf-8", "replace") if values else default
 
         by = arg(b"by", "key")
-        if by not in ("key", "model"):
+        if by not in ("key", "model", "day"):
             raise AdminError(
-                400, f"by: expected key or model, got {by!r}", "bad_request"
+                400, f"by: expected key, model or day, got {by!r}", "bad_request"
             )
         now = self._wall_clock()
         since = parse_since(arg(b"since", "24h"), now)
@@ -405,10 +411,10 @@ class KeyRoutes:
             pending = usage.pending
         # Without an end: up to now, and the records of this second (a
         # record's time is when its request finished).
+        end = until if until is not None else now + 1
         try:
-            groups = await store.usage(
-                by, since, until if until is not None else now + 1
-            )
+            groups = await store.usage(by, since, end)
+            gpu_time = await store.gpu_time((since // HOUR) * HOUR, end)
         except store.database_errors as e:
             raise AdminError(
                 503, f"the store cannot be read now ({e}); try again", "store_busy"
@@ -420,6 +426,8 @@ class KeyRoutes:
                 "since": since,
                 "until": until if until is not None else now,
                 "usage": groups,
+                "idle": idle_rows(by, gpu_time),
+                "gpus": per_gpu(gpu_time),
                 "pending": pending,
             },
         )

@@ -180,6 +180,13 @@ class GpuMeter:
         self._busy_seen: dict[str, float] = {}
         self.totals: dict[tuple[str, int, str, str], list[float]] = {}
 
+    @property
+    def counting(self) -> bool:
+        """
+        Whether a tick since the last L{stop} began counting.
+        """
+        return self._last is not None
+
     def stop(self) -> None:
         """
         Stop counting (the server no longer leads): the next L{tick}

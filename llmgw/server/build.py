@@ -259,12 +259,14 @@ def control_plane(
     """
     balancer, load = api.balancer, api.load
 
-    def publish(endpoints: list[Endpoint]) -> None:
-        # Each replica's GPUs and their price, for its requests' shares.
-        endpoints = meter.priced(endpoints)
+    def set_endpoints(endpoints: list[Endpoint]) -> None:
         balancer.set_endpoints(endpoints)
         load.set_endpoints(endpoints)
         watch.set_endpoints(endpoints)
+
+    def publish(endpoints: list[Endpoint]) -> None:
+        # Each replica's GPUs and their price, for its requests' shares.
+        set_endpoints(meter.priced(endpoints))
 
     def publish_shortfalls(shortfalls: tuple[Shortfall, ...]) -> None:
         readiness.set(shortfalls)
@@ -282,7 +284,7 @@ def control_plane(
         inventory, lambda: plane.ledger.shards(), Prices(config.cost), balancer.busy
     )
     static = list(config.endpoints)
-    publish(static)
+    set_endpoints(static)  # no replica of the plane's among them
     hub = AgentHub(
         reactor,
         inventory,

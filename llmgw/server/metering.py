@@ -22,9 +22,10 @@ from llmgw.control.meter import Counted, GpuMeter
 from llmgw.store.base import Store
 from llmgw.store.gpu_time import GpuTimeRow
 
-TICK = 1.0
+TICK = 0.25
 """
-Seconds between two of the meter's looks at the fleet.
+Seconds between two of the meter's looks at the fleet: a state found is
+counted until the next look, so a change is counted at most this late.
 """
 
 WRITE_EVERY = 10.0
@@ -76,13 +77,16 @@ class MeterService(Service):
         super().stopService()  # type: ignore[no-untyped-call]
         if self._call.running:
             self._call.stop()
-        # The seconds since the last tick, if this server was counting.
-        self._add(self._meter.tick(self._clock.seconds()))
+        # Up to now, if this server was counting: it stops with the
+        # reconciler, whose step it is in.
+        if self._meter.counting:
+            self._add(self._meter.tick(self._clock.seconds()))
         return self._write()
 
     def _tick(self) -> None:
         now = self._clock.seconds()
         if not self._leading():
+            # A standby counts nothing; one that lost the lead stops here.
             self._meter.stop()
             return
         self._add(self._meter.tick(now))

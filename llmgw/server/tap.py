@@ -231,7 +231,12 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
         log.info("metrics-only listener on {host}:{port}", host=host, port=port)
     top.add(DRAIN, DrainService(built.router, config.router.drain_timeout))
     leading = built.leading.services
-    top.add(RECONCILER, *leading, api.load, built.served.history, parts.watch)
+    # The GPU meter stops counting with the reconciler; its last counts are
+    # written then, before the store closes.
+    meter = MeterService(
+        reactor, parts.meter, store, lambda: bool(parts.plane.loop.running)
+    )
+    top.add(RECONCILER, *leading, api.load, built.served.history, parts.watch, meter)
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.
     top.add(AGENT_LINKS, *agent.uplink)
@@ -244,10 +249,6 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
         account.usage,
         UsageRetention(store, reactor, config.usage_retention),
         ResponseRetention(store, reactor, config.responses_retention),
-        # What the GPU meter counted, written before the store closes.
-        MeterService(
-            reactor, parts.meter, store, lambda: bool(parts.plane.loop.running)
-        ),
     )
     top.add(LOCAL_ENGINES, *agent.engines)
     top.add(POOLS, PoolService(api.pool))

@@ -176,3 +176,27 @@ def idle_by_day(rows: Iterable[GpuTimeRow]) -> dict[float, tuple[float, float]]:
         seconds, cost = days.get(day, (0.0, 0.0))
         days[day] = (seconds + row.seconds - row.busy, cost + row.cost - row.busy_cost)
     return days
+
+
+def idle_rows(by: str, rows: Iterable[GpuTimeRow]) -> list[dict[str, Any]]:
+    """
+    The usage report's idle row (docs/cost.md): the GPU time no request
+    was given, and its price.
+
+    @param by: the report's grouping: C{"day"} gives one row per UTC day
+        with GPU time (C{"day"} its start, POSIX seconds); C{"key"} or
+        C{"model"} one row for the whole range.
+    @return: C{{"day"?, "gpu_seconds", "cost"}} rows.
+    """
+    days = idle_by_day(rows)
+    if by == "day":
+        return [
+            {"day": day, "gpu_seconds": seconds, "cost": cost}
+            for day, (seconds, cost) in sorted(days.items())
+        ]
+    return [
+        {
+            "gpu_seconds": sum(s for s, _ in days.values()),
+            "cost": sum(c for _, c in days.values()),
+        }
+    ]

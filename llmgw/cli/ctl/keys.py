@@ -7,6 +7,7 @@ entries of L{llmgw.cli.ctl.commands.COMMANDS}).
 from __future__ import annotations
 
 import argparse
+import datetime
 import urllib.parse
 from typing import IO, Any
 
@@ -159,7 +160,9 @@ def keys_list(
 
 def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{usage}: a table of usage by key or model over a period.
+    C{usage}: a table of usage by key, model or UTC day over a period,
+    with each group's GPU-seconds and cost, and the GPU time no request
+    was given as its own C{(idle)} row (docs/cost.md).
     """
     query = urllib.parse.urlencode(
         {
@@ -169,9 +172,13 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
         }
     )
     result = client.call("GET", "/api/v1/usage?" + query)
-    rows = [
+
+    def name(group: dict[str, Any]) -> object:
+        return _day(group["day"]) if args.by == "day" else group[args.by]
+
+    rows: list[tuple[object, ...]] = [
         (
-            g[args.by],
+            name(g),
             g["requests"],
             g["errors"],
             g["prompt_tokens"],
@@ -179,9 +186,17 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
             g.get("answered"),
             g["mean_latency"],
             g["mean_time_to_first_token"],
+            g.get("gpu_seconds"),
+            _money(g.get("cost")),
         )
         for g in result["usage"]
     ]
+    for idle in result.get("idle", []):
+        label = f"(idle) {_day(idle['day'])}" if "day" in idle else "(idle)"
+        rows.append(
+            (label, None, None, None, None, None, None, None, idle["gpu_seconds"])
+            + (_money(idle["cost"]),)
+        )
     header = (
         args.by.upper(),
         "REQUESTS",
@@ -191,6 +206,23 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
         "ANSWERED",
         "MEAN LATENCY S",
         "MEAN TTFT S",
+        "GPU S",
+        "COST",
     )
     # Both means are over the answered requests (a first byte came).
     return result, table(rows, header)
+
+
+def _day(seconds: float) -> str:
+    """
+    @return: the UTC day starting at C{seconds}, C{YYYY-MM-DD}.
+    """
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d")
+
+
+def _money(value: float | None) -> str | None:
+    """
+    @return: a cost to the millionth (a request's is often under a
+        cent), or L{None}.
+    """
+    return None if value is None else f"{value:.6f}"

@@ -230,8 +230,10 @@ def _order(parser: argparse.ArgumentParser) -> None:
 
 
 def _usage(commands: Any, shared: argparse.ArgumentParser) -> None:
-    usage = commands.add_parser("usage", help="usage by key or model")
-    usage.add_argument("--by", choices=("key", "model"), default="key")
+    usage = commands.add_parser(
+        "usage", help="usage by key, model or day, with GPU-seconds and cost"
+    )
+    usage.add_argument("--by", choices=("key", "model", "day"), default="key")
     usage.add_argument(
         "--since", default="24h", help="24h, 30m, an ISO time or POSIX seconds"
     )

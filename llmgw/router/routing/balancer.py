@@ -168,6 +168,8 @@ class Balancer:
         self._replicas: dict[str, Replica] = {}
         self._retired: dict[str, Replica] = {}
         self._by_model: dict[str, list[Replica]] = {}
+        # The busy seconds of the replicas taken out of the list, by id.
+        self._busy_gone: dict[str, float] = {}
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """
@@ -181,7 +183,10 @@ class Balancer:
         for endpoint in endpoints:
             replica = self._replicas.get(endpoint.id) or self._retired.get(endpoint.id)
             if replica is None:
-                replica = Replica(endpoint)
+                # Its busy seconds go on from those of its last object:
+                # the GPU meter reads them as one count per replica id.
+                busy = GpuShare(self._busy_gone.pop(endpoint.id, 0.0))
+                replica = Replica(endpoint, gpu=busy)
             elif replica.endpoint != endpoint:
                 replica.endpoint = endpoint
             replicas[endpoint.id] = replica
@@ -194,6 +199,9 @@ class Balancer:
             for r in (*self._retired.values(), *self._replicas.values())
             if r.outstanding > 0 and r.id not in replicas
         }
+        for gone in (*self._retired.values(), *self._replicas.values()):
+            if gone.id not in replicas and gone.id not in retired:
+                self._busy_gone[gone.id] = gone.gpu.busy
         self._retired = retired
         self._replicas = replicas
         self._by_model = by_model
@@ -503,10 +511,14 @@ class Balancer:
         """
         @return: seconds during which the replica C{replica_id} had a
             request of this router in flight, since the router first sent
-            it one (L{GpuShare.busy}); 0 when it is not in the list.
+            it one, up to now (L{GpuShare.busy_at}); kept when it leaves the
+            list (a replica asleep, drained), and gone on from when it comes
+            back.
         """
         replica = self._replicas.get(replica_id) or self._retired.get(replica_id)
-        return replica.gpu.busy if replica is not None else 0.0
+        if replica is None:
+            return self._busy_gone.get(replica_id, 0.0)
+        return replica.gpu.busy_at(self._clock.seconds())
 
     def cut(self, replica_id: str, why: str) -> int:
         """

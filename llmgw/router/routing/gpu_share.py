@@ -43,13 +43,15 @@ class GpuShare:
     """
     One replica's GPU time shared among the requests the router sends it.
 
+    @param busy: the busy seconds counted before (by an earlier object for
+        the same replica id).
     @ivar in_flight: its requests in flight, as this object counts them.
     @ivar busy: seconds during which at least one was in flight.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, busy: float = 0.0) -> None:
         self.in_flight = 0
-        self.busy = 0.0
+        self.busy = busy
         self._last = 0.0
         self._per_request = 0.0
         self._cost_per_request = 0.0
@@ -65,6 +67,15 @@ class GpuShare:
             self._cost_per_request += elapsed * gpu_hour / HOUR / self.in_flight
             self.busy += elapsed
         self._last = max(self._last, now)
+
+    def busy_at(self, now: float) -> float:
+        """
+        @return: L{busy} brought to C{now}: the seconds since the last
+            event count when a request is in flight.
+        """
+        if self.in_flight > 0 and now > self._last:
+            return self.busy + now - self._last
+        return self.busy
 
     def enter(self, now: float, gpus: float, gpu_hour: float) -> Mark:
         """

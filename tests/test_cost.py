@@ -7,6 +7,8 @@ meter of every GPU's seconds by state (L{llmgw.control.meter}).
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.config import parse_config
@@ -16,11 +18,14 @@ from llmgw.control.meter import GpuMeter, fleet_gpus
 from llmgw.control.placement import Profile
 from llmgw.control.prices import CostConfig, GpuPrice, Prices
 from llmgw.control.records import ReplicaRecord, ShardRecord
+from llmgw.router.accounting.auth import KeyRing
+from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.routing.gpu_share import GpuShare
 from llmgw.store.gpu_time import GpuTimeRow, per_gpu
 from llmgw.wire.states import ShardState
 from tests.plane_support import PlaneCase, make_model, register_message
+from tests.test_limits import _NoStore, _row
 
 
 class GpuShareTests(SynchronousTestCase):
@@ -220,3 +225,59 @@ class SharedGpuTests(SynchronousTestCase):
         pairs.append(replica("c", 0.0))
         (gpu,) = fleet_gpus(inventory, lambda: pairs, Prices())
         self.assertEqual([h.weight for h in gpu.holders], [0.25, 0.5, 0.25])
+
+
+class CostBudgetTests(SynchronousTestCase):
+    """
+    A key's budget in cost (C{budget_cost}) refuses its requests once its
+    requests' cost reaches it, as a token budget does.
+    """
+
+    def ring(self, share: int = 1, **limits: Any) -> KeyRing:
+        ring = KeyRing(
+            _NoStore(), clock=lambda: 0.0, wall_clock=lambda: 0.0, share=share
+        )
+        ring.load([_row(**limits)])
+        return ring
+
+    def test_refused_once_spent(self) -> None:
+        """
+        A budget of 1.0 with 0.25 spent before start: admitted while its
+        requests cost less than the 0.75 left, then 429
+        C{insufficient_quota} saying the cost budget.
+        """
+        ring = self.ring(budget_cost=1.0, cost_used=0.25)
+        (key,) = ring.keys()
+        ring.admit(key, ["m"])
+        ring.used(key, 10, cost=0.5)
+        ring.admit(key, ["m"])
+        ring.used(key, 10, cost=0.25)
+        with self.assertRaises(APIError) as raised:
+            ring.admit(key, ["m"])
+        self.assertEqual(
+            (raised.exception.status, raised.exception.code),
+            (429, "insufficient_quota"),
+        )
+        self.assertIn("cost budget", str(raised.exception))
+        self.assertEqual(key.to_json()["cost_used"], 1.0)
+
+    def test_shared_among_routers(self) -> None:
+        """
+        Two routers sharing the keys' limits each spend half of what was
+        left at start.
+        """
+        ring = self.ring(share=2, budget_cost=1.0)
+        (key,) = ring.keys()
+        ring.admit(key, ["m"])
+        ring.used(key, 1, cost=0.5)
+        with self.assertRaises(APIError):
+            ring.admit(key, ["m"])
+
+    def test_no_budget(self) -> None:
+        """
+        Without a budget in cost, no cost refuses.
+        """
+        ring = self.ring()
+        (key,) = ring.keys()
+        ring.used(key, 1, cost=1e9)
+        self.assertIsNone(ring.admit(key, ["m"]))

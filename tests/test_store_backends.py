@@ -170,6 +170,8 @@ class _Behaviour(_Base):
         self.assertEqual([tuple(int(v) for v in count[0])], [(4, 4)])
         keys, _ = self.store().prepare()
         self.assertEqual((keys[0]["tokens_used"], keys[0]["last_used"]), (24, 103.0))
+        # Each request's cost counted once in its key's, as its tokens.
+        self.assertEqual(keys[0]["cost_used"], 0.875)
         by_key = await store.usage("key", 100.0, 105.0)
         self.assertEqual(
             by_key,
@@ -225,6 +227,19 @@ class _Behaviour(_Base):
             [(g["day"], g["requests"], g["gpu_seconds"], g["cost"]) for g in by_day],
             [(day, 2, 3.0, 1.5), (2 * day, 1, 4.0, 2.0)],
         )
+
+    async def test_budget_cost_kept(self) -> None:
+        """
+        A key's budget in cost is kept as made, changed and removed.
+        """
+        store = self.store()
+        store.prepare()
+        key_id = await store.add_key({**_key("a"), "budget_cost": 2.5})
+        keys, _ = self.store().prepare()
+        self.assertEqual((keys[0]["budget_cost"], keys[0]["cost_used"]), (2.5, 0.0))
+        await store.update_key(key_id, {"budget_cost": None})
+        keys, _ = self.store().prepare()
+        self.assertIsNone(keys[0]["budget_cost"])
 
     async def test_gpu_time_added(self) -> None:
         """

@@ -21,7 +21,8 @@ from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 
 from llmgw.control.plane import ControlPlane
-from llmgw.router.accounting.auth import KeyRing, hash_key
+from llmgw.router.accounting.api_key import hash_key
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, sparkline
@@ -257,6 +258,11 @@ class _Actions:
     async def keep_drain(self, node_id: str, draining: bool) -> bool:
         self.drains.append((node_id, draining))
         return self.kept
+
+    async def usage(
+        self, by: str, since: float, until: float | None
+    ) -> dict[str, Any] | None:
+        return None
 
 
 @dataclass(frozen=True)

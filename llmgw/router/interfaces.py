@@ -317,9 +317,10 @@ class Auth(Protocol):
         @raise llmgw.router.errors.APIError: 403 or 429.
         """
 
-    def used(self, key: Key, tokens: int, reserved: int) -> None:
+    def used(self, key: Key, tokens: int, reserved: int, cost: float = 0.0) -> None:
         """
-        Count a finished request's tokens; release its reservation.
+        Count a finished request's tokens and its cost (docs/cost.md);
+        release its reservation.
         """
 
 

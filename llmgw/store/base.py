@@ -10,7 +10,6 @@ A leaf, as the whole store: it imports nothing from the rest of llmgw.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,14 @@ from typing import Any
 from twisted.internet.defer import Deferred
 
 from llmgw.store.gpu_time import GpuTimeRow
+from llmgw.store.keys import (
+    KEY_COST,
+    KEY_LIMITS,
+    key_costs,
+    key_insert,
+    key_row,
+    key_update,
+)
 from llmgw.store.migrations import (
     MIGRATIONS,
     MigrationPending,
@@ -66,21 +73,6 @@ class UsageRow:
     client_request_id: str | None = None
     gpu_seconds: float = 0.0
     cost: float = 0.0
-
-
-KEY_LIMITS = (
-    "models",
-    "rpm",
-    "tpm",
-    "budget_tokens",
-    "expires",
-    "priority",
-    "weight",
-)
-"""
-The columns of a key that L{Store.update_key} may change: what it may use,
-its limits, its expiry, and its priority and weight where requests wait.
-"""
 
 
 USAGE_COLUMNS = (
@@ -262,39 +254,6 @@ def day_start(when: float) -> float:
     return (when // DAY) * DAY
 
 
-def key_update(changes: dict[str, Any], placeholder: str) -> tuple[str, list[Any]]:
-    """
-    The C{SET} clause of L{Store.update_key}'s statement, for either engine.
-
-    @param changes: as L{Store.update_key} takes them.
-    @param placeholder: the engine's parameter mark, C{?} or C{%s}.
-    @return: the clause (C{"rpm = ?, models = ?"}) and its parameters.
-    @raise ValueError: a column not in L{KEY_LIMITS}, or none at all.
-    """
-    unknown = sorted(set(changes) - set(KEY_LIMITS))
-    if unknown or not changes:
-        raise ValueError(f"key update: cannot change {unknown or 'nothing'}")
-    columns = [c for c in KEY_LIMITS if c in changes]
-    values = [
-        json.dumps(changes[c])
-        if c == "models" and changes[c] is not None
-        else changes[c]
-        for c in columns
-    ]
-    return ", ".join(f"{c} = {placeholder}" for c in columns), values
-
-
-def key_row(names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
-    """
-    @return: a key's dict as L{Store.prepare} gives it, from a row of
-        C{SELECT * FROM api_keys}.
-    """
-    row = dict(zip(names, values, strict=True))
-    row["models"] = json.loads(row["models"]) if row["models"] else None
-    row["admin"] = bool(row["admin"])
-    return row
-
-
 class Store:
     """
     The database, whichever engine holds it.  Every method but L{prepare}
@@ -377,7 +336,8 @@ class Store:
     def add_key(self, row: dict[str, Any]) -> Deferred[int]:
         """
         @param row: name, prefix, hash, models (list or None), rpm, tpm,
-            budget_tokens, admin, created.
+            budget_tokens, admin, created, and optionally expires,
+            priority, weight, budget_cost.
         @return: fires with the new key's id; fails with one of
             L{integrity_errors} for a name already used.
         """
@@ -395,7 +355,8 @@ class Store:
 
         @param changes: some of L{KEY_LIMITS}, each to its new value:
             C{models} a list of names or L{None} (all), C{rpm}, C{tpm} and
-            C{budget_tokens} an integer or L{None} (no limit), C{expires}
+            C{budget_tokens} an integer or L{None} (no limit), C{budget_cost}
+            a number or L{None}, C{expires}
             POSIX seconds or L{None} (never), C{priority} a name or an
             integer's digits (L{llmgw.router.routing.fairness}), C{weight} a
             number above 0.
@@ -409,10 +370,11 @@ class Store:
         key_use: dict[int, tuple[int, float]],
     ) -> Deferred[None]:
         """
-        Write usage records and add to the keys' token counts, in one
-        transaction.  A row whose request id is already there is not
-        written again (nor counted twice in its key's tokens, when
-        C{key_use} is what those rows add up to).
+        Write usage records and add to the keys' token counts (and their
+        C{cost_used}, from the rows' costs), in one transaction.  A row
+        whose request id is already there is not written again (nor
+        counted twice in its key's tokens, when C{key_use} is what those
+        rows add up to; nor in its cost).
 
         @param rows: C{(POSIX seconds, row)} per request.
         @param key_use: per key id, C{(tokens, last used)}.
@@ -535,6 +497,9 @@ __all__ = [
     "StoredResponse",
     "UsageRow",
     "day_start",
+    "KEY_COST",
+    "key_costs",
+    "key_insert",
     "key_row",
     "key_update",
     "newer_than_code",

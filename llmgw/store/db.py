@@ -13,7 +13,6 @@ errors.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import time
@@ -27,6 +26,7 @@ from twisted.internet.defer import Deferred
 from llmgw.store import gpu_time as gt
 from llmgw.store.base import (
     DAY,
+    KEY_COST,
     MIGRATIONS,
     ROLLUP_COLUMNS,
     ROLLUP_UPSERT,
@@ -37,6 +37,8 @@ from llmgw.store.base import (
     Store,
     StoreError,
     UsageRow,
+    key_costs,
+    key_insert,
     key_row,
     key_update,
     rollup_select,
@@ -273,25 +275,7 @@ class SQLiteStore(Store):
         # Shared with PostgresStore: its docstring is Store.add_key's.
 
         def add(cursor: sqlite3.Cursor) -> int:
-            cursor.execute(
-                "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created, expires, priority, weight)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    row["name"],
-                    row["prefix"],
-                    row["hash"],
-                    json.dumps(row["models"]) if row["models"] is not None else None,
-                    row["rpm"],
-                    row["tpm"],
-                    row["budget_tokens"],
-                    int(row["admin"]),
-                    row["created"],
-                    row.get("expires"),
-                    str(row.get("priority") or "standard"),
-                    float(row.get("weight") or 1.0),
-                ),
-            )
+            cursor.execute(*key_insert(row, "?"))
             return int(cursor.lastrowid or 0)
 
         return self.pool.runInteraction(add)  # type: ignore[no-any-return]
@@ -325,6 +309,7 @@ class SQLiteStore(Store):
                     chunk,
                 )
                 seen.update(r[0] for r in cursor.fetchall())
+            cursor.executemany(KEY_COST.format(p="?"), key_costs(rows, seen))
             use = dict(key_use)
             for _, r in rows:
                 if r.request_id in seen and r.key_id in use:

@@ -38,6 +38,7 @@ from llmgw.store import gpu_time as gt
 from llmgw.store import pg_schema
 from llmgw.store.base import (
     DAY,
+    KEY_COST,
     USAGE_COLUMNS,
     USAGE_MARKS,
     MigrationPending,
@@ -45,6 +46,8 @@ from llmgw.store.base import (
     Store,
     StoreError,
     UsageRow,
+    key_costs,
+    key_insert,
     key_row,
     key_update,
     shape_usage,
@@ -241,25 +244,7 @@ class PostgresStore(Store):
 
     def add_key(self, row: dict[str, Any]) -> Deferred[int]:
         def add(cursor: psycopg.Cursor[Any]) -> int:
-            cursor.execute(
-                "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created, expires, priority, weight)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING id",
-                (
-                    row["name"],
-                    row["prefix"],
-                    row["hash"],
-                    json.dumps(row["models"]) if row["models"] is not None else None,
-                    row["rpm"],
-                    row["tpm"],
-                    row["budget_tokens"],
-                    int(row["admin"]),
-                    row["created"],
-                    row.get("expires"),
-                    str(row.get("priority") or "standard"),
-                    float(row.get("weight") or 1.0),
-                ),
-            )
+            cursor.execute(*key_insert(row, "%s", " RETURNING id"))
             got = cursor.fetchone()
             assert got is not None
             key_id = int(got[0])
@@ -304,6 +289,8 @@ class PostgresStore(Store):
                     ([r.request_id for _, r in rows],),
                 )
                 seen = {r[0] for r in cursor.fetchall()}
+                costs = key_costs(rows, seen)
+                cursor.executemany(KEY_COST.format(p="%s"), costs)
                 fresh = []
                 for when, r in rows:
                     if r.request_id not in seen:

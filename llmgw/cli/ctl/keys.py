@@ -27,7 +27,7 @@ def keys_create(
         if not models:
             raise CtlError("keys create: --models is empty (leave it out for all)")
         fields["models"] = models
-    for field in ("rpm", "tpm", "budget_tokens"):
+    for field in ("rpm", "tpm", "budget_tokens", "budget_cost"):
         if getattr(args, field) is not None:
             fields[field] = getattr(args, field)
     if args.expires is not None:
@@ -65,7 +65,7 @@ def keys_update(
             raise CtlError("keys update: --models is empty (--models all for all)")
         fields["models"] = None if models == ["all"] else models
     # Absent from args unless given (a given "none" is None).
-    for field in ("rpm", "tpm", "budget_tokens"):
+    for field in ("rpm", "tpm", "budget_tokens", "budget_cost"):
         if hasattr(args, field):
             fields[field] = getattr(args, field)
     if args.expires is not None:
@@ -75,7 +75,7 @@ def keys_update(
     if not fields:
         raise CtlError(
             "keys update: give --models, --rpm, --tpm, --budget-tokens,"
-            " --expires, --priority or --weight"
+            " --budget-cost, --expires, --priority or --weight"
         )
     k = client.call("PATCH", f"/api/v1/keys/{quote(args.name)}", fields)
     shown = cell(k["models"]) if k["models"] else "all"
@@ -83,6 +83,7 @@ def keys_update(
         f"key {k['name']} ({k['prefix']}...): models {shown},"
         f" rpm {cell(k['rpm'])}, tpm {cell(k['tpm'])},"
         f" budget {cell(k['budget_tokens'])},"
+        f" budget cost {cell(k.get('budget_cost'))},"
         f" expires {when(k['expires']) or 'never'},"
         f" priority {k.get('priority', 'standard')}, weight {k.get('weight', 1):g}\n"
     )
@@ -136,6 +137,8 @@ def keys_list(
             when(k["revoked"]),
             k.get("priority", "standard"),
             k.get("weight", 1),
+            k.get("budget_cost"),
+            _money(k.get("cost_used")),
         )
         for k in result["keys"]
     ]
@@ -154,6 +157,8 @@ def keys_list(
         "REVOKED",
         "PRIORITY",
         "WEIGHT",
+        "BUDGET COST",
+        "COST USED",
     )
     return result, table(rows, header)
 

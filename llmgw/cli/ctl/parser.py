@@ -156,6 +156,21 @@ def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> Non
 _EXPIRES = "when it stops working: 30d, 12h, an ISO 8601 time or POSIX seconds"
 
 
+def _cost_limit(value: str) -> float | None:
+    """
+    @return: C{--budget-cost} of C{keys update}: a number, or L{None} for
+        none.
+    """
+    if value.lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or none, got {value!r}"
+        ) from None
+
+
 def _limit(value: str) -> int | None:
     """
     @return: a limit of C{keys update}: a whole number, or L{None} for none.
@@ -182,6 +197,9 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
     create.add_argument("--rpm", type=int, help="requests per minute")
     create.add_argument("--tpm", type=int, help="tokens per minute")
     create.add_argument("--budget-tokens", type=int, help="tokens in all")
+    create.add_argument(
+        "--budget-cost", type=float, help="cost in all ([cost] currency)"
+    )
     create.add_argument("--admin", action="store_true", help="may use the admin API")
     create.add_argument("--expires", help=_EXPIRES)
     _order(create)
@@ -211,6 +229,12 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
         type=_limit,
         default=argparse.SUPPRESS,
         help="tokens in all, or none",
+    )
+    update.add_argument(
+        "--budget-cost",
+        type=_cost_limit,
+        default=argparse.SUPPRESS,
+        help="cost in all ([cost] currency), or none",
     )
     update.add_argument("--expires", help=_EXPIRES + ", or never")
     _order(update)

@@ -10,10 +10,23 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from llmgw.store.base import UsageRow
+
+class Costed(Protocol):
+    """
+    A usage row as L{key_costs} reads it (L{llmgw.store.base.UsageRow}).
+    """
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def key_id(self) -> int | None: ...
+
+    @property
+    def cost(self) -> float: ...
+
 
 KEY_LIMITS = (
     "models",
@@ -87,7 +100,7 @@ def key_insert(
 
 
 def key_costs(
-    rows: Sequence[tuple[float, UsageRow]], seen: set[str]
+    rows: Sequence[tuple[float, Costed]], seen: set[str]
 ) -> list[tuple[float, int]]:
     """
     What L{Store.add_usage} adds to each key's C{cost_used}: the cost of

@@ -7,8 +7,10 @@ meter of every GPU's seconds by state (L{llmgw.control.meter}).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.config import parse_config
@@ -22,6 +24,7 @@ from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.routing.gpu_share import GpuShare
+from llmgw.server.metering import TICK, MeterService
 from llmgw.store.gpu_time import GpuTimeRow, per_gpu
 from llmgw.wire.states import ShardState
 from tests.plane_support import PlaneCase, make_model, register_message
@@ -281,3 +284,86 @@ class CostBudgetTests(SynchronousTestCase):
         (key,) = ring.keys()
         ring.used(key, 1, cost=1e9)
         self.assertIsNone(ring.admit(key, ["m"]))
+
+
+class _GpuStore:
+    """
+    The store's GPU time as L{MeterService} writes it.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[GpuTimeRow] = []
+        self.fail = False
+
+    def add_gpu_time(self, rows: Sequence[GpuTimeRow]) -> Deferred[None]:
+        if self.fail:
+            return fail(RuntimeError("database away"))
+        self.rows.extend(rows)
+        return succeed(None)
+
+
+class MeterServiceTests(PlaneCase):
+    """
+    The meter ticks while the server leads, its counts added to the store
+    every L{WRITE_EVERY} seconds and at stop; a failed write is kept for
+    the next.
+    """
+
+    def service(self, leading: list[bool]) -> tuple[MeterService, _GpuStore]:
+        self.make(make_model(low=0), nodes=("n1",))
+        meter = GpuMeter(
+            self.inventory, self.plane.ledger.shards, Prices(), lambda r: 0
+        )
+        store = _GpuStore()
+        service = MeterService(
+            self.clock,
+            meter,
+            store,
+            lambda: leading[0],
+        )
+        return service, store
+
+    def seconds(self, store: _GpuStore) -> float:
+        return sum(r.seconds for r in store.rows)
+
+    def test_written_every_interval_and_at_stop(self) -> None:
+        """
+        25 s leading: 20 s written by the ticks (at 10 and 20 s), the
+        last 5 at stop; nothing left on the clock.
+        """
+        service, store = self.service([True])
+        service.startService()
+        self.clock.pump([TICK] * 100)
+        self.assertAlmostEqual(self.seconds(store), 20.0)
+        self.assertEqual({r.state for r in store.rows}, {"free"})
+        self.successResultOf(service.stopService())
+        self.assertAlmostEqual(self.seconds(store), 25.0)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_standby_counts_nothing(self) -> None:
+        """
+        While another server leads nothing is counted; from the lead on,
+        the seconds since.
+        """
+        leading = [False]
+        service, store = self.service(leading)
+        service.startService()
+        self.clock.pump([TICK] * 40)
+        leading[0] = True
+        self.clock.pump([TICK] * 40)
+        self.successResultOf(service.stopService())
+        self.assertAlmostEqual(self.seconds(store), 10.0 - TICK)
+
+    def test_failed_write_kept(self) -> None:
+        """
+        A write that fails is added to the next: no second lost.
+        """
+        service, store = self.service([True])
+        store.fail = True
+        service.startService()
+        self.clock.pump([TICK] * 44)
+        self.assertEqual(store.rows, [])
+        store.fail = False
+        self.successResultOf(service.stopService())
+        self.assertAlmostEqual(self.seconds(store), 11.0)
+        self.flushLoggedErrors(RuntimeError)

@@ -8,8 +8,9 @@ nothing, and a server that takes the lead begins counting then.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import astuple
+from typing import Protocol
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, succeed
@@ -19,7 +20,6 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from llmgw.control.meter import Counted, GpuMeter
-from llmgw.store.base import Store
 from llmgw.store.gpu_time import GpuTimeRow
 
 TICK = 0.25
@@ -33,6 +33,17 @@ WRITE_EVERY = 10.0
 Seconds between two writes of what the meter counted: what a crash may
 lose at most.
 """
+
+
+class GpuTimeStore(Protocol):
+    """
+    Where the meter's counts go (L{llmgw.store.base.Store.add_gpu_time}).
+    """
+
+    def add_gpu_time(self, rows: Sequence[GpuTimeRow]) -> Deferred[None]:
+        """
+        Add C{rows} to their hours' GPU time.
+        """
 
 
 class MeterService(Service):
@@ -52,7 +63,7 @@ class MeterService(Service):
         self,
         clock: IReactorTime,
         meter: GpuMeter,
-        store: Store,
+        store: GpuTimeStore,
         leading: Callable[[], bool],
     ) -> None:
         self._clock = clock
@@ -122,7 +133,8 @@ class MeterService(Service):
         def done(_: object) -> None:
             self._writing = None
 
-        d = self._store.add_gpu_time(rows)
+        # Known as in flight before its callbacks: a write that fired at
+        # once is no longer in flight once they ran.
+        self._writing = d = self._store.add_gpu_time(rows)
         d.addErrback(failed).addBoth(done)
-        self._writing = d
         return d

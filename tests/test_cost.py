@@ -7,12 +7,14 @@ meter of every GPU's seconds by state (L{llmgw.control.meter}).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 
+from llmgw.admin.keys import KeyRoutes
 from llmgw.config import parse_config
 from llmgw.config_checks import ConfigError
 from llmgw.control.inventory import Inventory
@@ -25,6 +27,8 @@ from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.routing.gpu_share import GpuShare
 from llmgw.server.metering import TICK, MeterService
+from llmgw.store.base import UsageRow
+from llmgw.store.db import SQLiteStore
 from llmgw.store.gpu_time import GpuTimeRow, per_gpu
 from llmgw.wire.states import ShardState
 from tests.plane_support import PlaneCase, make_model, register_message
@@ -367,3 +371,75 @@ class MeterServiceTests(PlaneCase):
         self.successResultOf(service.stopService())
         self.assertAlmostEqual(self.seconds(store), 11.0)
         self.flushLoggedErrors(RuntimeError)
+
+
+def _request(request_id: str, gpu_seconds: float, cost: float) -> UsageRow:
+    return UsageRow(
+        request_id,
+        1,
+        "k",
+        "m",
+        "r",
+        200,
+        False,
+        1,
+        1,
+        0.1,
+        0.1,
+        False,
+        None,
+        gpu_seconds,
+        cost,
+    )
+
+
+class UsageReportTests(TestCase):
+    """
+    The admin API's usage report (as the dashboard reads it too), over a
+    real SQLite store: each group's GPU-seconds and cost, the GPU time no
+    request was given as its own row (per day by day), each GPU's split.
+    """
+
+    async def test_idle_row_and_gpus(self) -> None:
+        """
+        Two requests of key k on day 1 (3 GPU-seconds, cost 1.5) and a GPU
+        counted 10 s on day 1 (4 of them the requests') and 6 s on day 2:
+        by key, k's sums and one idle row of 6 + 6 s; by day, an idle row
+        per day; the GPU's 16 s split 4 and 12.
+        """
+        path = os.path.join(self.mktemp(), "llmgw.db")
+        store = SQLiteStore(path)
+        store.prepare()
+        self.addCleanup(store.close)
+        day = 86400.0
+        rows = [
+            _request("a", 2.0, 1.0),
+            _request("b", 1.0, 0.5),
+        ]
+        await store.add_usage([(day + 10, r) for r in rows], {})
+        awake = GpuTimeRow(day, "n1", 0, "H100", "m", "awake", 10.0, 4.0, 5.0, 2.0)
+        free = GpuTimeRow(2 * day, "n1", 0, "H100", "", "free", 6.0, 0.0, 3.0, 0.0)
+        await store.add_gpu_time([awake, free])
+        routes = KeyRoutes(
+            None, store, None, None, wall_clock=lambda: 3 * day, watch=None
+        )
+        by_key = await routes.usage("key", 0.0, None)
+        (k,) = by_key["usage"]
+        self.assertEqual((k["key"], k["gpu_seconds"], k["cost"]), ("k", 3.0, 1.5))
+        self.assertEqual(by_key["idle"], [{"gpu_seconds": 12.0, "cost": 6.0}])
+        (gpu,) = by_key["gpus"]
+        self.assertEqual(
+            (gpu["seconds"], gpu["requests"], gpu["idle"], gpu["states"]["free"]),
+            (16.0, 4.0, 12.0, 6.0),
+        )
+        by_day = await routes.usage("day", 0.0, None)
+        self.assertEqual(
+            [(g["day"], g["requests"]) for g in by_day["usage"]], [(day, 2)]
+        )
+        self.assertEqual(
+            by_day["idle"],
+            [
+                {"day": day, "gpu_seconds": 6.0, "cost": 3.0},
+                {"day": 2 * day, "gpu_seconds": 6.0, "cost": 3.0},
+            ],
+        )

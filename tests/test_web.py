@@ -248,6 +248,7 @@ class _Actions:
         self.scaled: list[tuple[str, int, int]] = []
         self.drains: list[tuple[str, bool]] = []
         self.kept = True
+        self.report: dict[str, Any] | None = None
 
     async def set_scale(self, name: str, low: int, high: int) -> Any:
         self.scaled.append((name, low, high))
@@ -262,7 +263,7 @@ class _Actions:
     async def usage(
         self, by: str, since: float, until: float | None
     ) -> dict[str, Any] | None:
-        return None
+        return self.report
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,28 @@ class DashboardTests(PlaneCase):
         self.assertEqual(code, 200)
         self.assertNotIn(b"<html", fragment)
         self.assertIn(b'data-node="n1"', fragment)
+
+    def test_keys_page_shows_cost(self) -> None:
+        """
+        The keys page shows the usage report the admin API answers
+        (docs/cost.md): each key's GPU-seconds and cost, the idle row,
+        each GPU's seconds by state; without a store, none of it.
+        """
+        self.assertNotIn(b"GPU time and cost", self.call("GET", "/keys")[2])
+        states = {"starting": 1.0, "awake": 5.0, "asleep": 3.0, "free": 1.0}
+        gpu = {"node": "n1", "gpu": 0, "gpu_name": "H100", "seconds": 10.0}
+        self.actions.report = {
+            "usage": [{"key": "app", "requests": 3, "gpu_seconds": 4.0, "cost": 0.25}],
+            "idle": [{"gpu_seconds": 6.0, "cost": 0.125}],
+            "gpus": [
+                {**gpu, "states": states, "requests": 4.0, "idle": 6.0, "cost": 0.5}
+            ],
+        }
+        code, _, body = self.call("GET", "/keys")
+        self.assertEqual(code, 200)
+        self.assertIn(b"<td>app</td><td>3</td><td>4.0</td><td>0.250000</td>", body)
+        self.assertIn(b"<td>(idle)</td><td></td><td>6.0</td><td>0.125000</td>", body)
+        self.assertIn(b"<td>n1:0</td><td>H100</td><td>10.0</td><td>1.0</td>", body)
 
     def test_estimated_usage_marked(self) -> None:
         """

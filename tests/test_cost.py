@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from llmgw.admin.keys import KeyRoutes
@@ -25,6 +26,7 @@ from llmgw.control.records import ReplicaRecord, ShardRecord
 from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Endpoint
+from llmgw.router.routing.balancer import Balancer
 from llmgw.router.routing.gpu_share import GpuShare
 from llmgw.server.metering import TICK, MeterService
 from llmgw.store.base import UsageRow
@@ -443,3 +445,36 @@ class UsageReportTests(TestCase):
                 {"day": 2 * day, "gpu_seconds": 6.0, "cost": 3.0},
             ],
         )
+
+
+class BalancerBusyTests(SynchronousTestCase):
+    """
+    The router's busy seconds per replica, as the meter reads them: up to
+    now while a request is in flight, and kept when the replica leaves
+    the endpoint list (put to sleep as its last request ended).
+    """
+
+    def test_busy_kept_across_the_list(self) -> None:
+        """
+        A request of 3 s, read 1 s in (1 s busy), then the replica taken
+        out of the list as it ends: its 3 s are still read; back in the
+        list, its next request's seconds add to them.
+        """
+        clock = Clock()
+        endpoint = Endpoint("r1", "http://r1", ("m",), gpus=1.0)
+        balancer = Balancer(clock, 10)
+        balancer.set_endpoints([endpoint])
+        (replica,) = balancer.replicas_of("m")
+        mark = replica.enter(clock.seconds())
+        clock.advance(1)
+        self.assertEqual(balancer.busy("r1"), 1.0)
+        clock.advance(2)
+        replica.leave(clock.seconds(), mark)
+        balancer.set_endpoints([])
+        self.assertEqual(balancer.busy("r1"), 3.0)
+        balancer.set_endpoints([endpoint])
+        (again,) = balancer.replicas_of("m")
+        mark = again.enter(clock.seconds())
+        clock.advance(2)
+        again.leave(clock.seconds(), mark)
+        self.assertEqual(balancer.busy("r1"), 5.0)

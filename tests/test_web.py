@@ -333,15 +333,11 @@ class DashboardTests(PlaneCase):
         self.assertNotIn(b"GPU time and cost", self.call("GET", "/keys")[2])
         states = {"starting": 1.0, "awake": 5.0, "asleep": 3.0, "free": 1.0}
         gpu = {"node": "n1", "gpu": 0, "gpu_name": "H100", "seconds": 10.0}
-        self.actions.report = {
-            "usage": [{"key": "app", "requests": 3, "gpu_seconds": 4.0, "cost": 0.25}],
-            "idle": [{"gpu_seconds": 6.0, "cost": 0.125}],
-            "gpus": [
-                {**gpu, "states": states, "requests": 4.0, "idle": 6.0, "cost": 0.5}
-            ],
-        }
-        code, _, body = self.call("GET", "/keys")
-        self.assertEqual(code, 200)
+        gpu.update(states=states, requests=4.0, idle=6.0, cost=0.5)
+        key = {"key": "app", "requests": 3, "gpu_seconds": 4.0, "cost": 0.25}
+        idle = {"gpu_seconds": 6.0, "cost": 0.125}
+        self.actions.report = {"usage": [key], "idle": [idle], "gpus": [gpu]}
+        body = self.call("GET", "/keys")[2]
         self.assertIn(b"<td>app</td><td>3</td><td>4.0</td><td>0.250000</td>", body)
         self.assertIn(b"<td>(idle)</td><td></td><td>6.0</td><td>0.125000</td>", body)
         self.assertIn(b"<td>n1:0</td><td>H100</td><td>10.0</td><td>1.0</td>", body)

@@ -81,7 +81,7 @@ USAGE_COLUMNS = (
     " client_request_id, gpu_seconds, cost"
 )
 
-USAGE_MARKS = ",".join(["{p}"] * 16)
+USAGE_MARKS = ",".join(["{p}"] * (USAGE_COLUMNS.count(",") + 1))
 """
 The parameter marks of L{USAGE_COLUMNS}'s values, C{{p}} for the
 engine's own (C{USAGE_MARKS.format(p="?")}).

@@ -48,6 +48,13 @@ started beyond the first two), and GPU-seconds idle: simulated
 GPU-seconds in which a GPU held a ready replica with none of its model's
 requests outstanding while a request for a model without a ready replica
 waited (sampled from the admin API every 0.25 s of wall time).
+
+And the cost check (docs/cost.md, L{cost_check}): once each policy's
+server stopped, each GPU's seconds in the meter's rows against the run's
+length (from the node's registration to the server's stop, wall
+seconds), split between the requests' and the idle, and the requests'
+GPU-seconds in the usage rows beside them; the GPUs priced at
+L{swap_config.GPU_HOUR} an hour.
 """
 
 from __future__ import annotations
@@ -70,9 +77,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from children import BenchError, Children
+from cost_check import gpu_report, report_lines
+from swap_config import AGENT_CONFIG, MODELS, Shape, server_config
 
 BIN = os.path.dirname(sys.executable)
-MODELS = ("m0", "m1", "m2", "m3")
 REQUEST_TIMEOUT = 600.0
 """
 Wall seconds one request may take at most, queueing included.
@@ -93,22 +101,6 @@ DEFAULT_POLICIES = ("today", "cold", "sleep", "batch")
 Those run unless C{--policies} says otherwise (C{in-use} on request: the
 four take under 10 minutes).
 """
-
-
-@dataclass(frozen=True)
-class Shape:
-    """
-    The simulated durations, seconds.
-    """
-
-    cold: float = 20.0
-    wake: float = 2.0
-    sleep: float = 1.0
-    ttft: float = 0.3
-    itl: float = 0.03
-    tokens: int = 16
-    activation_timeout: float = 120.0
-    idle_timeout: float = 600.0
 
 
 def workload(
@@ -338,78 +330,6 @@ def _certs(directory: str) -> str:
     return ca
 
 
-def _server_config(
-    ca: str, policy: dict[str, Any], shape: Shape, compress: float, ports: int
-) -> str:
-    def d(seconds: float) -> str:
-        return f'"{seconds / compress:.3f}s"'
-
-    control = [
-        f"evict = {'true' if policy['evict'] else 'false'}",
-        'interval = "100ms"',
-        'startup_grace = "0s"',
-        f"port_range = [{ports}, {ports + 40}]",
-    ]
-    if policy["swap_max_wait"] is not None:
-        control.append(f"swap_max_wait = {d(policy['swap_max_wait'])}")
-    if policy.get("in_use"):
-        control.append(f"swap_in_use = {d(policy['in_use'])}")
-    sim_args = [
-        "--load-seconds",
-        f"{shape.cold / compress:.3f}",
-        "--ttft",
-        f"{shape.ttft / compress:.4f}",
-        "--itl",
-        f"{shape.itl / compress:.4f}",
-    ]
-    if policy["sleep"] != "off":
-        sim_args += [
-            "--wake-seconds",
-            f"{shape.wake / compress:.3f}",
-            "--sleep-seconds",
-            f"{shape.sleep / compress:.3f}",
-        ]
-    models = "".join(
-        f"""
-[[models]]
-name = "{name}"
-min_replicas = 0
-max_replicas = 1
-idle_timeout = {d(shape.idle_timeout)}
-min_resident = {d(policy["resident"])}
-[[models.profiles]]
-name = "one-gpu"
-engine = "sim"
-source = "sim"
-gpus = 1
-gpu_memory_gb = 60
-sleep = "{policy["sleep"]}"
-sleep_host_memory_gb = 1
-args = {json.dumps(sim_args)}
-"""
-        for name in MODELS
-    )
-    return (
-        f'[agent_tls]\nca = "{ca}/ca.pem"\ncert = "{ca}/server.pem"\n'
-        f'key = "{ca}/server-key.pem"\n'
-        f"[router]\nactivation_timeout = {d(shape.activation_timeout)}\n"
-        "activation_queue = 1000\n"
-        "[control]\n" + "\n".join(control) + "\n" + models
-    )
-
-
-AGENT_CONFIG = """
-address = "127.0.0.1"
-sleep_memory = "8GiB"
-[[simulated_gpus]]
-name = "A100-80GB"
-memory_gb = 80
-[[simulated_gpus]]
-name = "A100-80GB"
-memory_gb = 80
-"""
-
-
 def run_policy(
     name: str,
     requests: list[tuple[float, str]],
@@ -429,7 +349,7 @@ def run_policy(
         ports = random.randrange(21000, 30000)
         config = os.path.join(directory, "server.toml")
         with open(config, "w") as f:
-            f.write(_server_config(ca, POLICIES[name], shape, compress, ports))
+            f.write(server_config(ca, POLICIES[name], shape, compress, ports))
         agent_config = os.path.join(directory, "agent.toml")
         with open(agent_config, "w") as f:
             f.write(AGENT_CONFIG)
@@ -481,14 +401,20 @@ def run_policy(
         while not _get(admin_url + "/api/v1/nodes")["nodes"]:
             if time.monotonic() > deadline:
                 raise BenchError("the agent did not register in 30 s")
-            time.sleep(0.2)
-        started = time.monotonic()
+            time.sleep(0.05)
+        # The meter counts the node's GPUs from its registration.
+        registered = started = time.monotonic()
         tally = asyncio.run(_drive(api, admin_url, requests, compress, shape))
         wall = time.monotonic() - started
         # Asleep after idle_timeout is no swap, as cold's idle stops are not.
         swaps = _metric_sum(admin_url, "llmgw_swaps_total", 'reason="idle_sleep"')
         starts = _metric_sum(admin_url, "llmgw_engine_starts_total")
         wakes = _metric_sum(admin_url, "llmgw_engine_wake_seconds_count")
+        ended = time.monotonic()
+        server.stop()  # its meter's last counts written as it stops
+        cost = gpu_report(
+            os.path.join(directory, "server-state", "llmgw.db"), ended - registered
+        )
     finally:
         children.stop_all()
         _kill_engines(os.path.join(directory, "agent-state", "shards"))
@@ -520,6 +446,7 @@ def run_policy(
         "gpu_seconds_idle": tally.idle_gpu_seconds,
         "simulated_minutes": minutes,
         "wall_seconds": wall,
+        "cost": cost,
     }
 
 
@@ -588,6 +515,7 @@ def main(argv: list[str]) -> int:
             f" (target <= 0.5); batch failed {batch['failed']} (target 0)"
         )
     for r in results:
+        print("\n".join(report_lines(r["policy"], r["cost"])))
         if r["failures"]:
             print(f"{r['policy']} failures: {r['failures']}")
     if args.json:

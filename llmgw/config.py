@@ -5,6 +5,7 @@ the command-line flags over it.
 Each table is read next to the code that uses it: C{[router]}, C{[cors]}
 and C{[[endpoints]]} by L{llmgw.router.settings_toml}, C{[control]} by
 L{llmgw.control.settings}, C{[[models]]} by L{llmgw.control.catalog},
+C{[cost]} by L{llmgw.control.prices},
 C{[standby]} and C{[agent_tls]} by L{llmgw.server.settings}, C{[store]},
 C{[limits]} and C{[auth]} by L{llmgw.accounts.settings}, C{[batches]} by
 L{llmgw.batches.settings}; the top-level keys
@@ -50,6 +51,7 @@ from llmgw.config_checks import (
     told_in,
 )
 from llmgw.control.catalog import MODELS_TABLE, PROFILES_TABLE, Model, parse_models
+from llmgw.control.prices import COST_TABLE, CostConfig, parse_cost
 from llmgw.control.settings import CONTROL_TABLE, ControlConfig, parse_control
 from llmgw.router.interfaces import Endpoint
 from llmgw.router.settings import RouterConfig
@@ -169,6 +171,7 @@ class ServerConfig:
     models: tuple[Model, ...] = ()
     tracing: TracingConfig = field(default_factory=TracingConfig)
     batches: BatchesConfig = field(default_factory=BatchesConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
     @property
     def leader_lock_url(self) -> str:
@@ -212,6 +215,7 @@ SERVER_TABLES: tuple[Table, ...] = (
     STANDBY_TABLE,
     TRACING_TABLE,
     BATCHES_TABLE,
+    COST_TABLE,
 )
 """
 Every table the server's file takes, in the reference's order.
@@ -254,6 +258,7 @@ _TABLES: dict[str, Callable[[ServerConfig, Any], ServerConfig]] = {
     "endpoints": lambda c, v: replace(c, endpoints=parse_endpoints(v)),
     "tracing": lambda c, v: replace(c, tracing=parse_tracing(v)),
     "batches": lambda c, v: replace(c, batches=parse_batches(v)),
+    "cost": lambda c, v: replace(c, cost=parse_cost(v)),
 }
 """
 What each table of the server's file sets, by its parser.

@@ -99,7 +99,11 @@ ONLY: dict[tuple[str, str], tuple[str, ...]] = {
     # of the tier reading the file does not import the server.
     ("config", "accounts"): ("llmgw.accounts.settings",),
     ("config", "batches"): ("llmgw.batches.settings",),
-    ("config", "control"): ("llmgw.control.settings", "llmgw.control.catalog"),
+    ("config", "control"): (
+        "llmgw.control.settings",
+        "llmgw.control.catalog",
+        "llmgw.control.prices",
+    ),
     ("config", "router"): (
         "llmgw.router.interfaces",
         "llmgw.router.settings",
@@ -131,6 +135,7 @@ LEAF_WHY = {
 SETTINGS_MODULES = (
     "llmgw.router.settings",
     "llmgw.control.settings",
+    "llmgw.control.prices",
     "llmgw.server.settings",
     "llmgw.accounts.settings",
     "llmgw.tier.settings",

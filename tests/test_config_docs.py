@@ -35,6 +35,7 @@ from llmgw.config_checks import (
     settings_keys,
 )
 from llmgw.config_docs import PATH, reference, render_default
+from llmgw.control.prices import CostConfig
 from llmgw.control.settings import ControlConfig
 from llmgw.router.settings import RouterConfig
 from llmgw.router.settings_toml import TracingConfig
@@ -157,6 +158,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
         "models",
         "tracing",
         "batches",
+        "cost",
     },
     RouterConfig: {"cors_allow_origins"},
     ControlConfig: set(),
@@ -167,6 +169,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
     AgentConfig: set(),
     TracingConfig: set(),
     BatchesConfig: set(),
+    CostConfig: set(),
 }
 
 

@@ -211,7 +211,15 @@ class MakeServiceStopTests(TestCase):
                 (ORDER[1], ["DrainService"]),
                 (
                     ORDER[2],
-                    ["Loop", "Runner", "LoadBoard", "History", "BatchTally", "Watch"],
+                    [
+                        "Loop",
+                        "Runner",
+                        "LoadBoard",
+                        "History",
+                        "BatchTally",
+                        "Watch",
+                        "MeterService",
+                    ],
                 ),
                 (ORDER[3], ["LinksService"]),
                 (ORDER[4], ["UsageWriter", "UsageRetention", "ResponseRetention"]),

@@ -60,7 +60,7 @@ class FakeAuth:
             raise self.refuse
         self.admitted.append((tuple(names), reserve))
 
-    def used(self, key: Key, tokens: int, reserved: int) -> None:
+    def used(self, key: Key, tokens: int, reserved: int, cost: float = 0.0) -> None:
         self.used_calls.append((tokens, reserved))
 
 

@@ -16,7 +16,8 @@ from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 
 from llmgw.admin.guard import AdminGuard
-from llmgw.router.accounting.auth import KeyRing, hash_key
+from llmgw.router.accounting.api_key import hash_key
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.errors import APIError
 from llmgw.store.db import MIGRATIONS, SQLiteStore, StoreError, sqlite_path
 from tests.typing_support import as_request

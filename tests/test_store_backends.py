@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import sqlite3
 import tempfile
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from twisted.trial.unittest import TestCase
 
 from llmgw.store.base import MIGRATIONS, Store, StoreError, UsageRow
 from llmgw.store.db import SQLiteStore, open_store
+from llmgw.store.gpu_time import GpuTimeRow
 from llmgw.store.responses import StoredResponse
 from tests import test_store
 from tests.pg_support import fresh_database
@@ -155,16 +157,21 @@ class _Behaviour(_Base):
         store = self.store()
         store.prepare()
         key_id = await store.add_key(_key("a"))
-        one = [(100.0, _row("r1", key_id, 10, 5)), (101.0, _row("r2", key_id, 3, 4))]
+        r1 = _row("r1", key_id, 10, 5, gpu_seconds=1.5, cost=0.5)
+        r2 = _row("r2", key_id, 3, 4, gpu_seconds=0.5, cost=0.25)
+        r3 = _row("r3", key_id, 1, 1, gpu_seconds=0.25, cost=0.125)
+        one = [(100.0, r1), (101.0, r2)]
         await store.add_usage(one, {key_id: (22, 101.0)})
         await store.add_usage(one, {key_id: (22, 101.0)})
-        two = [(102.0, _row("r2", key_id, 3, 4)), (103.0, _row("r3", key_id, 1, 1))]
+        two = [(102.0, r2), (103.0, r3)]
         await store.add_usage(two, {key_id: (9, 103.0)})
         await store.add_usage([(104.0, _row("r4", None, 7, 0, status=502))], {})
         count = self.raw("SELECT COUNT(*), COUNT(DISTINCT request_id) FROM usage")
         self.assertEqual([tuple(int(v) for v in count[0])], [(4, 4)])
         keys, _ = self.store().prepare()
         self.assertEqual((keys[0]["tokens_used"], keys[0]["last_used"]), (24, 103.0))
+        # Each request's cost counted once in its key's, as its tokens.
+        self.assertEqual(keys[0]["cost_used"], 0.875)
         by_key = await store.usage("key", 100.0, 105.0)
         self.assertEqual(
             by_key,
@@ -179,6 +186,8 @@ class _Behaviour(_Base):
                     "mean_time_to_first_token": 0.25,
                     "estimated_requests": 0,
                     "answered": 1,
+                    "gpu_seconds": 0.0,
+                    "cost": 0.0,
                 },
                 {
                     "key": "k",
@@ -190,6 +199,8 @@ class _Behaviour(_Base):
                     "mean_time_to_first_token": 0.25,
                     "estimated_requests": 0,
                     "answered": 3,
+                    "gpu_seconds": 2.25,
+                    "cost": 0.875,
                 },
             ],
         )
@@ -211,6 +222,60 @@ class _Behaviour(_Base):
         self.assertEqual(
             self.raw("SELECT request_id, batch_id FROM usage ORDER BY request_id"),
             [("batch_1-1", "batch_1"), ("r2", None)],
+        )
+
+    async def test_usage_by_day(self) -> None:
+        """
+        Usage by day groups each request by its UTC day, with its
+        GPU-seconds and cost; a day's rolled totals count in their day.
+        """
+        store = self.store()
+        store.prepare()
+        day = 86400.0
+        rows = [
+            (day + 5.0, _row("a", None, 1, 1, gpu_seconds=2.0, cost=1.0)),
+            (day + 6.0, _row("b", None, 1, 1, gpu_seconds=1.0, cost=0.5)),
+            (2 * day + 1.0, _row("c", None, 1, 1, gpu_seconds=4.0, cost=2.0)),
+        ]
+        await store.add_usage(rows, {})
+        await store.roll_usage(2 * day)
+        by_day = await store.usage("day", 0.0, 3 * day)
+        self.assertEqual(
+            [(g["day"], g["requests"], g["gpu_seconds"], g["cost"]) for g in by_day],
+            [(day, 2, 3.0, 1.5), (2 * day, 1, 4.0, 2.0)],
+        )
+
+    async def test_budget_cost_kept(self) -> None:
+        """
+        A key's budget in cost is kept as made, changed and removed.
+        """
+        store = self.store()
+        store.prepare()
+        key_id = await store.add_key({**_key("a"), "budget_cost": 2.5})
+        keys, _ = self.store().prepare()
+        self.assertEqual((keys[0]["budget_cost"], keys[0]["cost_used"]), (2.5, 0.0))
+        await store.update_key(key_id, {"budget_cost": None})
+        keys, _ = self.store().prepare()
+        self.assertIsNone(keys[0]["budget_cost"])
+
+    async def test_gpu_time_added(self) -> None:
+        """
+        The meter's GPU time is added to its hour's row, never replaced,
+        and read back by the hours that start in the range.
+        """
+        store = self.store()
+        store.prepare()
+        first = GpuTimeRow(3600.0, "n1", 0, "H100", "m", "awake", 10.0, 4.0, 1.0, 0.4)
+        await store.add_gpu_time([first, replace(first, state="free", model="")])
+        await store.add_gpu_time([replace(first, seconds=2.0, busy=1.0)])
+        await store.add_gpu_time([replace(first, hour=7200.0)])
+        rows = await store.gpu_time(3600.0, 7200.0)
+        self.assertEqual(
+            rows,
+            [
+                replace(first, state="free", model=""),
+                GpuTimeRow(3600.0, "n1", 0, "H100", "m", "awake", 12.0, 5.0, 2.0, 0.8),
+            ],
         )
 
     async def test_usage_same_client_id_two_rows(self) -> None:

@@ -83,6 +83,19 @@ class WatchTests(SynchronousTestCase):
         )
         self.assertEqual(endpoint_from_json(endpoint_json(E1)).adapters, ())
 
+    def test_endpoint_gpus_round_trip(self) -> None:
+        """
+        An endpoint's GPUs and their price per hour go through the watch's
+        JSON: a tier's routers give their requests their share of it
+        (docs/cost.md); one from an older server has none.
+        """
+        priced = Endpoint("r3", "http://10.0.0.3:8000", ("m",), gpus=1.5, gpu_hour=4.5)
+        self.assertEqual(
+            endpoint_from_json(json.loads(json.dumps(endpoint_json(priced)))), priced
+        )
+        older = {"id": "r3", "url": "http://10.0.0.3:8000", "models": ["m"]}
+        self.assertEqual(endpoint_from_json(older).gpus, 0.0)
+
     def test_keepalive_and_unannounced_change(self) -> None:
         """
         An empty line every KEEPALIVE seconds; a catalog change nobody

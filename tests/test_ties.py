@@ -40,6 +40,7 @@ LEFT: list[tuple[str, str, str]] = [
     ("tier/activate.py", "self._flush.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/keys.py", "key.revoked", "ApiKey is a dataclass record"),
     ("tier/report.py", "self._loop.clock", "LoopingCall.clock, Twisted's idiom"),
+    ("server/metering.py", "self._call.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/tap.py", "self._check.clock", "LoopingCall.clock, Twisted's idiom"),
     ("tier/watch.py", "self._tick.clock", "LoopingCall.clock, Twisted's idiom"),
 ]
@@ -51,8 +52,6 @@ assignment.
 LEFT_API: list[tuple[str, str, str]] = [
     ("router/api/app.py", "app.url_map.merge_slashes", "werkzeug's map, Klein's idiom"),
     ("router/api/batch_api.py", "app.url_map.merge_slashes", "the same, for batches"),
-    ("router/api/exchange.py", "replica.outstanding", "the balancer's count, +1"),
-    ("router/api/exchange.py", "replica.outstanding", "the balancer's count, -1"),
 ]
 """
 The same for the router's C{api} room, where a request's exchange and its

@@ -21,7 +21,8 @@ from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 
 from llmgw.control.plane import ControlPlane
-from llmgw.router.accounting.auth import KeyRing, hash_key
+from llmgw.router.accounting.api_key import hash_key
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.telemetry.metrics import RouterMetrics
 from llmgw.web.fleet import Fleet
 from llmgw.web.history import FailureTap, History, sparkline
@@ -247,6 +248,7 @@ class _Actions:
         self.scaled: list[tuple[str, int, int]] = []
         self.drains: list[tuple[str, bool]] = []
         self.kept = True
+        self.report: dict[str, Any] | None = None
 
     async def set_scale(self, name: str, low: int, high: int) -> Any:
         self.scaled.append((name, low, high))
@@ -257,6 +259,11 @@ class _Actions:
     async def keep_drain(self, node_id: str, draining: bool) -> bool:
         self.drains.append((node_id, draining))
         return self.kept
+
+    async def usage(
+        self, by: str, since: float, until: float | None
+    ) -> dict[str, Any] | None:
+        return self.report
 
 
 @dataclass(frozen=True)
@@ -316,6 +323,24 @@ class DashboardTests(PlaneCase):
         self.assertEqual(code, 200)
         self.assertNotIn(b"<html", fragment)
         self.assertIn(b'data-node="n1"', fragment)
+
+    def test_keys_page_shows_cost(self) -> None:
+        """
+        The keys page shows the usage report the admin API answers
+        (docs/cost.md): each key's GPU-seconds and cost, the idle row,
+        each GPU's seconds by state; without a store, none of it.
+        """
+        self.assertNotIn(b"GPU time and cost", self.call("GET", "/keys")[2])
+        states = {"starting": 1.0, "awake": 5.0, "asleep": 3.0, "free": 1.0}
+        gpu = {"node": "n1", "gpu": 0, "gpu_name": "H100", "seconds": 10.0}
+        gpu.update(states=states, requests=4.0, idle=6.0, cost=0.5)
+        key = {"key": "app", "requests": 3, "gpu_seconds": 4.0, "cost": 0.25}
+        idle = {"gpu_seconds": 6.0, "cost": 0.125}
+        self.actions.report = {"usage": [key], "idle": [idle], "gpus": [gpu]}
+        body = self.call("GET", "/keys")[2]
+        self.assertIn(b"<td>app</td><td>3</td><td>4.0</td><td>0.250000</td>", body)
+        self.assertIn(b"<td>(idle)</td><td></td><td>6.0</td><td>0.125000</td>", body)
+        self.assertIn(b"<td>n1:0</td><td>H100</td><td>10.0</td><td>1.0</td>", body)
 
     def test_estimated_usage_marked(self) -> None:
         """

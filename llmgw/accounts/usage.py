@@ -29,6 +29,8 @@ def usage_row(record: RequestRecord) -> UsageRow:
         time_to_first_token=record.time_to_first_token,
         estimated=record.usage_estimated,
         batch_id=record.batch_id,
+        gpu_seconds=record.gpu_seconds,
+        cost=record.cost,
     )
 
 

@@ -27,7 +27,8 @@ from llmgw.admin.watch import WatchRoutes
 from llmgw.admin.weights import WeightRoutes
 from llmgw.control.inventory import Inventory
 from llmgw.control.plane import ControlPlane
-from llmgw.router.accounting.auth import ApiKey, KeyRing
+from llmgw.router.accounting.api_key import ApiKey
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.telemetry.reports import Reports
 from llmgw.store.db import Store
 from llmgw.store.usage import UsageWriter
@@ -142,6 +143,18 @@ class Admin:
         As L{KeyRoutes.revoke}.
         """
         return await self._keys.revoke(name)
+
+    async def usage(
+        self, by: str, since: float, until: float | None
+    ) -> dict[str, Any] | None:
+        """
+        As L{KeyRoutes.usage}, for the dashboard: L{None} when there is no
+        store, or it cannot be read now.
+        """
+        try:
+            return await self._keys.usage(by, since, until)
+        except AdminError:
+            return None
 
     async def keep_drain(self, node_id: str, draining: bool) -> bool:
         """

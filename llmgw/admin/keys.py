@@ -29,10 +29,12 @@ from llmgw.admin.http import (
 )
 from llmgw.config_checks import ConfigError, parse_duration
 from llmgw.control.runtime import ModelCatalog
-from llmgw.router.accounting.auth import ApiKey, KeyRing
+from llmgw.router.accounting.api_key import ApiKey
+from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.routing.fairness import check_weight
 from llmgw.store.base import KEY_LIMITS
 from llmgw.store.db import Store
+from llmgw.store.gpu_time import HOUR, idle_rows, per_gpu
 from llmgw.store.usage import UsageWriter
 from llmgw.tier.watch import Watch
 
@@ -68,6 +70,27 @@ def _order_fields(body: dict[str, Any]) -> dict[str, Any]:
         except ValueError as e:
             raise AdminError(400, str(e)[:300], "bad_request") from None
     return order
+
+
+def _optional_cost(body: dict[str, Any]) -> float | None:
+    """
+    @return: the body's C{budget_cost}: a number of 0 or more, or L{None}.
+    @raise AdminError: 400 another value, named.
+    """
+    value = body.get("budget_cost")
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 <= value < float("inf")
+    ):
+        raise AdminError(
+            400,
+            f"budget_cost: expected a number of 0 or more, got {value!r}"[:300],
+            "bad_request",
+        )
+    return float(value)
 
 
 def _optional_count(body: dict[str, Any], name: str) -> int | None:
@@ -257,7 +280,8 @@ class KeyRoutes:
     async def create_key(self, request: IRequest) -> bytes:
         """
         Make a key: C{{"name", "models"?, "rpm"?, "tpm"?,
-        "budget_tokens"?, "admin"?, "expires"?, "priority"?, "weight"?}}
+        "budget_tokens"?, "budget_cost"?, "admin"?, "expires"?, "priority"?,
+        "weight"?}}
         (C{expires} as L{parse_expires} reads it; C{priority} a name of
         L{llmgw.router.routing.fairness.PRIORITIES} or an integer, C{weight} a
         number above 0).  201 with the key under C{"key"}: the
@@ -284,6 +308,7 @@ class KeyRoutes:
                 rpm=_optional_count(body, "rpm"),
                 tpm=_optional_count(body, "tpm"),
                 budget_tokens=_optional_count(body, "budget_tokens"),
+                budget_cost=_optional_cost(body),
                 admin=admin,
                 expires=expires,
                 **order,
@@ -301,7 +326,8 @@ class KeyRoutes:
     async def update_key(self, request: IRequest, name: str) -> bytes:
         """
         Change a key, by name or prefix: any of C{{"models", "rpm", "tpm",
-        "budget_tokens", "expires", "priority", "weight"}}; C{null} removes
+        "budget_tokens", "budget_cost", "expires", "priority", "weight"}};
+        C{null} removes
         a limit (C{models}: all models; C{expires}: never), a field left out stays.  Its
         counters (tokens used, the minute's requests) are kept.  The key
         itself, its name and C{admin} do not change.  200 with the key;
@@ -331,6 +357,8 @@ class KeyRoutes:
         for field in ("rpm", "tpm", "budget_tokens"):
             if field in body:
                 changes[field] = _optional_count(body, field)
+        if "budget_cost" in body:
+            changes["budget_cost"] = _optional_cost(body)
         if "expires" in body:
             changes["expires"] = parse_expires(body["expires"], self._wall_clock())
         changes.update(_order_fields(body))
@@ -369,17 +397,19 @@ class KeyRoutes:
     @app.route("/api/v1/usage", methods=["GET"])
     async def get_usage(self, request: IRequest) -> bytes:
         """
-        Usage grouped by C{by} (C{key} or C{model}, default key) from
-        C{since} (default 24h) to C{until} (default now): requests,
+        Usage grouped by C{by} (C{key}, C{model} or C{day}, default key)
+        from C{since} (default 24h) to C{until} (default now): requests,
         errors, prompt and completion tokens, mean latency and time to
-        first token, per group; C{pending}: records not yet written to
-        the store (another process holding its lock), not counted.
+        first token, GPU-seconds and cost, per group; C{idle}: the GPU
+        time no request was given and its cost (one row, or one per day
+        by day), and C{gpus}: each GPU's seconds by state, the requests'
+        and the idle (docs/cost.md), over the hours that start in the
+        range (from the hour of C{since}); C{pending}: records not yet
+        written to the store (another process holding its lock), not
+        counted.
         Answers within about 2 s: 503 C{store_busy} when the store cannot be
         read then.
         """
-        store = self._store
-        if store is None:
-            raise AdminError(404, "no store in this server", "not_found")
         args = request.args or {}
 
         def arg(name: bytes, default: str) -> str:
@@ -387,9 +417,9 @@ class KeyRoutes:
             return values[0].decode("utf-8", "replace") if values else default
 
         by = arg(b"by", "key")
-        if by not in ("key", "model"):
+        if by not in ("key", "model", "day"):
             raise AdminError(
-                400, f"by: expected key or model, got {by!r}", "bad_request"
+                400, f"by: expected key, model or day, got {by!r}", "bad_request"
             )
         now = self._wall_clock()
         since = parse_since(arg(b"since", "24h"), now)
@@ -397,6 +427,22 @@ class KeyRoutes:
         until = parse_since(until_text, now) if until_text else None
         if until is not None and until <= since:
             raise AdminError(400, "until: must be after since", "bad_request")
+        return json_answer(request, await self.usage(by, since, until))
+
+    async def usage(self, by: str, since: float, until: float | None) -> dict[str, Any]:
+        """
+        The usage report (L{get_usage}'s answer), for the admin API and the
+        dashboard alike.
+
+        @param by: C{"key"}, C{"model"} or C{"day"}.
+        @param since: POSIX seconds.
+        @param until: POSIX seconds, or L{None} for now.
+        @raise AdminError: 404 no store; 503 the store cannot be read now.
+        """
+        store = self._store
+        if store is None:
+            raise AdminError(404, "no store in this server", "not_found")
+        now = self._wall_clock()
         pending = 0
         # Records still buffered count too, once written; a write waiting
         # for the lock is not waited for past USAGE_FLUSH_WAIT.
@@ -405,21 +451,20 @@ class KeyRoutes:
             pending = usage.pending
         # Without an end: up to now, and the records of this second (a
         # record's time is when its request finished).
+        end = until if until is not None else now + 1
         try:
-            groups = await store.usage(
-                by, since, until if until is not None else now + 1
-            )
+            groups = await store.usage(by, since, end)
+            gpu_time = await store.gpu_time((since // HOUR) * HOUR, end)
         except store.database_errors as e:
             raise AdminError(
                 503, f"the store cannot be read now ({e}); try again", "store_busy"
             ) from None
-        return json_answer(
-            request,
-            {
-                "by": by,
-                "since": since,
-                "until": until if until is not None else now,
-                "usage": groups,
-                "pending": pending,
-            },
-        )
+        return {
+            "by": by,
+            "since": since,
+            "until": until if until is not None else now,
+            "usage": groups,
+            "idle": idle_rows(by, gpu_time),
+            "gpus": per_gpu(gpu_time),
+            "pending": pending,
+        }

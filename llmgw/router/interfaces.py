@@ -43,6 +43,10 @@ class Endpoint:
         here (L{llmgw.router.routing.adapters}).
     @ivar max_loras: adapters it keeps loaded; beyond it the least
         recently used is unloaded.
+    @ivar gpus: the GPUs it holds, a shared GPU counted by its share
+        (docs/cost.md); 0 for none known (a static endpoint).
+    @ivar gpu_hour: what those GPUs cost together for an hour (C{[cost]});
+        0 for nothing.
     """
 
     id: str
@@ -53,6 +57,8 @@ class Endpoint:
     messages: bool = False
     adapters: tuple[tuple[str, str], ...] = ()
     max_loras: int = 0
+    gpus: float = 0.0
+    gpu_hour: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,10 @@ class RequestRecord:
         was weighed (L{llmgw.router.routing.decision}), when asked; else L{None}.
     @ivar batch_id: the batch whose line this request was, or L{None} for
         a client's own request.
+    @ivar gpu_seconds: its share of its replicas' GPU time, GPU-seconds
+        (docs/cost.md: each second a replica serves n requests, each gets
+        1/n of its GPUs).
+    @ivar cost: the price of that share (C{[cost]}).
     """
 
     request_id: str
@@ -133,6 +143,8 @@ class RequestRecord:
     candidates: list[dict[str, Any]] | None = None
     client_request_id: str | None = None
     batch_id: str | None = None
+    gpu_seconds: float = 0.0
+    cost: float = 0.0
 
 
 class UsageSink(Protocol):
@@ -326,9 +338,10 @@ class Auth(Protocol):
         @raise llmgw.router.errors.APIError: 403 or 429.
         """
 
-    def used(self, key: Key, tokens: int, reserved: int) -> None:
+    def used(self, key: Key, tokens: int, reserved: int, cost: float = 0.0) -> None:
         """
-        Count a finished request's tokens; release its reservation.
+        Count a finished request's tokens and its cost (docs/cost.md);
+        release its reservation.
         """
 
 

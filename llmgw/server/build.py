@@ -36,7 +36,9 @@ from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
 from llmgw.control.catalog import Model, parse_models
 from llmgw.control.inventory import Inventory
+from llmgw.control.meter import GpuMeter
 from llmgw.control.plane import ControlPlane
+from llmgw.control.prices import Prices
 from llmgw.control.settings import ControlConfig
 from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
@@ -233,6 +235,7 @@ class Plane:
         router's C{/readyz}.
     @ivar agents: the agent listener, open, unless agents are not
         accepted.
+    @ivar meter: every GPU's seconds counted and priced (docs/cost.md).
     """
 
     inventory: Inventory
@@ -241,6 +244,7 @@ class Plane:
     watch: Watch
     readiness: Readiness
     agents: IListeningPort | None
+    meter: GpuMeter
 
 
 def control_plane(
@@ -261,10 +265,14 @@ def control_plane(
     """
     balancer, load = api.balancer, api.load
 
-    def publish(endpoints: list[Endpoint]) -> None:
+    def set_endpoints(endpoints: list[Endpoint]) -> None:
         balancer.set_endpoints(endpoints)
         load.set_endpoints(endpoints)
         watch.set_endpoints(endpoints)
+
+    def publish(endpoints: list[Endpoint]) -> None:
+        # Each replica's GPUs and their price, for its requests' shares.
+        set_endpoints(meter.priced(endpoints))
 
     def publish_shortfalls(shortfalls: tuple[Shortfall, ...]) -> None:
         readiness.set(shortfalls)
@@ -277,9 +285,12 @@ def control_plane(
         lambda: {n: plane.catalog.resolve(n) or n for n in plane.catalog.names()},
         lambda: plane.catalog.adapter_names(),
     )
-    static = list(config.endpoints)
-    publish(static)
     inventory = Inventory(drained=state.store.drained)
+    meter = GpuMeter(
+        inventory, lambda: plane.ledger.shards(), Prices(config.cost), balancer.busy
+    )
+    static = list(config.endpoints)
+    set_endpoints(static)  # no replica of the plane's among them
     hub = AgentHub(
         reactor,
         inventory,
@@ -317,7 +328,7 @@ def control_plane(
         held_bound=config.router.activation_queue,
     )
     agents = _agent_listener(reactor, config, hub)
-    return Plane(inventory, hub, plane, watch, readiness, agents)
+    return Plane(inventory, hub, plane, watch, readiness, agents, meter)
 
 
 def _agent_listener(

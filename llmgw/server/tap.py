@@ -58,6 +58,7 @@ from llmgw.server.build import (
     pages,
 )
 from llmgw.server.local import local_node_id, parse_simulated_gpus
+from llmgw.server.metering import MeterService
 from llmgw.server.standby import Leading, leading_services
 from llmgw.store.base import Store
 from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
@@ -236,6 +237,11 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
     top.add(LISTENERS, ListeningService(built.batches.port))
     top.add(DRAIN, DrainService(built.router, config.router.drain_timeout))
     leading = built.leading.services
+    # The GPU meter stops counting with the reconciler; its last counts are
+    # written then, before the store closes.
+    meter = MeterService(
+        reactor, parts.meter, store, lambda: bool(parts.plane.loop.running)
+    )
     top.add(
         RECONCILER,
         *leading,
@@ -243,6 +249,7 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
         built.served.history,
         built.served.batches,
         parts.watch,
+        meter,
     )
     # The local uplink first: its agent must not report its engines' ends
     # (next steps) as failures to the control plane.

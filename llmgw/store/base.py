@@ -10,7 +10,6 @@ A leaf, as the whole store: it imports nothing from the rest of llmgw.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,15 @@ from twisted.internet.defer import Deferred
 
 from llmgw.store.batch_tables import BatchTables
 from llmgw.store.batches import BatchLine, BatchRow, FileRow
+from llmgw.store.gpu_time import GpuTimeRow
+from llmgw.store.keys import (
+    KEY_COST,
+    KEY_LIMITS,
+    key_costs,
+    key_insert,
+    key_row,
+    key_update,
+)
 from llmgw.store.migrations import (
     MIGRATIONS,
     MigrationPending,
@@ -50,6 +58,8 @@ class UsageRow:
         came).
     @ivar batch_id: the batch whose line the request was; L{None} for one
         a client sent.
+    @ivar gpu_seconds: its share of its replicas' GPU time, GPU-seconds.
+    @ivar cost: the price of that share (docs/cost.md).
     """
 
     request_id: str
@@ -66,28 +76,21 @@ class UsageRow:
     estimated: bool = False
     client_request_id: str | None = None
     batch_id: str | None = None
-
-
-KEY_LIMITS = (
-    "models",
-    "rpm",
-    "tpm",
-    "budget_tokens",
-    "expires",
-    "priority",
-    "weight",
-)
-"""
-The columns of a key that L{Store.update_key} may change: what it may use,
-its limits, its expiry, and its priority and weight where requests wait.
-"""
+    gpu_seconds: float = 0.0
+    cost: float = 0.0
 
 
 USAGE_COLUMNS = (
     "time, request_id, key_id, key_name, model, replica, status, stream,"
     " prompt_tokens, completion_tokens, latency, time_to_first_token, estimated,"
-    " client_request_id, batch_id"
+    " client_request_id, batch_id, gpu_seconds, cost"
 )
+
+USAGE_MARKS = ",".join(["{p}"] * (USAGE_COLUMNS.count(",") + 1))
+"""
+The parameter marks of L{USAGE_COLUMNS}'s values, C{{p}} for the
+engine's own (C{USAGE_MARKS.format(p="?")}).
+"""
 
 
 def usage_values(when: float, row: UsageRow) -> tuple[Any, ...]:
@@ -110,18 +113,12 @@ def usage_values(when: float, row: UsageRow) -> tuple[Any, ...]:
         int(row.estimated),
         row.client_request_id,
         row.batch_id,
+        row.gpu_seconds,
+        row.cost,
     )
 
 
-def usage_marks(placeholder: str) -> str:
-    """
-    @return: the C{VALUES} list of one row of L{USAGE_COLUMNS}.
-    """
-    count = len(USAGE_COLUMNS.split(","))
-    return "(" + ",".join([placeholder] * count) + ")"
-
-
-def usage_query(by: str, placeholder: str) -> str:
+def usage_query(by: str, placeholder: str, day: str = "0") -> str:
     """
     The usage report's query, for either engine: the rows of C{usage} in
     the range, and the daily totals of C{usage_daily} (rows past
@@ -136,30 +133,33 @@ def usage_query(by: str, placeholder: str) -> str:
     selected, the means made of them in L{shape_usage}, so that a total
     counts as the rows it was made of.
 
-    @param by: C{"key"} or C{"model"}.
+    @param by: C{"key"}, C{"model"} or C{"day"} (the UTC day's start).
     @param placeholder: the driver's parameter marker, C{?} or C{%s}.
+    @param day: the engine's expression of a row's day start from
+        C{time}, for C{by="day"}.
     @return: SQL taking C{(since, until, since, until)}.
     """
-    column = {"key": "COALESCE(key_name, '')", "model": "model"}[by]
-    total = {"key": "key_name", "model": "model"}[by]
+    column = {"key": "COALESCE(key_name, '')", "model": "model", "day": day}[by]
+    total = {"key": "key_name", "model": "model", "day": "day"}[by]
     p = placeholder
     return (
         "SELECT name, SUM(requests), SUM(errors), SUM(prompt_tokens),"
         " SUM(completion_tokens), SUM(latency_sum), SUM(ttft_sum),"
-        " SUM(estimated), SUM(answered) FROM ("
+        " SUM(estimated), SUM(answered), SUM(gpu_seconds), SUM(cost) FROM ("
         f"SELECT {column} AS name, COUNT(*) AS requests,"
         " SUM(CASE WHEN status >= 400 THEN 1 ELSE 0 END) AS errors,"
         " SUM(prompt_tokens) AS prompt_tokens,"
         " SUM(completion_tokens) AS completion_tokens,"
         " SUM(CASE WHEN time_to_first_token IS NOT NULL THEN latency END)"
         " AS latency_sum, SUM(time_to_first_token) AS ttft_sum,"
-        " SUM(estimated) AS estimated, COUNT(time_to_first_token) AS answered"
+        " SUM(estimated) AS estimated, COUNT(time_to_first_token) AS answered,"
+        " SUM(gpu_seconds) AS gpu_seconds, SUM(cost) AS cost"
         f" FROM usage WHERE time >= {p} AND time < {p} GROUP BY {column}"
         f" UNION ALL SELECT {total}, SUM(requests), SUM(errors),"
         " SUM(prompt_tokens), SUM(completion_tokens), SUM(latency_sum),"
-        " SUM(ttft_sum), SUM(estimated), SUM(answered) FROM usage_daily"
-        f" WHERE day >= {p} AND day < {p} GROUP BY {total}"
-        ") AS parts GROUP BY name ORDER BY name"
+        " SUM(ttft_sum), SUM(estimated), SUM(answered), SUM(gpu_seconds),"
+        f" SUM(cost) FROM usage_daily WHERE day >= {p} AND day < {p}"
+        f" GROUP BY {total}) AS parts GROUP BY name ORDER BY name"
     )
 
 
@@ -175,8 +175,12 @@ def shape_usage(by: str, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
     """
     shaped = []
     for row in rows:
-        name, count, errors, prompt, completion, latency, ttft, estimated, done = row
+        name, count, errors, prompt, completion, latency, ttft, estimated, done = row[
+            :9
+        ]
         answered = int(done or 0)
+        if by == "day":
+            name = float(name)
         shaped.append(
             {
                 by: name if name != "" else None,
@@ -188,6 +192,8 @@ def shape_usage(by: str, rows: Iterable[Sequence[Any]]) -> list[dict[str, Any]]:
                 "mean_time_to_first_token": _mean(ttft, answered),
                 "estimated_requests": int(estimated or 0),
                 "answered": answered,
+                "gpu_seconds": float(row[9] or 0),
+                "cost": float(row[10] or 0),
             }
         )
     return shaped
@@ -200,7 +206,8 @@ Seconds in a day of the daily totals: UTC days, from the POSIX epoch.
 
 ROLLUP_COLUMNS = (
     "day, key_id, key_name, model, requests, errors, prompt_tokens,"
-    " completion_tokens, answered, latency_sum, ttft_sum, estimated"
+    " completion_tokens, answered, latency_sum, ttft_sum, estimated,"
+    " gpu_seconds, cost"
 )
 
 
@@ -219,7 +226,8 @@ def rollup_select(day: str, source: str, where: str) -> str:
         " COUNT(time_to_first_token),"
         " COALESCE(SUM(CASE WHEN time_to_first_token IS NOT NULL"
         " THEN latency END), 0),"
-        " COALESCE(SUM(time_to_first_token), 0), SUM(estimated)"
+        " COALESCE(SUM(time_to_first_token), 0), SUM(estimated),"
+        " COALESCE(SUM(gpu_seconds), 0), COALESCE(SUM(cost), 0)"
         f" FROM {source} WHERE {where}"
         f" GROUP BY {day}, COALESCE(key_id, 0), COALESCE(key_name, ''), model"
     )
@@ -235,7 +243,9 @@ ROLLUP_UPSERT = (
     " answered = usage_daily.answered + excluded.answered,"
     " latency_sum = usage_daily.latency_sum + excluded.latency_sum,"
     " ttft_sum = usage_daily.ttft_sum + excluded.ttft_sum,"
-    " estimated = usage_daily.estimated + excluded.estimated"
+    " estimated = usage_daily.estimated + excluded.estimated,"
+    " gpu_seconds = usage_daily.gpu_seconds + excluded.gpu_seconds,"
+    " cost = usage_daily.cost + excluded.cost"
 )
 """
 What makes a day's rows rolled in two passes (a late row, an interrupted
@@ -248,39 +258,6 @@ def day_start(when: float) -> float:
     @return: the start of C{when}'s UTC day, POSIX seconds.
     """
     return (when // DAY) * DAY
-
-
-def key_update(changes: dict[str, Any], placeholder: str) -> tuple[str, list[Any]]:
-    """
-    The C{SET} clause of L{Store.update_key}'s statement, for either engine.
-
-    @param changes: as L{Store.update_key} takes them.
-    @param placeholder: the engine's parameter mark, C{?} or C{%s}.
-    @return: the clause (C{"rpm = ?, models = ?"}) and its parameters.
-    @raise ValueError: a column not in L{KEY_LIMITS}, or none at all.
-    """
-    unknown = sorted(set(changes) - set(KEY_LIMITS))
-    if unknown or not changes:
-        raise ValueError(f"key update: cannot change {unknown or 'nothing'}")
-    columns = [c for c in KEY_LIMITS if c in changes]
-    values = [
-        json.dumps(changes[c])
-        if c == "models" and changes[c] is not None
-        else changes[c]
-        for c in columns
-    ]
-    return ", ".join(f"{c} = {placeholder}" for c in columns), values
-
-
-def key_row(names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
-    """
-    @return: a key's dict as L{Store.prepare} gives it, from a row of
-        C{SELECT * FROM api_keys}.
-    """
-    row = dict(zip(names, values, strict=True))
-    row["models"] = json.loads(row["models"]) if row["models"] else None
-    row["admin"] = bool(row["admin"])
-    return row
 
 
 class Store(BatchTables):
@@ -367,7 +344,8 @@ class Store(BatchTables):
     def add_key(self, row: dict[str, Any]) -> Deferred[int]:
         """
         @param row: name, prefix, hash, models (list or None), rpm, tpm,
-            budget_tokens, admin, created.
+            budget_tokens, admin, created, and optionally expires,
+            priority, weight, budget_cost.
         @return: fires with the new key's id; fails with one of
             L{integrity_errors} for a name already used.
         """
@@ -385,7 +363,8 @@ class Store(BatchTables):
 
         @param changes: some of L{KEY_LIMITS}, each to its new value:
             C{models} a list of names or L{None} (all), C{rpm}, C{tpm} and
-            C{budget_tokens} an integer or L{None} (no limit), C{expires}
+            C{budget_tokens} an integer or L{None} (no limit), C{budget_cost}
+            a number or L{None}, C{expires}
             POSIX seconds or L{None} (never), C{priority} a name or an
             integer's digits (L{llmgw.router.routing.fairness}), C{weight} a
             number above 0.
@@ -399,10 +378,11 @@ class Store(BatchTables):
         key_use: dict[int, tuple[int, float]],
     ) -> Deferred[None]:
         """
-        Write usage records and add to the keys' token counts, in one
-        transaction.  A row whose request id is already there is not
-        written again (nor counted twice in its key's tokens, when
-        C{key_use} is what those rows add up to).
+        Write usage records and add to the keys' token counts (and their
+        C{cost_used}, from the rows' costs), in one transaction.  A row
+        whose request id is already there is not written again (nor
+        counted twice in its key's tokens, when C{key_use} is what those
+        rows add up to; nor in its cost).
 
         @param rows: C{(POSIX seconds, row)} per request.
         @param key_use: per key id, C{(tokens, last used)}.
@@ -421,6 +401,22 @@ class Store(BatchTables):
         @return: one dict per group (see L{shape_usage}), read from what
             is committed; fails with one of L{database_errors} when the
             database cannot be read now.
+        """
+        raise NotImplementedError
+
+    def add_gpu_time(self, rows: Sequence[GpuTimeRow]) -> Deferred[None]:
+        """
+        Add the meter's GPU time to each row's hour, GPU, model and state
+        (L{llmgw.store.gpu_time}), in one transaction.
+        """
+        raise NotImplementedError
+
+    def gpu_time(self, since: float, until: float) -> Deferred[list[GpuTimeRow]]:
+        """
+        @param since: POSIX seconds, inclusive.
+        @param until: POSIX seconds, exclusive; a row counts when its hour
+            starts in C{[since, until)}.
+        @return: fires with the rows, by hour, node, GPU, model and state.
         """
         raise NotImplementedError
 
@@ -504,6 +500,7 @@ __all__ = [
     "ROLLUP_COLUMNS",
     "ROLLUP_UPSERT",
     "USAGE_COLUMNS",
+    "USAGE_MARKS",
     "MigrationPending",
     "Progress",
     "Store",
@@ -511,6 +508,9 @@ __all__ = [
     "StoredResponse",
     "UsageRow",
     "day_start",
+    "KEY_COST",
+    "key_costs",
+    "key_insert",
     "key_row",
     "key_update",
     "newer_than_code",
@@ -518,7 +518,6 @@ __all__ = [
     "rollup_select",
     "shape_usage",
     "statements",
-    "usage_marks",
     "usage_query",
     "usage_values",
 ]

@@ -13,7 +13,6 @@ errors.
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import time
@@ -24,22 +23,26 @@ from urllib.parse import urlsplit
 from twisted.enterprise import adbapi
 from twisted.internet.defer import Deferred
 
+from llmgw.store import gpu_time as gt
 from llmgw.store.base import (
     DAY,
+    KEY_COST,
     MIGRATIONS,
     ROLLUP_COLUMNS,
     ROLLUP_UPSERT,
     USAGE_COLUMNS,
+    USAGE_MARKS,
     MigrationPending,
     Progress,
     Store,
     StoreError,
     UsageRow,
+    key_costs,
+    key_insert,
     key_row,
     key_update,
     rollup_select,
     shape_usage,
-    usage_marks,
     usage_query,
     usage_values,
 )
@@ -279,25 +282,7 @@ class SQLiteStore(Store):
         # Shared with PostgresStore: its docstring is Store.add_key's.
 
         def add(cursor: sqlite3.Cursor) -> int:
-            cursor.execute(
-                "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created, expires, priority, weight)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (
-                    row["name"],
-                    row["prefix"],
-                    row["hash"],
-                    json.dumps(row["models"]) if row["models"] is not None else None,
-                    row["rpm"],
-                    row["tpm"],
-                    row["budget_tokens"],
-                    int(row["admin"]),
-                    row["created"],
-                    row.get("expires"),
-                    str(row.get("priority") or "standard"),
-                    float(row.get("weight") or 1.0),
-                ),
-            )
+            cursor.execute(*key_insert(row, "?"))
             return int(cursor.lastrowid or 0)
 
         return self.pool.runInteraction(add)  # type: ignore[no-any-return]
@@ -331,6 +316,7 @@ class SQLiteStore(Store):
                     chunk,
                 )
                 seen.update(r[0] for r in cursor.fetchall())
+            cursor.executemany(KEY_COST.format(p="?"), key_costs(rows, seen))
             use = dict(key_use)
             for _, r in rows:
                 if r.request_id in seen and r.key_id in use:
@@ -344,7 +330,7 @@ class SQLiteStore(Store):
                 seen.add(r.request_id)
             cursor.executemany(
                 f"INSERT INTO usage ({USAGE_COLUMNS})"
-                f" VALUES {usage_marks('?')}"
+                f" VALUES ({USAGE_MARKS.format(p='?')})"
                 " ON CONFLICT (request_id) DO NOTHING",
                 [usage_values(when, r) for when, r in rows],
             )
@@ -371,7 +357,7 @@ class SQLiteStore(Store):
             with L{sqlite3.OperationalError} when the file stays locked
             past L{READ_BUSY_TIMEOUT_MS}.
         """
-        query = usage_query(by, "?")
+        query = usage_query(by, "?", _DAY_SQL)
 
         def shape(rows: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
             return shape_usage(by, rows)
@@ -391,6 +377,18 @@ class SQLiteStore(Store):
             rolled += await self.pool.runInteraction(_roll_day, day)
             day = await self.pool.runInteraction(_next_day, day + DAY, before)
         return rolled
+
+    # GPU time
+
+    def add_gpu_time(self, rows: Sequence[gt.GpuTimeRow]) -> Deferred[None]:
+        def add(cursor: sqlite3.Cursor) -> None:
+            cursor.executemany(gt.gpu_time_upsert("?"), map(gt.gpu_time_values, rows))
+
+        return self.pool.runInteraction(add)  # type: ignore[no-any-return]
+
+    def gpu_time(self, since: float, until: float) -> Deferred[list[gt.GpuTimeRow]]:
+        d = self.reader.runQuery(gt.gpu_time_query("?"), (since, until))
+        return d.addCallback(gt.gpu_time_rows)  # type: ignore[no-any-return]
 
     # Runtime models
 

@@ -325,6 +325,37 @@ MIGRATIONS: tuple[Migration, ...] = (
         ALTER TABLE usage ADD COLUMN batch_id TEXT;
         """,
     ),
+    # Migration 12 (cost; 11 is the batches' tables): what GPUs cost
+    # (docs/cost.md).  Each request's share of its replicas' GPU time and
+    # its price on its usage row and in the daily totals; each key's
+    # budget in cost and its cost so far; the meter's GPU time per hour,
+    # GPU, model and state (llmgw.store.gpu_time), added to by each
+    # write, so that a restart or a standby taking over loses at most
+    # what the meter had not written yet.
+    Migration(
+        "cost: GPU time per GPU and state, each request's share and price",
+        """
+        ALTER TABLE usage ADD COLUMN gpu_seconds REAL NOT NULL DEFAULT 0;
+        ALTER TABLE usage ADD COLUMN cost REAL NOT NULL DEFAULT 0;
+        ALTER TABLE usage_daily ADD COLUMN gpu_seconds REAL NOT NULL DEFAULT 0;
+        ALTER TABLE usage_daily ADD COLUMN cost REAL NOT NULL DEFAULT 0;
+        ALTER TABLE api_keys ADD COLUMN budget_cost REAL;
+        ALTER TABLE api_keys ADD COLUMN cost_used REAL NOT NULL DEFAULT 0;
+        CREATE TABLE gpu_time (
+            hour REAL NOT NULL,
+            node TEXT NOT NULL,
+            gpu INTEGER NOT NULL,
+            gpu_name TEXT NOT NULL,
+            model TEXT NOT NULL,
+            state TEXT NOT NULL,
+            seconds REAL NOT NULL,
+            busy REAL NOT NULL,
+            cost REAL NOT NULL,
+            busy_cost REAL NOT NULL,
+            PRIMARY KEY (hour, node, gpu, model, state)
+        );
+        """,
+    ),
 )
 
 

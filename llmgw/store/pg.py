@@ -34,19 +34,23 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
+from llmgw.store import gpu_time as gt
 from llmgw.store import pg_schema
 from llmgw.store.base import (
     DAY,
+    KEY_COST,
     USAGE_COLUMNS,
+    USAGE_MARKS,
     MigrationPending,
     Progress,
     Store,
     StoreError,
     UsageRow,
+    key_costs,
+    key_insert,
     key_row,
     key_update,
     shape_usage,
-    usage_marks,
     usage_query,
     usage_values,
 )
@@ -241,25 +245,7 @@ class PostgresStore(Store):
 
     def add_key(self, row: dict[str, Any]) -> Deferred[int]:
         def add(cursor: psycopg.Cursor[Any]) -> int:
-            cursor.execute(
-                "INSERT INTO api_keys (name, prefix, hash, models, rpm, tpm,"
-                " budget_tokens, admin, created, expires, priority, weight)"
-                " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s) RETURNING id",
-                (
-                    row["name"],
-                    row["prefix"],
-                    row["hash"],
-                    json.dumps(row["models"]) if row["models"] is not None else None,
-                    row["rpm"],
-                    row["tpm"],
-                    row["budget_tokens"],
-                    int(row["admin"]),
-                    row["created"],
-                    row.get("expires"),
-                    str(row.get("priority") or "standard"),
-                    float(row.get("weight") or 1.0),
-                ),
-            )
+            cursor.execute(*key_insert(row, "%s", " RETURNING id"))
             got = cursor.fetchone()
             assert got is not None
             key_id = int(got[0])
@@ -304,6 +290,8 @@ class PostgresStore(Store):
                     ([r.request_id for _, r in rows],),
                 )
                 seen = {r[0] for r in cursor.fetchall()}
+                costs = key_costs(rows, seen)
+                cursor.executemany(KEY_COST.format(p="%s"), costs)
                 fresh = []
                 for when, r in rows:
                     if r.request_id not in seen:
@@ -321,7 +309,7 @@ class PostgresStore(Store):
                 # of the same batch meanwhile.
                 cursor.executemany(
                     f"INSERT INTO usage ({USAGE_COLUMNS})"
-                    f" VALUES {usage_marks('%s')}"
+                    f" VALUES ({USAGE_MARKS.format(p='%s')})"
                     " ON CONFLICT DO NOTHING",
                     fresh,
                 )
@@ -338,7 +326,7 @@ class PostgresStore(Store):
     def usage(
         self, by: str, since: float, until: float
     ) -> Deferred[list[dict[str, Any]]]:
-        query = usage_query(by, "%s")
+        query = usage_query(by, "%s", pg_schema.DAY_SQL)
 
         def read(cursor: psycopg.Cursor[Any]) -> list[dict[str, Any]]:
             cursor.execute(query.encode(), (since, until, since, until))
@@ -367,6 +355,19 @@ class PostgresStore(Store):
         return rolled
 
     # Runtime models
+
+    def add_gpu_time(self, rows: Sequence[gt.GpuTimeRow]) -> Deferred[None]:
+        def add(cursor: psycopg.Cursor[Any]) -> None:
+            cursor.executemany(gt.gpu_time_upsert("%s"), map(gt.gpu_time_values, rows))
+
+        return self._run(add)
+
+    def gpu_time(self, since: float, until: float) -> Deferred[list[gt.GpuTimeRow]]:
+        def read(cursor: psycopg.Cursor[Any]) -> list[gt.GpuTimeRow]:
+            cursor.execute(gt.gpu_time_query("%s").encode(), (since, until))
+            return gt.gpu_time_rows(cursor.fetchall())
+
+        return self._run(read)
 
     def models(self) -> Deferred[list[tuple[str, str]]]:
         def read(cursor: psycopg.Cursor[Any]) -> list[tuple[str, str]]:

@@ -385,7 +385,10 @@ def _copy(connection: psycopg.Connection[Any], after: int, upto: int | None) -> 
 # Retention
 
 
-_DAY_SQL = "floor(time / 86400) * 86400"
+DAY_SQL = "floor(time / 86400) * 86400"
+"""
+A row's UTC day start from its C{time}, in PostgreSQL's SQL.
+"""
 
 
 def old_partitions(cursor: psycopg.Cursor[Any], before: float) -> list[str]:
@@ -420,7 +423,7 @@ def roll_partition(cursor: psycopg.Cursor[Any], name: str) -> int:
     got = cursor.fetchone()
     cursor.execute(
         f"INSERT INTO usage_daily ({ROLLUP_COLUMNS})"
-        f" {rollup_select(_DAY_SQL, name, 'TRUE')}{ROLLUP_UPSERT}"
+        f" {rollup_select(DAY_SQL, name, 'TRUE')}{ROLLUP_UPSERT}"
     )
     cursor.execute(f"DROP TABLE {name}")
     return int(got[0]) if got else 0
@@ -449,7 +452,7 @@ def roll_day(cursor: psycopg.Cursor[Any], day: float) -> int:
     cursor.execute(
         "WITH moved AS (DELETE FROM usage WHERE time >= %s AND time < %s"
         f" RETURNING *), counted AS (INSERT INTO usage_daily ({ROLLUP_COLUMNS})"
-        f" {rollup_select(_DAY_SQL, 'moved', 'TRUE')}{ROLLUP_UPSERT})"
+        f" {rollup_select(DAY_SQL, 'moved', 'TRUE')}{ROLLUP_UPSERT})"
         " SELECT COUNT(*) FROM moved",
         (day, day + DAY),
     )

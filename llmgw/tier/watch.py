@@ -61,6 +61,8 @@ def endpoint_json(endpoint: Endpoint) -> dict[str, Any]:
         "messages": endpoint.messages,
         "adapters": [list(a) for a in endpoint.adapters],
         "max_loras": endpoint.max_loras,
+        "gpus": endpoint.gpus,
+        "gpu_hour": endpoint.gpu_hour,
     }
 
 
@@ -78,6 +80,8 @@ def endpoint_from_json(value: Mapping[str, Any]) -> Endpoint:
         messages=value.get("messages") is True,
         adapters=tuple((str(n), str(p)) for n, p in value.get("adapters", ())),
         max_loras=int(value.get("max_loras", 0)),
+        gpus=float(value.get("gpus", 0.0)),
+        gpu_hour=float(value.get("gpu_hour", 0.0)),
     )
 
 

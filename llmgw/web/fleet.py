@@ -548,7 +548,9 @@ class Fleet:
                     "rpm": key.rpm,
                     "tpm": key.tpm,
                     "budget": key.budget_tokens,
+                    "budget_cost": key.budget_cost,
                     "tokens": key.tokens_used,
+                    "cost": key.cost_used,
                     "used": _ago(key.last_used, now),
                     "revoked": key.revoked is not None,
                     "svg": chart(

@@ -76,6 +76,16 @@ class Actions(Protocol):
         @raise KeyError: no such key.
         """
 
+    async def usage(
+        self, by: str, since: float, until: float | None
+    ) -> dict[str, Any] | None:
+        """
+        The usage report, as C{GET /api/v1/usage} answers it (docs/cost.md:
+        GPU-seconds and cost per group, the idle row, each GPU's seconds).
+
+        @return: L{None} when there is no store or it cannot be read now.
+        """
+
     async def keep_drain(self, node_id: str, draining: bool) -> bool:
         """
         Keep a node's drain (or its end) in the store, as the admin API's
@@ -280,13 +290,17 @@ class Dashboard:
         return self._page(request, "model.html", f"Model {name}", model=model)
 
     @app.route("/keys", methods=["GET"])
-    def keys(self, request: IRequest) -> bytes:
+    async def keys(self, request: IRequest) -> bytes:
+        # The same report as llmgw ctl usage, over the last day.
+        since = self.fleet.wall_clock() - 86400
+        usage = await self.actions.usage("key", since, None)
         return self._page(
             request,
             "keys.html",
             "Keys",
             keys=self.fleet.key_rows(),
             interval=self.fleet.history.interval,
+            usage=usage,
         )
 
     @app.route("/batches", methods=["GET"])

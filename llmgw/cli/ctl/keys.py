@@ -7,6 +7,7 @@ entries of L{llmgw.cli.ctl.commands.COMMANDS}).
 from __future__ import annotations
 
 import argparse
+import datetime
 import urllib.parse
 from typing import IO, Any
 
@@ -26,7 +27,7 @@ def keys_create(
         if not models:
             raise CtlError("keys create: --models is empty (leave it out for all)")
         fields["models"] = models
-    for field in ("rpm", "tpm", "budget_tokens"):
+    for field in ("rpm", "tpm", "budget_tokens", "budget_cost"):
         if getattr(args, field) is not None:
             fields[field] = getattr(args, field)
     if args.expires is not None:
@@ -64,7 +65,7 @@ def keys_update(
             raise CtlError("keys update: --models is empty (--models all for all)")
         fields["models"] = None if models == ["all"] else models
     # Absent from args unless given (a given "none" is None).
-    for field in ("rpm", "tpm", "budget_tokens"):
+    for field in ("rpm", "tpm", "budget_tokens", "budget_cost"):
         if hasattr(args, field):
             fields[field] = getattr(args, field)
     if args.expires is not None:
@@ -74,7 +75,7 @@ def keys_update(
     if not fields:
         raise CtlError(
             "keys update: give --models, --rpm, --tpm, --budget-tokens,"
-            " --expires, --priority or --weight"
+            " --budget-cost, --expires, --priority or --weight"
         )
     k = client.call("PATCH", f"/api/v1/keys/{quote(args.name)}", fields)
     shown = cell(k["models"]) if k["models"] else "all"
@@ -82,6 +83,7 @@ def keys_update(
         f"key {k['name']} ({k['prefix']}...): models {shown},"
         f" rpm {cell(k['rpm'])}, tpm {cell(k['tpm'])},"
         f" budget {cell(k['budget_tokens'])},"
+        f" budget cost {cell(k.get('budget_cost'))},"
         f" expires {when(k['expires']) or 'never'},"
         f" priority {k.get('priority', 'standard')}, weight {k.get('weight', 1):g}\n"
     )
@@ -135,6 +137,8 @@ def keys_list(
             when(k["revoked"]),
             k.get("priority", "standard"),
             k.get("weight", 1),
+            k.get("budget_cost"),
+            _money(k.get("cost_used")),
         )
         for k in result["keys"]
     ]
@@ -153,13 +157,17 @@ def keys_list(
         "REVOKED",
         "PRIORITY",
         "WEIGHT",
+        "BUDGET COST",
+        "COST USED",
     )
     return result, table(rows, header)
 
 
 def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, str]:
     """
-    C{usage}: a table of usage by key or model over a period.
+    C{usage}: a table of usage by key, model or UTC day over a period,
+    with each group's GPU-seconds and cost, and the GPU time no request
+    was given as its own C{(idle)} row (docs/cost.md).
     """
     query = urllib.parse.urlencode(
         {
@@ -169,9 +177,13 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
         }
     )
     result = client.call("GET", "/api/v1/usage?" + query)
-    rows = [
+
+    def name(group: dict[str, Any]) -> object:
+        return _day(group["day"]) if args.by == "day" else group[args.by]
+
+    rows: list[tuple[object, ...]] = [
         (
-            g[args.by],
+            name(g),
             g["requests"],
             g["errors"],
             g["prompt_tokens"],
@@ -179,9 +191,17 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
             g.get("answered"),
             g["mean_latency"],
             g["mean_time_to_first_token"],
+            g.get("gpu_seconds"),
+            _money(g.get("cost")),
         )
         for g in result["usage"]
     ]
+    for idle in result.get("idle", []):
+        label = f"(idle) {_day(idle['day'])}" if "day" in idle else "(idle)"
+        rows.append(
+            (label, None, None, None, None, None, None, None, idle["gpu_seconds"])
+            + (_money(idle["cost"]),)
+        )
     header = (
         args.by.upper(),
         "REQUESTS",
@@ -191,6 +211,23 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
         "ANSWERED",
         "MEAN LATENCY S",
         "MEAN TTFT S",
+        "GPU S",
+        "COST",
     )
     # Both means are over the answered requests (a first byte came).
     return result, table(rows, header)
+
+
+def _day(seconds: float) -> str:
+    """
+    @return: the UTC day starting at C{seconds}, C{YYYY-MM-DD}.
+    """
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d")
+
+
+def _money(value: float | None) -> str | None:
+    """
+    @return: a cost to the millionth (a request's is often under a
+        cent), or L{None}.
+    """
+    return None if value is None else f"{value:.6f}"

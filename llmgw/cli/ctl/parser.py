@@ -156,6 +156,21 @@ def _placement_and_drains(commands: Any, shared: argparse.ArgumentParser) -> Non
 _EXPIRES = "when it stops working: 30d, 12h, an ISO 8601 time or POSIX seconds"
 
 
+def _cost_limit(value: str) -> float | None:
+    """
+    @return: C{--budget-cost} of C{keys update}: a number, or L{None} for
+        none.
+    """
+    if value.lower() == "none":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or none, got {value!r}"
+        ) from None
+
+
 def _limit(value: str) -> int | None:
     """
     @return: a limit of C{keys update}: a whole number, or L{None} for none.
@@ -182,6 +197,9 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
     create.add_argument("--rpm", type=int, help="requests per minute")
     create.add_argument("--tpm", type=int, help="tokens per minute")
     create.add_argument("--budget-tokens", type=int, help="tokens in all")
+    create.add_argument(
+        "--budget-cost", type=float, help="cost in all ([cost] currency)"
+    )
     create.add_argument("--admin", action="store_true", help="may use the admin API")
     create.add_argument("--expires", help=_EXPIRES)
     _order(create)
@@ -212,6 +230,12 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="tokens in all, or none",
     )
+    update.add_argument(
+        "--budget-cost",
+        type=_cost_limit,
+        default=argparse.SUPPRESS,
+        help="cost in all ([cost] currency), or none",
+    )
     update.add_argument("--expires", help=_EXPIRES + ", or never")
     _order(update)
     revoke = key_actions.add_parser("revoke", help="revoke a key by name or prefix")
@@ -230,8 +254,10 @@ def _order(parser: argparse.ArgumentParser) -> None:
 
 
 def _usage(commands: Any, shared: argparse.ArgumentParser) -> None:
-    usage = commands.add_parser("usage", help="usage by key or model")
-    usage.add_argument("--by", choices=("key", "model"), default="key")
+    usage = commands.add_parser(
+        "usage", help="usage by key, model or day, with GPU-seconds and cost"
+    )
+    usage.add_argument("--by", choices=("key", "model", "day"), default="key")
     usage.add_argument(
         "--since", default="24h", help="24h, 30m, an ISO time or POSIX seconds"
     )

@@ -8,18 +8,16 @@ written through to a L{KeyStore} (L{llmgw.store.db.Store}).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import secrets
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from llmgw.router.accounting.api_key import ApiKey, hash_key
 from llmgw.router.accounting.limits import (
     OVER_BUDGET,
     OVER_RPM,
@@ -30,7 +28,6 @@ from llmgw.router.accounting.limits import (
 )
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Key
-from llmgw.router.routing.fairness import Tenant, priority_rank
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,99}$")
 WINDOW = 60.0
@@ -63,103 +60,6 @@ class KeyStore(Protocol):
         Change some of a key's C{models}, C{rpm}, C{tpm}, C{budget_tokens}
         and C{expires} (L{llmgw.store.base.Store.update_key}).
         """
-
-
-def hash_key(secret: str) -> str:
-    """
-    @return: the SHA-256 of C{secret}, hex: what the store keeps.
-    """
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
-
-
-@dataclass
-class ApiKey:
-    """
-    A key as the router checks it.
-
-    @ivar models: the model names it may use; L{None} for all.
-    @ivar rpm: requests per minute, or L{None} for no limit.
-    @ivar tpm: tokens (prompt and completion) per minute, or L{None}.
-    @ivar budget_tokens: tokens in all, or L{None}.
-    @ivar tokens_used: tokens counted so far (stored, plus those not yet
-        flushed).
-    @ivar expires: POSIX seconds from which it is refused, or L{None}.
-    @ivar priority: where its requests wait, who goes first: a name of
-        L{llmgw.router.routing.fairness.PRIORITIES} or an integer's digits.
-    @ivar weight: its share within its priority, above 0.
-    """
-
-    id: int
-    name: str
-    prefix: str
-    hash: str
-    models: tuple[str, ...] | None
-    rpm: int | None
-    tpm: int | None
-    budget_tokens: int | None
-    admin: bool
-    created: float
-    last_used: float | None = None
-    tokens_used: int = 0
-    revoked: float | None = None
-    expires: float | None = None
-    requests: deque[float] = field(default_factory=deque)
-    tokens: deque[tuple[float, int]] = field(default_factory=deque)
-    tokens_in_window: int = 0
-    reserved: int = 0
-    used_at_start: int = 0
-    priority: str = "standard"
-    weight: float = 1.0
-
-    @property
-    def tenant(self) -> Tenant:
-        """
-        Who its requests are for where they wait (L{llmgw.router.routing.fairness}).
-        """
-        return Tenant(self.name, priority_rank(self.priority), self.weight)
-
-    @property
-    def limited(self) -> bool:
-        """
-        Whether any of rpm, tpm and the budget is set (else there is
-        nothing to count with other routers).
-        """
-        return (
-            self.rpm is not None
-            or self.tpm is not None
-            or self.budget_tokens is not None
-        )
-
-    def allows(
-        self, model: str, resolve: Callable[[str], str | None] = lambda m: None
-    ) -> bool:
-        """
-        @param resolve: a name's catalog model (aliases count as the
-            model they name), or L{None}.
-        """
-        if self.models is None or model in self.models:
-            return True
-        wanted = resolve(model)
-        return wanted is not None and any(resolve(m) == wanted for m in self.models)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "prefix": self.prefix,
-            "models": list(self.models) if self.models is not None else None,
-            "rpm": self.rpm,
-            "tpm": self.tpm,
-            "budget_tokens": self.budget_tokens,
-            "admin": self.admin,
-            "created": self.created,
-            "last_used": self.last_used,
-            "tokens_used": self.tokens_used,
-            "revoked": self.revoked,
-            "expires": self.expires,
-            "priority": self.priority,
-            "weight": self.weight,
-        }
 
 
 def _unauthorized(message: str) -> APIError:
@@ -248,12 +148,14 @@ class KeyRing:
         models = tuple(row["models"]) if row["models"] is not None else None
         now = (models, row["rpm"], row["tpm"], row["budget_tokens"], row.get("expires"))
         order = (str(row.get("priority") or "standard"), float(row.get("weight") or 1))
+        budget_cost = row.get("budget_cost")
         if now == (key.models, key.rpm, key.tpm, key.budget_tokens, key.expires) and (
-            order == (key.priority, key.weight)
+            (*order, budget_cost) == (key.priority, key.weight, key.budget_cost)
         ):
             return False
         key.models, key.rpm, key.tpm, key.budget_tokens, key.expires = now
         key.priority, key.weight = order
+        key.budget_cost = budget_cost
         return True
 
     def revoked_elsewhere(self, key_id: int, when: float) -> bool:
@@ -288,8 +190,11 @@ class KeyRing:
             expires=row.get("expires"),
             priority=str(row.get("priority") or "standard"),
             weight=float(row.get("weight") or 1),
+            budget_cost=row.get("budget_cost"),
+            cost_used=float(row.get("cost_used") or 0),
         )
         key.used_at_start = key.tokens_used
+        key.cost_at_start = key.cost_used
         self._by_hash[key.hash] = key
         self._by_id[key.id] = key
         return key
@@ -328,6 +233,7 @@ class KeyRing:
         expires: float | None = None,
         priority: str = "standard",
         weight: float = 1.0,
+        budget_cost: float | None = None,
     ) -> tuple[ApiKey, str]:
         """
         Make a key.
@@ -336,7 +242,7 @@ class KeyRing:
         @param priority: a name of L{llmgw.router.routing.fairness.PRIORITIES} or
             an integer's digits (checked by the caller).
         @param weight: its share within its priority, above 0.
-
+        @param budget_cost: what its requests may cost in all, or L{None}.
         @return: the key and its secret, C{sk-...}: the only time it is
             shown.
         @raise ValueError: the name is taken or empty.
@@ -362,6 +268,7 @@ class KeyRing:
             "expires": expires,
             "priority": priority,
             "weight": weight,
+            "budget_cost": budget_cost,
         }
         row["id"] = await self.store.add_key(row)
         return self._add(row), secret
@@ -458,6 +365,8 @@ class KeyRing:
         """
         api_key = self._by_id[key.id]
         self._check_models(api_key, names)
+        if api_key.over_cost(self._share):
+            raise over_budget("cost")
         if self.limits is None or not api_key.limited:
             self._admit(api_key, reserve)
             return None
@@ -535,12 +444,13 @@ class KeyRing:
         key.last_used = self._wall_clock()
         key.reserved += reserve
 
-    def used(self, key: Key, tokens: int, reserved: int = 0) -> None:
+    def used(self, key: Key, tokens: int, reserved: int = 0, cost: float = 0.0) -> None:
         """
-        Count the tokens a request of C{key} used, once it is over, and
-        release what L{admit} held for it.
+        Count the tokens a request of C{key} used and what it cost, once it
+        is over, and release what L{admit} held for it.
         """
         api_key = self._by_id[key.id]
+        api_key.cost_used += cost
         if self.limits is not None and api_key.limited:
             self._used_shared(api_key, tokens, reserved)
         self._used(api_key, tokens, reserved)

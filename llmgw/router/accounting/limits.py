@@ -306,13 +306,14 @@ class RedisLimits:
         return self._call(call, tokens)
 
 
-def over_budget() -> APIError:
+def over_budget(what: str = "token") -> APIError:
     """
-    @return: the answer to a key over its token budget (429).
+    @param what: the budget passed, C{"token"} or C{"cost"}.
+    @return: the answer to a key over its budget (429).
     """
     return APIError(
         429,
-        "You exceeded your token budget; ask for a larger one.",
+        f"You exceeded your {what} budget; ask for a larger one.",
         "insufficient_quota",
         "insufficient_quota",
     )

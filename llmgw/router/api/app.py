@@ -424,9 +424,8 @@ class Router:
         if exchange is not None:
             exchange.served(record.prompt_tokens + record.completion_tokens)
         if key is not None and self.auth is not None:
-            self.auth.used(
-                key, record.prompt_tokens + record.completion_tokens, reserved
-            )
+            tokens = record.prompt_tokens + record.completion_tokens
+            self.auth.used(key, tokens, reserved, record.cost)
         # Last: a drain released here goes straight on to the stop's
         # next steps, "usage flushed" among them, which must find this
         # request's record and its key's tokens.

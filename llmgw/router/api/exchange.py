@@ -38,6 +38,7 @@ from llmgw.router.routing.balancer import Replica
 from llmgw.router.routing.decision import candidates
 from llmgw.router.routing.ejection import outcome
 from llmgw.router.routing.fairness import ANONYMOUS
+from llmgw.router.routing.gpu_share import NO_GPU
 from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace, error_type
 from llmgw.router.upstream.backpressure import Backpressure, abort_client, unsent_bytes
 from llmgw.router.upstream.base import (
@@ -85,6 +86,8 @@ class Exchange:
     @ivar headers_sent: whether the client got any byte of the answer.
     @ivar done: whether the stream's last event relayed was C{[DONE]}.
     @ivar candidates: the candidates of the last attempt, when C{explain}.
+    @ivar gpu: its share of its replicas' GPU time and its price, over
+        its attempts (L{llmgw.router.routing.gpu_share}).
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class Exchange:
         self.headers_sent = False
         self.done = False
         self.candidates: list[dict[str, Any]] | None = None
+        self.gpu = NO_GPU
         self._stale_retried = False
         # What an attempt awaits now (the replica's head, then its body),
         # for a deadline or a cut to cancel.
@@ -196,7 +200,7 @@ class Exchange:
                 services.metrics.retries.labels(self.model).inc()
             tried.add(replica.id)
             self.replica = replica
-            replica.outstanding += 1
+            mark = replica.enter(clock())
             replica.exchanges.add(self.cut)
             self.answer_status = None
             try:
@@ -207,7 +211,7 @@ class Exchange:
                 last_error = retry.error
                 stale = replica if retry.stale else None
             finally:
-                replica.outstanding -= 1
+                self.gpu = self.gpu + replica.leave(clock(), mark)
                 replica.exchanges.discard(self.cut)
                 gone, expired = client_gone(self.request), bool(self._deadlines.expired)
                 balancer.report(replica, outcome(self.answer_status, expired, gone))
@@ -271,17 +275,12 @@ class Exchange:
         metrics = services.metrics
         self._failure = None
         self._deadlines.start("first_byte")
-        headers = (
-            upstream_headers(
-                self.request.getHeader(b"accept"),
-                self.upstream_id,
-                replica.endpoint.api_key,
-            )
-            + self._trace.headers()
-        )
+        endpoint = replica.endpoint
+        accept = self.request.getHeader(b"accept")
+        headers = upstream_headers(accept, self.upstream_id, endpoint.api_key)
+        headers += self._trace.headers()
         # Once a kept connection was found closed, the others may be too.
         fresh = self._stale_retried
-        endpoint = replica.endpoint
         path, body, self._native = self.prepared.for_replica(self.path, endpoint)
         # An adapter's first request on a replica loads it there first.
         self._waiting = services.adapters.post(

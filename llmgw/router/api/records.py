@@ -115,4 +115,6 @@ def request_record(
         reserved_tokens=reserved,
         candidates=exchange.candidates if exchange is not None else None,
         batch_id=ids.batch,
+        gpu_seconds=exchange.gpu.gpu_seconds if exchange is not None else 0.0,
+        cost=exchange.gpu.cost if exchange is not None else 0.0,
     )

@@ -35,6 +35,7 @@ from llmgw.router.interfaces import Endpoint, RequestRecord
 from llmgw.router.routing.adapters import AdapterLoads
 from llmgw.router.routing.affinity import owner, within_bound
 from llmgw.router.routing.ejection import Health, cooldown, verdict
+from llmgw.router.routing.gpu_share import GpuShare, Mark
 from llmgw.router.routing.load import EngineLoad
 from llmgw.router.routing.speed import MIN_DECODE, Speeds
 from llmgw.router.settings import RouterConfig
@@ -74,6 +75,7 @@ class Replica:
     @ivar exchanges: how to end each exchange in flight to it at once (see
         L{Balancer.cut}), called with the reason.
     @ivar health: its record of failed answers.
+    @ivar gpu: its GPU time shared among its requests (docs/cost.md).
     """
 
     endpoint: Endpoint
@@ -81,6 +83,27 @@ class Replica:
     ejected_until: float = 0.0
     exchanges: set[Callable[[str], None]] = field(default_factory=set)
     health: Health = field(default_factory=Health)
+    gpu: GpuShare = field(default_factory=GpuShare)
+
+    def enter(self, now: float) -> Mark:
+        """
+        A request goes to it at C{now} (seconds): counted in flight.
+
+        @return: its mark, for L{leave}.
+        """
+        self.outstanding += 1
+        endpoint = self.endpoint
+        return self.gpu.enter(now, endpoint.gpus, endpoint.gpu_hour)
+
+    def leave(self, now: float, mark: Mark) -> Mark:
+        """
+        The request that entered with C{mark} ended at C{now}.
+
+        @return: its share of the GPUs' time and their price.
+        """
+        self.outstanding -= 1
+        endpoint = self.endpoint
+        return self.gpu.leave(now, endpoint.gpus, endpoint.gpu_hour, mark)
 
     @property
     def id(self) -> str:
@@ -145,6 +168,8 @@ class Balancer:
         self._replicas: dict[str, Replica] = {}
         self._retired: dict[str, Replica] = {}
         self._by_model: dict[str, list[Replica]] = {}
+        # The busy seconds of the replicas taken out of the list, by id.
+        self._busy_gone: dict[str, float] = {}
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """
@@ -158,7 +183,10 @@ class Balancer:
         for endpoint in endpoints:
             replica = self._replicas.get(endpoint.id) or self._retired.get(endpoint.id)
             if replica is None:
-                replica = Replica(endpoint)
+                # Its busy seconds go on from those of its last object:
+                # the GPU meter reads them as one count per replica id.
+                busy = GpuShare(self._busy_gone.pop(endpoint.id, 0.0))
+                replica = Replica(endpoint, gpu=busy)
             elif replica.endpoint != endpoint:
                 replica.endpoint = endpoint
             replicas[endpoint.id] = replica
@@ -171,6 +199,9 @@ class Balancer:
             for r in (*self._retired.values(), *self._replicas.values())
             if r.outstanding > 0 and r.id not in replicas
         }
+        for gone in (*self._retired.values(), *self._replicas.values()):
+            if gone.id not in replicas and gone.id not in retired:
+                self._busy_gone[gone.id] = gone.gpu.busy
         self._retired = retired
         self._replicas = replicas
         self._by_model = by_model
@@ -475,6 +506,19 @@ class Balancer:
             if replica is not None:
                 count += replica.outstanding
         return count
+
+    def busy(self, replica_id: str) -> float:
+        """
+        @return: seconds during which the replica C{replica_id} had a
+            request of this router in flight, since the router first sent
+            it one, up to now (L{GpuShare.busy_at}); kept when it leaves the
+            list (a replica asleep, drained), and gone on from when it comes
+            back.
+        """
+        replica = self._replicas.get(replica_id) or self._retired.get(replica_id)
+        if replica is None:
+            return self._busy_gone.get(replica_id, 0.0)
+        return replica.gpu.busy_at(self._clock.seconds())
 
     def cut(self, replica_id: str, why: str) -> int:
         """

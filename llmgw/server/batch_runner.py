@@ -82,7 +82,10 @@ def batch_lines(
         port = listen(reactor, "batch runner listener", RUNNER_LISTEN, site)
     except ListenError as e:
         fail(program, str(e), 1)
-    settings = RunnerSettings(stop_timeout=config.router.drain_timeout)
+    settings = RunnerSettings(
+        concurrency=config.batches.max_lines_in_flight,
+        stop_timeout=config.router.drain_timeout,
+    )
     _, number = host_and_port(port.getHost())
     sender = LineSender(reactor, number, secret, settings.concurrency)
     room = FixedRoom(balancer.count, LINES_PER_REPLICA)

@@ -248,6 +248,32 @@ class BatchTests(_Server):
             re.search(r"batch runner \S+ started; [1-9]\d* lines", self.server.output())
         )
 
+    def test_stopped_mid_batch(self) -> None:
+        """
+        A clean stop (SIGTERM) mid-batch: the runner stops sending with the
+        listeners, its lines in flight end (the stop takes seconds at
+        most), its lines claimed and not sent go back to pending, so the
+        next start finds none left running; the batch then completes, each
+        line once.
+        """
+        self.serve("--ttft", "0.03", "--itl", "0.01")
+        batch = submit(self.client, chat_lines(300))
+        wait_for(self.client, batch.id, completed_at_least(60), 60, "lines")
+        began = time.monotonic()
+        self.assertEqual(self.server.stop(), -signal.SIGTERM)
+        self.assertLess(time.monotonic() - began, 5)
+        stopping = self.server.output()
+        self.assertIn("batch runner: waiting for", stopping)
+        # Its last lines ended before the router's drain began.
+        after = stopping.split("stopping: router drain")[1]
+        self.assertNotIn(f"request {batch.id}-", after)
+        self.start()
+        done = wait_for(self.client, batch.id, ended("completed"), 60, "completed")
+        self.assertIn("started; 0 lines left running", self.server.output())
+        assert done.request_counts is not None
+        self.assertEqual(done.request_counts.completed, 300)
+        self.assert_every_line_once(batch.id, 300)
+
     def test_no_room_lines_wait(self) -> None:
         """
         Lines the replica has no room for (its queue full: 503) go back to

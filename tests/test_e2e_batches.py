@@ -10,6 +10,9 @@ runner does that): these tests read what the API keeps and answers.
 from __future__ import annotations
 
 import json
+import os
+import sqlite3
+import time
 import uuid
 from typing import Any
 
@@ -17,7 +20,8 @@ import anthropic
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import CtlMixin, Processes
+from tests.pg_support import fresh_database
+from tests.support import TWISTD, CtlMixin, Processes, spawn
 
 
 def _line(n: int, **changes: Any) -> dict[str, Any]:
@@ -49,7 +53,9 @@ class BatchesThroughServerTests(SynchronousTestCase, Processes, CtlMixin):
             "--endpoint",
             f"sim-0={self.sim}=sim-model",
             config="[batches]\nmax_file_size = 4096\nmax_lines = 20\n",
+            state="server-state",
         )
+        self.database = os.path.join(self._directory(), "server-state", "llmgw.db")
         self.key = self.make_key()
         self.other = self.make_key()
         self.narrow = self.make_key("--models", "sim-model")
@@ -278,3 +284,135 @@ class BatchesThroughServerTests(SynchronousTestCase, Processes, CtlMixin):
         # The OpenAI routes do not show an Anthropic batch.
         with self.assertRaises(openai.NotFoundError):
             self.client(self.narrow).batches.retrieve(batch.id)
+
+    def test_message_batch_results(self) -> None:
+        """
+        Once a Message Batch ended (its lines ended as a runner ends them,
+        written to the store here), the SDK reads its results: each request
+        once by custom_id, succeeded with its Message or errored; its
+        counts are by outcome; it is then deleted.
+        """
+        client = anthropic.Anthropic(
+            base_url=self.url, api_key=self.narrow, max_retries=0
+        )
+        params: Any = {"model": "sim-model", "max_tokens": 5, "messages": []}
+        other_model: Any = {**params, "model": "other-model"}
+        batch = client.messages.batches.create(
+            requests=[
+                {"custom_id": "a", "params": params},
+                {"custom_id": "b", "params": other_model},
+            ]
+        )
+        message = {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "sim-model",
+            "content": [{"type": "text", "text": "hi"}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 1},
+        }
+        with sqlite3.connect(self.database, timeout=10) as connection:
+            connection.execute(
+                "UPDATE batch_lines SET state = 'done', status_code = 200,"
+                " result = ? WHERE batch_id = ? AND line_no = 1",
+                (json.dumps(message), batch.id),
+            )
+            connection.execute(
+                "UPDATE batches SET status = 'completed', completed_at = ?"
+                " WHERE id = ?",
+                (time.time(), batch.id),
+            )
+        connection.close()
+        ended = client.messages.batches.retrieve(batch.id)
+        self.assertEqual(ended.processing_status, "ended")
+        counts = ended.request_counts
+        self.assertEqual(
+            (counts.succeeded, counts.errored, counts.processing), (1, 1, 0)
+        )
+        results = {
+            r.custom_id: r.result for r in client.messages.batches.results(batch.id)
+        }
+        succeeded = results["a"]
+        assert succeeded.type == "succeeded"
+        self.assertEqual(succeeded.message.content[0].type, "text")
+        errored = results["b"]
+        assert errored.type == "errored"
+        self.assertEqual(errored.error.error.type, "permission_error")
+        self.assertIn("other-model", errored.error.error.message)
+        deleted = client.messages.batches.delete(batch.id)
+        self.assertEqual(deleted.type, "message_batch_deleted")
+        with self.assertRaises(anthropic.NotFoundError):
+            client.messages.batches.retrieve(batch.id)
+
+
+class BatchesThroughRouterTests(SynchronousTestCase, Processes, CtlMixin):
+    """
+    On PostgreSQL, a file uploaded through a C{twistd llmgw-router} is read
+    and made a batch through the server, and the batch read back through
+    the router: both serve the APIs on the one store.
+    """
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        self.db = fresh_database(self)
+        _, sim_url = self.start_sim("--max-tokens", "3")
+        _, self.url, self.admin_url = self.start_server(
+            "--endpoint",
+            f"sim-0={sim_url}=sim-model",
+            config=f'[store]\nurl = "{self.db}"\n',
+        )
+
+    def start_router(self) -> str:
+        directory = self._directory()
+        path = f"{directory}/router.toml"
+        with open(path, "w") as f:
+            f.write(f'[store]\nurl = "{self.db}"\n[batches]\nmax_file_size = 2048\n')
+        process = spawn(
+            [TWISTD, "-n", "--pidfile=", "llmgw-router", "--config", path]
+            + ["--listen", "tcp:0:interface=127.0.0.1", "--control", self.admin_url],
+            directory,
+            f"router-{time.monotonic_ns()}",
+        )
+        self.addCleanup(process.stop)
+        match = process.wait_for(r"llmgw-router: client API listening on [\d.]+:(\d+)")
+        process.wait_for("store: listening for key changes")
+        return f"http://127.0.0.1:{match.group(1)}"
+
+    def test_one_store(self) -> None:
+        """
+        Uploaded through the router, read and made a batch through the
+        server, the batch read through the router; another key gets a 404
+        there; the router's own max_file_size holds there.
+        """
+        made = self.ctl("keys", "create", "--name", "alice")
+        key = made.stdout.splitlines()[0].strip()
+        other = self.ctl("keys", "create", "--name", "bob").stdout.splitlines()[0]
+        router_url = self.start_router()
+
+        def client(url: str, api_key: str = key) -> openai.OpenAI:
+            return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0)
+
+        content = _jsonl([_line(1), _line(2)])
+        uploaded = client(router_url).files.create(
+            file=("in.jsonl", content), purpose="batch"
+        )
+        self.assertEqual(client(self.url).files.content(uploaded.id).content, content)
+        batch = client(self.url).batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        through_router = client(router_url).batches.retrieve(batch.id)
+        self.assertEqual(through_router.status, "in_progress")
+        assert through_router.request_counts is not None
+        self.assertEqual(through_router.request_counts.total, 2)
+        with self.assertRaises(openai.NotFoundError):
+            client(router_url, other.strip()).files.retrieve(uploaded.id)
+        with self.assertRaises(openai.APIStatusError) as large:
+            client(router_url).files.create(
+                file=("b.jsonl", b"x" * 3000), purpose="batch"
+            )
+        self.assertEqual(large.exception.status_code, 413)

@@ -1,9 +1,9 @@
 """
 The work on the C{files}, C{batches} and C{batch_lines} tables
-(L{llmgw.store.batches}), written once for both engines: each engine hands
-L{BatchTables} how it runs a transaction, its parameter marker and its row
-lock, and its L{llmgw.store.base.Store} methods of the same names call
-these.
+(L{llmgw.store.batches}), written once for both engines: L{BatchTables} is
+the base of L{llmgw.store.base.Store}, each engine handing it, from its
+C{__init__}, how it runs a transaction, its parameter marker and its row
+lock.
 
 Claiming lines is one C{UPDATE} whose subquery picks the lowest pending
 lines: on PostgreSQL the subquery locks them C{FOR UPDATE SKIP LOCKED}, so

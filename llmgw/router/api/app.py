@@ -27,6 +27,7 @@ from llmgw.router.api.anthropic import (
     MESSAGES_PATH,
     MESSAGES_PATHS,
 )
+from llmgw.router.api.batch_api import BatchAPI
 from llmgw.router.api.credentials import admit, request_key, tenant
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
@@ -160,10 +161,13 @@ class Router:
         self.tracing = tracing
         self._idle_waiters: list[Deferred[None]] = []
         self._resolve = activator.resolve if activator is not None else _no_alias
-        routes = self.app.url_map.bind("gateway")
+        # The Files and Batches APIs' routes too (served beside these).
+        maps = (self.app.url_map.bind("gateway"), BatchAPI.app.url_map.bind("gateway"))
         self.cors = Cors(
             settings.cors_allow_origins,
-            lambda path: sorted(set(routes.allowed_methods(path)) - {"HEAD"}),
+            lambda path: sorted(
+                {m for r in maps for m in r.allowed_methods(path)} - {"HEAD"}
+            ),
         )
         self.affinity = (
             AffinityRule(

@@ -177,8 +177,13 @@ class Runner(Service):
 
     def _passed(self, _: object) -> None:
         self._pass = None
-        if self.running:
-            self._schedule(0 if self._again else self._settings.interval)
+        if not self.running:
+            return
+        delay = 0 if self._again else self._settings.interval
+        now = self._clock.seconds()
+        # A paused model's lines go as soon as its pause ends.
+        ends = [until - now for until in self._paused.values() if until > now]
+        self._schedule(min([delay, *ends]))
 
     async def _one_pass(self) -> None:
         try:

@@ -128,6 +128,7 @@ class RunnerTests(SynchronousTestCase):
             store,
             sender,
             FixedRoom(lambda model: 1, 8),
+            lambda name: name,
             BatchEnds(store, self.clock.seconds),
             lambda: succeed(None),
             RunnerSettings(interval=1.0, backoff=1.0, max_backoff=30.0),

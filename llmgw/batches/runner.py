@@ -77,6 +77,9 @@ class Runner(Service):
     @param store: the batches and their lines.
     @param sender: sends one line to the client API.
     @param room: how many lines of a model may be in flight now.
+    @param resolve: the catalog model a line's model name names (an alias
+        its model), or L{None} for a name the catalog does not know: the
+        room is asked by catalog name.
     @param ends: moves the batches' statuses, counts and files.
     @param usage_written: writes the usage records buffered now; fires
         once written (or the write failed: they stay buffered).
@@ -92,6 +95,7 @@ class Runner(Service):
         store: Store,
         sender: LineSender,
         room: BatchRoom,
+        resolve: Callable[[str], str | None],
         ends: BatchEnds,
         usage_written: Callable[[], Deferred[None]],
         settings: RunnerSettings,
@@ -100,6 +104,7 @@ class Runner(Service):
         self._store = store
         self._sender = sender
         self._room = room
+        self._resolve = resolve
         self._ends = ends
         self._usage_written = usage_written
         self._settings = settings
@@ -235,7 +240,8 @@ class Runner(Service):
         if free <= 0:
             return
         for line in await self._store.claim_lines(batch.id, self.owner, free):
-            self._waiting.setdefault(line.model, deque()).append((batch, line))
+            model = self._resolve(line.model) or line.model
+            self._waiting.setdefault(model, deque()).append((batch, line))
 
     async def _end_waiting(self, batch_id: str, state: str) -> None:
         """
@@ -279,7 +285,7 @@ class Runner(Service):
                 room -= 1
                 self._room.sent(model)
                 key = (batch.id, line.line_no)
-                sending = Deferred.fromCoroutine(self._run(batch, line))
+                sending = Deferred.fromCoroutine(self._run(batch, line, model))
                 self._sending[key] = sending
                 sending.addBoth(self._ended, key)
             if not queue:
@@ -291,12 +297,13 @@ class Runner(Service):
         if self._queued() < self._settings.concurrency:
             self.kick()
 
-    async def _run(self, batch: BatchRow, line: BatchLine) -> None:
+    async def _run(self, batch: BatchRow, line: BatchLine, model: str) -> None:
         """
         Send one line and end it with its answer, or put it back to
         pending (L{BATCH_RUN_AGAIN}, or no answer).
+
+        @param model: its catalog model, the room's name for it.
         """
-        model = line.model
         ident = BatchLineId(batch.id, line.line_no, batch.key_id)
         try:
             try:

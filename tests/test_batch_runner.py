@@ -190,3 +190,20 @@ class RunnerTests(SynchronousTestCase):
         self.successResultOf(stopping)
         states = [line.state for line in self.store.lines.values()]
         self.assertEqual((states.count("done"), states.count("pending")), (8, 12))
+
+    def test_validating_left_by_a_dead_server(self) -> None:
+        """
+        A batch left C{validating} (its server died between keeping it
+        and marking it in progress) is taken on after a minute, not
+        before; one being made is left to its maker.
+        """
+        self.store.batch = replace(self.store.batch, status="validating")
+        self.clock.advance(59)
+        self.assertEqual(self.store.batch.status, "validating")
+        self.assertEqual(self.sender.sent, [])
+        self.clock.advance(1)
+        self.clock.advance(0)
+        self.assertEqual(self.store.batch.status, "in_progress")
+        self.assertEqual(self.store.batch.in_progress_at, 60.0)
+        self.assertEqual(len(self.sender.sent), 3)
+        self.sender.answer_all(200)

@@ -177,8 +177,12 @@ class Runner(Service):
     def _run_pass(self) -> None:
         self._timer = None
         self._again = False
-        self._pass = Deferred.fromCoroutine(self._one_pass())
-        self._pass.addBoth(self._passed)
+        # Set before the pass starts: a kick from within it (one that ends
+        # without waiting) is one more pass, not a timer the end replaces.
+        passing: Deferred[None] = Deferred()
+        self._pass = passing
+        Deferred.fromCoroutine(self._one_pass()).chainDeferred(passing)
+        passing.addBoth(self._passed)
 
     def _passed(self, _: object) -> None:
         self._pass = None
@@ -217,7 +221,10 @@ class Runner(Service):
         its end once no line is left, else more of its lines claimed.
         """
         if batch.status == "validating":
-            return  # Not made yet (the Batches API's).
+            # Being made (the Batches API's), unless its maker died.
+            if await self._ends.adopt(batch):
+                self.kick()
+            return
         if batch.status == "cancelling":
             await self._ends.cancel_pending(batch)
             await self._end_waiting(batch.id, "cancelled")

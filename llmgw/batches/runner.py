@@ -208,7 +208,11 @@ class Runner(Service):
             for batch_id, line_no in self._take_unreleased():
                 await self._release(batch_id, line_no)
             for batch in await self._store.active_batches():
-                await self._tend(batch)
+                try:
+                    await self._tend(batch)
+                except Exception:
+                    # One batch's trouble does not hold the others back.
+                    self.log.failure("batch runner: batch {batch}", batch=batch.id)
         except Exception:
             self.log.failure("batch runner: pass failed; next pass as usual")
         self._send_waiting()

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -247,6 +248,32 @@ class BatchTests(_Server):
             re.search(r"batch runner \S+ started; [1-9]\d* lines", self.server.output())
         )
 
+    def test_stopped_mid_batch(self) -> None:
+        """
+        A clean stop (SIGTERM) mid-batch: the runner stops sending with the
+        listeners, its lines in flight end (the stop takes seconds at
+        most), its lines claimed and not sent go back to pending, so the
+        next start finds none left running; the batch then completes, each
+        line once.
+        """
+        self.serve("--ttft", "0.03", "--itl", "0.01")
+        batch = submit(self.client, chat_lines(300))
+        wait_for(self.client, batch.id, completed_at_least(60), 60, "lines")
+        began = time.monotonic()
+        self.assertEqual(self.server.stop(), -signal.SIGTERM)
+        self.assertLess(time.monotonic() - began, 5)
+        stopping = self.server.output()
+        self.assertIn("batch runner: waiting for", stopping)
+        # Its last lines ended before the router's drain began.
+        after = stopping.split("stopping: router drain")[1]
+        self.assertNotIn(f"request {batch.id}-", after)
+        self.start()
+        done = wait_for(self.client, batch.id, ended("completed"), 60, "completed")
+        self.assertIn("started; 0 lines left running", self.server.output())
+        assert done.request_counts is not None
+        self.assertEqual(done.request_counts.completed, 300)
+        self.assert_every_line_once(batch.id, 300)
+
     def test_no_room_lines_wait(self) -> None:
         """
         Lines the replica has no room for (its queue full: 503) go back to
@@ -258,6 +285,40 @@ class BatchTests(_Server):
         wait_for(self.client, batch.id, ended("completed"), 60, "completed")
         self.assertIn("queue is full", self.server.output())
         self.assert_every_line_once(batch.id, 12)
+
+    def test_anthropic_message_batch(self) -> None:
+        """
+        An Anthropic Message Batch runs the same way (its lines sent to
+        /v1/messages, translated as a client's are): ended, each request
+        succeeded with its message, one usage row each.
+        """
+        self.serve()
+        client = anthropic.Anthropic(
+            base_url=self.api_url, api_key=self.key, max_retries=0
+        )
+        params: Any = {
+            "model": "sim-model",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello"}],
+        }
+        batch = client.messages.batches.create(
+            requests=[{"custom_id": f"m{n}", "params": params} for n in range(5)]
+        )
+        deadline = time.monotonic() + 30
+        while client.messages.batches.retrieve(batch.id).processing_status != "ended":
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.1)
+        done = client.messages.batches.retrieve(batch.id)
+        self.assertEqual(done.request_counts.succeeded, 5)
+        answers = list(client.messages.batches.results(batch.id))
+        names = sorted(a.custom_id for a in answers)
+        self.assertEqual(names, [f"m{n}" for n in range(5)])
+        for answer in answers:
+            self.assertEqual(answer.result.type, "succeeded")
+            assert answer.result.type == "succeeded"
+            self.assertEqual(answer.result.message.type, "message")
+        ids = sorted(row[0] for row in self.usage_rows(batch.id))
+        self.assertEqual(ids, sorted(f"{batch.id}-{n}" for n in range(1, 6)))
 
     def test_cancel(self) -> None:
         """

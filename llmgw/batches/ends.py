@@ -33,6 +33,13 @@ EXPIRE_CHUNK = 1000
 Pending lines of an expired batch ended per pass, at most.
 """
 
+ORPHAN_AFTER = 60.0
+"""
+Seconds after which a batch still C{validating} was left so by a server
+that died between keeping it and marking it C{in_progress} (the Batches
+API does both in one request, its lines checked before either).
+"""
+
 
 class BatchEnds:
     """
@@ -60,6 +67,19 @@ class BatchEnds:
         if (counts["completed"], counts["failed"]) != (batch.completed, batch.failed):
             await self._store.update_batch(batch.id, counts)
         return states
+
+    async def adopt(self, batch: BatchRow) -> bool:
+        """
+        Take a C{validating} batch left so past L{ORPHAN_AFTER} on to
+        C{in_progress}.
+
+        @return: whether it was taken on.
+        """
+        now = self._wall_clock()
+        if now - batch.created_at < ORPHAN_AFTER:
+            return False
+        changes = {"status": "in_progress", "in_progress_at": now}
+        return await self._store.update_batch(batch.id, changes, ("validating",))
 
     def expired(self, batch: BatchRow) -> bool:
         """

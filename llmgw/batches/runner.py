@@ -77,6 +77,9 @@ class Runner(Service):
     @param store: the batches and their lines.
     @param sender: sends one line to the client API.
     @param room: how many lines of a model may be in flight now.
+    @param resolve: the catalog model a line's model name names (an alias
+        its model), or L{None} for a name the catalog does not know: the
+        room is asked by catalog name.
     @param ends: moves the batches' statuses, counts and files.
     @param usage_written: writes the usage records buffered now; fires
         once written (or the write failed: they stay buffered).
@@ -92,6 +95,7 @@ class Runner(Service):
         store: Store,
         sender: LineSender,
         room: BatchRoom,
+        resolve: Callable[[str], str | None],
         ends: BatchEnds,
         usage_written: Callable[[], Deferred[None]],
         settings: RunnerSettings,
@@ -100,6 +104,7 @@ class Runner(Service):
         self._store = store
         self._sender = sender
         self._room = room
+        self._resolve = resolve
         self._ends = ends
         self._usage_written = usage_written
         self._settings = settings
@@ -172,13 +177,22 @@ class Runner(Service):
     def _run_pass(self) -> None:
         self._timer = None
         self._again = False
-        self._pass = Deferred.fromCoroutine(self._one_pass())
-        self._pass.addBoth(self._passed)
+        # Set before the pass starts: a kick from within it (one that ends
+        # without waiting) is one more pass, not a timer the end replaces.
+        passing: Deferred[None] = Deferred()
+        self._pass = passing
+        Deferred.fromCoroutine(self._one_pass()).chainDeferred(passing)
+        passing.addBoth(self._passed)
 
     def _passed(self, _: object) -> None:
         self._pass = None
-        if self.running:
-            self._schedule(0 if self._again else self._settings.interval)
+        if not self.running:
+            return
+        delay = 0 if self._again else self._settings.interval
+        now = self._clock.seconds()
+        # A paused model's lines go as soon as its pause ends.
+        ends = [until - now for until in self._paused.values() if until > now]
+        self._schedule(min([delay, *ends]))
 
     async def _one_pass(self) -> None:
         try:
@@ -194,7 +208,11 @@ class Runner(Service):
             for batch_id, line_no in self._take_unreleased():
                 await self._release(batch_id, line_no)
             for batch in await self._store.active_batches():
-                await self._tend(batch)
+                try:
+                    await self._tend(batch)
+                except Exception:
+                    # One batch's trouble does not hold the others back.
+                    self.log.failure("batch runner: batch {batch}", batch=batch.id)
         except Exception:
             self.log.failure("batch runner: pass failed; next pass as usual")
         self._send_waiting()
@@ -207,7 +225,10 @@ class Runner(Service):
         its end once no line is left, else more of its lines claimed.
         """
         if batch.status == "validating":
-            return  # Not made yet (the Batches API's).
+            # Being made (the Batches API's), unless its maker died.
+            if await self._ends.adopt(batch):
+                self.kick()
+            return
         if batch.status == "cancelling":
             await self._ends.cancel_pending(batch)
             await self._end_waiting(batch.id, "cancelled")
@@ -230,7 +251,8 @@ class Runner(Service):
         if free <= 0:
             return
         for line in await self._store.claim_lines(batch.id, self.owner, free):
-            self._waiting.setdefault(line.model, deque()).append((batch, line))
+            model = self._resolve(line.model) or line.model
+            self._waiting.setdefault(model, deque()).append((batch, line))
 
     async def _end_waiting(self, batch_id: str, state: str) -> None:
         """
@@ -274,7 +296,7 @@ class Runner(Service):
                 room -= 1
                 self._room.sent(model)
                 key = (batch.id, line.line_no)
-                sending = Deferred.fromCoroutine(self._run(batch, line))
+                sending = Deferred.fromCoroutine(self._run(batch, line, model))
                 self._sending[key] = sending
                 sending.addBoth(self._ended, key)
             if not queue:
@@ -286,12 +308,13 @@ class Runner(Service):
         if self._queued() < self._settings.concurrency:
             self.kick()
 
-    async def _run(self, batch: BatchRow, line: BatchLine) -> None:
+    async def _run(self, batch: BatchRow, line: BatchLine, model: str) -> None:
         """
         Send one line and end it with its answer, or put it back to
         pending (L{BATCH_RUN_AGAIN}, or no answer).
+
+        @param model: its catalog model, the room's name for it.
         """
-        model = line.model
         ident = BatchLineId(batch.id, line.line_no, batch.key_id)
         try:
             try:

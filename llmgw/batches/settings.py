@@ -42,6 +42,12 @@ class BatchesConfig:
         "The most requests in one batch (lines of its input file, or requests"
         " of an Anthropic Message Batch); a batch with more is refused.",
     )
+    max_lines_in_flight: int = setting(
+        64,
+        POSITIVE,
+        "Batch lines the leading server's runner has in flight at most, over"
+        " every batch and model (each model's room may allow fewer).",
+    )
 
 
 BATCHES_TABLE = Table(

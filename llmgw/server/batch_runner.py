@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from twisted.application.service import Service
@@ -63,6 +64,7 @@ def batch_lines(
     store: Store,
     router: Router,
     balancer: Balancer,
+    resolve: Callable[[str], str | None],
     usage: UsageWriter,
     program: str,
 ) -> BatchLines:
@@ -73,6 +75,7 @@ def batch_lines(
     @param router: the client API's router: the runner's listener serves
         its resource, as the client listener does.
     @param balancer: the ready replicas per model, for the room.
+    @param resolve: the catalog's model for a name or alias.
     @param usage: the usage writer, which the runner has write a line's
         record before it ends the line.
     """
@@ -82,12 +85,15 @@ def batch_lines(
         port = listen(reactor, "batch runner listener", RUNNER_LISTEN, site)
     except ListenError as e:
         fail(program, str(e), 1)
-    settings = RunnerSettings(stop_timeout=config.router.drain_timeout)
+    settings = RunnerSettings(
+        concurrency=config.batches.max_lines_in_flight,
+        stop_timeout=config.router.drain_timeout,
+    )
     _, number = host_and_port(port.getHost())
     sender = LineSender(reactor, number, secret, settings.concurrency)
     room = FixedRoom(balancer.count, LINES_PER_REPLICA)
     ends = BatchEnds(store, time.time)
-    runner = Runner(reactor, store, sender, room, ends, usage.flush, settings)
+    runner = Runner(reactor, store, sender, room, resolve, ends, usage.flush, settings)
     log.info("batch runner: its loopback listener on 127.0.0.1:{port}", port=number)
     return BatchLines(port, sender, runner)
 

@@ -360,7 +360,14 @@ def makeService(options: Options) -> IService:
     )
     api.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
     batches = batch_lines(
-        reactor, config, state.store, router, api.balancer, account.usage, PROGRAM
+        reactor,
+        config,
+        state.store,
+        router,
+        api.balancer,
+        catalog.resolve,
+        account.usage,
+        PROGRAM,
     )
     leading = leading_services(
         reactor,

@@ -35,7 +35,8 @@ The runner's secret, as URL-safe text.
 
 BATCH_HEADER = b"x-llmgw-batch"
 """
-The batch's id, C{batch_} then letters, digits, C{_} or C{-}.
+The batch's id (C{batch_...}, an Anthropic batch's C{msgbatch_...}):
+letters, digits, C{_} or C{-}.
 """
 
 LINE_HEADER = b"x-llmgw-batch-line"
@@ -48,7 +49,7 @@ KEY_HEADER = b"x-llmgw-batch-key"
 The id of the key that made the batch; empty for a batch without a key.
 """
 
-_BATCH_ID = re.compile(rb"^batch_[A-Za-z0-9_-]{1,100}$")
+_BATCH_ID = re.compile(rb"^[A-Za-z0-9_-]{1,120}$")
 
 
 def batch_line(

@@ -6,7 +6,8 @@ Each table is read next to the code that uses it: C{[router]}, C{[cors]}
 and C{[[endpoints]]} by L{llmgw.router.settings_toml}, C{[control]} by
 L{llmgw.control.settings}, C{[[models]]} by L{llmgw.control.catalog},
 C{[standby]} and C{[agent_tls]} by L{llmgw.server.settings}, C{[store]},
-C{[limits]} and C{[auth]} by L{llmgw.accounts.settings}; the top-level keys
+C{[limits]} and C{[auth]} by L{llmgw.accounts.settings}, C{[batches]} by
+L{llmgw.batches.settings}; the top-level keys
 are L{ServerConfig}'s own.  Every table says its keys as a
 L{llmgw.config_checks.Table}, each key declared once with the kind that
 reads and checks it: L{llmgw.config_checks.Table.read} parses every table
@@ -35,6 +36,7 @@ from llmgw.accounts.settings import (
     parse_limits,
     parse_store,
 )
+from llmgw.batches.settings import BATCHES_TABLE, BatchesConfig, parse_batches
 from llmgw.config_checks import (
     BOOLEAN,
     Choice,
@@ -166,6 +168,7 @@ class ServerConfig:
     standby: StandbyConfig = field(default_factory=StandbyConfig)
     models: tuple[Model, ...] = ()
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    batches: BatchesConfig = field(default_factory=BatchesConfig)
 
     @property
     def leader_lock_url(self) -> str:
@@ -208,6 +211,7 @@ SERVER_TABLES: tuple[Table, ...] = (
     AUTH_TABLE,
     STANDBY_TABLE,
     TRACING_TABLE,
+    BATCHES_TABLE,
 )
 """
 Every table the server's file takes, in the reference's order.
@@ -249,6 +253,7 @@ _TABLES: dict[str, Callable[[ServerConfig, Any], ServerConfig]] = {
     "cors": _cors,
     "endpoints": lambda c, v: replace(c, endpoints=parse_endpoints(v)),
     "tracing": lambda c, v: replace(c, tracing=parse_tracing(v)),
+    "batches": lambda c, v: replace(c, batches=parse_batches(v)),
 }
 """
 What each table of the server's file sets, by its parser.

@@ -18,6 +18,7 @@ from twisted.trial.unittest import SynchronousTestCase
 import llmgw
 from llmgw.accounts.settings import AuthConfig, LimitsConfig, StoreConfig
 from llmgw.agent.settings import AGENT_TABLES, AgentConfig, parse_agent_config
+from llmgw.batches.settings import BatchesConfig
 from llmgw.config import SERVER_TABLE, SERVER_TABLES, ServerConfig, parse_config
 from llmgw.config_checks import (
     BOOLEAN,
@@ -155,6 +156,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
         "standby",
         "models",
         "tracing",
+        "batches",
     },
     RouterConfig: {"cors_allow_origins"},
     ControlConfig: set(),
@@ -164,6 +166,7 @@ _NOT_KEYS: dict[type[Any], set[str]] = {
     AuthConfig: set(),
     AgentConfig: set(),
     TracingConfig: set(),
+    BatchesConfig: set(),
 }
 
 

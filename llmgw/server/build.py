@@ -27,6 +27,7 @@ from twisted.web.server import Site
 from llmgw.admin.api import Admin
 from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import QuietSite, metrics_site
+from llmgw.batches.room import EngineRoom
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
@@ -215,6 +216,25 @@ def open_state(config: ServerConfig, models: tuple[Model, ...]) -> State:
     names = frozenset(m.name for m in models)
     every = models + _runtime_models(stored_models, models)
     return State(store, engine_keys, key_rows, every, names)
+
+
+def batch_room(
+    reactor: IDaemonReactor, config: ServerConfig, api: ClientAPI
+) -> EngineRoom:
+    """
+    @return: the room batch lines get beside each model's interactive
+        traffic (L{llmgw.batches.room}), read from C{api}'s replicas and
+        engine load (none when C{load_poll_interval} is 0), keeping
+        C{[batches] interactive_ttft_share}; it is also a usage sink, to
+        be given every finished request's record.
+    """
+    polled = config.router.load_poll_interval > 0
+    return EngineRoom(
+        reactor,
+        api.balancer.replicas_of,
+        api.load if polled else None,
+        config.batches.interactive_ttft_share,
+    )
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,40 @@ class LineEvictsNothingTests(SwapCase):
         )
 
 
+class LinesMakeNoReplicaBusyTests(SwapCase):
+    def test_replica_serving_lines_goes_at_once(self) -> None:
+        """
+        C{a}'s only requests in flight are a batch's lines: a client's
+        request for C{b} evicts it at once, as if idle (before
+        C{swap_max_wait}); it stops once its lines end.
+        """
+        self.make(big("a"), big("b"), nodes=("n1",))
+        a = self.serve("a")
+        self.in_flight[a] = self.lines[a] = 3
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.plane.reconcile()
+        self.assertIsNotNone(self.plane.replicas[a].draining_since)
+        self.assertEqual(self.agents.stops(), [])
+        self.in_flight[a] = self.lines[a] = 0
+        self.tick(1)
+        self.assertEqual(self.agents.stops(), [a + "-0"])
+
+    def test_replica_serving_a_client_stays(self) -> None:
+        """
+        One of its requests is a client's: C{a} keeps its room until
+        C{swap_max_wait}, as before.
+        """
+        self.make(big("a"), big("b"), nodes=("n1",))
+        a = self.serve("a")
+        self.in_flight[a] = 3
+        self.lines[a] = 2
+        self.tick(10)
+        self.plane.catalog.activate("b")
+        self.tick(1)
+        self.assertIsNone(self.plane.replicas[a].draining_since)
+
+
 class LineWakesNothingByEvictingTests(SleepCase):
     def test_no_wake_by_evicting(self) -> None:
         """

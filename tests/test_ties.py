@@ -50,8 +50,6 @@ assignment.
 
 LEFT_API: list[tuple[str, str, str]] = [
     ("router/api/app.py", "app.url_map.merge_slashes", "werkzeug's map, Klein's idiom"),
-    ("router/api/exchange.py", "replica.outstanding", "the balancer's count, +1"),
-    ("router/api/exchange.py", "replica.outstanding", "the balancer's count, -1"),
 ]
 """
 The same for the router's C{api} room, where a request's exchange and its

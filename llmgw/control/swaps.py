@@ -114,8 +114,10 @@ class Swaps:
     @param ports: ports engines may listen on.
     @param actions: puts victims to sleep or drains them.
     @param room: whether a replica may sleep, and a sleeper wake.
-    @param outstanding: requests in flight to a replica id, by the
-        router's count.
+    @param outstanding: clients' requests in flight to a replica id, by
+        the router's count: a batch's lines make no replica busy, so that
+        one serving only them goes for a held request as an idle one does
+        (its lines end first).
     @ivar swaps: the evictions under way, by held model.
     @ivar evicted: per held model, the words of its last eviction and
         when (kept for the placement's explanation after it is placed).

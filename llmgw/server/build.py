@@ -317,6 +317,8 @@ def control_plane(
         publish,
         static=static,
         outstanding=balancer.outstanding,
+        # A replica serving only a batch's lines goes for a held request.
+        interactive=balancer.interactive_outstanding,
         keys=state.engine_keys.for_shard,
         cut=balancer.cut,
         # The router touches each model at a request's arrival and end.

@@ -69,6 +69,8 @@ class Replica:
 
     @ivar outstanding: requests sent and not yet finished, counted by the
         router itself.
+    @ivar batch_outstanding: of those, a batch's lines
+        (L{llmgw.router.routing.fairness.is_batch}).
     @ivar ejected_until: reactor time, seconds, before which the replica is
         passed over; 0 when healthy.
     @ivar exchanges: how to end each exchange in flight to it at once (see
@@ -78,9 +80,24 @@ class Replica:
 
     endpoint: Endpoint
     outstanding: int = 0
+    batch_outstanding: int = 0
     ejected_until: float = 0.0
     exchanges: set[Callable[[str], None]] = field(default_factory=set)
     health: Health = field(default_factory=Health)
+
+    def sent(self, batch: bool) -> None:
+        """
+        A request was sent to it (a batch's line when C{batch}).
+        """
+        self.outstanding += 1
+        self.batch_outstanding += batch
+
+    def ended(self, batch: bool) -> None:
+        """
+        A request sent to it ended (a batch's line when C{batch}).
+        """
+        self.outstanding -= 1
+        self.batch_outstanding -= batch
 
     @property
     def id(self) -> str:
@@ -474,6 +491,18 @@ class Balancer:
             replica = table.get(replica_id)
             if replica is not None:
                 count += replica.outstanding
+        return count
+
+    def interactive_outstanding(self, replica_id: str) -> int:
+        """
+        @return: clients' requests in flight to the replica C{replica_id}:
+            L{outstanding} less a batch's lines.
+        """
+        count = 0
+        for table in (self._replicas, self._retired):
+            replica = table.get(replica_id)
+            if replica is not None:
+                count += replica.outstanding - replica.batch_outstanding
         return count
 
     def cut(self, replica_id: str, why: str) -> int:

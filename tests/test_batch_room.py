@@ -99,13 +99,14 @@ class RoomTests(SynchronousTestCase):
         traffic.
         """
         self.read(running=10, cache=0.25)
-        self.replicas["m"][0].outstanding = 10
+        replica = self.replicas["m"][0]
         for _ in range(10):
+            replica.sent(batch=True)
             self.room.sent("m")
         # 36 capacity, no interactive traffic, 1 reserve, 10 lines.
         self.assertEqual(self.room.room("m"), 36 - 0 - 1 - 10)
         self.room.ended("m")
-        self.replicas["m"][0].outstanding = 9
+        replica.ended(batch=True)
         self.read(running=9, cache=0.225)
         self.assertEqual(self.room.room("m"), 36 - 0 - 1 - 9)
         self.assertEqual(self.room.in_flight("m"), 9)
@@ -137,6 +138,40 @@ class RoomTests(SynchronousTestCase):
         self.read(running=1, cache=0.025)
         self.replicas["m"][0].outstanding = 1
         self.assertEqual(self.room.room("m"), 36 - 1 - 1 - 1)
+
+    def test_lines_are_not_clients(self) -> None:
+        """
+        The lines the router counts on a replica are no interactive
+        traffic: a wave of them ending leaves no peak behind, though the
+        engine's reading still shows them running until the next poll.
+        """
+        replica = self.replicas["m"][0]
+        self.read(running=0, cache=0.0)
+        self.read(running=20, cache=0.2)
+        for _ in range(20):
+            replica.sent(batch=True)
+            self.room.sent("m")
+        self.assertEqual(self.room.room("m"), 90 - 0 - 1 - 20)
+        for _ in range(20):
+            replica.ended(batch=True)
+            self.room.ended("m")
+        self.clock.advance(0.05)
+        self.assertEqual(self.room.room("m"), 90 - 0 - 1)
+
+    def test_other_routers_requests(self) -> None:
+        """
+        Requests the engine holds at two readings in a row beyond the
+        router's count (a tier's routers') count as interactive traffic,
+        the smaller of the two.
+        """
+        self.read(running=0, cache=0.0)
+        self.room.room("m")
+        self.clock.advance(1)
+        self.read(running=10, cache=0.1)
+        self.assertEqual(self.room.room("m"), 90 - 0 - 1)
+        self.clock.advance(1)
+        self.read(running=12, cache=0.12)
+        self.assertEqual(self.room.room("m"), 90 - 10 - 2 - 1)
 
     def test_slots_learnt_from_a_lasting_queue(self) -> None:
         """
@@ -238,13 +273,13 @@ class ShareTests(SynchronousTestCase):
     def send(self, n: int) -> None:
         for _ in range(n):
             self.room.sent("m")
-            self.replica.outstanding += 1
+            self.replica.sent(batch=True)
         self.settle()
 
     def end(self, n: int) -> None:
         for _ in range(n):
             self.room.ended("m")
-            self.replica.outstanding -= 1
+            self.replica.ended(batch=True)
         self.settle()
 
     def beside(self, ttft: float) -> None:

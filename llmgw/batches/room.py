@@ -23,6 +23,12 @@ rule has two parts:
      interactive traffic had in flight over the last L{WINDOW} seconds,
      less a reserve for that traffic to grow (the stated share of its
      peak, and one sequence per replica), less the batch lines in flight.
+     The interactive requests are the router's own count
+     (L{Replica.outstanding} less its C{batch_outstanding}: the runner
+     sends its lines through this router), at once, plus what the engine
+     held beyond it at its last two readings (a tier's routers'
+     requests), the smaller: a reading lags a poll, and one taken as a
+     wave of lines ended still counts them.
      Any replica whose engine queues a request, or whose KV cache is
      L{KV_FULL} used, gives the model no room at all until it drains:
      batch lines are the first to wait.
@@ -152,6 +158,10 @@ class EngineRoom:
         # Per replica id: the sequences its KV cache held at its last
         # reading with some running.
         self._fits: dict[str, float] = {}
+        # Per replica id: its last reading's time, and the requests its
+        # engine held beyond the router's count at the reading before and
+        # at that one.
+        self._excess: dict[str, tuple[float, float, float]] = {}
         self._queued: dict[str, float] = {}
 
     def _model(self, model: str) -> _Model:
@@ -178,8 +188,9 @@ class EngineRoom:
         if measured is None:
             return 0
         capacity, read = measured
-        busy = self._busy(replicas, now)
-        interactive = max(0, busy - state.in_flight)
+        interactive = sum(
+            r.outstanding - r.batch_outstanding + self._others(r, now) for r in replicas
+        )
         peak = self._peak(state, now, interactive)
         reserve = math.ceil(peak * self._share) + read
         free = math.floor(capacity) - peak - reserve - state.in_flight
@@ -270,22 +281,25 @@ class EngineRoom:
             self._slots[rid] = max(self._slots.get(rid, 0.0), reading.running)
         self._queued[rid] = reading.read_at
 
-    def _busy(self, replicas: Sequence[Replica], now: float) -> int:
+    def _others(self, replica: Replica, now: float) -> int:
         """
-        @return: the sequences the replicas hold now: the router's count,
-            or the engine's when it says more (other routers send it
-            requests too).
+        @return: the requests C{replica}'s engine holds that this router
+            did not send (a tier's routers'): what its last two readings
+            both showed beyond the router's count, the smaller (a reading
+            lags a poll: the lines that just ended are in one of them).
         """
         board = self._board
-        busy = 0
-        for replica in replicas:
-            held = float(replica.outstanding)
-            rid = replica.endpoint.id
-            reading = board.reading(rid) if board is not None else None
-            if reading is not None and board is not None and not board.stale(rid, now):
-                held = max(held, reading.running + reading.waiting)
-            busy += math.ceil(held)
-        return busy
+        rid = replica.endpoint.id
+        reading = board.reading(rid) if board is not None else None
+        if reading is None or board is None or board.stale(rid, now):
+            self._excess.pop(rid, None)
+            return 0
+        excess = reading.running + reading.waiting - replica.outstanding
+        last = self._excess.get(rid)
+        if last is None or last[0] != reading.read_at:
+            before = last[2] if last is not None else excess
+            self._excess[rid] = last = (reading.read_at, before, excess)
+        return max(0, math.floor(min(last[1], last[2])))
 
     @staticmethod
     def _peak(state: _Model, now: float, interactive: int) -> int:

@@ -110,7 +110,7 @@ def reference(
         "",
         "`twistd llmgw-server --config FILE.toml`; `twistd llmgw-router"
         " --config` reads the same file (its `[store]`, `[limits]`, `[auth]`,"
-        " `[router]`, `[cors]` and top-level keys).",
+        " `[router]`, `[cors]`, `[batches]` and top-level keys).",
         "",
     ]
     for table in server:

@@ -72,6 +72,15 @@ FORBIDDEN: tuple[tuple[str, str, str], ...] = (
     ("router", "admin", "server/ mounts the admin API beside the router"),
     ("router", "tier", "the tier wires the router, not the other way"),
     ("router", "accounts", "the router defines UsageSink; accounts implement it"),
+    (
+        "router",
+        "batches",
+        "the router defines FileStore and BatchStore; batches implement them",
+    ),
+    ("batches", "server", "server/ and tier/ wire the batches, not the other way"),
+    ("batches", "tier", "server/ and tier/ wire the batches, not the other way"),
+    ("batches", "control", "files and batches know no placement"),
+    ("batches", "config", "batches read their own table (batches.settings)"),
     # The dashboard reads the control plane and the keys; server/ wires it.
     ("web", "agent", "the dashboard runs in the server, reading the plane"),
     ("web", "server", "server/ wires the dashboard, not the other way"),
@@ -89,6 +98,7 @@ ONLY: dict[tuple[str, str], tuple[str, ...]] = {
     # config reaches into those leaves and nothing else, so that a router
     # of the tier reading the file does not import the server.
     ("config", "accounts"): ("llmgw.accounts.settings",),
+    ("config", "batches"): ("llmgw.batches.settings",),
     ("config", "control"): ("llmgw.control.settings", "llmgw.control.catalog"),
     ("config", "router"): (
         "llmgw.router.interfaces",
@@ -102,7 +112,11 @@ ONLY: dict[tuple[str, str], tuple[str, ...]] = {
 # Modules that define the router's interfaces import nothing else from
 # llmgw, so that implementing one never drags the router in; nor does the
 # one home of Twisted's private names, which router and agent both use.
-LEAF_MODULES = ("llmgw.router.interfaces", "llmgw.twisted_private")
+LEAF_MODULES = (
+    "llmgw.router.interfaces",
+    "llmgw.router.batch_interfaces",
+    "llmgw.twisted_private",
+)
 
 # Why each leaf is one, for the report; "an interface module is a leaf"
 # for any other.
@@ -120,6 +134,7 @@ SETTINGS_MODULES = (
     "llmgw.server.settings",
     "llmgw.accounts.settings",
     "llmgw.tier.settings",
+    "llmgw.batches.settings",
 )
 
 

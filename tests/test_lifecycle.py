@@ -204,13 +204,16 @@ class MakeServiceStopTests(TestCase):
                 for step, services in top.steps()
             ],
             [
-                (ORDER[0], ["ListeningService"] * 3),
+                (
+                    ORDER[0],
+                    ["ListeningService"] * 3 + ["RunnerStop", "ListeningService"],
+                ),
                 (ORDER[1], ["DrainService"]),
-                (ORDER[2], ["Loop", "LoadBoard", "History", "Watch"]),
+                (ORDER[2], ["Loop", "Runner", "LoadBoard", "History", "Watch"]),
                 (ORDER[3], ["LinksService"]),
                 (ORDER[4], ["UsageWriter", "UsageRetention", "ResponseRetention"]),
                 (ORDER[5], []),
-                (ORDER[6], ["PoolService"]),
+                (ORDER[6], ["PoolService"] * 2),
                 (ORDER[7], ["StoreService"]),
             ],
         )

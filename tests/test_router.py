@@ -50,6 +50,11 @@ class FakeAuth:
             raise APIError(401, "no", "invalid_request_error", "invalid_api_key")
         return self.key
 
+    def vouched(self, key_id: int | None) -> Key | None:
+        if key_id != self.key.id:
+            raise APIError(401, "no", "invalid_request_error", "invalid_api_key")
+        return self.key
+
     def admit(self, key: Key, names: Sequence[str], reserve: int) -> None:
         if self.refuse is not None:
             raise self.refuse

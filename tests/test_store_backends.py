@@ -196,6 +196,42 @@ class _Behaviour(_Base):
         by_model = await store.usage("model", 101.0, 103.0)
         self.assertEqual([(g["model"], g["requests"]) for g in by_model], [("m", 1)])
 
+    async def test_usage_once_within_one_write(self) -> None:
+        """
+        Two rows of one request id in one write (a batch line run twice
+        between two writes of the usage writer): one row is kept, and its
+        tokens alone are counted to the key.
+        """
+        store = self.store()
+        store.prepare()
+        key_id = await store.add_key(_key("a"))
+        twice = [
+            (100.0, _row("batch_1-1", key_id, 10, 5, batch_id="batch_1")),
+            (101.0, _row("batch_1-1", key_id, 10, 5, batch_id="batch_1")),
+        ]
+        await store.add_usage(twice, {key_id: (30, 101.0)})
+        count = self.raw("SELECT COUNT(*) FROM usage")
+        self.assertEqual([tuple(int(v) for v in count[0])], [(1,)])
+        keys, _ = self.store().prepare()
+        self.assertEqual(keys[0]["tokens_used"], 15)
+
+    async def test_usage_batch_id(self) -> None:
+        """
+        A batch line's usage row keeps its batch; a client's request has
+        none.
+        """
+        store = self.store()
+        store.prepare()
+        rows = [
+            (100.0, _row("batch_1-1", None, 1, 1, batch_id="batch_1")),
+            (100.0, _row("r2", None, 1, 1)),
+        ]
+        await store.add_usage(rows, {})
+        self.assertEqual(
+            self.raw("SELECT request_id, batch_id FROM usage ORDER BY request_id"),
+            [("batch_1-1", "batch_1"), ("r2", None)],
+        )
+
     async def test_usage_same_client_id_two_rows(self) -> None:
         """
         Two requests whose clients sent the same X-Request-ID (a retry, two

@@ -50,6 +50,7 @@ assignment.
 
 LEFT_API: list[tuple[str, str, str]] = [
     ("router/api/app.py", "app.url_map.merge_slashes", "werkzeug's map, Klein's idiom"),
+    ("router/api/batch_api.py", "app.url_map.merge_slashes", "the same, for batches"),
 ]
 """
 The same for the router's C{api} room, where a request's exchange and its

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -275,6 +276,14 @@ class StoreUsageSinkTests(SynchronousTestCase):
                 client_request_id="agent-7",
             ),
         )
+
+    def test_row_keeps_batch(self) -> None:
+        """
+        A batch line's record gives its row the batch's id.
+        """
+        record = replace(_record(), request_id="batch_1-3", batch_id="batch_1")
+        row = usage_row(record)
+        self.assertEqual((row.request_id, row.batch_id), ("batch_1-3", "batch_1"))
 
     def test_unauthenticated_not_stored(self) -> None:
         """

@@ -5,7 +5,7 @@ wires between L{llmgw.router.api.app.Router} and L{llmgw.store.usage.UsageWriter
 
 from __future__ import annotations
 
-from llmgw.router.interfaces import RequestRecord
+from llmgw.router.interfaces import BATCH_RUN_AGAIN, RequestRecord
 from llmgw.store.db import UsageRow
 from llmgw.store.usage import UsageWriter
 
@@ -28,6 +28,7 @@ def usage_row(record: RequestRecord) -> UsageRow:
         latency=record.latency,
         time_to_first_token=record.time_to_first_token,
         estimated=record.usage_estimated,
+        batch_id=record.batch_id,
     )
 
 
@@ -49,5 +50,9 @@ class StoreUsageSink:
             # Unauthenticated: anyone could fill the store with these (the
             # log line and the metrics still count them).  Or nothing to
             # write: no rows kept, no key to count for.
+            return
+        if record.batch_id is not None and record.status in BATCH_RUN_AGAIN:
+            # The runner sends this line again: its record is its answer's,
+            # one per line (the line's request id is its usage key).
             return
         self.writer.add(usage_row(record))

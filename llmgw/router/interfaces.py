@@ -224,6 +224,16 @@ client's own request.
 """
 
 
+BATCH_RUN_AGAIN = frozenset({429, 499, 503})
+"""
+The statuses after which the batches' runner sends a line again: no room
+now (429: the key's rate, the overload room; 503: no replica, the
+activation queue full or timed out) or cut by a stop (499).  Such an
+attempt is not the line's answer: it keeps no usage record, so that the
+line's one record is its answer's.
+"""
+
+
 class BatchRoom(Protocol):
     """
     How many of a batch's lines may be sent to a model now: the batches'
@@ -291,6 +301,17 @@ class Auth(Protocol):
         @param header: the request's C{Authorization} value, or L{None}.
         @return: the key, or L{None} when none is needed.
         @raise llmgw.router.errors.APIError: 401.
+        """
+
+    def vouched(self, key_id: int | None) -> Key | None:
+        """
+        The key a batch line runs as: the one that made its batch, vouched
+        for by the batches' runner (no secret comes with the line).
+
+        @param key_id: its id, or L{None} for a batch made without keys.
+        @return: the key, or L{None} when none is needed.
+        @raise llmgw.router.errors.APIError: 401, the key is unknown,
+            revoked or expired (or none came and keys are needed).
         """
 
     def admit(

@@ -27,7 +27,9 @@ from twisted.web.server import Site
 from llmgw.admin.api import Admin
 from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import QuietSite, metrics_site
+from llmgw.batches.api import with_batches
 from llmgw.batches.room import EngineRoom
+from llmgw.batches.settings import BatchesConfig
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
@@ -39,6 +41,7 @@ from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
 from llmgw.router.api.app import Router
+from llmgw.router.api.batch_api import upload_paths
 from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
 from llmgw.router.telemetry.reports import Reports
@@ -380,12 +383,15 @@ def pages(
     router: Router,
     traffic: Traffic,
     standby: Callable[[], dict[str, object]] | None,
+    batches: BatchesConfig,
 ) -> Pages:
     """
     @param traffic: the dashboard's figures per model and replica, which
         C{router} counts each finished request into.
     @param standby: with standbys, whether this server leads and the
         leader, for the admin API's status.
+    @param batches: C{[batches]}: the Files and Batches APIs served beside
+        the router (L{with_batches}).
     @return: the admin API, the dashboards' history, the client listener's
         site (the router, the dashboard at C{/admin} behind a login) and
         the admin listener's resource.
@@ -428,8 +434,15 @@ def pages(
     sessions = Sessions(keys, time.monotonic)
     client_dashboard = Dashboard(fleet, admin, sessions, "/admin", logout=True)
     gate = LoginGate(client_dashboard.app.resource(), sessions, "/admin")
+    client = with_batches(
+        reactor, router, state.store, keys, parts.plane.catalog.resolve, batches
+    )
     router_site = make_site(
-        Mount(router.resource(), b"admin", gate), router.settings, reactor, router.cors
+        Mount(client, b"admin", gate),
+        router.settings,
+        reactor,
+        router.cors,
+        upload_paths(batches.max_file_size),
     )
     api = admin.resource()
     admin_resource = Split(

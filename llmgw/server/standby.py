@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from twisted.application.service import IService, Service
+from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.error import ReactorNotRunning
 from twisted.internet.interfaces import IReactorTime
@@ -316,11 +316,13 @@ def leading_services(
     plane: ControlPlane,
     agent_port: Any,
     store: Store | None,
+    runner: IService | None = None,
 ) -> Leading:
     """
-    What runs in the server's reconciler step: the reconciler itself when
-    no PostgreSQL chooses a leader (no C{leader_lock_url}), else a L{Leadership}
-    that starts it on taking the lock.
+    What runs in the server's reconciler step: the reconciler (and the
+    batches' C{runner}, given one) itself when no PostgreSQL chooses a
+    leader (no C{leader_lock_url}), else a L{Leadership} that starts them
+    on taking the lock and stops them on losing it.
 
     A standby refuses each agent's Register with a Redirect naming the
     leader.  On taking the lock the startup grace starts afresh, so that
@@ -334,7 +336,12 @@ def leading_services(
     """
     url, settings = config.leader_lock_url, config.standby
     if not url:
-        return Leading([plane.loop])
+        return Leading([plane.loop] if runner is None else [plane.loop, runner])
+    led: IService = plane.loop
+    if runner is not None:
+        led = MultiService()
+        plane.loop.setServiceParent(led)  # type: ignore[no-untyped-call]
+        runner.setServiceParent(led)
 
     def lead() -> None:
         plane.begin_grace()
@@ -365,7 +372,7 @@ def leading_services(
         lost,
         retry=settings.retry,
         lease=settings.lease,
-        loop=plane.loop,
+        loop=led,
     )
     hub.follow(lambda: leadership.leader)
     log.info(

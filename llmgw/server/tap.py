@@ -43,6 +43,7 @@ from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.api.app import Router
 from llmgw.router.interfaces import Endpoint
+from llmgw.server.batch_runner import BatchLines, RunnerStop, batch_lines
 from llmgw.server.build import (
     PROGRAM,
     Listeners,
@@ -210,6 +211,7 @@ class _Server:
     served: Pages
     ports: Listeners
     agent: LocalAgent
+    batches: BatchLines
 
 
 def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> None:
@@ -229,6 +231,10 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
         top.add(LISTENERS, ListeningService(ports.metrics))
         host, port = host_and_port(ports.metrics.getHost())
         log.info("metrics-only listener on {host}:{port}", host=host, port=port)
+    # No batch line sent once clients can send nothing: those in flight end
+    # (or run again at the next start), then its listener closes.
+    top.add(LISTENERS, RunnerStop(built.batches.runner))
+    top.add(LISTENERS, ListeningService(built.batches.port))
     top.add(DRAIN, DrainService(built.router, config.router.drain_timeout))
     leading = built.leading.services
     top.add(RECONCILER, *leading, api.load, built.served.history, parts.watch)
@@ -246,7 +252,7 @@ def _stop_sequence(top: Lifecycle, reactor: IDaemonReactor, built: _Server) -> N
         ResponseRetention(store, reactor, config.responses_retention),
     )
     top.add(LOCAL_ENGINES, *agent.engines)
-    top.add(POOLS, PoolService(api.pool))
+    top.add(POOLS, PoolService(api.pool), PoolService(built.batches.sender.pool))
     top.add(POOLS, *account.services)
     top.add(STORE, StoreService(store))
 
@@ -342,11 +348,35 @@ def makeService(options: Options) -> IService:
         (traffic, room),
     )
     api.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
+    batches = batch_lines(
+        reactor,
+        config,
+        state.store,
+        router,
+        room,
+        catalog.resolve,
+        account.usage,
+        PROGRAM,
+    )
     leading = leading_services(
-        reactor, config, parts.hub, parts.plane, parts.agents, state.store
+        reactor,
+        config,
+        parts.hub,
+        parts.plane,
+        parts.agents,
+        state.store,
+        batches.runner,
     )
     served = pages(
-        reactor, api.registry, parts, account, state, router, traffic, leading.standby
+        reactor,
+        api.registry,
+        parts,
+        account,
+        state,
+        router,
+        traffic,
+        leading.standby,
+        config.batches,
     )
     ports = listeners(reactor, options["config"], config, served, account, api.registry)
     agent = local(reactor, config, parts.hub)
@@ -356,7 +386,17 @@ def makeService(options: Options) -> IService:
     if api.tracing is not None:
         top.add(POOLS, api.tracing)
     built = _Server(
-        config, state.store, api, parts, account, router, leading, served, ports, agent
+        config,
+        state.store,
+        api,
+        parts,
+        account,
+        router,
+        leading,
+        served,
+        ports,
+        agent,
+        batches,
     )
     _stop_sequence(top, reactor, built)
     _log_started(built)

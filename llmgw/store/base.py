@@ -17,6 +17,8 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
+from llmgw.store.batch_tables import BatchTables
+from llmgw.store.batches import BatchLine, BatchRow, FileRow
 from llmgw.store.migrations import (
     MIGRATIONS,
     MigrationPending,
@@ -46,6 +48,8 @@ class UsageRow:
         the replica's answer; L{None} when none came.
     @ivar estimated: the token counts are an estimate (the engine's never
         came).
+    @ivar batch_id: the batch whose line the request was; L{None} for one
+        a client sent.
     """
 
     request_id: str
@@ -61,6 +65,7 @@ class UsageRow:
     time_to_first_token: float | None
     estimated: bool = False
     client_request_id: str | None = None
+    batch_id: str | None = None
 
 
 KEY_LIMITS = (
@@ -81,7 +86,7 @@ its limits, its expiry, and its priority and weight where requests wait.
 USAGE_COLUMNS = (
     "time, request_id, key_id, key_name, model, replica, status, stream,"
     " prompt_tokens, completion_tokens, latency, time_to_first_token, estimated,"
-    " client_request_id"
+    " client_request_id, batch_id"
 )
 
 
@@ -104,7 +109,16 @@ def usage_values(when: float, row: UsageRow) -> tuple[Any, ...]:
         row.time_to_first_token,
         int(row.estimated),
         row.client_request_id,
+        row.batch_id,
     )
+
+
+def usage_marks(placeholder: str) -> str:
+    """
+    @return: the C{VALUES} list of one row of L{USAGE_COLUMNS}.
+    """
+    count = len(USAGE_COLUMNS.split(","))
+    return "(" + ",".join([placeholder] * count) + ")"
 
 
 def usage_query(by: str, placeholder: str) -> str:
@@ -269,11 +283,13 @@ def key_row(names: Sequence[str], values: Sequence[Any]) -> dict[str, Any]:
     return row
 
 
-class Store:
+class Store(BatchTables):
     """
     The database, whichever engine holds it.  Every method but L{prepare}
     and L{close} returns a Deferred fired on the reactor thread, the work
-    done on a thread off it.
+    done on a thread off it.  The files, batches and batch lines are
+    L{BatchTables}'s, which each engine's C{__init__} gives how it runs a
+    transaction.
 
     @cvar database_errors: what the engine's driver raises when the
         database refuses or cannot be reached (a write kept for a retry).
@@ -480,6 +496,9 @@ class Store:
 
 __all__ = [
     "DAY",
+    "BatchLine",
+    "BatchRow",
+    "FileRow",
     "KEY_LIMITS",
     "MIGRATIONS",
     "ROLLUP_COLUMNS",
@@ -499,6 +518,7 @@ __all__ = [
     "rollup_select",
     "shape_usage",
     "statements",
+    "usage_marks",
     "usage_query",
     "usage_values",
 ]

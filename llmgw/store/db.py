@@ -39,6 +39,7 @@ from llmgw.store.base import (
     key_update,
     rollup_select,
     shape_usage,
+    usage_marks,
     usage_query,
     usage_values,
 )
@@ -146,6 +147,13 @@ class SQLiteStore(Store):
             cp_max=1,
             cp_openfun=self._opened_reader,
             isolation_level="DEFERRED",
+        )
+        # One writer at a time: a claim's one UPDATE is atomic as it is.
+        super().__init__(
+            self.pool.runInteraction,  # type: ignore[arg-type]
+            self.reader.runInteraction,  # type: ignore[arg-type]
+            "?",
+            "",
         )
 
     @staticmethod
@@ -331,9 +339,12 @@ class SQLiteStore(Store):
                         max(0, tokens - r.prompt_tokens - r.completion_tokens),
                         last,
                     )
+                # A second row of one request in this write (a batch line
+                # run again) is not inserted: its tokens are not counted.
+                seen.add(r.request_id)
             cursor.executemany(
                 f"INSERT INTO usage ({USAGE_COLUMNS})"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                f" VALUES {usage_marks('?')}"
                 " ON CONFLICT (request_id) DO NOTHING",
                 [usage_values(when, r) for when, r in rows],
             )

@@ -261,6 +261,70 @@ MIGRATIONS: tuple[Migration, ...] = (
         CREATE INDEX responses_created_at ON responses (created_at);
         """,
     ),
+    # Files and batches (llmgw.store.batches): a file's bytes in the
+    # store, so that every server of a standby set reads them; a batch's
+    # lines one row each, claimed by the runner lowest line first; and the
+    # batch a usage row's request was a line of.
+    Migration(
+        "files, batches and batch_lines; usage: the batch of a batch line",
+        """
+        CREATE TABLE files (
+            id TEXT PRIMARY KEY,
+            key_id INTEGER,
+            purpose TEXT NOT NULL,
+            filename TEXT NOT NULL,
+            bytes INTEGER NOT NULL,
+            created_at REAL NOT NULL,
+            content BLOB NOT NULL
+        );
+        CREATE INDEX files_key_created ON files (key_id, created_at);
+        CREATE TABLE batches (
+            id TEXT PRIMARY KEY,
+            key_id INTEGER,
+            key_name TEXT,
+            endpoint TEXT NOT NULL,
+            input_file_id TEXT,
+            completion_window TEXT NOT NULL,
+            status TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            expires_at REAL,
+            in_progress_at REAL,
+            finalizing_at REAL,
+            completed_at REAL,
+            failed_at REAL,
+            expired_at REAL,
+            cancelling_at REAL,
+            cancelled_at REAL,
+            output_file_id TEXT,
+            error_file_id TEXT,
+            errors TEXT NOT NULL,
+            metadata TEXT NOT NULL,
+            api TEXT NOT NULL,
+            total INTEGER NOT NULL,
+            completed INTEGER NOT NULL,
+            failed INTEGER NOT NULL
+        );
+        CREATE INDEX batches_key_created ON batches (key_id, created_at);
+        CREATE INDEX batches_status ON batches (status);
+        CREATE TABLE batch_lines (
+            batch_id TEXT NOT NULL,
+            line_no INTEGER NOT NULL,
+            custom_id TEXT NOT NULL,
+            model TEXT NOT NULL,
+            url TEXT NOT NULL,
+            body TEXT NOT NULL,
+            state TEXT NOT NULL,
+            owner TEXT,
+            attempts INTEGER NOT NULL,
+            status_code INTEGER,
+            result TEXT,
+            finished_at REAL,
+            PRIMARY KEY (batch_id, line_no)
+        );
+        CREATE INDEX batch_lines_state ON batch_lines (state, batch_id, line_no);
+        ALTER TABLE usage ADD COLUMN batch_id TEXT;
+        """,
+    ),
 )
 
 
@@ -276,6 +340,8 @@ _PG_TYPES = (
     (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
     # SQLite's INTEGER holds 8 bytes; PostgreSQL's 4 (token counts outgrow).
     (re.compile(r"\bINTEGER\b(?! PRIMARY)"), "BIGINT"),
+    # Bytes: SQLite's BLOB, PostgreSQL's bytea.
+    (re.compile(r"\bBLOB\b"), "BYTEA"),
 )
 
 

@@ -46,6 +46,7 @@ from llmgw.store.base import (
     key_row,
     key_update,
     shape_usage,
+    usage_marks,
     usage_query,
     usage_values,
 )
@@ -135,6 +136,7 @@ class PostgresStore(Store):
             name="llmgw-store",
         )
         self._open = False
+        super().__init__(self._run, self._run, "%s", " FOR UPDATE SKIP LOCKED")
 
     def _start(self) -> None:
         if self._open:
@@ -319,7 +321,7 @@ class PostgresStore(Store):
                 # of the same batch meanwhile.
                 cursor.executemany(
                     f"INSERT INTO usage ({USAGE_COLUMNS})"
-                    " VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)"
+                    f" VALUES {usage_marks('%s')}"
                     " ON CONFLICT DO NOTHING",
                     fresh,
                 )

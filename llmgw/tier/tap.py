@@ -26,6 +26,7 @@ from twisted.logger import Logger
 from twisted.python import usage
 from twisted.web.server import Site
 
+from llmgw.batches.api import with_batches
 from llmgw.config import ServerConfig, load_config, shared_flags
 from llmgw.config_checks import ConfigError
 from llmgw.daemon.lifecycle import (
@@ -44,6 +45,7 @@ from llmgw.daemon.listen import ListenError
 from llmgw.daemon.listen import listen as _listen
 from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
+from llmgw.router.api.batch_api import upload_paths
 from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness
 from llmgw.router.telemetry.reports import Reporter
@@ -284,7 +286,16 @@ def makeService(options: Options) -> IService:
         reactor, api, config, store, key_rows, activator, readiness, (reporter,)
     )
     follower = _follow(reactor, control, api, activator, account, store, readiness)
-    site = make_site(router.resource(), settings, reactor, router.cors)
+    client = with_batches(
+        reactor, router, store, account.keys, activator.resolve, config.batches
+    )
+    site = make_site(
+        client,
+        settings,
+        reactor,
+        router.cors,
+        upload_paths(config.batches.max_file_size),
+    )
     port = _listener(reactor, options, site, follower)
     top = top_service(
         reactor, PROGRAM, config.log_format, getattr(options, "parent", None)

@@ -260,6 +260,13 @@ class BrowserAndKeyTests(_FakeEngine, SynchronousTestCase, _Ctl):
         self.assertEqual(headers["access-control-allow-methods"], "GET")
         status, headers, _ = http(
             "OPTIONS",
+            self.url + "/v1/files",
+            headers={"Origin": self.origin, "Access-Control-Request-Method": "POST"},
+        )
+        self.assertEqual(status, 204)
+        self.assertEqual(headers["access-control-allow-methods"], "GET, POST")
+        status, headers, _ = http(
+            "OPTIONS",
             self.url + "/v1/chat/completions",
             headers={
                 "Origin": "https://evil.example",

@@ -20,7 +20,14 @@ from typing import Any, Protocol
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from llmgw.router.accounting.limits import OVER_BUDGET, OVER_RPM, OVER_TPM, RedisLimits
+from llmgw.router.accounting.limits import (
+    OVER_BUDGET,
+    OVER_RPM,
+    OVER_TPM,
+    RedisLimits,
+    over_budget,
+    rate_limited,
+)
 from llmgw.router.errors import APIError
 from llmgw.router.interfaces import Key
 from llmgw.router.routing.fairness import Tenant, priority_rank
@@ -408,7 +415,20 @@ class KeyRing:
             text = secret.strip().decode("ascii")
         except UnicodeDecodeError:
             raise _unauthorized("Incorrect API key provided.") from None
-        key = self._by_hash.get(hash_key(text))
+        return self._live(self._by_hash.get(hash_key(text)))
+
+    def vouched(self, key_id: int | None) -> ApiKey | None:
+        """
+        The key a batch line runs as (L{llmgw.router.interfaces.Auth.vouched}).
+
+        @raise APIError: 401, as L{authenticate} for an unknown, revoked or
+            expired key (none named is unknown).
+        """
+        if not self.required:
+            return None
+        return self._live(self._by_id.get(key_id) if key_id is not None else None)
+
+    def _live(self, key: ApiKey | None) -> ApiKey:
         if key is None or key.revoked is not None:
             raise _unauthorized("Incorrect API key provided.")
         if self.expired(key):
@@ -461,11 +481,11 @@ class KeyRing:
             self._admit(key, reserve)
             return
         if verdict == OVER_BUDGET:
-            raise _over_budget()
+            raise over_budget()
         if verdict == OVER_RPM:
-            raise _rate_limited(f"{key.rpm} requests per minute", wait)
+            raise rate_limited(f"{key.rpm} requests per minute", wait)
         if verdict == OVER_TPM:
-            raise _rate_limited(f"{key.tpm} tokens per minute", wait)
+            raise rate_limited(f"{key.tpm} tokens per minute", wait)
         key.last_used = self._wall_clock()
         self._members.setdefault(key.id, []).append((member, reserve))
 
@@ -494,14 +514,14 @@ class KeyRing:
             left = max(0, key.budget_tokens - key.used_at_start)
             mine = key.tokens_used - key.used_at_start + key.reserved
             if mine >= math.ceil(left / share):
-                raise _over_budget()
+                raise over_budget()
         rpm = math.ceil(key.rpm / share) if key.rpm is not None else None
         tpm = math.ceil(key.tpm / share) if key.tpm is not None else None
         now = self._clock()
         self._expire(key, now)
         if rpm is not None and len(key.requests) >= rpm:
             wait = key.requests[0] + WINDOW - now
-            raise _rate_limited(f"{key.rpm} requests per minute", wait)
+            raise rate_limited(f"{key.rpm} requests per minute", wait)
         if tpm is not None and key.tokens_in_window + key.reserved >= tpm:
             over = key.tokens_in_window + key.reserved - tpm
             wait = WINDOW
@@ -510,7 +530,7 @@ class KeyRing:
                 if over < 0:
                     wait = when + WINDOW - now
                     break
-            raise _rate_limited(f"{key.tpm} tokens per minute", wait)
+            raise rate_limited(f"{key.tpm} tokens per minute", wait)
         key.requests.append(now)
         key.last_used = self._wall_clock()
         key.reserved += reserve
@@ -573,22 +593,3 @@ class KeyRing:
         tokens = key.tokens
         while tokens and tokens[0][0] <= start:
             key.tokens_in_window -= tokens.popleft()[1]
-
-
-def _over_budget() -> APIError:
-    return APIError(
-        429,
-        "You exceeded your token budget; ask for a larger one.",
-        "insufficient_quota",
-        "insufficient_quota",
-    )
-
-
-def _rate_limited(limit: str, wait: float) -> APIError:
-    return APIError(
-        429,
-        f"Rate limit reached: {limit}. Try again in {max(wait, 0):.1f}s.",
-        "requests" if "requests" in limit else "tokens",
-        "rate_limit_exceeded",
-        retry_after=max(1, math.ceil(wait)),
-    )

@@ -32,6 +32,7 @@ results delivered on the reactor thread.
 from __future__ import annotations
 
 import itertools
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,8 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
+
+from llmgw.router.errors import APIError
 
 RESERVATION_TTL = 900.0
 """
@@ -301,3 +304,30 @@ class RedisLimits:
             self._used(keys=_keys(key_id), args=args)
 
         return self._call(call, tokens)
+
+
+def over_budget() -> APIError:
+    """
+    @return: the answer to a key over its token budget (429).
+    """
+    return APIError(
+        429,
+        "You exceeded your token budget; ask for a larger one.",
+        "insufficient_quota",
+        "insufficient_quota",
+    )
+
+
+def rate_limited(limit: str, wait: float) -> APIError:
+    """
+    @param limit: the limit passed, in words.
+    @param wait: seconds until it lets the key in again.
+    @return: the answer to a key over a rate (429 with C{Retry-After}).
+    """
+    return APIError(
+        429,
+        f"Rate limit reached: {limit}. Try again in {max(wait, 0):.1f}s.",
+        "requests" if "requests" in limit else "tokens",
+        "rate_limit_exceeded",
+        retry_after=max(1, math.ceil(wait)),
+    )

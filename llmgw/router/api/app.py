@@ -27,7 +27,8 @@ from llmgw.router.api.anthropic import (
     MESSAGES_PATH,
     MESSAGES_PATHS,
 )
-from llmgw.router.api.credentials import admit, request_key
+from llmgw.router.api.batch_api import BatchAPI
+from llmgw.router.api.credentials import admit, request_key, tenant
 from llmgw.router.api.exchange import Exchange, Services
 from llmgw.router.api.fastpath import ForwardingRoutes
 from llmgw.router.api.prepare import (
@@ -65,7 +66,7 @@ from llmgw.router.routing.activation import ActivationQueues
 from llmgw.router.routing.affinity import AffinityRule
 from llmgw.router.routing.balancer import Balancer
 from llmgw.router.routing.decision import wanted
-from llmgw.router.routing.fairness import ANONYMOUS, FairShare
+from llmgw.router.routing.fairness import FairShare
 from llmgw.router.routing.load import LoadBoard
 from llmgw.router.routing.overload import Overload
 from llmgw.router.settings import RouterConfig
@@ -160,10 +161,13 @@ class Router:
         self.tracing = tracing
         self._idle_waiters: list[Deferred[None]] = []
         self._resolve = activator.resolve if activator is not None else _no_alias
-        routes = self.app.url_map.bind("gateway")
+        # The Files and Batches APIs' routes too (served beside these).
+        maps = (self.app.url_map.bind("gateway"), BatchAPI.app.url_map.bind("gateway"))
         self.cors = Cors(
             settings.cors_allow_origins,
-            lambda path: sorted(set(routes.allowed_methods(path)) - {"HEAD"}),
+            lambda path: sorted(
+                {m for r in maps for m in r.allowed_methods(path)} - {"HEAD"}
+            ),
         )
         self.affinity = (
             AffinityRule(
@@ -301,7 +305,7 @@ class Router:
                 prepared,
                 rid,
                 ids.upstream,
-                tenant=key.tenant if key is not None else ANONYMOUS,
+                tenant=tenant(request, key),
                 explain=wanted(request, self.settings.log_candidates),
                 trace=trace,
             )

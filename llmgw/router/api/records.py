@@ -114,4 +114,5 @@ def request_record(
         usage_estimated=estimated,
         reserved_tokens=reserved,
         candidates=exchange.candidates if exchange is not None else None,
+        batch_id=ids.batch,
     )

@@ -167,6 +167,9 @@ class EdgeChannel(http.HTTPChannel):
                 if len(line) > self._settings.max_request_line:
                     self._request_line_too_long()
                     return
+                super().lineReceived(line)  # type: ignore[no-untyped-call]
+                self._tell_request_line(line)
+                return
         else:
             self._header_bytes += len(line) + 2
             if line:
@@ -178,6 +181,18 @@ class EdgeChannel(http.HTTPChannel):
                 self._headers_too_large()
                 return
         super().lineReceived(line)  # type: ignore[no-untyped-call]
+
+    def _tell_request_line(self, line: bytes) -> None:
+        """
+        Tell the request just made its method and target, so that its body
+        limit (L{llmgw.router.edge.site.LimitedRequest.headed}) is the
+        route's before the body comes: twisted.web sets them on the
+        request only once the body has been read.
+        """
+        parts = line.split()
+        headed = getattr(self.requests[-1], "headed", None) if self.requests else None
+        if headed is not None and len(parts) == 3:
+            headed(parts[0], parts[1])
 
     def lineLengthExceeded(self, line: bytes) -> None:
         if self._awaiting_request_line:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
 
@@ -33,8 +34,10 @@ class LimitedRequest(Request):
     oversized upload costs no memory and is answered with a 413 after it is
     read (answering before would reset clients still sending).
 
-    @ivar body_too_large: whether the body passed C{max_body_size}; its
-        bytes were dropped.
+    @cvar upload_limits: the POST paths whose body has a limit of its own
+        in place of C{max_body_size}, bytes (a file's upload).
+    @ivar body_too_large: whether the body passed its limit; its bytes
+        were dropped.
     @ivar request_id: the request's X-Request-ID, set when it is processed.
     @ivar ids: its ids (L{RequestIds}), set when it is processed.
     @ivar cors: the cross-origin policy whose headers every answer
@@ -43,17 +46,23 @@ class LimitedRequest(Request):
     @ivar arrived: clock time the request was processed.
     @ivar replica_seconds: seconds the replica that answered took
         (L{llmgw.router.edge.timing}), set by the exchange, or L{None}.
+    @ivar batch_line: the batch line the request is, vouched for by the
+        batches' runner on its own listener (L{llmgw.router.edge.internal});
+        L{None} on the client listener, whatever its headers say.
     """
 
     max_body_size = 32 * 1024 * 1024
+    upload_limits: Mapping[bytes, int] = {}
     body_too_large = False
     _received = 0
+    _limit: int | None = None
     request_id = b""
     ids: RequestIds | None = None
     cors: Cors | None = None
     clock: IReactorTime | None = None
     arrived = 0.0
     replica_seconds: float | None = None
+    batch_line: BatchLineId | None = None
 
     def process(self) -> None:
         # Every answer carries X-Request-ID, errors from routing included.
@@ -118,8 +127,35 @@ class LimitedRequest(Request):
             code, reason_phrase(code) if message is None else message
         )
 
+    def headed(self, method: bytes, target: bytes) -> None:
+        """
+        The request line's method and target, told by the HTTP/1.1 channel
+        (L{llmgw.router.edge.channel}) before the headers: the body's limit
+        is the route's.
+        """
+        path = target.split(b"?", 1)[0]
+        self._limit = self.upload_limits.get(path) if method == b"POST" else None
+        if self._limit is None:
+            self._limit = self.max_body_size
+
+    def body_limit(self) -> int:
+        """
+        @return: the most bytes this request's body may have: its path's in
+            L{upload_limits} for a POST, else C{max_body_size}.  Over
+            HTTP/2 the stream (the request's channel) has the method and
+            path when the headers came.
+        """
+        if self._limit is None:
+            stream = self.channel
+            self.headed(
+                getattr(stream, "command", b"") or b"",
+                getattr(stream, "path", b"") or b"",
+            )
+        assert self._limit is not None
+        return self._limit
+
     def gotLength(self, length: int | None) -> None:
-        if length is not None and length > self.max_body_size:
+        if length is not None and length > self.body_limit():
             self.body_too_large = True
             self.content = io.BytesIO()
         else:
@@ -129,7 +165,7 @@ class LimitedRequest(Request):
         if self.body_too_large:
             return
         self._received += len(data)
-        if self._received > self.max_body_size:
+        if self._received > self.body_limit():
             self.body_too_large = True
             self.content = io.BytesIO()
             return
@@ -142,6 +178,7 @@ def make_site(
     settings: RouterConfig,
     reactor: IReactorTime,
     cors: Cors | None = None,
+    uploads: Mapping[bytes, int] | None = None,
 ) -> Site:
     """
     @param settings: the router's settings: C{max_body_size}, bytes of body
@@ -149,6 +186,8 @@ def make_site(
         L{llmgw.router.edge.channel}).
     @param reactor: the reactor its connections' deadlines run on.
     @param cors: the cross-origin policy, or L{None} for none.
+    @param uploads: POST paths whose body has a limit of its own, bytes
+        (L{LimitedRequest.upload_limits}).
     @return: an L{EdgeSite} for C{resource} whose requests are
         L{LimitedRequest}s, without twisted.web's access log (the router
         logs each request itself).
@@ -158,6 +197,7 @@ def make_site(
 
     class _Request(LimitedRequest):
         max_body_size = settings.max_body_size
+        upload_limits = dict(uploads or {})
         clock = reactor
         cors = edge_cors
 
@@ -184,6 +224,30 @@ def client_gone(request: IRequest) -> bool:
 
 
 @dataclass(frozen=True)
+class BatchLineId:
+    """
+    A batch line as the batches' runner sends it to the client API.
+
+    @ivar batch_id: its batch, C{batch_...}.
+    @ivar line_no: its line in the batch's input file, from 1.
+    @ivar key_id: the key that made the batch, which the line runs as, or
+        L{None} for a batch made without keys.
+    """
+
+    batch_id: str
+    line_no: int
+    key_id: int | None
+
+    @property
+    def request_id(self) -> bytes:
+        """
+        The line's own llmgw request id, C{BATCH-LINE}: the same every time
+        it runs (after a crash, on another server), its usage record's key.
+        """
+        return f"{self.batch_id}-{self.line_no}".encode("ascii")
+
+
+@dataclass(frozen=True)
 class RequestIds:
     """
     The ids of one request.
@@ -195,10 +259,15 @@ class RequestIds:
     @ivar client: the client's own C{X-Request-ID} when it sent one that
         is at most 200 printable ASCII characters without spaces, else
         L{None}.  Not unique: a retry, or two agents, may send the same.
+    @ivar batch: the batch whose line the request is, when the batches'
+        runner sent it (L{llmgw.router.edge.internal}); C{own} is then the
+        line's own stable id, C{BATCH-LINE}, the same each time the line
+        runs, so that its usage record is kept once.
     """
 
     own: bytes
     client: bytes | None
+    batch: str | None = None
 
     @property
     def header(self) -> bytes:
@@ -214,8 +283,10 @@ class RequestIds:
         a UUID, else llmgw's (a UUID in hex).  llama-cpp-python's server
         answers any other value with an empty 400 (its starlette-context
         request-id plugin validates UUIDs); vLLM and SGLang take any
-        string.
+        string.  A batch line's is a UUID made from its stable id.
         """
+        if self.batch is not None:
+            return uuid.uuid5(uuid.NAMESPACE_URL, self.own.decode()).hex.encode()
         if self.client is not None:
             try:
                 uuid.UUID(self.client.decode("ascii"))

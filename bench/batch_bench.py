@@ -460,7 +460,8 @@ def main() -> int:
     plan = arrivals(chat_rate(args.replicas), args.seconds, random.Random(args.seed))
     print(
         f"batch_bench: {args.replicas} replicas, capacity {cap:.1f} lines/s"
-        f" ({CONCURRENCY} sequences of {LINE_SECONDS:g} s each); interactive key"
+        f" ({args.replicas} x {CONCURRENCY} sequences, a line {LINE_SECONDS:g} s);"
+        " interactive key"
         f" {CHAT_LOAD:.0%} ({len(plan)} requests) over {args.seconds:g} s;"
         f" batches of {lines_for(args.replicas, args.seconds)} lines;"
         f" load average {os.getloadavg()[0]:.1f}",

@@ -17,21 +17,21 @@ rule has two parts:
      from the engine itself: the sequences that fit in L{KV_FULL} of its
      KV cache at the cache use each running one takes now (running x
      L{KV_FULL} / cache use), and no more than it ran while it queued
-     over two readings in a row (its slots, vLLM's C{max_num_seqs}: one
-     reading's queue may be a request caught between two steps).  The model's room is
-     the sum of its replicas' capacities, less the most requests its
-     interactive traffic had in flight over the last L{WINDOW} seconds,
-     less a reserve for that traffic to grow (the stated share of its
-     peak, and one sequence per replica), less the batch lines in flight.
-     The interactive requests are the router's own count
+     over two readings in a row (its slots, vLLM's C{max_num_seqs}; one
+     reading's queue may be a request caught between two steps).  The
+     model's room is the sum of its replicas' capacities, less the most
+     requests its interactive traffic had in flight over the last
+     L{WINDOW} seconds, less a reserve for that traffic to grow (the
+     stated share of its peak, and one sequence per replica), less the
+     batch lines in flight (sent and not yet said ended).  The
+     interactive requests are the router's own count, at once
      (L{Replica.outstanding} less its C{batch_outstanding}: the runner
-     sends its lines through this router), at once, plus what the engine
-     held beyond it at its last two readings (a tier's routers'
-     requests), the smaller: a reading lags a poll, and one taken as a
-     wave of lines ended still counts them.
-     Any replica whose engine queues a request, or whose KV cache is
-     L{KV_FULL} used, gives the model no room at all until it drains:
-     batch lines are the first to wait.
+     sends its lines through this router), plus what the engine held
+     beyond it at its last two readings, the smaller (a tier's routers'
+     requests; a reading lags a poll, and one taken as a wave of lines
+     ended still counts them).  Any replica whose engine queues a
+     request, or whose KV cache is L{KV_FULL} used, gives the model no
+     room at all until it drains: batch lines are the first to wait.
   2. I{The share is measured, and kept.}  The records of finished
      interactive requests (this object is also a L{UsageSink}) give their
      time to first token with batch lines in flight and without.  When the

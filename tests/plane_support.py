@@ -125,6 +125,8 @@ class PlaneCase(SynchronousTestCase):
         self.agents = Agents()
         self.published: list[list[Endpoint]] = []
         self.in_flight: dict[str, int] = {}
+        # Of those, a batch's lines.
+        self.lines: dict[str, int] = {}
         self.cuts: list[tuple[str, str]] = []
         self.plane = ControlPlane(
             self.clock,
@@ -134,6 +136,7 @@ class PlaneCase(SynchronousTestCase):
             settings,
             self.published.append,
             outstanding=lambda rid: self.outstanding(rid),
+            interactive=lambda rid: self.outstanding(rid) - self.lines.get(rid, 0),
             cut=lambda rid, why: self.cuts.append((rid, why)),
             touched=touched,
             leave_timeout=leave_timeout,

@@ -139,3 +139,27 @@ class InFlightAcrossRepublishTests(SynchronousTestCase):
         self.assertEqual(balancer.outstanding("r1"), 3)
         replica.outstanding -= 3
         self.assertEqual(balancer.outstanding("r1"), 0)
+
+
+class BatchLinesCountedApartTests(SynchronousTestCase):
+    def test_interactive_outstanding(self) -> None:
+        """
+        A batch's lines sent to a replica count in its requests in flight
+        but not in its clients' (L{Balancer.interactive_outstanding}),
+        after it is unpublished too.
+        """
+        balancer = Balancer(Clock(), 10)
+        balancer.set_endpoints([Endpoint("r1", "http://10.0.0.1:1", ("m",))])
+        replica = balancer.pick("m", set())
+        assert replica is not None
+        marks = [replica.enter(0.0, batch) for batch in (True, True, False)]
+        self.assertEqual(balancer.outstanding("r1"), 3)
+        self.assertEqual(balancer.interactive_outstanding("r1"), 1)
+        balancer.set_endpoints([])
+        self.assertEqual(balancer.interactive_outstanding("r1"), 1)
+        replica.leave(1.0, marks[2], batch=False)
+        self.assertEqual(balancer.interactive_outstanding("r1"), 0)
+        self.assertEqual(balancer.outstanding("r1"), 2)
+        replica.leave(1.0, marks[0], batch=True)
+        replica.leave(1.0, marks[1], batch=True)
+        self.assertEqual(balancer.outstanding("r1"), 0)

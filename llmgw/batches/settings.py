@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmgw.config_checks import POSITIVE, Size, Table, setting, settings_keys
+from llmgw.config_checks import POSITIVE, Number, Size, Table, setting, settings_keys
 
 MAX_FILE_SIZE = 200 * 1024 * 1024
 """
@@ -41,6 +41,14 @@ class BatchesConfig:
         POSITIVE,
         "The most requests in one batch (lines of its input file, or requests"
         " of an Anthropic Message Batch); a batch with more is refused.",
+    )
+    interactive_ttft_share: float = setting(
+        0.2,
+        Number(least=0, most=10),
+        "Batch lines never cost an interactive request more than this share"
+        " of its time to first token without them (0.2: at most 1.2 times):"
+        " the room batch work gets beside a model's interactive traffic is"
+        " cut while its requests' time to first token runs past it.",
     )
     max_lines_in_flight: int = setting(
         64,

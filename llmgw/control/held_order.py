@@ -8,6 +8,13 @@ request waits unbounded), then the highest priority held
 the waiting request carries in L{ModelCatalog.activate}), then the oldest
 held.  Pure: the control plane imports nothing of the router.
 
+A model whose held requests are all batch lines (L{batch_only}: the
+router's L{BATCH_RANK}) goes after every model holding a client's request,
+and is never passed over for C{swap_max_wait}: batch work waits for room
+the fleet has free, and never makes any (L{llmgw.control.swaps} evicts
+nothing for it).  Such models keep the order of their oldest line among
+them, so that the lines of one model go together, as its held requests do.
+
 And the order a starting model's first places go in (L{release_turns}): the
 requests held for it across the fleet (the server's own router and every
 router of a tier, whose activations the server answers) by priority, then
@@ -21,6 +28,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from llmgw.router.interfaces import BATCH_RANK
+
+
+def batch_only(top_rank: int | None) -> bool:
+    """
+    @param top_rank: the highest priority number among a model's held
+        requests, or L{None} when it holds none.
+    @return: whether it holds requests and all of them are batch lines
+        (L{BATCH_RANK}).
+    """
+    return top_rank is not None and top_rank <= BATCH_RANK
+
 
 def held_order(
     oldest: float | None, top_rank: int | None = None, overdue: bool = False
@@ -31,13 +50,14 @@ def held_order(
     @param top_rank: the highest priority number among its held requests,
         or L{None} when unknown (all count as C{standard}, 1).
     @param overdue: its oldest held request was passed over for
-        C{swap_max_wait}.
+        C{swap_max_wait} (not heeded for a model holding only batch
+        lines).
     @return: a sort key, lower first (the rank kept an integer: a
         priority may be any integer, past a float's range).
     """
     if oldest is None:
         return (1, 0, 0, 0.0)
-    if overdue:
+    if overdue and not batch_only(top_rank):
         return (0, 0, 0, oldest)
     return (0, 1, -(1 if top_rank is None else top_rank), oldest)
 

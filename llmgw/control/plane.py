@@ -1,11 +1,10 @@
 """
 The control plane (docs/architecture.md, "The control loop"): desired
-replicas per catalog
-model against what the agents run, kept in step by one reconciler loop.
-This module is the orchestration; the policy is in pure modules beside
-it: L{scaling} (how many replicas), L{adoption} (what a Register's shards
-become), L{placement} over a L{snapshot} (where), and the records in
-L{records}.
+replicas per catalog model against what the agents run, kept in step by
+one reconciler loop.  This module is the orchestration; the policy is in
+pure modules beside it: L{scaling} (how many replicas), L{adoption} (what
+a Register's shards become), L{placement} over a L{snapshot} (where), and
+the records in L{records}.
 
 Each pass: node states from their agents' silence; replicas whose shards
 failed, whose nodes are lost or that never became ready are dropped (their
@@ -107,6 +106,8 @@ class ControlPlane:
     @param static: endpoints from the configuration, always published.
     @param outstanding: requests in flight to a replica id, by the router's
         count; a draining replica is stopped when it reaches 0.
+    @param interactive: of those, clients' (no batch line): what makes a
+        replica busy for an eviction; by default all.
     @param keys: a shard id's engine secret (L{ShardCommands}), "" for none.
     @param cut: ends the router's requests in flight to a replica id now,
         with a reason (L{llmgw.router.routing.balancer.Balancer.cut}): called when
@@ -151,6 +152,7 @@ class ControlPlane:
         publish: Callable[[list[Endpoint]], None],
         static: Sequence[Endpoint] = (),
         outstanding: Callable[[str], int] = lambda replica_id: 0,
+        interactive: Callable[[str], int] | None = None,
         keys: Callable[[str], str] = lambda shard_id: "",
         cut: Callable[[str, str], object] = lambda replica_id, why: 0,
         touched: bool = False,
@@ -164,6 +166,7 @@ class ControlPlane:
         self.commands = commands
         self._settings = settings
         self._outstanding = outstanding
+        self._interactive = interactive or outstanding
         self._cut = cut
         self._touched = touched
         self.ledger = ledger = Ledger(Grace(clock.seconds(), settings.startup_grace))
@@ -244,7 +247,7 @@ class ControlPlane:
             self.ports,
             actions,
             room,
-            outstanding,
+            self._interactive,
         )
         self._scale_up = ScaleUp(
             settings, ledger, self.ports, actions, swaps, room, snapshots

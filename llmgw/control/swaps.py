@@ -16,6 +16,12 @@ fits nowhere.  Held models
 are served in the order their oldest requests came (the pass places them
 first, oldest first).
 
+A model whose held requests are all batch lines (L{batch_only}) has
+nothing evicted for it, neither to be placed nor for a sleeper of it to
+wake, and is never passed over for C{swap_max_wait}: it is started or
+woken only where the fleet has free room, after every model holding a
+client's request (L{llmgw.control.held_order}).
+
 The layer above the replica actions (L{llmgw.control.actions}); bringing
 a model up (L{llmgw.control.placing}) calls it.
 """
@@ -32,7 +38,7 @@ from llmgw.control import eviction
 from llmgw.control.actions import ReplicaActions
 from llmgw.control.catalog import Model
 from llmgw.control.eviction import Candidate, Place
-from llmgw.control.held_order import held_order
+from llmgw.control.held_order import batch_only, held_order
 from llmgw.control.inventory import Inventory
 from llmgw.control.ledger import Ledger
 from llmgw.control.placement import Fleet, NoFit, ShardPlan, shares
@@ -108,8 +114,10 @@ class Swaps:
     @param ports: ports engines may listen on.
     @param actions: puts victims to sleep or drains them.
     @param room: whether a replica may sleep, and a sleeper wake.
-    @param outstanding: requests in flight to a replica id, by the
-        router's count.
+    @param outstanding: clients' requests in flight to a replica id, by
+        the router's count: a batch's lines make no replica busy, so that
+        one serving only them goes for a held request as an idle one does
+        (its lines end first).
     @ivar swaps: the evictions under way, by held model.
     @ivar evicted: per held model, the words of its last eviction and
         when (kept for the placement's explanation after it is placed).
@@ -243,6 +251,9 @@ class Swaps:
         name = state.model.name
         if not self._settings.evict or not state.waiters or name in self.swaps:
             return False
+        if batch_only(state.top_rank()):
+            # Batch lines wait for room the fleet has free.
+            return False
         candidates, spare = self._candidates(name, now)
         ordered = eviction.eligible(
             candidates,
@@ -292,7 +303,7 @@ class Swaps:
             sleeper's room.
         """
         name = state.model.name
-        if name in self.swaps:
+        if name in self.swaps or batch_only(state.top_rank()):
             return False
         busy_too = self._busy_too(state, now) and not idle_only
         victims = self._wake_victims(state, now, snapshot, sleeper, busy_too)
@@ -346,11 +357,12 @@ class Swaps:
         """
         @return: whether replicas with requests in flight may be evicted
             for C{state}'s model: its oldest held request was passed over
-            for C{swap_max_wait}.
+            for C{swap_max_wait} (never for batch lines alone).
         """
         oldest = state.oldest_wait()
         return (
             self._settings.swap_max_wait > 0
+            and not batch_only(state.top_rank())
             and oldest is not None
             and now - oldest >= self._settings.swap_max_wait
         )

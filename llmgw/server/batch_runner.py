@@ -20,7 +20,6 @@ from twisted.logger import Logger
 
 from llmgw.batches.dispatch import LineSender
 from llmgw.batches.ends import BatchEnds
-from llmgw.batches.fixed_room import FixedRoom
 from llmgw.batches.runner import Runner, RunnerSettings
 from llmgw.config import ServerConfig
 from llmgw.daemon.listen import ListenError, listen
@@ -28,7 +27,7 @@ from llmgw.daemon.wiring import fail, host_and_port
 from llmgw.reactors import IDaemonReactor
 from llmgw.router.api.app import Router
 from llmgw.router.edge.internal import runner_site
-from llmgw.router.routing.balancer import Balancer
+from llmgw.router.interfaces import BatchRoom
 from llmgw.store.base import Store
 from llmgw.store.usage import UsageWriter
 
@@ -37,11 +36,6 @@ log = Logger(namespace="llmgw.server")
 RUNNER_LISTEN = "tcp:0:interface=127.0.0.1"
 """
 The runner's listener: a port of the kernel's choosing, on loopback only.
-"""
-
-LINES_PER_REPLICA = 8
-"""
-Lines in flight per ready replica of a model (L{FixedRoom}).
 """
 
 
@@ -63,7 +57,7 @@ def batch_lines(
     config: ServerConfig,
     store: Store,
     router: Router,
-    balancer: Balancer,
+    room: BatchRoom,
     resolve: Callable[[str], str | None],
     usage: UsageWriter,
     program: str,
@@ -74,7 +68,8 @@ def batch_lines(
 
     @param router: the client API's router: the runner's listener serves
         its resource, as the client listener does.
-    @param balancer: the ready replicas per model, for the room.
+    @param room: how many lines of a model may be in flight now, by its
+        engines' load (L{llmgw.batches.room.EngineRoom}).
     @param resolve: the catalog's model for a name or alias.
     @param usage: the usage writer, which the runner has write a line's
         record before it ends the line.
@@ -91,7 +86,6 @@ def batch_lines(
     )
     _, number = host_and_port(port.getHost())
     sender = LineSender(reactor, number, secret, settings.concurrency)
-    room = FixedRoom(balancer.count, LINES_PER_REPLICA)
     ends = BatchEnds(store, time.time)
     runner = Runner(reactor, store, sender, room, resolve, ends, usage.flush, settings)
     log.info("batch runner: its loopback listener on 127.0.0.1:{port}", port=number)

@@ -29,6 +29,7 @@ from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import QuietSite, metrics_site
 from llmgw.batches.api import with_batches
 from llmgw.batches.metrics import BatchCollector
+from llmgw.batches.room import EngineRoom
 from llmgw.batches.settings import BatchesConfig
 from llmgw.batches.tally import BatchTally
 from llmgw.config import ServerConfig
@@ -225,6 +226,25 @@ def open_state(config: ServerConfig, models: tuple[Model, ...]) -> State:
     return State(store, engine_keys, key_rows, every, names)
 
 
+def batch_room(
+    reactor: IDaemonReactor, config: ServerConfig, api: ClientAPI
+) -> EngineRoom:
+    """
+    @return: the room batch lines get beside each model's interactive
+        traffic (L{llmgw.batches.room}), read from C{api}'s replicas and
+        engine load (none when C{load_poll_interval} is 0), keeping
+        C{[batches] interactive_ttft_share}; it is also a usage sink, to
+        be given every finished request's record.
+    """
+    polled = config.router.load_poll_interval > 0
+    return EngineRoom(
+        reactor,
+        api.balancer.replicas_of,
+        api.load if polled else None,
+        config.batches.interactive_ttft_share,
+    )
+
+
 @dataclass(frozen=True)
 class Plane:
     """
@@ -314,6 +334,8 @@ def control_plane(
         publish,
         static=static,
         outstanding=balancer.outstanding,
+        # A replica serving only a batch's lines goes for a held request.
+        interactive=balancer.interactive_outstanding,
         keys=state.engine_keys.for_shard,
         cut=balancer.cut,
         # The router touches each model at a request's arrival and end.

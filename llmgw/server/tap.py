@@ -50,6 +50,7 @@ from llmgw.server.build import (
     LocalAgent,
     Pages,
     Plane,
+    batch_room,
     control_plane,
     control_settings,
     listeners,
@@ -348,6 +349,8 @@ def makeService(options: Options) -> IService:
     # Every finished request also to the dashboard's figures per model and
     # replica (the metrics' counters name no replica).
     traffic = Traffic(reactor.seconds, catalog.resolve)
+    # The room batch lines get, judging the share by every finished request.
+    room = batch_room(reactor, config, api)
     account, router = serve(
         reactor,
         api,
@@ -356,7 +359,7 @@ def makeService(options: Options) -> IService:
         state.key_rows,
         catalog,
         parts.readiness,
-        (traffic,),
+        (traffic, room),
     )
     api.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
     batches = batch_lines(
@@ -364,7 +367,7 @@ def makeService(options: Options) -> IService:
         config,
         state.store,
         router,
-        api.balancer,
+        room,
         catalog.resolve,
         account.usage,
         PROGRAM,

@@ -37,7 +37,7 @@ from llmgw.router.interfaces import Tenant
 from llmgw.router.routing.balancer import Replica
 from llmgw.router.routing.decision import candidates
 from llmgw.router.routing.ejection import outcome
-from llmgw.router.routing.fairness import ANONYMOUS
+from llmgw.router.routing.fairness import ANONYMOUS, is_batch
 from llmgw.router.routing.gpu_share import NO_GPU
 from llmgw.router.telemetry.tracing import NO_TRACE, NoTrace, error_type
 from llmgw.router.upstream.backpressure import Backpressure, abort_client, unsent_bytes
@@ -125,6 +125,7 @@ class Exchange:
         self._trace = trace
         self._explain = explain
         self._waits = Waits(services, request, deadlines, model, tenant, trace)
+        self._batch = is_batch(tenant)  # counted apart on its replica
         self.status = 200
         self.replica: Replica | None = None
         self.usage: dict[str, Any] | None = None
@@ -200,7 +201,7 @@ class Exchange:
                 services.metrics.retries.labels(self.model).inc()
             tried.add(replica.id)
             self.replica = replica
-            mark = replica.enter(clock())
+            mark = replica.enter(clock(), self._batch)
             replica.exchanges.add(self.cut)
             self.answer_status = None
             try:
@@ -211,7 +212,7 @@ class Exchange:
                 last_error = retry.error
                 stale = replica if retry.stale else None
             finally:
-                self.gpu = self.gpu + replica.leave(clock(), mark)
+                self.gpu = self.gpu + replica.leave(clock(), mark, self._batch)
                 replica.exchanges.discard(self.cut)
                 gone, expired = client_gone(self.request), bool(self._deadlines.expired)
                 balancer.report(replica, outcome(self.answer_status, expired, gone))

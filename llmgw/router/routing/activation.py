@@ -39,7 +39,7 @@ from twisted.logger import Logger
 
 from llmgw.router.errors import activation_queue_full
 from llmgw.router.interfaces import Activator, Standing
-from llmgw.router.routing.fairness import ANONYMOUS, PRIORITIES, Tenant
+from llmgw.router.routing.fairness import ANONYMOUS, PRIORITIES, Tenant, is_batch
 from llmgw.router.settings import RouterConfig
 
 KEPT = 8
@@ -272,8 +272,9 @@ class ActivationWait:
         self._since = self._clock.seconds()
         queues.join(model, self._since)
         # The swap queue serves models by the priority they hold, unless
-        # the router waits first come, first served.
-        fifo = settings.waiting_order == "fifo"
+        # the router waits first come, first served; a batch line's rank
+        # goes with it whatever the order (it must never make room).
+        fifo = settings.waiting_order == "fifo" and not is_batch(self._tenant)
         rank = PRIORITIES["standard"] if fifo else self._tenant.rank
         ready = self._ready = self._activator.activate(model, rank)
         ready.addCallback(self._became_ready)

@@ -70,6 +70,8 @@ class Replica:
 
     @ivar outstanding: requests sent and not yet finished, counted by the
         router itself.
+    @ivar batch_outstanding: of those, a batch's lines
+        (L{llmgw.router.routing.fairness.is_batch}).
     @ivar ejected_until: reactor time, seconds, before which the replica is
         passed over; 0 when healthy.
     @ivar exchanges: how to end each exchange in flight to it at once (see
@@ -80,28 +82,33 @@ class Replica:
 
     endpoint: Endpoint
     outstanding: int = 0
+    batch_outstanding: int = 0
     ejected_until: float = 0.0
     exchanges: set[Callable[[str], None]] = field(default_factory=set)
     health: Health = field(default_factory=Health)
     gpu: GpuShare = field(default_factory=GpuShare)
 
-    def enter(self, now: float) -> Mark:
+    def enter(self, now: float, batch: bool = False) -> Mark:
         """
-        A request goes to it at C{now} (seconds): counted in flight.
+        A request goes to it at C{now} (seconds): counted in flight (a
+        batch's line apart too, when C{batch}).
 
         @return: its mark, for L{leave}.
         """
         self.outstanding += 1
+        self.batch_outstanding += batch
         endpoint = self.endpoint
         return self.gpu.enter(now, endpoint.gpus, endpoint.gpu_hour)
 
-    def leave(self, now: float, mark: Mark) -> Mark:
+    def leave(self, now: float, mark: Mark, batch: bool = False) -> Mark:
         """
-        The request that entered with C{mark} ended at C{now}.
+        The request that entered with C{mark} ended at C{now} (a batch's
+        line when C{batch}, as it entered).
 
         @return: its share of the GPUs' time and their price.
         """
         self.outstanding -= 1
+        self.batch_outstanding -= batch
         endpoint = self.endpoint
         return self.gpu.leave(now, endpoint.gpus, endpoint.gpu_hour, mark)
 
@@ -519,6 +526,18 @@ class Balancer:
         if replica is None:
             return self._busy_gone.get(replica_id, 0.0)
         return replica.gpu.busy_at(self._clock.seconds())
+
+    def interactive_outstanding(self, replica_id: str) -> int:
+        """
+        @return: clients' requests in flight to the replica C{replica_id}:
+            L{outstanding} less a batch's lines.
+        """
+        count = 0
+        for table in (self._replicas, self._retired):
+            replica = table.get(replica_id)
+            if replica is not None:
+                count += replica.outstanding - replica.batch_outstanding
+        return count
 
     def cut(self, replica_id: str, why: str) -> int:
         """

@@ -13,6 +13,11 @@ without one) 1, C{batch} 0.  A weight is a positive number, 1 by
 default: a key of weight 2 is given twice the tokens of a key of weight
 1 of the same priority while both wait.
 
+A batch's lines (L{BATCH_RANK}, below every priority) go after every
+client's request and are refused first, in the first-come-first-served
+order too (C{waiting_order = "fifo"}): that order is among clients; batch
+work only fills what they leave.
+
 The tokens served decay with a half-life (L{HALF_LIFE}) so that a key
 is judged by what it was served lately, not since the start.  Limits
 and budgets (L{llmgw.router.accounting.auth}) are checked as before: this only
@@ -28,7 +33,7 @@ from typing import Generic, TypeVar
 
 from twisted.internet.interfaces import IReactorTime
 
-from llmgw.router.interfaces import Tenant
+from llmgw.router.interfaces import BATCH_RANK, Tenant
 
 PRIORITIES = {"interactive": 2, "standard": 1, "batch": 0}
 """
@@ -62,6 +67,13 @@ def priority_rank(value: str | int | None) -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"priority: {text[:60]!r}: expected {_expected()}") from None
+
+
+def is_batch(tenant: Tenant) -> bool:
+    """
+    @return: whether C{tenant}'s request is a batch's line (L{BATCH_RANK}).
+    """
+    return tenant.rank <= BATCH_RANK
 
 
 def _expected() -> str:
@@ -177,7 +189,7 @@ class FairQueue(Generic[T]):
         if not self._entries:
             raise IndexError("pop from an empty FairQueue")
         if self._fifo:
-            seq = min(self._entries)
+            seq = min(self._entries, key=lambda s: (is_batch(self._entries[s][0]), s))
         else:
             share = self._shares_now()
             seq = min(
@@ -196,7 +208,9 @@ class FairQueue(Generic[T]):
             C{tenant} (all of them with C{fifo}).
         """
         if self._fifo:
-            return len(self._entries)
+            if is_batch(tenant):
+                return len(self._entries)
+            return sum(1 for other, _ in self._entries.values() if not is_batch(other))
         share = self._shares_now()
         mine = share(tenant)
         return sum(
@@ -229,10 +243,16 @@ class FairQueue(Generic[T]):
 
         @return: the waiting request to refuse in the newcomer's stead
             (remove it), or L{None} to refuse the newcomer (it is of the
-            lowest priority waiting, or the order is C{fifo}).
+            lowest priority waiting, or the order is C{fifo} and no batch
+            line waits or the newcomer is one).
         """
-        if self._fifo or not self._entries:
+        if not self._entries:
             return None
+        if self._fifo:
+            if is_batch(tenant):
+                return None
+            lines = [s for s, (t, _) in self._entries.items() if is_batch(t)]
+            return self._entries[max(lines)][1] if lines else None
         seq = min(self._entries, key=lambda s: (self._entries[s][0].rank, -s))
         lowest, item = self._entries[seq]
         if lowest.rank >= tenant.rank:
@@ -259,12 +279,14 @@ def retry_from_rate(
 
 __all__ = [
     "ANONYMOUS",
+    "BATCH_RANK",
     "HALF_LIFE",
     "PRIORITIES",
     "FairQueue",
     "FairShare",
     "Tenant",
     "check_weight",
+    "is_batch",
     "priority_rank",
     "retry_from_rate",
 ]

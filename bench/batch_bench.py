@@ -63,7 +63,6 @@ import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -77,7 +76,9 @@ from fairness_bench import (
     TTFT,
     KeyRow,
     arrivals,
+    make_keys,
     one,
+    start_llmgw,
 )
 
 BIN = os.path.dirname(sys.executable)
@@ -284,68 +285,6 @@ async def run_phase(
     finally:
         await batch.cancel()
         await client.close()
-
-
-def start_llmgw(children: Children, tag: str, ports: list[int]) -> tuple[str, str]:
-    """
-    C{twistd -n llmgw-server} over the sims, the fairness bench's router.
-
-    @return: the client API's and the admin API's base URLs.
-    """
-    state = tempfile.mkdtemp(prefix=f"{tag}-", dir=children.directory)
-    config = os.path.join(state, "llmgw.toml")
-    endpoints = "".join(
-        f'[[endpoints]]\nid = "sim{i}"\nurl = "http://127.0.0.1:{port}"\n'
-        f'models = ["{MODEL}"]\n'
-        for i, port in enumerate(ports)
-    )
-    with open(config, "w") as f:
-        f.write(
-            'listen = "tcp:0:interface=127.0.0.1"\n'
-            'admin_listen = "tcp:0:interface=127.0.0.1"\n'
-            "[store]\nrecord_usage = false\n"
-            "[router]\n"
-            'load_poll_interval = "0.1s"\n'
-            "overload_queue_depth = 1\n"
-            "overload_queue_size = 64\n"
-            'overload_wait = "10s"\n' + endpoints
-        )
-    server = children.start(
-        tag,
-        "0",
-        [
-            os.path.join(BIN, "twistd"),
-            "-n",
-            "--pidfile=",
-            "llmgw-server",
-            "--config",
-            config,
-            "--state-dir",
-            state,
-        ],
-    )
-    found = server.wait_for(
-        r"client API listening on 127\.0\.0\.1:(\d+), admin on 127\.0\.0\.1:(\d+)"
-    )
-    return f"http://127.0.0.1:{found[1]}", f"http://127.0.0.1:{found[2]}"
-
-
-def make_keys(admin: str) -> dict[str, str]:
-    """
-    @return: the secrets of a C{batch} and an C{interactive} key, made
-        through the admin API (loopback needs no admin key).
-    """
-    keys = {}
-    for name in ("batch", "interactive"):
-        request = urllib.request.Request(
-            admin + "/api/v1/keys",
-            json.dumps({"name": name, "priority": name}).encode(),
-            {"content-type": "application/json"},
-            method="POST",
-        )
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            keys[name] = json.load(answer)["key"]
-    return keys
 
 
 def start_sims(children: Children, replicas: int) -> list[int]:

@@ -187,10 +187,11 @@ async def run_phase(
 
 
 def start_llmgw(
-    children: Children, tag: str, sim_port: int, order: str
+    children: Children, tag: str, sim_ports: list[int], order: str = "fair"
 ) -> tuple[str, str]:
     """
-    C{twistd -n llmgw-server} over the sim with C{waiting_order = order}.
+    C{twistd -n llmgw-server} over the sims listening on C{sim_ports} (one
+    replica each, as C{[[endpoints]]}) with C{waiting_order = order}.
 
     @return: the client API's and the admin API's base URLs.
     """
@@ -207,9 +208,12 @@ def start_llmgw(
             f"overload_queue_size = {ROOM}\n"
             'overload_wait = "10s"\n'
             f'waiting_order = "{order}"\n'
-            f'[[endpoints]]\nid = "sim"\nurl = "http://127.0.0.1:{sim_port}"\n'
-            f'models = ["{MODEL}"]\n'
         )
+        for i, port in enumerate(sim_ports):
+            f.write(
+                f'[[endpoints]]\nid = "sim{i}"\nurl = "http://127.0.0.1:{port}"\n'
+                f'models = ["{MODEL}"]\n'
+            )
     server = children.start(
         tag,
         "0",
@@ -276,7 +280,7 @@ def phases(directory: str, plan: dict[str, list[float]]) -> list[KeyRow]:
             ("fifo", "fifo", plan),
             ("fair", "fair", plan),
         ):
-            api, admin = start_llmgw(children, f"llmgw-{phase}", port, order)
+            api, admin = start_llmgw(children, f"llmgw-{phase}", [port], order)
             keys = make_keys(admin)
             t = time.monotonic()
             got = asyncio.run(run_phase(api, phase, keys, sent))

@@ -46,6 +46,7 @@ from llmgw.config_checks import (
     Text,
     Url,
 )
+from llmgw.control.prices import PriceList
 from llmgw.control.settings import PortRange
 from llmgw.router.settings_toml import ModelNames, Origins
 
@@ -192,6 +193,12 @@ def probes(kind: Kind[Any]) -> list[Probe]:
         ]
     if isinstance(kind, ListOf):
         return [([value], good) for value, good in probes(kind.item)]
+    if isinstance(kind, PriceList):
+        # A price is 0 or more.
+        return [
+            ([{"gpu": "*", "price": 0}], True),
+            ([{"gpu": "*", "price": _below(0.0)}], False),
+        ]
     if isinstance(kind, ArrayOfTables):
         # Its table is tried as a table of its own.
         return []

@@ -286,6 +286,24 @@ class BatchTests(_Server):
         self.assertIn("queue is full", self.server.output())
         self.assert_every_line_once(batch.id, 12)
 
+    def test_limited_key_holds_back_no_other(self) -> None:
+        """
+        A key at its rate limit (429) holds back its own lines, not another
+        key's of the same model: the other key's batch, made after, completes
+        while the first waits for its next minute.
+        """
+        self.serve()
+        slow = self.ctl_json("keys", "create", "--name", "slow", "--rpm", "1")["key"]
+        slow_client = self.client.with_options(api_key=slow)
+        first = submit(slow_client, chat_lines(10))
+        wait_for(slow_client, first.id, completed_at_least(1), 30, "a first line")
+        second = submit(self.client, chat_lines(10))
+        second = wait_for(self.client, second.id, ended("completed"), 30, "completed")
+        first = slow_client.batches.retrieve(first.id)
+        self.assertEqual(first.status, "in_progress")
+        answered = by_custom_id(results(self.client, second.output_file_id))
+        self.assertEqual(len(answered), 10)
+
     def test_anthropic_message_batch(self) -> None:
         """
         An Anthropic Message Batch runs the same way (its lines sent to

@@ -15,8 +15,12 @@ the store, so that nothing is lost and nothing ends twice:
     dropped, and a line ends once;
   - a line answered 429 or 503 (no room, the key's rate, no replica) or
     never answered (the connection failed: the server is stopping) goes
-    back to pending, its model paused with a back-off; any other answer is
-    the line's, 2xx done, else failed;
+    back to pending with a back-off; any other answer is the line's, 2xx
+    done, else failed.  A 429 holds back the line's key (its rate, its
+    budget: another key's lines of the same model go on), its lines
+    claimed and not sent put back to pending so that they keep no other
+    batch from being claimed; a 503 or no answer holds back the line's
+    model (no replica, no room: every key's lines of it wait);
   - a line run twice is billed once: its llmgw request id is its own,
     C{BATCH-LINE}, the usage table's key, and the attempts sent again keep
     no usage row (L{llmgw.router.interfaces.BATCH_RUN_AGAIN}); a line is
@@ -45,6 +49,7 @@ from twisted.logger import Logger
 
 from llmgw.batches.dispatch import LineSender, NotSent
 from llmgw.batches.ends import BatchEnds
+from llmgw.batches.pauses import Pauses
 from llmgw.router.edge.site import BatchLineId
 from llmgw.router.interfaces import BATCH_RUN_AGAIN, BatchRoom
 from llmgw.store.base import Store
@@ -56,8 +61,8 @@ class RunnerSettings:
     """
     @ivar concurrency: lines in flight at most, over every batch and model.
     @ivar interval: seconds between passes while no line ends.
-    @ivar backoff: seconds a model's lines wait after a 429 or 503 (or
-        its C{Retry-After}), doubled at each one more, up to
+    @ivar backoff: seconds a key's lines wait after a 429, a model's after
+        a 503 (or its C{Retry-After}), doubled at each one more, up to
         C{max_backoff}.
     @ivar stop_timeout: seconds a stop waits for the lines in flight.
     """
@@ -115,8 +120,12 @@ class Runner(Service):
         self._again = False
         self._waiting: dict[str, deque[tuple[BatchRow, BatchLine]]] = {}
         self._sending: dict[tuple[str, int], Deferred[None]] = {}
-        self._paused: dict[str, float] = {}
-        self._backoff: dict[str, float] = {}
+        self._models: Pauses[str] = Pauses(
+            clock, settings.backoff, settings.max_backoff
+        )
+        self._keys: Pauses[int | None] = Pauses(
+            clock, settings.backoff, settings.max_backoff
+        )
         self._unreleased: list[tuple[str, int]] = []
 
     # The service and its passes
@@ -189,10 +198,8 @@ class Runner(Service):
         if not self.running:
             return
         delay = 0 if self._again else self._settings.interval
-        now = self._clock.seconds()
-        # A paused model's lines go as soon as its pause ends.
-        ends = [until - now for until in self._paused.values() if until > now]
-        self._schedule(min([delay, *ends]))
+        # A paused model's or key's lines go as soon as its pause ends.
+        self._schedule(min([delay, *self._models.ends(), *self._keys.ends()]))
 
     async def _one_pass(self) -> None:
         try:
@@ -239,7 +246,12 @@ class Runner(Service):
         states = await self._ends.counts(batch)
         if states.get("pending", 0) == 0 and states.get("running", 0) == 0:
             await self._ends.finish(batch, states)
-        elif batch.status == "in_progress" and not expired and states["pending"]:
+        elif (
+            batch.status == "in_progress"
+            and not expired
+            and states["pending"]
+            and not self._keys.paused(batch.key_id)
+        ):
             await self._claim(batch)
 
     async def _claim(self, batch: BatchRow) -> None:
@@ -285,20 +297,24 @@ class Runner(Service):
         """
         if not self.running:
             return
-        now = self._clock.seconds()
+        limit = self._settings.concurrency
         for model, queue in list(self._waiting.items()):
-            if self._paused.get(model, 0.0) > now:
+            if self._models.paused(model):
                 continue
             room = self._room.room(model)
-            limit = self._settings.concurrency
+            held: deque[tuple[BatchRow, BatchLine]] = deque()
             while queue and room > 0 and len(self._sending) < limit:
                 batch, line = queue.popleft()
+                if self._keys.paused(batch.key_id):
+                    held.append((batch, line))
+                    continue
                 room -= 1
                 self._room.sent(model)
                 key = (batch.id, line.line_no)
                 sending = Deferred.fromCoroutine(self._run(batch, line, model))
                 self._sending[key] = sending
                 sending.addBoth(self._ended, key)
+            queue.extendleft(reversed(held))
             if not queue:
                 del self._waiting[model]
 
@@ -323,18 +339,26 @@ class Runner(Service):
                 self._room.ended(model)
         except NotSent as e:
             self.log.debug("line {line} not sent: {why}", line=ident, why=e)
-            self._pause(model, None)
+            self._models.pause(model, None)
             await self._release(batch.id, line.line_no)
             return
         except Exception:
             self.log.failure("batch {batch}: line {line}", batch=batch.id, line=line)
             await self._release(batch.id, line.line_no)
             return
+        if answer.status == 429:
+            # The key's rate or budget, or the model's waiting room full:
+            # this key's lines wait; another key's may go.
+            self._keys.pause(batch.key_id, answer.retry_after)
+            await self._release(batch.id, line.line_no)
+            await self._put_back(batch.key_id)
+            return
         if answer.status in BATCH_RUN_AGAIN:
-            self._pause(model, answer.retry_after)
+            self._models.pause(model, answer.retry_after)
             await self._release(batch.id, line.line_no)
             return
-        self._backoff.pop(model, None)
+        self._models.answered(model)
+        self._keys.answered(batch.key_id)
         state = "done" if 200 <= answer.status < 300 else "failed"
         try:
             await self._usage_written()
@@ -350,23 +374,26 @@ class Runner(Service):
             self.log.failure("batch {batch}: ending line {no}", batch=batch.id, no=line)
             self._unreleased.append((batch.id, line.line_no))
 
-    def _pause(self, model: str, retry_after: float | None) -> None:
+    async def _put_back(self, key_id: int | None) -> None:
         """
-        Hold C{model}'s lines back: C{retry_after} seconds when the answer
-        said, else the back-off, doubled at each pause since the last
-        answer (lines refused while it is paused, sent before it, add
-        none).
+        Put the lines of C{key_id} claimed and not sent back to pending:
+        held back, they would fill the queues and keep other keys' batches
+        from being claimed.
         """
-        settings = self._settings
-        now = self._clock.seconds()
-        if self._paused.get(model, 0.0) > now:
-            return  # One pause for the lines of one burst.
-        wait = min(settings.max_backoff, self._backoff.get(model, 0.0) * 2)
-        wait = max(wait, settings.backoff)
-        self._backoff[model] = wait
-        if retry_after is not None:
-            wait = min(settings.max_backoff, retry_after)
-        self._paused[model] = now + wait
+        lines = []
+        for model, queue in list(self._waiting.items()):
+            kept = deque(item for item in queue if item[0].key_id != key_id)
+            lines += [
+                (batch.id, line.line_no)
+                for batch, line in queue
+                if batch.key_id == key_id
+            ]
+            if kept:
+                self._waiting[model] = kept
+            else:
+                del self._waiting[model]
+        for batch_id, line_no in lines:
+            await self._release(batch_id, line_no)
 
     async def _release(self, batch_id: str, line_no: int) -> None:
         try:

@@ -20,6 +20,7 @@ from twisted.logger import Logger
 
 from llmgw.batches.dispatch import LineSender
 from llmgw.batches.ends import BatchEnds
+from llmgw.batches.room import EngineRoom
 from llmgw.batches.runner import Runner, RunnerSettings
 from llmgw.config import ServerConfig
 from llmgw.daemon.listen import ListenError, listen
@@ -30,6 +31,7 @@ from llmgw.router.edge.internal import runner_site
 from llmgw.router.interfaces import BatchRoom
 from llmgw.store.base import Store
 from llmgw.store.usage import UsageWriter
+from llmgw.tier.build import ClientAPI
 
 log = Logger(namespace="llmgw.server")
 
@@ -104,3 +106,22 @@ class RunnerStop(Service):
     def stopService(self) -> Deferred[None]:
         super().stopService()  # type: ignore[no-untyped-call]
         return self._runner.stopService()
+
+
+def batch_room(
+    reactor: IDaemonReactor, config: ServerConfig, api: ClientAPI
+) -> EngineRoom:
+    """
+    @return: the room batch lines get beside each model's interactive
+        traffic (L{llmgw.batches.room}), read from C{api}'s replicas and
+        engine load (none when C{load_poll_interval} is 0), keeping
+        C{[batches] interactive_ttft_share}; it is also a usage sink, to
+        be given every finished request's record.
+    """
+    polled = config.router.load_poll_interval > 0
+    return EngineRoom(
+        reactor,
+        api.balancer.replicas_of,
+        api.load if polled else None,
+        config.batches.interactive_ttft_share,
+    )

@@ -12,7 +12,6 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,14 +23,8 @@ from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from llmgw.admin.api import Admin
 from llmgw.admin.guard import AdminGuard
 from llmgw.admin.metrics_site import QuietSite, metrics_site
-from llmgw.batches.api import with_batches
-from llmgw.batches.metrics import BatchCollector
-from llmgw.batches.room import EngineRoom
-from llmgw.batches.settings import BatchesConfig
-from llmgw.batches.tally import BatchTally
 from llmgw.config import ServerConfig
 from llmgw.config_checks import ConfigError
 from llmgw.control.agents import HEARTBEAT_INTERVAL, AgentHub
@@ -44,11 +37,7 @@ from llmgw.control.settings import ControlConfig
 from llmgw.daemon.listen import ListenError, listen
 from llmgw.daemon.wiring import fail
 from llmgw.reactors import IDaemonReactor
-from llmgw.router.api.app import Router
-from llmgw.router.api.batch_api import upload_paths
-from llmgw.router.edge.site import make_site
 from llmgw.router.interfaces import Endpoint, Readiness, Shortfall
-from llmgw.router.telemetry.reports import Reports
 from llmgw.server.engine_keys import EngineKeys
 from llmgw.server.local import (
     LocalEngines,
@@ -65,13 +54,6 @@ from llmgw.store.migrations import MigrationPending
 from llmgw.tier.build import Accounts, ClientAPI
 from llmgw.tier.watch import Watch
 from llmgw.tier.workers import Workers, make_workers, reserve_port
-from llmgw.web.batches import BatchesView
-from llmgw.web.fleet import Fleet
-from llmgw.web.history import FailureTap, History
-from llmgw.web.login import LoginGate, Mount, Sessions, Split
-from llmgw.web.pages import CookieCsrf, Dashboard
-from llmgw.web.profiling import Profiling
-from llmgw.web.traffic import Traffic
 from llmgw.wire.certs import CertsError
 from llmgw.wire.tls import server_options
 
@@ -226,25 +208,6 @@ def open_state(config: ServerConfig, models: tuple[Model, ...]) -> State:
     return State(store, engine_keys, key_rows, every, names)
 
 
-def batch_room(
-    reactor: IDaemonReactor, config: ServerConfig, api: ClientAPI
-) -> EngineRoom:
-    """
-    @return: the room batch lines get beside each model's interactive
-        traffic (L{llmgw.batches.room}), read from C{api}'s replicas and
-        engine load (none when C{load_poll_interval} is 0), keeping
-        C{[batches] interactive_ttft_share}; it is also a usage sink, to
-        be given every finished request's record.
-    """
-    polled = config.router.load_poll_interval > 0
-    return EngineRoom(
-        reactor,
-        api.balancer.replicas_of,
-        api.load if polled else None,
-        config.batches.interactive_ttft_share,
-    )
-
-
 @dataclass(frozen=True)
 class Plane:
     """
@@ -311,20 +274,7 @@ def control_plane(
     )
     static = list(config.endpoints)
     set_endpoints(static)  # no replica of the plane's among them
-    hub = AgentHub(
-        reactor,
-        inventory,
-        insecure=config.agent_tls is None,
-        # Several heartbeats within unreachable_after, so that a live node
-        # never looks silent.
-        heartbeat_interval=min(
-            HEARTBEAT_INTERVAL, max(1, int(control.unreachable_after / 3))
-        ),
-        wall_clock=time.time,
-        # A second agent for a node may take over its link only once the
-        # node is unreachable: silent this long.
-        unreachable_after=control.unreachable_after,
-    )
+    hub = _agent_hub(reactor, config, control, inventory)
     plane = ControlPlane(
         reactor,
         inventory,
@@ -353,6 +303,31 @@ def control_plane(
     return Plane(inventory, hub, plane, watch, readiness, agents, meter)
 
 
+def _agent_hub(
+    reactor: IDaemonReactor,
+    config: ServerConfig,
+    control: ControlConfig,
+    inventory: Inventory,
+) -> AgentHub:
+    """
+    @return: the server's end of the agents' links.
+    """
+    return AgentHub(
+        reactor,
+        inventory,
+        insecure=config.agent_tls is None,
+        # Several heartbeats within unreachable_after, so that a live node
+        # never looks silent.
+        heartbeat_interval=min(
+            HEARTBEAT_INTERVAL, max(1, int(control.unreachable_after / 3))
+        ),
+        wall_clock=time.time,
+        # A second agent for a node may take over its link only once the
+        # node is unreachable: silent this long.
+        unreachable_after=control.unreachable_after,
+    )
+
+
 def _agent_listener(
     reactor: IDaemonReactor, config: ServerConfig, hub: AgentHub
 ) -> IListeningPort | None:
@@ -369,113 +344,6 @@ def _agent_listener(
         fail(PROGRAM, str(e), 1)
     except ConfigError as e:
         fail(PROGRAM, f"config error: {e}", 2)
-
-
-@dataclass(frozen=True)
-class Pages:
-    """
-    What the server's two listeners serve beside the router.
-
-    @ivar router_site: the client API, the dashboard at C{/admin} behind a
-        login.
-    @ivar admin_resource: the admin listener's API, metrics, profiling, the
-        dashboard at every other path.
-    """
-
-    admin: Admin
-    history: History
-    batches: BatchTally
-    router_site: Site
-    admin_resource: Resource
-
-
-def pages(
-    reactor: IDaemonReactor,
-    registry: CollectorRegistry,
-    parts: Plane,
-    account: Accounts,
-    state: State,
-    router: Router,
-    traffic: Traffic,
-    standby: Callable[[], dict[str, object]] | None,
-    batches: BatchesConfig,
-) -> Pages:
-    """
-    @param traffic: the dashboard's figures per model and replica, which
-        C{router} counts each finished request into.
-    @param standby: with standbys, whether this server leads and the
-        leader, for the admin API's status.
-    @param batches: C{[batches]}: the Files and Batches APIs served beside
-        the router (L{with_batches}).
-    @return: the admin API, the dashboards' history, the batches'
-        figures (their metrics registered on C{registry}), the client
-        listener's site (the router, the dashboard at C{/admin} behind a
-        login) and the admin listener's resource.
-    """
-    keys = account.keys
-    admin = Admin(
-        registry,
-        parts.inventory,
-        parts.plane,
-        keys=keys,
-        store=state.store,
-        usage=account.usage,
-        config_models=state.config_names,
-        wall_clock=time.time,
-        watch=parts.watch,
-        standby=standby,
-        # The routers of a tier (--router-workers too) count their traffic
-        # into this server's metrics and figures.
-        reports=Reports(router.metrics.reported, traffic),
-        adapter_refusals=router.services.adapters.refusals,
-    )
-    history = History(reactor, router.metrics, parts.plane, keys, wall_clock=time.time)
-    failures = FailureTap(
-        parts.plane, time.time, lambda: history.record_states(time.time())
-    )
-    # The tap is built on the plane, which sends through the hub: the hub
-    # is told of it once it is.  No link is heard before the reactor runs.
-    parts.hub.listen(failures)
-    fleet = Fleet(
-        parts.inventory,
-        parts.plane,
-        keys,
-        history,
-        failures,
-        router.load,
-        traffic,
-        wall_clock=time.time,
-        load_clock=reactor.seconds,
-    )
-    tally = BatchTally(reactor, state.store, wall_clock=time.time)
-    registry.register(BatchCollector(tally, time.time))
-    batch_page = BatchesView(tally, history, time.time)
-    sessions = Sessions(keys, time.monotonic)
-    client_dashboard = Dashboard(
-        fleet, admin, sessions, "/admin", logout=True, batches=batch_page
-    )
-    gate = LoginGate(client_dashboard.app.resource(), sessions, "/admin")
-    client = with_batches(
-        reactor, router, state.store, keys, parts.plane.catalog.resolve, batches
-    )
-    router_site = make_site(
-        Mount(client, b"admin", gate),
-        router.settings,
-        reactor,
-        router.cors,
-        upload_paths(batches.max_file_size),
-    )
-    api = admin.resource()
-    admin_resource = Split(
-        {
-            b"api": api,
-            b"metrics": api,
-            b"healthz": api,
-            b"debug": Profiling(reactor).app.resource(),
-        },
-        Dashboard(fleet, admin, CookieCsrf(), batches=batch_page).app.resource(),
-    )
-    return Pages(admin, history, tally, router_site, admin_resource)
 
 
 @dataclass(frozen=True)
@@ -503,14 +371,18 @@ def listeners(
     reactor: IDaemonReactor,
     config_path: str | None,
     config: ServerConfig,
-    served: Pages,
+    served: tuple[Site, Resource],
     account: Accounts,
     registry: CollectorRegistry,
 ) -> Listeners:
     """
     Open the client API's, the admin's and the metrics' listeners now, so
     that a port in use ends the process at start.
+
+    @param served: the client listener's site and the admin listener's
+        resource.
     """
+    router_site, admin_resource = served
     workers = metrics_port = None
     # The bearer token the server's own router workers follow its admin
     # API with: they hold no admin key.
@@ -519,9 +391,9 @@ def listeners(
         if config.router_workers:
             router_port = reserve_port(config.listen)
         else:
-            router_port = listen(reactor, "listen", config.listen, served.router_site)
+            router_port = listen(reactor, "listen", config.listen, router_site)
         guard = AdminGuard(
-            served.admin_resource,
+            admin_resource,
             account.keys,
             internal=token.encode("ascii") if token is not None else None,
         )

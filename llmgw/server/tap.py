@@ -42,24 +42,23 @@ from llmgw.daemon.lifecycle import (
 from llmgw.daemon.wiring import fail, host_and_port, top_service
 from llmgw.reactors import IDaemonReactor, global_reactor
 from llmgw.router.api.app import Router
-from llmgw.router.interfaces import Endpoint
-from llmgw.server.batch_runner import BatchLines, RunnerStop, batch_lines
+from llmgw.router.interfaces import BatchRoom, Endpoint
+from llmgw.server.batch_runner import BatchLines, RunnerStop, batch_lines, batch_room
 from llmgw.server.build import (
     PROGRAM,
     Listeners,
     LocalAgent,
-    Pages,
     Plane,
-    batch_room,
+    State,
     control_plane,
     control_settings,
     listeners,
     local,
     open_state,
-    pages,
 )
 from llmgw.server.local import local_node_id, parse_simulated_gpus
 from llmgw.server.metering import MeterService
+from llmgw.server.pages import Pages, pages
 from llmgw.server.standby import Leading, leading_services
 from llmgw.store.base import Store
 from llmgw.tier.build import Accounts, ClientAPI, client_api, serve
@@ -330,6 +329,42 @@ def _log_started(built: _Server) -> None:
         log.info("admin API not on loopback: it needs an admin key")
 
 
+def _led(
+    reactor: IDaemonReactor,
+    config: ServerConfig,
+    state: State,
+    parts: Plane,
+    client: tuple[Accounts, Router, BatchRoom],
+) -> tuple[BatchLines, Leading]:
+    """
+    @param client: the keys and usage, the router and the batch lines'
+        room.
+    @return: the batches' runner and its listener, and what runs only
+        while this server leads (the reconciler and the runner).
+    """
+    account, router, room = client
+    batches = batch_lines(
+        reactor,
+        config,
+        state.store,
+        router,
+        room,
+        parts.plane.catalog.resolve,
+        account.usage,
+        PROGRAM,
+    )
+    leading = leading_services(
+        reactor,
+        config,
+        parts.hub,
+        parts.plane,
+        parts.agents,
+        state.store,
+        batches.runner,
+    )
+    return batches, leading
+
+
 def makeService(options: Options) -> IService:
     """
     Build the server's service tree; its stop is the sequence of
@@ -362,25 +397,7 @@ def makeService(options: Options) -> IService:
         (traffic, room),
     )
     api.registry.register(FleetCollector(parts.plane, parts.hub, account.usage))
-    batches = batch_lines(
-        reactor,
-        config,
-        state.store,
-        router,
-        room,
-        catalog.resolve,
-        account.usage,
-        PROGRAM,
-    )
-    leading = leading_services(
-        reactor,
-        config,
-        parts.hub,
-        parts.plane,
-        parts.agents,
-        state.store,
-        batches.runner,
-    )
+    batches, leading = _led(reactor, config, state, parts, (account, router, room))
     served = pages(
         reactor,
         api.registry,
@@ -392,7 +409,14 @@ def makeService(options: Options) -> IService:
         leading.standby,
         config.batches,
     )
-    ports = listeners(reactor, options["config"], config, served, account, api.registry)
+    ports = listeners(
+        reactor,
+        options["config"],
+        config,
+        (served.router_site, served.admin_resource),
+        account,
+        api.registry,
+    )
     agent = local(reactor, config, parts.hub)
     top = top_service(
         reactor, PROGRAM, config.log_format, getattr(options, "parent", None)

@@ -62,32 +62,8 @@ def request_record(
     @param exchange: its trip to the replicas, or L{None} when it was
         refused before one.
     """
-    usage = (exchange.usage if exchange is not None else None) or {}
-    # Chat and completions name them so; the Responses API input and
-    # output.
-    prompt = engine_count(usage.get("prompt_tokens", usage.get("input_tokens")))
-    completion = engine_count(
-        usage.get("completion_tokens", usage.get("output_tokens"))
-    )
-    # A count that is no count is not believed (engine_count).
-    counted = exchange is not None and exchange.usage is not None
-    believed = not counted or (prompt is not None and completion is not None)
-    estimated = False
+    prompt, completion, estimated = _tokens(exchange, status)
     replica = exchange.replica if exchange is not None else None
-    if (
-        exchange is not None
-        and (exchange.usage is None or not believed)
-        and replica is not None
-        and (status in (200, 499) or _began(exchange))
-        and exchange.prepared.body
-    ):
-        # The engine's count never came (the client left mid-stream,
-        # the stream broke, or the engine sends none): estimated,
-        # whatever the status, so that neither leaving early nor a
-        # fault is free.  One token per event relayed.
-        estimated = True
-        prompt = exchange.prepared.estimate
-        completion = exchange.events_relayed
     first_byte_at = exchange.first_byte_at if exchange is not None else None
     upstream_id = exchange.upstream_id if exchange is not None else ids.upstream
     return RequestRecord(
@@ -118,3 +94,39 @@ def request_record(
         gpu_seconds=exchange.gpu.gpu_seconds if exchange is not None else 0.0,
         cost=exchange.gpu.cost if exchange is not None else 0.0,
     )
+
+
+def _tokens(
+    exchange: Exchange | None, status: int
+) -> tuple[int | None, int | None, bool]:
+    """
+    @return: the request's prompt and completion tokens, the engine's
+        count or the estimate, and whether they are the estimate.
+    """
+    usage = (exchange.usage if exchange is not None else None) or {}
+    # Chat and completions name them so; the Responses API input and
+    # output.
+    prompt = engine_count(usage.get("prompt_tokens", usage.get("input_tokens")))
+    completion = engine_count(
+        usage.get("completion_tokens", usage.get("output_tokens"))
+    )
+    # A count that is no count is not believed (engine_count).
+    counted = exchange is not None and exchange.usage is not None
+    believed = not counted or (prompt is not None and completion is not None)
+    estimated = False
+    replica = exchange.replica if exchange is not None else None
+    if (
+        exchange is not None
+        and (exchange.usage is None or not believed)
+        and replica is not None
+        and (status in (200, 499) or _began(exchange))
+        and exchange.prepared.body
+    ):
+        # The engine's count never came (the client left mid-stream,
+        # the stream broke, or the engine sends none): estimated,
+        # whatever the status, so that neither leaving early nor a
+        # fault is free.  One token per event relayed.
+        estimated = True
+        prompt = exchange.prepared.estimate
+        completion = exchange.events_relayed
+    return prompt, completion, estimated

@@ -131,14 +131,7 @@ class RouterMetrics:
             ["model", "kind"],
             registry=registry,
         )
-        self.batch_tokens = Counter(
-            "llmgw_batch_tokens",
-            "Tokens reported by replicas in usage for batch lines (the requests"
-            " a batch's runner sent; counted in llmgw_tokens too), by kind"
-            " (prompt, completion).",
-            ["model", "kind"],
-            registry=registry,
-        )
+        self.batch_tokens = _batch_tokens(registry)
         self.in_flight = Gauge(
             "llmgw_requests_in_flight",
             "Requests being served now.",
@@ -351,6 +344,20 @@ def _routing(registry: CollectorRegistry) -> tuple[Counter, Counter, Counter]:
         registry=registry,
     )
     return affinity, ejections, overload
+
+
+def _batch_tokens(registry: CollectorRegistry) -> Counter:
+    """
+    @return: the counter of batch lines' tokens, by model and kind.
+    """
+    return Counter(
+        "llmgw_batch_tokens",
+        "Tokens reported by replicas in usage for batch lines (the requests"
+        " a batch's runner sent; counted in llmgw_tokens too), by kind"
+        " (prompt, completion).",
+        ["model", "kind"],
+        registry=registry,
+    )
 
 
 def _adapter_loads(registry: CollectorRegistry) -> Counter:

@@ -75,6 +75,8 @@ class OpenAIFileTests(SynchronousTestCase):
             _line(9, body={"messages": []}),
             _line(1),
             _line(11),
+            _line(12, body={"model": "m", "messages": [], "stream": True}),
+            b"[" * 100_000 + b"]" * 100_000,
         ]
         checked = openai_file(b"\n".join(lines), CHAT)
         self.assertEqual(
@@ -89,10 +91,24 @@ class OpenAIFileTests(SynchronousTestCase):
                 (8, "invalid_body", "body"),
                 (9, "missing_required_parameter", "body.model"),
                 (10, "duplicate_custom_id", "custom_id"),
+                (12, "invalid_body", "body.stream"),
+                (13, "invalid_json_line", None),
             ],
         )
         self.assertEqual([r.line_no for r in checked.requests], [1, 11])
         self.assertIn("'/v1/embeddings'", checked.errors[5]["message"])
+
+    def test_blank_lines_at_the_end(self) -> None:
+        """
+        Blank lines at the end of a file (as some exporters write them)
+        are no lines; a blank line between two is a bad one.
+        """
+        checked = openai_file(_line(1) + b"\n\r\n \n\n", CHAT)
+        self.assertEqual((checked.errors, len(checked.requests)), ([], 1))
+        self.assertEqual(split_lines(b"\n \n"), [])
+        self.assertEqual(
+            _errors(_line(1) + b"\n\n" + _line(3)), [(2, "invalid_json_line", None)]
+        )
 
     def test_models_checked_once_each(self) -> None:
         """
@@ -170,6 +186,10 @@ class AnthropicRequestsTests(SynchronousTestCase):
                 "requests[1].custom_id",
             ),
             ([{"custom_id": "a", "params": []}], "requests[0].params"),
+            (
+                [{"custom_id": "a", "params": {**params, "stream": True}}],
+                "requests[0].params.stream",
+            ),
         ]
         for requests, param in cases:
             with self.assertRaises(LineError) as raised:

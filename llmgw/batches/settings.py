@@ -33,8 +33,9 @@ class BatchesConfig:
     max_file_size: int = setting(
         MAX_FILE_SIZE,
         Size(),
-        "The largest file POST /v1/files takes (the route's body limit, in"
-        " place of [router] max_body_size); a larger one is refused with a 413.",
+        "The largest upload POST /v1/files takes, its form's few hundred bytes"
+        " around the file included (the route's body limit, in place of"
+        " [router] max_body_size); a larger one is refused with a 413.",
     )
     max_lines: int = setting(
         MAX_LINES,

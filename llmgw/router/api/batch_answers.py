@@ -95,7 +95,8 @@ def json_body(request: IRequest) -> dict[str, Any]:
     request.content.seek(0)
     try:
         body = json.loads(request.content.read())
-    except ValueError:
+    except (ValueError, RecursionError):
+        # RecursionError: nested past the parser's depth.
         body = None
     if not isinstance(body, dict):
         raise bad_request("The body must be a JSON object.")

@@ -119,16 +119,26 @@ class LineError(Exception):
         }
 
 
+STREAM_REFUSED = (
+    "A batch's request cannot stream: its answer is kept whole, one JSON"
+    " object; leave stream out or false."
+)
+"""
+Why a batch's request with C{stream} on is refused.
+"""
+
+
 def split_lines(content: bytes) -> list[bytes]:
     """
     @return: the lines of a JSONL file, without their ends (C{\\n} or
         C{\\r\\n}); a last line break ends the last line, it does not
-        start another.
+        start another, and blank lines at the end (as some exporters
+        write them) are no lines.
     """
-    lines = content.split(b"\n")
-    if lines and lines[-1] == b"":
+    lines = [line.removesuffix(b"\r") for line in content.split(b"\n")]
+    while lines and not lines[-1].strip():
         lines.pop()
-    return [line.removesuffix(b"\r") for line in lines]
+    return lines
 
 
 def openai_file(content: bytes, endpoint: str) -> Checked:
@@ -167,7 +177,8 @@ def openai_line(number: int, raw: bytes, endpoint: str) -> LineRequest:
     """
     try:
         line = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
+        # RecursionError: nested past the parser's depth.
         line = None
     if not isinstance(line, dict):
         raise LineError("invalid_json_line", "This line is not a JSON object.", None)
@@ -191,6 +202,8 @@ def openai_line(number: int, raw: bytes, endpoint: str) -> LineRequest:
     body = line.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_body", "body must be a JSON object.", "body")
+    if body.get("stream"):
+        raise LineError("invalid_body", STREAM_REFUSED, "body.stream")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise LineError(
@@ -237,6 +250,8 @@ def anthropic_requests(requests: object) -> list[LineRequest]:
         params = request.get("params")
         if not isinstance(params, dict):
             raise LineError("invalid_request", "must be an object.", f"{where}.params")
+        if params.get("stream"):
+            raise LineError("invalid_request", STREAM_REFUSED, f"{where}.params.stream")
         model = params.get("model")
         checked.append(
             LineRequest(

@@ -36,6 +36,7 @@ from llmgw.router.api.batch_lines import (
     LineRequest,
     ModelCheck,
     openai_file,
+    split_lines,
 )
 from llmgw.router.api.batch_shapes import batch_object, cursor_page
 from llmgw.router.api.credentials import request_key
@@ -267,7 +268,7 @@ class BatchRoutes:
                 "input_file_id",
             )
         lines = content.count(b"\n") + (0 if content.endswith(b"\n") else 1)
-        if not content:
+        if not split_lines(content):
             raise bad_request(f"The file {file_id} is empty.", "input_file_id")
         if lines > self._max_lines:
             raise bad_request(

@@ -358,6 +358,11 @@ class BatchTests(_Server):
             self.assertEqual(entry["error"]["code"], "batch_cancelled")
         self.assertEqual(len(output) + len(errors), 300)
         self.assert_every_line_once(batch.id, 300, ok=set(output))
+        # Over, it cannot be cancelled again: a 409 with the admin API's code.
+        with self.assertRaises(openai.ConflictError) as again:
+            self.client.batches.cancel(batch.id)
+        body: Any = again.exception.body
+        self.assertEqual(body["code"], "cannot_cancel")
 
     def test_expired(self) -> None:
         """

@@ -113,6 +113,23 @@ class BatchesThroughServerTests(SynchronousTestCase, Processes, CtlMixin):
         with self.assertRaises(openai.BadRequestError) as bad:
             client.files.create(file=("a.jsonl", b"{}\n"), purpose="assistants")
         self.assertEqual(bad.exception.param, "purpose")
+        # A form without purpose: OpenAI's missing-parameter 400.
+        form = b'--b\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n'
+        status, _, answer = http(
+            "POST",
+            self.url + "/v1/files",
+            form + b"\r\n{}\n\r\n--b--\r\n",
+            {
+                "authorization": f"Bearer {self.key}",
+                "content-type": "multipart/form-data; boundary=b",
+            },
+        )
+        self.assertEqual(status, 400)
+        missing = json.loads(answer)["error"]
+        self.assertEqual(
+            (missing["message"], missing["param"]),
+            ("Missing required parameter: 'purpose'.", "purpose"),
+        )
         with self.assertRaises(openai.APIStatusError) as large:
             client.files.create(file=("big.jsonl", b"x" * 5000), purpose="batch")
         self.assertEqual(large.exception.status_code, 413)

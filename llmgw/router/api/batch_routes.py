@@ -353,6 +353,8 @@ async def cancel(batches: BatchStore, row: KeptBatch, now: float) -> KeptBatch:
             409,
             f"Cannot cancel a batch with status {row.status!r}.",
             "invalid_request_error",
+            # The admin API's cancel answers the same code.
+            "cannot_cancel",
         )
     return row
 

@@ -104,6 +104,8 @@ class FileRoutes:
             except FormError as error:
                 raise bad_request(str(error), "file") from None
             purpose = upload.fields.get("purpose")
+            if purpose is None:
+                raise bad_request("Missing required parameter: 'purpose'.", "purpose")
             if purpose not in PURPOSES:
                 raise bad_request(
                     f"{purpose!r} is not one of {list(PURPOSES)} - 'purpose'",

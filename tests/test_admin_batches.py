@@ -88,7 +88,11 @@ class BatchRoutesTests(SynchronousTestCase):
             [
                 replace(batch("batch_a", at=10.0), key_id=app.id, key_name="app"),
                 replace(
-                    batch("batch_b", "completed", 20.0), key_id=ops.id, key_name="ops"
+                    batch("batch_b", "cancelled", 20.0),
+                    key_id=ops.id,
+                    key_name="ops",
+                    total=150,
+                    completed=64,
                 ),
                 replace(batch("batch_c", at=30.0), key_id=ops.id, key_name="ops"),
             ]
@@ -130,9 +134,10 @@ class BatchRoutesTests(SynchronousTestCase):
         self.assertEqual(first["progress"], {"ended": 2, "total": 6})
         over = body["batches"][1]
         self.assertNotIn("lines", over)
-        self.assertEqual(over["progress"], {"ended": 0, "total": 0})
+        # Over, every line ended, the cancelled ones (in neither count) too.
+        self.assertEqual(over["progress"], {"ended": 150, "total": 150})
         self.assertEqual((body["has_more"], body["last_id"]), (False, "batch_a"))
-        _, body = self.call("GET", "/api/v1/batches?status=completed")
+        _, body = self.call("GET", "/api/v1/batches?status=cancelled")
         self.assertEqual([b["id"] for b in body["batches"]], ["batch_b"])
         _, body = self.call("GET", "/api/v1/batches?key=app")
         self.assertEqual([b["id"] for b in body["batches"]], ["batch_a"])
@@ -185,7 +190,7 @@ class BatchRoutesTests(SynchronousTestCase):
         self.assertEqual((code, body["status"]), (200, "cancelling"))
         code, body = self.call("POST", "/api/v1/batches/batch_b/cancel")
         self.assertEqual((code, body["error"]["code"]), (409, "cannot_cancel"))
-        self.assertIn("completed", body["error"]["message"])
+        self.assertIn("is cancelled", body["error"]["message"])
         self.assertEqual(self.store.batches["batch_b"].status, "completed")
         self.assertNotIn("batch_b", self.store.cancelled)
         code, _ = self.call("POST", "/api/v1/batches/batch_z/cancel")

@@ -86,6 +86,9 @@ def batch_json(batch: BatchRow, lines: dict[str, int] | None) -> dict[str, Any]:
     if lines is not None:
         shown["lines"] = lines
         ended, total = progress(lines)
+    elif batch.status not in ACTIVE_STATUSES:
+        # Over: every line ended (a cancelled one is in neither count).
+        ended, total = batch.total, batch.total
     else:
         ended, total = batch.completed + batch.failed, batch.total
     shown["progress"] = {"ended": ended, "total": total}

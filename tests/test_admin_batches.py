@@ -191,7 +191,7 @@ class BatchRoutesTests(SynchronousTestCase):
         code, body = self.call("POST", "/api/v1/batches/batch_b/cancel")
         self.assertEqual((code, body["error"]["code"]), (409, "cannot_cancel"))
         self.assertIn("is cancelled", body["error"]["message"])
-        self.assertEqual(self.store.batches["batch_b"].status, "completed")
+        self.assertEqual(self.store.batches["batch_b"].status, "cancelled")
         self.assertNotIn("batch_b", self.store.cancelled)
         code, _ = self.call("POST", "/api/v1/batches/batch_z/cancel")
         self.assertEqual(code, 404)

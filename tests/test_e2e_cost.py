@@ -24,7 +24,6 @@ COST = """
 [store]
 flush_interval = "100ms"
 [cost]
-currency = "EUR"
 gpu_hour = [
     { gpu = "H200", price = 3.6 },
     { gpu = "*", node = "gpu-01", price = 7.2 },

@@ -16,7 +16,6 @@ from llmgw.config_checks import (
     ConfigError,
     Kind,
     Table,
-    Text,
     setting,
     settings_keys,
     spelled,
@@ -110,9 +109,6 @@ class CostConfig:
         " with node, on that node only, over the prices of every node. A GPU"
         " no price names costs 0.",
         shown="none",
-    )
-    currency: str = setting(
-        "USD", Text("currency code"), "The unit prices and costs are shown in."
     )
 
 

@@ -198,7 +198,9 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
     create.add_argument("--tpm", type=int, help="tokens per minute")
     create.add_argument("--budget-tokens", type=int, help="tokens in all")
     create.add_argument(
-        "--budget-cost", type=float, help="cost in all ([cost] currency)"
+        "--budget-cost",
+        type=float,
+        help="cost in all (the unit of [cost] gpu_hour's prices)",
     )
     create.add_argument("--admin", action="store_true", help="may use the admin API")
     create.add_argument("--expires", help=_EXPIRES)
@@ -234,7 +236,7 @@ def _keys(commands: Any, shared: argparse.ArgumentParser) -> None:
         "--budget-cost",
         type=_cost_limit,
         default=argparse.SUPPRESS,
-        help="cost in all ([cost] currency), or none",
+        help="cost in all (the unit of [cost] gpu_hour's prices), or none",
     )
     update.add_argument("--expires", help=_EXPIRES + ", or never")
     _order(update)

@@ -69,6 +69,22 @@ class _Server(Processes, CtlMixin, SynchronousTestCase):
         self.addCleanup(connection.close)
         return connection
 
+    def wait_for_running(self) -> None:
+        """
+        Wait (30 seconds at most) until the engine says it runs a request:
+        its C{vllm:num_requests_running} gauge, as vLLM serves it.
+        """
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            _, _, body = http("GET", self.sim_url + "/metrics")
+            running = re.search(
+                rb"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", body, re.M
+            )
+            if running is not None and float(running.group(1)) > 0:
+                return
+            time.sleep(0.02)
+        self.fail("the engine ran no request for 30 seconds")
+
     def usage_rows(self, batch_id: str) -> list[tuple[Any, ...]]:
         """
         @return: C{(request_id, status, tokens)} of the batch's usage rows,
@@ -256,9 +272,14 @@ class BatchTests(_Server):
         next start finds none left running; the batch then completes, each
         line once.
         """
-        self.serve("--ttft", "0.03", "--itl", "0.01")
+        # Lines of a second each, and the stop sent while the engine runs
+        # some: the runner may hold none in flight for a moment (a claim,
+        # an engine reading that left no room), and a stop then has none
+        # to wait for.
+        self.serve("--ttft", "1", "--itl", "0.01")
         batch = submit(self.client, chat_lines(300))
-        wait_for(self.client, batch.id, completed_at_least(60), 60, "lines")
+        wait_for(self.client, batch.id, completed_at_least(30), 60, "lines")
+        self.wait_for_running()
         began = time.monotonic()
         self.assertEqual(self.server.stop(), -signal.SIGTERM)
         self.assertLess(time.monotonic() - began, 5)

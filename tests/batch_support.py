@@ -8,7 +8,9 @@ and the results read back.
 from __future__ import annotations
 
 import json
+import re
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +83,30 @@ def wait_for(
         time.sleep(0.1)
         batch = client.batches.retrieve(batch_id)
     return batch
+
+
+def engine_running(engine_url: str, timeout: float = 30) -> None:
+    """
+    Wait (every 20 ms, at most C{timeout} seconds) until the engine at
+    C{engine_url} says it runs a request: its C{vllm:num_requests_running}
+    gauge, as vLLM serves it on C{/metrics}.  A test that stops or kills
+    a server "mid-batch" sends its signal then, not at a moment the
+    runner may rightly hold no line in flight (all of a wave ended, the
+    next not yet claimed).
+
+    @raise AssertionError: the time ran out first.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(engine_url + "/metrics", timeout=10) as answer:
+            body = answer.read()
+        running = re.search(
+            rb"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", body, re.M
+        )
+        if running is not None and float(running.group(1)) > 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{engine_url} ran no request within {timeout} s")
 
 
 def ended(status: str) -> Callable[[Batch], bool]:

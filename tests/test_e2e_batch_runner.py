@@ -28,6 +28,7 @@ from tests.batch_support import (
     chat_lines,
     completed_at_least,
     ended,
+    engine_running,
     line_body,
     results,
     submit,
@@ -68,22 +69,6 @@ class _Server(Processes, CtlMixin, SynchronousTestCase):
         connection = sqlite3.connect(path, timeout=30)
         self.addCleanup(connection.close)
         return connection
-
-    def wait_for_running(self) -> None:
-        """
-        Wait (30 seconds at most) until the engine says it runs a request:
-        its C{vllm:num_requests_running} gauge, as vLLM serves it.
-        """
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            _, _, body = http("GET", self.sim_url + "/metrics")
-            running = re.search(
-                rb"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", body, re.M
-            )
-            if running is not None and float(running.group(1)) > 0:
-                return
-            time.sleep(0.02)
-        self.fail("the engine ran no request for 30 seconds")
 
     def usage_rows(self, batch_id: str) -> list[tuple[Any, ...]]:
         """
@@ -240,10 +225,13 @@ class BatchTests(_Server):
         line in the output file once, one usage row per line, none billed
         twice; lines that were in flight at a kill ran again.
         """
-        self.serve("--ttft", "0.03", "--itl", "0.01")
+        # Lines of half a second, and each kill sent while the engine runs
+        # some (see test_stopped_mid_batch).
+        self.serve("--ttft", "0.5", "--itl", "0.01")
         batch = submit(self.client, chat_lines(400))
         for at_least in (60, 200):
             wait_for(self.client, batch.id, completed_at_least(at_least), 60, "lines")
+            engine_running(self.sim_url)
             self.server.popen.send_signal(signal.SIGKILL)
             self.server.popen.wait(30)
             self.start()
@@ -279,7 +267,7 @@ class BatchTests(_Server):
         self.serve("--ttft", "1", "--itl", "0.01")
         batch = submit(self.client, chat_lines(300))
         wait_for(self.client, batch.id, completed_at_least(30), 60, "lines")
-        self.wait_for_running()
+        engine_running(self.sim_url)
         began = time.monotonic()
         self.assertEqual(self.server.stop(), -signal.SIGTERM)
         self.assertLess(time.monotonic() - began, 5)

@@ -19,6 +19,7 @@ from tests.batch_support import (
     chat_lines,
     completed_at_least,
     ended,
+    engine_running,
     results,
     submit,
     wait_for,
@@ -38,7 +39,9 @@ class StandbyBatchTests(Processes, CtlMixin, SynchronousTestCase):
         once, one usage row per line, none billed twice.
         """
         url = fresh_database(self)
-        _, sim = self.start_sim("--max-tokens", "4", "--ttft", "0.03", "--itl", "0.01")
+        # Lines of half a second, and the kill sent while the engine runs
+        # some: the lines in flight are put back to pending.
+        _, sim = self.start_sim("--max-tokens", "4", "--ttft", "0.5", "--itl", "0.01")
         args = ("--endpoint", f"sim-0={sim}=sim-model")
         config = f'[store]\nurl = "{url}"\n'
         leader, leader_api, self.admin_url = self.start_server(*args, config=config)
@@ -52,6 +55,7 @@ class StandbyBatchTests(Processes, CtlMixin, SynchronousTestCase):
         batch = submit(client, chat_lines(400))
         wait_for(client, batch.id, completed_at_least(100), 60, "lines")
         self.assertNotIn("batch runner runner-", standby.output())
+        engine_running(sim)
         leader.popen.send_signal(signal.SIGKILL)
         leader.popen.wait(30)
         client = client.with_options(base_url=standby_api + "/v1")

@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from llmgw.admin.api import Admin
 from llmgw.control.inventory import Inventory
 from llmgw.router.accounting.auth import KeyRing
-from llmgw.store.batches import LINE_STATES, BatchRow
+from llmgw.store.batches import LINE_STATES, BatchRow, BatchUsage
 from tests.test_batch_tally import batch
 from tests.test_web import _keys
 from tests.typing_support import stub_treq
@@ -36,6 +36,7 @@ class _Store:
     def __init__(self, batches: list[BatchRow]) -> None:
         self.batches = {b.id: b for b in batches}
         self.lines: dict[str, dict[str, int]] = {}
+        self.usage: dict[str, BatchUsage] = {}
         self.cancelled: list[str] = []
 
     def find_batch(self, batch_id: str) -> Deferred[BatchRow | None]:
@@ -61,6 +62,9 @@ class _Store:
         counts = dict.fromkeys(LINE_STATES, 0)
         counts.update(self.lines.get(batch_id, {}))
         return succeed(counts)
+
+    def batch_usage(self, batch_id: str) -> Deferred[BatchUsage]:
+        return succeed(self.usage.get(batch_id, BatchUsage()))
 
     def update_batch(
         self, batch_id: str, changes: dict[str, Any], statuses: Any = None
@@ -98,6 +102,10 @@ class BatchRoutesTests(SynchronousTestCase):
             ]
         )
         self.store.lines = {"batch_a": {"pending": 3, "running": 1, "done": 2}}
+        self.store.usage = {
+            "batch_a": BatchUsage(2, 10, 8, 1.5, 0.003),
+            "batch_b": BatchUsage(64, 320, 256, 48.0, 0.096),
+        }
         admin = Admin(
             CollectorRegistry(),
             Inventory(),
@@ -117,8 +125,8 @@ class BatchRoutesTests(SynchronousTestCase):
     def test_list_every_keys_batches(self) -> None:
         """
         Every key's batches, newest first, each with its key's name and
-        request counts, those not over with their lines by state (every
-        state); filtered by status and by key name; paged by limit and
+        request counts and usage, those not over with their lines by state
+        (every state); filtered by status and by key name; paged by limit and
         after, saying whether more follow.
         """
         code, body = self.call("GET", "/api/v1/batches")
@@ -132,8 +140,22 @@ class BatchRoutesTests(SynchronousTestCase):
         self.assertEqual(first["lines"]["expired"], 0)
         self.assertEqual(first["request_counts"]["total"], 0)
         self.assertEqual(first["progress"], {"ended": 2, "total": 6})
+        self.assertEqual(
+            first["usage"],
+            {
+                "requests": 2,
+                "prompt_tokens": 10,
+                "completion_tokens": 8,
+                "gpu_seconds": 1.5,
+                "cost": 0.003,
+            },
+        )
         over = body["batches"][1]
         self.assertNotIn("lines", over)
+        self.assertEqual(
+            (over["usage"]["requests"], over["usage"]["cost"]), (64, 0.096)
+        )
+        self.assertEqual(body["batches"][0]["usage"]["requests"], 0)
         # Over, every line ended, the cancelled ones (in neither count) too.
         self.assertEqual(over["progress"], {"ended": 150, "total": 150})
         self.assertEqual((body["has_more"], body["last_id"]), (False, "batch_a"))
@@ -164,13 +186,16 @@ class BatchRoutesTests(SynchronousTestCase):
 
     def test_one_batch(self) -> None:
         """
-        One batch, whichever key made it, with its lines by state; an
-        unknown one is 404.
+        One batch, whichever key made it, with its lines by state and its
+        lines' usage; an unknown one is 404.
         """
         code, body = self.call("GET", "/api/v1/batches/batch_a")
         self.assertEqual(code, 200, body)
         self.assertEqual((body["key"], body["status"]), ("app", "in_progress"))
         self.assertEqual(body["lines"]["running"], 1)
+        self.assertEqual(
+            (body["usage"]["prompt_tokens"], body["usage"]["gpu_seconds"]), (10, 1.5)
+        )
         code, body = self.call("GET", "/api/v1/batches/batch_z")
         self.assertEqual((code, body["error"]["code"]), (404, "not_found"))
 

@@ -5,7 +5,8 @@ H200s over mutual TLS, a sim replica placed on one, requests through the
 router with keys, and the real C{llmgw ctl}: C{usage --by key} shows each
 key's GPU-seconds and cost at its GPU's price and the idle row, the
 admin API's usage answer each GPU's seconds split between the requests'
-and the idle, and a key's budget in cost refuses once spent.
+and the idle, a key's budget in cost refuses once spent, and a batch's
+lines' cost is shown on the batch.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import openai
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.batch_support import MODEL, chat_lines, ended, submit, wait_for
 from tests.support import CtlMixin
 from tests.test_e2e_control import MODELS, _Fleet
 
@@ -112,3 +114,39 @@ class CostEndToEndTests(_Fleet, CtlMixin, SynchronousTestCase):
             time.sleep(0.2)
         (listed,) = [k for k in self.ctl_json("keys")["keys"] if k["name"] == "capped"]
         self.assertGreater(listed["cost_used"], listed["budget_cost"])
+
+    def test_batch_cost(self) -> None:
+        """
+        A batch run on gpu-01 through the official C{openai} SDK: C{ctl
+        batches show} gives its lines' GPU-seconds and cost at gpu-01's
+        7.2 an hour, and the same sums as C{ctl usage --by key} gives for
+        its key, whose only requests are the batch's lines; the SDK's
+        C{Batch.usage} has their tokens.
+        """
+        config = self.config(MODELS.format(min_replicas=1, idle="0s"))
+        self.start_fleet_server(config + COST)
+        self.start_agent("gpu-01")
+        self.ready(1)
+        key = self.ctl_json("keys", "create", "--name", "nightly")["key"]
+        client = openai.OpenAI(
+            base_url=self.api_url + "/v1", api_key=key, max_retries=0, timeout=60
+        )
+        made = submit(client, chat_lines(6).replace(MODEL.encode(), b"chat"))
+        batch = wait_for(client, made.id, ended("completed"), 60, "completed")
+        shown = self.ctl_json("batches", "show", batch.id)["usage"]
+        self.assertEqual(shown["requests"], 6)
+        self.assertGreater(shown["gpu_seconds"], 0)
+        self.assertAlmostEqual(shown["cost"] / shown["gpu_seconds"], 0.002, places=9)
+        (nightly,) = [g for g in self.usage()["usage"] if g["key"] == "nightly"]
+        self.assertEqual(nightly["requests"], 6)
+        self.assertAlmostEqual(nightly["gpu_seconds"], shown["gpu_seconds"], 9)
+        self.assertAlmostEqual(nightly["cost"], shown["cost"], 9)
+        assert batch.usage is not None
+        self.assertEqual(
+            (batch.usage.input_tokens, batch.usage.output_tokens),
+            (shown["prompt_tokens"], shown["completion_tokens"]),
+        )
+        self.assertEqual(
+            (nightly["prompt_tokens"], nightly["completion_tokens"]),
+            (shown["prompt_tokens"], shown["completion_tokens"]),
+        )

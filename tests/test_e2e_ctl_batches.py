@@ -115,7 +115,17 @@ class CtlBatchesTests(_Batches, SynchronousTestCase):
         listed = self.ctl("batches").stdout.splitlines()
         self.assertEqual(
             listed[0].split(),
-            ["BATCH", "KEY", "ENDPOINT", "STATUS", "DONE", "FAILED", "CREATED"],
+            [
+                "BATCH",
+                "KEY",
+                "ENDPOINT",
+                "STATUS",
+                "DONE",
+                "FAILED",
+                "TOKENS",
+                "COST",
+                "CREATED",
+            ],
         )
         self.assertEqual(
             [line.split()[:4] for line in listed[1:4]],
@@ -139,6 +149,11 @@ class CtlBatchesTests(_Batches, SynchronousTestCase):
         self.assertIn("key: team\n", shown)
         self.assertIn("status: in_progress\n", shown)
         self.assertIn("progress: 0/5 0%\n", shown)
+        self.assertIn(
+            "usage: 0 lines answered, 0 prompt and 0 completion tokens,"
+            " 0.000 GPU s, cost 0.000000\n",
+            shown,
+        )
         header, counts = shown.strip().splitlines()[-2:]
         self.assertEqual(
             header.split(),
@@ -219,7 +234,9 @@ class BatchWorkCountedTests(_Batches, SynchronousTestCase):
         The lines' tokens count in C{llmgw_batch_tokens_total}, exactly
         the usage their answers carry, and in C{llmgw_tokens_total} with
         a client's own request, which counts in the batch's tokens not at
-        all; C{ctl batches} shows the batch completed, all lines ended;
+        all; the batch object's C{usage} (the SDK's C{Batch.usage}) and
+        C{ctl batches} and C{ctl batches show} sum the answers' usage;
+        C{ctl batches} shows the batch completed, all lines ended;
         the dashboard's card gives the batch tokens a second once the
         sampler has seen them (within 5 s).
         """
@@ -253,8 +270,26 @@ class BatchWorkCountedTests(_Batches, SynchronousTestCase):
             tokens[(("kind", "completion"), ("model", MODEL))],
             completion + own.usage.completion_tokens,
         )
+        # The batch's usage, as OpenAI's batch object and the operator's
+        # table and show say it: the sums of its answers' usage.
+        assert batch.usage is not None
+        self.assertEqual(
+            (
+                batch.usage.input_tokens,
+                batch.usage.output_tokens,
+                batch.usage.total_tokens,
+            ),
+            (prompt, completion, prompt + completion),
+        )
         listed = self.ctl("batches", "--key", "nightly").stdout.splitlines()
-        self.assertEqual(listed[1].split()[1:6], ["nightly", *ROW])
+        self.assertEqual(
+            listed[1].split()[1:8], ["nightly", *ROW, "0", str(prompt + completion)]
+        )
+        self.assertIn(
+            f"usage: 20 lines answered, {prompt} prompt and {completion}"
+            " completion tokens,",
+            self.ctl("batches", "show", made.id).stdout,
+        )
 
         def rate() -> str | None:
             status, _, page = http("GET", self.admin_url + "/batches?fragment=1")

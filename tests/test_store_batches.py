@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from twisted.internet.defer import gatherResults
 from twisted.trial.unittest import TestCase
 
-from llmgw.store.base import Store
-from llmgw.store.batches import BatchLine, BatchRow, FileRow
+from llmgw.store.base import Store, UsageRow
+from llmgw.store.batches import BatchLine, BatchRow, BatchUsage, FileRow
 from tests import test_store_backends as backends
 
 if TYPE_CHECKING:
@@ -208,6 +208,51 @@ class _BatchBehaviour(_Base):
         )
         with self.assertRaises(ValueError):
             await store.finish_line("batch_1", 2, "a", "pending", None, None)
+
+    async def test_batch_usage(self) -> None:
+        """
+        A batch's usage is the sum of its lines' usage rows: not another
+        batch's (one whose id begins with this one's included), nor a
+        client's request; a batch with none used nothing.
+        """
+        store = self.store()
+
+        def row(request_id: str, batch_id: str | None, tokens: int) -> UsageRow:
+            return UsageRow(
+                request_id=request_id,
+                key_id=None,
+                key_name=None,
+                model="m",
+                replica="r",
+                status=200,
+                stream=False,
+                prompt_tokens=tokens,
+                completion_tokens=2 * tokens,
+                latency=0.1,
+                time_to_first_token=0.05,
+                batch_id=batch_id,
+                gpu_seconds=tokens / 4,
+                cost=tokens / 8,
+            )
+
+        await store.add_usage(
+            [
+                (100.0, row("batch_1-1", "batch_1", 4)),
+                (101.0, row("batch_1-2", "batch_1", 8)),
+                (102.0, row("batch_1-10", "batch_1", 16)),
+                (103.0, row("batch_10-1", "batch_10", 32)),
+                (104.0, row("batch_1-x", None, 64)),
+                (105.0, row("batch_2-1", "batch_2", 128)),
+            ],
+            {},
+        )
+        self.assertEqual(
+            await store.batch_usage("batch_1"), BatchUsage(3, 28, 56, 7.0, 3.5)
+        )
+        self.assertEqual(
+            await store.batch_usage("batch_10"), BatchUsage(1, 32, 64, 8.0, 4.0)
+        )
+        self.assertEqual(await store.batch_usage("batch_3"), BatchUsage())
 
     async def test_two_claimers_never_share_a_line(self) -> None:
         """

@@ -17,7 +17,7 @@ from llmgw.admin.http import AdminError, error_answers, json_answer, not_found
 from llmgw.batches.tally import progress
 from llmgw.router.accounting.auth import KeyRing
 from llmgw.router.api.batch_routes import CANCELLABLE
-from llmgw.store.batches import ACTIVE_STATUSES, BatchRow
+from llmgw.store.batches import ACTIVE_STATUSES, BatchRow, BatchUsage
 from llmgw.store.db import Store
 
 BATCH_STATUSES = (
@@ -45,15 +45,21 @@ The largest C{limit} a list takes.
 """
 
 
-def batch_json(batch: BatchRow, lines: dict[str, int] | None) -> dict[str, Any]:
+def batch_json(
+    batch: BatchRow, lines: dict[str, int] | None, usage: BatchUsage
+) -> dict[str, Any]:
     """
     @param lines: its lines by state (each of
         L{llmgw.store.batches.LINE_STATES}), when read.
+    @param usage: what its lines used so far.
     @return: the batch as the admin API shows it: its row's fields, its
         key's name as C{key}, OpenAI's C{request_counts}, C{lines} by
-        state when given, and C{progress}: C{{"ended", "total"}} lines,
+        state when given, C{progress}: C{{"ended", "total"}} lines,
         from C{lines} when given (a line is ended done, failed, cancelled
-        or expired), else from C{request_counts} (completed and failed).
+        or expired), else from C{request_counts} (completed and failed),
+        and C{usage}: C{{"requests", "prompt_tokens",
+        "completion_tokens", "gpu_seconds", "cost"}}, the sums of its
+        lines' usage records (docs/cost.md).
     """
     shown: dict[str, Any] = {
         "id": batch.id,
@@ -92,6 +98,13 @@ def batch_json(batch: BatchRow, lines: dict[str, int] | None) -> dict[str, Any]:
     else:
         ended, total = batch.completed + batch.failed, batch.total
     shown["progress"] = {"ended": ended, "total": total}
+    shown["usage"] = {
+        "requests": usage.requests,
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "gpu_seconds": usage.gpu_seconds,
+        "cost": usage.cost,
+    }
     return shown
 
 
@@ -123,9 +136,13 @@ class BatchRoutes:
             raise AdminError(404, "no store in this server", "not_found")
         return self._store_or_none
 
+    async def _shown(self, batch: BatchRow, with_lines: bool) -> dict[str, Any]:
+        store = self._store()
+        lines = await store.line_counts(batch.id) if with_lines else None
+        return batch_json(batch, lines, await store.batch_usage(batch.id))
+
     async def _with_lines(self, batch: BatchRow) -> dict[str, Any]:
-        lines = await self._store().line_counts(batch.id)
-        return batch_json(batch, lines)
+        return await self._shown(batch, True)
 
     @app.route("/api/v1/batches", methods=["GET"])
     async def list_batches(self, request: IRequest) -> bytes:
@@ -159,12 +176,7 @@ class BatchRoutes:
             status=status, key_id=key_id, after=arg(b"after"), limit=limit + 1
         )
         page = found[:limit]
-        shown = [
-            await self._with_lines(b)
-            if b.status in ACTIVE_STATUSES
-            else batch_json(b, None)
-            for b in page
-        ]
+        shown = [await self._shown(b, b.status in ACTIVE_STATUSES) for b in page]
         return json_answer(
             request,
             {

@@ -12,7 +12,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
-from llmgw.router.batch_interfaces import KeptBatch, KeptFile, KeptLine
+from llmgw.router.batch_interfaces import KeptBatch, KeptFile, KeptLine, KeptUsage
 from llmgw.store.base import Store
 from llmgw.store.batches import BatchLine, BatchRow, FileRow
 
@@ -104,6 +104,10 @@ class StoreBatches:
     def lines(self, batch_id: str) -> Deferred[list[KeptLine]]:
         d = self._store.batch_lines(batch_id)
         return d.addCallback(lambda rows: [KeptLine(**_fields(r)) for r in rows])
+
+    def usage(self, batch_id: str) -> Deferred[KeptUsage]:
+        d = self._store.batch_usage(batch_id)
+        return d.addCallback(lambda row: KeptUsage(**_fields(row)))
 
     def delete(self, batch_id: str, key_id: int | None) -> Deferred[bool]:
         return self._store.delete_batch(batch_id, key_id)

@@ -110,6 +110,25 @@ class KeptLine:
     finished_at: float | None = None
 
 
+@dataclass(frozen=True)
+class KeptUsage:
+    """
+    What a batch's lines used so far, from their usage records.
+
+    @ivar requests: lines with a usage record.
+    @ivar prompt_tokens: their prompt tokens.
+    @ivar completion_tokens: their completion tokens.
+    @ivar gpu_seconds: their share of their replicas' GPU time, seconds.
+    @ivar cost: that time's price (docs/cost.md).
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    gpu_seconds: float = 0.0
+    cost: float = 0.0
+
+
 class FileStore(Protocol):
     """
     Where uploaded files are kept, bytes and all.
@@ -198,10 +217,22 @@ class BatchStore(Protocol):
         @return: fires with the batch's lines, by C{line_no}.
         """
 
+    def usage(self, batch_id: str) -> Deferred[KeptUsage]:
+        """
+        @return: fires with what the batch's lines used so far.
+        """
+
     def delete(self, batch_id: str, key_id: int | None) -> Deferred[bool]:
         """
         Delete a batch and its lines; fires with whether the key had it.
         """
 
 
-__all__ = ["BatchStore", "FileStore", "KeptBatch", "KeptFile", "KeptLine"]
+__all__ = [
+    "BatchStore",
+    "FileStore",
+    "KeptBatch",
+    "KeptFile",
+    "KeptLine",
+    "KeptUsage",
+]

@@ -31,6 +31,7 @@ from llmgw.store.batches import (
     LINE_STATES,
     BatchLine,
     BatchRow,
+    BatchUsage,
     FileRow,
     batch_changes,
     batch_row,
@@ -478,6 +479,33 @@ class BatchTables:
             (batch_id,),
         )
         return d.addCallback(_per_state)
+
+    def batch_usage(self, batch_id: str) -> Deferred[BatchUsage]:
+        """
+        @return: fires with the sums of the batch's lines' usage rows, as
+            far as they are kept (C{[store] usage_retention}: rows rolled
+            into daily totals no longer count).  Read by the request id's
+            prefix (C{BATCH-}, on the index the usage table has on its
+            request ids), not by C{batch_id}, which has none.
+        """
+        p = self._p
+        d = self._rows(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0),"
+            " COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(gpu_seconds), 0),"
+            f" COALESCE(SUM(cost), 0) FROM usage WHERE request_id >= {p}"
+            f" AND request_id < {p} AND batch_id = {p}",
+            # Every id of the batch's lines lies between "BATCH-" and
+            # "BATCH." ("." follows "-").
+            (batch_id + "-", batch_id + ".", batch_id),
+        )
+
+        def summed(rows: list[Any]) -> BatchUsage:
+            ((requests, prompt, completion, seconds, cost),) = rows
+            return BatchUsage(
+                int(requests), int(prompt), int(completion), float(seconds), float(cost)
+            )
+
+        return d.addCallback(summed)
 
     def batch_line_totals(self) -> Deferred[dict[str, int]]:
         """

@@ -227,6 +227,27 @@ def owned_by(key_id: int | None, placeholder: str) -> tuple[str, tuple[Any, ...]
     return f"key_id = {placeholder}", (key_id,)
 
 
+@dataclass(frozen=True)
+class BatchUsage:
+    """
+    What a batch's lines used so far: the sums of their usage rows (one
+    per line answered, C{BATCH-LINE} its request id).
+
+    @ivar requests: lines with a usage row.
+    @ivar prompt_tokens: their prompt tokens.
+    @ivar completion_tokens: their completion tokens.
+    @ivar gpu_seconds: their share of their replicas' GPU time, seconds
+        (docs/cost.md).
+    @ivar cost: that time's price, in the C{[cost]} prices' unit.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    gpu_seconds: float = 0.0
+    cost: float = 0.0
+
+
 def marks(placeholder: str, count: int) -> str:
     """
     @return: C{count} parameter markers, comma-separated.
@@ -243,6 +264,7 @@ __all__ = [
     "LINE_STATES",
     "BatchLine",
     "BatchRow",
+    "BatchUsage",
     "FileRow",
     "batch_changes",
     "batch_row",

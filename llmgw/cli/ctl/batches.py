@@ -13,7 +13,7 @@ import urllib.parse
 from typing import IO, Any
 
 from llmgw.cli.ctl.client import Client, quote
-from llmgw.cli.ctl.show import cell, table, when
+from llmgw.cli.ctl.show import cell, money, table, when
 
 
 def progress(batch: dict[str, Any]) -> str:
@@ -28,14 +28,23 @@ def progress(batch: dict[str, Any]) -> str:
     return f"{ended}/{total} {100 * ended // total}%"
 
 
+def tokens(usage: dict[str, Any]) -> int:
+    """
+    @param usage: a batch's C{usage} as the admin API shows it.
+    @return: its lines' prompt and completion tokens so far.
+    """
+    return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
+
+
 def batches_list(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
     """
     C{batches} (C{batches list}): a table of every key's batches, newest
-    first, those of C{--status} or C{--key} only when given, at most
-    C{--limit} of them, made before C{--after}'s batch when given (the
-    table says the id to go on from when more follow).
+    first, with their lines' tokens and cost so far, those of C{--status}
+    or C{--key} only when given, at most C{--limit} of them, made before
+    C{--after}'s batch when given (the table says the id to go on from
+    when more follow).
     """
     query = {
         name: value
@@ -59,11 +68,23 @@ def batches_list(
             b["status"],
             progress(b),
             (b.get("lines") or {}).get("failed", b["request_counts"]["failed"]),
+            tokens(b["usage"]),
+            money(b["usage"]["cost"]),
             when(b["created_at"]),
         )
         for b in result["batches"]
     ]
-    header = ("BATCH", "KEY", "ENDPOINT", "STATUS", "DONE", "FAILED", "CREATED")
+    header = (
+        "BATCH",
+        "KEY",
+        "ENDPOINT",
+        "STATUS",
+        "DONE",
+        "FAILED",
+        "TOKENS",
+        "COST",
+        "CREATED",
+    )
     text = table(rows, header)
     if result.get("has_more"):
         text += f"more follow: --after {result['last_id']}\n"
@@ -74,10 +95,12 @@ def batches_show(
     client: Client, args: argparse.Namespace, out: IO[str]
 ) -> tuple[Any, str]:
     """
-    C{batches show ID}: one batch's fields, its errors, and its lines by
-    state (pending, running, done, failed, cancelled, expired).
+    C{batches show ID}: one batch's fields, what its lines used (tokens,
+    GPU-seconds, cost), its errors, and its lines by state (pending,
+    running, done, failed, cancelled, expired).
     """
     batch = client.call("GET", f"/api/v1/batches/{quote(args.id)}")
+    usage = batch["usage"]
     times = [
         f"{name}: {when(batch[f'{name}_at'])}"
         for name in (
@@ -104,6 +127,10 @@ def batches_show(
         f"error file: {cell(batch['error_file_id'])}",
         *times,
         f"expires: {cell(when(batch['expires_at']))}",
+        f"usage: {usage['requests']} lines answered,"
+        f" {usage['prompt_tokens']} prompt and {usage['completion_tokens']}"
+        f" completion tokens, {usage['gpu_seconds']:.3f} GPU s,"
+        f" cost {money(usage['cost'])}",
     ]
     lines += [
         f"error: line {cell(e.get('line'))}: {e.get('message')}"

@@ -12,7 +12,7 @@ import urllib.parse
 from typing import IO, Any
 
 from llmgw.cli.ctl.client import Client, CtlError, quote
-from llmgw.cli.ctl.show import cell, table, when
+from llmgw.cli.ctl.show import cell, money, table, when
 
 
 def keys_create(
@@ -138,7 +138,7 @@ def keys_list(
             k.get("priority", "standard"),
             k.get("weight", 1),
             k.get("budget_cost"),
-            _money(k.get("cost_used")),
+            money(k.get("cost_used")),
         )
         for k in result["keys"]
     ]
@@ -192,7 +192,7 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
             g["mean_latency"],
             g["mean_time_to_first_token"],
             g.get("gpu_seconds"),
-            _money(g.get("cost")),
+            money(g.get("cost")),
         )
         for g in result["usage"]
     ]
@@ -200,7 +200,7 @@ def usage(client: Client, args: argparse.Namespace, out: IO[str]) -> tuple[Any, 
         label = f"(idle) {_day(idle['day'])}" if "day" in idle else "(idle)"
         rows.append(
             (label, None, None, None, None, None, None, None, idle["gpu_seconds"])
-            + (_money(idle["cost"]),)
+            + (money(idle["cost"]),)
         )
     header = (
         args.by.upper(),
@@ -223,11 +223,3 @@ def _day(seconds: float) -> str:
     @return: the UTC day starting at C{seconds}, C{YYYY-MM-DD}.
     """
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%d")
-
-
-def _money(value: float | None) -> str | None:
-    """
-    @return: a cost to the millionth (a request's is often under a
-        cent), or L{None}.
-    """
-    return None if value is None else f"{value:.6f}"

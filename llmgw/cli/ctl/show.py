@@ -1,5 +1,5 @@
 """
-How C{llmgw ctl} prints: aligned tables, times, sizes.
+How C{llmgw ctl} prints: aligned tables, times, sizes, costs.
 """
 
 from __future__ import annotations
@@ -58,3 +58,11 @@ def size(count: int) -> str:
             return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
         amount /= 1024
     return f"{count} B"
+
+
+def money(value: float | None) -> str | None:
+    """
+    @return: a cost to the millionth (a request's is often under a
+        cent), or L{None}.
+    """
+    return None if value is None else f"{value:.6f}"

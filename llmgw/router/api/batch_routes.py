@@ -279,7 +279,11 @@ class BatchRoutes:
         return content
 
     async def _shown(self, row: KeptBatch) -> dict[str, Any]:
-        return batch_object(row, await self._batches.line_counts(row.id))
+        return batch_object(
+            row,
+            await self._batches.line_counts(row.id),
+            await self._batches.usage(row.id),
+        )
 
     async def _get(self, request: IRequest, batch_id: str) -> KeptBatch:
         key = request_key(self._auth, request)

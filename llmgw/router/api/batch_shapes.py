@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from llmgw.router.batch_interfaces import KeptBatch, KeptFile, KeptLine
+from llmgw.router.batch_interfaces import KeptBatch, KeptFile, KeptLine, KeptUsage
 
 _TIMES = (
     "expires_at",
@@ -72,11 +72,17 @@ def cursor_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     }
 
 
-def batch_object(batch: KeptBatch, counts: dict[str, int]) -> dict[str, Any]:
+def batch_object(
+    batch: KeptBatch, counts: dict[str, int], usage: KeptUsage
+) -> dict[str, Any]:
     """
     @param counts: the batch's lines per state: C{request_counts} are read
         from them (C{completed} the lines done, C{failed} those failed or
         expired), so that they move as the lines end.
+    @param usage: what its lines used so far: OpenAI's C{usage} (its
+        C{BatchUsage}: input, output and total tokens) is read from it.
+        Cached and reasoning tokens are not in llmgw's usage records:
+        their details say 0.
     @return: OpenAI's batch object.
     """
     body: dict[str, Any] = {
@@ -95,6 +101,13 @@ def batch_object(batch: KeptBatch, counts: dict[str, int]) -> dict[str, Any]:
             "total": sum(counts.values()),
             "completed": counts.get("done", 0),
             "failed": counts.get("failed", 0) + counts.get("expired", 0),
+        },
+        "usage": {
+            "input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         },
     }
     for name in _TIMES:

@@ -45,6 +45,16 @@ class CostEndToEndTests(_Fleet, CtlMixin, SynchronousTestCase):
         )
         return answer.choices[0].message.content or ""
 
+    def priced_fleet(self) -> None:
+        """
+        A server with L{COST}'s prices and gpu-01's agent, one replica of
+        C{chat} ready on it.
+        """
+        config = self.config(MODELS.format(min_replicas=1, idle="0s"))
+        self.start_fleet_server(config + COST)
+        self.start_agent("gpu-01")
+        self.ready(1)
+
     def usage(self) -> dict[str, Any]:
         result: dict[str, Any] = self.ctl_json("usage", "--by", "key", "--since", "1h")
         return result
@@ -58,10 +68,7 @@ class CostEndToEndTests(_Fleet, CtlMixin, SynchronousTestCase):
         were counted the same time.  A key with a budget in cost is
         refused once its requests cost that much.
         """
-        config = self.config(MODELS.format(min_replicas=1, idle="0s"))
-        self.start_fleet_server(config + COST)
-        self.start_agent("gpu-01")
-        self.ready(1)
+        self.priced_fleet()
         key = self.ctl_json("keys", "create", "--name", "app")["key"]
         capped = self.ctl_json(
             "keys", "create", "--name", "capped", "--budget-cost", "0.0000001"
@@ -123,10 +130,7 @@ class CostEndToEndTests(_Fleet, CtlMixin, SynchronousTestCase):
         its key, whose only requests are the batch's lines; the SDK's
         C{Batch.usage} has their tokens.
         """
-        config = self.config(MODELS.format(min_replicas=1, idle="0s"))
-        self.start_fleet_server(config + COST)
-        self.start_agent("gpu-01")
-        self.ready(1)
+        self.priced_fleet()
         key = self.ctl_json("keys", "create", "--name", "nightly")["key"]
         client = openai.OpenAI(
             base_url=self.api_url + "/v1", api_key=key, max_retries=0, timeout=60

@@ -199,17 +199,26 @@ class PostgresServer:
         """
         self._pg_ctl_start()
 
-    def create_database(self, name: str | None = None) -> str:
+    def create_database(self, name: str | None = None, *options: str) -> str:
         """
         C{createdb} a new, empty database.
 
         @param name: its name; by default C{llmgw_N}, new each call.
+        @param options: more of C{createdb}'s options (a collation).
         @return: its URL, C{postgresql://postgres@127.0.0.1:PORT/NAME}.
         """
         if name is None:
             name = f"llmgw_{next(self._names)}"
         self._run(
-            "createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", _USER, name
+            "createdb",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-U",
+            _USER,
+            *options,
+            name,
         )
         return self.url(name)
 
@@ -291,15 +300,18 @@ def shared_server() -> PostgresServer:
     return _shared[0]
 
 
-def fresh_database(case: Any) -> str:
+def fresh_database(case: Any, *options: str) -> str:
     """
     A new, empty database on the process's shared server (see
     L{shared_server}); the server outlives the test.
 
     @param case: a trial test case (unused today; for symmetry with
         L{start_postgres} and a later drop in its cleanup).
+    @param options: more of C{createdb}'s options (a collation).
     @return: the database's URL.
     @raise SkipTest: see L{require_postgres}.
     """
     del case
-    return shared_server().create_database(f"llmgw_{os.getpid()}_{time.monotonic_ns()}")
+    return shared_server().create_database(
+        f"llmgw_{os.getpid()}_{time.monotonic_ns()}", *options
+    )

@@ -63,7 +63,7 @@ class _Store:
         counts.update(self.lines.get(batch_id, {}))
         return succeed(counts)
 
-    def batch_usage(self, batch_id: str) -> Deferred[BatchUsage]:
+    def batch_usage(self, batch_id: str, created_at: float) -> Deferred[BatchUsage]:
         return succeed(self.usage.get(batch_id, BatchUsage()))
 
     def update_batch(

@@ -150,7 +150,7 @@ class CtlBatchesTests(_Batches, SynchronousTestCase):
         self.assertIn("status: in_progress\n", shown)
         self.assertIn("progress: 0/5 0%\n", shown)
         self.assertIn(
-            "usage: 0 lines answered, 0 prompt and 0 completion tokens,"
+            "usage: 0 lines run, 0 prompt and 0 completion tokens,"
             " 0.000 GPU s, cost 0.000000\n",
             shown,
         )
@@ -286,8 +286,7 @@ class BatchWorkCountedTests(_Batches, SynchronousTestCase):
             listed[1].split()[1:8], ["nightly", *ROW, "0", str(prompt + completion)]
         )
         self.assertIn(
-            f"usage: 20 lines answered, {prompt} prompt and {completion}"
-            " completion tokens,",
+            f"usage: 20 lines run, {prompt} prompt and {completion} completion tokens,",
             self.ctl("batches", "show", made.id).stdout,
         )
 

@@ -15,6 +15,7 @@ from twisted.trial.unittest import TestCase
 from llmgw.store.base import Store, UsageRow
 from llmgw.store.batches import BatchLine, BatchRow, BatchUsage, FileRow
 from tests import test_store_backends as backends
+from tests.pg_support import fresh_database
 
 if TYPE_CHECKING:
     _Base = TestCase
@@ -215,44 +216,7 @@ class _BatchBehaviour(_Base):
         batch's (one whose id begins with this one's included), nor a
         client's request; a batch with none used nothing.
         """
-        store = self.store()
-
-        def row(request_id: str, batch_id: str | None, tokens: int) -> UsageRow:
-            return UsageRow(
-                request_id=request_id,
-                key_id=None,
-                key_name=None,
-                model="m",
-                replica="r",
-                status=200,
-                stream=False,
-                prompt_tokens=tokens,
-                completion_tokens=2 * tokens,
-                latency=0.1,
-                time_to_first_token=0.05,
-                batch_id=batch_id,
-                gpu_seconds=tokens / 4,
-                cost=tokens / 8,
-            )
-
-        await store.add_usage(
-            [
-                (100.0, row("batch_1-1", "batch_1", 4)),
-                (101.0, row("batch_1-2", "batch_1", 8)),
-                (102.0, row("batch_1-10", "batch_1", 16)),
-                (103.0, row("batch_10-1", "batch_10", 32)),
-                (104.0, row("batch_1-x", None, 64)),
-                (105.0, row("batch_2-1", "batch_2", 128)),
-            ],
-            {},
-        )
-        self.assertEqual(
-            await store.batch_usage("batch_1"), BatchUsage(3, 28, 56, 7.0, 3.5)
-        )
-        self.assertEqual(
-            await store.batch_usage("batch_10"), BatchUsage(1, 32, 64, 8.0, 4.0)
-        )
-        self.assertEqual(await store.batch_usage("batch_3"), BatchUsage())
+        await batch_usage_summed(self, self.store())
 
     async def test_two_claimers_never_share_a_line(self) -> None:
         """
@@ -271,6 +235,53 @@ class _BatchBehaviour(_Base):
         self.assertEqual((await one.line_counts("batch_1"))["running"], 200)
 
 
+async def batch_usage_summed(case: TestCase, store: Store) -> None:
+    """
+    The check of L{_BatchBehaviour.test_batch_usage} on C{store}.
+    """
+
+    def row(request_id: str, batch_id: str | None, tokens: int) -> UsageRow:
+        return UsageRow(
+            request_id=request_id,
+            key_id=None,
+            key_name=None,
+            model="m",
+            replica="r",
+            status=200,
+            stream=False,
+            prompt_tokens=tokens,
+            completion_tokens=2 * tokens,
+            latency=0.1,
+            time_to_first_token=0.05,
+            batch_id=batch_id,
+            gpu_seconds=tokens / 4,
+            cost=tokens / 8,
+        )
+
+    await store.add_batch(_batch("batch_1", None, 10.0), _lines("batch_1", 12))
+    await store.add_batch(_batch("batch_10", None, 10.0), _lines("batch_10", 1))
+    await store.add_batch(_batch("batch_3", None, 10.0), _lines("batch_3", 1))
+    await store.add_usage(
+        [
+            (100.0, row("batch_1-1", "batch_1", 4)),
+            (101.0, row("batch_1-2", "batch_1", 8)),
+            (102.0, row("batch_1-10", "batch_1", 16)),
+            (103.0, row("batch_10-1", "batch_10", 32)),
+            (104.0, row("batch_1-11", None, 64)),
+            (105.0, row("batch_2-1", "batch_2", 128)),
+        ],
+        {},
+    )
+    case.assertEqual(
+        await store.batch_usage("batch_1", 10.0), BatchUsage(3, 28, 56, 7.0, 3.5)
+    )
+    case.assertEqual(
+        await store.batch_usage("batch_10", 10.0), BatchUsage(1, 32, 64, 8.0, 4.0)
+    )
+    case.assertEqual(await store.batch_usage("batch_3", 10.0), BatchUsage())
+    case.assertEqual(await store.batch_usage("batch_9", 10.0), BatchUsage())
+
+
 class SQLiteBatchStoreTests(_BatchBehaviour, TestCase):
     setUp = backends.SQLiteStoreTests.setUp
     make_store = backends.SQLiteStoreTests.make_store
@@ -279,3 +290,19 @@ class SQLiteBatchStoreTests(_BatchBehaviour, TestCase):
 class PostgresBatchStoreTests(_BatchBehaviour, TestCase):
     setUp = backends.PostgresStoreTests.setUp
     make_store = backends.PostgresStoreTests.make_store
+
+    async def test_batch_usage_any_collation(self) -> None:
+        """
+        The same sums on a database whose collation ignores punctuation
+        (ICU's C{und-u-ka-shifted}; glibc's C{en_US.UTF-8}, the default
+        of many clusters, does so too): C{batch_1-10} sorts there as
+        C{batch110}, outside any range of ids beginning C{batch_1-}.
+        """
+        self.url = fresh_database(
+            self,
+            "--template=template0",
+            "--locale-provider=icu",
+            "--icu-locale=und-u-ka-shifted",
+            "--locale=C",
+        )
+        await batch_usage_summed(self, self.store())

@@ -139,7 +139,8 @@ class BatchRoutes:
     async def _shown(self, batch: BatchRow, with_lines: bool) -> dict[str, Any]:
         store = self._store()
         lines = await store.line_counts(batch.id) if with_lines else None
-        return batch_json(batch, lines, await store.batch_usage(batch.id))
+        usage = await store.batch_usage(batch.id, batch.created_at)
+        return batch_json(batch, lines, usage)
 
     async def _with_lines(self, batch: BatchRow) -> dict[str, Any]:
         return await self._shown(batch, True)

@@ -105,8 +105,8 @@ class StoreBatches:
         d = self._store.batch_lines(batch_id)
         return d.addCallback(lambda rows: [KeptLine(**_fields(r)) for r in rows])
 
-    def usage(self, batch_id: str) -> Deferred[KeptUsage]:
-        d = self._store.batch_usage(batch_id)
+    def usage(self, batch: KeptBatch) -> Deferred[KeptUsage]:
+        d = self._store.batch_usage(batch.id, batch.created_at)
         return d.addCallback(lambda row: KeptUsage(**_fields(row)))
 
     def delete(self, batch_id: str, key_id: int | None) -> Deferred[bool]:

@@ -217,7 +217,7 @@ class BatchStore(Protocol):
         @return: fires with the batch's lines, by C{line_no}.
         """
 
-    def usage(self, batch_id: str) -> Deferred[KeptUsage]:
+    def usage(self, batch: KeptBatch) -> Deferred[KeptUsage]:
         """
         @return: fires with what the batch's lines used so far.
         """

@@ -480,23 +480,31 @@ class BatchTables:
         )
         return d.addCallback(_per_state)
 
-    def batch_usage(self, batch_id: str) -> Deferred[BatchUsage]:
+    def batch_usage(self, batch_id: str, created_at: float) -> Deferred[BatchUsage]:
         """
+        @param created_at: when the batch was made, POSIX seconds: its
+            lines' rows are none older.
         @return: fires with the sums of the batch's lines' usage rows, as
             far as they are kept (C{[store] usage_retention}: rows rolled
-            into daily totals no longer count).  Read by the request id's
-            prefix (C{BATCH-}, on the index the usage table has on its
-            request ids), not by C{batch_id}, which has none.
+            into daily totals no longer count).
         """
+        # Each line's row looked up by its exact request id (BATCH-LINE)
+        # on the index the usage table has on request ids: an equality,
+        # whatever the database's collation (a range over the prefix is
+        # not one under a collation that ignores punctuation, as glibc's
+        # en_US.UTF-8 does), and no index on batch_id, which a table this
+        # large would need a rewrite to add.  The time bound, a value,
+        # lets PostgreSQL leave out the monthly partitions older than the
+        # batch (a day of slack for servers' clocks).
         p = self._p
         d = self._rows(
-            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0),"
-            " COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(gpu_seconds), 0),"
-            f" COALESCE(SUM(cost), 0) FROM usage WHERE request_id >= {p}"
-            f" AND request_id < {p} AND batch_id = {p}",
-            # Every id of the batch's lines lies between "BATCH-" and
-            # "BATCH." ("." follows "-").
-            (batch_id + "-", batch_id + ".", batch_id),
+            "SELECT COUNT(u.id), COALESCE(SUM(u.prompt_tokens), 0),"
+            " COALESCE(SUM(u.completion_tokens), 0),"
+            " COALESCE(SUM(u.gpu_seconds), 0), COALESCE(SUM(u.cost), 0)"
+            " FROM batch_lines l JOIN usage u"
+            " ON u.request_id = l.batch_id || '-' || l.line_no"
+            f" AND u.batch_id = l.batch_id WHERE l.batch_id = {p} AND u.time >= {p}",
+            (batch_id, created_at - 86400),
         )
 
         def summed(rows: list[Any]) -> BatchUsage:

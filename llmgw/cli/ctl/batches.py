@@ -28,11 +28,14 @@ def progress(batch: dict[str, Any]) -> str:
     return f"{ended}/{total} {100 * ended // total}%"
 
 
-def tokens(usage: dict[str, Any]) -> int:
+def tokens(usage: dict[str, Any] | None) -> int | None:
     """
-    @param usage: a batch's C{usage} as the admin API shows it.
-    @return: its lines' prompt and completion tokens so far.
+    @param usage: a batch's C{usage} as the admin API shows it, or
+        L{None} from a server older than this C{ctl}, which shows none.
+    @return: its lines' prompt and completion tokens so far, or L{None}.
     """
+    if usage is None:
+        return None
     return int(usage["prompt_tokens"]) + int(usage["completion_tokens"])
 
 
@@ -68,8 +71,8 @@ def batches_list(
             b["status"],
             progress(b),
             (b.get("lines") or {}).get("failed", b["request_counts"]["failed"]),
-            tokens(b["usage"]),
-            money(b["usage"]["cost"]),
+            tokens(b.get("usage")),
+            money((b.get("usage") or {}).get("cost")),
             when(b["created_at"]),
         )
         for b in result["batches"]
@@ -100,7 +103,6 @@ def batches_show(
     running, done, failed, cancelled, expired).
     """
     batch = client.call("GET", f"/api/v1/batches/{quote(args.id)}")
-    usage = batch["usage"]
     times = [
         f"{name}: {when(batch[f'{name}_at'])}"
         for name in (
@@ -127,11 +129,15 @@ def batches_show(
         f"error file: {cell(batch['error_file_id'])}",
         *times,
         f"expires: {cell(when(batch['expires_at']))}",
-        f"usage: {usage['requests']} lines answered,"
-        f" {usage['prompt_tokens']} prompt and {usage['completion_tokens']}"
-        f" completion tokens, {usage['gpu_seconds']:.3f} GPU s,"
-        f" cost {money(usage['cost'])}",
     ]
+    usage = batch.get("usage")
+    if usage is not None:
+        lines.append(
+            f"usage: {usage['requests']} lines run,"
+            f" {usage['prompt_tokens']} prompt and {usage['completion_tokens']}"
+            f" completion tokens, {usage['gpu_seconds']:.3f} GPU s,"
+            f" cost {money(usage['cost'])}"
+        )
     lines += [
         f"error: line {cell(e.get('line'))}: {e.get('message')}"
         for e in batch.get("errors") or ()

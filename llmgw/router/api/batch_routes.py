@@ -282,7 +282,7 @@ class BatchRoutes:
         return batch_object(
             row,
             await self._batches.line_counts(row.id),
-            await self._batches.usage(row.id),
+            await self._batches.usage(row),
         )
 
     async def _get(self, request: IRequest, batch_id: str) -> KeptBatch:

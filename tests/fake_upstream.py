@@ -108,9 +108,16 @@ class _Handler(BaseHTTPRequestHandler):
                 pass
         elif mode == "usage":
             # The counts the request names, as an engine's usage object,
-            # whole or as a stream's last chunk.
+            # whole or as a stream's last chunk; a pooling route's answer
+            # in OpenAI's embeddings shape.
             usage = json.dumps(request["usage"]).encode()
-            if request.get("stream"):
+            if self.path in ("/v1/embeddings", "/v1/rerank", "/v1/score"):
+                self._send(
+                    200,
+                    b'{"object":"list","model":"m","data":[{"object":"embedding",'
+                    b'"index":0,"embedding":[0.6,0.8]}],"usage":' + usage + b"}",
+                )
+            elif request.get("stream"):
                 self._chunked(
                     [
                         CHUNK,

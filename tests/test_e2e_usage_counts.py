@@ -9,13 +9,14 @@ records it could never write, for the rest of the server's life) and -5
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from tests.support import Processes
+from tests.support import Processes, http
 from tests.test_e2e_router import client
 
 BAD_COUNTS: tuple[dict[str, Any], ...] = (
@@ -72,3 +73,60 @@ class EngineCountsTests(SynchronousTestCase, Processes):
         self.assertEqual([r[1:] for r in rows[-2:]], [(4, 2, 0), (4, 2, 0)])
         self.assertNotIn("cannot write", server.output())
         self.assertNotIn("Traceback", server.output())
+
+    def test_pooling_counts_believed(self) -> None:
+        """
+        A pooling route's usage has no completion count: OpenAI's
+        embeddings answer (C{prompt_tokens}, C{total_tokens}, as
+        llama.cpp sends it) and vLLM's rerank answer name none.  Their
+        prompt count is recorded as the engine's, with no completion;
+        a chat answer without a completion count is still estimated,
+        and a pooling answer with a bad count too.
+        """
+        from tests.fake_upstream import FakeUpstream
+
+        fake = FakeUpstream()
+        self.addCleanup(fake.stop)
+        server, url, _ = self.start_server(
+            "--endpoint", f"fake={fake.url}=m", state="server-state"
+        )
+        gateway = client(url)
+        pooled = {"prompt_tokens": 6, "total_tokens": 6}
+        embedded = gateway.embeddings.create(
+            model="m", input="hello", extra_body={"mode": "usage", "usage": pooled}
+        )
+        self.assertEqual(embedded.usage.prompt_tokens, 6)
+        status, _, _ = http(
+            "POST",
+            url + "/v1/rerank",
+            json.dumps(
+                {
+                    "model": "m",
+                    "query": "q",
+                    "documents": ["a", "b"],
+                    "mode": "usage",
+                    "usage": {"prompt_tokens": 9, "total_tokens": 9},
+                }
+            ).encode(),
+            {"content-type": "application/json"},
+        )
+        self.assertEqual(status, 200)
+        gateway.embeddings.create(
+            model="m",
+            input="hello",
+            extra_body={"mode": "usage", "usage": {"prompt_tokens": -1}},
+        )
+        gateway.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hello there"}],
+            extra_body={"mode": "usage", "usage": pooled},
+        )
+        server.stop()
+        path = os.path.join(self._directory(), "server-state", "llmgw.db")
+        with sqlite3.connect(path) as db:
+            rows = db.execute(
+                "SELECT status, prompt_tokens, completion_tokens, estimated"
+                " FROM usage ORDER BY time"
+            ).fetchall()
+        self.assertEqual(rows[:2], [(200, 6, 0, 0), (200, 9, 0, 0)])
+        self.assertEqual([(r[0], r[3]) for r in rows[2:]], [(200, 1), (200, 1)])

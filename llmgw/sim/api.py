@@ -579,7 +579,8 @@ def embeddings_response(
 ) -> bytes:
     """
     The OpenAI embeddings answer: C{{"object": "list", "data": [...],
-    "model", "usage": {"prompt_tokens", "total_tokens"}}}.
+    "model", "usage"}}, the usage with C{completion_tokens} 0 as vLLM's
+    (its C{UsageInfo}'s default; OpenAI's own names no completion count).
     """
     return _dumps(
         {
@@ -592,6 +593,7 @@ def embeddings_response(
             "usage": {
                 "prompt_tokens": req.prompt_tokens,
                 "total_tokens": req.prompt_tokens,
+                "completion_tokens": 0,
             },
         }
     )

@@ -96,6 +96,13 @@ def request_record(
     )
 
 
+POOLING_PATHS = frozenset((b"/v1/embeddings", b"/v1/rerank", b"/v1/score"))
+"""
+The engine paths whose answers are a pooling model's (vectors, scores):
+no completion tokens.
+"""
+
+
 def _tokens(
     exchange: Exchange | None, status: int
 ) -> tuple[int | None, int | None, bool]:
@@ -110,6 +117,16 @@ def _tokens(
     completion = engine_count(
         usage.get("completion_tokens", usage.get("output_tokens"))
     )
+    if (
+        exchange is not None
+        and exchange.path in POOLING_PATHS
+        and "completion_tokens" not in usage
+    ):
+        # A pooling answer generates nothing, and may say so by naming
+        # no completion count: OpenAI's embeddings usage is
+        # prompt_tokens and total_tokens only (llama.cpp's server sends
+        # that), and so is vLLM's rerank usage (its RerankUsage).
+        completion = 0
     # A count that is no count is not believed (engine_count).
     counted = exchange is not None and exchange.usage is not None
     believed = not counted or (prompt is not None and completion is not None)

@@ -26,6 +26,8 @@ LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DGGML_NATIVE=OFF \
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	@echo "installing llmgw and its dependencies into $(VENV): a few minutes" \
+		"(llama-cpp-python is built from source, quietly)"
 	# compat mode keeps the project root on sys.path, where twistd finds
 	# twisted/plugins/llmgw_plugins.py.
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet -e '.[local,test,dev]' \

@@ -97,6 +97,15 @@ class OpenAIFileTests(SynchronousTestCase):
         )
         self.assertEqual([r.line_no for r in checked.requests], [1, 11])
         self.assertIn("'/v1/embeddings'", checked.errors[5]["message"])
+        # Not JSON: the parser's word, with where in the line.
+        self.assertEqual(
+            checked.errors[0]["message"],
+            "This line is not valid JSON: Expecting property name enclosed in"
+            " double quotes: line 1 column 2 (char 1).",
+        )
+        self.assertEqual(
+            checked.errors[1]["message"], "This line is not a JSON object."
+        )
 
     def test_blank_lines_at_the_end(self) -> None:
         """

@@ -177,8 +177,13 @@ def openai_line(number: int, raw: bytes, endpoint: str) -> LineRequest:
     """
     try:
         line = json.loads(raw)
-    except (ValueError, RecursionError):
-        # RecursionError: nested past the parser's depth.
+    except ValueError as error:
+        # The parser's word says where in the line (its column).
+        raise LineError(
+            "invalid_json_line", f"This line is not valid JSON: {error}.", None
+        ) from None
+    except RecursionError:
+        # Nested past the parser's depth.
         line = None
     if not isinstance(line, dict):
         raise LineError("invalid_json_line", "This line is not a JSON object.", None)

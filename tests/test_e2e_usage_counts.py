@@ -31,6 +31,18 @@ BAD_COUNTS: tuple[dict[str, Any], ...] = (
 class EngineCountsTests(SynchronousTestCase, Processes):
     timeout = 60
 
+    def usage_rows(self) -> list[tuple[int, int, int, int]]:
+        """
+        @return: C{(status, prompt, completion, estimated)} of each usage
+            row the stopped server wrote, in time order.
+        """
+        path = os.path.join(self._directory(), "server-state", "llmgw.db")
+        with sqlite3.connect(path) as db:
+            return db.execute(
+                "SELECT status, prompt_tokens, completion_tokens, estimated"
+                " FROM usage ORDER BY time"
+            ).fetchall()
+
     def test_counts_not_believed_and_nothing_lost(self) -> None:
         """
         Each bad count, whole and streamed, is answered 200 and recorded as
@@ -59,12 +71,7 @@ class EngineCountsTests(SynchronousTestCase, Processes):
                 else:
                     self.assertEqual(answer.choices[0].message.content, "ok")
         server.stop()
-        path = os.path.join(self._directory(), "server-state", "llmgw.db")
-        with sqlite3.connect(path) as db:
-            rows = db.execute(
-                "SELECT status, prompt_tokens, completion_tokens, estimated"
-                " FROM usage ORDER BY time"
-            ).fetchall()
+        rows = self.usage_rows()
         self.assertEqual(len(rows), 2 * len(BAD_COUNTS) + 2, rows)
         for status, prompt, completion, estimated in rows[:-2]:
             self.assertEqual(status, 200)
@@ -122,11 +129,6 @@ class EngineCountsTests(SynchronousTestCase, Processes):
             extra_body={"mode": "usage", "usage": pooled},
         )
         server.stop()
-        path = os.path.join(self._directory(), "server-state", "llmgw.db")
-        with sqlite3.connect(path) as db:
-            rows = db.execute(
-                "SELECT status, prompt_tokens, completion_tokens, estimated"
-                " FROM usage ORDER BY time"
-            ).fetchall()
+        rows = self.usage_rows()
         self.assertEqual(rows[:2], [(200, 6, 0, 0), (200, 9, 0, 0)])
         self.assertEqual([(r[0], r[3]) for r in rows[2:]], [(200, 1), (200, 1)])

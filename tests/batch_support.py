@@ -8,14 +8,14 @@ and the results read back.
 from __future__ import annotations
 
 import json
-import re
 import time
-import urllib.request
 from collections.abc import Callable
 from typing import Any
 
 import openai
 from openai.types import Batch
+
+from tests.test_e2e_fleet_metrics import samples, values
 
 MODEL = "sim-model"
 
@@ -98,12 +98,8 @@ def engine_running(engine_url: str, timeout: float = 30) -> None:
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with urllib.request.urlopen(engine_url + "/metrics", timeout=10) as answer:
-            body = answer.read()
-        running = re.search(
-            rb"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", body, re.M
-        )
-        if running is not None and float(running.group(1)) > 0:
+        running = values(samples(engine_url), "vllm:num_requests_running")
+        if sum(running.values()) > 0:
             return
         time.sleep(0.02)
     raise AssertionError(f"{engine_url} ran no request within {timeout} s")

@@ -125,7 +125,9 @@ def classes() -> list[ClassInfo]:
     for _, path in modules():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
-        relative = "llmgw/" + path.split("/llmgw/", 1)[1]
+        # Against the package's folder, as modules() names them: a
+        # checkout in a folder itself named llmgw has "/llmgw/" twice.
+        relative = os.path.relpath(path, os.path.dirname(ROOT))
         found.extend(
             ClassInfo(relative, n)
             for n in ast.walk(tree)

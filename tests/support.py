@@ -295,6 +295,32 @@ def http(
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
 
 
+def until_known(urls: list[str], key: str, seconds: float = 10.0) -> float:
+    """
+    Wait until every server or router at C{urls} admits C{key}: the
+    others learn a key made through one by the store (PostgreSQL's
+    notification, or their poll), which takes a moment. C{GET /v1/models}
+    authenticates the key without counting against its rpm or tpm.
+
+    @param urls: base URLs (scheme, host and port).
+    @return: seconds until the last one admitted it.
+    @raise AssertionError: one still answers 401 after C{seconds}.
+    """
+    began = time.monotonic()
+    deadline = began + seconds
+    for url in urls:
+        while True:
+            status, _, body = http(
+                "GET", url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+            )
+            if status == 200:
+                break
+            if status != 401 or time.monotonic() > deadline:
+                raise AssertionError(f"{url}: key not admitted: {status} {body!r}")
+            time.sleep(0.05)
+    return time.monotonic() - began
+
+
 def sim_stats(base_url: str) -> dict[str, Any]:
     """
     @return: the simulator's counters (C{GET /sim/stats}).

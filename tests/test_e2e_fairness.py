@@ -21,6 +21,7 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import CtlMixin, Processes, http, sim_stats
+from tests.test_e2e_fleet_metrics import until_router_reads
 
 CHAT: list[Any] = [{"role": "user", "content": "hello"}]
 
@@ -94,7 +95,7 @@ class PriorityTests(SynchronousTestCase, Processes, CtlMixin):
                 while sim_stats(url)["waiting"] < 2:
                     self.assertLess(time.monotonic(), deadline)
                     time.sleep(0.05)
-                time.sleep(0.5)
+                until_router_reads(self.admin_url, "a", 2)
             else:
                 time.sleep(0.1)
         threads.append(threading.Thread(target=ask, args=("i", chat)))

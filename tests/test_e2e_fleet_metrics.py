@@ -50,6 +50,37 @@ def values(found: list[Sample], name: str) -> dict[tuple[tuple[str, str], ...], 
     return {tuple(sorted(s.labels.items())): s.value for s in found if s.name == name}
 
 
+def until_router_reads(
+    admin_url: str, replica: str, waiting: int, timeout: float = 10
+) -> None:
+    """
+    Wait (every 50 ms, at most C{timeout} seconds) until the router's own
+    reading of C{replica}'s engine, on its admin C{/metrics}, is fresh
+    (C{llmgw_engine_load_stale} 0) and shows at least C{waiting} requests
+    queued (C{llmgw_engine_requests_waiting}): what its overload room
+    decides on, where a fixed sleep only hopes for a poll.
+
+    @raise AssertionError: the time ran out first.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = samples(admin_url)
+        queued = [
+            value
+            for labels, value in values(found, "llmgw_engine_requests_waiting").items()
+            if ("replica", replica) in labels
+        ]
+        stale = [
+            value
+            for labels, value in values(found, "llmgw_engine_load_stale").items()
+            if ("replica", replica) in labels
+        ]
+        if queued and max(queued) >= waiting and stale and max(stale) == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the router never read {waiting} queued on {replica}")
+
+
 class FleetMetricsTests(_Fleet, SynchronousTestCase):
     """
     A server with two agents (two simulated H200s each) and two replicas

@@ -9,7 +9,6 @@ without it, with C{[limits] routers = 2}, each admits its half.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -17,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.pg_support import fresh_database
 from tests.redis_support import start_redis
-from tests.support import Processes
+from tests.support import Processes, until_known
 from tests.test_e2e_store import CHAT, _Ctl
 
 
@@ -44,7 +43,7 @@ class LimitsAcrossServersTests(SynchronousTestCase, Processes, _Ctl):
         @return: per request, C{"ok"}, C{"429"} or the error's name.
         """
         key = self.ctl_json("keys", "create", "--name", "app", "--rpm", str(rpm))["key"]
-        time.sleep(0.5)  # the other servers learn the key
+        until_known([url for _, url, _ in self.servers], key)
         clients = [
             openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
             for _, url, _ in self.servers

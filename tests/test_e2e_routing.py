@@ -16,6 +16,7 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.support import Processes, http, sim_stats
+from tests.test_e2e_fleet_metrics import until_router_reads
 
 CHAT = "/v1/chat/completions"
 
@@ -186,7 +187,10 @@ class RoutingTests(SynchronousTestCase, Processes):
         @return: the engine's URL, a client, the slow requests' threads,
             the admin URL.
         """
-        sim, url = self.start_sim("--max-concurrency", "1", "--itl", "0.1", model="m")
+        # Each slow request takes 2 s (10 tokens), so the queue stays over
+        # the depth for about 4 s after the engine has queued four: the
+        # checks below have seconds to spare on a loaded machine.
+        sim, url = self.start_sim("--max-concurrency", "1", "--itl", "0.2", model="m")
         config = (
             "[router]\n"
             'load_poll_interval = "0.2s"\n'
@@ -218,8 +222,8 @@ class RoutingTests(SynchronousTestCase, Processes):
         while sim_stats(url)["waiting"] < 4:
             self.assertLess(time.monotonic(), deadline, "the engine never queued")
             time.sleep(0.05)
-        # Two polls: the router's reading shows the queue.
-        time.sleep(0.5)
+        # The router's own reading shows the queue over the depth.
+        until_router_reads(admin, "a", 3)
         return url, client, threads, admin
 
     def test_overload_429_then_served(self) -> None:

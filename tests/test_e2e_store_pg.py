@@ -15,7 +15,7 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.pg_support import fresh_database
-from tests.support import Processes
+from tests.support import Processes, until_known
 from tests.test_e2e_store import CHAT, _Ctl
 
 
@@ -80,7 +80,7 @@ class ServersOnOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
         reports 30 requests and the engine's token counts exactly.
         """
         key = self.ctl_json("keys", "create", "--name", "meter")["key"]
-        time.sleep(0.5)  # the other servers learn the key
+        until_known([url for _, url, _ in self.servers], key)
         prompt = completion = 0
         for index in range(3):
             client = self.client(index, key)

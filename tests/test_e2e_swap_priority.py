@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +31,8 @@ class SwapPriorityTests(_Swaps, SynchronousTestCase, CtlMixin):
         @param through: asks for a model with a priority's name, in place
             of the OpenAI client with that priority's key.
         @return: the models C{c} (asked by the batch key) and C{b} (asked
-            0.5 s later by the interactive key) in the order their answers
-            came, with C{waiting_order = order}.
+            by the interactive key once C{c}'s request is held) in the
+            order their answers came, with C{waiting_order = order}.
         """
         self.setup_fleet(
             model("a") + model("b") + model("c"),
@@ -76,7 +75,7 @@ class SwapPriorityTests(_Swaps, SynchronousTestCase, CtlMixin):
             threading.Thread(target=ask, args=("b", "interactive")),
         ]
         asks[0].start()
-        time.sleep(0.5)
+        self.server.wait_for("activating model c: a request is waiting")
         asks[1].start()
         for each in (thread, *asks):
             each.join(60)

@@ -22,7 +22,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.pg_support import fresh_database
 from tests.redis_support import start_redis
-from tests.support import TWISTD, Process, Processes, http, spawn
+from tests.support import TWISTD, Process, Processes, http, spawn, until_known
 from tests.test_e2e_store import CHAT, _Ctl
 from tests.test_e2e_tier import FOLLOWING
 
@@ -85,6 +85,7 @@ class TierLimitsTests(SynchronousTestCase, Processes, _Ctl):
 
     def key(self, name: str, *args: str) -> str:
         key: str = self.ctl_json("keys", "create", "--name", name, *args)["key"]
+        until_known([url for _, url in self.routers], key)
         return key
 
     def client(self, router: int, key: str) -> openai.OpenAI:
@@ -111,7 +112,6 @@ class TierLimitsTests(SynchronousTestCase, Processes, _Ctl):
         counters exactly.
         """
         key = self.key("app", "--rpm", "60")
-        time.sleep(0.5)  # the routers learn the key
         clients = [self.client(i, key) for i in range(3)]
 
         def one(index: int) -> str:
@@ -159,7 +159,6 @@ class TierLimitsTests(SynchronousTestCase, Processes, _Ctl):
         what finished C{FLUSH} seconds before the kill; none doubled.
         """
         keys = [self.key(f"r{i}") for i in range(3)]
-        time.sleep(0.5)
         got: list[list[tuple[float, int, int]]] = [[], [], []]
         failed = [0, 0, 0]
         stop = threading.Event()
@@ -229,7 +228,6 @@ class TierLimitsTests(SynchronousTestCase, Processes, _Ctl):
         (401) within 1 s.
         """
         key = self.key("gone")
-        time.sleep(0.5)
         clients = [self.client(i, key) for i in range(3)]
         for client in clients:
             client.chat.completions.create(model="sim-model", messages=CHAT)
@@ -255,7 +253,6 @@ class TierLimitsTests(SynchronousTestCase, Processes, _Ctl):
         each kept the rpm it had read and refused it for the minute).
         """
         key = self.key("changed", "--rpm", "2")
-        time.sleep(0.5)
         clients = [self.client(i, key) for i in range(3)]
         refused = 0
         for client in clients:

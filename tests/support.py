@@ -299,25 +299,33 @@ def until_known(urls: list[str], key: str, seconds: float = 10.0) -> float:
     """
     Wait until every server or router at C{urls} admits C{key}: the
     others learn a key made through one by the store (PostgreSQL's
-    notification, or their poll), which takes a moment. C{GET /v1/models}
-    authenticates the key without counting against its rpm or tpm.
+    notification, or their poll), which takes a moment.  A server that
+    knows no key yet lets every request in, so each is first asked with
+    a key no server has until it answers 401 (it knows some key), then
+    with C{key} until it answers 200.  C{GET /v1/models} authenticates
+    without counting against a key's rpm or tpm.
 
     @param urls: base URLs (scheme, host and port).
     @return: seconds until the last one admitted it.
-    @raise AssertionError: one still answers 401 after C{seconds}.
+    @raise AssertionError: one did not, within C{seconds}.
     """
     began = time.monotonic()
     deadline = began + seconds
     for url in urls:
-        while True:
-            status, _, body = http(
-                "GET", url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
-            )
-            if status == 200:
-                break
-            if status != 401 or time.monotonic() > deadline:
-                raise AssertionError(f"{url}: key not admitted: {status} {body!r}")
-            time.sleep(0.05)
+        for asked, wanted in (("sk-llmgw-tests-no-such-key", 401), (key, 200)):
+            while True:
+                status, _, body = http(
+                    "GET",
+                    url + "/v1/models",
+                    headers={"Authorization": f"Bearer {asked}"},
+                )
+                if status == wanted:
+                    break
+                if status not in (200, 401) or time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"{url}: wanted {wanted} for the key, got {status} {body!r}"
+                    )
+                time.sleep(0.05)
     return time.monotonic() - began
 
 

@@ -49,16 +49,7 @@ class ServersOnOnePostgresTests(SynchronousTestCase, Processes, _Ctl):
         clients = [self.client(index, key) for index in range(3)]
         # Made on the first server: the others know it (their key rings
         # learn it on the notification), without a restart.
-        deadline = time.monotonic() + 1.0
-        for client in clients:
-            while True:
-                try:
-                    client.models.list()
-                    break
-                except openai.AuthenticationError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
+        until_known([url for _, url, _ in self.servers], key, seconds=1.0)
         self.ctl("keys", "revoke", "app")
         revoked = time.monotonic()
         waiting = list(clients)

@@ -184,16 +184,18 @@ class VLLMLoRATests(VLLMFleet):
         """
         with self.assertRaises(openai.APIStatusError) as refused:
             self.chat(model=MISSING, tokens=2)
-        return refused.exception.status_code
+        status: int = refused.exception.status_code
+        return status
 
     def missing_adapter(self) -> dict[str, Any]:
         """
         @return: the adapter vLLM refuses, as the admin API lists it.
         """
-        (shown,) = [
+        shown: list[dict[str, Any]] = [
             m for m in self.admin("/api/v1/models")["models"] if m["name"] == MISSING
         ]
-        return shown
+        self.assertEqual(len(shown), 1, shown)
+        return shown[0]
 
     def restart_loads_nothing_again(self, replica: dict[str, Any]) -> None:
         """

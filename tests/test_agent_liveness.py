@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IAgent
 
 from llmgw.agent import liveness, sleep
-from llmgw.agent.liveness import INTERVAL, Liveness, engine_line
+from llmgw.agent.liveness import INTERVAL, REFUSED_DEAD, Liveness, engine_line
 from llmgw.agent.records import Marked, proven, write_proof
 from llmgw.agent.sleep import EngineRoutes
 from llmgw.reactors import IEngineReactor
@@ -48,10 +49,14 @@ class _Engine:
         self.asked: list[str] = []
         # An answer to /is_sleeping held until the test fires it.
         self.held: Deferred[Any] | None = None
+        # No listener on its port: every connection refused.
+        self.refusing = False
 
     def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
         path = "/" + url.decode().split("/", 3)[3]
         self.asked.append(path)
+        if self.refusing:
+            return fail(ConnectionRefusedError("Connection refused"))
         if path == "/health":
             return succeed(_Answer(self.health))
         if path == "/is_sleeping":
@@ -127,6 +132,55 @@ class LivenessTests(SynchronousTestCase):
         self.assertTrue(self.dead[0].startswith("vllm.v1.engine.exceptions.EngineDead"))
         self.clock.advance(INTERVAL * 3)
         self.assertEqual(self.engine.asked, ["/health"])
+
+    def test_port_refused_is_death(self) -> None:
+        """
+        A ready engine whose port refuses connections (vLLM's server after
+        its engine core died, its end waiting for ever on a utility call
+        in flight, its process alive): dead after L{REFUSED_DEAD} refusals
+        in a row, with the engine's own line, and asked no more.
+        """
+        self.shard.output = [
+            "WARNING [shutdown] MPClient: engine core exited unexpectedly;"
+            " starting cleanup",
+            "INFO Shutting down",
+            "INFO Waiting for connections to close.",
+        ]
+        self.engine.refusing = True
+        for _ in range(REFUSED_DEAD - 1):
+            self.clock.advance(INTERVAL)
+        self.assertEqual(self.dead, [])
+        self.clock.advance(INTERVAL)
+        self.assertEqual(len(self.dead), 1)
+        self.assertIn("engine core exited unexpectedly", self.dead[0])
+        self.clock.advance(INTERVAL * 3)
+        self.assertEqual(self.engine.asked, ["/health"] * REFUSED_DEAD)
+
+    def test_refusals_in_a_row_only(self) -> None:
+        """
+        Refusals broken by an answer start again from none; refusals while
+        the agent itself turns the engine (a stop, a sleep, a wake) do not
+        count; with nothing in the output, the refusals are the line.
+        """
+        self.engine.refusing = True
+        for _ in range(REFUSED_DEAD - 1):
+            self.clock.advance(INTERVAL)
+        self.engine.refusing = False
+        self.clock.advance(INTERVAL)
+        self.engine.refusing = True
+        for _ in range(REFUSED_DEAD - 1):
+            self.clock.advance(INTERVAL)
+        self.shard.busy = True
+        self.clock.advance(INTERVAL)
+        self.shard.busy = False
+        for _ in range(REFUSED_DEAD - 1):
+            self.clock.advance(INTERVAL)
+        self.assertEqual(self.dead, [])
+        self.clock.advance(INTERVAL)
+        self.assertEqual(len(self.dead), 1)
+        self.assertIn(
+            f"refused connections on its port {REFUSED_DEAD} times", self.dead[0]
+        )
 
     def test_asleep_outside(self) -> None:
         """

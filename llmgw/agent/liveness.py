@@ -16,6 +16,13 @@ error's message, C{"EngineCore encountered an issue. See stack trace
 C{"[shutdown] MPClient: engine core exited unexpectedly; starting
 cleanup"} when its engine core process ends; C{vllm/entrypoints/launchers/
 launcher.py} ends the server 5 s (its watchdog) after the engine errored.
+That end can itself hang: the server stops listening, then waits for its
+requests in flight, and a utility call (C{GET /is_sleeping}, C{POST
+/sleep}, C{POST /v1/load_lora_adapter}) sent as the engine core died
+waits for ever, C{vllm/v1/engine/core_client.py} failing only the
+generation queue, never C{utility_results}.  Its port then refuses every
+connection while its process lives on: L{REFUSED_DEAD} refusals in a row
+are its death too.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -46,6 +54,13 @@ ASK_TIMEOUT = 5.0
 """
 Seconds one question may take: a busy engine answers its health route
 late, and a late answer says nothing.
+"""
+
+REFUSED_DEAD = 3
+"""
+Questions in a row whose connection a ready engine's port refused (no
+listener: an engine that stopped serving, its process still running) that
+make it dead.  Busy or slow answers never count: only a refusal.
 """
 
 ENGINE_DEAD = re.compile(
@@ -111,7 +126,10 @@ class Liveness:
     answering true while the agent did not put it to sleep means someone
     else did (C{asleep} is called).
     An answer that does not come (busy, or the process gone, which the
-    shard sees itself) says nothing.
+    shard sees itself) says nothing; its port refusing the connection
+    L{REFUSED_DEAD} times in a row while the shard is ready means it
+    stopped serving with its process alive (see the module's docstring):
+    C{dead} is called too.
 
     @param shard: the shard watched.
     @param reactor: keeps time.
@@ -145,6 +163,7 @@ class Liveness:
         self._asleep = asleep
         self._loop: LoopingCall | None = None
         self._asking = False
+        self._refused = 0
         # Engines with a route that says whether they sleep: vLLM's and the
         # simulator's, whatever llmgw's profile says of sleep (an operator
         # may serve vLLM's routes with VLLM_SERVER_DEV_MODE=1).
@@ -160,6 +179,7 @@ class Liveness:
         """
         if self._loop is not None:
             return
+        self._refused = 0
         self._loop = LoopingCall(self._tick)
         self._loop.clock = self._reactor
         self._loop.start(INTERVAL, now=False)
@@ -206,9 +226,26 @@ class Liveness:
     async def _ask(self) -> None:
         loop = self._loop
         if self._health_url:
-            response = await self._http.request(
-                b"GET", self._health_url.encode(), self._headers
-            )
+            try:
+                response = await self._http.request(
+                    b"GET", self._health_url.encode(), self._headers
+                )
+            except ConnectionRefusedError:
+                # Counted only while watched: the agent's own turn (a stop,
+                # a sleep and a wake) may close the port.
+                self._refused = self._refused + 1 if self._watching(loop) else 0
+                if self._refused >= REFUSED_DEAD:
+                    self.stop()
+                    self._dead(
+                        engine_line(
+                            self._shard.output,
+                            f"the engine refused connections on its port"
+                            f" {self._refused} times in a row, its process"
+                            " still running",
+                        )
+                    )
+                return
+            self._refused = 0
             await readBody(response)
             if response.code == 503 and self._watching(loop):
                 self.stop()

@@ -65,16 +65,18 @@ def until_router_reads(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = samples(admin_url)
-        queued = [
-            value
-            for labels, value in values(found, "llmgw_engine_requests_waiting").items()
-            if ("replica", replica) in labels
-        ]
-        stale = [
-            value
-            for labels, value in values(found, "llmgw_engine_load_stale").items()
-            if ("replica", replica) in labels
-        ]
+
+        def of(name: str, found: list[Sample] = found) -> list[float]:
+            return [
+                value
+                for labels, value in values(found, name).items()
+                if ("replica", replica) in labels
+            ]
+
+        queued, stale = (
+            of("llmgw_engine_requests_waiting"),
+            of("llmgw_engine_load_stale"),
+        )
         if queued and max(queued) >= waiting and stale and max(stale) == 0:
             return
         time.sleep(0.05)

@@ -223,6 +223,14 @@ class Liveness:
             and not shard.busy
         )
 
+    def _died(self, fallback: str) -> None:
+        """
+        Stop asking and call C{dead} with the engine's own line, or
+        C{fallback} when its output has none (L{engine_line}).
+        """
+        self.stop()
+        self._dead(engine_line(self._shard.output, fallback))
+
     async def _ask(self) -> None:
         loop = self._loop
         if self._health_url:
@@ -235,26 +243,16 @@ class Liveness:
                 # a sleep and a wake) may close the port.
                 self._refused = self._refused + 1 if self._watching(loop) else 0
                 if self._refused >= REFUSED_DEAD:
-                    self.stop()
-                    self._dead(
-                        engine_line(
-                            self._shard.output,
-                            f"the engine refused connections on its port"
-                            f" {self._refused} times in a row, its process"
-                            " still running",
-                        )
+                    self._died(
+                        f"the engine refused connections on its port"
+                        f" {self._refused} times in a row, its process"
+                        " still running"
                     )
                 return
             self._refused = 0
             await readBody(response)
             if response.code == 503 and self._watching(loop):
-                self.stop()
-                self._dead(
-                    engine_line(
-                        self._shard.output,
-                        "the engine answered its health route with 503",
-                    )
-                )
+                self._died("the engine answered its health route with 503")
                 return
         if self._no_sleep_route or not self._watching(loop):
             return

@@ -78,7 +78,7 @@ class _Shard:
     )
     state: int = pb.SHARD_STATE_READY
     busy: bool = False
-    output: list[str] = field(default_factory=list)
+    log_lines: list[str] = field(default_factory=list)
 
 
 class LivenessTests(SynchronousTestCase):
@@ -119,7 +119,7 @@ class LivenessTests(SynchronousTestCase):
         C{/health} 503: dead, with the engine's own line from its output,
         and asked no more.
         """
-        self.shard.output = [
+        self.shard.log_lines = [
             "WARNING [shutdown] MPClient: engine core exited unexpectedly;"
             " starting cleanup",
             "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered"
@@ -140,7 +140,7 @@ class LivenessTests(SynchronousTestCase):
         in flight, its process alive): dead after L{REFUSED_DEAD} refusals
         in a row, with the engine's own line, and asked no more.
         """
-        self.shard.output = [
+        self.shard.log_lines = [
             "WARNING [shutdown] MPClient: engine core exited unexpectedly;"
             " starting cleanup",
             "INFO Shutting down",
@@ -153,8 +153,24 @@ class LivenessTests(SynchronousTestCase):
         self.clock.advance(INTERVAL)
         self.assertEqual(len(self.dead), 1)
         self.assertIn("engine core exited unexpectedly", self.dead[0])
+        asked = len(self.engine.asked)
         self.clock.advance(INTERVAL * 3)
-        self.assertEqual(self.engine.asked, ["/health"] * REFUSED_DEAD)
+        self.assertEqual(self.engine.asked.count("/health"), REFUSED_DEAD)
+        self.assertEqual(len(self.engine.asked), asked)
+
+    def test_hung_question_holds_no_other(self) -> None:
+        """
+        An C{/is_sleeping} that is never answered (vLLM's, sent as its
+        engine core died) holds up no health question: the 503 that
+        follows is seen at the next tick, not once the hung one is dropped
+        (L{liveness.ASK_TIMEOUT}, about when vLLM ends itself).
+        """
+        self.engine.held = Deferred()
+        self.clock.advance(INTERVAL)
+        self.engine.health = 503
+        self.clock.advance(INTERVAL)
+        self.assertEqual(len(self.dead), 1)
+        self.assertEqual(self.engine.asked, ["/health", "/is_sleeping", "/health"])
 
     def test_refusals_in_a_row_only(self) -> None:
         """

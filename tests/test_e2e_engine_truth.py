@@ -39,6 +39,8 @@ gpu_memory_gb = 40
 args = ["--engine-core-process", "--itl", "0.05"]
 """
 
+VERBOSE = MODELS.replace('"--itl"', '"--verbose", "--itl"')
+
 SLEEPER = """
 [[models]]
 name = "chat"
@@ -117,8 +119,8 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         """
         Two replicas; one's engine core killed: every request sent from
         then on is answered (by the other replica: never vLLM's 500), the
-        dead one is stopped and replaced, and the model's last error is the
-        engine's own line.
+        dead one ends or is stopped, and is replaced, and the replica
+        failed with the engine's own line.
         """
         self.fleet(MODELS.format(replicas=2))
         ready = self.ready(2)
@@ -145,12 +147,15 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
             15,
             "the failure told",
         )
-        # The engine's own line, not its shutdown noise (the replacement
-        # clears the model's last_error once ready: the log keeps it).
-        self.assertIn(
-            "failed: vllm.v1.engine.exceptions.EngineDeadError: EngineCore"
+        # The engine's own line first, not its shutdown noise (the
+        # replacement clears the model's last_error once ready: the log
+        # keeps it).  The first request the dead engine answered ended it,
+        # as vLLM's does, often before its 503 was asked.
+        told = failed[0].split(": failed: ", 1)[1]
+        self.assertRegex(
+            told,
+            r"^[^;]*vllm\.v1\.engine\.exceptions\.EngineDeadError: EngineCore"
             " encountered an issue",
-            failed[0],
         )
         after = self.until(
             lambda: (
@@ -171,6 +176,73 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         )
         self.assertEqual(len(after), 2)
         self.assertFalse(_alive(pid))
+
+    def test_engine_ends_before_asked(self) -> None:
+        """
+        An engine that ends itself after its engine core died before the
+        agent asked it anything (vLLM's watchdog may end it 0.7 s after,
+        before a 503 is asked; the agent is held with SIGSTOP meanwhile
+        here, the engine's health asked twenty times, each logged as
+        vLLM's access log does): the replica failed with the engine's own
+        line, though more than an output tail of lines followed it, then
+        how it ended; and it is replaced.
+        """
+        self.fleet(VERBOSE.format(replicas=1))
+        (replica,) = self.ready(1)
+        pid, core = self.core_of(replica)
+        agent = self.agents["gpu-01"].popen.pid
+        port = replica["shards"][0]["port"]
+        os.kill(agent, signal.SIGSTOP)
+        try:
+            os.kill(core, signal.SIGKILL)
+            started = time.monotonic()
+            asked = 0
+            while asked < 20 and time.monotonic() - started < 3:
+                try:
+                    status, _, _ = http("GET", f"http://127.0.0.1:{port}/health")
+                except OSError:
+                    break
+                asked += status == 503
+            self.until(lambda: not _alive(pid), 10, "the engine ended by its watchdog")
+        finally:
+            os.kill(agent, signal.SIGCONT)
+        shard = replica["shards"][0]["id"]
+        failed = self.until(
+            lambda: [
+                line
+                for line in self.server.output().splitlines()
+                if f"shard {shard} on gpu-01: failed: " in line
+            ],
+            15,
+            "the failure told",
+        )
+        told = failed[0].split(": failed: ", 1)[1]
+        with open(
+            os.path.join(self.dir, "state-gpu-01", "shards", f"{shard}.log")
+        ) as f:
+            lines = f.read().splitlines()
+        after = len(lines) - max(
+            i for i, line in enumerate(lines) if "EngineDeadError" in line
+        )
+        print(
+            f"engine truth: engine ended unasked {asked} health answers 503 after"
+            f" its core's death; {after} lines after its own; told {told[:120]!r}"
+        )
+        self.assertRegex(
+            told,
+            r"^ERROR \[async_llm.py:906\] vllm\.v1\.engine\.exceptions\."
+            r"EngineDeadError: EngineCore encountered an issue\. .*"
+            r" \(then the engine exited with code 0\)",
+        )
+        self.until(
+            lambda: [
+                r
+                for r in self.replicas()
+                if r["state"] == "ready" and r["shards"][0]["pid"] != pid
+            ],
+            20,
+            "a replacement ready",
+        )
 
     def test_slept_behind_llmgws_back(self) -> None:
         """

@@ -103,7 +103,8 @@ class VLLMEngineTruthTests(VLLMFleet):
     def engine_core_killed(self) -> None:
         """
         SIGKILL to vLLM's EngineCore: the replica failed with vLLM's own
-        line (its health answered 503, asked every second), a request sent
+        line (seen when its health answers 503, asked every second, or when
+        vLLM ends itself, 0 to 5 s after: whichever comes first), a request sent
         then is held for the replacement and answered (not vLLM's 500),
         and the engine is stopped whole and replaced.  (A request that
         meets the dead engine before the failure is told gets a 503 with

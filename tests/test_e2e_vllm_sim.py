@@ -5,7 +5,8 @@ with the same served model name and matching flags, and the answers
 compared where llmgw depends on them: routes and status codes, the fields
 and types of each answer (never its text), stream chunk shapes, usage,
 C{finish_reason}, error bodies, the metric names and label sets llmgw
-reads, tokenize and detokenize.
+reads, tokenize and detokenize; and, last, what killing each one's
+engine core does (L{SameAnswersTests.core_deaths}).
 
 The script is L{PROBES}: one line per behaviour, a name, the call, and the
 view of the answer that must be equal on both (L{Probe}); adding a
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -391,6 +393,18 @@ def differences(vllm: str, sim: str) -> list[str]:
     return found
 
 
+def _comm(pid: int) -> str:
+    """
+    @return: the name of process C{pid} (vLLM's engine core sets its own,
+        C{VLLM::EngineCore} cut to 15 characters), or C{""} once gone.
+    """
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 class SameAnswersTests(Processes, SynchronousTestCase):
     """
     The real vLLM and the sim, each started once, given L{PROBES}.
@@ -457,18 +471,67 @@ class SameAnswersTests(Processes, SynchronousTestCase):
             return [f"sleep mode refused: vllm {seen[0]!r}, sim {seen[1]!r}"]
         return []
 
-    def start_vllm(self) -> str:
+    def core_deaths(self, engines: dict[str, tuple[Process, str]]) -> list[str]:
+        """
+        Each engine's engine core killed with SIGKILL (vLLM's
+        C{EngineCore}; the sim's stand-in, C{--engine-core-process}), then
+        a completion asked at once: its answer, the server's exit status
+        (within 30 s), whether it ended within 3 s of answering, and
+        whether its output named C{EngineDeadError} after the kill.  A
+        vLLM whose watchdog ended it before the request came (0 to 5 s
+        after the death) has no answer: then only how each ended is
+        compared.
+
+        @param engines: C{"vllm"} and C{"sim"}, each its process and base
+            URL.
+        @return: one line where they differ.
+        """
+        seen = {}
+        for name, (process, base) in engines.items():
+            pid = process.popen.pid
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                children = [int(p) for p in f.read().split()]
+            cores = [c for c in children if "EngineCor" in _comm(c)] or children
+            self.assertEqual(len(cores), 1, f"{name}: {children}")
+            before = len(process.output())
+            os.kill(cores[0], signal.SIGKILL)
+            request = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3})
+            try:
+                status, _, body = http(
+                    "POST",
+                    base + "/v1/completions",
+                    request.encode(),
+                    {"Content-Type": "application/json"},
+                    timeout=10,
+                )
+                answer: object = (status, json.loads(body))
+            except OSError:
+                answer = None
+            answered = time.monotonic()
+            code = process.popen.wait(timeout=30)
+            # The answer ends the server (vLLM's in 0.6 s here, idle).
+            soon = answer is None or time.monotonic() - answered < 3
+            said = "EngineDeadError" in process.output()[before:]
+            seen[name] = (answer, code, soon, said)
+        print(f"probe engine core killed: vllm {seen['vllm']!r}")
+        if seen["vllm"][0] is None:
+            seen["sim"] = (None, *seen["sim"][1:])
+        if seen["vllm"] != seen["sim"]:
+            return [f"engine core killed: vllm {seen['vllm']!r}, sim {seen['sim']!r}"]
+        return []
+
+    def start_vllm(self) -> tuple[Process, str]:
         """
         Start the real vLLM with L{VLLM_ARGS}, without dev mode.
 
-        @return: its base URL once it answers C{/health}.
+        @return: it and its base URL once it answers C{/health}.
         """
         process, base = self.spawn_vllm("vllm")
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
                 if http("GET", base + "/health", timeout=5)[0] == 200:
-                    return base
+                    return process, base
             except OSError:
                 pass
             if process.popen.poll() is not None:
@@ -483,12 +546,18 @@ class SameAnswersTests(Processes, SynchronousTestCase):
         require_vllm(model=True)
         started = time.monotonic()
         refusing, _ = self.spawn_vllm("vllm-sleep", "--enable-sleep-mode")
-        vllm = self.start_vllm()
-        _, sim = self.start_sim(*SIM_ARGS, model=MODEL)
+        vllm_process, vllm = self.start_vllm()
+        sim_process, sim = self.start_sim(
+            *SIM_ARGS, "--engine-core-process", model=MODEL
+        )
         print(f"\nvLLM answered /health {time.monotonic() - started:.0f} s after start")
         for what, instead in CPU_CANNOT.items():
             print(f"not on the CPU: {what}: {instead}")
         started = time.monotonic()
         found = differences(vllm, sim) + self.refusals(refusing)
         print(f"{len(PROBES)} probes in {time.monotonic() - started:.1f} s")
+        # Last: it ends both.
+        found += self.core_deaths(
+            {"vllm": (vllm_process, vllm), "sim": (sim_process, sim)}
+        )
         self.assertEqual(found, [])

@@ -9,8 +9,10 @@ L{tests.test_sim_listening}.
 
 from __future__ import annotations
 
+import io
 import json
-from typing import Any
+import sys
+from typing import Any, cast
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +20,7 @@ from twisted.internet import reactor as _reactor
 from twisted.internet.defer import (
     CancelledError,
 )
+from twisted.internet.interfaces import IReactorProcess
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -29,6 +32,14 @@ from llmgw.sim.api import (
     parse_generation,
     reasoning_tokens,
     stream_events,
+)
+from llmgw.sim.core import (
+    CORE_EXITED_LOG,
+    ENGINE_DEAD_LOG,
+    OUTPUT_HANDLER_LOG,
+    Core,
+    CoreProcess,
+    exit_output,
 )
 from llmgw.sim.engine import (
     VOCAB,
@@ -385,3 +396,83 @@ class SchedulerTests(SynchronousTestCase):
         s.release()
         self.assertEqual(len(admitted), 5000)
         self.assertEqual((s.running, s.waiting), (0, 0))
+
+
+class _Spawned:
+    """
+    A process transport as L{CoreProcess} uses one.
+    """
+
+    pid = 4242
+
+    def signalProcess(self, name: str) -> None:
+        pass
+
+
+class _Spawner:
+    """
+    Spawns nothing; keeps the protocol so a test can end the child.
+    """
+
+    def spawnProcess(self, protocol: Any, *args: object, **kwargs: object) -> Any:
+        self.protocol = protocol
+        return _Spawned()
+
+
+class CoreDeathTests(SynchronousTestCase):
+    """
+    L{Core} and L{CoreProcess} on a clock: when the simulator ends after
+    its engine core died, as vLLM's server does (L{llmgw.sim.core}).
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.ended: list[float] = []
+        self.core = Core(self.clock, lambda: self.ended.append(self.clock.seconds()))
+        self.spawner = _Spawner()
+        self.child = CoreProcess(
+            cast(IReactorProcess, self.spawner), self.clock, self.core
+        )
+        self.child.start()
+        self.patch(sys, "stderr", io.StringIO())
+
+    def test_watchdog_looks_every_five_seconds(self) -> None:
+        """
+        Its core dead at 7 s, the watchdog's look at 10 s ends it 0.1 s
+        later, once, after logging vLLM's death lines and exit output.
+        """
+        self.clock.advance(7)
+        self.spawner.protocol.processExited(None)
+        self.assertTrue(self.core.dead)
+        self.clock.advance(2.9)
+        self.assertEqual(self.ended, [])
+        self.clock.pump([0.1, 0.1, 5, 5])
+        self.assertEqual(self.ended, [10.1])
+        logged = cast(io.StringIO, sys.stderr).getvalue().splitlines()
+        self.assertIn(CORE_EXITED_LOG, logged[0])
+        self.assertTrue(logged[len(OUTPUT_HANDLER_LOG)].endswith(ENGINE_DEAD_LOG))
+        self.assertEqual(logged[-len(exit_output(1)) :][0], "INFO:     Shutting down")
+
+    def test_request_ends_it(self) -> None:
+        """
+        A request answered by the dead engine ends it 0.1 s later, the
+        watchdog's next look far off; while the core lives, nothing does.
+        """
+        self.core.terminate_if_errored()
+        self.clock.advance(1)
+        self.spawner.protocol.processExited(None)
+        self.core.terminate_if_errored()
+        self.core.terminate_if_errored()
+        self.clock.advance(0.1)
+        self.assertEqual(self.ended, [1.1])
+        self.clock.advance(10)
+        self.assertEqual(self.ended, [1.1])
+
+    def test_stopped_with_the_simulator(self) -> None:
+        """
+        The child ended by the simulator's own stop is no death.
+        """
+        self.child.stop()
+        self.spawner.protocol.processExited(None)
+        self.clock.advance(10)
+        self.assertEqual((self.core.dead, self.ended), (False, []))

@@ -28,14 +28,13 @@ are its death too.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
@@ -113,8 +112,8 @@ class WatchedShard(Protocol):
         """
 
     @property
-    def output(self) -> list[str]:
-        """Its engine's last output lines."""
+    def log_lines(self) -> list[str]:
+        """Its engine's output lines, as many as its log's end holds."""
 
 
 class Liveness:
@@ -162,7 +161,10 @@ class Liveness:
         self._dead = dead
         self._asleep = asleep
         self._loop: LoopingCall | None = None
-        self._asking = False
+        # The questions on their way: each is asked again only once its
+        # last one is answered or dropped, and one that hangs (vLLM's
+        # /is_sleeping as its engine core dies) never holds up another.
+        self._asking: set[str] = set()
         self._refused = 0
         # Engines with a route that says whether they sleep: vLLM's and the
         # simulator's, whatever llmgw's profile says of sleep (an operator
@@ -193,20 +195,30 @@ class Liveness:
         self._loop = None
 
     def _tick(self) -> None:
-        if self._asking:
+        loop = self._loop
+        if self._health_url:
+            self._question("health", lambda: self._health(loop))
+        if not self._no_sleep_route:
+            self._question("sleep", lambda: self._sleeping(loop))
+
+    def _question(
+        self, name: str, ask: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        """
+        Ask C{ask()} unless the question C{name} is still on its way; one
+        not answered within L{ASK_TIMEOUT} is dropped, and no answer (busy,
+        closing, gone) says nothing: the next tick asks again.
+        """
+        if name in self._asking:
             return
-        self._asking = True
-        d = Deferred.fromCoroutine(self._ask())
+        self._asking.add(name)
+        d: Deferred[None] = Deferred.fromCoroutine(ask())
         d.addTimeout(ASK_TIMEOUT, self._reactor)
 
-        def done(result: object) -> None:
-            self._asking = False
+        def asked(result: object) -> None:
+            self._asking.discard(name)
 
-        def failed(reason: Failure) -> None:
-            # No answer (busy, closing, gone): the next tick asks again.
-            self._asking = False
-
-        d.addCallbacks(done, failed)
+        d.addBoth(asked)
 
     def _watching(self, loop: LoopingCall | None) -> bool:
         """
@@ -229,32 +241,39 @@ class Liveness:
         C{fallback} when its output has none (L{engine_line}).
         """
         self.stop()
-        self._dead(engine_line(self._shard.output, fallback))
+        self._dead(engine_line(self._shard.log_lines, fallback))
 
-    async def _ask(self) -> None:
-        loop = self._loop
-        if self._health_url:
-            try:
-                response = await self._http.request(
-                    b"GET", self._health_url.encode(), self._headers
+    async def _health(self, loop: LoopingCall | None) -> None:
+        """
+        Ask its health route: a 503 or L{REFUSED_DEAD} refusals in a row
+        while watched are its death.
+        """
+        try:
+            response = await self._http.request(
+                b"GET", self._health_url.encode(), self._headers
+            )
+        except ConnectionRefusedError:
+            # Counted only while watched: the agent's own turn (a stop,
+            # a sleep and a wake) may close the port.
+            self._refused = self._refused + 1 if self._watching(loop) else 0
+            if self._refused >= REFUSED_DEAD:
+                self._died(
+                    f"the engine refused connections on its port"
+                    f" {self._refused} times in a row, its process"
+                    " still running"
                 )
-            except ConnectionRefusedError:
-                # Counted only while watched: the agent's own turn (a stop,
-                # a sleep and a wake) may close the port.
-                self._refused = self._refused + 1 if self._watching(loop) else 0
-                if self._refused >= REFUSED_DEAD:
-                    self._died(
-                        f"the engine refused connections on its port"
-                        f" {self._refused} times in a row, its process"
-                        " still running"
-                    )
-                return
-            self._refused = 0
-            await readBody(response)
-            if response.code == 503 and self._watching(loop):
-                self._died("the engine answered its health route with 503")
-                return
-        if self._no_sleep_route or not self._watching(loop):
+            return
+        self._refused = 0
+        await readBody(response)
+        if response.code == 503 and self._watching(loop):
+            self._died("the engine answered its health route with 503")
+
+    async def _sleeping(self, loop: LoopingCall | None) -> None:
+        """
+        Ask whether it sleeps: asleep while watched (the agent did not put
+        it to sleep) calls C{asleep}.
+        """
+        if not self._watching(loop):
             return
         try:
             sleeping = await self._routes().asleep(timeout=ASK_TIMEOUT)

@@ -249,10 +249,11 @@ Lines of an engine's output file sent with its status.
 """
 
 
-def tail(path: str, lines: int = OUTPUT_LINES) -> list[str]:
+def tail(path: str, lines: int | None = OUTPUT_LINES) -> list[str]:
     """
-    @return: the last C{lines} lines of the file at C{path} (at most the
-        last 64 KiB read), or none when it cannot be read.
+    @return: the last C{lines} lines of the file at C{path} (all of them
+        for C{None}; at most the last 64 KiB read), or none when it cannot
+        be read.
     """
     try:
         with open(path, "rb") as f:
@@ -263,4 +264,6 @@ def tail(path: str, lines: int = OUTPUT_LINES) -> list[str]:
     except OSError:
         return []
     text = data.decode("utf-8", "replace").splitlines()
-    return [line.rstrip("\r") for line in text[-lines:]]
+    if lines is not None:
+        text = text[-lines:]
+    return [line.rstrip("\r") for line in text]

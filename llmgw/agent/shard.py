@@ -26,7 +26,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 
 from llmgw.agent.engines import Launch, build
-from llmgw.agent.liveness import Liveness
+from llmgw.agent.liveness import Liveness, engine_line
 from llmgw.agent.phases import StartPhases
 from llmgw.agent.phases import lists_model as _lists
 from llmgw.agent.records import MARKER, process_start_time, tail
@@ -221,6 +221,16 @@ class Shard:
         stdout and stderr.
         """
         return tail(self._home.path(self.id, ".log"))
+
+    @property
+    def log_lines(self) -> list[str]:
+        """
+        The engine's output lines in the last 64 KiB of its log, where its
+        own line saying it is dead is looked for (L{engine_line}): at its
+        exit vLLM's shutdown and its libraries' leak reports print dozens
+        of lines after that one, more than L{output} keeps.
+        """
+        return tail(self._home.path(self.id, ".log"), lines=None)
 
     def _routes(self) -> EngineRoutes:
         """
@@ -488,6 +498,12 @@ class Shard:
                 why = f"the engine was killed by signal {-code}"
             else:
                 why = f"the engine exited with code {code}"
+            # Its own word first where it gave one: vLLM ends itself 5 s
+            # after its engine core died, which may come before the 503 of
+            # its health route is seen.
+            said = engine_line(self.log_lines, "")
+            if said:
+                why = f"{said} (then {why})"
             self.set_state(pb.SHARD_STATE_FAILED, why)
         self._home.forget(self)
 

@@ -226,7 +226,8 @@ def _behaviour(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run a child process standing in for vLLM's EngineCore, in this"
         " process's group: killing it makes /health answer 503 and requests"
-        " 500 (EngineDeadError), and ends the simulator 5 s later; killing the"
+        " 500 (EngineDeadError), and the first such request or the next look"
+        " of vLLM's watchdog (every 5 s) ends the simulator; killing the"
         " simulator leaves it running (llmgw.sim.core)",
     )
     p.add_argument(
@@ -416,7 +417,7 @@ def main(argv: list[str]) -> int:
         ],
         redirectStandardIO=False,
     )
-    core = Core()
+    core = Core(reactor, reactor.stop)
     sim = Simulator(config, reactor, core)
     sim.set_faults(dict(args.fault))
     # Nothing to serve while "loading": the port stays closed, as a real
@@ -441,7 +442,7 @@ def main(argv: list[str]) -> int:
     address = cast(IPv4Address | IPv6Address, port.getHost())
     host = f"[{address.host}]" if ":" in address.host else address.host
     if args.engine_core_process:
-        child = CoreProcess(reactor, reactor, core, reactor.stop)
+        child = CoreProcess(reactor, reactor, core)
         child.start()
         reactor.addSystemEventTrigger("before", "shutdown", child.stop)
     sys.stdout.write(f"llmgw sim listening on http://{host}:{address.port}\n")

@@ -20,22 +20,37 @@ does, from its code (vLLM 0.32, installed by C{scripts/setup-vllm}):
     "InternalServerError", "param": null, "code": 500}}}
     (C{vllm/v1/engine/exceptions.py}, C{EngineDeadError};
     C{vllm/entrypoints/serve/exception_handling/handlers/vllm_error.py}
-    and C{error_response.py}), its traceback's last line naming
-    C{vllm.v1.engine.exceptions.EngineDeadError} in the log.  Not
+    and C{error_response.py}), logging only its access line (its
+    traceback too with C{--log-error-stack}, on by default with
+    C{VLLM_SERVER_DEV_MODE=1}, C{vllm/entrypoints/launchers/cli_args.py}).
+    Not
     modelled here: a stream already answering, which vLLM ends with that
     error object as its last event and C{data: [DONE]}
     (C{vllm/entrypoints/openai/chat_completion/serving.py}), runs to its
     end.
-  - Its watchdog ends the server within 5 s of the engine's death
-    (C{vllm/entrypoints/launchers/launcher.py}, C{VLLM_WATCHDOG_TIME_S}).
+  - At its death it logs C{"AsyncLLM output_handler failed."} and a
+    traceback whose last line is C{ENGINE_DEAD_LOG}
+    (C{vllm/v1/engine/async_llm.py}, C{output_handler}), no request
+    needed.
+  - Its server ends itself once the engine is dead: a request answered
+    with that 500 sets uvicorn's C{should_exit} (C{terminate_if_errored},
+    C{vllm/entrypoints/launchers/launcher.py}, called by
+    C{vllm/entrypoints/serve/exception_handling/handlers/vllm_error.py}),
+    and so does its watchdog, which looks every 5 s from the server's
+    start (C{watchdog_loop}): the end comes 0 to 5 s after the death,
+    on a real vLLM here once 0.7 s (no C{/health} answered 503 to an
+    asker once a second) and once 4.6 s.  uvicorn looks at
+    C{should_exit} every 0.1 s.  It ends with code 0, printing uvicorn's
+    four shutdown lines and, from vLLM's CPU build, the leak report of
+    triton's nanobind bindings: 35 lines after its engine's last word.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.interfaces import (
@@ -44,6 +59,7 @@ from twisted.internet.interfaces import (
     IReactorTime,
 )
 from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 
 ENGINE_DEAD_MESSAGE = (
@@ -55,8 +71,7 @@ vLLM's C{EngineDeadError} message (C{vllm/v1/engine/exceptions.py}).
 
 ENGINE_DEAD_LOG = "vllm.v1.engine.exceptions.EngineDeadError: " + ENGINE_DEAD_MESSAGE
 """
-The last line of the traceback vLLM logs for a request its dead engine
-failed.
+The last line of the traceback vLLM logs when its engine core dies.
 """
 
 CORE_EXITED_LOG = (
@@ -69,9 +84,60 @@ vLLM's warning when its engine core process ends
 
 WATCHDOG_SECONDS = 5.0
 """
-Seconds after the engine's death at most before vLLM's server ends
-(C{VLLM_WATCHDOG_TIME_S}).
+Seconds between two looks of vLLM's watchdog at its engine
+(C{VLLM_WATCHDOG_TIME_S} in C{watchdog_loop}).
 """
+
+SHOULD_EXIT_SECONDS = 0.1
+"""
+Seconds at most before uvicorn acts on C{should_exit} (its main loop's
+tick).
+"""
+
+OUTPUT_HANDLER_LOG = (
+    "ERROR [async_llm.py:906] AsyncLLM output_handler failed.",
+    "ERROR [async_llm.py:906] Traceback (most recent call last):",
+    'ERROR [async_llm.py:906]   File "vllm/v1/engine/async_llm.py", line 849,'
+    " in output_handler",
+    "ERROR [async_llm.py:906]     outputs = await engine_core.get_output_async()",
+    "ERROR [async_llm.py:906] " + ENGINE_DEAD_LOG,
+)
+"""
+What vLLM logs when its engine core dies, no request needed.
+"""
+
+
+def exit_output(pid: int) -> list[str]:
+    """
+    @param pid: the server's process id.
+    @return: what vLLM 0.32's CPU build prints as its server ends: uvicorn's
+        shutdown lines, then the report of triton's nanobind bindings on
+        leaks at the interpreter's exit (its names left out here, its
+        shape and length kept).
+    """
+    lines = [
+        "INFO:     Shutting down",
+        "INFO:     Waiting for application shutdown.",
+        "INFO:     Application shutdown complete.",
+        f"INFO:     Finished server process [{pid}]",
+        "nanobind: leaked 4 instances!",
+    ]
+    lines += [
+        f' - leaked instance 0x7faedff5cc{i:02x} of type "triton._C.libtriton.ir.'
+        'attribute"'
+        for i in range(4)
+    ]
+    for kind, count in (("type", 64), ("function", 514)):
+        lines.append(f"nanobind: leaked {count} {kind}s!")
+        lines += [f' - leaked {kind} "{kind}_{i}"' for i in range(10)]
+        lines.append(" - ... skipped remainder")
+    lines += [
+        "nanobind: this is likely caused by a reference counting issue in the"
+        " binding code.",
+        "See https://nanobind.readthedocs.io/en/latest/refleaks.html",
+    ]
+    return lines
+
 
 _CORE_PROGRAM = "import time\nwhile True:\n    time.sleep(3600)\n"
 
@@ -92,16 +158,50 @@ def engine_dead_body() -> bytes:
     ).encode("ascii")
 
 
-@dataclass
 class Core:
     """
-    Whether the simulated engine core lives; without
-    C{--engine-core-process} it always does.
+    Whether the simulated engine core lives (without
+    C{--engine-core-process} it always does), and what vLLM's server does
+    once it does not: it logs the death, and ends itself when a request
+    or its watchdog finds it (see the module's docstring).
 
     @ivar dead: the engine core process has ended.
     """
 
-    dead: bool = False
+    def __init__(self, clock: IReactorTime, end: Callable[[], None]) -> None:
+        """
+        @param clock: times the end.
+        @param end: ends the simulator (its reactor's C{stop}).
+        """
+        self.dead = False
+        self._clock = clock
+        self._end = end
+        self._ending = False
+
+    def died(self) -> None:
+        """
+        The engine core process ended: log what vLLM logs.
+        """
+        self.dead = True
+        _write([f"WARNING {CORE_EXITED_LOG}", *OUTPUT_HANDLER_LOG])
+
+    def terminate_if_errored(self) -> None:
+        """
+        As vLLM's function of that name: a dead engine ends the server,
+        within L{SHOULD_EXIT_SECONDS}, once.
+        """
+        if self.dead and not self._ending:
+            self._ending = True
+            self._clock.callLater(SHOULD_EXIT_SECONDS, self._exit)
+
+    def _exit(self) -> None:
+        _write(exit_output(os.getpid()))
+        self._end()
+
+
+def _write(lines: list[str]) -> None:
+    sys.stderr.write("".join(f"{line}\n" for line in lines))
+    sys.stderr.flush()
 
 
 class _CoreProtocol(ProcessProtocol):
@@ -115,33 +215,29 @@ class _CoreProtocol(ProcessProtocol):
 class CoreProcess:
     """
     The child process standing in for vLLM's engine core: started with the
-    simulator, its end marks L{Core} dead, logs what vLLM logs, and ends
-    the simulator L{WATCHDOG_SECONDS} later.
+    simulator, its end makes L{Core} dead; and vLLM's watchdog, looking
+    every L{WATCHDOG_SECONDS} from the start.
 
     @param spawner: spawns the child.
     @param clock: times the watchdog.
-    @param core: marked dead when the child ends.
-    @param end: ends the simulator (its reactor's C{stop}).
+    @param core: told when the child ends, looked at by the watchdog.
     """
 
     def __init__(
-        self,
-        spawner: IReactorProcess,
-        clock: IReactorTime,
-        core: Core,
-        end: Callable[[], None],
+        self, spawner: IReactorProcess, clock: IReactorTime, core: Core
     ) -> None:
         self._spawner = spawner
         self._clock = clock
         self._core = core
-        self._end = end
         self._process: IProcessTransport | None = None
+        self._watchdog = LoopingCall(core.terminate_if_errored)
+        self._watchdog.clock = clock
         self._stopping = False
 
     def start(self) -> int:
         """
         Spawn the child (in this process's group: no new session), its
-        output on this process's.
+        output on this process's, and start the watchdog.
 
         @return: its pid.
         """
@@ -152,6 +248,7 @@ class CoreProcess:
             env=None,
             childFDs={0: "w", 1: 1, 2: 2},
         )
+        self._watchdog.start(WATCHDOG_SECONDS, now=False)
         return int(self._process.pid)
 
     def stop(self) -> None:
@@ -160,6 +257,8 @@ class CoreProcess:
         core).
         """
         self._stopping = True
+        if self._watchdog.running:
+            self._watchdog.stop()
         if self._process is not None:
             try:
                 self._process.signalProcess("KILL")
@@ -167,9 +266,5 @@ class CoreProcess:
                 pass
 
     def _ended(self) -> None:
-        if self._stopping:
-            return
-        self._core.dead = True
-        sys.stderr.write(f"WARNING {CORE_EXITED_LOG}\n")
-        sys.stderr.flush()
-        self._clock.callLater(WATCHDOG_SECONDS, self._end)
+        if not self._stopping:
+            self._core.died()

@@ -371,7 +371,7 @@ class Simulator:
             default one that always does.
         """
         self.config = config
-        self.core = core or Core()
+        self.core = core or Core(reactor, lambda: None)
         self.clock = reactor
         self.scheduler = Scheduler(
             config.max_concurrency, config.max_queue, config.kv_capacity

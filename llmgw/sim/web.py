@@ -30,7 +30,6 @@ With C{--api-key}, the C{/v1} routes need C{Authorization: Bearer KEY}
 from __future__ import annotations
 
 import hmac
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -57,7 +56,7 @@ from llmgw.sim.api import (
     reasoning_tokens,
     stream_events,
 )
-from llmgw.sim.core import ENGINE_DEAD_LOG, engine_dead_body
+from llmgw.sim.core import engine_dead_body
 from llmgw.sim.engine import (
     Simulator,
     completion_tokens,
@@ -217,8 +216,9 @@ class SimResource(Resource):
         self._count(path, request)
         sim = self._sim
         if sim.core.dead:
-            # vLLM's EngineDeadError answer and log line (llmgw.sim.core).
-            sys.stderr.write(f"{ENGINE_DEAD_LOG}\n")
+            # vLLM's EngineDeadError answer, which ends its server
+            # (llmgw.sim.core); it logs only its access line then.
+            sim.core.terminate_if_errored()
             return _respond(request, 500, engine_dead_body(), JSON)
         try:
             req = parse_generation(kind, _body(request))

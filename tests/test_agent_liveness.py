@@ -23,7 +23,7 @@ from twisted.web.iweb import IAgent
 
 from llmgw.agent import liveness, sleep
 from llmgw.agent.liveness import INTERVAL, REFUSED_DEAD, Liveness, engine_line
-from llmgw.agent.records import Marked, proven, write_proof
+from llmgw.agent.records import Marked, proven, tail, write_proof
 from llmgw.agent.sleep import EngineRoutes
 from llmgw.reactors import IEngineReactor
 from llmgw.router.api.failures import engine_dead
@@ -120,16 +120,20 @@ class LivenessTests(SynchronousTestCase):
         and asked no more.
         """
         self.shard.log_lines = [
-            "WARNING [shutdown] MPClient: engine core exited unexpectedly;"
-            " starting cleanup",
-            "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered"
+            "(APIServer pid=7) WARNING 12-05 12:41:30 [core_client.py:817]"
+            " [shutdown] MPClient: engine core exited unexpectedly; starting"
+            " cleanup",
+            "(APIServer pid=7) ERROR 12-05 12:41:30 [async_llm.py:906]"
+            " vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered"
             " an issue. See stack trace (above) for the root cause.",
             "INFO Shutting down",
         ]
         self.engine.health = 503
         self.clock.advance(INTERVAL)
         self.assertEqual(len(self.dead), 1)
-        self.assertTrue(self.dead[0].startswith("vllm.v1.engine.exceptions.EngineDead"))
+        self.assertIn(
+            "[async_llm.py:906] vllm.v1.engine.exceptions.EngineDead", self.dead[0]
+        )
         self.clock.advance(INTERVAL * 3)
         self.assertEqual(self.engine.asked, ["/health"])
 
@@ -141,8 +145,8 @@ class LivenessTests(SynchronousTestCase):
         in a row, with the engine's own line, and asked no more.
         """
         self.shard.log_lines = [
-            "WARNING [shutdown] MPClient: engine core exited unexpectedly;"
-            " starting cleanup",
+            "WARNING [core_client.py:817] [shutdown] MPClient: engine core"
+            " exited unexpectedly; starting cleanup",
             "INFO Shutting down",
             "INFO Waiting for connections to close.",
         ]
@@ -247,8 +251,50 @@ class LivenessTests(SynchronousTestCase):
         only vLLM's monitor warning, that.
         """
         self.assertEqual(engine_line(["INFO x"], "fallback"), "fallback")
-        warning = "WARNING [shutdown] MPClient: engine core exited unexpectedly"
+        warning = (
+            "WARNING [core_client.py:817] [shutdown] MPClient: engine core exited"
+            " unexpectedly"
+        )
         self.assertEqual(engine_line([warning, "INFO y"], "f"), warning)
+
+    def test_engine_line_is_the_engines(self) -> None:
+        """
+        A request's log line quoting the words (vLLM's
+        C{--enable-log-requests} logs prompts) is not the engine's line; a
+        worker's death is; a long line is cut.
+        """
+        prompt = (
+            "INFO [logger.py:43] Received request chatcmpl-1: prompt: 'Why does"
+            " vllm.v1.engine.exceptions.EngineDeadError: happen? my laptop died"
+            " unexpectedly, and the engine core exited unexpectedly'"
+        )
+        self.assertEqual(engine_line([prompt], "f"), "f")
+        worker = (
+            "ERROR [multiproc_executor.py:316] Worker proc VllmWorker-0 died"
+            " unexpectedly (exit code: -9), shutting down executor."
+        )
+        self.assertEqual(engine_line([worker, prompt], "f"), worker)
+        long = (
+            "ERROR [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+            + ("x" * 5000)
+        )
+        self.assertEqual(len(engine_line([long], "f")), liveness.LINE_LIMIT)
+
+
+class TailTests(SynchronousTestCase):
+    def test_whole_lines(self) -> None:
+        """
+        A log longer than the 64 KiB read: its lines whole from the first
+        line that begins inside the window (none cut at the front, none
+        with a character cut), all of them for C{lines=None}.
+        """
+        path = self.mktemp()
+        line = "é" * 99 + "\n"  # 199 bytes
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(line * 400)
+        found = tail(path, lines=None)
+        self.assertEqual(found, [line[:-1]] * (65536 // len(line.encode())))
+        self.assertEqual(tail(path), [line[:-1]] * 50)
 
 
 class ProofTests(SynchronousTestCase):

@@ -21,7 +21,7 @@ import openai
 from twisted.trial.unittest import SynchronousTestCase
 
 from llmgw.agent.records import MARKER
-from tests.support import http
+from tests.support import http, logged_usage
 from tests.test_e2e_control import _alive, _Fleet
 
 MODELS = """
@@ -176,6 +176,59 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         )
         self.assertEqual(len(after), 2)
         self.assertFalse(_alive(pid))
+
+    def test_stream_running_at_the_death(self) -> None:
+        """
+        A stream running on an engine whose core dies: the client's SDK
+        raises vLLM's error (the event vLLM ends such a stream with, relayed
+        as vLLM sent it, never a traceback or a cut without a word), the
+        request's usage record is kept with the tokens it got, and the next
+        request is answered by the replacement; the server's log blames
+        nothing else on the engine.
+        """
+        self.fleet(MODELS.format(replicas=1))
+        (replica,) = self.ready(1)
+        pid, core = self.core_of(replica)
+        rid = f"dying-{os.getpid()}-{time.monotonic_ns()}"
+        stream = self.client.chat.completions.create(
+            model="chat",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=2000,
+            stream=True,
+            extra_headers={"X-Request-ID": rid},
+        )
+        got = 0
+        with self.assertRaises(openai.APIError) as raised:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    got += 1
+                    if got == 5:
+                        os.kill(core, signal.SIGKILL)
+        self.assertIn("EngineCore encountered an issue", str(raised.exception))
+        status, _, completion = logged_usage(self.server, rid)
+        print(
+            f"engine truth: stream at the death: {got} tokens relayed, then"
+            f" {raised.exception!r}; recorded status {status}, {completion} tokens"
+        )
+        self.assertEqual(status, 200)
+        self.assertGreaterEqual(completion, got)
+        self.assertLess(got, 2000)
+        self.until(
+            lambda: [
+                r
+                for r in self.replicas()
+                if r["state"] == "ready" and r["shards"][0]["pid"] != pid
+            ],
+            20,
+            "a replacement ready",
+        )
+        self.assertTrue(self.chat())
+        output = self.server.output()
+        # Its own log says nothing false of the engine either: a stream
+        # broken off carries no usage, which is not an engine that never
+        # sends it.
+        self.assertNotIn("sends no usage in streams", output)
+        self.assertNotIn("Unhandled", output)
 
     def test_engine_ends_before_asked(self) -> None:
         """

@@ -27,9 +27,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
+from http.client import HTTPConnection
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -393,6 +396,61 @@ def differences(vllm: str, sim: str) -> list[str]:
     return found
 
 
+def _stream(base: str, begun: threading.Event, events: list[str]) -> None:
+    """
+    Stream a long completion from C{base}, keeping each event's C{data:}
+    field in C{events} and setting C{begun} at the first, until the stream
+    ends or breaks.
+    """
+    url = urllib.parse.urlsplit(base)
+    connection = HTTPConnection(url.hostname or "", url.port, timeout=60)
+    try:
+        connection.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "prompt": "Count",
+                    "max_tokens": 1500,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            ),
+            {"Content-Type": "application/json"},
+        )
+        response = connection.getresponse()
+        for line in response:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip().decode())
+                begun.set()
+    except OSError:
+        pass
+    finally:
+        connection.close()
+
+
+def _answer(base: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+    """
+    @return: the status and JSON body of C{base}'s answer to a completion
+        C{body}, or L{None} when nothing listens there any more.
+    """
+    try:
+        status, _, answer = http(
+            "POST",
+            base + "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+            timeout=10,
+        )
+    except OSError:
+        return None
+    found = json.loads(answer)
+    # A refusal as the probes see one (L{error}: their types and codes
+    # differ by design); the engine's death, whole.
+    return status, found if status == 500 else found["error"]["param"]
+
+
 def _comm(pid: int) -> str:
     """
     @return: the name of process C{pid} (vLLM's engine core sets its own,
@@ -475,9 +533,11 @@ class SameAnswersTests(Processes, SynchronousTestCase):
         """
         Each engine's engine core killed with SIGKILL (vLLM's
         C{EngineCore}; the sim's stand-in, C{--engine-core-process}), then
-        a completion asked at once: its answer, the server's exit status
-        (within 30 s), whether it ended within 3 s of answering, and
-        whether its output named C{EngineDeadError} after the kill.  A
+        a completion for a model it does not serve and one for its own
+        asked at once: their answers, the server's exit status
+        (within 30 s), whether it ended within 3 s of answering, whether
+        its output named C{EngineDeadError} after the kill, and how a
+        stream running at the kill ended (its last two events).  A
         vLLM whose watchdog ended it before the request came (0 to 5 s
         after the death) has no answer: then only how each ended is
         compared.
@@ -493,29 +553,34 @@ class SameAnswersTests(Processes, SynchronousTestCase):
                 children = [int(p) for p in f.read().split()]
             cores = [c for c in children if "EngineCor" in _comm(c)] or children
             self.assertEqual(len(cores), 1, f"{name}: {children}")
+            begun = threading.Event()
+            events: list[str] = []
+            streaming = threading.Thread(
+                target=_stream, args=(base, begun, events), daemon=True
+            )
+            streaming.start()
+            self.assertTrue(begun.wait(60), f"{name}: no stream event")
             before = len(process.output())
             os.kill(cores[0], signal.SIGKILL)
-            request = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3})
-            try:
-                status, _, body = http(
-                    "POST",
-                    base + "/v1/completions",
-                    request.encode(),
-                    {"Content-Type": "application/json"},
-                    timeout=10,
-                )
-                answer: object = (status, json.loads(body))
-            except OSError:
-                answer = None
+            # A model it does not serve first: refused as ever, and the
+            # server goes on; then one it serves.
+            wrong, answer = (
+                _answer(base, {"model": model, "prompt": "hi", "max_tokens": 3})
+                for model in ("no-such-model", MODEL)
+            )
             answered = time.monotonic()
             code = process.popen.wait(timeout=30)
             # The answer ends the server (vLLM's in 0.6 s here, idle).
             soon = answer is None or time.monotonic() - answered < 3
             said = "EngineDeadError" in process.output()[before:]
-            seen[name] = (answer, code, soon, said)
+            streaming.join(10)
+            # How the stream running at the death ended: its last two
+            # events.
+            tail = [e if e == "[DONE]" else json.loads(e) for e in events[-2:]]
+            seen[name] = (wrong, answer, code, soon, said, tail)
         print(f"probe engine core killed: vllm {seen['vllm']!r}")
-        if seen["vllm"][0] is None:
-            seen["sim"] = (None, *seen["sim"][1:])
+        if seen["vllm"][1] is None:
+            seen["sim"] = (seen["vllm"][0], None, *seen["sim"][2:])
         if seen["vllm"] != seen["sim"]:
             return [f"engine core killed: vllm {seen['vllm']!r}, sim {seen['sim']!r}"]
         return []

@@ -32,6 +32,7 @@ SSE = b"text/event-stream"
 CHUNK = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
 USAGE = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
 DONE = b"data: [DONE]\n\n"
+FINISH = b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\n'
 STREAM = json.dumps(
     {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 ).encode()
@@ -202,22 +203,30 @@ class UsageTests(_Gateway):
 
     def test_warn_once_per_model_without_stream_usage(self) -> None:
         """
-        An engine that ends streams cleanly without the usage the router
-        asked for (llama-cpp-python) gets one warning for its model, not
-        one per request; its usage is estimated.
+        An engine that ends streams cleanly (a choice finished) without the
+        usage the router asked for (llama-cpp-python) gets one warning for
+        its model, not one per request; a stream the engine broke off is
+        no such word; its usage is estimated either way.
         """
         self.make(low=1)
         self.plane.reconcile()
-        for _ in range(2):
+        # vLLM's end of a stream its dead engine broke: an error event and
+        # [DONE], no choice finished: no usage, and no word on the engine.
+        broken = b'data: {"error":{"message":"EngineCore encountered an issue."}}\n\n'
+        warned = []
+        for end in (broken, FINISH, FINISH):
             response = self.serve()
-            response.write(CHUNK + DONE)
+            response.write(CHUNK + end + DONE)
             response.end()
             self.stub.flush()
             self.body()
-        warnings = [e for e in self.events if "sends no usage" in e["log_format"]]
-        self.assertEqual(len(warnings), 1)
+            warnings = [e for e in self.events if "sends no usage" in e["log_format"]]
+            warned.append(len(warnings))
+        self.assertEqual(warned, [0, 1, 1])
         self.assertEqual(warnings[0]["model"], "m")
-        self.assertEqual([r.usage_estimated for r in self.sink.records], [True, True])
+        self.assertEqual(
+            [r.usage_estimated for r in self.sink.records], [True, True, True]
+        )
 
 
 class CutTests(_Gateway):

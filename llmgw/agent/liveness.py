@@ -62,29 +62,44 @@ listener: an engine that stopped serving, its process still running) that
 make it dead.  Busy or slow answers never count: only a refusal.
 """
 
+_DEAD_ERROR = re.compile(r"(?:^|\] )vllm\.v1\.engine\.exceptions\.EngineDeadError: ")
+"""
+The last line of the traceback vLLM logs for its C{EngineDeadError}, as
+its logger writes it: at the line's start or after its prefix's
+C{[file.py:line] }, so that a prompt quoted in a request's log line
+(C{--enable-log-requests}) is not taken for it.
+"""
+
 ENGINE_DEAD = re.compile(
-    r"EngineDeadError|EngineCore encountered an issue|engine core exited"
-    r" unexpectedly|died unexpectedly"
+    r"(?:^|\] )(?:vllm\.v1\.engine\.exceptions\.EngineDeadError: |\[shutdown\]"
+    r" MPClient: engine core exited unexpectedly|Worker proc \S+ died unexpectedly"
+    r"|RayWorkerProc rank=\S+ died unexpectedly)"
 )
 """
-vLLM's lines saying its engine core is gone (see the module's docstring),
-newest first in L{engine_line}'s choice.
+vLLM's lines saying its engine core or a worker is gone (see the module's
+docstring; C{vllm/v1/executor/multiproc_executor.py} and
+C{ray_executor_v2.py} for a worker), as its logger writes them.
+"""
+
+LINE_LIMIT = 300
+"""
+Characters of an engine's line kept in a reason.
 """
 
 
 def engine_line(output: Sequence[str], fallback: str) -> str:
     """
-    @param output: the engine's last output lines, oldest first.
+    @param output: the engine's last output lines, oldest first (vLLM's or
+        the simulator's: other engines' lines are not read).
     @param fallback: said when no line of the engine says it.
-    @return: the engine's own line saying it is dead: the last one naming
-        C{EngineDeadError}, or else the last of L{ENGINE_DEAD}'s; else
-        C{fallback}.
+    @return: the engine's own line saying it is dead, cut to
+        L{LINE_LIMIT} characters: the last C{EngineDeadError} line, or
+        else the last of L{ENGINE_DEAD}'s; else C{fallback}.
     """
-    named = [line.strip() for line in output if "EngineDeadError" in line]
-    if named:
-        return named[-1]
-    found = [line.strip() for line in output if ENGINE_DEAD.search(line)]
-    return found[-1] if found else fallback
+    found = [line for line in output if _DEAD_ERROR.search(line)] or [
+        line for line in output if ENGINE_DEAD.search(line)
+    ]
+    return found[-1].strip()[:LINE_LIMIT] if found else fallback
 
 
 class WatchedShard(Protocol):
@@ -128,7 +143,9 @@ class Liveness:
     shard sees itself) says nothing; its port refusing the connection
     L{REFUSED_DEAD} times in a row while the shard is ready means it
     stopped serving with its process alive (see the module's docstring):
-    C{dead} is called too.
+    C{dead} is called too.  The two questions go their own ways: each is
+    asked again once its last one is answered or dropped after
+    L{ASK_TIMEOUT}, whatever the other does.
 
     @param shard: the shard watched.
     @param reactor: keeps time.
@@ -137,6 +154,8 @@ class Liveness:
         its death (vLLM, the sim), or C{""}: then nothing is asked.
     @param headers: sent with every question (its C{Authorization}).
     @param routes: its sleep routes (L{EngineRoutes}).
+    @param dead: called once with the engine's line when it is dead.
+    @param asleep: called when it was put to sleep outside the agent.
     """
 
     log = Logger()

@@ -252,17 +252,21 @@ Lines of an engine's output file sent with its status.
 def tail(path: str, lines: int | None = OUTPUT_LINES) -> list[str]:
     """
     @return: the last C{lines} lines of the file at C{path} (all of them
-        for C{None}; at most the last 64 KiB read), or none when it cannot
-        be read.
+        for C{None}; whole lines of at most its last 64 KiB), or none when
+        it cannot be read.
     """
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - 65536))
+            start = max(0, size - 65536)
+            f.seek(start)
             data = f.read()
     except OSError:
         return []
+    if start:
+        # The read began inside a line (or a character): from the next.
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else data
     text = data.decode("utf-8", "replace").splitlines()
     if lines is not None:
         text = text[-lines:]

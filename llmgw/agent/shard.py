@@ -498,12 +498,13 @@ class Shard:
                 why = f"the engine was killed by signal {-code}"
             else:
                 why = f"the engine exited with code {code}"
-            # Its own word first where it gave one: vLLM ends itself 5 s
-            # after its engine core died, which may come before the 503 of
-            # its health route is seen.
-            said = engine_line(self.log_lines, "")
-            if said:
-                why = f"{said} (then {why})"
+            # vLLM's own word first where it gave one: it ends itself 0 to
+            # 5 s after its engine core died, which may come before the 503
+            # of its health route is asked.
+            if self.command.engine in ("vllm", "sim"):
+                said = engine_line(self.log_lines, "")
+                if said:
+                    why = f"{said} (then {why})"
             self.set_state(pb.SHARD_STATE_FAILED, why)
         self._home.forget(self)
 

@@ -23,11 +23,11 @@ does, from its code (vLLM 0.32, installed by C{scripts/setup-vllm}):
     and C{error_response.py}), logging only its access line (its
     traceback too with C{--log-error-stack}, on by default with
     C{VLLM_SERVER_DEV_MODE=1}, C{vllm/entrypoints/launchers/cli_args.py}).
-    Not
-    modelled here: a stream already answering, which vLLM ends with that
-    error object as its last event and C{data: [DONE]}
-    (C{vllm/entrypoints/openai/chat_completion/serving.py}), runs to its
-    end.
+    A request running then gets the same: a stream ends with that error
+    object as an event and C{data: [DONE]}
+    (C{vllm/entrypoints/openai/chat_completion/serving.py} and
+    C{completion/serving.py} catch it), an answer not begun is that 500;
+    here at its next event (L{llmgw.sim.exchange}).
   - At its death it logs C{"AsyncLLM output_handler failed."} and a
     traceback whose last line is C{ENGINE_DEAD_LOG}
     (C{vllm/v1/engine/async_llm.py}, C{output_handler}), no request
@@ -183,7 +183,7 @@ class Core:
         The engine core process ended: log what vLLM logs.
         """
         self.dead = True
-        _write([f"WARNING {CORE_EXITED_LOG}", *OUTPUT_HANDLER_LOG])
+        _write([f"WARNING [core_client.py:817] {CORE_EXITED_LOG}", *OUTPUT_HANDLER_LOG])
 
     def terminate_if_errored(self) -> None:
         """

@@ -14,7 +14,8 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 
-from llmgw.sim.api import ApiError, error_body, error_type_for
+from llmgw.sim.api import DONE_EVENT, ApiError, error_body, error_type_for
+from llmgw.sim.core import engine_dead_body
 from llmgw.sim.engine import (
     FOREVER,
     QueueFull,
@@ -283,6 +284,9 @@ class Exchange:
             if i >= len(events):
                 self._complete()
                 return
+            if self._uses_slot and self._sim.core.dead:
+                self._engine_dead()
+                return
             if i == self._drop_at:
                 self._drop()
                 return
@@ -348,6 +352,24 @@ class Exchange:
             if self._blocks is not None:
                 sim.cache.insert(self._blocks.whole)
         self._release()
+
+    def _engine_dead(self) -> None:
+        """
+        Its engine core died while it ran (L{llmgw.sim.core}), seen at its
+        next event: vLLM ends a stream with the error object as an event
+        and C{[DONE]} (its stream generators catch the C{EngineDeadError}),
+        and answers a request not yet answered with its 500, which ends its
+        server (C{terminate_if_errored}); a stream's does not.
+        """
+        self._done = True
+        self._release()
+        body = engine_dead_body()
+        if self._stream:
+            self._request.write(b"data: " + body + b"\n\n" + DONE_EVENT)
+            self._request.finish()
+            return
+        self._fail(500, body)
+        self._sim.core.terminate_if_errored()
 
     def _release(self) -> None:
         if self._holding:

@@ -215,15 +215,15 @@ class SimResource(Resource):
     def _generate(self, request: Request, kind: Kind, path: bytes) -> bytes | int:
         self._count(path, request)
         sim = self._sim
-        if sim.core.dead:
-            # vLLM's EngineDeadError answer, which ends its server
-            # (llmgw.sim.core); it logs only its access line then.
-            sim.core.terminate_if_errored()
-            return _respond(request, 500, engine_dead_body(), JSON)
         try:
             req = parse_generation(kind, _body(request))
             if not sim.serves(req.model):
                 raise model_not_found(req.model)
+        except ApiError as e:
+            return _error(request, e)
+        if sim.core.dead:
+            return self._engine_dead(request)
+        try:
             too_long = context_error(
                 req.prompt_tokens, req.max_tokens, sim.config.max_model_len
             )
@@ -246,6 +246,17 @@ class SimResource(Resource):
         exchange = self._exchange(request, req, faults, length, created)
         self._when_awake(request, exchange)
         return NOT_DONE_YET
+
+    def _engine_dead(self, request: Request) -> bytes:
+        """
+        vLLM's answer to a request its dead engine would run (checked
+        after the model and the body's shape, before the prompt's length,
+        C{_preflight} in C{vllm/entrypoints/generate/base/serving.py}):
+        500 C{EngineDeadError}, which ends its server (L{llmgw.sim.core});
+        it logs only its access line then.
+        """
+        self._sim.core.terminate_if_errored()
+        return _respond(request, 500, engine_dead_body(), JSON)
 
     def _when_awake(self, request: Request, exchange: Exchange) -> None:
         """
@@ -322,6 +333,8 @@ class SimResource(Resource):
             faults = self._faults(req.faults)
         except ApiError as e:
             return _error(request, e)
+        if sim.core.dead:
+            return self._engine_dead(request)
         dim = sim.config.embedding_dim
         body = embeddings_response(req, [embedding_vector(x, dim) for x in req.inputs])
         exchange = Exchange(

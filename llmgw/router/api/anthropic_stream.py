@@ -370,6 +370,13 @@ class NativeStream:
         self.usage: dict[str, Any] | None = None
         self.done = False
 
+    @property
+    def finished(self) -> bool:
+        """
+        Whether the engine finished its answer: its C{message_stop} came.
+        """
+        return self.done
+
     def feed(self, data: bytes) -> bytes:
         """
         @return: the whole events in C{data} and before it, written again.

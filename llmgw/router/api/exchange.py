@@ -85,6 +85,9 @@ class Exchange:
     @ivar events_relayed: C{data:} fields written to the client.
     @ivar headers_sent: whether the client got any byte of the answer.
     @ivar done: whether the stream's last event relayed was C{[DONE]}.
+    @ivar finished: whether the engine finished a choice of the stream (a
+        C{finish_reason} came): vLLM ends a stream its dead engine broke
+        with an error event and C{[DONE]}, none finished.
     @ivar candidates: the candidates of the last attempt, when C{explain}.
     @ivar gpu: its share of its replicas' GPU time and its price, over
         its attempts (L{llmgw.router.routing.gpu_share}).
@@ -134,6 +137,7 @@ class Exchange:
         self.events_relayed = 0
         self.headers_sent = False
         self.done = False
+        self.finished = False
         self.candidates: list[dict[str, Any]] | None = None
         self.gpu = NO_GPU
         self._stale_retried = False
@@ -579,6 +583,7 @@ class Exchange:
         finally:
             # Counted however the stream ended (a client that left too).
             self.usage, self.done = relay.usage, relay.done
+            self.finished = relay.finished
         try:
             rest = relay.end()
         except StreamCut as e:

@@ -16,8 +16,8 @@ from llmgw.router.api.prepare import USAGE_STREAM_PATHS
 
 class MissingStreamUsage:
     """
-    Warns once per model whose engine ended a stream cleanly without the
-    usage the router asked for (llama-cpp-python's server ignores
+    Warns once per model whose engine ended a stream cleanly (a choice
+    finished) without the usage the router asked for (llama-cpp-python's server ignores
     C{stream_options}): its usage is estimated, and the operator should
     know.
 
@@ -40,6 +40,9 @@ class MissingStreamUsage:
             or status != 200
             or exchange.usage is not None
             or not exchange.prepared.stream
+            # An engine that broke off (vLLM's error event, then [DONE])
+            # sends no usage then: it says nothing of its usage.
+            or not exchange.finished
             or exchange.path not in USAGE_STREAM_PATHS
             or exchange.answer_status != 200
             or exchange.model in self._warned

@@ -19,7 +19,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import Agent
 
-from llmgw.agent import sleep
+from llmgw.agent import liveness, sleep
 from llmgw.agent.engines import CommandRefused, build
 from llmgw.agent.records import process_start_time
 from llmgw.agent.supervisor import Supervisor
@@ -64,6 +64,10 @@ class _Engine:
             answer = self._answer(path, lambda: None)
         elif path == "/metrics":
             return succeed(_Answer(self.metrics))
+        elif path == "/health":
+            # Asked by the shard's liveness while it is ready, asleep or
+            # waking: healthy.
+            return succeed(_Answer(b""))
         else:
             self.questions += 1
             if self.questions in self.lost:
@@ -105,7 +109,8 @@ def _command(shard_id: str, gpu: int = 0) -> pb.StartShard:
 
 class _AdoptCase(SynchronousTestCase):
     def setUp(self) -> None:
-        self.patch(sleep, "readBody", lambda answer: succeed(answer.body))
+        for module in (sleep, liveness):
+            self.patch(module, "readBody", lambda answer: succeed(answer.body))
         self.reports: list[pb.ShardStatus] = []
         self.supervisor = Supervisor(
             cast(IEngineReactor, Clock()), self.reports.append, tempfile.mkdtemp()

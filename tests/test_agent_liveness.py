@@ -78,6 +78,7 @@ class _Shard:
     )
     state: int = pb.SHARD_STATE_READY
     busy: bool = False
+    stopping: bool = False
     log_lines: list[str] = field(default_factory=list)
 
 
@@ -179,8 +180,8 @@ class LivenessTests(SynchronousTestCase):
     def test_refusals_in_a_row_only(self) -> None:
         """
         Refusals broken by an answer start again from none; refusals while
-        the agent itself turns the engine (a stop, a sleep, a wake) do not
-        count; with nothing in the output, the refusals are the line.
+        the agent stops the engine do not count; with nothing in the
+        output, the refusals are the line.
         """
         self.engine.refusing = True
         for _ in range(REFUSED_DEAD - 1):
@@ -190,9 +191,9 @@ class LivenessTests(SynchronousTestCase):
         self.engine.refusing = True
         for _ in range(REFUSED_DEAD - 1):
             self.clock.advance(INTERVAL)
-        self.shard.busy = True
+        self.shard.busy = self.shard.stopping = True
         self.clock.advance(INTERVAL)
-        self.shard.busy = False
+        self.shard.busy = self.shard.stopping = False
         for _ in range(REFUSED_DEAD - 1):
             self.clock.advance(INTERVAL)
         self.assertEqual(self.dead, [])
@@ -211,16 +212,50 @@ class LivenessTests(SynchronousTestCase):
         self.clock.advance(INTERVAL)
         self.assertEqual(self.asleep, [True])
 
-    def test_agents_own_turn(self) -> None:
+    def test_agents_own_stop(self) -> None:
         """
-        While the agent itself turns the engine (or stops it), its answers
-        are the agent's doing: nothing happens.
+        While the agent stops the engine, its answers are the agent's
+        doing: nothing happens.
         """
-        self.shard.busy = True
+        self.shard.busy = self.shard.stopping = True
         self.engine.sleeping = True
         self.engine.health = 503
         self.clock.advance(INTERVAL)
         self.assertEqual((self.dead, self.asleep), ([], []))
+
+    def test_agents_own_turn(self) -> None:
+        """
+        While the agent itself puts the engine to sleep or wakes it, its
+        sleeping is the agent's doing, but a 503 is still its death: vLLM's
+        sleep or wake sent as its engine core died would never answer.
+        """
+        self.shard.busy = True
+        self.engine.sleeping = True
+        self.clock.advance(INTERVAL)
+        self.assertEqual((self.dead, self.asleep), ([], []))
+        self.engine.health = 503
+        self.clock.advance(INTERVAL)
+        self.assertEqual((len(self.dead), self.asleep), (1, []))
+
+    def test_asleep_and_waking_watched(self) -> None:
+        """
+        Sleeping or waking, an engine's health is asked (whether it sleeps
+        is not): a 503 is its death, so are refusals in a row.
+        """
+        for state in (pb.SHARD_STATE_SLEEPING, pb.SHARD_STATE_WAKING):
+            self.setUp()
+            self.shard.state = state
+            self.engine.sleeping = True
+            self.engine.health = 503
+            self.clock.advance(INTERVAL)
+            self.assertEqual((len(self.dead), self.asleep), (1, []), state)
+            self.assertEqual(self.engine.asked, ["/health"], state)
+            self.setUp()
+            self.shard.state = state
+            self.engine.refusing = True
+            for _ in range(REFUSED_DEAD):
+                self.clock.advance(INTERVAL)
+            self.assertEqual(len(self.dead), 1, state)
 
     def test_answer_from_before_a_turn(self) -> None:
         """

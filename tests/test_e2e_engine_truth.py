@@ -11,6 +11,7 @@ asleep and woken, and every request answered.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,6 +60,33 @@ args = ["--enable-sleep-mode"]
 """
 
 
+ASLEEP_AT_THE_DEATH = """
+[[models]]
+name = "chat"
+min_replicas = 0
+max_replicas = 1
+idle_timeout = "600s"
+[[models.profiles]]
+name = "one-h200"
+engine = "sim"
+source = "sim"
+gpus = 1
+gpu_memory_gb = 40
+sleep = "weights"
+sleep_gpu_memory_gb = 2
+sleep_host_memory_gb = 1
+args = ["--engine-core-process", "--sleep-seconds", "3"]
+"""
+
+SLEEP_AGENT = """
+address = "{address}"
+sleep_memory = "8GiB"
+[[simulated_gpus]]
+name = "H200"
+memory_gb = 141
+"""
+
+
 def children(pid: int) -> list[int]:
     """
     @return: the child processes of C{pid} (none when it is gone).
@@ -73,9 +101,12 @@ def children(pid: int) -> list[int]:
 class EngineTruthTests(_Fleet, SynchronousTestCase):
     timeout = 120
 
-    def fleet(self, models: str) -> None:
+    def fleet(self, models: str, agent: str | None = None) -> None:
         self.start_fleet_server(self.config(models))
-        self.start_agent("gpu-01")
+        if agent is None:
+            self.start_agent("gpu-01")
+        else:
+            self.start_agent("gpu-01", agent)
 
     def core_of(self, replica: dict[str, object]) -> tuple[int, int]:
         """
@@ -229,6 +260,50 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         # sends it.
         self.assertNotIn("sends no usage in streams", output)
         self.assertNotIn("Unhandled", output)
+
+    def test_engine_dies_during_a_sleep(self) -> None:
+        """
+        The engine core dies while the agent's sleep of the engine runs
+        (3 s here): vLLM's sleep call never answers then, and its end
+        waits for ever on it, its port closed and its process alive
+        (L{llmgw.sim.core}).  The health question, asked meanwhile, ends
+        it: the replica fails with the engine's line within seconds, not
+        when the sleep times out (600 s), nothing of it runs on, and the
+        next request is answered by a replacement.
+        """
+        self.fleet(ASLEEP_AT_THE_DEATH, SLEEP_AGENT)
+        self.assertTrue(self.chat())
+        (replica,) = self.ready(1)
+        pid, core = self.core_of(replica)
+        shard = replica["shards"][0]["id"]
+        record = os.path.join(self.dir, "state-gpu-01", "shards", f"{shard}.json")
+
+        def turning() -> object:
+            with open(record) as f:
+                return json.load(f).get("turning")
+
+        self.admin(f"/api/v1/replicas/{replica['id']}/sleep", "POST")
+        self.until(lambda: turning() == "sleep", 10, "the sleep running")
+        os.kill(core, signal.SIGKILL)
+        started = time.monotonic()
+        failed = self.until(
+            lambda: [
+                line
+                for line in self.server.output().splitlines()
+                if f"shard {shard} on gpu-01: failed: " in line
+            ],
+            20,
+            "the failure told",
+        )
+        took = time.monotonic() - started
+        told = failed[0].split(": failed: ", 1)[1]
+        self.until(lambda: not _alive(pid), 10, "the engine stopped")
+        print(
+            f"engine truth: engine core died during a sleep: failed {took:.1f} s"
+            f" after, with {told[:100]!r}"
+        )
+        self.assertRegex(told, r"^[^;]*vllm\.v1\.engine\.exceptions\.EngineDeadError")
+        self.assertTrue(self.chat())
 
     def test_engine_ends_before_asked(self) -> None:
         """

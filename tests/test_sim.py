@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from twisted.internet import reactor as _reactor
 from twisted.internet.defer import (
     CancelledError,
+    Deferred,
 )
 from twisted.internet.interfaces import IReactorProcess
 from twisted.internet.task import Clock
@@ -467,6 +468,26 @@ class CoreDeathTests(SynchronousTestCase):
         self.assertEqual(self.ended, [1.1])
         self.clock.advance(10)
         self.assertEqual(self.ended, [1.1])
+
+    def test_hung_call_holds_the_end(self) -> None:
+        """
+        A call to the engine core in flight at its death never answers,
+        and the end it meets then stops listening without ending; a call
+        answered before the death is answered.
+        """
+        closed: list[int] = []
+        core = Core(self.clock, lambda: self.ended.append(0), lambda: closed.append(1))
+        before: Deferred[str] = Deferred()
+        during: Deferred[str] = Deferred()
+        answers: list[str] = []
+        core.utility(before).addCallback(answers.append)
+        core.utility(during).addCallback(answers.append)
+        before.callback("asleep")
+        core.died()
+        during.callback("asleep")
+        core.terminate_if_errored()
+        self.clock.advance(1)
+        self.assertEqual((answers, closed, self.ended), (["asleep"], [1], []))
 
     def test_stopped_with_the_simulator(self) -> None:
         """

@@ -1,5 +1,5 @@
 """
-What a ready engine says of itself, asked every second: its health route
+What an engine says of itself, asked every second: its health route
 and, in sleep mode, whether it sleeps (L{Liveness}).  Its process alone
 says too little: vLLM's API server serves on after its C{EngineCore} died
 (C{/health} answers 503 and every request 500 until its watchdog ends it
@@ -31,11 +31,22 @@ import re
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
-from twisted.internet.defer import Deferred
-from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.error import (
+    ConnectError,
+    ConnectionDone,
+    ConnectionLost,
+    ConnectionRefusedError,
+)
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.web.client import readBody
+from twisted.python.failure import Failure
+from twisted.web.client import (
+    RequestTransmissionFailed,
+    ResponseFailed,
+    ResponseNeverReceived,
+    readBody,
+)
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 
@@ -53,6 +64,33 @@ ASK_TIMEOUT = 5.0
 """
 Seconds one question may take: a busy engine answers its health route
 late, and a late answer says nothing.
+"""
+
+NO_ANSWER = (
+    ConnectError,
+    ConnectionLost,
+    ConnectionDone,
+    ResponseFailed,
+    ResponseNeverReceived,
+    RequestTransmissionFailed,
+    TimeoutError,
+    CancelledError,
+    CommandRefused,
+)
+"""
+The ways a question goes unanswered (refused, cut, timed out, an engine
+that cannot say): nothing to log.  Anything else is a fault of the
+agent's, logged.
+"""
+
+WATCHED = (
+    pb.SHARD_STATE_READY,
+    pb.SHARD_STATE_SLEEPING,
+    pb.SHARD_STATE_WAKING,
+)
+"""
+The states a shard's engine is asked in: its health in all three, whether
+it sleeps when C{ready} only.
 """
 
 REFUSED_DEAD = 3
@@ -127,21 +165,26 @@ class WatchedShard(Protocol):
         """
 
     @property
+    def stopping(self) -> bool:
+        """Whether the agent stops it."""
+
+    @property
     def log_lines(self) -> list[str]:
         """Its engine's output lines, as many as its log's end holds."""
 
 
 class Liveness:
     """
-    Asks a ready engine, every L{INTERVAL} seconds, whether it still
-    serves: its C{GET /health} answering 503 means its engine is dead
-    (C{dead} is called with the engine's own line, L{engine_line}); its
-    C{GET /is_sleeping} (vLLM, the simulator; asked until it answers 404)
-    answering true while the agent did not put it to sleep means someone
-    else did (C{asleep} is called).
+    Asks an engine, every L{INTERVAL} seconds while its shard is
+    L{WATCHED}, whether it still serves: its C{GET /health} answering 503
+    means its engine is dead (C{dead} is called with the engine's own line,
+    L{engine_line}), asleep or awake, and while the agent's own sleep or
+    wake runs; its C{GET /is_sleeping} (vLLM, the simulator; asked until it
+    answers 404) answering true while ready and the agent did not put it
+    to sleep means someone else did (C{asleep} is called).
     An answer that does not come (busy, or the process gone, which the
     shard sees itself) says nothing; its port refusing the connection
-    L{REFUSED_DEAD} times in a row while the shard is ready means it
+    L{REFUSED_DEAD} times in a row, unless the agent stops it, means it
     stopped serving with its process alive (see the module's docstring):
     C{dead} is called too.  The two questions go their own ways: each is
     asked again once its last one is answered or dropped after
@@ -236,6 +279,13 @@ class Liveness:
 
         def asked(result: object) -> None:
             self._asking.discard(name)
+            if isinstance(result, Failure) and not result.check(*NO_ANSWER):
+                self.log.failure(
+                    "asking shard {shard}'s engine ({question})",
+                    result,
+                    shard=self._shard.id,
+                    question=name,
+                )
 
         d.addBoth(asked)
 
@@ -252,6 +302,24 @@ class Liveness:
             and self._loop is loop
             and shard.state == pb.SHARD_STATE_READY
             and not shard.busy
+        )
+
+    def _health_counts(self, loop: LoopingCall | None) -> bool:
+        """
+        @param loop: the asking that sent the health question answered.
+        @return: whether its answer counts: that asking goes on, the shard
+            is L{WATCHED}, and the agent does not stop it.  The agent's own
+            sleep and wake count: they leave the engine's port open and its
+            C{/health} 200, and vLLM's, sent as its engine core died, would
+            wait for ever (up to L{llmgw.agent.sleep.SLEEP_TIMEOUT}) but for
+            this answer.
+        """
+        shard = self._shard
+        return (
+            loop is not None
+            and self._loop is loop
+            and shard.state in WATCHED
+            and not shard.stopping
         )
 
     def _died(self, fallback: str) -> None:
@@ -272,9 +340,9 @@ class Liveness:
                 b"GET", self._health_url.encode(), self._headers
             )
         except ConnectionRefusedError:
-            # Counted only while watched: the agent's own turn (a stop,
-            # a sleep and a wake) may close the port.
-            self._refused = self._refused + 1 if self._watching(loop) else 0
+            # Counted only while it counts: the agent's stop closes the
+            # port.
+            self._refused = self._refused + 1 if self._health_counts(loop) else 0
             if self._refused >= REFUSED_DEAD:
                 self._died(
                     f"the engine refused connections on its port"
@@ -284,7 +352,7 @@ class Liveness:
             return
         self._refused = 0
         await readBody(response)
-        if response.code == 503 and self._watching(loop):
+        if response.code == 503 and self._health_counts(loop):
             self._died("the engine answered its health route with 503")
 
     async def _sleeping(self, loop: LoopingCall | None) -> None:

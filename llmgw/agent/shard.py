@@ -26,7 +26,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 
 from llmgw.agent.engines import Launch, build
-from llmgw.agent.liveness import Liveness, engine_line
+from llmgw.agent.liveness import WATCHED, Liveness, engine_line
 from llmgw.agent.phases import StartPhases
 from llmgw.agent.phases import lists_model as _lists
 from llmgw.agent.records import MARKER, process_start_time, tail
@@ -263,10 +263,11 @@ class Shard:
         if state in (pb.SHARD_STATE_READY, pb.SHARD_STATE_SLEEPING):
             self._served = True
         self.state = state
-        if state == pb.SHARD_STATE_READY:
+        # Asked again from each change on: an answer to a question sent
+        # before it (a sleep and a wake of the agent's own) is stale.
+        self.liveness.stop()
+        if state in WATCHED:
             self.liveness.start()
-        else:
-            self.liveness.stop()
         status.note = self._note if note is None else note
         self._note = ""
         status.state = state  # type: ignore[assignment]

@@ -13,6 +13,7 @@ import time
 from typing import cast
 
 from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.interfaces import IListeningPort
 from twisted.logger import (
     FilteringLogObserver,
     LogLevel,
@@ -417,7 +418,9 @@ def main(argv: list[str]) -> int:
         ],
         redirectStandardIO=False,
     )
-    core = Core(reactor, reactor.stop)
+    # Its end stops listening here first where a hung call holds it.
+    ports: list[IListeningPort] = []
+    core = Core(reactor, reactor.stop, lambda: [p.stopListening() for p in ports])
     sim = Simulator(config, reactor, core)
     sim.set_faults(dict(args.fault))
     # Nothing to serve while "loading": the port stays closed, as a real
@@ -439,6 +442,7 @@ def main(argv: list[str]) -> int:
     except CannotListenError as e:
         sys.stderr.write(f"llmgw sim: {e}\n")
         return 1
+    ports.append(port)
     address = cast(IPv4Address | IPv6Address, port.getHost())
     host = f"[{address.host}]" if ":" in address.host else address.host
     if args.engine_core_process:

@@ -43,6 +43,14 @@ does, from its code (vLLM 0.32, installed by C{scripts/setup-vllm}):
     C{should_exit} every 0.1 s.  It ends with code 0, printing uvicorn's
     four shutdown lines and, from vLLM's CPU build, the leak report of
     triton's nanobind bindings: 35 lines after its engine's last word.
+  - Its sleep routes are calls to the engine core (C{call_utility_async}):
+    after the death they fail as a request does (the 500, and the end);
+    one in flight at the death never answers, C{core_client.py} failing
+    only the generation queue, and the server's end then waits for it for
+    ever (uvicorn waits for its requests in flight): the port closed, the
+    process alive.  Seen on a real vLLM with C{GET /is_sleeping} in
+    flight (alive 40 s on); here a C{/sleep} or C{/wake_up} within its
+    C{--sleep-seconds} or C{--wake-seconds}.
 """
 
 from __future__ import annotations
@@ -51,7 +59,9 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
+from twisted.internet.defer import Deferred
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.interfaces import (
     IProcessTransport,
@@ -61,6 +71,8 @@ from twisted.internet.interfaces import (
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
+
+T = TypeVar("T")
 
 ENGINE_DEAD_MESSAGE = (
     "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -107,6 +119,16 @@ What vLLM logs when its engine core dies, no request needed.
 """
 
 
+SHUTTING_DOWN = "INFO:     Shutting down"
+WAITING_FOR_CONNECTIONS = (
+    "INFO:     Waiting for connections to close. (CTRL+C to force quit)"
+)
+"""
+uvicorn's lines as its shutdown begins, and while requests in flight hold
+it.
+"""
+
+
 def exit_output(pid: int) -> list[str]:
     """
     @param pid: the server's process id.
@@ -116,7 +138,7 @@ def exit_output(pid: int) -> list[str]:
         shape and length kept).
     """
     lines = [
-        "INFO:     Shutting down",
+        SHUTTING_DOWN,
         "INFO:     Waiting for application shutdown.",
         "INFO:     Application shutdown complete.",
         f"INFO:     Finished server process [{pid}]",
@@ -168,15 +190,46 @@ class Core:
     @ivar dead: the engine core process has ended.
     """
 
-    def __init__(self, clock: IReactorTime, end: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        clock: IReactorTime,
+        end: Callable[[], None],
+        close: Callable[[], object] = lambda: None,
+    ) -> None:
         """
         @param clock: times the end.
         @param end: ends the simulator (its reactor's C{stop}).
+        @param close: stops its listening (its end waiting for ever on a
+            hung call).
         """
         self.dead = False
         self._clock = clock
         self._end = end
+        self._close = close
         self._ending = False
+        self._hung = 0
+
+    def utility(self, done: Deferred[T]) -> Deferred[T]:
+        """
+        A call to the engine core (vLLM's utility calls: C{/sleep},
+        C{/wake_up}, C{/is_sleeping}, C{/collective_rpc}), answered when
+        C{done} fires: unless the core died meanwhile, when, as vLLM's, it
+        never is (C{vllm/v1/engine/core_client.py} fails only the
+        generation queue at the death) and the server's end waits for it
+        for ever.
+
+        @return: fires with C{done}'s result, or never.
+        """
+        answered: Deferred[T] = Deferred()
+
+        def back(result: T) -> None:
+            if self.dead:
+                self._hung += 1
+                return
+            answered.callback(result)
+
+        done.addCallback(back)
+        return answered
 
     def died(self) -> None:
         """
@@ -195,6 +248,12 @@ class Core:
             self._clock.callLater(SHOULD_EXIT_SECONDS, self._exit)
 
     def _exit(self) -> None:
+        if self._hung:
+            # uvicorn stops listening, then waits for every request in
+            # flight: a hung utility call's, for ever.
+            _write([SHUTTING_DOWN, WAITING_FOR_CONNECTIONS])
+            self._close()
+            return
         _write(exit_output(os.getpid()))
         self._end()
 

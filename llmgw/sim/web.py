@@ -441,27 +441,43 @@ class SimResource(Resource):
             return _error(request, ApiError(400, str(e), param="faults"))
         return _respond(request, 200, json_body(faults), JSON)
 
+    # vLLM's sleep routes are calls to its engine core: its death makes
+    # them the 500 that ends the server, and one in flight then never
+    # answers (llmgw.sim.core).
+
     def _sleep(self, request: Request) -> bytes | int:
         try:
             level = sleep_level(_query(request))
         except ApiError as e:
             return _error(request, e)
+        core = self._sim.core
+        if core.dead:
+            return self._engine_dead(request)
         answer = {"status": "sleeping", "level": level}
-        return _answer_later(request, self._sim.sleep.sleep(level), lambda _: answer)
+        return _answer_later(
+            request, core.utility(self._sim.sleep.sleep(level)), lambda _: answer
+        )
 
     def _wake_up(self, request: Request) -> bytes | int:
         tags = wake_tags(_query(request))
+        core = self._sim.core
+        if core.dead:
+            return self._engine_dead(request)
         return _answer_later(
             request,
-            self._sim.sleep.wake(tags),
+            core.utility(self._sim.sleep.wake(tags)),
             lambda awake: {"status": "awake" if awake else "sleeping", "tags": tags},
         )
 
     def _is_sleeping(self, request: Request) -> bytes:
+        if self._sim.core.dead:
+            return self._engine_dead(request)
         body = json_body({"is_sleeping": self._sim.sleep.asleep})
         return _respond(request, 200, body, JSON)
 
     def _collective_rpc(self, request: Request) -> bytes:
+        if self._sim.core.dead:
+            return self._engine_dead(request)
         status, answer = collective_rpc(self._sim.sleep, _body(request))
         if status != 200:
             # vLLM's handlers: the HTTP phrase for its router's 400s, its

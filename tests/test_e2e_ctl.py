@@ -67,13 +67,23 @@ class KeysUpdateTests(SynchronousTestCase, Processes, _Ctl):
         self.assertNotIn("'sim-model'", bad.stderr.split("(models")[0])
         self.assertIn("HTTP 400", bad.stderr)
         self.assertEqual(self.ctl_json("keys")["keys"], [])
-        secret = self.ctl_json("keys", "create", "--name", "a", "--models", "sim-model")
+        # Open until the first key, which says so; the next one does not.
+        self.assertTrue(self.chat("no-key-needed-yet"))
+        first = self.ctl("keys", "create", "--name", "a", "--models", "sim-model")
+        lines = first.stdout.splitlines()
+        self.assertTrue(lines[0].startswith("sk-"), first.stdout)
+        self.assertIn("without a key until now", lines[2])
+        secret = {"key": lines[0]}
+        with self.assertRaises(openai.AuthenticationError):
+            self.chat("no-key-needed-yet")
+        second = self.ctl_json("keys", "create", "--name", "b")
+        self.assertFalse(second["was_open"])
         bad = self.ctl(
             "keys", "update", "a", "--models", "other-model,typo1,typo2", ok=False
         )
         self.one_line(bad, "no model named 'typo1', 'typo2'")
-        (key,) = self.ctl_json("keys")["keys"]
-        self.assertEqual(key["models"], ["sim-model"])
+        key, _ = self.ctl_json("keys")["keys"]
+        self.assertEqual((key["name"], key["models"]), ("a", ["sim-model"]))
         self.assertTrue(self.chat(secret["key"]))
 
     def test_update_limits_models_expiry(self) -> None:

@@ -285,8 +285,11 @@ class KeyRoutes:
         (C{expires} as L{parse_expires} reads it; C{priority} a name of
         L{llmgw.router.routing.fairness.PRIORITIES} or an integer, C{weight} a
         number above 0).  201 with the key under C{"key"}: the
-        only time it is shown.  400 C{unknown_model} naming the models no
-        catalog model or endpoint serves.
+        only time it is shown; C{"was_open"} true when the client API took
+        requests without a key until this one (the first key, without
+        C{[auth] require_api_key}): from now on each needs one.  400
+        C{unknown_model} naming the models no catalog model or endpoint
+        serves.
         """
         keys = self._keys()
         body = read_body(request)
@@ -301,6 +304,7 @@ class KeyRoutes:
             raise AdminError(400, "admin: expected true or false", "bad_request")
         order = _order_fields(body)
         integrity_errors = self._store.integrity_errors if self._store else ()
+        was_open = not keys.required
         try:
             key, secret = await keys.create(
                 name,
@@ -320,7 +324,9 @@ class KeyRoutes:
         except integrity_errors:
             raise AdminError(409, f"a key named {name!r} exists", "conflict") from None
         self._keys_changed()
-        return json_answer(request, {**key.to_json(), "key": secret}, 201)
+        return json_answer(
+            request, {**key.to_json(), "key": secret, "was_open": was_open}, 201
+        )
 
     @app.route("/api/v1/keys/<name>", methods=["PATCH"])
     async def update_key(self, request: IRequest, name: str) -> bytes:

@@ -37,6 +37,12 @@ def keys_create(
     text = (
         f"{result['key']}\nkey {result['name']} created; it is shown only this once.\n"
     )
+    if result.get("was_open"):
+        text += (
+            "the client API took requests without a key until now: from now on"
+            " every request needs one (Authorization: Bearer KEY), and a client"
+            " without one gets 401\n"
+        )
     return result, text
 
 

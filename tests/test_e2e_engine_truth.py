@@ -17,6 +17,7 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Any
 
 import openai
 from twisted.trial.unittest import SynchronousTestCase
@@ -25,58 +26,47 @@ from llmgw.agent.records import MARKER
 from tests.support import http, logged_usage
 from tests.test_e2e_control import _alive, _Fleet
 
-MODELS = """
+
+def models(
+    args: list[str], replicas: int = 1, least: int | None = None, sleep: str = ""
+) -> str:
+    """
+    @param args: the sim's arguments.
+    @param replicas: the model's C{max_replicas}, and its C{min_replicas}
+        unless C{least} is given.
+    @param sleep: the profile's C{sleep}, or none.
+    @return: the catalog of one model, C{chat}, on one simulated GPU.
+    """
+    slept = (
+        f'sleep = "{sleep}"\nsleep_gpu_memory_gb = 2\nsleep_host_memory_gb = 1\n'
+        if sleep
+        else ""
+    )
+    return f"""
 [[models]]
 name = "chat"
-min_replicas = {replicas}
+min_replicas = {replicas if least is None else least}
 max_replicas = {replicas}
-idle_timeout = "0s"
+idle_timeout = "{"600s" if sleep else "0s"}"
 [[models.profiles]]
 name = "one-h200"
 engine = "sim"
 source = "sim"
 gpus = 1
 gpu_memory_gb = 40
-args = ["--engine-core-process", "--itl", "0.05"]
+{slept}args = {json.dumps(args)}
 """
 
-VERBOSE = MODELS.replace('"--itl"', '"--verbose", "--itl"')
 
-SLEEPER = """
-[[models]]
-name = "chat"
-min_replicas = 1
-max_replicas = 1
-idle_timeout = "0s"
-[[models.profiles]]
-name = "one-h200"
-engine = "sim"
-source = "sim"
-gpus = 1
-gpu_memory_gb = 40
+CORE = ["--engine-core-process", "--itl", "0.05"]
+
 # Its sleep routes served though llmgw does not put it to sleep: as vLLM's
 # with VLLM_SERVER_DEV_MODE=1 in a profile's environment.
-args = ["--enable-sleep-mode"]
-"""
+SLEEPER = models(["--enable-sleep-mode"])
 
-
-ASLEEP_AT_THE_DEATH = """
-[[models]]
-name = "chat"
-min_replicas = 0
-max_replicas = 1
-idle_timeout = "600s"
-[[models.profiles]]
-name = "one-h200"
-engine = "sim"
-source = "sim"
-gpus = 1
-gpu_memory_gb = 40
-sleep = "weights"
-sleep_gpu_memory_gb = 2
-sleep_host_memory_gb = 1
-args = ["--engine-core-process", "--sleep-seconds", "3"]
-"""
+ASLEEP_AT_THE_DEATH = models(
+    ["--engine-core-process", "--sleep-seconds", "3"], least=0, sleep="weights"
+)
 
 SLEEP_AGENT = """
 address = "{address}"
@@ -119,19 +109,29 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         (core,) = self.until(lambda: children(pid), 10, "the engine core")
         return pid, core
 
-    def test_api_server_killed(self) -> None:
+    def told_failed(self, shard: str, seconds: float) -> str:
         """
-        SIGKILL to an engine's API server alone (not its group): the agent
-        sees it go though its engine core lives on, stops the core (nothing
-        orphaned), and the replica is replaced within seconds, serving.
+        @return: the reason the server was told C{shard} failed, from its
+            log (the replacement clears the model's C{last_error} once
+            ready: the log keeps it), once told within C{seconds}.
         """
-        self.fleet(MODELS.format(replicas=1))
-        (replica,) = self.ready(1)
-        pid, core = self.core_of(replica)
-        os.kill(pid, signal.SIGKILL)
-        started = time.monotonic()
-        self.until(lambda: not _alive(core), 10, "the orphaned engine core stopped")
-        (replacement,) = self.until(
+        failed = self.until(
+            lambda: [
+                line
+                for line in self.server.output().splitlines()
+                if f"shard {shard} on gpu-01: failed: " in line
+            ],
+            seconds,
+            "the failure told",
+        )
+        return str(failed[0].split(": failed: ", 1)[1])
+
+    def replaced(self, pid: int) -> dict[str, Any]:
+        """
+        @return: a ready replica whose engine is not C{pid}, once there is
+            one (20 s).
+        """
+        found: list[dict[str, Any]] = self.until(
             lambda: [
                 r
                 for r in self.replicas()
@@ -140,6 +140,21 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
             20,
             "a replacement ready",
         )
+        return found[0]
+
+    def test_api_server_killed(self) -> None:
+        """
+        SIGKILL to an engine's API server alone (not its group): the agent
+        sees it go though its engine core lives on, stops the core (nothing
+        orphaned), and the replica is replaced within seconds, serving.
+        """
+        self.fleet(models(CORE))
+        (replica,) = self.ready(1)
+        pid, core = self.core_of(replica)
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        self.until(lambda: not _alive(core), 10, "the orphaned engine core stopped")
+        replacement = self.replaced(pid)
         took = time.monotonic() - started
         self.assertTrue(self.chat())
         print(f"engine truth: API server killed, replaced in {took:.1f} s")
@@ -153,7 +168,7 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         dead one ends or is stopped, and is replaced, and the replica
         failed with the engine's own line.
         """
-        self.fleet(MODELS.format(replicas=2))
+        self.fleet(models(CORE, 2))
         ready = self.ready(2)
         pid, core = self.core_of(ready[0])
         os.kill(core, signal.SIGKILL)
@@ -169,20 +184,11 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         self.assertEqual(errors, [])
         self.assertGreater(answered, 3)
         shard = ready[0]["shards"][0]["id"]
-        failed = self.until(
-            lambda: [
-                line
-                for line in self.server.output().splitlines()
-                if f"shard {shard} on gpu-01: failed: " in line
-            ],
-            15,
-            "the failure told",
-        )
+        told = self.told_failed(shard, 15)
         # The engine's own line first, not its shutdown noise (the
         # replacement clears the model's last_error once ready: the log
         # keeps it).  The first request the dead engine answered ended it,
         # as vLLM's does, often before its 503 was asked.
-        told = failed[0].split(": failed: ", 1)[1]
         self.assertRegex(
             told,
             r"^[^;]*vllm\.v1\.engine\.exceptions\.EngineDeadError: EngineCore"
@@ -217,7 +223,7 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         request is answered by the replacement; the server's log blames
         nothing else on the engine.
         """
-        self.fleet(MODELS.format(replicas=1))
+        self.fleet(models(CORE))
         (replica,) = self.ready(1)
         pid, core = self.core_of(replica)
         rid = f"dying-{os.getpid()}-{time.monotonic_ns()}"
@@ -244,15 +250,7 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         self.assertEqual(status, 200)
         self.assertGreaterEqual(completion, got)
         self.assertLess(got, 2000)
-        self.until(
-            lambda: [
-                r
-                for r in self.replicas()
-                if r["state"] == "ready" and r["shards"][0]["pid"] != pid
-            ],
-            20,
-            "a replacement ready",
-        )
+        self.replaced(pid)
         self.assertTrue(self.chat())
         output = self.server.output()
         # Its own log says nothing false of the engine either: a stream
@@ -286,17 +284,8 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         self.until(lambda: turning() == "sleep", 10, "the sleep running")
         os.kill(core, signal.SIGKILL)
         started = time.monotonic()
-        failed = self.until(
-            lambda: [
-                line
-                for line in self.server.output().splitlines()
-                if f"shard {shard} on gpu-01: failed: " in line
-            ],
-            20,
-            "the failure told",
-        )
+        told = self.told_failed(shard, 20)
         took = time.monotonic() - started
-        told = failed[0].split(": failed: ", 1)[1]
         self.until(lambda: not _alive(pid), 10, "the engine stopped")
         print(
             f"engine truth: engine core died during a sleep: failed {took:.1f} s"
@@ -315,7 +304,7 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         line, though more than an output tail of lines followed it, then
         how it ended; and it is replaced.
         """
-        self.fleet(VERBOSE.format(replicas=1))
+        self.fleet(models([*CORE, "--verbose"]))
         (replica,) = self.ready(1)
         pid, core = self.core_of(replica)
         agent = self.agents["gpu-01"].popen.pid
@@ -335,16 +324,7 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
         finally:
             os.kill(agent, signal.SIGCONT)
         shard = replica["shards"][0]["id"]
-        failed = self.until(
-            lambda: [
-                line
-                for line in self.server.output().splitlines()
-                if f"shard {shard} on gpu-01: failed: " in line
-            ],
-            15,
-            "the failure told",
-        )
-        told = failed[0].split(": failed: ", 1)[1]
+        told = self.told_failed(shard, 15)
         with open(
             os.path.join(self.dir, "state-gpu-01", "shards", f"{shard}.log")
         ) as f:
@@ -362,15 +342,7 @@ class EngineTruthTests(_Fleet, SynchronousTestCase):
             r"EngineDeadError: EngineCore encountered an issue\. .*"
             r" \(then the engine exited with code 0\)",
         )
-        self.until(
-            lambda: [
-                r
-                for r in self.replicas()
-                if r["state"] == "ready" and r["shards"][0]["pid"] != pid
-            ],
-            20,
-            "a replacement ready",
-        )
+        self.replaced(pid)
 
     def test_slept_behind_llmgws_back(self) -> None:
         """
@@ -429,7 +401,7 @@ class OnlyOurEnginesTests(_Fleet, SynchronousTestCase):
         adopts nor stops the copy (it cannot prove it started it), and says
         so.
         """
-        self.start_fleet_server(self.config(MODELS.format(replicas=1)))
+        self.start_fleet_server(self.config(models(CORE)))
         agent = self.start_agent("gpu-01")
         (replica,) = self.ready(1)
         pid = replica["shards"][0]["pid"]

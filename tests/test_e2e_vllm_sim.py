@@ -430,6 +430,21 @@ def _stream(base: str, begun: threading.Event, events: list[str]) -> None:
         connection.close()
 
 
+def _until_unhealthy(base: str, seconds: float = 5.0) -> None:
+    """
+    Wait until C{base}'s C{/health} answers other than 200 (503 once its
+    engine core is dead) or nothing answers, at most C{seconds}.
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if http("GET", base + "/health", timeout=2)[0] != 200:
+                return
+        except OSError:
+            return
+        time.sleep(0.02)
+
+
 def _answer(base: str, body: dict[str, Any]) -> tuple[int, Any] | None:
     """
     @return: the status and JSON body of C{base}'s answer to a completion
@@ -562,6 +577,9 @@ class SameAnswersTests(Processes, SynchronousTestCase):
             self.assertTrue(begun.wait(60), f"{name}: no stream event")
             before = len(process.output())
             os.kill(cores[0], signal.SIGKILL)
+            # Once it knows (each learns of the death a moment after the
+            # kill: a request quicker than that is answered as before).
+            _until_unhealthy(base)
             # A model it does not serve first: refused as ever, and the
             # server goes on; then one it serves.
             wrong, answer = (

@@ -2,10 +2,9 @@
 What an engine says of itself, asked every second: its health route
 and, in sleep mode, whether it sleeps (L{Liveness}).  Its process alone
 says too little: vLLM's API server serves on after its C{EngineCore} died
-(C{/health} answers 503 and every request 500 until its watchdog ends it
-some seconds later), and an engine put to sleep behind llmgw's back
-(C{POST /sleep} on its port) keeps every request waiting while its process
-runs on.
+(C{/health} answers 503 until it ends itself, up to 5 s later), and an
+engine put to sleep behind llmgw's back (C{POST /sleep} on its port) keeps
+every request waiting while its process runs on.
 
 Facts from vLLM's code (vLLM 0.32, installed by C{scripts/setup-vllm}):
 C{vllm/entrypoints/serve/instrumentator/health.py} answers C{GET /health}
@@ -15,7 +14,9 @@ error's message, C{"EngineCore encountered an issue. See stack trace
 (above) for the root cause."}; C{vllm/v1/engine/core_client.py} logs
 C{"[shutdown] MPClient: engine core exited unexpectedly; starting
 cleanup"} when its engine core process ends; C{vllm/entrypoints/launchers/
-launcher.py} ends the server 5 s (its watchdog) after the engine errored.
+launcher.py} ends the server at its watchdog's next look (every 5 s), or
+at once after a request it answered with that error
+(C{terminate_if_errored}): 0 to 5 s after the death, with code 0.
 That end can itself hang: the server stops listening, then waits for its
 requests in flight, and a utility call (C{GET /is_sleeping}, C{POST
 /sleep}, C{POST /v1/load_lora_adapter}) sent as the engine core died
@@ -57,7 +58,7 @@ from llmgw.wire import agent_pb2 as pb
 
 INTERVAL = 1.0
 """
-Seconds between two questions to a ready engine.
+Seconds between two questions to a watched engine.
 """
 
 ASK_TIMEOUT = 5.0
@@ -95,7 +96,7 @@ it sleeps when C{ready} only.
 
 REFUSED_DEAD = 3
 """
-Questions in a row whose connection a ready engine's port refused (no
+Questions in a row whose connection a watched engine's port refused (no
 listener: an engine that stopped serving, its process still running) that
 make it dead.  Busy or slow answers never count: only a refusal.
 """

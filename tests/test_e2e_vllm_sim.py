@@ -6,7 +6,7 @@ compared where llmgw depends on them: routes and status codes, the fields
 and types of each answer (never its text), stream chunk shapes, usage,
 C{finish_reason}, error bodies, the metric names and label sets llmgw
 reads, tokenize and detokenize; and, last, what killing each one's
-engine core does (L{SameAnswersTests.core_deaths}).
+engine core does (L{tests.engine_death}).
 
 The script is L{PROBES}: one line per behaviour, a name, the call, and the
 view of the answer that must be equal on both (L{Probe}); adding a
@@ -26,17 +26,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.client import HTTPConnection
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests import engine_death
 from tests.support import BIN, Process, Processes, free_port, http, spawn
 from tests.vllm_support import VLLM_BIN, VLLM_MODEL, require_vllm
 
@@ -396,88 +393,6 @@ def differences(vllm: str, sim: str) -> list[str]:
     return found
 
 
-def _stream(base: str, begun: threading.Event, events: list[str]) -> None:
-    """
-    Stream a long completion from C{base}, keeping each event's C{data:}
-    field in C{events} and setting C{begun} at the first, until the stream
-    ends or breaks.
-    """
-    url = urllib.parse.urlsplit(base)
-    connection = HTTPConnection(url.hostname or "", url.port, timeout=60)
-    try:
-        connection.request(
-            "POST",
-            "/v1/completions",
-            json.dumps(
-                {
-                    "model": MODEL,
-                    "prompt": "Count",
-                    "max_tokens": 1500,
-                    "ignore_eos": True,
-                    "stream": True,
-                }
-            ),
-            {"Content-Type": "application/json"},
-        )
-        response = connection.getresponse()
-        for line in response:
-            if line.startswith(b"data: "):
-                events.append(line[6:].strip().decode())
-                begun.set()
-    except OSError:
-        pass
-    finally:
-        connection.close()
-
-
-def _until_unhealthy(base: str, seconds: float = 5.0) -> None:
-    """
-    Wait until C{base}'s C{/health} answers other than 200 (503 once its
-    engine core is dead) or nothing answers, at most C{seconds}.
-    """
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if http("GET", base + "/health", timeout=2)[0] != 200:
-                return
-        except OSError:
-            return
-        time.sleep(0.02)
-
-
-def _answer(base: str, body: dict[str, Any]) -> tuple[int, Any] | None:
-    """
-    @return: the status and JSON body of C{base}'s answer to a completion
-        C{body}, or L{None} when nothing listens there any more.
-    """
-    try:
-        status, _, answer = http(
-            "POST",
-            base + "/v1/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-            timeout=10,
-        )
-    except OSError:
-        return None
-    found = json.loads(answer)
-    # A refusal as the probes see one (L{error}: their types and codes
-    # differ by design); the engine's death, whole.
-    return status, found if status == 500 else found["error"]["param"]
-
-
-def _comm(pid: int) -> str:
-    """
-    @return: the name of process C{pid} (vLLM's engine core sets its own,
-        C{VLLM::EngineCore} cut to 15 characters), or C{""} once gone.
-    """
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 class SameAnswersTests(Processes, SynchronousTestCase):
     """
     The real vLLM and the sim, each started once, given L{PROBES}.
@@ -544,65 +459,6 @@ class SameAnswersTests(Processes, SynchronousTestCase):
             return [f"sleep mode refused: vllm {seen[0]!r}, sim {seen[1]!r}"]
         return []
 
-    def core_deaths(self, engines: dict[str, tuple[Process, str]]) -> list[str]:
-        """
-        Each engine's engine core killed with SIGKILL (vLLM's
-        C{EngineCore}; the sim's stand-in, C{--engine-core-process}), then
-        a completion for a model it does not serve and one for its own
-        asked at once: their answers, the server's exit status
-        (within 30 s), whether it ended within 3 s of answering, whether
-        its output named C{EngineDeadError} after the kill, and how a
-        stream running at the kill ended (its last two events).  A
-        vLLM whose watchdog ended it before the request came (0 to 5 s
-        after the death) has no answer: then only how each ended is
-        compared.
-
-        @param engines: C{"vllm"} and C{"sim"}, each its process and base
-            URL.
-        @return: one line where they differ.
-        """
-        seen = {}
-        for name, (process, base) in engines.items():
-            pid = process.popen.pid
-            with open(f"/proc/{pid}/task/{pid}/children") as f:
-                children = [int(p) for p in f.read().split()]
-            cores = [c for c in children if "EngineCor" in _comm(c)] or children
-            self.assertEqual(len(cores), 1, f"{name}: {children}")
-            begun = threading.Event()
-            events: list[str] = []
-            streaming = threading.Thread(
-                target=_stream, args=(base, begun, events), daemon=True
-            )
-            streaming.start()
-            self.assertTrue(begun.wait(60), f"{name}: no stream event")
-            before = len(process.output())
-            os.kill(cores[0], signal.SIGKILL)
-            # Once it knows (each learns of the death a moment after the
-            # kill: a request quicker than that is answered as before).
-            _until_unhealthy(base)
-            # A model it does not serve first: refused as ever, and the
-            # server goes on; then one it serves.
-            wrong, answer = (
-                _answer(base, {"model": model, "prompt": "hi", "max_tokens": 3})
-                for model in ("no-such-model", MODEL)
-            )
-            answered = time.monotonic()
-            code = process.popen.wait(timeout=30)
-            # The answer ends the server (vLLM's in 0.6 s here, idle).
-            soon = answer is None or time.monotonic() - answered < 3
-            said = "EngineDeadError" in process.output()[before:]
-            streaming.join(10)
-            # How the stream running at the death ended: its last two
-            # events.
-            tail = [e if e == "[DONE]" else json.loads(e) for e in events[-2:]]
-            seen[name] = (wrong, answer, code, soon, said, tail)
-        print(f"probe engine core killed: vllm {seen['vllm']!r}")
-        if seen["vllm"][1] is None:
-            seen["sim"] = (seen["vllm"][0], None, *seen["sim"][2:])
-        if seen["vllm"] != seen["sim"]:
-            return [f"engine core killed: vllm {seen['vllm']!r}, sim {seen['sim']!r}"]
-        return []
-
     def start_vllm(self) -> tuple[Process, str]:
         """
         Start the real vLLM with L{VLLM_ARGS}, without dev mode.
@@ -640,7 +496,8 @@ class SameAnswersTests(Processes, SynchronousTestCase):
         found = differences(vllm, sim) + self.refusals(refusing)
         print(f"{len(PROBES)} probes in {time.monotonic() - started:.1f} s")
         # Last: it ends both.
-        found += self.core_deaths(
-            {"vllm": (vllm_process, vllm), "sim": (sim_process, sim)}
+        found += engine_death.differences(
+            engine_death.DyingEngine(vllm_process, vllm, MODEL).observe(),
+            engine_death.DyingEngine(sim_process, sim, MODEL).observe(),
         )
         self.assertEqual(found, [])

@@ -10,7 +10,6 @@ L{Services} is re-exported here for the routes.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -51,7 +50,7 @@ from llmgw.router.upstream.base import (
     upstream_headers,
 )
 from llmgw.router.upstream.deadlines import Deadlines, first_byte_seconds
-from llmgw.router.upstream.relay import StreamCut
+from llmgw.router.upstream.relay import StreamCut, answer_usage
 from llmgw.router.upstream.sse import EventTooLarge
 
 __all__ = ["Exchange", "Services"]
@@ -85,9 +84,8 @@ class Exchange:
     @ivar events_relayed: C{data:} fields written to the client.
     @ivar headers_sent: whether the client got any byte of the answer.
     @ivar done: whether the stream's last event relayed was C{[DONE]}.
-    @ivar finished: whether the engine finished a choice of the stream (a
-        C{finish_reason} came): vLLM ends a stream its dead engine broke
-        with an error event and C{[DONE]}, none finished.
+    @ivar finished: whether a choice of the stream finished (vLLM ends one
+        its dead engine broke with an error event and C{[DONE]}).
     @ivar candidates: the candidates of the last attempt, when C{explain}.
     @ivar gpu: its share of its replicas' GPU time and its price, over
         its attempts (L{llmgw.router.routing.gpu_share}).
@@ -514,12 +512,7 @@ class Exchange:
                 body, self.usage = call.whole(body, self._native)
                 content_type = JSON
             elif content_type.startswith(JSON):
-                try:
-                    parsed = json.loads(body)
-                except ValueError:
-                    parsed = None
-                if isinstance(parsed, dict) and isinstance(parsed.get("usage"), dict):
-                    self.usage = parsed["usage"]
+                self.usage = answer_usage(body)
             self.status = status
             self.request.setResponseCode(status)
             self.request.setHeader(b"content-type", content_type or JSON)

@@ -1,11 +1,13 @@
 """
 The stream relay's filter, sans-IO: a replica's event stream in, the bytes to
 pass to the client out, whole events only, with the usage read on the way and
-the usage-only chunk left out when the client did not ask for it.
+the usage-only chunk left out when the client did not ask for it; and the
+usage of a whole answer (L{answer_usage}).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -22,6 +24,20 @@ A choice's non-null C{finish_reason}, in raw stream bytes: the engine
 finished that choice.  Unescaped quotes cannot occur inside a JSON string,
 so generated text cannot fake it.
 """
+
+
+def answer_usage(body: bytes) -> dict[str, Any] | None:
+    """
+    @param body: a whole JSON answer of an engine.
+    @return: its C{usage} object, or L{None} when it has none (or is no
+        JSON object).
+    """
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 class StreamCut(Exception):

@@ -28,10 +28,9 @@ from llmgw.wire import agent_pb2 as pb
 
 
 class _Answer:
-    code = 200
-
-    def __init__(self, body: bytes) -> None:
+    def __init__(self, body: bytes, code: int = 200) -> None:
         self.body = body
+        self.code = code
 
 
 class _Engine:
@@ -52,6 +51,8 @@ class _Engine:
         self.questions = 0
         # What its /metrics says (vLLM's sleep-state gauge, or nothing).
         self.metrics = b""
+        # Its /health status: 503 once its engine core is dead.
+        self.health = 200
 
     def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
         path = "/" + url.decode().split("/", 3)[3]
@@ -66,8 +67,8 @@ class _Engine:
             return succeed(_Answer(self.metrics))
         elif path == "/health":
             # Asked by the shard's liveness while it is ready, asleep or
-            # waking: healthy.
-            return succeed(_Answer(b""))
+            # waking.
+            return succeed(_Answer(b"", self.health))
         else:
             self.questions += 1
             if self.questions in self.lost:
@@ -144,6 +145,22 @@ class _AdoptCase(SynchronousTestCase):
 
 
 class AdoptedCheckTests(_AdoptCase):
+    def test_adopted_asleep_watched(self) -> None:
+        """
+        An engine adopted asleep is watched as any sleeper: its engine
+        core's death (its health 503) fails it, also while the check puts
+        it back to sleep (the agent's own sleep, which vLLM would never
+        answer then).
+        """
+        engine = _Engine(sleeping=False)
+        engine.hold = "/sleep"
+        shard = self.adopt(engine, recorded_asleep=True)
+        self.assertIsNotNone(engine.held)
+        engine.health = 503
+        cast(Clock, self.supervisor.reactor).advance(liveness.INTERVAL)
+        self.assertEqual(shard.state, pb.SHARD_STATE_FAILED)
+        self.assertEqual(engine.asked.count("/health"), 1)
+
     def test_wake_waits_for_the_put_back(self) -> None:
         """
         Recorded asleep, its engine awake: the server's wake, sent while

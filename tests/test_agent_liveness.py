@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.error import ConnectionRefusedError, DNSLookupError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import PartialDownloadError
 from twisted.web.iweb import IAgent
 
 from llmgw.agent import liveness, sleep
@@ -51,12 +52,16 @@ class _Engine:
         self.held: Deferred[Any] | None = None
         # No listener on its port: every connection refused.
         self.refusing = False
+        # Every question fails with this, when set.
+        self.failing: Exception | None = None
 
     def request(self, method: bytes, url: bytes, *rest: object) -> Deferred[Any]:
         path = "/" + url.decode().split("/", 3)[3]
         self.asked.append(path)
         if self.refusing:
             return fail(ConnectionRefusedError("Connection refused"))
+        if self.failing is not None:
+            return fail(self.failing)
         if path == "/health":
             return succeed(_Answer(self.health))
         if path == "/is_sleeping":
@@ -211,6 +216,23 @@ class LivenessTests(SynchronousTestCase):
         self.clock.advance(INTERVAL)
         self.clock.advance(INTERVAL)
         self.assertEqual(self.asleep, [True])
+
+    def test_no_answer_says_nothing(self) -> None:
+        """
+        A question with no answer (the node's name not resolved, a body
+        cut short) says nothing and logs nothing; one that fails for a
+        reason of the agent's own is logged.
+        """
+        for failure in (DNSLookupError("gpu-01.example"), PartialDownloadError(b"200")):
+            self.engine.failing = failure
+            self.clock.advance(INTERVAL)
+        self.assertEqual((self.dead, self.asleep), ([], []))
+        self.assertEqual(self.flushLoggedErrors(), [])
+        self.engine.failing = KeyError("a fault of the agent's")
+        self.clock.advance(INTERVAL)
+        # The health question's (the sleep routes tell any failure to
+        # reach the engine as their own refusal, L{CommandRefused}).
+        self.assertEqual(len(self.flushLoggedErrors(KeyError)), 1)
 
     def test_agents_own_stop(self) -> None:
         """

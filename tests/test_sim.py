@@ -484,9 +484,10 @@ class CoreDeathTests(SynchronousTestCase):
         core.utility(during).addCallback(answers.append)
         before.callback("asleep")
         core.died()
-        during.callback("asleep")
+        # Its end comes before the call would have been done.
         core.terminate_if_errored()
         self.clock.advance(1)
+        during.callback("asleep")
         self.assertEqual((answers, closed, self.ended), (["asleep"], [1], []))
 
     def test_stopped_with_the_simulator(self) -> None:

@@ -38,11 +38,13 @@ from twisted.internet.error import (
     ConnectionDone,
     ConnectionLost,
     ConnectionRefusedError,
+    DNSLookupError,
 )
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.client import (
+    PartialDownloadError,
     RequestTransmissionFailed,
     ResponseFailed,
     ResponseNeverReceived,
@@ -69,19 +71,21 @@ late, and a late answer says nothing.
 
 NO_ANSWER = (
     ConnectError,
+    DNSLookupError,
     ConnectionLost,
     ConnectionDone,
     ResponseFailed,
     ResponseNeverReceived,
     RequestTransmissionFailed,
+    PartialDownloadError,
     TimeoutError,
     CancelledError,
     CommandRefused,
 )
 """
-The ways a question goes unanswered (refused, cut, timed out, an engine
-that cannot say): nothing to log.  Anything else is a fault of the
-agent's, logged.
+The ways a question goes unanswered (refused, cut, timed out, the node's
+name not resolved, an engine that cannot say): nothing to log.  Anything
+else is a fault of the agent's, logged.
 """
 
 WATCHED = (

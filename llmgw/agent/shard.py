@@ -328,6 +328,8 @@ class Shard:
         if sleeping:
             self.state = pb.SHARD_STATE_SLEEPING
             self._served = True
+            # Watched asleep as any sleeper, the check's own turn too.
+            self.liveness.start()
             if can_tell(self.command):
                 self.turns.begin_check()
             return

@@ -207,7 +207,8 @@ class Core:
         self._end = end
         self._close = close
         self._ending = False
-        self._hung = 0
+        # Calls to the core not answered yet: at the death, never.
+        self._pending = 0
 
     def utility(self, done: Deferred[T]) -> Deferred[T]:
         """
@@ -221,11 +222,12 @@ class Core:
         @return: fires with C{done}'s result, or never.
         """
         answered: Deferred[T] = Deferred()
+        self._pending += 1
 
         def back(result: T) -> None:
             if self.dead:
-                self._hung += 1
-                return
+                return  # pending for ever
+            self._pending -= 1
             answered.callback(result)
 
         done.addCallback(back)
@@ -248,7 +250,7 @@ class Core:
             self._clock.callLater(SHOULD_EXIT_SECONDS, self._exit)
 
     def _exit(self) -> None:
-        if self._hung:
+        if self._pending:
             # uvicorn stops listening, then waits for every request in
             # flight: a hung utility call's, for ever.
             _write([SHUTTING_DOWN, WAITING_FOR_CONNECTIONS])

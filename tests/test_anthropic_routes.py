@@ -218,9 +218,22 @@ class MessagesRouteTests(SynchronousTestCase):
         """
         no_key = self._error(self.post(REQUEST, headers={}))
         self.assertEqual(no_key[:2], (401, "authentication_error"))
-        bad = self._error(self.post({"model": "m", "messages": []}))
+        bad = self._error(
+            self.post({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        )
         self.assertEqual(
             bad[:3], (400, "invalid_request_error", "max_tokens: Field required")
+        )
+        # No message at all: Anthropic's own 400, not an engine left to
+        # generate from nothing.
+        empty = self._error(self.post({"model": "m", "max_tokens": 5, "messages": []}))
+        self.assertEqual(
+            empty[:3],
+            (
+                400,
+                "invalid_request_error",
+                "messages: at least one message is required",
+            ),
         )
         self.assertEqual(
             self._error(self.post({**REQUEST, "model": "x"}))[:2],
@@ -246,7 +259,7 @@ class MessagesRouteTests(SynchronousTestCase):
         self.stub.flush()
         self.assertEqual(self._error(d)[:2], (405, "invalid_request_error"))
         self.assertEqual(
-            [r.status for r in self.sink.records], [401, 400, 404, 403, 429, 400]
+            [r.status for r in self.sink.records], [401, 400, 400, 404, 403, 429, 400]
         )
 
     def test_unavailable_is_overloaded(self) -> None:

@@ -81,7 +81,9 @@ class ExchangeTests(SynchronousTestCase):
             activating=ActivationQueues(),
             log=Logger(observer=collect(self.logged)),
         )
-        body = json.dumps({"model": "m", "stream": stream}).encode()
+        body = json.dumps(
+            {"model": "m", "stream": stream, "messages": [{"role": "user"}]}
+        ).encode()
         prepared = prepare(body, CHAT, lambda m: m == "m", lambda m: None)
         exchange = Exchange(
             services, cast(IRequest, self.request), CHAT, prepared, b"id", b"uid"
@@ -126,7 +128,10 @@ class ExchangeTests(SynchronousTestCase):
         sent = self.agent.sent[0]
         self.assertEqual(sent.uri, b"http://a:1" + CHAT)
         self.assertEqual(sent.headers.getRawHeaders(b"x-request-id"), [b"uid"])
-        self.assertEqual(json.loads(sent.body), {"model": "m", "stream": False})
+        self.assertEqual(
+            json.loads(sent.body),
+            {"model": "m", "stream": False, "messages": [{"role": "user"}]},
+        )
         response = self.answer(0)
         self.clock.advance(1)
         response.write(b'{"usage": {"prompt_tokens": 4}}')

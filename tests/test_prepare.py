@@ -17,7 +17,9 @@ from llmgw.router.api.prepare import (
 )
 
 CHAT = b"/v1/chat/completions"
+COMPLETIONS = b"/v1/completions"
 EMBED = b"/v1/embeddings"
+MISSING = "missing_required_parameter"
 # Served names: "m" (a catalog model), "alias" (names "m"), "static" (a
 # replica outside the catalog).
 ALIASES = {"m": "m", "alias": "m"}
@@ -157,17 +159,49 @@ class FieldCheckTests(SynchronousTestCase):
         Fields of the right type, absent or null, and unknown fields pass,
         and the body goes to the engine byte for byte.
         """
-        for members in [
-            b'"messages": []',
-            b'"messages": [{"role": "user", "content": 5, "x": "NaN"}]',
-            b'"messages": null, "prompt": null, "n": null, "max_tokens": null',
-            b'"prompt": "hi", "n": 0, "max_tokens": 0, "max_completion_tokens": 9',
-            b'"prompt": "hi", "max_tokens": 2147483647',
-            b'"prompt": ["a", [1, 2]], "stream": null, "stream_options": null',
-            b'"temperature": 1e308, "vendor_field": {"nested": [true, null]}',
+        for path, members in [
+            (CHAT, b'"messages": [{"role": "user", "content": 5, "x": "NaN"}]'),
+            (CHAT, b'"messages": [{"role": "user"}], "prompt": null, "n": null'),
+            (COMPLETIONS, b'"prompt": "", "messages": null, "max_tokens": null'),
+            (COMPLETIONS, b'"prompt": "hi", "n": 0, "max_completion_tokens": 9'),
+            (COMPLETIONS, b'"prompt": "hi", "max_tokens": 2147483647'),
+            (COMPLETIONS, b'"prompt": ["a", [1, 2]], "stream_options": null'),
+            (COMPLETIONS, b'"prompt_embeds": "AAAA", "stream": null'),
+            (EMBED, b'"input": "", "vendor_field": {"nested": [true, null]}'),
+            (b"/tokenize", b'"temperature": 1e308'),
         ]:
             body = b'{"model": "m", ' + members + b"}"
-            self.assertEqual(_prepare(body).body, body, members)
+            self.assertEqual(_prepare(body, path).body, body, members)
+
+    def test_required_fields(self) -> None:
+        """
+        A request without the field its path cannot go without, absent or
+        null (or chat's C{messages} an empty array), is OpenAI's 400 naming
+        it, with its code.
+        """
+        for path, members, code, param, message in [
+            (CHAT, b'"n": 1', MISSING, "messages", "Missing required"),
+            (CHAT, b'"messages": null', MISSING, "messages", "Missing required"),
+            (CHAT, b'"prompt": "hi"', MISSING, "messages", "Missing required"),
+            (CHAT, b'"messages": []', "empty_array", "messages", "Invalid 'messages"),
+            (COMPLETIONS, b'"messages": [{"role": "user"}]', MISSING, "prompt", "Mi"),
+            (COMPLETIONS, b'"prompt": null', MISSING, "prompt", "Missing required"),
+            (EMBED, b'"prompt": "x"', MISSING, "input", "Missing required"),
+            (EMBED, b'"input": null', MISSING, "input", "Missing required"),
+        ]:
+            body = b'{"model": "alias", "stream": true, ' + members + b"}"
+            with self.assertRaises(Refused, msg=members) as raised:
+                _prepare(body, path)
+            refused = raised.exception
+            error = refused.error
+            self.assertEqual(
+                (error.status, error.type, error.code, error.param),
+                (400, "invalid_request_error", code, param),
+                members,
+            )
+            self.assertTrue(error.message.startswith(message), error.message)
+            # Told in the stream's form, under the catalog name.
+            self.assertEqual((refused.model, refused.stream), ("m", True))
 
 
 class PreparedTests(SynchronousTestCase):
@@ -177,60 +211,71 @@ class PreparedTests(SynchronousTestCase):
         left out, for each kind of body.
         """
         usage = b',"stream_options":{"include_usage":true}'
+        # A chat's messages: every row's body has them (test_required_fields).
+        said = b'"messages":[{"role":"user"}]'
+        resaid = b'"messages": [{"role": "user"}]'
         table: list[tuple[bytes, bytes, bytes | None, str, bool]] = [
             # body, path, the body sent (None: unchanged), model, strip
-            (b'{"model":"m"}', CHAT, b'{"model":"m"}', "m", False),
-            (b'{"model":"static"}', CHAT, b'{"model":"static"}', "static", False),
-            (b'{"model":"m","stream":null}', CHAT, None, "m", False),
-            (b'{"model":"m","stream":false}', CHAT, None, "m", False),
+            (b'{"model":"m",' + said + b"}", CHAT, None, "m", False),
+            (b'{"model":"static",' + said + b"}", CHAT, None, "static", False),
+            (b'{"model":"m","stream":null,' + said + b"}", CHAT, None, "m", False),
+            (b'{"model":"m","stream":false,' + said + b"}", CHAT, None, "m", False),
             # One member more, the rest as the client wrote it.
             (
-                b'{"model": "m", "stream": true}  \n',
+                b'{"model": "m", "stream": true,' + said + b"}  \n",
                 CHAT,
-                b'{"model": "m", "stream": true' + usage + b"}  \n",
+                b'{"model": "m", "stream": true,' + said + usage + b"}  \n",
                 "m",
                 True,
             ),
             # Not a path with a usage chunk: unchanged.
-            (b'{"model":"m","stream":true}', EMBED, None, "m", False),
+            (b'{"model":"m","stream":true,"input":"x"}', EMBED, None, "m", False),
             # Asked for: unchanged, not stripped.
             (
-                b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}',
+                b'{"model":"m","stream":true,"stream_options":{"include_usage":true},'
+                + said
+                + b"}",
                 CHAT,
                 None,
                 "m",
                 False,
             ),
-            (b'{"model":"alias"}', CHAT, b'{"model": "m"}', "m", False),
             (
-                b'{"model":"alias","stream":true}',
+                b'{"model":"alias",' + said + b"}",
                 CHAT,
-                b'{"model": "m", "stream": true, "stream_options":'
+                b'{"model": "m", ' + resaid + b"}",
+                "m",
+                False,
+            ),
+            (
+                b'{"model":"alias","stream":true,' + said + b"}",
+                CHAT,
+                b'{"model": "m", "stream": true, ' + resaid + b', "stream_options":'
                 b' {"include_usage": true}}',
                 "m",
                 True,
             ),
             (
-                b'{"model":"m","stream":true,"stream_options":{"x":1}}',
+                b'{"model":"m","stream":true,"stream_options":{"x":1},' + said + b"}",
                 CHAT,
                 b'{"model": "m", "stream": true, "stream_options":'
-                b' {"x": 1, "include_usage": true}}',
+                b' {"x": 1, "include_usage": true}, ' + resaid + b"}",
                 "m",
                 True,
             ),
             (
-                b'{"model":"m","stream":true,"stream_options":null}',
+                b'{"model":"m","stream":true,"stream_options":null,' + said + b"}",
                 CHAT,
                 b'{"model": "m", "stream": true, "stream_options":'
-                b' {"include_usage": true}}',
+                b' {"include_usage": true}, ' + resaid + b"}",
                 "m",
                 True,
             ),
             # Lone surrogates survive the rewrite, escaped.
             (
-                b'{"model":"alias","x":"\\ud800"}',
-                CHAT,
-                b'{"model": "m", "x": "\\ud800"}',
+                b'{"model":"alias","prompt":"\\ud800"}',
+                COMPLETIONS,
+                b'{"model": "m", "prompt": "\\ud800"}',
                 "m",
                 False,
             ),
@@ -261,8 +306,8 @@ class PreparedTests(SynchronousTestCase):
             (',"max_output_tokens":-5', 0),
             (',"max_tokens":10000000', 1_000_000),
         ]:
-            body = ('{"model":"m"' + extra + "}").encode()
-            prepared = _prepare(body)
+            body = ('{"model":"m","prompt":"hi"' + extra + "}").encode()
+            prepared = _prepare(body, COMPLETIONS)
             self.assertEqual(prepared.max_tokens, expected)
             # The hold is the ceiling up to HELD_COMPLETION, not the ceiling.
             self.assertEqual(

@@ -109,7 +109,7 @@ class RouterTests(SynchronousTestCase):
         has the engine's usage, the key and the replica; the key is charged
         and its reservation released.
         """
-        body = b'{"model": "m", "max_tokens": 10}'
+        body = b'{"model": "m", "max_tokens": 10, "messages": [{"role": "user"}]}'
         d = self.post(body)
         response = FakeResponse(200, b"application/json")
         self.agent.sent[0].answer.callback(response)
@@ -139,7 +139,9 @@ class RouterTests(SynchronousTestCase):
         fires, and must find them (the record was written after the flush,
         and lost, when the drain fired first).
         """
-        d = self.post(b'{"model": "m", "max_tokens": 10}')
+        d = self.post(
+            b'{"model": "m", "max_tokens": 10, "messages": [{"role": "user"}]}'
+        )
         seen: list[tuple[int, int]] = []
         drained = self.router.drain(30.0)
         drained.addCallback(
@@ -160,12 +162,12 @@ class RouterTests(SynchronousTestCase):
         without sending anything, recorded with what was read, and holds
         nothing against the key.
         """
-        d = self.post(b'{"model": "m"}', key=b"sk-bad")
+        d = self.post(b'{"model": "m", "messages": [{"role": "user"}]}', key=b"sk-bad")
         self.assertEqual(self.successResultOf(d).code, 401)
         d = self.post(b'{"model": "no\\nsuch", "stream": true}')
         self.assertEqual(self.successResultOf(d).code, 404)
         self.auth.refuse = APIError(429, "slow down", "requests", "rate_limit_exceeded")
-        d = self.post(b'{"model": "m"}')
+        d = self.post(b'{"model": "m", "messages": [{"role": "user"}]}')
         self.assertEqual(self.successResultOf(d).code, 429)
         self.assertEqual(self.agent.sent, [])
         self.assertEqual(

@@ -265,7 +265,9 @@ class CutTests(_Gateway):
         self.plane.reconcile()
         self.ready_all()
         self.plane.reconcile()
-        done = self.post(b'{"model": "m", "max_tokens": 3}')
+        done = self.post(
+            b'{"model": "m", "max_tokens": 3, "messages": [{"role": "user"}]}'
+        )
         (first,) = self.agent.sent
         replica = next(
             r

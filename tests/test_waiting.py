@@ -196,7 +196,7 @@ class ExchangeWaitsTests(SynchronousTestCase):
             activating=queues,
             log=Logger(),
         )
-        body = json.dumps({"model": "m"}).encode()
+        body = json.dumps({"model": "m", "messages": [{"role": "user"}]}).encode()
         prepared = prepare(body, CHAT, lambda m: True, lambda m: m)
         request = cast(IRequest, FakeRequest())
         exchange = Exchange(services, request, CHAT, prepared, b"id", b"uid")

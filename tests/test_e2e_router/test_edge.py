@@ -139,7 +139,7 @@ class RequestCheckTests(_FakeEngine, SynchronousTestCase):
         for number in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1E400"):
             status, headers, body = post_raw(
                 self.url + "/v1/chat/completions",
-                b'{"model": "m", "messages": [], "stream": true,'
+                b'{"model": "m", "messages": [{"role": "user"}], "stream": true,'
                 b' "stream_options": {}, "temperature": ' + number + b"}",
             )
             self.assertEqual(status, 400, body)
@@ -161,10 +161,16 @@ class RequestCheckTests(_FakeEngine, SynchronousTestCase):
         self.assertEqual(raised.exception.param, "messages")
         for members, param in [
             ('"messages": [{"content": "x"}]', "messages.[0].role"),
-            ('"messages": [], "max_tokens": -1', "max_tokens"),
-            ('"messages": [], "n": true', "n"),
+            (
+                '"messages": [{"role": "user"}], "max_tokens": -1',
+                "max_tokens",
+            ),
+            ('"messages": [{"role": "user"}], "n": true', "n"),
             ('"prompt": 3', "prompt"),
-            ('"messages": [], "stream": "yes"', "stream"),
+            (
+                '"messages": [{"role": "user"}], "stream": "yes"',
+                "stream",
+            ),
         ]:
             status, _, body = post_raw(
                 self.url + "/v1/chat/completions",
@@ -283,7 +289,7 @@ class BrowserAndKeyTests(_FakeEngine, SynchronousTestCase, _Ctl):
         """
         status, headers, body = post_raw(
             self.url + "/v1/chat/completions",
-            b'{"model": "m", "messages": []}',
+            b'{"model": "m", "messages": [{"role": "user"}]}',
             {"Origin": self.origin},
         )
         self.assertEqual(status, 401, body)
@@ -300,7 +306,7 @@ class BrowserAndKeyTests(_FakeEngine, SynchronousTestCase, _Ctl):
         engine gets neither.
         """
         key = self.ctl_json("keys", "create", "--name", "azure")["key"]
-        chat = b'{"model": "m", "mode": "ok", "messages": []}'
+        chat = b'{"model": "m", "mode": "ok", "messages": [{"role": "user"}]}'
         url = self.url + "/v1/chat/completions"
         cases: list[tuple[dict[str, str], int]] = [
             ({"api-key": key}, 200),
@@ -330,7 +336,7 @@ class BrowserAndKeyTests(_FakeEngine, SynchronousTestCase, _Ctl):
         C{Unknown Status}), with C{Retry-After} and the CORS headers.
         """
         key = self.ctl_json("keys", "create", "--name", "tight", "--rpm", "1")["key"]
-        chat = b'{"model": "m", "mode": "ok", "messages": []}'
+        chat = b'{"model": "m", "mode": "ok", "messages": [{"role": "user"}]}'
         parts = urlsplit(self.url)
         answers = []
         for _ in range(2):

@@ -250,6 +250,10 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
             if "messages" in payload
             else "Field required",
         )
+    if not messages:
+        # Anthropic's own 400; an engine would generate from nothing (the
+        # system prompt alone, or an empty chat on llama-cpp-python).
+        raise Invalid("messages", "at least one message is required")
     chat: list[dict[str, Any]] = []
     system = payload.get("system")
     prompts = [] if system is None else [_text_of(system, "system")]

@@ -15,11 +15,11 @@ from llmgw.router.api.anthropic import (
     COUNT_TOKENS_PATH,
     Invalid,
     MessagesCall,
-    json_kind,
     to_chat,
 )
 from llmgw.router.api.anthropic_fields import shows_thinking
 from llmgw.router.api.anthropic_stream import MessagesStream, NativeStream
+from llmgw.router.api.fields import check_fields, missing_field
 from llmgw.router.api.responses import ResponsesCall
 from llmgw.router.api.responses_stream import ResponsesStream
 from llmgw.router.errors import APIError, anthropic_event, bad_request, model_not_found
@@ -242,86 +242,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-_COUNTS = ("n", "max_tokens", "max_completion_tokens")
-MAX_COUNT = 2**31 - 1
-"""
-The most a count field may hold: a signed 32-bit integer, as engines'
-servers keep them (llama.cpp's C{n_predict} is an C{int32_t});
-llama-cpp-python hangs its only worker for minutes on C{max_tokens} of
-10**23, so no larger value reaches an engine.
-"""
-
-
-def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
-    """
-    Check the types of the fields llmgw or every engine relies on, and
-    nothing stricter: a field that is absent or null is not checked (the
-    engine judges what it requires), and unknown fields pass.  Messages
-    and parameter names follow OpenAI's own 400s (C{"Invalid type for
-    'messages[0].role': ..."} with param C{messages.[0].role}).
-
-      - C{messages}: an array of objects, each with a string C{role};
-      - C{prompt}: a string or an array;
-      - C{stream}: a boolean; C{stream_options}: an object;
-      - C{n}, C{max_tokens}, C{max_completion_tokens}: non-negative
-        integers up to L{MAX_COUNT} (a boolean is not one).
-
-    @param payload: the parsed body, a JSON object.
-    @return: the message and the C{param} of the first fault, or L{None}.
-    """
-    messages = payload.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list):
-            return (
-                "Invalid type for 'messages': expected an array of objects,"
-                f" but got {json_kind(messages)} instead.",
-                "messages",
-            )
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict):
-                return (
-                    f"Invalid type for 'messages[{index}]': expected an object,"
-                    f" but got {json_kind(message)} instead.",
-                    f"messages.[{index}]",
-                )
-            role = message.get("role")
-            if not isinstance(role, str):
-                got = json_kind(role) if "role" in message else "nothing"
-                return (
-                    f"Invalid type for 'messages[{index}].role': expected a"
-                    f" string, but got {got} instead.",
-                    f"messages.[{index}].role",
-                )
-    prompt = payload.get("prompt")
-    if prompt is not None and not isinstance(prompt, (str, list)):
-        return (
-            "Invalid type for 'prompt': expected a string or an array,"
-            f" but got {json_kind(prompt)} instead.",
-            "prompt",
-        )
-    stream = payload.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        return "'stream' must be a boolean.", "stream"
-    options = payload.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        return "'stream_options' must be an object.", "stream_options"
-    for name in _COUNTS:
-        value = payload.get(name)
-        if value is None:
-            continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not 0 <= value <= MAX_COUNT
-        ):
-            return (
-                f"Invalid value for '{name}': expected an integer from 0 to"
-                f" {MAX_COUNT}, but got {json.dumps(value)[:100]}.",
-                name,
-            )
-    return None
-
-
 def _payload(body: bytes) -> dict[str, Any]:
     """
     @return: C{body} parsed, a JSON object.
@@ -421,6 +341,9 @@ def prepare(
     fault = check_fields(payload)
     if fault is not None:
         raise Refused(bad_request(*fault), target, stream)
+    missing = missing_field(payload, path)
+    if missing is not None:
+        raise Refused(missing, target, stream)
     strip_usage = False
     if stream and path in USAGE_STREAM_PATHS:
         # Ask for usage so it can be accounted, and hide the chunk that

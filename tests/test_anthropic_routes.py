@@ -235,6 +235,23 @@ class MessagesRouteTests(SynchronousTestCase):
                 "messages: at least one message is required",
             ),
         )
+        # Nor a conversation of system turns only, or of a user turn of no
+        # blocks: the engine would see none.
+        for turns in (
+            [{"role": "system", "content": "hi"}],
+            [{"role": "user", "content": []}],
+        ):
+            nothing = self._error(
+                self.post({"model": "m", "max_tokens": 5, "messages": turns})
+            )
+            self.assertEqual(
+                nothing[:3],
+                (
+                    400,
+                    "invalid_request_error",
+                    "messages: at least one user or assistant message is required",
+                ),
+            )
         self.assertEqual(
             self._error(self.post({**REQUEST, "model": "x"}))[:2],
             (404, "not_found_error"),
@@ -259,7 +276,8 @@ class MessagesRouteTests(SynchronousTestCase):
         self.stub.flush()
         self.assertEqual(self._error(d)[:2], (405, "invalid_request_error"))
         self.assertEqual(
-            [r.status for r in self.sink.records], [401, 400, 400, 404, 403, 429, 400]
+            [r.status for r in self.sink.records],
+            [401, 400, 400, 400, 400, 404, 403, 429, 400],
         )
 
     def test_unavailable_is_overloaded(self) -> None:

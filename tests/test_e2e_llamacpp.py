@@ -140,7 +140,6 @@ class LlamaCppTests(SynchronousTestCase, Processes):
             ("/chat/completions", {"model": MODEL}, MISSING, "messages"),
             ("/chat/completions", {"model": MODEL, "messages": []}, EMPTY, "messages"),
             ("/completions", {"model": MODEL, "prompt": None}, MISSING, "prompt"),
-            ("/embeddings", {"model": MODEL}, MISSING, "input"),
         ]:
             started = time.monotonic()
             with self.assertRaises(openai.BadRequestError, msg=body) as raised:

@@ -250,10 +250,6 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
             if "messages" in payload
             else "Field required",
         )
-    if not messages:
-        # Anthropic's own 400; an engine would generate from nothing (the
-        # system prompt alone, or an empty chat on llama-cpp-python).
-        raise Invalid("messages", "at least one message is required")
     chat: list[dict[str, Any]] = []
     system = payload.get("system")
     prompts = [] if system is None else [_text_of(system, "system")]
@@ -277,6 +273,17 @@ def _messages(payload: dict[str, Any]) -> list[dict[str, Any]]:
                 'expected "user", "assistant" or "system",'
                 f" got {json.dumps(role)[:50]}",
             )
+    if not chat:
+        # Anthropic's own 400 for no message; with system turns only, or
+        # a user turn of no blocks, there is no conversation either: an
+        # engine would generate from the system prompt alone, or from an
+        # empty chat on llama-cpp-python.
+        raise Invalid(
+            "messages",
+            "at least one user or assistant message is required"
+            if messages
+            else "at least one message is required",
+        )
     if prompts:
         chat.insert(0, {"role": "system", "content": "\n\n".join(prompts)})
     return chat

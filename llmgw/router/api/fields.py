@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmgw.router.api.anthropic import json_kind
+from llmgw.router.api.anthropic import CHAT_PATH, json_kind
 from llmgw.router.errors import APIError
 
 _COUNTS = ("n", "max_tokens", "max_completion_tokens")
@@ -23,18 +23,20 @@ llama-cpp-python hangs its only worker for minutes on C{max_tokens} of
 
 
 REQUIRED_FIELDS: dict[bytes, tuple[str, ...]] = {
-    b"/v1/chat/completions": ("messages",),
+    CHAT_PATH: ("messages",),
     b"/v1/completions": ("prompt", "prompt_embeds"),
-    b"/v1/embeddings": ("input",),
 }
 """
 The field a path's request cannot go without (any one of the names, the
 first the one named in the error), as OpenAI's API reference marks them;
-C{prompt_embeds} is vLLM's other way to give a completion's prompt.  vLLM
-refuses such a request itself, but llama-cpp-python's server defaults
-C{messages} to C{[]} and C{prompt} to C{""} and generates from nothing: a
-chat request without C{messages} ran a 4,092-token generation, 138 s of one
-engine's CPU.
+C{prompt_embeds} is vLLM's other way to give a completion's prompt.  Only
+where an engine would not refuse the request itself: llama-cpp-python's
+server defaults C{messages} to C{[]} and C{prompt} to C{""} and generates
+from nothing (a chat request without C{messages} ran a 4,092-token
+generation, 138 s of one engine's CPU).  Embeddings are left to the
+engine, which refuses a request without its input, and whose input has
+other names than OpenAI's (vLLM's chat embeddings take C{messages},
+llama-server's C{content}).
 """
 
 
@@ -44,8 +46,9 @@ def missing_field(payload: dict[str, Any], path: bytes) -> APIError | None:
     @param path: the request path, such as C{b"/v1/chat/completions"}.
     @return: OpenAI's 400 for a required field absent or null (C{"Missing
         required parameter: 'messages'."}, code C{missing_required_parameter})
-        or for C{messages} an empty array (code C{empty_array}); L{None}
-        when the request has what L{REQUIRED_FIELDS} asks of its path.
+        or for a chat's C{messages} an empty array (code C{empty_array});
+        L{None} when the request has what L{REQUIRED_FIELDS} asks of its
+        path.
     """
     names = REQUIRED_FIELDS.get(path, ())
     if names and all(payload.get(name) is None for name in names):
@@ -56,7 +59,7 @@ def missing_field(payload: dict[str, Any], path: bytes) -> APIError | None:
             "missing_required_parameter",
             names[0],
         )
-    if "messages" in names and payload["messages"] == []:
+    if path == CHAT_PATH and payload["messages"] == []:
         return APIError(
             400,
             "Invalid 'messages': empty array. Expected an array with minimum"
@@ -71,13 +74,14 @@ def missing_field(payload: dict[str, Any], path: bytes) -> APIError | None:
 def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
     """
     Check the types of the fields llmgw or every engine relies on, and
-    nothing stricter: a field that is absent or null is not checked (the
-    engine judges what it requires), and unknown fields pass.  Messages
+    nothing stricter: a field that is absent or null is not type-checked
+    (which fields a path requires is L{missing_field}'s), and unknown
+    fields pass.  Messages
     and parameter names follow OpenAI's own 400s (C{"Invalid type for
     'messages[0].role': ..."} with param C{messages.[0].role}).
 
       - C{messages}: an array of objects, each with a string C{role};
-      - C{prompt}: a string or an array;
+      - C{prompt}, C{prompt_embeds}: a string or an array;
       - C{stream}: a boolean; C{stream_options}: an object;
       - C{n}, C{max_tokens}, C{max_completion_tokens}: non-negative
         integers up to L{MAX_COUNT} (a boolean is not one).
@@ -108,13 +112,14 @@ def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
                     f" string, but got {got} instead.",
                     f"messages.[{index}].role",
                 )
-    prompt = payload.get("prompt")
-    if prompt is not None and not isinstance(prompt, (str, list)):
-        return (
-            "Invalid type for 'prompt': expected a string or an array,"
-            f" but got {json_kind(prompt)} instead.",
-            "prompt",
-        )
+    for name in ("prompt", "prompt_embeds"):
+        prompt = payload.get(name)
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            return (
+                f"Invalid type for '{name}': expected a string or an array,"
+                f" but got {json_kind(prompt)} instead.",
+                name,
+            )
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         return "'stream' must be a boolean.", "stream"

@@ -353,6 +353,31 @@ class TailTests(SynchronousTestCase):
         self.assertEqual(found, [line[:-1]] * (65536 // len(line.encode())))
         self.assertEqual(tail(path), [line[:-1]] * 50)
 
+    def test_probe_lines_left_out(self) -> None:
+        """
+        The access lines of the agent's own questions (uvicorn's, as vLLM
+        0.32 printed them under the agent, two a second) are left out, so
+        the last lines are what the engine said; a client's request's line
+        and a line that only mentions a probe path stay.
+        """
+        path = self.mktemp()
+        said = [
+            "(APIServer pid=7) ERROR 12-05 14:01:02 [core.py:910] EngineCore died",
+            'INFO:     10.0.0.9:5120 - "POST /v1/chat/completions HTTP/1.1" 200 OK',
+            "WARNING: GET /health is slow",
+        ]
+        probes = [
+            'INFO:     127.0.0.1:39352 - "GET /health HTTP/1.1" 200 OK',
+            '(APIServer pid=7) INFO:     127.0.0.1:39354 - "GET /is_sleeping'
+            ' HTTP/1.1" 200 OK',
+            'INFO:     127.0.0.1:39356 - "GET /metrics HTTP/1.1" 200 OK',
+            'INFO:     127.0.0.1:39358 - "GET /v1/models?x=1 HTTP/1.1" 503',
+        ]
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join([said[0], *probes * 20, *said[1:], *probes * 20]))
+        self.assertEqual(tail(path), said)
+        self.assertEqual(tail(path, lines=None), said)
+
 
 class ProofTests(SynchronousTestCase):
     def test_proof_names_the_process(self) -> None:

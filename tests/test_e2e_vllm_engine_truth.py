@@ -98,6 +98,22 @@ class VLLMEngineTruthTests(VLLMFleet):
             f" ({len(members)} processes) gone {time.monotonic() - started:.1f} s"
             " after"
         )
+        # Killed, vLLM said nothing more: the failure's last output is what
+        # it said before, not the access lines of the agent's own health
+        # and sleep questions (two a second while it idled).
+        shard = self.replica["shards"][0]["id"]
+        failed = self.until(
+            lambda: [
+                line
+                for line in self.server.output().splitlines()
+                if f"shard {shard} on cpu-01: failed: " in line
+            ],
+            30,
+            "the failure told",
+        )
+        print(f"vllm engine truth: API server killed: told {failed[0][-300:]!r}")
+        self.assertIn("last output: ", failed[0])
+        self.assertNotRegex(failed[0], '"GET /(health|is_sleeping|metrics) ')
         self.recovered(pid, started, "API server killed")
 
     def engine_core_killed(self) -> None:

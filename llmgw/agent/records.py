@@ -248,12 +248,24 @@ OUTPUT_LINES = 50
 Lines of an engine's output file sent with its status.
 """
 
+PROBE_LINE = re.compile(
+    r'"GET /(?:health|is_sleeping|metrics|v1/models)(?:\?[^ "]*)? HTTP/[0-9.]+" \d{3}'
+)
+"""
+An access line of the agent's own questions to its engine (health and
+sleep once a second, its metrics, llama-cpp-python's C{/v1/models} as its
+health), as uvicorn logs each for vLLM, SGLang and llama-cpp-python:
+C{INFO:     127.0.0.1:39352 - "GET /health HTTP/1.1" 200 OK}.  Two a second,
+they pushed what the engine said out of its last lines.
+"""
+
 
 def tail(path: str, lines: int | None = OUTPUT_LINES) -> list[str]:
     """
     @return: the last C{lines} lines of the file at C{path} (all of them
-        for C{None}; whole lines of at most its last 64 KiB), or none when
-        it cannot be read.
+        for C{None}; whole lines of at most its last 64 KiB), less the
+        access lines of the agent's own questions (L{PROBE_LINE}), or none
+        when it cannot be read.
     """
     try:
         with open(path, "rb") as f:
@@ -267,7 +279,11 @@ def tail(path: str, lines: int | None = OUTPUT_LINES) -> list[str]:
     if start:
         # The read began inside a line (or a character): from the next.
         data = data[data.find(b"\n") + 1 :] if b"\n" in data else data
-    text = data.decode("utf-8", "replace").splitlines()
+    text = [
+        line
+        for line in data.decode("utf-8", "replace").splitlines()
+        if not PROBE_LINE.search(line)
+    ]
     if lines is not None:
         text = text[-lines:]
     return [line.rstrip("\r") for line in text]

@@ -80,6 +80,25 @@ class VLLMEngineTruthTests(VLLMFleet):
         )
         self.replica = replacement
 
+    def failure_told(self) -> list[str]:
+        """
+        Wait up to 30 s for the server's log to tell the current replica's
+        shard failed.
+
+        @return: the log lines that tell it.
+        """
+        shard = self.replica["shards"][0]["id"]
+        told: list[str] = self.until(
+            lambda: [
+                line
+                for line in self.server.output().splitlines()
+                if f"shard {shard} on cpu-01: failed: " in line
+            ],
+            30,
+            "the failure told",
+        )
+        return told
+
     def api_server_killed(self) -> None:
         """
         SIGKILL to vLLM's API server pid alone: its EngineCore, workers
@@ -101,16 +120,7 @@ class VLLMEngineTruthTests(VLLMFleet):
         # Killed, vLLM said nothing more: the failure's last output is what
         # it said before, not the access lines of the agent's own health
         # and sleep questions (two a second while it idled).
-        shard = self.replica["shards"][0]["id"]
-        failed = self.until(
-            lambda: [
-                line
-                for line in self.server.output().splitlines()
-                if f"shard {shard} on cpu-01: failed: " in line
-            ],
-            30,
-            "the failure told",
-        )
+        failed = self.failure_told()
         print(f"vllm engine truth: API server killed: told {failed[0][-300:]!r}")
         self.assertIn("last output: ", failed[0])
         self.assertNotRegex(failed[0], '"GET /(health|is_sleeping|metrics) ')
@@ -137,16 +147,7 @@ class VLLMEngineTruthTests(VLLMFleet):
         self.assertEqual(len(cores), 1, group(pid))
         os.kill(cores[0], signal.SIGKILL)
         started = time.monotonic()
-        shard = self.replica["shards"][0]["id"]
-        failed = self.until(
-            lambda: [
-                line
-                for line in self.server.output().splitlines()
-                if f"shard {shard} on cpu-01: failed: " in line
-            ],
-            30,
-            "the failure told",
-        )
+        failed = self.failure_told()
         told = failed[0].split(": failed: ", 1)[1][:200]
         print(
             f"vllm engine truth: EngineCore killed: the replica failed"

@@ -28,11 +28,11 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	@echo "installing llmgw and its dependencies into $(VENV): a few minutes" \
 		"(llama-cpp-python is built from source, quietly)"
-	# compat mode keeps the project root on sys.path, where twistd finds
-	# twisted/plugins/llmgw_plugins.py.  Tried up to three times: a download
-	# cut off fails the whole install, and a second try starts from what the
-	# first installed.
-	for try in 1 2 3; do \
+# compat mode keeps the project root on sys.path, where twistd finds
+# twisted/plugins/llmgw_plugins.py.  Tried up to three times: a download cut
+# off fails the whole install, and a second try starts from what the first
+# installed.  (Not echoed: its failure messages would read as failures.)
+	@for try in 1 2 3; do \
 		CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --quiet \
 			-e '.[local,test,dev]' --config-settings editable_mode=compat && break; \
 		if [ $$try = 3 ]; then echo "pip install failed three times" >&2; exit 1; fi; \

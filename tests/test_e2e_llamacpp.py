@@ -26,6 +26,8 @@ MODEL = "gemma-3-270m"
 # OpenAI's codes for a required field absent and for an empty list.
 MISSING = "missing_required_parameter"
 EMPTY = "empty_array"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+PROMPT = {"model": MODEL, "prompt": "Hi"}
 
 
 class LlamaCppTests(SynchronousTestCase, Processes):
@@ -134,12 +136,17 @@ class LlamaCppTests(SynchronousTestCase, Processes):
         400 from llmgw, at once: llama-cpp-python's server takes a chat
         without C{messages}, or with none in them, and a completion without
         C{prompt}, as empty ones and generates from nothing (a newcomer's
-        chat without C{messages} ran 4,092 tokens, 138 s of CPU).
+        chat without C{messages} ran 4,092 tokens, 138 s of CPU); nor a
+        limit of 0, which it takes as none.
         """
         for path, body, code, param in [
             ("/chat/completions", {"model": MODEL}, MISSING, "messages"),
             ("/chat/completions", {"model": MODEL, "messages": []}, EMPTY, "messages"),
             ("/completions", {"model": MODEL, "prompt": None}, MISSING, "prompt"),
+            # A limit of 0 is none to llama-cpp-python (a newcomer's ran
+            # 4,086 tokens, 127 s); OpenAI and vLLM refuse it.
+            ("/chat/completions", {**CHAT, "max_tokens": 0}, None, "max_tokens"),
+            ("/completions", {**PROMPT, "max_tokens": 0}, None, "max_tokens"),
         ]:
             started = time.monotonic()
             with self.assertRaises(openai.BadRequestError, msg=body) as raised:

@@ -133,6 +133,12 @@ class FieldCheckTests(SynchronousTestCase):
             (b'"stream": "true"', "stream", "'stream' must be a boolean."),
             (b'"stream_options": []', "stream_options", "'stream_options' must"),
             (b'"n": -1', "n", "Invalid value for 'n'"),
+            # 0 is no limit to llama-cpp-python: a generation to the end of
+            # its context (vLLM and OpenAI refuse it too).
+            (b'"n": 0', "n", "Invalid value for 'n': expected an integer from 1"),
+            (b'"max_tokens": 0', "max_tokens", "Invalid value for 'max_tokens'"),
+            (b'"max_completion_tokens": 0', "max_completion_tokens", "Invalid"),
+            (b'"prompt": "x", "echo": false, "max_tokens": 0', "max_tokens", "In"),
             (b'"n": 1.5', "n", "Invalid value for 'n'"),
             (b'"max_tokens": true', "max_tokens", "Invalid value for 'max_tokens'"),
             (b'"max_tokens": "5"', "max_tokens", "Invalid value for 'max_tokens'"),
@@ -164,7 +170,9 @@ class FieldCheckTests(SynchronousTestCase):
             (CHAT, b'"messages": [{"role": "user", "content": 5, "x": "NaN"}]'),
             (CHAT, b'"messages": [{"role": "user"}], "prompt": null, "n": null'),
             (COMPLETIONS, b'"prompt": "", "messages": null, "max_tokens": null'),
-            (COMPLETIONS, b'"prompt": "hi", "n": 0, "max_completion_tokens": 9'),
+            (COMPLETIONS, b'"prompt": "hi", "n": 1, "max_completion_tokens": 9'),
+            # vLLM's prompt scoring: echo, and no token generated.
+            (COMPLETIONS, b'"prompt": "hi", "echo": true, "max_tokens": 0'),
             (COMPLETIONS, b'"prompt": "hi", "max_tokens": 2147483647'),
             (COMPLETIONS, b'"prompt": ["a", [1, 2]], "stream_options": null'),
             (COMPLETIONS, b'"prompt_embeds": "AAAA", "stream": null'),

@@ -22,9 +22,10 @@ llama-cpp-python hangs its only worker for minutes on C{max_tokens} of
 """
 
 
+COMPLETIONS_PATH = b"/v1/completions"
 REQUIRED_FIELDS: dict[bytes, tuple[str, ...]] = {
     CHAT_PATH: ("messages",),
-    b"/v1/completions": ("prompt", "prompt_embeds"),
+    COMPLETIONS_PATH: ("prompt", "prompt_embeds"),
 }
 """
 The field a path's request cannot go without (any one of the names, the
@@ -71,22 +72,28 @@ def missing_field(payload: dict[str, Any], path: bytes) -> APIError | None:
     return None
 
 
-def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
+def check_fields(payload: dict[str, Any], path: bytes) -> tuple[str, str] | None:
     """
     Check the types of the fields llmgw or every engine relies on, and
     nothing stricter: a field that is absent or null is not type-checked
     (which fields a path requires is L{missing_field}'s), and unknown
-    fields pass.  Messages
-    and parameter names follow OpenAI's own 400s (C{"Invalid type for
-    'messages[0].role': ..."} with param C{messages.[0].role}).
+    fields pass.  Messages and parameter names follow OpenAI's own 400s
+    (C{"Invalid type for 'messages[0].role': ..."} with param
+    C{messages.[0].role}).
 
       - C{messages}: an array of objects, each with a string C{role};
       - C{prompt}, C{prompt_embeds}: a string or an array;
       - C{stream}: a boolean; C{stream_options}: an object;
-      - C{n}, C{max_tokens}, C{max_completion_tokens}: non-negative
-        integers up to L{MAX_COUNT} (a boolean is not one).
+      - C{n}, C{max_tokens}, C{max_completion_tokens}: integers from 1 up
+        to L{MAX_COUNT} (a boolean is not one), as OpenAI and vLLM take
+        them; C{max_tokens} 0 only on a completion with C{echo} true
+        (vLLM's prompt scoring, which generates nothing).
+        llama-cpp-python takes a limit of 0 as none and generates until
+        its context is full (4,086 tokens, 127 s, for a newcomer's
+        C{max_tokens: 0}).
 
     @param payload: the parsed body, a JSON object.
+    @param path: the request path, such as C{b"/v1/completions"}.
     @return: the message and the C{param} of the first fault, or L{None}.
     """
     messages = payload.get("messages")
@@ -126,17 +133,19 @@ def check_fields(payload: dict[str, Any]) -> tuple[str, str] | None:
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
         return "'stream_options' must be an object.", "stream_options"
+    scoring = path == COMPLETIONS_PATH and payload.get("echo") is True
     for name in _COUNTS:
         value = payload.get(name)
         if value is None:
             continue
+        low = 0 if scoring and name == "max_tokens" else 1
         if (
             isinstance(value, bool)
             or not isinstance(value, int)
-            or not 0 <= value <= MAX_COUNT
+            or not low <= value <= MAX_COUNT
         ):
             return (
-                f"Invalid value for '{name}': expected an integer from 0 to"
+                f"Invalid value for '{name}': expected an integer from {low} to"
                 f" {MAX_COUNT}, but got {json.dumps(value)[:100]}.",
                 name,
             )

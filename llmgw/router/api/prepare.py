@@ -338,7 +338,7 @@ def prepare(
     if rewrite:
         # An alias: engines serve the catalog name.
         target = payload["model"] = str(canonical)
-    fault = check_fields(payload)
+    fault = check_fields(payload, path)
     if fault is not None:
         raise Refused(bad_request(*fault), target, stream)
     missing = missing_field(payload, path)

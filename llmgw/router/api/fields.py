@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from llmgw.router.api.anthropic import CHAT_PATH, json_kind
-from llmgw.router.errors import APIError
+from llmgw.router.errors import APIError, bad_request
 
 _COUNTS = ("n", "max_tokens", "max_completion_tokens")
 MAX_COUNT = 2**31 - 1
@@ -41,7 +41,7 @@ llama-server's C{content}).
 """
 
 
-def missing_field(payload: dict[str, Any], path: bytes) -> APIError | None:
+def _missing_field(payload: dict[str, Any], path: bytes) -> APIError | None:
     """
     @param payload: the parsed body, a JSON object.
     @param path: the request path, such as C{b"/v1/chat/completions"}.
@@ -72,11 +72,11 @@ def missing_field(payload: dict[str, Any], path: bytes) -> APIError | None:
     return None
 
 
-def check_fields(payload: dict[str, Any], path: bytes) -> tuple[str, str] | None:
+def _wrong_type(payload: dict[str, Any], path: bytes) -> tuple[str, str] | None:
     """
     Check the types of the fields llmgw or every engine relies on, and
     nothing stricter: a field that is absent or null is not type-checked
-    (which fields a path requires is L{missing_field}'s), and unknown
+    (which fields a path requires is L{_missing_field}'s), and unknown
     fields pass.  Messages and parameter names follow OpenAI's own 400s
     (C{"Invalid type for 'messages[0].role': ..."} with param
     C{messages.[0].role}).
@@ -150,3 +150,17 @@ def check_fields(payload: dict[str, Any], path: bytes) -> tuple[str, str] | None
                 name,
             )
     return None
+
+
+def check_fields(payload: dict[str, Any], path: bytes) -> APIError | None:
+    """
+    @param payload: the parsed body, a JSON object.
+    @param path: the request path, such as C{b"/v1/chat/completions"}.
+    @return: the 400 for the first fault, a field of the wrong type
+        (L{_wrong_type}, no code) before a required one missing
+        (L{_missing_field}); L{None} for none.
+    """
+    fault = _wrong_type(payload, path)
+    if fault is not None:
+        return bad_request(*fault)
+    return _missing_field(payload, path)

@@ -19,7 +19,7 @@ from llmgw.router.api.anthropic import (
 )
 from llmgw.router.api.anthropic_fields import shows_thinking
 from llmgw.router.api.anthropic_stream import MessagesStream, NativeStream
-from llmgw.router.api.fields import check_fields, missing_field
+from llmgw.router.api.fields import check_fields
 from llmgw.router.api.responses import ResponsesCall
 from llmgw.router.api.responses_stream import ResponsesStream
 from llmgw.router.errors import APIError, anthropic_event, bad_request, model_not_found
@@ -340,10 +340,7 @@ def prepare(
         target = payload["model"] = str(canonical)
     fault = check_fields(payload, path)
     if fault is not None:
-        raise Refused(bad_request(*fault), target, stream)
-    missing = missing_field(payload, path)
-    if missing is not None:
-        raise Refused(missing, target, stream)
+        raise Refused(fault, target, stream)
     strip_usage = False
     if stream and path in USAGE_STREAM_PATHS:
         # Ask for usage so it can be accounted, and hide the chunk that

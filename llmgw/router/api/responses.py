@@ -27,6 +27,7 @@ import uuid
 from typing import Any
 
 from llmgw.router.api.anthropic import Invalid, json_kind
+from llmgw.router.api.fields import MAX_COUNT
 from llmgw.router.api.responses_items import (
     CUSTOM_PARAMETER,
     InputItems,
@@ -38,7 +39,6 @@ from llmgw.router.api.responses_stream import ResponsesStream, Turn
 from llmgw.router.errors import APIError, upstream_failed
 
 RESPONSES_PATH = b"/v1/responses"
-MAX_COUNT = 2**31 - 1
 _ECHOED = (
     "instructions",
     "max_output_tokens",
